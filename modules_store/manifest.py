@@ -1,0 +1,79 @@
+"""The manifest: everything needed to decide whether an artifact may be served, and how."""
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
+
+
+class TaskType(str, Enum):
+    sequence_classification = "sequence_classification"
+    token_classification = "token_classification"
+    regression = "regression"
+
+
+class BackboneFingerprint(BaseModel):
+    """Identifies a backbone exactly: a head only makes sense on the states it was trained on."""
+
+    model_config = ConfigDict(frozen=True)
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_hash: str
+    weights_hash: str
+    name: str = ""  # informational only; not part of the identity
+
+    def identity(self) -> tuple:
+        return (self.architecture, self.num_layers, self.hidden_size, self.vocab_hash, self.weights_hash)
+
+    def differences(self, other: "BackboneFingerprint") -> list[str]:
+        """Names of the identity fields that differ, with both values (for error messages)."""
+        out = []
+        for field in ("architecture", "num_layers", "hidden_size", "vocab_hash", "weights_hash"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                out.append(f"{field}: module has {mine!r}, backbone has {theirs!r}")
+        return out
+
+    @property
+    def short(self) -> str:
+        return self.weights_hash[:12]
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    format_version: int = 1
+    task: str
+    version: str
+    kind: str = Field(description="head kind, e.g. 'layermix'; the runtime's registry maps it to a class")
+    task_type: TaskType
+    labels: list[str] = Field(default_factory=list)
+    backbone: BackboneFingerprint
+    layers: list[int] = Field(description="backbone layers the head reads (0 = embeddings)")
+    config: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters")
+    training: dict[str, Any] = Field(default_factory=dict, description="data, command, settings")
+    metrics: dict[str, Any] = Field(default_factory=dict, description="validation metrics")
+    weights_sha256: str
+    description: str = ""
+
+    @field_validator("task", "version")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid name: use 1-64 of a-z, 0-9, '_' and '-', starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("labels")
+    @classmethod
+    def _unique_labels(cls, labels: list[str]) -> list[str]:
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"labels must be unique, got {labels}")
+        return labels

@@ -1,0 +1,153 @@
+"""Save, list and load module artifacts. Only safetensors is ever read: nothing is unpickled."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from modules_store.manifest import NAME_PATTERN, BackboneFingerprint, Manifest
+
+MANIFEST_FILE = "manifest.json"
+WEIGHTS_FILE = "weights.safetensors"
+
+
+class ArtifactError(Exception):
+    """An artifact that must not be served. `reason` is a short machine-readable cause."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class StoredModule:
+    manifest: Manifest
+    weights: dict[str, torch.Tensor]
+    path: Path
+
+
+def _version_key(version: str):
+    # numeric versions sort numerically, others after them alphabetically
+    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+
+
+class ModuleStore:
+    """A directory of `<task>/<version>/{manifest.json,weights.safetensors}`."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    # ---- listing -------------------------------------------------------------------------
+    def tasks(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p.name for p in self.root.iterdir()
+            if p.is_dir() and NAME_PATTERN.match(p.name) and self.versions(p.name)
+        )
+
+    def versions(self, task: str) -> list[str]:
+        task_dir = self.root / task
+        if not task_dir.is_dir():
+            return []
+        found = [p.name for p in task_dir.iterdir() if (p / MANIFEST_FILE).is_file()]
+        return sorted(found, key=_version_key)
+
+    def latest(self, task: str) -> str:
+        versions = self.versions(task)
+        if not versions:
+            raise ArtifactError("not_found", f"no module '{task}' in store {self.root}")
+        return versions[-1]
+
+    def path(self, task: str, version: str) -> Path:
+        return self.root / task / version
+
+    # ---- reading ---------------------------------------------------------------------------
+    def read_manifest(self, task: str, version: str | None = None) -> Manifest:
+        version = version or self.latest(task)
+        path = self.path(task, version) / MANIFEST_FILE
+        if not path.is_file():
+            raise ArtifactError("not_found", f"no manifest at {path}")
+        try:
+            manifest = Manifest.model_validate_json(path.read_bytes())
+        except ValidationError as exc:
+            raise ArtifactError("bad_manifest", f"invalid manifest {path}: {exc}") from exc
+        if (manifest.task, manifest.version) != (task, version):
+            raise ArtifactError(
+                "bad_manifest",
+                f"manifest {path} says task={manifest.task!r} version={manifest.version!r}, "
+                f"but it is stored as {task}/{version}",
+            )
+        return manifest
+
+    def load(
+        self,
+        task: str,
+        version: str | None = None,
+        expected_backbone: BackboneFingerprint | None = None,
+    ) -> StoredModule:
+        """Read and verify an artifact: manifest schema, sha256 of the weights, backbone."""
+        version = version or self.latest(task)
+        manifest = self.read_manifest(task, version)
+        folder = self.path(task, version)
+        weights_path = folder / WEIGHTS_FILE
+        if not weights_path.is_file():
+            raise ArtifactError("missing_weights", f"{task}/{version}: no {WEIGHTS_FILE} in {folder}")
+        actual = sha256_file(weights_path)
+        if actual != manifest.weights_sha256:
+            raise ArtifactError(
+                "checksum_mismatch",
+                f"{task}/{version}: checksum mismatch for {weights_path}: manifest says "
+                f"{manifest.weights_sha256}, file has {actual}",
+            )
+        if expected_backbone is not None:
+            diffs = manifest.backbone.differences(expected_backbone)
+            if diffs:
+                raise ArtifactError(
+                    "fingerprint_mismatch",
+                    f"{task}/{version}: backbone fingerprint mismatch ({'; '.join(diffs)})",
+                )
+        try:
+            weights = load_file(str(weights_path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ArtifactError("bad_weights", f"{task}/{version}: cannot read {weights_path}: {exc}") from exc
+        return StoredModule(manifest=manifest, weights=weights, path=folder)
+
+    # ---- writing ---------------------------------------------------------------------------
+    def save(self, manifest: Manifest, weights: dict[str, torch.Tensor], overwrite: bool = False) -> Path:
+        """Write weights then manifest (with the weights' sha256) atomically into the store."""
+        folder = self.path(manifest.task, manifest.version)
+        if folder.exists() and not overwrite:
+            raise ArtifactError("exists", f"{manifest.task}/{manifest.version} already exists in {self.root}")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{manifest.version}-", dir=folder.parent))
+        try:
+            tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
+            save_file(tensors, str(staging / WEIGHTS_FILE))
+            manifest = manifest.model_copy(update={"weights_sha256": sha256_file(staging / WEIGHTS_FILE)})
+            (staging / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+            if folder.exists():
+                shutil.rmtree(folder)
+            staging.rename(folder)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+        return folder

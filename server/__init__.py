@@ -1,0 +1,1 @@
+"""tmod runtime: backbone streaming, heads, execution plan, engine, HTTP API."""

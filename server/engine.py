@@ -1,0 +1,77 @@
+"""The engine: one backbone pass per batch, states streamed into the heads of a plan."""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from server.backbone import Backbone, TokenBatch
+from server.heads.decode import decode
+from server.modules import LoadedModule
+from server.plan import ExecutionPlan
+
+
+@dataclass
+class Timings:
+    tokenize: float = 0.0
+    backbone: float = 0.0
+    heads: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, backbone: Backbone, plan_cache_size: int = 64, fuse: bool = True):
+        self.backbone = backbone
+        self.fuse = fuse
+        self._plans: OrderedDict[tuple, ExecutionPlan] = OrderedDict()
+        self._plan_cache_size = plan_cache_size
+
+    def plan(self, modules: dict[str, LoadedModule]) -> ExecutionPlan:
+        # keyed by head identity: a reloaded module is a new head and gets a new plan
+        key = tuple(sorted((task, id(m.head)) for task, m in modules.items()))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = ExecutionPlan(modules, fuse=self.fuse)
+            self._plans[key] = plan
+            if len(self._plans) > self._plan_cache_size:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    @torch.inference_mode()
+    def logits(self, batch: TokenBatch, modules: dict[str, LoadedModule],
+               timings: Timings | None = None) -> dict[str, torch.Tensor]:
+        """Run the backbone once, up to the deepest state any head needs; return logits per task."""
+        plan = self.plan(modules)
+        timings = timings or Timings()
+        start = time.perf_counter()
+        head_time = 0.0
+        states = {task: m.head.start(batch) for task, m in modules.items()}
+        for index, hidden in self.backbone.stream(batch, upto=plan.deepest):
+            step = plan.steps.get(index)
+            if step is None:
+                continue
+            t0 = time.perf_counter()
+            if step.fused is not None:
+                step.fused.apply(states, hidden)
+            for task in step.single:
+                states[task] = modules[task].head.consume(states[task], index, hidden)
+            head_time += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = {task: modules[task].head.finish(states[task], batch) for task in modules}
+        head_time += time.perf_counter() - t0
+        timings.heads += head_time
+        timings.backbone += time.perf_counter() - start - head_time
+        return out
+
+    def predict(self, batch: TokenBatch, modules: dict[str, LoadedModule],
+                timings: Timings | None = None) -> dict[str, list[dict]]:
+        """Decoded answers per task, each a list in batch row order."""
+        logits = self.logits(batch, modules, timings)
+        return {
+            task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batch)
+            for task in modules
+        }

@@ -1,0 +1,9 @@
+"""Head kinds, one folder each (config / layer / model), registered by name.
+
+Importing this package registers every kind, so `build_head(manifest)` can find it.
+"""
+from server.heads import layermix  # noqa: F401  (registers "layermix")
+from server.heads.base import Head
+from server.heads.registry import HEAD_KINDS, build_head, register_head
+
+__all__ = ["HEAD_KINDS", "Head", "build_head", "register_head"]

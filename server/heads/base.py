@@ -1,0 +1,66 @@
+"""The contract every head kind follows.
+
+A head declares which backbone states it reads, keeps its own running state while those states
+stream past, and turns that state into logits at the end. Decoding logits into the response shape
+is shared by task type (see server/heads/decode.py), not per kind.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from modules_store import ArtifactError, Manifest, TaskType
+from server.backbone.tokens import TokenBatch
+
+
+class Head(nn.Module):
+    kind: ClassVar[str]
+    task_type: TaskType
+    labels: list[str]
+
+    def layers_read(self) -> list[int]:
+        """Backbone state indices (0 = embeddings) this head needs, ascending."""
+        raise NotImplementedError
+
+    def start(self, batch: TokenBatch) -> Any:
+        """A fresh running state for this batch."""
+        raise NotImplementedError
+
+    def consume(self, state: Any, index: int, hidden: torch.Tensor) -> Any:
+        """Fold backbone state `index` (B, T, H) into the running state and return it."""
+        raise NotImplementedError
+
+    def finish(self, state: Any, batch: TokenBatch) -> torch.Tensor:
+        """Logits: (B, C) for sequence tasks, (B, T, C) for token tasks."""
+        raise NotImplementedError
+
+    # ---- artifacts ---------------------------------------------------------------------------
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> "Head":
+        raise NotImplementedError
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """kind, task_type, labels, layers, config: what a Manifest needs from the head."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: dict[str, torch.Tensor], where: str = "module") -> None:
+        """Strict load that names every missing, unexpected or mis-shaped tensor."""
+        expected = self.state_dict()
+        problems = []
+        missing = sorted(set(expected) - set(weights))
+        unexpected = sorted(set(weights) - set(expected))
+        if missing:
+            problems.append(f"missing tensors {missing}")
+        if unexpected:
+            problems.append(f"unexpected tensors {unexpected}")
+        for name in sorted(set(expected) & set(weights)):
+            if tuple(weights[name].shape) != tuple(expected[name].shape):
+                problems.append(
+                    f"tensor '{name}' has shape {tuple(weights[name].shape)}, "
+                    f"the manifest's config implies {tuple(expected[name].shape)}"
+                )
+        if problems:
+            raise ArtifactError("shape_mismatch", f"{where}: weights disagree with the manifest: " + "; ".join(problems))
+        self.load_state_dict(weights, strict=True)

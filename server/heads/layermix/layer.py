@@ -1,0 +1,87 @@
+"""Building blocks of the layer-mix head."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.backbone.tokens import TokenBatch
+
+CASING_CLASSES = 5  # none/special, lower, Capitalized, UPPER, other (digits, punctuation, mixed)
+
+
+def cutoff_weights(weights: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """Zero the layer weights under `cutoff` and renormalise the rest to sum 1.
+
+    The largest weight always survives, so the result is a distribution even for a large cutoff.
+    """
+    if cutoff <= 0:
+        return weights
+    keep = (weights >= cutoff) | (weights == weights.max())
+    kept = weights * keep
+    return kept / kept.sum()
+
+
+def casing_ids(batch: TokenBatch) -> torch.Tensor:
+    """(B, T) casing class of each token, read from the raw text through its offsets.
+
+    Lowercasing tokenizers lose the case cue that NER leans on; this gives it back cheaply.
+    """
+    rows = []
+    for r in range(batch.size):
+        ids = []
+        for (start, end), seq in zip(batch.offsets[r], batch.sequence_ids[r]):
+            if seq is None or end <= start:
+                ids.append(0)
+                continue
+            text = batch.texts[r] if seq == 0 else batch.text_pairs[r]
+            piece = text[start:end]
+            if piece.islower():
+                ids.append(1)
+            elif piece[0].isupper() and (len(piece) == 1 or piece[1:].islower()):
+                ids.append(2)
+            elif piece.isupper():
+                ids.append(3)
+            else:
+                ids.append(4)
+        rows.append(ids)
+    return torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+
+
+class SequenceClassifier(nn.Module):
+    """One self-attention layer over the mix, masked mean pooling, a linear classifier."""
+
+    def __init__(self, dim: int, heads: int, num_labels: int, dropout: float):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(dim, num_labels)
+
+    def forward(self, mixed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        attended, _ = self.attention(mixed, mixed, mixed, key_padding_mask=mask == 0, need_weights=False)
+        attended = self.dropout(F.gelu(attended))
+        weights = mask.unsqueeze(-1).to(attended.dtype)
+        pooled = (attended * weights).sum(1) / weights.sum(1).clamp(min=1)
+        return self.classifier(pooled)
+
+
+class TokenClassifier(nn.Module):
+    """Pre-LN transformer encoder layer(s) over the mix, a linear classifier per token."""
+
+    def __init__(self, dim: int, heads: int, num_labels: int, dropout: float, layers: int, ffn_dim: int):
+        super().__init__()
+        self.encoder = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                dim, heads, dim_feedforward=ffn_dim, dropout=dropout, activation="gelu",
+                batch_first=True, norm_first=True,
+            )
+            for _ in range(layers)
+        )
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(dim, num_labels)
+
+    def forward(self, mixed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        padding = mask == 0
+        for layer in self.encoder:
+            mixed = layer(mixed, src_key_padding_mask=padding)
+        return self.classifier(self.dropout(mixed))
