@@ -47,7 +47,7 @@ class Backbone:
     States are numbered 0..L: 0 is the embedding output, l is the output of layer l.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, name: str = "", max_tokens: int | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, name: str = ""):
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("a fast tokenizer is required (character offsets come from it)")
         self.model = model.eval()
@@ -63,7 +63,7 @@ class Backbone:
         # RoBERTa reserves positions for padding; stay within what the position table covers
         model_max -= 2 if self.config.model_type in ("roberta", "xlm-roberta") else 0
         tok_max = getattr(tokenizer, "model_max_length", model_max) or model_max
-        self.max_tokens = min(max_tokens or model_max, model_max, tok_max)
+        self.max_tokens = min(model_max, tok_max)  # the most tokens one input may have
         self.device = next(self.model.parameters()).device
         self.fingerprint = BackboneFingerprint(
             architecture=(self.config.architectures or [type(model).__name__])[0],
@@ -75,8 +75,7 @@ class Backbone:
         )
 
     @classmethod
-    def load(cls, path: str | Path | None = None, device: str = "cpu", name: str | None = None,
-             max_tokens: int | None = None) -> "Backbone":
+    def load(cls, path: str | Path | None = None, device: str = "cpu", name: str | None = None) -> "Backbone":
         path = Path(path) if path else default_backbone_path()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
@@ -85,15 +84,16 @@ class Backbone:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
         model.to(device)
         default_name = "all-MiniLM-L6-v2" if path == default_backbone_path() else path.name
-        return cls(model, tokenizer, name=name or default_name, max_tokens=max_tokens)
+        return cls(model, tokenizer, name=name or default_name)
 
     # ---- tokenization ------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None,
-                 truncate: bool = False) -> TokenBatch:
-        """Tokenize with offsets. Over-long inputs raise InputTooLong unless `truncate`."""
+                 truncate: bool = False, max_tokens: int | None = None) -> TokenBatch:
+        """Tokenize with offsets. Inputs over the token limit (the backbone's, or a lower
+        `max_tokens`) raise InputTooLong unless `truncate`."""
         texts = list(texts)
         pairs = list(text_pairs) if text_pairs is not None else None
-        limit = self.max_tokens
+        limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
         enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=False, verbose=False)
         lengths = [len(ids) for ids in enc["input_ids"]]
         too_long = [i for i, n in enumerate(lengths) if n > limit]

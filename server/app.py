@@ -1,0 +1,217 @@
+"""The HTTP API (FastAPI). Decode -> validate -> run in the compute thread -> encode."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.backbone import Backbone, InputTooLong
+from server.config import Settings
+from server.engine import Timings
+from server.errors import (
+    ApiError,
+    api_error_handler,
+    error_body,
+    http_error_handler,
+    unhandled_error_handler,
+    validation_error_handler,
+)
+from server.modules import LoadedModule, count_parameters
+from server.runtime import Runtime
+from server.schemas import InferRequest, InferResponse, ModelInfo, TaskDetail, TaskInfo, TaskList
+
+
+class BodySizeLimit:
+    """ASGI middleware: refuse bodies over `limit` bytes with 413, declared or streamed."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send):
+        body = Response(
+            content=json.dumps(
+                error_body("payload_too_large", f"request body exceeds {self.limit} bytes")
+            ),
+            status_code=413, media_type="application/json",
+        )
+        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
+        await send({"type": "http.response.body", "body": body.body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _task_info(module: LoadedModule) -> dict:
+    m = module.manifest
+    return {
+        "task": module.task, "version": module.version, "kind": m.kind, "task_type": m.task_type.value,
+        "labels": m.labels, "layers": module.head.layers_read(), "parameters": count_parameters(module.head),
+        "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
+    }
+
+
+def create_app(settings: Settings | None = None, backbone: Backbone | None = None) -> FastAPI:
+    settings = settings or Settings()
+    runtime = Runtime(settings, backbone)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # load in the compute thread so /healthz answers at once and /readyz tells when loading ends
+        asyncio.get_running_loop().run_in_executor(runtime.executor, runtime.start)
+        yield
+        runtime.close()
+
+    app = FastAPI(
+        title="tmod", version="0.1.0", lifespan=lifespan,
+        description="Multi-task NLP inference: one frozen backbone pass feeds every requested task head.",
+    )
+    app.state.runtime = runtime
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, unhandled_error_handler)
+    metrics = runtime.metrics
+
+    def model_info() -> ModelInfo:
+        bb = runtime.backbone
+        return ModelInfo(backbone=bb.name, fingerprint=bb.fingerprint.short)
+
+    def require_ready() -> None:
+        if not runtime.ready.is_set():
+            detail = runtime.startup_error or "the backbone and modules are still loading"
+            raise ApiError(503, "not_ready", f"server not ready: {detail}")
+
+    def select_modules(tasks: str | None) -> dict[str, LoadedModule]:
+        loaded = runtime.modules  # one snapshot for the whole request
+        if not loaded:
+            raise ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store})")
+        if tasks is None:
+            return dict(loaded)
+        names = [t.strip() for t in tasks.split(",")]
+        if any(not n for n in names):
+            raise ApiError(400, "invalid_tasks", f"empty task name in tasks={tasks!r}")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ApiError(400, "duplicate_tasks", f"tasks named more than once: {duplicates}")
+        unknown = [n for n in names if n not in loaded]
+        if unknown:
+            raise ApiError(
+                400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
+                loaded_tasks=sorted(loaded),
+            )
+        return {n: loaded[n] for n in names}
+
+    @app.post("/v1/infer", response_model=InferResponse, tags=["inference"],
+              responses={400: {}, 413: {}, 422: {}, 503: {}})
+    async def infer(body: InferRequest, response: Response,
+                    tasks: str | None = Query(None, description="comma-separated task names; none = all loaded")):
+        received = time.perf_counter()
+        require_ready()
+        modules = select_modules(tasks)
+        if len(body.inputs) > settings.max_inputs:
+            raise ApiError(413, "too_many_inputs",
+                           f"{len(body.inputs)} inputs; at most {settings.max_inputs} per request")
+        pairs = not isinstance(body.inputs[0], str)
+        texts = [item.text if pairs else item for item in body.inputs]
+        text_pairs = [item.text_pair for item in body.inputs] if pairs else None
+        for i, text in enumerate(texts + (text_pairs or [])):
+            if len(text) > settings.max_chars:
+                raise ApiError(413, "input_too_long",
+                               f"input {i % len(texts)} has {len(text)} characters; at most {settings.max_chars}")
+        timings = Timings()
+        queued = time.perf_counter()
+        loop = asyncio.get_running_loop()
+
+        def run():
+            timings.extra["queue"] = time.perf_counter() - queued
+            return runtime.infer(texts, text_pairs, modules, body.truncate, timings)
+
+        try:
+            outputs, truncated = await loop.run_in_executor(runtime.executor, run)
+        except InputTooLong as exc:
+            raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
+        total = time.perf_counter() - received
+        queue = timings.extra.get("queue", 0.0)
+        for phase, seconds in (("queue", queue), ("tokenize", timings.tokenize), ("backbone", timings.backbone),
+                               ("heads", timings.heads), ("total", total)):
+            metrics.duration.labels(phase).observe(seconds)
+        metrics.requests.labels("success").inc()
+        metrics.inputs.inc(len(texts))
+        for task in modules:
+            metrics.task_requests.labels(task).inc()
+        response.headers["x-queue-time"] = f"{queue * 1000:.3f}"
+        response.headers["x-tokenization-time"] = f"{timings.tokenize * 1000:.3f}"
+        response.headers["x-backbone-time"] = f"{timings.backbone * 1000:.3f}"
+        response.headers["x-heads-time"] = f"{timings.heads * 1000:.3f}"
+        response.headers["x-inference-time"] = f"{(timings.backbone + timings.heads) * 1000:.3f}"
+        response.headers["x-total-time"] = f"{total * 1000:.3f}"
+        results = [{task: outputs[task][row] for task in modules} for row in range(len(texts))]
+        return InferResponse(
+            results=results, model=model_info(), tasks={t: m.version for t, m in modules.items()},
+            truncated=[i for i, cut in enumerate(truncated) if cut],
+        )
+
+    @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
+    async def list_tasks():
+        require_ready()
+        return {"tasks": [_task_info(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info()}
+
+    @app.get("/v1/tasks/{name}", response_model=TaskDetail, tags=["tasks"], responses={404: {}})
+    async def get_task(name: str):
+        require_ready()
+        module = runtime.modules.get(name)
+        if module is None:
+            raise ApiError(404, "unknown_task", f"no task {name!r}; loaded tasks: {sorted(runtime.modules)}",
+                           loaded_tasks=sorted(runtime.modules))
+        return {**_task_info(module), "manifest": module.manifest.model_dump(mode="json")}
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], responses={503: {}})
+    async def readyz():
+        if not runtime.ready.is_set():
+            detail = runtime.startup_error or "loading"
+            return Response(
+                content=json.dumps(error_body("not_ready", f"not ready: {detail}")),
+                status_code=503, media_type="application/json",
+            )
+        return {"status": "ready", "backbone": runtime.backbone.name, "tasks": sorted(runtime.modules),
+                "refused": runtime.load_errors}
+
+    @app.get("/metrics", tags=["health"])
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,29 @@
+"""Server settings: command-line flags override TMOD_* environment variables override defaults."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from modules_store import DEFAULT_STORE
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TMOD_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="interface to bind")
+    port: int = Field(8080, ge=0, le=65535, description="port to bind (0 = any free port)")
+    store: Path = Field(DEFAULT_STORE, description="module store directory")
+    backbone: Path | None = Field(None, description="local Hugging Face model directory (default: all-MiniLM-L6-v2)")
+    device: str = Field("cpu", description="torch device for backbone and heads")
+    tasks: str | None = Field(None, description="comma-separated tasks to load at start (default: every task in the store)")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
+    max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
+    max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
+    max_tokens: int | None = Field(None, ge=8, description="most tokens per input (default: the backbone's limit)")
+    max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
+    log_level: str = Field("info", description="uvicorn log level")
+
+    def task_list(self) -> list[str]:
+        return [t.strip() for t in (self.tasks or "").split(",") if t.strip()]

@@ -1,0 +1,32 @@
+"""Prometheus metrics, one registry per app so several apps can live in one process (tests)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tmod_requests", "Inference requests by outcome", ["outcome"], registry=r)
+        self.errors = Counter("tmod_request_errors", "Failed requests by error type", ["type"], registry=r)
+        self.task_requests = Counter("tmod_task_requests", "Requests per task", ["task"], registry=r)
+        self.inputs = Counter("tmod_inputs", "Input texts processed", registry=r)
+        self.duration = Histogram(
+            "tmod_request_duration_seconds", "Time per request by phase", ["phase"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_size = Histogram(
+            "tmod_batch_size", "Inputs per backbone pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
+        )
+        self.batch_tokens = Histogram(
+            "tmod_batch_tokens", "Padded tokens per backbone pass",
+            buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r,
+        )
+        self.modules_loaded = Gauge("tmod_modules_loaded", "Task modules loaded", registry=r)
+        self.backbone_layers = Histogram(
+            "tmod_backbone_layers_run", "Backbone layers run per pass (early exit)",
+            buckets=tuple(range(0, 49, 2)), registry=r,
+        )

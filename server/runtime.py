@@ -1,0 +1,77 @@
+"""What a running server holds: the backbone, the engine, the loaded modules, the metrics."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from modules_store import ArtifactError, ModuleStore
+from server.backbone import Backbone
+from server.config import Settings
+from server.engine import Engine, Timings
+from server.metrics import Metrics
+from server.modules import LoadedModule, load_module
+
+log = logging.getLogger("tmod")
+
+
+class Runtime:
+    def __init__(self, settings: Settings, backbone: Backbone | None = None):
+        self.settings = settings
+        self.store = ModuleStore(settings.store)
+        self.metrics = Metrics()
+        self.backbone = backbone
+        self.engine: Engine | None = None
+        self.modules: dict[str, LoadedModule] = {}  # replaced whole, never mutated: readers see a snapshot
+        self.load_errors: dict[str, str] = {}
+        self.ready = threading.Event()
+        self.startup_error: str | None = None
+        # torch work runs on one thread of its own, off the event loop; torch itself uses the cores
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmod-compute")
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load backbone and modules (called in the compute thread; /readyz answers when done)."""
+        try:
+            if self.settings.threads:
+                torch.set_num_threads(self.settings.threads)
+            if self.backbone is None:
+                t0 = time.perf_counter()
+                self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device)
+                log.info("backbone %s loaded in %.1fs", self.backbone.name, time.perf_counter() - t0)
+            self.engine = Engine(self.backbone)
+            wanted = self.settings.task_list() if self.settings.tasks is not None else self.store.tasks()
+            loaded = {}
+            for task in wanted:
+                try:
+                    loaded[task] = load_module(self.store, task, None, self.backbone, self.settings.device)
+                    log.info("module %s/%s loaded", task, loaded[task].version)
+                except ArtifactError as exc:
+                    # one broken artifact must not keep the others from serving
+                    self.load_errors[task] = exc.message
+                    log.error("module %s refused: %s", task, exc.message)
+            self.modules = loaded
+            self.metrics.modules_loaded.set(len(loaded))
+            self.ready.set()
+        except Exception as exc:  # the server stays up (live, not ready) and says why
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            log.exception("start-up failed")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    # ---- inference ---------------------------------------------------------------------------
+    def infer(self, texts: list[str], pairs: list[str] | None, modules: dict[str, LoadedModule],
+              truncate: bool, timings: Timings) -> tuple[dict[str, list[dict]], list[bool]]:
+        t0 = time.perf_counter()
+        batch = self.backbone.tokenize(texts, pairs, truncate=truncate, max_tokens=self.settings.max_tokens)
+        timings.tokenize += time.perf_counter() - t0
+        outputs = self.engine.predict(batch, modules, timings)
+        plan = self.engine.plan(modules)
+        self.metrics.batch_size.observe(batch.size)
+        self.metrics.batch_tokens.observe(batch.size * batch.seq_len)
+        self.metrics.backbone_layers.observe(plan.deepest)
+        return outputs, batch.truncated

@@ -1,0 +1,71 @@
+"""Request and response bodies of the HTTP API (the OpenAPI schema is generated from these)."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+
+
+class TextPair(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: StrictStr
+    text_pair: StrictStr
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"inputs": ["Peter Blackburn flew to Brussels. A fine film."]}]},
+    )
+    inputs: list[Union[StrictStr, TextPair]] = Field(
+        min_length=1, description="texts, or {text, text_pair} objects; not mixed in one request"
+    )
+    truncate: bool = Field(
+        False, description="cut inputs longer than the backbone's token limit instead of refusing them (413)"
+    )
+
+    @field_validator("inputs")
+    @classmethod
+    def _check_inputs(cls, inputs: list) -> list:
+        kinds = {isinstance(item, str) for item in inputs}
+        if len(kinds) > 1:
+            raise ValueError("inputs must be all texts or all {text, text_pair} objects, not a mix")
+        for i, item in enumerate(inputs):
+            for name, value in ([("text", item)] if isinstance(item, str) else item.model_dump().items()):
+                if not value.strip():
+                    raise ValueError(f"input {i}: {name} is empty or only whitespace")
+        return inputs
+
+
+class ModelInfo(BaseModel):
+    backbone: str
+    fingerprint: str = Field(description="first 12 hex digits of the backbone weights hash")
+
+
+class InferResponse(BaseModel):
+    results: list[dict[str, dict[str, Any]]] = Field(description="one object per input, in input order, keyed by task")
+    model: ModelInfo
+    tasks: dict[str, str] = Field(description="task -> module version that answered")
+    truncated: list[int] = Field(default_factory=list, description="indices of inputs that were cut to fit")
+
+
+class TaskInfo(BaseModel):
+    task: str
+    version: str
+    kind: str
+    task_type: str
+    labels: list[str]
+    layers: list[int]
+    parameters: int
+    metrics: dict[str, Any]
+    backbone: dict[str, Any]
+    description: str = ""
+
+
+class TaskDetail(TaskInfo):
+    manifest: dict[str, Any]
+
+
+class TaskList(BaseModel):
+    tasks: list[TaskInfo]
+    backbone: ModelInfo

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import pytest
+
+from server.backbone import Backbone
+from tests.helpers import make_tiny_backbone_dir, populate_store
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone_dir(tmp_path_factory):
+    return make_tiny_backbone_dir(tmp_path_factory.mktemp("backbones"), "bert", layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone(tiny_backbone_dir):
+    return Backbone.load(tiny_backbone_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """The real default backbone (all-MiniLM-L6-v2 from its PyPI package)."""
+    return Backbone.load()
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory, tiny_backbone):
+    return populate_store(tmp_path_factory.mktemp("store"), tiny_backbone)

@@ -1,0 +1,100 @@
+"""Shared test helpers: tiny random backbones and random-weight modules, real files on disk."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+from transformers import AutoTokenizer, BertConfig, BertModel, DistilBertConfig, DistilBertModel, RobertaConfig, RobertaModel
+
+from modules_store import ModuleStore, TaskType
+from server.backbone import Backbone, default_backbone_path
+from server.heads.layermix import LayerMixConfig, LayerMixHead
+from server.modules import save_module
+
+NER_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
+
+
+def make_tiny_backbone_dir(root: Path, family: str = "bert", layers: int = 3, seed: int = 0) -> Path:
+    """A randomly initialised encoder with the real MiniLM tokenizer, saved like a hub checkout."""
+    tokenizer = AutoTokenizer.from_pretrained(default_backbone_path(), local_files_only=True)
+    vocab = len(tokenizer)
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, max_position_embeddings=128)
+    if family == "bert":
+        model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                     intermediate_size=64, architectures=["BertModel"], **common))
+    elif family == "roberta":
+        model = RobertaModel(RobertaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                           intermediate_size=64, pad_token_id=tokenizer.pad_token_id,
+                                           architectures=["RobertaModel"], **common))
+    elif family == "distilbert":
+        model = DistilBertModel(DistilBertConfig(dim=32, n_layers=layers, n_heads=2, hidden_dim=64,
+                                                 architectures=["DistilBertModel"], **common))
+    else:
+        raise ValueError(family)
+    path = root / f"tiny-{family}"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def random_head(backbone: Backbone, task_type: str, labels: list[str], seed: int, **config) -> LayerMixHead:
+    torch.manual_seed(seed)
+    layers = config.pop("layers", list(range(backbone.num_layers + 1)))
+    head = LayerMixHead(
+        LayerMixConfig(task_type=task_type, num_labels=len(labels), hidden_size=backbone.hidden_size,
+                       layers=layers, project_dim=16, attention_heads=2, ffn_dim=32, **config),
+        labels,
+    )
+    with torch.no_grad():  # spread the layer logits so the mix is not uniform
+        head.layer_logits.copy_(torch.randn(len(layers)) * 0.05)
+    return head.eval()
+
+
+def populate_store(store_dir: Path, backbone: Backbone) -> ModuleStore:
+    """sentiment (sequence), ner (token, BIO) and acceptability (reads only shallow layers)."""
+    store = ModuleStore(store_dir)
+    save_module(store, "sentiment", "1", random_head(backbone, "sequence_classification", ["negative", "positive"], 1), backbone)
+    save_module(store, "ner", "1", random_head(backbone, "token_classification", NER_LABELS, 2, casing=True), backbone)
+    save_module(store, "acceptability", "1", random_head(
+        backbone, "sequence_classification", ["unacceptable", "acceptable"], 3, layers=[0, 1]), backbone)
+    return store
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """A real uvicorn server on loopback, in a thread, for API tests."""
+
+    def __init__(self, app, ready_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.ready_timeout = ready_timeout
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.__exit__()
+        raise RuntimeError("server did not become ready")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -1,0 +1,153 @@
+"""The HTTP API over a real uvicorn server on loopback, driven with httpx."""
+from __future__ import annotations
+
+import pytest
+import httpx
+
+from server.app import create_app
+from server.config import Settings
+from tests.helpers import LiveServer
+
+TEXT = "Peter Blackburn met Angela Merkel in Brussels on Monday."
+
+
+@pytest.fixture(scope="module")
+def live(tiny_store, tiny_backbone):
+    settings = Settings(store=tiny_store.root, max_inputs=8, max_chars=500, max_body_bytes=4096, max_tokens=64)
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+
+
+def infer(client, inputs, tasks=None, **extra):
+    params = {"tasks": tasks} if tasks is not None else {}
+    return client.post("/v1/infer", params=params, json={"inputs": inputs, **extra})
+
+
+def assert_error(response, status, type_):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["type"] == type_
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_two_tasks_in_one_request_equal_each_alone(live):
+    texts = [TEXT, "A wonderful, moving film.", "bad"]
+    both = infer(live, texts, "sentiment,ner")
+    assert both.status_code == 200, both.text
+    alone_s = infer(live, texts, "sentiment").json()["results"]
+    alone_n = infer(live, texts, "ner").json()["results"]
+    for row, result in enumerate(both.json()["results"]):
+        assert set(result) == {"sentiment", "ner"}
+        assert result["sentiment"]["label"] == alone_s[row]["sentiment"]["label"]
+        for label, p in result["sentiment"]["scores"].items():
+            assert p == pytest.approx(alone_s[row]["sentiment"]["scores"][label], abs=1e-5)
+        assert [(e["label"], e["start"], e["end"]) for e in result["ner"]["entities"]] == \
+               [(e["label"], e["start"], e["end"]) for e in alone_n[row]["ner"]["entities"]]
+
+
+def test_sequence_result_shape(live):
+    body = infer(live, ["fine"], "sentiment").json()
+    out = body["results"][0]["sentiment"]
+    assert set(out) == {"label", "score", "scores"}
+    assert set(out["scores"]) == {"negative", "positive"}
+    assert sum(out["scores"].values()) == pytest.approx(1.0, abs=1e-5)
+    assert out["score"] == max(out["scores"].values()) and out["label"] == max(out["scores"], key=out["scores"].get)
+    assert body["model"]["backbone"] == "tiny-bert" and body["tasks"] == {"sentiment": "1"}
+
+
+def test_entity_offsets_slice_the_input(live):
+    texts = [TEXT, "  Émile Zola wrote in Paris, France.", "IBM's CEO visited São Paulo."]
+    results = infer(live, texts, "ner").json()["results"]
+    total = 0
+    for text, result in zip(texts, results):
+        for entity in result["ner"]["entities"]:
+            assert set(entity) == {"text", "label", "start", "end", "score"}
+            assert text[entity["start"]:entity["end"]] == entity["text"]
+            assert entity["label"] in {"PER", "ORG", "LOC", "MISC"}
+            total += 1
+    assert total > 0  # random weights label most words as some entity
+
+
+def test_no_tasks_means_all_loaded_and_results_keep_input_order(live):
+    texts = [f"text number {i}" for i in range(5)]
+    body = infer(live, texts).json()
+    assert set(body["tasks"]) == {"sentiment", "ner", "acceptability"}
+    singles = [infer(live, [t], "sentiment").json()["results"][0]["sentiment"]["scores"] for t in texts]
+    for result, single in zip(body["results"], singles):
+        assert result["sentiment"]["scores"]["positive"] == pytest.approx(single["positive"], abs=1e-5)
+
+
+def test_text_pairs(live):
+    body = infer(live, [{"text": "Paris is big.", "text_pair": "London is bigger."}], "sentiment,ner").json()
+    result = body["results"][0]
+    assert "label" in result["sentiment"]
+    for entity in result["ner"]["entities"]:
+        source = "Paris is big." if entity["segment"] == 0 else "London is bigger."
+        assert source[entity["start"]:entity["end"]] == entity["text"]
+
+
+def test_unknown_task_lists_loaded_ones(live):
+    error = assert_error(infer(live, ["x"], "sentiment,telepathy"), 400, "unknown_task")
+    assert "telepathy" in error["message"]
+    assert error["loaded_tasks"] == ["acceptability", "ner", "sentiment"]
+    assert_error(infer(live, ["x"], "ner,ner"), 400, "duplicate_tasks")
+    assert_error(infer(live, ["x"], "ner,"), 400, "invalid_tasks")
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"{", b"[]", b'{"inputs": []}', b'{"inputs": "just a string"}', b'{"inputs": [1, 2]}',
+    b'{"inputs": [""]}', b'{"inputs": ["   "]}', b'{"inputs": ["a", {"text": "b", "text_pair": "c"}]}',
+    b'{"inputs": ["a"], "unexpected": 1}', b'{"inputs": [{"text": "only one side"}]}', b'{"inputs": [null]}',
+])
+def test_malformed_bodies_are_422(live, payload):
+    response = live.post("/v1/infer", content=payload, headers={"content-type": "application/json"})
+    assert_error(response, 422, "invalid_request")
+
+
+def test_limits_are_413(live):
+    error = assert_error(infer(live, ["x"] * 9), 413, "too_many_inputs")
+    assert "at most 8" in error["message"]
+    error = assert_error(infer(live, ["y" * 501]), 413, "input_too_long")
+    assert "501 characters" in error["message"]
+    assert_error(live.post("/v1/infer", content=b'{"inputs": ["' + b"z " * 3000 + b'"]}',
+                           headers={"content-type": "application/json"}), 413, "payload_too_large")
+
+
+def test_token_limit_refuses_or_truncates(live):
+    long_text = " ".join(["word"] * 100)  # 102 tokens > max_tokens=64
+    error = assert_error(infer(live, ["short", long_text], "sentiment"), 413, "input_too_long")
+    assert error["inputs"] == [1] and error["token_limit"] == 64
+    body = infer(live, ["short", long_text], "sentiment", truncate=True)
+    assert body.status_code == 200 and body.json()["truncated"] == [1]
+
+
+def test_server_survives_errors_and_counts_them(live):
+    for _ in range(3):
+        infer(live, [], "sentiment")
+    assert infer(live, ["still alive"]).status_code == 200
+    metrics = live.get("/metrics").text
+    assert 'tmod_request_errors_total{type="invalid_request"}' in metrics
+    assert 'tmod_requests_total{outcome="success"}' in metrics
+    assert "tmod_request_duration_seconds_bucket" in metrics and "tmod_modules_loaded 3.0" in metrics
+
+
+def test_task_listing_and_details(live):
+    listing = live.get("/v1/tasks").json()
+    assert [t["task"] for t in listing["tasks"]] == ["acceptability", "ner", "sentiment"]
+    acceptability = next(t for t in listing["tasks"] if t["task"] == "acceptability")
+    assert acceptability["layers"] == [0, 1] and acceptability["parameters"] > 0
+    detail = live.get("/v1/tasks/ner").json()
+    assert detail["task_type"] == "token_classification" and detail["manifest"]["kind"] == "layermix"
+    assert_error(live.get("/v1/tasks/nope"), 404, "unknown_task")
+
+
+def test_health_and_timing_headers(live):
+    assert live.get("/healthz").json() == {"status": "ok"}
+    assert live.get("/readyz").json()["status"] == "ready"
+    response = infer(live, ["timed"], "sentiment")
+    for header in ("x-queue-time", "x-tokenization-time", "x-backbone-time", "x-heads-time",
+                   "x-inference-time", "x-total-time"):
+        assert float(response.headers[header]) >= 0
+    assert_error(live.get("/no/such/path"), 404, "not_found")

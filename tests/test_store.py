@@ -1,0 +1,136 @@
+"""Module store: round trip, and every refusal with a message that names the problem."""
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from modules_store import ArtifactError, ModuleStore, sha256_file
+from server.backbone import Backbone
+from server.engine import Engine
+from server.modules import load_module, save_module
+from tests.helpers import make_tiny_backbone_dir, random_head
+
+
+@pytest.fixture()
+def store(tmp_path, tiny_backbone):
+    store = ModuleStore(tmp_path / "store")
+    save_module(store, "sentiment", "1", random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 1),
+                tiny_backbone, metrics={"accuracy": 0.5}, training={"command": "test"})
+    return store
+
+
+def rewrite_manifest(store, task, version, **changes):
+    path = store.path(task, version) / "manifest.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key].update(value)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def test_round_trip_gives_same_outputs(store, tiny_backbone):
+    original = random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 1)
+    loaded = load_module(store, "sentiment", None, tiny_backbone)
+    assert loaded.version == "1" and loaded.manifest.metrics == {"accuracy": 0.5}
+    assert loaded.manifest.labels == ["neg", "pos"]
+    batch = tiny_backbone.tokenize(["one text", "another, longer text here"])
+    engine = Engine(tiny_backbone)
+    from server.modules import LoadedModule
+    expected = engine.logits(batch, {"s": LoadedModule("s", "1", None, original)})["s"]
+    got = engine.logits(batch, {"s": loaded})["s"]
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_listing_and_latest_version(store, tiny_backbone):
+    save_module(store, "sentiment", "2", random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 2),
+                tiny_backbone)
+    save_module(store, "sentiment", "10", random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 3),
+                tiny_backbone)
+    assert store.tasks() == ["sentiment"]
+    assert store.versions("sentiment") == ["1", "2", "10"]
+    assert load_module(store, "sentiment", None, tiny_backbone).version == "10"
+    assert load_module(store, "sentiment", "2", tiny_backbone).version == "2"
+
+
+def test_refuses_existing_version_without_overwrite(store, tiny_backbone):
+    with pytest.raises(ArtifactError, match="already exists"):
+        save_module(store, "sentiment", "1", random_head(tiny_backbone, "sequence_classification", ["a", "b"], 9),
+                    tiny_backbone)
+
+
+def test_refuses_checksum_mismatch(store, tiny_backbone):
+    weights = store.path("sentiment", "1") / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # flip bits in the last tensor byte
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="checksum mismatch") as info:
+        load_module(store, "sentiment", None, tiny_backbone)
+    assert info.value.reason == "checksum_mismatch"
+
+
+def test_refuses_other_backbone(store, tmp_path):
+    other = Backbone.load(make_tiny_backbone_dir(tmp_path / "other", "bert", layers=3, seed=99))
+    with pytest.raises(ArtifactError, match="fingerprint mismatch.*weights_hash") as info:
+        load_module(store, "sentiment", None, other)
+    assert info.value.reason == "fingerprint_mismatch"
+    assert "vocab_hash" not in info.value.message  # same tokenizer: only the weights differ
+
+
+def test_refuses_shapes_that_disagree_with_manifest(store, tiny_backbone):
+    # a manifest claiming k=32 over weights trained with k=16: the checksum is fine, the shapes are not
+    rewrite_manifest(store, "sentiment", "1", config={"project_dim": 32})
+    with pytest.raises(ArtifactError, match=r"tensor 'projections' has shape \(4, 16, 32\).*\(4, 32, 32\)") as info:
+        load_module(store, "sentiment", None, tiny_backbone)
+    assert info.value.reason == "shape_mismatch"
+
+
+def test_refuses_missing_tensor(store, tiny_backbone):
+    path = store.path("sentiment", "1") / "weights.safetensors"
+    from safetensors.torch import load_file
+    tensors = load_file(str(path))
+    del tensors["layer_logits"]
+    save_file(tensors, str(path))
+    rewrite_manifest(store, "sentiment", "1", weights_sha256=sha256_file(path))
+    with pytest.raises(ArtifactError, match=r"missing tensors \['layer_logits'\]"):
+        load_module(store, "sentiment", None, tiny_backbone)
+
+
+def test_refuses_unknown_kind_and_bad_manifest(store, tiny_backbone):
+    rewrite_manifest(store, "sentiment", "1", kind="telepathy")
+    with pytest.raises(ArtifactError, match="unknown head kind 'telepathy'"):
+        load_module(store, "sentiment", None, tiny_backbone)
+    (store.path("sentiment", "1") / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="invalid manifest") as info:
+        load_module(store, "sentiment", None, tiny_backbone)
+    assert info.value.reason == "bad_manifest"
+
+
+def test_never_unpickles(store, tiny_backbone, tmp_path):
+    """A pickle in place of the safetensors file is refused as unreadable, never executed."""
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (marker.write_text, ("ran",))
+
+    path = store.path("sentiment", "1") / "weights.safetensors"
+    path.write_bytes(pickle.dumps(Exploit()))
+    rewrite_manifest(store, "sentiment", "1", weights_sha256=sha256_file(path))
+    with pytest.raises(ArtifactError, match="cannot read") as info:
+        load_module(store, "sentiment", None, tiny_backbone)
+    assert info.value.reason == "bad_weights"
+    assert not marker.exists()
+
+
+def test_refuses_missing_weights_and_unknown_task(store, tiny_backbone):
+    with pytest.raises(ArtifactError, match="no module 'nope'"):
+        load_module(store, "nope", None, tiny_backbone)
+    (store.path("sentiment", "1") / "weights.safetensors").unlink()
+    with pytest.raises(ArtifactError, match="no weights.safetensors"):
+        load_module(store, "sentiment", None, tiny_backbone)
