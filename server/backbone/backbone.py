@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from modules_store import BackboneFingerprint
 from server.backbone.architectures import adapter_for
-from server.backbone.tokens import TokenBatch
+from server.backbone.tokens import EncodedInput, TokenBatch
 
 
 class InputTooLong(ValueError):
@@ -89,6 +89,11 @@ class Backbone:
     # ---- tokenization ------------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None,
                  truncate: bool = False, max_tokens: int | None = None) -> TokenBatch:
+        """encode() then collate(): a padded batch in input order."""
+        return self.collate(self.encode(texts, text_pairs, truncate, max_tokens))
+
+    def encode(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None,
+               truncate: bool = False, max_tokens: int | None = None) -> list[EncodedInput]:
         """Tokenize with offsets. Inputs over the token limit (the backbone's, or a lower
         `max_tokens`) raise InputTooLong unless `truncate`."""
         texts = list(texts)
@@ -102,31 +107,38 @@ class Backbone:
         if too_long:
             enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
         cut = set(too_long)
-        return self._pad(enc, texts, pairs, [i in cut for i in range(len(texts))])
+        rows = []
+        for r, encoding in enumerate(enc.encodings):
+            rows.append(EncodedInput(
+                text=texts[r], text_pair=pairs[r] if pairs is not None else None,
+                ids=list(encoding.ids), type_ids=list(encoding.type_ids), offsets=list(encoding.offsets),
+                sequence_ids=list(encoding.sequence_ids), word_ids=list(encoding.word_ids), truncated=r in cut,
+            ))
+        return rows
 
-    def _pad(self, enc, texts, pairs, truncated) -> TokenBatch:
-        rows = len(texts)
-        width = max(len(ids) for ids in enc["input_ids"])
+    def collate(self, rows: Sequence[EncodedInput]) -> TokenBatch:
+        """Pad encoded inputs (possibly from several requests) into one batch."""
+        width = max(len(row) for row in rows)
         pad_id = self.tokenizer.pad_token_id or 0
-        input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-        attention = torch.zeros((rows, width), dtype=torch.long)
-        types = torch.zeros((rows, width), dtype=torch.long) if self.adapter.uses_token_types else None
-        offsets, seq_ids, word_ids = [], [], []
-        for r in range(rows):
-            ids = enc["input_ids"][r]
-            n = len(ids)
-            input_ids[r, :n] = torch.tensor(ids, dtype=torch.long)
+        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        types = torch.zeros((len(rows), width), dtype=torch.long) if self.adapter.uses_token_types else None
+        for r, row in enumerate(rows):
+            n = len(row)
+            input_ids[r, :n] = torch.tensor(row.ids, dtype=torch.long)
             attention[r, :n] = 1
-            if types is not None and "token_type_ids" in enc:
-                types[r, :n] = torch.tensor(enc["token_type_ids"][r], dtype=torch.long)
-            encoding = enc.encodings[r]
-            offsets.append(list(encoding.offsets) + [(0, 0)] * (width - n))
-            seq_ids.append(list(encoding.sequence_ids) + [None] * (width - n))
-            word_ids.append(list(encoding.word_ids) + [None] * (width - n))
+            if types is not None:
+                types[r, :n] = torch.tensor(row.type_ids, dtype=torch.long)
+        padding = [width - len(row) for row in rows]
+        has_pairs = any(row.text_pair is not None for row in rows)
         return TokenBatch(
             input_ids=input_ids, attention_mask=attention, token_type_ids=types,
-            offsets=offsets, sequence_ids=seq_ids, word_ids=word_ids,
-            texts=texts, text_pairs=pairs, truncated=truncated,
+            offsets=[row.offsets + [(0, 0)] * p for row, p in zip(rows, padding)],
+            sequence_ids=[row.sequence_ids + [None] * p for row, p in zip(rows, padding)],
+            word_ids=[row.word_ids + [None] * p for row, p in zip(rows, padding)],
+            texts=[row.text for row in rows],
+            text_pairs=[row.text_pair for row in rows] if has_pairs else None,
+            truncated=[row.truncated for row in rows],
         ).to(self.device)
 
     # ---- running -----------------------------------------------------------------------------

@@ -7,6 +7,23 @@ import torch
 
 
 @dataclass
+class EncodedInput:
+    """One tokenized input (text or text pair), before padding into a batch."""
+
+    text: str
+    text_pair: str | None
+    ids: list[int]
+    type_ids: list[int]
+    offsets: list[tuple[int, int]]
+    sequence_ids: list[int | None]
+    word_ids: list[int | None]
+    truncated: bool
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
 class TokenBatch:
     input_ids: torch.Tensor  # (B, T) long
     attention_mask: torch.Tensor  # (B, T) long, 1 = real token
