@@ -12,8 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.backbone import Backbone, InputTooLong
+from server.batcher import ClientGone, DeadlineExceeded, Job, QueueFull
 from server.config import Settings
-from server.engine import Timings
 from server.errors import (
     ApiError,
     api_error_handler,
@@ -87,7 +87,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def lifespan(app: FastAPI):
         # load in the compute thread so /healthz answers at once and /readyz tells when loading ends
         asyncio.get_running_loop().run_in_executor(runtime.executor, runtime.start)
+        runtime.batcher.start()
         yield
+        await runtime.batcher.drain_and_stop()  # answer what was queued before exiting
         runtime.close()
 
     app = FastAPI(
@@ -132,8 +134,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return {n: loaded[n] for n in names}
 
     @app.post("/v1/infer", response_model=InferResponse, tags=["inference"],
-              responses={400: {}, 413: {}, 422: {}, 503: {}})
-    async def infer(body: InferRequest, response: Response,
+              responses={400: {}, 413: {}, 422: {}, 429: {}, 503: {}})
+    async def infer(body: InferRequest, request: Request, response: Response,
                     tasks: str | None = Query(None, description="comma-separated task names; none = all loaded")):
         received = time.perf_counter()
         require_ready()
@@ -148,18 +150,26 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             if len(text) > settings.max_chars:
                 raise ApiError(413, "input_too_long",
                                f"input {i % len(texts)} has {len(text)} characters; at most {settings.max_chars}")
-        timings = Timings()
-        queued = time.perf_counter()
         loop = asyncio.get_running_loop()
-
-        def run():
-            timings.extra["queue"] = time.perf_counter() - queued
-            return runtime.infer(texts, text_pairs, modules, body.truncate, timings)
-
+        started = time.perf_counter()
         try:
-            outputs, truncated = await loop.run_in_executor(runtime.executor, run)
+            rows = await loop.run_in_executor(
+                runtime.tokenize_executor, runtime.backbone.encode, texts, text_pairs, body.truncate, settings.max_tokens
+            )
         except InputTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
+        job = Job(rows=rows, modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
+                  is_disconnected=request.is_disconnected)
+        job.timings.tokenize = time.perf_counter() - started
+        try:
+            results = await runtime.batcher.submit(job)
+        except QueueFull as exc:
+            raise ApiError(429, "overloaded", f"server overloaded: {exc}; retry later") from exc
+        except DeadlineExceeded as exc:
+            raise ApiError(503, "deadline_exceeded", f"{exc} ({settings.request_timeout_s}s)") from exc
+        except ClientGone as exc:
+            raise ApiError(499, "client_closed_request", str(exc)) from exc
+        timings = job.timings
         total = time.perf_counter() - received
         queue = timings.extra.get("queue", 0.0)
         for phase, seconds in (("queue", queue), ("tokenize", timings.tokenize), ("backbone", timings.backbone),
@@ -175,10 +185,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         response.headers["x-heads-time"] = f"{timings.heads * 1000:.3f}"
         response.headers["x-inference-time"] = f"{(timings.backbone + timings.heads) * 1000:.3f}"
         response.headers["x-total-time"] = f"{total * 1000:.3f}"
-        results = [{task: outputs[task][row] for task in modules} for row in range(len(texts))]
         return InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in modules.items()},
-            truncated=[i for i, cut in enumerate(truncated) if cut],
+            truncated=[i for i, row in enumerate(rows) if row.truncated],
         )
 
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])

@@ -23,6 +23,12 @@ class Settings(BaseSettings):
     max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
     max_tokens: int | None = Field(None, ge=8, description="most tokens per input (default: the backbone's limit)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
+    batching: bool = Field(True, description="batch concurrent requests into one backbone pass")
+    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per backbone pass (rows x longest)")
+    max_batch_size: int = Field(128, ge=1, description="most inputs per backbone pass")
+    max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests after its first")
+    max_queue: int = Field(256, ge=1, description="requests waiting for compute; beyond this, 429 at once")
+    request_timeout_s: float = Field(30.0, gt=0, description="a request still queued after this is answered 503")
     log_level: str = Field("info", description="uvicorn log level")
 
     def task_list(self) -> list[str]:

@@ -25,6 +25,11 @@ class Metrics:
             "tmod_batch_tokens", "Padded tokens per backbone pass",
             buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r,
         )
+        self.batch_requests = Histogram(
+            "tmod_batch_requests", "Requests answered per backbone pass (achieved batching)",
+            buckets=(1, 2, 4, 8, 16, 32, 64), registry=r,
+        )
+        self.queue_depth = Gauge("tmod_queue_depth", "Requests waiting for a backbone pass", registry=r)
         self.modules_loaded = Gauge("tmod_modules_loaded", "Task modules loaded", registry=r)
         self.backbone_layers = Histogram(
             "tmod_backbone_layers_run", "Backbone layers run per pass (early exit)",

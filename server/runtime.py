@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from modules_store import ArtifactError, ModuleStore
-from server.backbone import Backbone
+from server.backbone import Backbone, EncodedInput
 from server.config import Settings
+from server.batcher import Batcher, BatchSettings
 from server.engine import Engine, Timings
 from server.metrics import Metrics
 from server.modules import LoadedModule, load_module
@@ -31,6 +32,16 @@ class Runtime:
         self.startup_error: str | None = None
         # torch work runs on one thread of its own, off the event loop; torch itself uses the cores
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmod-compute")
+        # tokenization (Rust, releases the GIL) runs beside compute so the next batch is ready
+        self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize")
+        self.batcher = Batcher(
+            self.run_batch, self.executor,
+            BatchSettings(
+                max_batch_tokens=settings.max_batch_tokens, max_batch_size=settings.max_batch_size,
+                max_wait=settings.max_wait_ms / 1000, max_queue=settings.max_queue, enabled=settings.batching,
+            ),
+            self.metrics,
+        )
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -61,17 +72,16 @@ class Runtime:
             log.exception("start-up failed")
 
     def close(self) -> None:
+        self.tokenize_executor.shutdown(wait=True)
         self.executor.shutdown(wait=True)
 
     # ---- inference ---------------------------------------------------------------------------
-    def infer(self, texts: list[str], pairs: list[str] | None, modules: dict[str, LoadedModule],
-              truncate: bool, timings: Timings) -> tuple[dict[str, list[dict]], list[bool]]:
-        t0 = time.perf_counter()
-        batch = self.backbone.tokenize(texts, pairs, truncate=truncate, max_tokens=self.settings.max_tokens)
-        timings.tokenize += time.perf_counter() - t0
+    def run_batch(self, rows: list[EncodedInput], modules: dict[str, LoadedModule],
+                  timings: Timings) -> dict[str, list[dict]]:
+        """One backbone pass for rows gathered from one or more requests (compute thread)."""
+        batch = self.backbone.collate(rows)
         outputs = self.engine.predict(batch, modules, timings)
-        plan = self.engine.plan(modules)
         self.metrics.batch_size.observe(batch.size)
         self.metrics.batch_tokens.observe(batch.size * batch.seq_len)
-        self.metrics.backbone_layers.observe(plan.deepest)
-        return outputs, batch.truncated
+        self.metrics.backbone_layers.observe(self.engine.plan(modules).deepest)
+        return outputs

@@ -1,0 +1,200 @@
+"""Dynamic batching: requests queue up; one backbone pass answers many of them.
+
+A batch takes queued jobs of one input signature (single texts or text pairs) until a token
+budget or a row limit is reached or `max_wait` has passed since its first job; rows are sorted by
+length to cut padding; the backbone runs once for the union of the tasks its jobs asked for, and
+each job gets only its own tasks back. The queue is bounded: a full queue refuses at once (429).
+Jobs whose client went away or whose deadline passed are dropped before any compute.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from server.backbone import EncodedInput
+from server.engine import Timings
+from server.modules import LoadedModule
+
+log = logging.getLogger("tmod.batcher")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    rows: list[EncodedInput]
+    modules: dict[str, LoadedModule]
+    deadline: float
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    timings: Timings = field(default_factory=Timings)
+    enqueued: float = field(default_factory=time.perf_counter)
+    future: asyncio.Future | None = None
+
+    @property
+    def pairs(self) -> bool:
+        return self.rows[0].text_pair is not None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(row) for row in self.rows)
+
+
+@dataclass
+class BatchSettings:
+    max_batch_tokens: int = 16384  # padded tokens (rows x longest row) per backbone pass
+    max_batch_size: int = 128
+    max_wait: float = 0.002  # seconds a batch waits for company after its first job
+    max_queue: int = 256  # jobs waiting; beyond this, 429
+    enabled: bool = True  # False: one job per backbone pass (for comparison)
+
+
+class Batcher:
+    def __init__(self, run_batch: Callable, executor, settings: BatchSettings, metrics=None):
+        """`run_batch(rows, modules, timings)` runs on `executor` (the compute thread) and
+        returns the outputs per task, in row order."""
+        self.run_batch = run_batch
+        self.executor = executor
+        self.settings = settings
+        self.metrics = metrics
+        self._queue: asyncio.Queue[Job] | None = None
+        self._held: collections.deque[Job] = collections.deque()  # taken but not fitting the last batch
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="tmod-batcher")
+
+    async def drain_and_stop(self) -> None:
+        """Refuse new jobs, answer every queued one, then stop."""
+        self._closing = True
+        while self.depth():
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def depth(self) -> int:
+        return (self._queue.qsize() if self._queue else 0) + len(self._held)
+
+    # ---- submitting --------------------------------------------------------------------------
+    async def submit(self, job: Job):
+        if self._closing:
+            raise QueueFull("the server is shutting down")
+        if self.depth() >= self.settings.max_queue:
+            raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
+        job.future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(job)
+        self._observe_depth()
+        return await job.future
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def _next(self, timeout: float | None) -> Job | None:
+        if self._held:
+            return self._held.popleft()
+        if timeout is None:
+            return await self._queue.get()
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def _fits(self, batch: list[Job], job: Job) -> bool:
+        if not self.settings.enabled or job.pairs != batch[0].pairs:
+            return False
+        for other in batch:  # a task answered by two versions (mid-reload) cannot share a pass
+            for task, module in job.modules.items():
+                if task in other.modules and other.modules[task] is not module:
+                    return False
+        rows = sum(len(j.rows) for j in batch) + len(job.rows)
+        longest = max(max(len(r) for r in j.rows) for j in batch + [job])
+        return rows <= self.settings.max_batch_size and rows * longest <= self.settings.max_batch_tokens
+
+    async def _loop(self) -> None:
+        while True:
+            first = await self._next(None)
+            batch = [first]
+            window_end = time.perf_counter() + self.settings.max_wait
+            while self.settings.enabled:
+                job = await self._next(max(0.0, window_end - time.perf_counter()))
+                if job is None:
+                    break
+                if self._fits(batch, job):
+                    batch.append(job)
+                else:
+                    self._held.appendleft(job)  # first in line for the next batch
+                    break
+            self._observe_depth()
+            try:
+                await self._execute(batch)
+            except Exception:  # never let one batch kill the loop
+                log.exception("batch failed")
+
+    async def _live(self, batch: list[Job]) -> list[Job]:
+        now = time.perf_counter()
+        live = []
+        for job in batch:
+            if job.future.done():  # cancelled by the handler
+                continue
+            if now > job.deadline:
+                job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
+                continue
+            if job.is_disconnected is not None and await job.is_disconnected():
+                job.future.set_exception(ClientGone("client disconnected"))
+                continue
+            live.append(job)
+        return live
+
+    async def _execute(self, batch: list[Job]) -> None:
+        batch = await self._live(batch)
+        if not batch:
+            return
+        started = time.perf_counter()
+        # sort rows by length so similar lengths share padding; remember where each came from
+        order = sorted(((j, r) for j in range(len(batch)) for r in range(len(batch[j].rows))),
+                       key=lambda jr: len(batch[jr[0]].rows[jr[1]]))
+        rows = [batch[j].rows[r] for j, r in order]
+        modules: dict[str, LoadedModule] = {}
+        for job in batch:
+            modules.update(job.modules)
+        timings = Timings()
+        loop = asyncio.get_running_loop()
+        try:
+            outputs = await loop.run_in_executor(self.executor, self.run_batch, rows, modules, timings)
+        except Exception as exc:
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        position = {jr: i for i, jr in enumerate(order)}
+        if self.metrics is not None:
+            self.metrics.batch_requests.observe(len(batch))
+        for j, job in enumerate(batch):
+            if job.future.done():
+                continue
+            job.timings.extra["queue"] = started - job.enqueued
+            job.timings.backbone, job.timings.heads = timings.backbone, timings.heads
+            results = [{task: outputs[task][position[(j, r)]] for task in job.modules} for r in range(len(job.rows))]
+            job.future.set_result(results)
+
+    def _observe_depth(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self.depth())
