@@ -25,3 +25,15 @@ def minilm():
 @pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory, tiny_backbone):
     return populate_store(tmp_path_factory.mktemp("store"), tiny_backbone)
+
+
+# ---- training tests (tests/test_training_*.py) -------------------------------------------------
+@pytest.fixture(scope="session")
+def train_backbone_dir(tmp_path_factory):
+    """A 2-layer, 32-wide random BERT with the real MiniLM tokenizer (saved: the CLI loads it by path)."""
+    return make_tiny_backbone_dir(tmp_path_factory.mktemp("train_backbone"), "bert", layers=2)
+
+
+@pytest.fixture(scope="session")
+def train_backbone(train_backbone_dir):
+    return Backbone.load(train_backbone_dir)

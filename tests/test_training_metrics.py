@@ -1,0 +1,112 @@
+"""training.metrics against hand-computed values and against seqeval (conlleval-compatible mode)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from training.metrics import (
+    accuracy,
+    classification_scores,
+    entities,
+    entity_scores,
+    f1_binary,
+    f1_macro,
+    matthews,
+)
+
+GOLD = [1, 1, 1, 1, 0, 0, 0, 0, 0, 1]
+PRED = [1, 1, 1, 0, 0, 0, 1, 1, 0, 1]
+# by hand: TP=4 (rows 0,1,2,9), FN=1 (row 3), FP=2 (rows 6,7), TN=3 (rows 4,5,8)
+
+
+def test_accuracy_and_binary_f1_by_hand():
+    assert accuracy(GOLD, PRED) == pytest.approx(7 / 10)
+    # precision 4/6, recall 4/5 -> F1 = 2*4 / (2*4 + 2 + 1) = 8/11
+    assert f1_binary(GOLD, PRED, positive=1) == pytest.approx(8 / 11)
+    # class 0: TP=3, FP=1, FN=2 -> F1 = 6/9
+    assert f1_binary(GOLD, PRED, positive=0) == pytest.approx(6 / 9)
+    assert f1_macro(GOLD, PRED) == pytest.approx((8 / 11 + 6 / 9) / 2)
+
+
+def test_matthews_by_hand():
+    tp, tn, fp, fn = 4, 3, 2, 1
+    expected = (tp * tn - fp * fn) / math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    assert matthews(GOLD, PRED) == pytest.approx(expected)
+    assert matthews(GOLD, GOLD) == pytest.approx(1.0)
+    assert matthews(GOLD, [1 - g for g in GOLD]) == pytest.approx(-1.0)
+    assert matthews(GOLD, [1] * len(GOLD)) == 0.0  # constant prediction: defined as 0
+
+
+def test_multiclass_matthews_matches_sklearn():
+    sklearn = pytest.importorskip("sklearn.metrics")
+    rng = random.Random(3)
+    gold = [rng.choice("abc") for _ in range(200)]
+    pred = [g if rng.random() < 0.6 else rng.choice("abc") for g in gold]
+    assert matthews(gold, pred) == pytest.approx(sklearn.matthews_corrcoef(gold, pred))
+    assert f1_macro(gold, pred) == pytest.approx(sklearn.f1_score(gold, pred, average="macro"))
+
+
+def test_classification_scores_names_the_positive_label():
+    scores = classification_scores(["neg", "pos", "pos"], ["neg", "neg", "pos"], ["neg", "pos"])
+    assert scores["accuracy"] == pytest.approx(2 / 3)
+    assert scores["f1"] == pytest.approx(2 / 3)  # pos: P=1, R=1/2
+    assert scores["f1_positive_label"] == "pos"
+    assert scores["examples"] == 3
+
+
+def test_entities_follow_conlleval():
+    assert entities(["B-PER", "I-PER", "O", "B-LOC"]) == [("PER", 0, 1), ("LOC", 3, 3)]
+    assert entities(["I-ORG", "I-ORG", "O"]) == [("ORG", 0, 1)]  # IOB1: I- after O starts one
+    assert entities(["B-PER", "B-PER"]) == [("PER", 0, 0), ("PER", 1, 1)]  # B- always starts one
+    assert entities(["B-PER", "I-LOC", "I-LOC"]) == [("PER", 0, 0), ("LOC", 1, 2)]  # type change
+    assert entities(["O", "O"]) == []
+    assert entities(["B-MISC"]) == [("MISC", 0, 0)]
+
+
+def test_entity_scores_by_hand():
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "O", "B-PER"]]
+    pred = [["B-PER", "I-PER", "O", "B-ORG"], ["B-ORG", "I-ORG", "B-PER"]]
+    # gold: PER(0-1), LOC(3), ORG(0), PER(2) -> 4; pred: PER(0-1), ORG(3), ORG(0-1), PER(2) -> 4
+    # exact matches: PER(0-1), PER(2) -> 2 (ORG(0-1) is the wrong span)
+    scores = entity_scores(gold, pred)
+    assert scores["precision"] == pytest.approx(2 / 4)
+    assert scores["recall"] == pytest.approx(2 / 4)
+    assert scores["f1"] == pytest.approx(0.5)
+    assert scores["per_type"]["PER"] == {"precision": 1.0, "recall": 1.0, "f1": 1.0, "support": 2}
+    assert scores["per_type"]["LOC"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 1}
+    assert scores["per_type"]["ORG"]["precision"] == 0.0 and scores["per_type"]["ORG"]["support"] == 1
+    assert scores["entities"] == 4
+    assert scores["word_accuracy"] == pytest.approx(5 / 7)
+
+
+def _random_tags(rng: random.Random, n: int) -> list[str]:
+    tags = ["O", "O", "O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
+    return [rng.choice(tags) for _ in range(n)]
+
+
+def test_entity_scores_match_seqeval_on_random_and_ill_formed_tags():
+    seqeval = pytest.importorskip("seqeval.metrics")
+    rng = random.Random(0)
+    gold = [_random_tags(rng, rng.randint(1, 12)) for _ in range(300)]
+    # predictions: mostly copies with random corruption, so there are hits, misses and partial spans
+    pred = [[t if rng.random() < 0.7 else _random_tags(rng, 1)[0] for t in sent] for sent in gold]
+    ours = entity_scores(gold, pred)
+    assert ours["precision"] == pytest.approx(seqeval.precision_score(gold, pred))
+    assert ours["recall"] == pytest.approx(seqeval.recall_score(gold, pred))
+    assert ours["f1"] == pytest.approx(seqeval.f1_score(gold, pred))
+    report = seqeval.classification_report(gold, pred, output_dict=True, zero_division=0)
+    for kind, theirs in ((k, v) for k, v in report.items() if k in ("PER", "LOC", "MISC")):
+        mine = ours["per_type"][kind]
+        assert mine["precision"] == pytest.approx(theirs["precision"])
+        assert mine["recall"] == pytest.approx(theirs["recall"])
+        assert mine["f1"] == pytest.approx(theirs["f1-score"])
+        assert mine["support"] == theirs["support"]
+
+
+def test_length_mismatch_is_an_error():
+    with pytest.raises(ValueError):
+        accuracy([1, 2], [1])
+    with pytest.raises(ValueError, match="sentence 0"):
+        entity_scores([["O", "O"]], [["O"]])

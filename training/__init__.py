@@ -1,0 +1,1 @@
+"""tmod-train: data readers, layer-mix training, evaluation and reports (depends on server/)."""

@@ -1,0 +1,323 @@
+"""Labelled data for training and scoring heads: table and CoNLL readers, dataset presets, and
+the mapping of word-level tags onto sub-word tokens and back.
+
+Token tasks build their text by joining the words with single spaces and keep each word's
+character span, so training tokenizes exactly as the server does (`Backbone.tokenize` on a plain
+string) and a word's tag can be found again from token offsets.
+"""
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from modules_store import TaskType
+from server.backbone.tokens import TokenBatch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+IGNORE_INDEX = -100  # label of tokens the loss skips (torch's cross_entropy default)
+CONLL_TAGS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
+FORMATS = ("tsv", "csv", "jsonl", "conll")
+
+
+def default_data_dir() -> Path:
+    """$TMOD_DATA_DIR, else ../shared/data relative to the repository root."""
+    env = os.environ.get("TMOD_DATA_DIR")
+    return Path(env) if env else (REPO_ROOT / ".." / "shared" / "data").resolve()
+
+
+# ---- examples ---------------------------------------------------------------------------------
+@dataclass
+class SequenceExample:
+    text: str
+    label: str
+    text_pair: str | None = None
+
+
+@dataclass
+class TokenExample:
+    words: list[str]
+    tags: list[str]
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each word in `text`."""
+        out, start = [], 0
+        for word in self.words:
+            out.append((start, start + len(word)))
+            start += len(word) + 1
+        return out
+
+
+@dataclass
+class LabelledData:
+    """One split: its examples, the task type they imply and where they came from."""
+
+    task_type: TaskType
+    examples: list
+    source: str
+    has_pairs: bool = False
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def labels_seen(self) -> list[str]:
+        if self.task_type == TaskType.token_classification:
+            return sorted({tag for ex in self.examples for tag in ex.tags})
+        return sorted({ex.label for ex in self.examples})
+
+    def texts(self) -> list[str]:
+        return [ex.text for ex in self.examples]
+
+    def text_pairs(self) -> list[str] | None:
+        return [ex.text_pair for ex in self.examples] if self.has_pairs else None
+
+    def subset(self, n: int | None, seed: int) -> "LabelledData":
+        """A seeded random subset of n examples, kept in file order (for quick runs)."""
+        if n is None or n >= len(self.examples):
+            return self
+        keep = sorted(random.Random(seed).sample(range(len(self.examples)), n))
+        return LabelledData(self.task_type, [self.examples[i] for i in keep], self.source, self.has_pairs)
+
+
+# ---- readers ----------------------------------------------------------------------------------
+Column = int | str
+
+
+def _column_index(column: Column, header: list[str] | None, path: Path) -> int:
+    if isinstance(column, int):
+        return column
+    if column.lstrip("-").isdigit():
+        return int(column)
+    if header is None:
+        raise ValueError(f"{path}: column {column!r} is a name but the file has no header; give its index")
+    if column not in header:
+        raise ValueError(f"{path}: no column {column!r}; the header has {header}")
+    return header.index(column)
+
+
+def _rows(path: Path, fmt: str) -> list[list[str]]:
+    with open(path, encoding="utf-8", newline="") as fh:
+        if fmt == "csv":
+            return [row for row in csv.reader(fh) if row]
+        # the shared TSVs have no quoting (texts contain '"'): split on tabs only
+        return [line.rstrip("\r\n").split("\t") for line in fh if line.strip()]
+
+
+def read_table(path: str | Path, *, text_column: Column, label_column: Column, pair_column: Column | None = None,
+               fmt: str | None = None, header: bool = True, label_map: dict[str, str] | None = None) -> LabelledData:
+    """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
+    0-based indices; `label_map` renames raw labels (e.g. {"0": "negative"})."""
+    path = Path(path)
+    fmt = fmt or guess_format(path)
+    examples = []
+    if fmt == "jsonl":
+        with open(path, encoding="utf-8") as fh:
+            for line_no, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                try:
+                    text, label = record[text_column], record[label_column]
+                    pair = record[pair_column] if pair_column is not None else None
+                except KeyError as exc:
+                    raise ValueError(f"{path}:{line_no}: no key {exc} in {sorted(record)}") from None
+                examples.append(_example(text, label, pair, label_map))
+    elif fmt in ("tsv", "csv"):
+        rows = _rows(path, fmt)
+        names = rows.pop(0) if header and rows else None
+        text_i = _column_index(text_column, names, path)
+        label_i = _column_index(label_column, names, path)
+        pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
+        needed = max(i for i in (text_i, label_i, pair_i) if i is not None)
+        for row_no, row in enumerate(rows, 2 if names else 1):
+            if len(row) <= needed:
+                raise ValueError(f"{path}: row {row_no} has {len(row)} columns, column {needed} is needed")
+            examples.append(_example(row[text_i], row[label_i], row[pair_i] if pair_i is not None else None, label_map))
+    else:
+        raise ValueError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
+    return LabelledData(TaskType.sequence_classification, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _example(text, label, pair, label_map) -> SequenceExample:
+    label = str(label).strip()
+    if label_map:
+        if label not in label_map:
+            raise ValueError(f"label {label!r} is not in the label map {label_map}")
+        label = label_map[label]
+    return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
+
+
+def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> LabelledData:
+    """CoNLL column file: one `word ... tag` line per token, blank lines between sentences,
+    -DOCSTART- lines skipped."""
+    path = Path(path)
+    examples, words, tags = [], [], []
+
+    def end_sentence():
+        if words:
+            examples.append(TokenExample(words=list(words), tags=list(tags)))
+        words.clear()
+        tags.clear()
+
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            parts = line.split()
+            if not parts:
+                end_sentence()
+                continue
+            if parts[0] == "-DOCSTART-":
+                end_sentence()
+                continue
+            try:
+                words.append(parts[word_column])
+                tags.append(parts[tag_column])
+            except IndexError:
+                raise ValueError(f"{path}:{line_no}: expected word and tag columns, got {line.strip()!r}") from None
+    end_sentence()
+    return LabelledData(TaskType.token_classification, examples, str(path))
+
+
+def guess_format(path: Path) -> str:
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix in ("tsv", "csv", "jsonl"):
+        return suffix
+    if suffix == "json":
+        return "jsonl"
+    if suffix in ("txt", "conll", "bio", "iob"):
+        return "conll"
+    raise ValueError(f"{path}: cannot tell the format from the extension; give --format ({'/'.join(FORMATS)})")
+
+
+# ---- presets ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DatasetPreset:
+    """How to read one of the datasets in the shared data folder."""
+
+    name: str
+    format: str
+    train: str  # relative to the data dir
+    validation: str
+    metric: str  # the validation metric to select on
+    labels: tuple[str, ...]  # label order of the head
+    text_column: Column = 0
+    label_column: Column = 1
+    pair_column: Column | None = None
+    header: bool = True
+    label_map: dict[str, str] = field(default_factory=dict)
+
+
+PRESETS = {
+    "sst2": DatasetPreset(
+        "sst2", "tsv", "sst2/train.tsv", "sst2/validation.tsv", metric="accuracy",
+        labels=("negative", "positive"), text_column="sentence", label_column="label",
+        label_map={"0": "negative", "1": "positive"},
+    ),
+    "cola": DatasetPreset(
+        "cola", "tsv", "cola/train.tsv", "cola/validation.tsv", metric="mcc",
+        labels=("unacceptable", "acceptable"), text_column=3, label_column=1, header=False,
+        label_map={"0": "unacceptable", "1": "acceptable"},
+    ),
+    "rte": DatasetPreset(
+        "rte", "tsv", "rte/train.tsv", "rte/dev.tsv", metric="accuracy",
+        labels=("entailment", "not_entailment"), text_column="sentence1", pair_column="sentence2",
+        label_column="label",
+    ),
+    "conll2003": DatasetPreset(
+        "conll2003", "conll", "conll2003/train.txt", "conll2003/validation.txt", metric="f1",
+        labels=tuple(CONLL_TAGS),
+    ),
+}
+
+
+@dataclass
+class DataSpec:
+    """Where a split comes from and how to read it (a preset fills these in)."""
+
+    path: Path
+    format: str
+    text_column: Column = 0
+    label_column: Column = 1
+    pair_column: Column | None = None
+    header: bool = True
+    label_map: dict[str, str] | None = None
+
+    def read(self) -> LabelledData:
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no data file {self.path} (set --data-dir or TMOD_DATA_DIR)")
+        if self.format == "conll":
+            return read_conll(self.path)
+        return read_table(self.path, text_column=self.text_column, label_column=self.label_column,
+                          pair_column=self.pair_column, fmt=self.format, header=self.header, label_map=self.label_map)
+
+
+def preset_spec(preset: DatasetPreset, split: str, data_dir: Path | None = None) -> DataSpec:
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
+    relative = {"train": preset.train, "validation": preset.validation}[split]
+    return DataSpec(data_dir / relative, preset.format, preset.text_column, preset.label_column,
+                    preset.pair_column, preset.header, dict(preset.label_map) or None)
+
+
+def label_order(data: LabelledData, given: Sequence[str] | None = None) -> list[str]:
+    """The head's labels: `given` if any, else BIO tags as O then B-/I- per type, else sorted."""
+    if given:
+        return list(given)
+    seen = data.labels_seen()
+    if data.task_type != TaskType.token_classification:
+        return seen
+    types = sorted({tag[2:] for tag in seen if tag[:2] in ("B-", "I-")})
+    bio = ["O"] + [f"{p}-{t}" for t in types for p in ("B", "I")]
+    return bio + sorted(set(seen) - set(bio))
+
+
+# ---- word tags <-> sub-word tokens -----------------------------------------------------------
+def _inside_of(labels: list[str]) -> list[int]:
+    """For each label id, the id a word's later pieces get: I-X for B-X/I-X, itself otherwise."""
+    index = {label: i for i, label in enumerate(labels)}
+    return [index.get("I-" + label[2:], i) if label.startswith("B-") else i for i, label in enumerate(labels)]
+
+
+def token_labels(batch: TokenBatch, row: int, spans: list[tuple[int, int]], word_label_ids: list[int],
+                 labels: list[str]) -> list[int]:
+    """Per-token targets for one row: a label on the first sub-token of each word, -100 elsewhere.
+
+    "Word" here is the tokenizer's pre-tokenized word (what the server decodes by, see
+    server.heads.decode.word_predictions). Where the tokenizer splits a data word further
+    ("U.S." -> "U", ".", "S", "."), the first piece gets the word's tag and the later pieces the
+    matching I- tag, so served entities cover the whole word.
+    """
+    inside = _inside_of(labels)
+    starts = [start for start, _ in spans]
+    out = [IGNORE_INDEX] * batch.seq_len
+    seen_words = set()
+    for t, (seq, word) in enumerate(zip(batch.sequence_ids[row], batch.word_ids[row])):
+        if seq != 0 or word is None or word in seen_words:
+            continue
+        seen_words.add(word)
+        start = batch.offsets[row][t][0]
+        w = bisect.bisect_right(starts, start) - 1  # the data word whose span holds this token
+        if w < 0 or start >= spans[w][1]:
+            continue
+        tag = word_label_ids[w]
+        out[t] = tag if start == spans[w][0] else inside[tag]
+    return out
+
+
+def word_label_ids_from_tokens(batch: TokenBatch, row: int, spans: list[tuple[int, int]],
+                               token_ids: Sequence[int], outside: int = 0) -> list[int]:
+    """The inverse: each data word takes the token label at its first sub-token. Words with no
+    token (cut by truncation) get `outside`."""
+    first_token = {}
+    for t, seq in enumerate(batch.sequence_ids[row]):
+        if seq == 0:
+            first_token.setdefault(batch.offsets[row][t][0], t)
+    return [int(token_ids[first_token[start]]) if start in first_token else outside for start, _ in spans]

@@ -1,0 +1,123 @@
+"""Validation metrics: classification scores and CoNLL entity-level scores.
+
+Entity extraction follows conlleval (and seqeval's default mode): an entity starts at a B- tag,
+or at an I- tag whose type differs from the entity before it (IOB1 and ill-formed BIO); it ends
+at O, at a B- tag, or where the type changes. Scores count exact (type, start, end) matches.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Sequence
+
+
+# ---- classification ---------------------------------------------------------------------------
+def accuracy(gold: Sequence, pred: Sequence) -> float:
+    _same_length(gold, pred)
+    return sum(g == p for g, p in zip(gold, pred)) / len(gold) if gold else 0.0
+
+
+def _prf(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return precision, recall, f1
+
+
+def f1_binary(gold: Sequence, pred: Sequence, positive) -> float:
+    _same_length(gold, pred)
+    tp = sum(g == positive and p == positive for g, p in zip(gold, pred))
+    fp = sum(g != positive and p == positive for g, p in zip(gold, pred))
+    fn = sum(g == positive and p != positive for g, p in zip(gold, pred))
+    return _prf(tp, fp, fn)[2]
+
+
+def f1_macro(gold: Sequence, pred: Sequence, labels: Sequence | None = None) -> float:
+    """Unweighted mean of per-class F1 over `labels` (default: every class in gold or pred)."""
+    labels = list(labels) if labels is not None else sorted(set(gold) | set(pred), key=str)
+    return sum(f1_binary(gold, pred, label) for label in labels) / len(labels) if labels else 0.0
+
+
+def matthews(gold: Sequence, pred: Sequence) -> float:
+    """Matthews correlation coefficient (multi-class form; the usual one for two classes)."""
+    _same_length(gold, pred)
+    n = len(gold)
+    if n == 0:
+        return 0.0
+    correct = sum(g == p for g, p in zip(gold, pred))
+    gold_counts, pred_counts = Counter(gold), Counter(pred)
+    classes = set(gold_counts) | set(pred_counts)
+    cov_gp = correct * n - sum(gold_counts[c] * pred_counts[c] for c in classes)
+    cov_gg = n * n - sum(v * v for v in gold_counts.values())
+    cov_pp = n * n - sum(v * v for v in pred_counts.values())
+    if cov_gg == 0 or cov_pp == 0:
+        return 0.0  # one side is constant: no correlation (sklearn's convention too)
+    return cov_gp / math.sqrt(cov_gg * cov_pp)
+
+
+def classification_scores(gold: Sequence[str], pred: Sequence[str], labels: Sequence[str]) -> dict:
+    """Everything reported for a sequence task. Binary F1 takes labels[1] as the positive class."""
+    scores = {
+        "accuracy": accuracy(gold, pred),
+        "f1_macro": f1_macro(gold, pred, labels),
+        "mcc": matthews(gold, pred),
+        "examples": len(gold),
+    }
+    if len(labels) == 2:
+        scores["f1"] = f1_binary(gold, pred, labels[1])
+        scores["f1_positive_label"] = labels[1]
+    return scores
+
+
+# ---- entities ---------------------------------------------------------------------------------
+def split_tag(tag: str) -> tuple[str, str]:
+    """'B-PER' -> ('B', 'PER'); 'O' -> ('O', ''); a bare type 'PER' -> ('I', 'PER')."""
+    if tag == "O":
+        return "O", ""
+    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BI":
+        return tag[0], tag[2:]
+    return "I", tag
+
+
+def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
+    """(type, first, last) word indices of each entity in one sentence's tags (last inclusive)."""
+    found = []
+    current = None  # [type, first]
+    for i, tag in enumerate(tags):
+        prefix, kind = split_tag(tag)
+        if current is not None and (prefix in ("O", "B") or kind != current[0]):
+            found.append((current[0], current[1], i - 1))
+            current = None
+        if prefix != "O" and current is None:
+            current = [kind, i]
+    if current is not None:
+        found.append((current[0], current[1], len(tags) - 1))
+    return found
+
+
+def entity_scores(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> dict:
+    """Micro precision/recall/F1 over exact entity matches, plus the same per type."""
+    if len(gold) != len(pred):
+        raise ValueError(f"{len(gold)} gold sentences vs {len(pred)} predicted")
+    tp, n_gold, n_pred = Counter(), Counter(), Counter()
+    for s, (gold_tags, pred_tags) in enumerate(zip(gold, pred)):
+        _same_length(gold_tags, pred_tags, f"sentence {s}: ")
+        gold_set, pred_set = set(entities(gold_tags)), set(entities(pred_tags))
+        n_gold.update(e[0] for e in gold_set)
+        n_pred.update(e[0] for e in pred_set)
+        tp.update(e[0] for e in gold_set & pred_set)
+    per_type = {}
+    for kind in sorted(set(n_gold) | set(n_pred)):
+        p, r, f = _prf(tp[kind], n_pred[kind] - tp[kind], n_gold[kind] - tp[kind])
+        per_type[kind] = {"precision": p, "recall": r, "f1": f, "support": n_gold[kind]}
+    total_tp, total_gold, total_pred = sum(tp.values()), sum(n_gold.values()), sum(n_pred.values())
+    p, r, f = _prf(total_tp, total_pred - total_tp, total_gold - total_tp)
+    words = sum(len(t) for t in gold)
+    word_acc = sum(g == q for gt, pt in zip(gold, pred) for g, q in zip(gt, pt)) / words if words else 0.0
+    return {"precision": p, "recall": r, "f1": f, "per_type": per_type, "entities": total_gold,
+            "sentences": len(gold), "word_accuracy": word_acc}
+
+
+def _same_length(a: Sequence, b: Sequence, where: str = "") -> None:
+    if len(a) != len(b):
+        raise ValueError(f"{where}{len(a)} gold vs {len(b)} predicted")
