@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from contextlib import asynccontextmanager
@@ -11,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modules_store import ArtifactError
 from server.backbone import Backbone, InputTooLong
 from server.batcher import ClientGone, DeadlineExceeded, Job, QueueFull
 from server.config import Settings
@@ -24,7 +26,15 @@ from server.errors import (
 )
 from server.modules import LoadedModule, count_parameters
 from server.runtime import Runtime
-from server.schemas import InferRequest, InferResponse, ModelInfo, TaskDetail, TaskInfo, TaskList
+from server.schemas import (
+    InferRequest,
+    InferResponse,
+    ModelInfo,
+    ModuleAction,
+    ModuleActionResult,
+    TaskDetail,
+    TaskList,
+)
 
 
 class BodySizeLimit:
@@ -115,9 +125,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     def select_modules(tasks: str | None) -> dict[str, LoadedModule]:
         loaded = runtime.modules  # one snapshot for the whole request
-        if not loaded:
-            raise ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store})")
         if tasks is None:
+            if not loaded:
+                raise ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store})")
             return dict(loaded)
         names = [t.strip() for t in tasks.split(",")]
         if any(not n for n in names):
@@ -189,6 +199,46 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             results=results, model=model_info(), tasks={t: m.version for t, m in modules.items()},
             truncated=[i for i, row in enumerate(rows) if row.truncated],
         )
+
+    # ---- admin: hot module management --------------------------------------------------------
+    def require_admin(request: Request) -> None:
+        if not settings.admin_token:
+            raise ApiError(403, "admin_disabled", "the admin API is disabled: set TMOD_ADMIN_TOKEN to enable it")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.admin_token.encode()):
+            raise ApiError(401, "unauthorized", "admin endpoints need 'Authorization: Bearer <admin token>'")
+
+    async def in_compute_thread(fn, *args):
+        # between batches, never during one: a pass sees one consistent set of modules
+        try:
+            return await asyncio.get_running_loop().run_in_executor(runtime.executor, fn, *args)
+        except ArtifactError as exc:
+            status = 404 if exc.reason == "not_found" else 409
+            raise ApiError(status, f"artifact_{exc.reason}", exc.message) from exc
+
+    @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
+              responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
+    async def manage_module(task: str, action: str, request: Request, body: ModuleAction | None = None):
+        """load: load or replace with a store version (default latest); reload: read the loaded
+        version (or the one named) again from the store; unload: stop serving the task.
+        A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
+        require_admin(request)
+        require_ready()
+        version = body.version if body else None
+        current = runtime.modules.get(task)
+        if action not in ("load", "reload", "unload"):
+            raise ApiError(404, "not_found", f"unknown action {action!r}: use load, reload or unload")
+        if action in ("reload", "unload") and current is None:
+            raise ApiError(404, "unknown_task", f"task {task!r} is not loaded; loaded tasks: {sorted(runtime.modules)}",
+                           loaded_tasks=sorted(runtime.modules))
+        if action == "unload":
+            removed = await in_compute_thread(runtime.unload_task, task)
+            return ModuleActionResult(task=task, action=action, version=removed.version)
+        if action == "reload":
+            version = version or current.version
+        module = await in_compute_thread(runtime.load_task, task, version)
+        return ModuleActionResult(task=task, action=action, version=module.version,
+                                  previous_version=current.version if current else None)
 
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks():

@@ -29,6 +29,7 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests after its first")
     max_queue: int = Field(256, ge=1, description="requests waiting for compute; beyond this, 429 at once")
     request_timeout_s: float = Field(30.0, gt=0, description="a request still queued after this is answered 503")
+    admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
     log_level: str = Field("info", description="uvicorn log level")
 
     def task_list(self) -> list[str]:

@@ -71,6 +71,25 @@ class Runtime:
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")
 
+    # ---- hot modules (run in the compute thread, between batches) ----------------------------
+    def load_task(self, task: str, version: str | None = None) -> LoadedModule:
+        """Load (or replace with) a version, default the store's latest. A refused artifact
+        raises ArtifactError and leaves the running set untouched."""
+        module = load_module(self.store, task, version, self.backbone, self.settings.device)
+        self.modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
+        self.load_errors.pop(task, None)
+        self.metrics.modules_loaded.set(len(self.modules))
+        log.info("module %s/%s loaded", task, module.version)
+        return module
+
+    def unload_task(self, task: str) -> LoadedModule:
+        modules = dict(self.modules)
+        removed = modules.pop(task)
+        self.modules = modules
+        self.metrics.modules_loaded.set(len(modules))
+        log.info("module %s/%s unloaded", task, removed.version)
+        return removed
+
     def close(self) -> None:
         self.tokenize_executor.shutdown(wait=True)
         self.executor.shutdown(wait=True)

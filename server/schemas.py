@@ -69,3 +69,15 @@ class TaskDetail(TaskInfo):
 class TaskList(BaseModel):
     tasks: list[TaskInfo]
     backbone: ModelInfo
+
+
+class ModuleAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str | None = Field(None, description="store version; default: latest (load) or the loaded one (reload)")
+
+
+class ModuleActionResult(BaseModel):
+    task: str
+    action: str
+    version: str
+    previous_version: str | None = None

@@ -1,0 +1,120 @@
+"""Hot module management over a real loopback server: load, reload, unload, refusals."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from modules_store import ModuleStore
+from server.app import create_app
+from server.config import Settings
+from server.modules import save_module
+from tests.helpers import LiveServer, random_head
+
+TOKEN = "s3cret-admin-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+TEXTS = ["A fine film.", "Dreadful, long and loud.", "It rained in Paris on Monday."]
+
+
+@pytest.fixture()
+def store(tmp_path, tiny_backbone):
+    store = ModuleStore(tmp_path / "store")
+    for version, seed in (("1", 1), ("2", 2)):
+        head = random_head(tiny_backbone, "sequence_classification", ["negative", "positive"], seed)
+        save_module(store, "sentiment", version, head, tiny_backbone)
+    return store
+
+
+@pytest.fixture()
+def live(store, tiny_backbone):
+    settings = Settings(store=store.root, admin_token=TOKEN, tasks="sentiment")
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+
+
+def admin(client, task, action, version=None, headers=AUTH):
+    return client.post(f"/admin/modules/{task}/{action}", json={"version": version}, headers=headers)
+
+
+def scores(client):
+    body = client.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": TEXTS}).json()
+    return body["tasks"]["sentiment"], [r["sentiment"]["scores"]["positive"] for r in body["results"]]
+
+
+def test_admin_needs_the_token(live, store, tiny_backbone):
+    assert admin(live, "sentiment", "reload", headers={}).status_code == 401
+    assert admin(live, "sentiment", "reload", headers={"authorization": "Bearer wrong"}).json()["error"]["type"] == "unauthorized"
+    settings = Settings(store=store.root)  # no token configured: admin disabled
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        response = httpx.post(server.url + "/admin/modules/sentiment/reload", headers=AUTH)
+        assert response.status_code == 403 and response.json()["error"]["type"] == "admin_disabled"
+
+
+def test_load_switch_and_unload(live):
+    version, v2_scores = scores(live)
+    assert version == "2"  # latest at start
+    response = admin(live, "sentiment", "load", "1")
+    assert response.status_code == 200 and response.json() == {
+        "task": "sentiment", "action": "load", "version": "1", "previous_version": "2"}
+    version, v1_scores = scores(live)
+    assert version == "1" and v1_scores != v2_scores
+    assert admin(live, "sentiment", "unload").json()["version"] == "1"
+    assert live.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x"]}).status_code == 400
+    assert admin(live, "sentiment", "unload").status_code == 404
+    assert admin(live, "sentiment", "load").json()["version"] == "2"
+    assert scores(live) == ("2", v2_scores)
+    assert admin(live, "nope", "load").json()["error"]["type"] == "artifact_not_found"
+    assert admin(live, "sentiment", "explode").status_code == 404
+
+
+def test_reloads_during_traffic_fail_no_request(live):
+    admin(live, "sentiment", "load", "1")
+    expected = {"1": scores(live)[1]}
+    admin(live, "sentiment", "load", "2")
+    expected["2"] = scores(live)[1]
+
+    async def traffic_with_swaps():
+        async with httpx.AsyncClient(base_url=str(live.base_url), timeout=60) as client:
+            async def one_request():
+                return await client.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": TEXTS})
+
+            async def swap(version):
+                response = await client.post("/admin/modules/sentiment/load", json={"version": version}, headers=AUTH)
+                assert response.status_code == 200
+
+            responses = []
+            for version in ("1", "2", "1", "2", "1", "2"):  # each swap lands amid a wave of requests
+                wave = await asyncio.gather(one_request(), one_request(), swap(version),
+                                            *(one_request() for _ in range(6)))
+                responses += [r for r in wave if r is not None]
+            return responses
+
+    responses = asyncio.run(traffic_with_swaps())
+    seen = set()
+    for response in responses:
+        assert response.status_code == 200, response.text
+        body = response.json()
+        version = body["tasks"]["sentiment"]
+        seen.add(version)
+        # every answer is wholly one version's answer: requests finish on the version they started with
+        got = [r["sentiment"]["scores"]["positive"] for r in body["results"]]
+        assert got == pytest.approx(expected[version], abs=1e-5)
+    assert seen == {"1", "2"}  # the swaps really happened while requests were in flight
+
+
+def test_corrupted_artifact_is_refused_and_old_version_keeps_serving(live, store, tiny_backbone):
+    before = scores(live)
+    save_module(store, "sentiment", "3", random_head(tiny_backbone, "sequence_classification", ["negative", "positive"], 3),
+                tiny_backbone)
+    weights = store.path("sentiment", "3") / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x55
+    weights.write_bytes(bytes(data))
+    response = admin(live, "sentiment", "load", "3")
+    assert response.status_code == 409
+    assert response.json()["error"]["type"] == "artifact_checksum_mismatch"
+    assert "checksum mismatch" in response.json()["error"]["message"]
+    assert scores(live) == before
+    assert live.get("/readyz").status_code == 200
