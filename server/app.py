@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from modules_store import ArtifactError
+from server import oip
 from server.backbone import Backbone, InputTooLong
 from server.batcher import ClientGone, DeadlineExceeded, Job, QueueFull
 from server.config import Settings
@@ -143,28 +144,27 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             )
         return {n: loaded[n] for n in names}
 
-    @app.post("/v1/infer", response_model=InferResponse, tags=["inference"],
-              responses={400: {}, 413: {}, 422: {}, 429: {}, 503: {}})
-    async def infer(body: InferRequest, request: Request, response: Response,
-                    tasks: str | None = Query(None, description="comma-separated task names; none = all loaded")):
+    async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
+                            truncate: bool, request: Request) -> tuple[list[dict], list, dict[str, str]]:
+        """Shared by every protocol: limits, tokenization, the batcher, metrics, timing headers.
+        -> (per-input results keyed by task, encoded rows, response headers)."""
         received = time.perf_counter()
-        require_ready()
-        modules = select_modules(tasks)
-        if len(body.inputs) > settings.max_inputs:
-            raise ApiError(413, "too_many_inputs",
-                           f"{len(body.inputs)} inputs; at most {settings.max_inputs} per request")
-        pairs = not isinstance(body.inputs[0], str)
-        texts = [item.text if pairs else item for item in body.inputs]
-        text_pairs = [item.text_pair for item in body.inputs] if pairs else None
+        if not texts:
+            raise ApiError(422, "invalid_request", "no inputs: send at least one text")
+        if len(texts) > settings.max_inputs:
+            raise ApiError(413, "too_many_inputs", f"{len(texts)} inputs; at most {settings.max_inputs} per request")
         for i, text in enumerate(texts + (text_pairs or [])):
+            row = i % len(texts)
             if len(text) > settings.max_chars:
                 raise ApiError(413, "input_too_long",
-                               f"input {i % len(texts)} has {len(text)} characters; at most {settings.max_chars}")
+                               f"input {row} has {len(text)} characters; at most {settings.max_chars}")
+            if not text.strip():
+                raise ApiError(422, "invalid_request", f"input {row} is empty or only whitespace")
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:
             rows = await loop.run_in_executor(
-                runtime.tokenize_executor, runtime.backbone.encode, texts, text_pairs, body.truncate, settings.max_tokens
+                runtime.tokenize_executor, runtime.backbone.encode, texts, text_pairs, truncate, settings.max_tokens
             )
         except InputTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
@@ -189,12 +189,23 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         metrics.inputs.inc(len(texts))
         for task in modules:
             metrics.task_requests.labels(task).inc()
-        response.headers["x-queue-time"] = f"{queue * 1000:.3f}"
-        response.headers["x-tokenization-time"] = f"{timings.tokenize * 1000:.3f}"
-        response.headers["x-backbone-time"] = f"{timings.backbone * 1000:.3f}"
-        response.headers["x-heads-time"] = f"{timings.heads * 1000:.3f}"
-        response.headers["x-inference-time"] = f"{(timings.backbone + timings.heads) * 1000:.3f}"
-        response.headers["x-total-time"] = f"{total * 1000:.3f}"
+        headers = {
+            "x-queue-time": queue, "x-tokenization-time": timings.tokenize, "x-backbone-time": timings.backbone,
+            "x-heads-time": timings.heads, "x-inference-time": timings.backbone + timings.heads, "x-total-time": total,
+        }
+        return results, rows, {name: f"{seconds * 1000:.3f}" for name, seconds in headers.items()}
+
+    @app.post("/v1/infer", response_model=InferResponse, tags=["inference"],
+              responses={400: {}, 413: {}, 422: {}, 429: {}, 503: {}})
+    async def infer(body: InferRequest, request: Request, response: Response,
+                    tasks: str | None = Query(None, description="comma-separated task names; none = all loaded")):
+        require_ready()
+        modules = select_modules(tasks)
+        pairs = not isinstance(body.inputs[0], str)
+        texts = [item.text if pairs else item for item in body.inputs]
+        text_pairs = [item.text_pair for item in body.inputs] if pairs else None
+        results, rows, headers = await run_inference(texts, text_pairs, modules, body.truncate, request)
+        response.headers.update(headers)
         return InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in modules.items()},
             truncated=[i for i, row in enumerate(rows) if row.truncated],
@@ -253,6 +264,56 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             raise ApiError(404, "unknown_task", f"no task {name!r}; loaded tasks: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
         return {**_task_info(module), "manifest": module.manifest.model_dump(mode="json")}
+
+    # ---- Open Inference Protocol v2 (KServe / Triton clients) --------------------------------
+    def oip_module(task: str, version: str | None = None) -> LoadedModule:
+        module = runtime.modules.get(task)
+        if module is None:
+            raise ApiError(404, "unknown_task", f"no model {task!r}; loaded: {sorted(runtime.modules)}",
+                           loaded_tasks=sorted(runtime.modules))
+        if version is not None and version != module.version:
+            raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {version!r}")
+        return module
+
+    @app.get("/v2", tags=["oip-v2"])
+    async def oip_server_metadata():
+        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data"]}
+
+    @app.get("/v2/health/live", tags=["oip-v2"])
+    async def oip_live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready", tags=["oip-v2"], responses={503: {}})
+    async def oip_ready():
+        require_ready()
+        return {"ready": True}
+
+    @app.get("/v2/models/{task}", tags=["oip-v2"], responses={404: {}})
+    @app.get("/v2/models/{task}/versions/{version}", tags=["oip-v2"], responses={404: {}})
+    async def oip_model_metadata(task: str, version: str | None = None):
+        require_ready()
+        return oip.model_metadata(oip_module(task, version))
+
+    @app.get("/v2/models/{task}/ready", tags=["oip-v2"], responses={404: {}})
+    @app.get("/v2/models/{task}/versions/{version}/ready", tags=["oip-v2"], responses={404: {}})
+    async def oip_model_ready(task: str, version: str | None = None):
+        require_ready()
+        module = oip_module(task, version)
+        return {"name": module.task, "version": module.version, "ready": True}
+
+    @app.post("/v2/models/{task}/infer", tags=["oip-v2"], responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}})
+    @app.post("/v2/models/{task}/versions/{version}/infer", tags=["oip-v2"],
+              responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}})
+    async def oip_infer(task: str, request: Request, version: str | None = None):
+        """Body: OIP v2 JSON, or the binary data extension (Inference-Header-Content-Length)."""
+        require_ready()
+        module = oip_module(task, version)
+        body = await request.body()
+        parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
+        truncate = bool((parsed.get("parameters") or {}).get("truncate", False))
+        results, _, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request)
+        content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
+        return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
     @app.get("/healthz", tags=["health"])
     async def healthz():

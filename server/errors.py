@@ -28,6 +28,9 @@ def _count(request: Request, type_: str) -> None:
 
 async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:
     _count(request, exc.type)
+    if request.url.path.startswith("/v2/"):
+        # the Open Inference Protocol puts the message string in "error"; its clients read it there
+        return JSONResponse({"error": exc.message, "type": exc.type, **exc.details}, status_code=exc.status)
     return JSONResponse(error_body(exc.type, exc.message, **exc.details), status_code=exc.status)
 
 

@@ -27,14 +27,9 @@ class InferRequest(BaseModel):
     @field_validator("inputs")
     @classmethod
     def _check_inputs(cls, inputs: list) -> list:
-        kinds = {isinstance(item, str) for item in inputs}
-        if len(kinds) > 1:
+        if len({isinstance(item, str) for item in inputs}) > 1:
             raise ValueError("inputs must be all texts or all {text, text_pair} objects, not a mix")
-        for i, item in enumerate(inputs):
-            for name, value in ([("text", item)] if isinstance(item, str) else item.model_dump().items()):
-                if not value.strip():
-                    raise ValueError(f"input {i}: {name} is empty or only whitespace")
-        return inputs
+        return inputs  # empty texts and limits are checked where every protocol shares them (app.py)
 
 
 class ModelInfo(BaseModel):

@@ -1,0 +1,171 @@
+"""Open Inference Protocol v2 (KServe / Triton REST) for each task, with the binary data extension.
+
+Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, same shape). Outputs per
+task type: sequence tasks `label` (BYTES [N]), `score` (FP32 [N]), `scores` (FP32 [N, C], columns in
+the order of the model's `labels` parameter); token tasks `entities` (BYTES [N], each a JSON list
+of {text, label, start, end, score}); regression `value` (FP32 [N]).
+
+The binary data extension (what `tritonclient` uses by default): the body is a JSON header of
+`Inference-Header-Content-Length` bytes followed by raw tensors; BYTES elements are each a 4-byte
+little-endian length and the bytes.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from modules_store import TaskType
+from server.errors import ApiError
+from server.modules import LoadedModule
+
+HEADER = "inference-header-content-length"
+
+
+def model_metadata(module: LoadedModule) -> dict[str, Any]:
+    return {
+        "name": module.task,
+        "versions": [module.version],
+        "platform": f"tmod-{module.manifest.kind}",
+        "inputs": [
+            {"name": "text", "datatype": "BYTES", "shape": [-1]},
+            {"name": "text_pair", "datatype": "BYTES", "shape": [-1], "optional": True},
+        ],
+        "outputs": output_specs(module),
+        "parameters": {"labels": module.manifest.labels, "task_type": module.manifest.task_type.value},
+    }
+
+
+def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
+    task_type = module.manifest.task_type
+    if task_type == TaskType.sequence_classification:
+        return [{"name": "label", "datatype": "BYTES", "shape": [-1]},
+                {"name": "score", "datatype": "FP32", "shape": [-1]},
+                {"name": "scores", "datatype": "FP32", "shape": [-1, len(module.manifest.labels)]}]
+    if task_type == TaskType.token_classification:
+        return [{"name": "entities", "datatype": "BYTES", "shape": [-1]}]
+    return [{"name": "value", "datatype": "FP32", "shape": [-1]}]
+
+
+# ---- decoding requests -----------------------------------------------------------------------
+def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
+    items, pos = [], 0
+    while pos < len(raw):
+        if pos + 4 > len(raw):
+            raise ApiError(400, "invalid_request", f"input {name!r}: truncated BYTES element length")
+        (size,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + size > len(raw):
+            raise ApiError(400, "invalid_request", f"input {name!r}: BYTES element overruns the body")
+        items.append(raw[pos:pos + size])
+        pos += size
+    return items
+
+
+def _as_text(value: Any, name: str, index: int) -> str:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, "invalid_request", f"input {name!r} element {index} is not valid UTF-8") from exc
+    if not isinstance(value, str):
+        raise ApiError(400, "invalid_request", f"input {name!r} element {index} must be a string")
+    return value
+
+
+def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[str], list[str] | None]:
+    """-> (the JSON header, texts, text pairs or None)."""
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise ApiError(400, "invalid_request", f"bad {HEADER} header {header_length!r}")
+        json_part, binary = body[: int(header_length)], body[int(header_length):]
+    else:
+        json_part, binary = body, b""
+    try:
+        request = json.loads(json_part)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(422, "invalid_request", f"request is not valid JSON: {exc}") from exc
+    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
+        raise ApiError(422, "invalid_request", "request needs a non-empty 'inputs' list")
+    tensors: dict[str, list[str]] = {}
+    offset = 0
+    for tensor in request["inputs"]:
+        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
+            raise ApiError(422, "invalid_request", "each input needs a 'name'")
+        name = tensor["name"]
+        if name not in ("text", "text_pair"):
+            raise ApiError(400, "invalid_request", f"unknown input {name!r}; inputs are 'text' and 'text_pair'")
+        if tensor.get("datatype") != "BYTES":
+            raise ApiError(400, "invalid_request", f"input {name!r} must have datatype BYTES")
+        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise ApiError(400, "invalid_request", f"input {name!r}: binary_data_size {size!r} overruns the body")
+            values = _bytes_elements(binary[offset:offset + size], name)
+            offset += size
+        else:
+            values = np.asarray(tensor.get("data", []), dtype=object).reshape(-1).tolist()
+        tensors[name] = [_as_text(v, name, i) for i, v in enumerate(values)]
+        shape = tensor.get("shape")
+        if not isinstance(shape, list) or int(np.prod(shape or [0])) != len(tensors[name]):
+            raise ApiError(400, "invalid_request", f"input {name!r}: shape {shape} does not match {len(tensors[name])} elements")
+    if "text" not in tensors:
+        raise ApiError(400, "invalid_request", "input 'text' is required")
+    pairs = tensors.get("text_pair")
+    if pairs is not None and len(pairs) != len(tensors["text"]):
+        raise ApiError(400, "invalid_request", "inputs 'text' and 'text_pair' must have the same length")
+    return request, tensors["text"], pairs
+
+
+# ---- encoding responses ----------------------------------------------------------------------
+def _output_arrays(module: LoadedModule, results: list[dict]) -> dict[str, tuple[str, np.ndarray]]:
+    task_type = module.manifest.task_type
+    if task_type == TaskType.sequence_classification:
+        labels = module.manifest.labels
+        return {
+            "label": ("BYTES", np.array([r["label"].encode() for r in results], dtype=object)),
+            "score": ("FP32", np.array([r["score"] for r in results], dtype=np.float32)),
+            "scores": ("FP32", np.array([[r["scores"][l] for l in labels] for r in results], dtype=np.float32)),
+        }
+    if task_type == TaskType.token_classification:
+        return {"entities": ("BYTES", np.array([json.dumps(r["entities"]).encode() for r in results], dtype=object))}
+    return {"value": ("FP32", np.array([r["value"] for r in results], dtype=np.float32))}
+
+
+def _serialize_bytes(array: np.ndarray) -> bytes:
+    return b"".join(struct.pack("<I", len(item)) + item for item in array.reshape(-1))
+
+
+def encode_response(module: LoadedModule, request: dict, results: list[dict]) -> tuple[bytes, dict[str, str]]:
+    """-> (body, extra headers). Binary where the request asked for it, JSON otherwise."""
+    arrays = _output_arrays(module, results)
+    wanted = request.get("outputs")
+    binary_default = bool((request.get("parameters") or {}).get("binary_data_output", False))
+    if wanted:
+        unknown = [o.get("name") for o in wanted if o.get("name") not in arrays]
+        if unknown:
+            raise ApiError(400, "invalid_request", f"unknown output(s) {unknown}; outputs are {sorted(arrays)}")
+        selection = [(o["name"], bool((o.get("parameters") or {}).get("binary_data", binary_default))) for o in wanted]
+    else:
+        selection = [(name, binary_default) for name in arrays]
+    outputs, blobs = [], []
+    for name, binary in selection:
+        datatype, array = arrays[name]
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary:
+            blob = _serialize_bytes(array) if datatype == "BYTES" else array.astype("<f4").tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            flat = array.reshape(-1).tolist()
+            entry["data"] = [v.decode() for v in flat] if datatype == "BYTES" else flat
+        outputs.append(entry)
+    header = {"model_name": module.task, "model_version": module.version, "outputs": outputs}
+    if "id" in request:
+        header["id"] = request["id"]
+    head = json.dumps(header).encode()
+    if not blobs:
+        return head, {"content-type": "application/json"}
+    return head + b"".join(blobs), {"content-type": "application/octet-stream", HEADER: str(len(head))}

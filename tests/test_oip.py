@@ -1,0 +1,78 @@
+"""Open Inference Protocol v2: the official tritonclient calls tmod tasks over loopback."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from server.app import create_app
+from server.config import Settings
+from tests.helpers import LiveServer
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+TEXTS = ["Peter Blackburn met Angela Merkel in Brussels.", "A dull film."]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_store, tiny_backbone):
+    with LiveServer(create_app(Settings(store=tiny_store.root, max_inputs=8), backbone=tiny_backbone)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def v1_answers(live):
+    body = httpx.post(live.url + "/v1/infer", params={"tasks": "sentiment,ner"}, json={"inputs": TEXTS}).json()
+    return body["results"]
+
+
+def texts_input(values, binary):
+    tensor = tritonclient_http.InferInput("text", [len(values)], "BYTES")
+    tensor.set_data_from_numpy(np.array([v.encode() for v in values], dtype=object), binary_data=binary)
+    return tensor
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_tritonclient_sequence_task(live, v1_answers, binary):
+    client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("sentiment")
+    metadata = client.get_model_metadata("sentiment")
+    assert metadata["name"] == "sentiment" and metadata["inputs"][0]["datatype"] == "BYTES"
+    labels = metadata["parameters"]["labels"]
+    outputs = [tritonclient_http.InferRequestedOutput(name, binary_data=binary) for name in ("label", "score", "scores")]
+    result = client.infer("sentiment", [texts_input(TEXTS, binary)], outputs=outputs)
+    assert [l.decode() if isinstance(l, bytes) else l for l in result.as_numpy("label")] == \
+           [r["sentiment"]["label"] for r in v1_answers]
+    scores = result.as_numpy("scores")
+    assert scores.shape == (2, len(labels))
+    for row, answer in zip(scores, v1_answers):
+        assert row.tolist() == pytest.approx([answer["sentiment"]["scores"][l] for l in labels], abs=1e-5)
+
+
+def test_tritonclient_token_task_default_outputs(live, v1_answers):
+    client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
+    result = client.infer("ner", [texts_input(TEXTS, True)])  # no outputs named: all, binary
+    entities = [json.loads(item) for item in result.as_numpy("entities")]
+    assert entities == [r["ner"]["entities"] for r in v1_answers]
+
+
+def test_v2_errors(live):
+    client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
+    with pytest.raises(tritonclient_http.InferenceServerException, match="no model 'telepathy'"):
+        client.infer("telepathy", [texts_input(["x"], False)])
+    bad = [
+        {"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["only one"]}]},
+        {"inputs": [{"name": "image", "shape": [1], "datatype": "FP32", "data": [1.0]}]},
+        {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [""]}]},
+        {"inputs": [{"name": "text", "shape": [0], "datatype": "BYTES", "data": []}]},
+        {"inputs": []},
+    ]
+    for body in bad:
+        response = httpx.post(live.url + "/v2/models/sentiment/infer", json=body)
+        assert response.status_code in (400, 422), body
+        assert isinstance(response.json()["error"], str) and response.json()["type"] == "invalid_request"
+    response = httpx.post(live.url + "/v2/models/sentiment/infer", content=b"{\"inputs\": [1]",
+                          headers={"inference-header-content-length": "99999"})
+    assert response.status_code == 400 and "inference-header-content-length" in response.json()["error"]
+    assert httpx.get(live.url + "/v2/models/sentiment/versions/7").status_code == 404
