@@ -73,30 +73,31 @@ def test_token_example_text_and_spans():
 def _align(backbone, example, labels=CONLL_TAGS):
     index = {t: i for i, t in enumerate(labels)}
     ids = [index[t] for t in example.tags]
-    batch = backbone.tokenize([example.text], truncate=True)
-    return batch, ids, token_labels(batch, 0, example.spans, ids, labels)
+    encoded = backbone.encode([example.text], truncate=True)[0]
+    return encoded, ids, token_labels(encoded, example.spans, ids, labels)
 
 
 def test_word_tags_round_trip_through_sub_tokens(train_backbone, conll_file):
     for example in read_conll(conll_file).examples:
-        batch, ids, targets = _align(train_backbone, example)
+        encoded, ids, targets = _align(train_backbone, example)
         assert targets[0] == IGNORE_INDEX and targets[-1] == IGNORE_INDEX  # [CLS] ... [SEP]
-        assert word_label_ids_from_tokens(batch, 0, example.spans, targets) == ids
+        assert word_label_ids_from_tokens(encoded, example.spans, targets) == ids
 
 
 def test_split_words_label_every_piece_the_server_decodes_by(train_backbone, conll_file):
     """'U.S.' is one CoNLL word but four tokenizer words; each gets a label (B- then I-), so the
     server's decoder (first sub-token of each tokenizer word) rebuilds the whole entity."""
     example = read_conll(conll_file).examples[0]
-    batch, ids, targets = _align(train_backbone, example)
-    pieces = [(batch.offsets[0][t], CONLL_TAGS[y]) for t, y in enumerate(targets) if y != IGNORE_INDEX]
+    encoded, ids, targets = _align(train_backbone, example)
+    pieces = [(encoded.offsets[t], CONLL_TAGS[y]) for t, y in enumerate(targets) if y != IGNORE_INDEX]
     us_start = example.text.index("U.S.")
     in_us = [tag for (start, _), tag in pieces if us_start <= start < us_start + 4]
     assert in_us == ["B-LOC", "I-LOC", "I-LOC", "I-LOC"]
     # non-initial sub-tokens of one tokenizer word stay unlabelled
-    labelled_words = {batch.word_ids[0][t] for t, y in enumerate(targets) if y != IGNORE_INDEX}
+    labelled_words = {encoded.word_ids[t] for t, y in enumerate(targets) if y != IGNORE_INDEX}
     assert len(labelled_words) == sum(y != IGNORE_INDEX for y in targets)
 
+    batch = train_backbone.collate([encoded])
     logits = torch.full((1, batch.seq_len, len(CONLL_TAGS)), -5.0)
     for t, y in enumerate(targets):
         logits[0, t, y if y != IGNORE_INDEX else 0] = 5.0
@@ -110,10 +111,10 @@ def test_split_words_label_every_piece_the_server_decodes_by(train_backbone, con
 
 def test_truncated_words_come_back_as_outside(train_backbone):
     example = TokenExample(words=["Paris"] * 300, tags=["B-LOC"] * 300)
-    batch, ids, targets = _align(train_backbone, example)
-    assert batch.truncated[0]
-    back = word_label_ids_from_tokens(batch, 0, example.spans, targets, outside=0)
-    kept = batch.seq_len - 2
+    encoded, ids, targets = _align(train_backbone, example)
+    assert encoded.truncated
+    back = word_label_ids_from_tokens(encoded, example.spans, targets, outside=0)
+    kept = len(encoded) - 2
     assert back[:kept] == ids[:kept] and set(back[kept:]) == {0}
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from modules_store import TaskType
-from server.backbone.tokens import TokenBatch
+from server.backbone.tokens import EncodedInput
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IGNORE_INDEX = -100  # label of tokens the loss skips (torch's cross_entropy default)
@@ -286,9 +286,10 @@ def _inside_of(labels: list[str]) -> list[int]:
     return [index.get("I-" + label[2:], i) if label.startswith("B-") else i for i, label in enumerate(labels)]
 
 
-def token_labels(batch: TokenBatch, row: int, spans: list[tuple[int, int]], word_label_ids: list[int],
+def token_labels(encoded: EncodedInput, spans: list[tuple[int, int]], word_label_ids: list[int],
                  labels: list[str]) -> list[int]:
-    """Per-token targets for one row: a label on the first sub-token of each word, -100 elsewhere.
+    """Per-token targets of one encoded input: a label on the first sub-token of each word,
+    -100 elsewhere.
 
     "Word" here is the tokenizer's pre-tokenized word (what the server decodes by, see
     server.heads.decode.word_predictions). Where the tokenizer splits a data word further
@@ -297,13 +298,13 @@ def token_labels(batch: TokenBatch, row: int, spans: list[tuple[int, int]], word
     """
     inside = _inside_of(labels)
     starts = [start for start, _ in spans]
-    out = [IGNORE_INDEX] * batch.seq_len
+    out = [IGNORE_INDEX] * len(encoded)
     seen_words = set()
-    for t, (seq, word) in enumerate(zip(batch.sequence_ids[row], batch.word_ids[row])):
+    for t, (seq, word) in enumerate(zip(encoded.sequence_ids, encoded.word_ids)):
         if seq != 0 or word is None or word in seen_words:
             continue
         seen_words.add(word)
-        start = batch.offsets[row][t][0]
+        start = encoded.offsets[t][0]
         w = bisect.bisect_right(starts, start) - 1  # the data word whose span holds this token
         if w < 0 or start >= spans[w][1]:
             continue
@@ -312,12 +313,12 @@ def token_labels(batch: TokenBatch, row: int, spans: list[tuple[int, int]], word
     return out
 
 
-def word_label_ids_from_tokens(batch: TokenBatch, row: int, spans: list[tuple[int, int]],
-                               token_ids: Sequence[int], outside: int = 0) -> list[int]:
+def word_label_ids_from_tokens(encoded: EncodedInput, spans: list[tuple[int, int]], token_ids: Sequence[int],
+                               outside: int = 0) -> list[int]:
     """The inverse: each data word takes the token label at its first sub-token. Words with no
     token (cut by truncation) get `outside`."""
     first_token = {}
-    for t, seq in enumerate(batch.sequence_ids[row]):
+    for t, seq in enumerate(encoded.sequence_ids):
         if seq == 0:
-            first_token.setdefault(batch.offsets[row][t][0], t)
+            first_token.setdefault(encoded.offsets[t][0], t)
     return [int(token_ids[first_token[start]]) if start in first_token else outside for start, _ in spans]
