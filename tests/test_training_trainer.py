@@ -1,0 +1,220 @@
+"""tmod-train layermix / eval end to end on a tiny random backbone and tiny data files."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from modules_store import ModuleStore
+from server.engine import Engine
+from server.heads.layermix import LayerMixConfig, LayerMixHead
+from server.heads.layermix.layer import cutoff_weights
+from server.modules import load_module, save_module
+from training.cli import build_parser, main, settings_from_args
+from training.data import read_table
+from training.settings import TrainSettings, parse_label_map, parse_layers
+from training.states import CachedStates, RecomputedStates, Split
+from training.trainer import train
+
+POSITIVE = ["good", "great", "lovely", "fine", "superb"]
+NEGATIVE = ["bad", "awful", "dull", "poor", "boring"]
+FILLER = ["the", "film", "was", "really", "a", "plot", "and", "acting", "quite", "story"]
+
+
+def write_sentiment(path, n, seed):
+    rng = random.Random(seed)
+    lines = ["sentence\tlabel"]
+    for i in range(n):
+        label = i % 2
+        words = rng.sample(FILLER, 4) + [rng.choice(POSITIVE if label else NEGATIVE)]
+        rng.shuffle(words)
+        lines.append(" ".join(words) + ' "quoted"\t' + str(label))  # quotes: TSV has no quoting
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+PEOPLE, PLACES = ["Alice", "Bob", "Carol", "Dave"], ["Paris", "Berlin", "Rome", "Oslo"]
+
+
+def write_conll(path, n, seed):
+    rng = random.Random(seed)
+    lines = ["-DOCSTART- -X- -X- O", ""]
+    for _ in range(n):
+        sentence = [(rng.choice(PEOPLE), "B-PER"), ("went", "O"), ("to", "O"), (rng.choice(PLACES), "B-LOC")]
+        if rng.random() < 0.5:
+            sentence += [("with", "O"), (rng.choice(PEOPLE), "B-PER"), ("Smith", "I-PER")]
+        lines += [f"{w} X X {t}" for w, t in sentence + [(".", "O")]] + [""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentiment_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sentiment")
+    return write_sentiment(root / "train.tsv", 48, 0), write_sentiment(root / "validation.tsv", 24, 1)
+
+
+@pytest.fixture(scope="module")
+def sentiment_run(tmp_path_factory, sentiment_files, train_backbone_dir):
+    """One CLI training run, shared by the tests that inspect its outputs."""
+    run = tmp_path_factory.mktemp("sentiment_run")
+    config = run / "config.yaml"
+    config.write_text("epochs: 6\nlr: 0.01\nalpha: 4\nbatch_size: 8\nproject_dim: 16\n")
+    train_file, validation_file = sentiment_files
+    argv = ["layermix", "--config", str(config), "--train", str(train_file), "--validation", str(validation_file),
+            "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
+            "--labels", "negative,positive", "--backbone", str(train_backbone_dir), "--task", "sentiment",
+            "--store", str(run / "store"), "--report-dir", str(run / "report"), "--alpha", "2",
+            "--patience", "10", "--no-progress"]
+    assert main(argv) == 0
+    return run, argv
+
+
+def test_training_lowers_the_loss_and_writes_a_loadable_artifact(sentiment_run, train_backbone):
+    run, _ = sentiment_run
+    module = load_module(ModuleStore(run / "store"), "sentiment", "1", train_backbone)
+    manifest = module.manifest
+    history = manifest.training["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert manifest.labels == ["negative", "positive"]
+    assert manifest.metrics["split"] == "validation" and manifest.metrics["examples"] == 24
+    assert manifest.metrics["metric"] == "accuracy"
+    assert manifest.training["data"]["train_examples"] == 48
+    report = run / "report"
+    summary = json.loads((report / "metrics.json").read_text())
+    assert summary["validation"]["accuracy"] == manifest.metrics["accuracy"]
+    for png in ("layer_weights.png", "curves.png"):
+        assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_manifest_records_command_and_settings_with_cli_over_config(sentiment_run, train_backbone):
+    run, argv = sentiment_run
+    training = ModuleStore(run / "store").read_manifest("sentiment").training
+    assert training["command"].startswith("tmod-train layermix --config ")
+    assert training["config_file"].endswith("config.yaml")
+    settings = training["settings"]
+    assert settings["alpha"] == 2.0  # command line beats the config file's 4
+    assert settings["epochs"] == 6 and settings["lr"] == 0.01 and settings["project_dim"] == 16  # from the file
+    assert settings["cutoff"] == 5e-3  # task-type default for an unset knob
+    assert settings["label_map"] == {"0": "negative", "1": "positive"}
+
+
+def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, sentiment_files, train_backbone_dir,
+                                                             tmp_path, capsys):
+    run, _ = sentiment_run
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                 "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
+                 "--backbone", str(train_backbone_dir), "--output", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    manifest = ModuleStore(run / "store").read_manifest("sentiment")
+    for key in ("accuracy", "f1", "mcc", "examples"):
+        assert result["metrics"][key] == pytest.approx(manifest.metrics[key])
+
+
+def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train_backbone_dir):
+    train_file, validation_file = write_conll(tmp_path / "train.txt", 40, 0), write_conll(tmp_path / "val.txt", 12, 1)
+    settings = TrainSettings(train=str(train_file), validation=str(validation_file), backbone=str(train_backbone_dir),
+                             task="ner", store=str(tmp_path / "store"), report_dir=str(tmp_path / "report"),
+                             casing=True, project_dim=16, ffn_dim=32, epochs=5, lr=0.01, batch_size=8,
+                             alpha=4, patience=10, progress=False)
+    result = train(settings, backbone=train_backbone)
+    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"]
+    module = load_module(ModuleStore(tmp_path / "store"), "ner", "1", train_backbone)
+    assert module.head.config.casing
+    assert module.manifest.labels == ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
+    assert {"precision", "recall", "f1", "per_type"} <= set(module.manifest.metrics)
+    assert module.manifest.training["settings"]["lambda_entropy"] == 1e-3  # token-task default
+
+
+def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train_backbone, train_backbone_dir):
+    rows = ["index\tsentence1\tsentence2\tlabel"] + [
+        f"{i}\tthe cat sat on the mat {i}\t{'a cat sat' if i % 2 else 'no dog ran'}\t"
+        f"{'entailment' if i % 2 else 'not_entailment'}" for i in range(24)
+    ]
+    path = tmp_path / "pairs.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    settings = TrainSettings(train=str(path), validation=str(path), text_column="sentence1", pair_column="sentence2",
+                             label_column="label", layers="2", backbone=str(train_backbone_dir), task="rte",
+                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=2, states="recompute",
+                             progress=False)
+    result = train(settings, backbone=train_backbone)
+    manifest = ModuleStore(tmp_path / "run" / "store").read_manifest("rte")
+    assert manifest.layers == [2] and manifest.config["layers"] == [2]
+    assert result.layer_weights == {2: 1.0}
+    assert (tmp_path / "run" / "report" / "metrics.json").is_file()
+
+
+def test_seeded_runs_are_reproducible(tmp_path, sentiment_files, train_backbone, train_backbone_dir):
+    hashes = []
+    for run in ("a", "b"):
+        settings = TrainSettings(train=str(sentiment_files[0]), validation=str(sentiment_files[1]), task="s",
+                                 backbone=str(train_backbone_dir), run_dir=str(tmp_path / run), project_dim=16,
+                                 epochs=1, seed=7, progress=False)
+        train(settings, backbone=train_backbone)
+        hashes.append(ModuleStore(tmp_path / run / "store").read_manifest("s").weights_sha256)
+    assert hashes[0] == hashes[1]
+
+
+def test_cutoff_zeroes_small_weights_and_renormalises(tmp_path, train_backbone):
+    weights = torch.tensor([0.5, 0.3, 0.004, 0.196])
+    cut = cutoff_weights(weights, 0.01)
+    assert cut[2] == 0 and cut.sum().item() == pytest.approx(1.0)
+    assert cut[0].item() == pytest.approx(0.5 / 0.996)
+    assert torch.equal(cutoff_weights(weights, 0.0), weights)
+    assert cutoff_weights(weights, 0.9).tolist() == [1.0, 0.0, 0.0, 0.0]  # the largest always survives
+
+    head = LayerMixHead(LayerMixConfig(task_type="sequence_classification", num_labels=2, hidden_size=32,
+                                       layers=[0, 1, 2], project_dim=8, attention_heads=2, alpha=10.0, cutoff=0.05))
+    with torch.no_grad():
+        head.layer_logits.copy_(torch.tensor([0.0, 0.5, 0.6]))  # softmax(10p): state 0 gets ~0.004
+    mix = head.mix_weights()
+    assert mix[0] == 0 and mix.sum().item() == pytest.approx(1.0)
+    assert head.layers_read() == [1, 2]
+    # gradients through the cutoff are finite, and the cut state gets none from the task loss
+    batch = train_backbone.tokenize(["a short input"])
+    states = [(i, h.clone()) for i, h in train_backbone.stream(batch)]
+    from training.trainer import head_forward, layer_entropy
+    loss = head_forward(head, batch, states).sum() + 0.1 * layer_entropy(head)
+    loss.backward()
+    assert torch.isfinite(head.layer_logits.grad).all()
+    assert head.projections.grad[0].abs().sum() == 0
+    # the artifact says the cut state is not read, and the served plan skips it
+    store = ModuleStore(tmp_path / "store")
+    save_module(store, "cut", "1", head, train_backbone)
+    module = load_module(store, "cut", "1", train_backbone)
+    assert module.manifest.layers == [1, 2]
+    assert Engine(train_backbone).plan({"cut": module}).layers == [1, 2]
+
+
+def test_cached_states_match_recomputed_states(sentiment_files, train_backbone):
+    data = read_table(sentiment_files[1], text_column="sentence", label_column="label")
+    split = Split(data, ["0", "1"], train_backbone)
+    cached, fresh = CachedStates(split, [0, 2], batch_size=5, progress=False), RecomputedStates(split, [0, 2])
+    rows = [3, 0, 7]
+    batch = split.token_batch(rows)
+    got, want = list(cached.states(rows, batch)), list(fresh.states(rows, batch))
+    assert [i for i, _ in got] == [i for i, _ in want] == [0, 2]
+    mask = batch.attention_mask.bool()
+    for (_, a), (_, b) in zip(got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        assert torch.allclose(a[mask], b[mask], atol=2e-2, rtol=1e-2)  # fp16 storage
+        assert a[~mask].abs().sum() == 0
+    assert cached.nbytes() == 2 * (sum(split.lengths) + 1) * 32 * 2
+
+
+def test_settings_parsing_and_config_errors(tmp_path):
+    assert parse_layers("all") is None and parse_layers("6") == [6]
+    assert parse_layers("0-2,5") == [0, 1, 2, 5] and parse_layers([3, 1]) == [1, 3]
+    assert parse_label_map("0=neg, 1=pos") == {"0": "neg", "1": "pos"}
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"epochs": 2, "no_such_knob": 1}))
+    args = build_parser().parse_args(["layermix", "--config", str(config), "--dataset", "sst2"])
+    with pytest.raises(ValueError, match="no_such_knob"):
+        settings_from_args(args)
+    config.write_text(json.dumps({"epochs": 2, "lambda-entropy": 0.5}))
+    args = build_parser().parse_args(["layermix", "--config", str(config), "--lambda", "0.25", "--k", "32"])
+    settings = settings_from_args(args)
+    assert (settings.epochs, settings.lambda_entropy, settings.project_dim) == (2, 0.25, 32)

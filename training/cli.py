@@ -1,0 +1,187 @@
+"""`tmod-train`: train layer-mix heads into a module store, and score stored modules.
+
+    tmod-train layermix --dataset sst2 --task sentiment --store modules_store
+    tmod-train layermix --train a.tsv --validation b.tsv --text-column sentence --label-column label
+    tmod-train layermix --config sst2.yaml --epochs 3          # options override the file
+    tmod-train eval --store modules_store --task sentiment --dataset sst2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+S = argparse.SUPPRESS  # options left out stay out, so the config file and defaults show through
+
+
+def _csv_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", default=default, help="folder of the presets' files "
+                   "(default: $TMOD_DATA_DIR, else ../shared/data from the repository root)")
+    g.add_argument("--format", choices=["tsv", "csv", "jsonl", "conll"], default=default,
+                   help="file format (default: from the extension; .txt means CoNLL)")
+    g.add_argument("--text-column", default=default, help="text column: name or 0-based index (default 0 / 'text')")
+    g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
+    g.add_argument("--label-column", default=default, help="label column: name or index (default 1 / 'label')")
+    g.add_argument("--header", action=argparse.BooleanOptionalAction, default=default,
+                   help="the table's first line names its columns (default: yes)")
+    g.add_argument("--label-map", default=default, help="rename raw labels: '0=negative,1=positive'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("layermix", help="train a layer-mix head (DESIGN.md section 1)",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="YAML or JSON file of settings (same names as the options, '_' or '-')")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003")
+    g.add_argument("--train", default=S, help="training file (TSV/CSV/JSONL/CoNLL)")
+    g.add_argument("--validation", default=S, help="validation file")
+    g.add_argument("--labels", type=_csv_list, default=S, help="label order, comma-separated")
+    g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
+    g.add_argument("--max-validation", type=int, default=S)
+    add_data_options(p)
+
+    g = p.add_argument_group("head")
+    g.add_argument("--layers", default=S, help="states to mix: 'all', '6' (last-layer baseline), '0-6', '1,3,5'")
+    g.add_argument("--k", "--project-dim", dest="project_dim", type=int, default=S, help="projection width k")
+    g.add_argument("--alpha", type=float, default=S, help="temperature of softmax(alpha * p)")
+    g.add_argument("--cutoff", type=float, default=S, help="layer weights under this are zeroed")
+    g.add_argument("--lambda", "--lambda-entropy", dest="lambda_entropy", type=float, default=S,
+                   help="entropy penalty on the layer distribution")
+    g.add_argument("--dropout", type=float, default=S)
+    g.add_argument("--attention-heads", type=int, default=S)
+    g.add_argument("--encoder-layers", type=int, default=S, help="token tasks: encoder layers on the mix")
+    g.add_argument("--ffn-dim", type=int, default=S, help="token tasks: their feed-forward width")
+    g.add_argument("--positional", action=argparse.BooleanOptionalAction, default=S,
+                   help="learned positional embeddings on the mix")
+    g.add_argument("--casing", action=argparse.BooleanOptionalAction, default=S,
+                   help="casing embedding read from the raw text (the tokenizer lowercases)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=["adam", "adamw"], default=S)
+    g.add_argument("--lr", type=float, default=S)
+    g.add_argument("--weight-decay", type=float, default=S)
+    g.add_argument("--batch-size", type=int, default=S)
+    g.add_argument("--eval-batch-size", type=int, default=S, help="batch size of backbone passes and scoring")
+    g.add_argument("--epochs", type=int, default=S)
+    g.add_argument("--patience", type=int, default=S, help="early stopping patience (epochs)")
+    g.add_argument("--lr-patience", type=int, default=S, help="ReduceLROnPlateau patience (epochs)")
+    g.add_argument("--lr-factor", type=float, default=S, help="ReduceLROnPlateau factor")
+    g.add_argument("--min-lr", type=float, default=S)
+    g.add_argument("--grad-clip", type=float, default=S, help="max gradient norm (0: off)")
+    g.add_argument("--metric", default=S, help="validation metric to select on (default: per dataset/task)")
+    g.add_argument("--seed", type=int, default=S)
+    g.add_argument("--states", choices=["cache", "recompute"], default=S,
+                   help="cache backbone states once in fp16, or recompute them every epoch")
+    g.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1, ...")
+    g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=S, help="bf16 autocast (default: on CUDA)")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--task", default=S, help="module name (default: the dataset or train file name)")
+    g.add_argument("--version", default=S)
+    g.add_argument("--store", default=S, help="module store to write into (default: RUN_DIR/store)")
+    g.add_argument("--run-dir", default=S, help="default: runs/<task>-<version>-<time>")
+    g.add_argument("--report-dir", default=S, help="default: RUN_DIR/report")
+    g.add_argument("--backbone", default=S, help="backbone folder (default: all-MiniLM-L6-v2)")
+    g.add_argument("--description", default=S)
+    g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=S)
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bars")
+
+    e = commands.add_parser("eval", help="score a stored module on a labelled file (served path)")
+    e.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
+    e.add_argument("--task", required=True)
+    e.add_argument("--version", default=None, help="default: the latest")
+    e.add_argument("--dataset", default=None, help="preset to score on")
+    e.add_argument("--split", default="validation", choices=["train", "validation"], help="preset split")
+    e.add_argument("--file", default=None, help="labelled file to score on (instead of a preset)")
+    add_data_options(e, default=None)
+    e.add_argument("--max-examples", type=int, default=None, help="score a seeded random subset")
+    e.add_argument("--backbone", default=None, help="backbone folder (default: all-MiniLM-L6-v2)")
+    e.add_argument("--batch-size", type=int, default=128)
+    e.add_argument("--device", default="auto")
+    e.add_argument("--output", default=None, help="also write the metrics JSON here")
+    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace):
+    """Config file values, overridden by the options given on the command line."""
+    from training.settings import TrainSettings, read_config_file
+
+    values = read_config_file(args.config) if args.config else {}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    return TrainSettings(**{**values, **given})
+
+
+def cmd_layermix(args: argparse.Namespace, command: str) -> int:
+    from training.trainer import train
+
+    result = train(settings_from_args(args), command=command, config_file=args.config)
+    headline = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))}
+    print(json.dumps({"task": result.task, "version": result.version, "artifact": str(result.artifact),
+                      "report": str(result.report_dir), "validation": headline}, indent=2))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from modules_store import DEFAULT_STORE, ModuleStore
+    from server.backbone import Backbone
+    from server.modules import load_module
+    from training.data import PRESETS, DataSpec, guess_format, preset_spec
+    from training.evaluate import score_module
+    from training.settings import parse_label_map
+    from training.states import Split
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    backbone = Backbone.load(args.backbone, device=device)
+    module = load_module(ModuleStore(args.store or DEFAULT_STORE), args.task, args.version, backbone, device=device)
+    if bool(args.dataset) == bool(args.file):
+        raise SystemExit("tmod-train eval: give exactly one of --dataset NAME or --file FILE")
+    if args.dataset:
+        if args.dataset not in PRESETS:
+            raise SystemExit(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
+        spec = preset_spec(PRESETS[args.dataset], args.split, args.data_dir)
+    else:
+        path = Path(args.file)
+        fmt = args.format or guess_format(path)
+        by_key = fmt == "jsonl"
+        spec = DataSpec(path, fmt,
+                        text_column=args.text_column or ("text" if by_key else 0),
+                        label_column=args.label_column or ("label" if by_key else 1),
+                        pair_column=args.pair_column, header=args.header is not False,
+                        label_map=parse_label_map(args.label_map))
+    data = spec.read().subset(args.max_examples, seed=0)
+    split = Split(data, module.head.labels, backbone)
+    metrics = score_module(split, module, args.batch_size, progress=args.progress)
+    result = {"task": module.task, "version": module.version, "file": str(spec.path),
+              "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
+              "metrics": metrics}
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "layermix":
+        return cmd_layermix(args, shlex.join(["tmod-train", *argv]))
+    return cmd_eval(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

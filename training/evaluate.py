@@ -1,0 +1,59 @@
+"""From logits to predictions to validation metrics, shared by training and `tmod-train eval`.
+
+`score_module` measures a stored module the way the server runs it: batches tokenized by the
+backbone and pushed through `Engine.logits`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from server.backbone import TokenBatch
+from server.engine import Engine
+from server.modules import LoadedModule
+from training.data import word_label_ids_from_tokens
+from training.metrics import classification_scores, entity_scores
+from training.states import Split
+
+
+def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
+    """Per row: the predicted label, or for token tasks the predicted tag of every data word."""
+    best = logits.argmax(dim=-1).cpu()
+    if not split.is_token_task:
+        return [split.labels[int(i)] for i in best]
+    outside = split.labels.index("O") if "O" in split.labels else 0
+    out = []
+    for i, r in enumerate(rows):
+        ids = word_label_ids_from_tokens(split.encoded[r], split.spans[r], best[i].tolist(), outside)
+        out.append([split.labels[j] for j in ids])
+    return out
+
+
+def score(split: Split, predicted: list) -> dict:
+    """Metrics of predictions given in split order."""
+    if split.is_token_task:
+        return entity_scores([ex.tags for ex in split.data.examples], predicted)
+    return classification_scores([ex.label for ex in split.data.examples], predicted, split.labels)
+
+
+def collect(split: Split, batches: Iterable[list[int]],
+            logits_for: Callable[[list[int], TokenBatch], torch.Tensor]) -> list:
+    """Run `logits_for` over batches and return predictions in split order."""
+    predicted: list = [None] * len(split)
+    for rows in batches:
+        batch = split.token_batch(rows)
+        for r, p in zip(rows, predictions(split, rows, logits_for(rows, batch))):
+            predicted[r] = p
+    return predicted
+
+
+def score_module(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
+                 engine: Engine | None = None) -> dict:
+    """Validation metrics of a loaded module through the served path (Engine.logits)."""
+    engine = engine or Engine(split.backbone)
+    task = module.task
+    batches = split.batches(batch_size)
+    bar = tqdm(batches, desc=f"scoring {task}", unit="batch", disable=not progress, leave=False)
+    return score(split, collect(split, bar, lambda rows, batch: engine.logits(batch, {task: module})[task]))

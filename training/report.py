@@ -1,0 +1,81 @@
+"""A run's report: metrics JSON and PNG plots (learned layer distribution, loss/metric curves)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+
+def state_name(index: int) -> str:
+    return "emb" if index == 0 else f"L{index}"
+
+
+def write_report(report_dir: Path, result) -> dict[str, Path]:
+    """Write metrics.json, layer_weights.png and curves.png; return their paths."""
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "metrics": report_dir / "metrics.json",
+        "layer_weights": report_dir / "layer_weights.png",
+        "curves": report_dir / "curves.png",
+    }
+    summary = {
+        "task": result.task,
+        "version": result.version,
+        "artifact": str(result.artifact),
+        "validation": result.metrics,
+        "layer_weights": {str(k): v for k, v in result.layer_weights.items()},
+        "history": result.history,
+        **{k: result.training[k] for k in ("command", "best_epoch", "epochs_run", "parameters", "timing", "data")
+           if k in result.training},
+    }
+    paths["metrics"].write_text(json.dumps(summary, indent=2) + "\n")
+    plot_layer_weights(result.layer_weights, paths["layer_weights"], f"{result.task}: learned layer distribution")
+    plot_curves(result.history, sorted(result.layer_weights), result.metrics.get("metric", ""), paths["curves"],
+                result.task)
+    return paths
+
+
+def plot_layer_weights(weights: dict[int, float], path: Path, title: str) -> None:
+    layers = sorted(weights)
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(layers) + 2), 3.2))
+    bars = ax.bar([state_name(i) for i in layers], [weights[i] for i in layers], color="#4c72b0")
+    for bar, i in zip(bars, layers):
+        ax.annotate(f"{weights[i]:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max(1.0, max(weights.values()) * 1.15))
+    ax.set_xlabel("backbone state")
+    ax.set_ylabel("weight p~ (after cutoff)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path, task: str) -> None:
+    epochs = [h["epoch"] for h in history]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    axes[0].plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
+    axes[0].plot(epochs, [h["validation_loss"] for h in history], marker="o", label="validation")
+    axes[0].set_title("loss")
+    axes[0].legend()
+    axes[1].plot(epochs, [h[metric] for h in history], marker="o", color="#55a868")
+    axes[1].set_title(f"validation {metric}")
+    if history and history[0].get("layer_weights"):
+        per_state = list(zip(*[h["layer_weights"] for h in history]))
+        for i, series in zip(layers, per_state):
+            axes[2].plot(epochs, series, marker=".", label=state_name(i))
+        axes[2].legend(fontsize=7, ncol=2)
+    axes[2].set_title("layer weights")
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(task)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,142 @@
+"""Every knob of a layer-mix training run, with defaults per task type.
+
+Precedence, lowest first: field defaults, task-type defaults (for knobs left unset), the
+`--config` YAML/JSON file, then options given on the command line. The resolved settings are
+saved into the artifact's manifest, so a module says exactly how it was trained.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from modules_store import TaskType
+
+# Knobs whose sensible value depends on the task type (DESIGN.md section 1: sequence heads use
+# k=64 and alpha=64; token heads k=128, alpha=128, entropy penalty 1e-3, cutoff 1e-2).
+TASK_DEFAULTS: dict[TaskType, dict] = {
+    TaskType.sequence_classification: {
+        "project_dim": 64, "alpha": 64.0, "cutoff": 5e-3, "lambda_entropy": 0.0, "ffn_dim": 256, "metric": "accuracy",
+    },
+    TaskType.token_classification: {
+        "project_dim": 128, "alpha": 128.0, "cutoff": 1e-2, "lambda_entropy": 1e-3, "ffn_dim": 512, "metric": "f1",
+    },
+}
+
+
+def parse_layers(value) -> list[int] | None:
+    """'all' / None -> None (every state); '6' -> [6]; '0-6' -> [0..6]; '1,3,5' -> [1, 3, 5]."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "all")):
+        return None
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return sorted({int(v) for v in value})
+    layers = set()
+    for part in str(value).split(","):
+        part = part.strip()
+        if "-" in part:
+            low, high = part.split("-", 1)
+            layers.update(range(int(low), int(high) + 1))
+        else:
+            layers.add(int(part))
+    return sorted(layers)
+
+
+def parse_label_map(value) -> dict[str, str] | None:
+    """'0=negative,1=positive' or a dict -> {'0': 'negative', '1': 'positive'}."""
+    if value is None or isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()} if value else None
+    pairs = [item.split("=", 1) for item in str(value).split(",") if item.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"label map {value!r}: expected raw=name pairs separated by commas")
+    return {raw.strip(): name.strip() for raw, name in pairs}
+
+
+class TrainSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # ---- data
+    dataset: str | None = Field(None, description="preset: sst2, cola, rte, conll2003")
+    train: str | None = Field(None, description="training file (instead of a preset)")
+    validation: str | None = Field(None, description="validation file (instead of a preset)")
+    format: Literal["tsv", "csv", "jsonl", "conll"] | None = None
+    text_column: str | int | None = None
+    pair_column: str | int | None = None
+    label_column: str | int | None = None
+    header: bool = True
+    label_map: dict[str, str] | None = None
+    labels: list[str] | None = Field(None, description="label order of the head (default: preset or sorted)")
+    data_dir: str | None = None
+    max_train: int | None = Field(None, ge=1, description="seeded random subset of the training split")
+    max_validation: int | None = Field(None, ge=1)
+    # ---- head
+    layers: list[int] | None = Field(None, description="backbone states to mix (0 = embeddings); default all")
+    project_dim: int | None = Field(None, ge=1)
+    alpha: float | None = Field(None, gt=0)
+    cutoff: float | None = Field(None, ge=0, lt=1)
+    lambda_entropy: float | None = Field(None, ge=0)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    attention_heads: int = Field(4, ge=1)
+    encoder_layers: int = Field(1, ge=1)
+    ffn_dim: int | None = Field(None, ge=1)
+    positional: bool = False
+    casing: bool = False
+    # ---- optimisation
+    optimizer: Literal["adam", "adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    batch_size: int = Field(32, ge=1)
+    eval_batch_size: int = Field(128, ge=1, description="batch size of backbone passes and evaluation")
+    epochs: int = Field(10, ge=1)
+    patience: int = Field(3, ge=1, description="early stopping: epochs without a better validation metric")
+    lr_patience: int = Field(1, ge=0, description="ReduceLROnPlateau patience (epochs)")
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    min_lr: float = Field(1e-6, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 turns clipping off")
+    metric: str | None = Field(None, description="validation metric to select on (default per task)")
+    seed: int = 0
+    states: Literal["cache", "recompute"] = Field(
+        "cache", description="cache backbone states once (fp16) or recompute them every epoch")
+    device: str = "auto"
+    amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")
+    # ---- output
+    task: str | None = None
+    version: str = "1"
+    store: str | None = None
+    run_dir: str | None = None
+    report_dir: str | None = None
+    backbone: str | None = Field(None, description="backbone folder (default: all-MiniLM-L6-v2)")
+    description: str = ""
+    overwrite: bool = False
+    progress: bool = True
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layers(cls, value):
+        return parse_layers(value)
+
+    @field_validator("label_map", mode="before")
+    @classmethod
+    def _label_map(cls, value):
+        return parse_label_map(value)
+
+    def with_task_defaults(self, task_type: TaskType) -> "TrainSettings":
+        """A copy with the knobs left unset filled from TASK_DEFAULTS."""
+        unset = {k: v for k, v in TASK_DEFAULTS[task_type].items() if getattr(self, k) is None}
+        return self.model_copy(update=unset)
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A YAML or JSON mapping of settings (keys as in TrainSettings, '-' or '_' both accepted)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file must hold a mapping of settings, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

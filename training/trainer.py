@@ -1,0 +1,341 @@
+"""Train a layer-mix head on a frozen backbone and write it as a served module plus a report.
+
+The head is trained through the same start/consume/finish path the server runs; only the source
+of the backbone states differs (a cache, or a fresh backbone pass per batch). The artifact's
+metrics are re-measured at the end through the served path (Engine.logits on the real backbone).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import platform
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from modules_store import ModuleStore, TaskType, sha256_file
+from server.backbone import Backbone
+from server.heads.layermix import LayerMixConfig, LayerMixHead
+from server.modules import LoadedModule, count_parameters, load_module, save_module
+from training.data import (
+    IGNORE_INDEX,
+    PRESETS,
+    DataSpec,
+    LabelledData,
+    guess_format,
+    label_order,
+    preset_spec,
+)
+from training.evaluate import predictions, score, score_module
+from training.report import write_report
+from training.settings import TASK_DEFAULTS, TrainSettings
+from training.states import CachedStates, RecomputedStates, Split
+
+METRICS = {
+    TaskType.sequence_classification: ("accuracy", "f1", "f1_macro", "mcc"),
+    TaskType.token_classification: ("f1", "precision", "recall", "word_accuracy"),
+}
+
+
+@dataclass
+class TrainResult:
+    task: str
+    version: str
+    artifact: Path
+    report_dir: Path
+    metrics: dict  # validation metrics through the served path
+    history: list[dict] = field(default_factory=list)
+    layer_weights: dict[int, float] = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+
+
+# ---- data ------------------------------------------------------------------------------------
+def resolve_data(s: TrainSettings) -> tuple[LabelledData, LabelledData, list[str], str | None, dict]:
+    """Train and validation splits, the head's labels, the preset's metric, and provenance."""
+    if s.dataset:
+        if s.train or s.validation:
+            raise ValueError("give either --dataset or --train/--validation, not both")
+        if s.dataset not in PRESETS:
+            raise ValueError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
+        preset = PRESETS[s.dataset]
+        specs = {split: preset_spec(preset, split, s.data_dir) for split in ("train", "validation")}
+        labels, metric = s.labels or list(preset.labels), preset.metric
+    else:
+        if not (s.train and s.validation):
+            raise ValueError("give --dataset NAME, or both --train FILE and --validation FILE")
+        specs = {split: _file_spec(s, path) for split, path in (("train", s.train), ("validation", s.validation))}
+        labels, metric = s.labels, None
+    train, validation = specs["train"].read(), specs["validation"].read()
+    if train.task_type != validation.task_type:
+        raise ValueError("train and validation files hold different kinds of data")
+    labels = label_order(train, labels)
+    provenance = {
+        "dataset": s.dataset,
+        **{f"{split}_file": str(spec.path) for split, spec in specs.items()},
+        **{f"{split}_sha256": sha256_file(spec.path) for split, spec in specs.items()},
+        "train_examples_in_file": len(train),
+        "validation_examples_in_file": len(validation),
+    }
+    train = train.subset(s.max_train, s.seed)
+    validation = validation.subset(s.max_validation, s.seed)
+    provenance.update(train_examples=len(train), validation_examples=len(validation))
+    return train, validation, labels, metric, provenance
+
+
+def _file_spec(s: TrainSettings, path: str) -> DataSpec:
+    path = Path(path)
+    fmt = s.format or guess_format(path)
+    by_key = fmt == "jsonl"  # JSON records name their fields; tables default to columns 0 and 1
+    return DataSpec(
+        path=path, format=fmt,
+        text_column=s.text_column if s.text_column is not None else ("text" if by_key else 0),
+        label_column=s.label_column if s.label_column is not None else ("label" if by_key else 1),
+        pair_column=s.pair_column, header=s.header, label_map=s.label_map,
+    )
+
+
+# ---- the model -------------------------------------------------------------------------------
+def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbone: Backbone) -> LayerMixHead:
+    layers = s.layers if s.layers is not None else list(range(backbone.num_layers + 1))
+    bad = [i for i in layers if not 0 <= i <= backbone.num_layers]
+    if bad:
+        raise ValueError(f"--layers {bad} outside 0..{backbone.num_layers} (0 = embeddings)")
+    config = LayerMixConfig(
+        task_type=task_type, num_labels=len(labels), hidden_size=backbone.hidden_size, layers=layers,
+        project_dim=s.project_dim, alpha=s.alpha, cutoff=s.cutoff, attention_heads=s.attention_heads,
+        dropout=s.dropout, encoder_layers=s.encoder_layers, ffn_dim=s.ffn_dim, positional=s.positional,
+        max_positions=backbone.max_tokens, casing=s.casing,
+    )
+    return LayerMixHead(config, labels)
+
+
+def head_forward(head: LayerMixHead, batch, states) -> torch.Tensor:
+    """The served computation: start, consume each state as it comes, finish."""
+    state = head.start(batch)
+    for index, hidden in states:
+        state = head.consume(state, index, hidden)
+    return head.finish(state, batch)
+
+
+def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def layer_entropy(head: LayerMixHead) -> torch.Tensor:
+    """Entropy of softmax(alpha * p) (before the cutoff, so it stays smooth)."""
+    log_p = torch.log_softmax(head.config.alpha * head.layer_logits, dim=0)
+    return -(log_p.exp() * log_p).sum()
+
+
+def make_optimizer(s: TrainSettings, head: LayerMixHead) -> torch.optim.Optimizer:
+    # No decay on the layer logits (decay would pull the mix toward uniform, which is the
+    # entropy penalty's job), nor on biases and norms.
+    decay, no_decay = [], []
+    for name, param in head.named_parameters():
+        (no_decay if name == "layer_logits" or param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if s.optimizer == "adam":  # Adam's weight decay is the L2 kind (added to the gradient)
+        return torch.optim.Adam(groups, lr=s.lr)
+    return torch.optim.AdamW(groups, lr=s.lr)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cache_device(device: torch.device, splits: list[Split], layers: list[int], hidden_size: int) -> torch.device:
+    """Keep the state cache in GPU memory when it takes under half of what is free (SST-2 with
+    every MiniLM state is ~5 GB); otherwise in host memory, copied per batch."""
+    if device.type != "cuda":
+        return torch.device("cpu")
+    needed = sum(sum(split.lengths) + 1 for split in splits) * len(layers) * hidden_size * 2
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if needed < free / 2 else torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def safe_name(text: str) -> str:
+    name = re.sub(r"[^a-z0-9_\-]+", "-", text.lower()).strip("-_")
+    return name[:64] or "task"
+
+
+# ---- the loop --------------------------------------------------------------------------------
+def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: random.Random, device, amp: bool,
+              desc: str) -> float:
+    head.train()
+    total, count = 0.0, 0
+    lam = s.lambda_entropy or 0.0
+    bar = tqdm(split.batches(s.batch_size, shuffle=True, rng=rng), desc=desc, unit="batch",
+               disable=not s.progress, leave=False)
+    for rows in bar:
+        batch = split.token_batch(rows).to(device)
+        targets = split.targets(rows, batch.seq_len).to(device)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = head_forward(head, batch, source.states(rows, batch))
+        loss = task_loss(logits, targets)
+        objective = loss + lam * layer_entropy(head) if lam else loss
+        optimizer.zero_grad(set_to_none=True)
+        objective.backward()
+        if s.grad_clip:
+            torch.nn.utils.clip_grad_norm_(head.parameters(), s.grad_clip)
+        optimizer.step()
+        total += loss.item() * len(rows)
+        count += len(rows)
+        bar.set_postfix(loss=f"{total / count:.4f}")
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def validate(head, split: Split, source, s: TrainSettings, device, amp: bool) -> tuple[float, dict]:
+    """Validation loss and metrics from the same states source used in training."""
+    head.eval()
+    predicted: list = [None] * len(split)
+    total, count = 0.0, 0
+    for rows in split.batches(s.eval_batch_size):
+        batch = split.token_batch(rows).to(device)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = head_forward(head, batch, source.states(rows, batch))
+        total += task_loss(logits, split.targets(rows, batch.seq_len).to(device)).item() * len(rows)
+        count += len(rows)
+        for r, p in zip(rows, predictions(split, rows, logits.float())):
+            predicted[r] = p
+    return total / max(count, 1), score(split, predicted)
+
+
+def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = "",
+          config_file: str | None = None) -> TrainResult:
+    started = time.perf_counter()
+    seed_everything(s.seed)
+    train_data, val_data, labels, preset_metric, provenance = resolve_data(s)
+    task_type = train_data.task_type
+    metric = s.metric or preset_metric or TASK_DEFAULTS[task_type]["metric"]
+    s = s.with_task_defaults(task_type).model_copy(update={"metric": metric})
+    if metric not in METRICS[task_type] or (metric == "f1" and task_type != TaskType.token_classification
+                                            and len(labels) != 2):
+        raise ValueError(f"metric {metric!r} not available for {task_type.value} with {len(labels)} labels; "
+                         f"choose from {METRICS[task_type]}")
+
+    device = pick_device(s.device)
+    amp = s.amp if s.amp is not None else device.type == "cuda"
+    backbone = backbone or Backbone.load(s.backbone, device=str(device))
+    task = safe_name(s.task or s.dataset or Path(s.train).stem)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
+    store_dir = Path(s.store) if s.store else run_dir / "store"
+    report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
+
+    head = build_head(s, task_type, labels, backbone).to(device)
+    layers = head.config.layers
+    train_split = Split(train_data, labels, backbone)
+    val_split = Split(val_data, labels, backbone)
+
+    t0 = time.perf_counter()
+    if s.states == "cache":
+        cache = dict(device=cache_device(device, [train_split, val_split], layers, backbone.hidden_size),
+                     progress=s.progress)
+        train_source = CachedStates(train_split, layers, s.eval_batch_size, desc="caching train", **cache)
+        val_source = CachedStates(val_split, layers, s.eval_batch_size, desc="caching validation", **cache)
+        cache_bytes = train_source.nbytes() + val_source.nbytes()
+    else:
+        train_source, val_source = RecomputedStates(train_split, layers), RecomputedStates(val_split, layers)
+        cache_bytes = 0
+    states_seconds = time.perf_counter() - t0
+
+    optimizer = make_optimizer(s, head)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer, mode="max", factor=s.lr_factor, patience=s.lr_patience, min_lr=s.min_lr)
+    rng = random.Random(s.seed)
+    history, best, best_epoch, best_state, stale = [], -math.inf, 0, None, 0
+    for epoch in range(1, s.epochs + 1):
+        t0 = time.perf_counter()
+        train_loss = run_epoch(head, train_split, train_source, optimizer, s, rng, device, amp,
+                               desc=f"epoch {epoch}/{s.epochs}")
+        train_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        val_loss, val_metrics = validate(head, val_split, val_source, s, device, amp)
+        value = val_metrics[metric]
+        history.append({
+            "epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, metric: value,
+            "validation": _headline(val_metrics), "lr": optimizer.param_groups[0]["lr"],
+            "layer_weights": head.mix_weights().detach().cpu().tolist(),
+            "train_seconds": train_seconds, "validation_seconds": time.perf_counter() - t0,
+        })
+        improved = value > best
+        if improved:
+            best, best_epoch, stale = value, epoch, 0
+            best_state = copy.deepcopy(head.state_dict())
+        else:
+            stale += 1
+        if s.progress:
+            tqdm.write(f"epoch {epoch}: train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
+                       f"{metric} {value:.4f}{'  (best)' if improved else ''}  [{train_seconds:.1f}s]")
+        scheduler.step(value)
+        if stale >= s.patience:
+            break
+    train_total = time.perf_counter() - started
+
+    head.load_state_dict(best_state)
+    head.eval()
+    for param in head.parameters():
+        param.requires_grad_(False)
+    # the number that ships: the best head measured the way the server runs it
+    served = LoadedModule(task=task, version=s.version, manifest=None, head=head)
+    metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress)
+    metrics["metric"] = metric
+    metrics["split"] = "validation"
+
+    weights = dict(zip(layers, head.mix_weights().detach().cpu().tolist()))
+    training = {
+        "command": command,
+        "config_file": config_file,
+        "settings": s.model_dump(mode="json"),
+        "data": provenance,
+        "labels": labels,
+        "best_epoch": best_epoch,
+        "epochs_run": len(history),
+        "best_epoch_metric": best,  # measured on the training-time states (fp16 when cached)
+        "history": [{k: v for k, v in h.items() if k != "validation"} for h in history],
+        "layer_weights": {str(k): v for k, v in weights.items()},
+        "parameters": count_parameters(head),
+        "timing": {
+            "states_seconds": round(states_seconds, 2),
+            "states_mode": s.states,
+            "state_cache_bytes": cache_bytes,
+            "epoch_seconds": [round(h["train_seconds"], 2) for h in history],
+            "total_seconds": round(train_total, 2),
+        },
+        "environment": {
+            "device": str(device), "amp": amp, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "threads": torch.get_num_threads(),
+        },
+    }
+    store = ModuleStore(store_dir)
+    description = s.description or f"layer-mix head on {backbone.name}, trained on {s.dataset or s.train}"
+    artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
+                           description=description, overwrite=s.overwrite)
+    load_module(store, task, s.version, backbone)  # refuse to report success on an unloadable artifact
+    result = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
+                         history=history, layer_weights=weights, training=training)
+    write_report(report_dir, result)
+    return result
+
+
+
+def _headline(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
