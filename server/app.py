@@ -25,6 +25,7 @@ from server.errors import (
     unhandled_error_handler,
     validation_error_handler,
 )
+from server.logs import RequestLog
 from server.modules import LoadedModule, count_parameters
 from server.runtime import Runtime
 from server.schemas import (
@@ -109,6 +110,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     )
     app.state.runtime = runtime
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestLog)  # outermost: ids and access lines cover refusals too
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
-
 import uvicorn
 
 from server.config import Settings
+from server.logs import configure_logging
 
 
 def parse_args(argv=None) -> dict:
@@ -35,10 +34,11 @@ def parse_args(argv=None) -> dict:
 def main(argv=None) -> None:
     overrides = parse_args(argv)
     settings = Settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(settings.log_level)
     from server.app import create_app  # imported late so --help stays fast
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                log_config=None, access_log=False)  # our JSON lines replace uvicorn's access log
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """End to end: the real `tmod-serve` process on the real default backbone, over loopback."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ def served(tmp_path_factory, minilm):
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_INPUTS": "4"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--port", str(port), "--store", str(store.root), "--log-level", "warning"],
+        [sys.executable, "-m", "server.cli", "--port", str(port), "--store", str(store.root), "--log-level", "info"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -61,9 +63,26 @@ def test_env_settings_reach_the_server(served):
     assert response.status_code == 413 and "at most 4" in response.json()["error"]["message"]
 
 
-def test_sigterm_stops_cleanly(served):
-    _, process = served
-    process.send_signal(signal.SIGTERM)
+def test_sigterm_drains_in_flight_requests_then_exits(served):
+    url, process = served
+    response = httpx.post(url + "/v1/infer", json={"inputs": ["traced"]}, headers={"x-request-id": "trace-123"})
+    assert response.headers["x-request-id"] == "trace-123"
+    long_inputs = [" ".join(["The European Commission said on Thursday it disagreed."] * 12)] * 4
+
+    def slow_request():
+        return httpx.post(url + "/v1/infer", json={"inputs": long_inputs}, timeout=120)
+
+    with ThreadPoolExecutor(6) as pool:
+        pending = [pool.submit(slow_request) for _ in range(6)]
+        time.sleep(0.3)  # requests are queued or computing
+        process.send_signal(signal.SIGTERM)
+        statuses = [f.result().status_code for f in pending]
+    assert statuses == [200] * 6  # nothing in flight was dropped
     # uvicorn shuts down gracefully, then re-raises the captured SIGTERM on itself
     assert process.wait(timeout=60) in (0, -signal.SIGTERM)
-    assert "Traceback" not in process.stdout.read()
+    lines = process.stdout.read().splitlines()
+    assert not any("Traceback" in line for line in lines)
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    access = [r for r in records if r["logger"] == "tmod.access"]
+    assert any(r["request_id"] == "trace-123" and r["path"] == "/v1/infer" and r["status"] == 200 for r in access)
+    assert all(len(r["request_id"]) >= 8 for r in access)
