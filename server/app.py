@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 from contextlib import asynccontextmanager
 
@@ -37,6 +38,10 @@ from server.schemas import (
     TaskDetail,
     TaskList,
 )
+
+
+# C0/C1 controls other than tab, newline and carriage return never belong in text to analyse
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 class BodySizeLimit:
@@ -162,6 +167,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                f"input {row} has {len(text)} characters; at most {settings.max_chars}")
             if not text.strip():
                 raise ApiError(422, "invalid_request", f"input {row} is empty or only whitespace")
+            bad = CONTROL_CHARS.search(text)
+            if bad:
+                raise ApiError(422, "invalid_request", f"input {row} has control character "
+                               f"U+{ord(bad.group()):04X} at position {bad.start()}")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ApiError(422, "invalid_request",
+                               f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         try:

@@ -156,9 +156,11 @@ class Batcher:
                 continue
             if now > job.deadline:
                 job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
+                self._count_dropped("deadline")
                 continue
             if job.is_disconnected is not None and await job.is_disconnected():
                 job.future.set_exception(ClientGone("client disconnected"))
+                self._count_dropped("client_gone")
                 continue
             live.append(job)
         return live
@@ -194,6 +196,10 @@ class Batcher:
             job.timings.backbone, job.timings.heads = timings.backbone, timings.heads
             results = [{task: outputs[task][position[(j, r)]] for task in job.modules} for r in range(len(job.rows))]
             job.future.set_result(results)
+
+    def _count_dropped(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.dropped.labels(reason).inc()
 
     def _observe_depth(self) -> None:
         if self.metrics is not None:

@@ -47,6 +47,12 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and "parsing the body" in str(exc.detail):
+        # FastAPI's wording for a body that is not UTF-8 at all; say so, with the status of a bad body
+        _count(request, "invalid_request")
+        return JSONResponse(
+            error_body("invalid_request", "request body is not valid UTF-8 encoded JSON"), status_code=422
+        )
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     _count(request, type_)
     return JSONResponse(error_body(type_, str(exc.detail)), status_code=exc.status_code)

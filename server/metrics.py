@@ -29,6 +29,7 @@ class Metrics:
             "tmod_batch_requests", "Requests answered per backbone pass (achieved batching)",
             buckets=(1, 2, 4, 8, 16, 32, 64), registry=r,
         )
+        self.dropped = Counter("tmod_dropped_requests", "Requests dropped before compute", ["reason"], registry=r)
         self.queue_depth = Gauge("tmod_queue_depth", "Requests waiting for a backbone pass", registry=r)
         self.modules_loaded = Gauge("tmod_modules_loaded", "Task modules loaded", registry=r)
         self.backbone_layers = Histogram(

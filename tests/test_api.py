@@ -151,3 +151,25 @@ def test_health_and_timing_headers(live):
                    "x-inference-time", "x-total-time"):
         assert float(response.headers[header]) >= 0
     assert_error(live.get("/no/such/path"), 404, "not_found")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("nul\u0000byte", "U+0000 at position 3"),
+    ("bell\u0007", "U+0007 at position 4"),
+    ("lone \ud800 surrogate", "lone surrogate at position 5"),
+])
+def test_control_characters_and_bad_unicode_are_422(live, text, fragment):
+    import json as _json
+    body = _json.dumps({"inputs": ["fine", text]})  # ensure_ascii escapes keep the JSON itself valid
+    response = live.post("/v1/infer", content=body, headers={"content-type": "application/json"})
+    error = assert_error(response, 422, "invalid_request")
+    assert "input 1" in error["message"] and fragment in error["message"]
+
+
+def test_invalid_utf8_body_is_422(live):
+    response = live.post("/v1/infer", content=b'{"inputs": ["caf\xe9"]}', headers={"content-type": "application/json"})
+    assert_error(response, 422, "invalid_request")
+
+
+def test_tabs_and_newlines_are_fine(live):
+    assert infer(live, ["line one\n\tline two\r\n"], "ner").status_code == 200

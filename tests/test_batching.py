@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import httpx
 import pytest
@@ -83,3 +84,22 @@ def test_full_queue_answers_429_at_once(tiny_store, tiny_backbone):
     refused = next(r for r in responses if r.status_code == 429).json()["error"]
     assert refused["type"] == "overloaded" and "queue is full" in refused["message"]
     assert 'tmod_request_errors_total{type="overloaded"}' in metrics
+
+
+def test_requests_past_their_deadline_are_dropped_before_compute(tiny_store, tiny_backbone):
+    with serve(tiny_store, tiny_backbone, max_wait_ms=800, request_timeout_s=0.2) as server:
+        response = httpx.post(server.url + "/v1/infer", json={"inputs": ["late"]}, timeout=30)
+        metrics = httpx.get(server.url + "/metrics").text
+    assert response.status_code == 503 and response.json()["error"]["type"] == "deadline_exceeded"
+    assert 'tmod_dropped_requests_total{reason="deadline"} 1.0' in metrics
+    assert "tmod_batch_size_count 0.0" in metrics  # no backbone pass ran for it
+
+
+def test_requests_whose_client_left_are_dropped_before_compute(tiny_store, tiny_backbone):
+    with serve(tiny_store, tiny_backbone, max_wait_ms=800) as server:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/infer", json={"inputs": ["impatient"]}, timeout=0.2)
+        time.sleep(1.2)  # the batch window closes; the batcher finds the client gone
+        metrics = httpx.get(server.url + "/metrics").text
+    assert 'tmod_dropped_requests_total{reason="client_gone"} 1.0' in metrics
+    assert "tmod_batch_size_count 0.0" in metrics
