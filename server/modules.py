@@ -21,7 +21,7 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
     """Checksum, backbone fingerprint, head config and tensor shapes are all checked here;
     any failure raises ArtifactError and nothing is returned."""
     stored = store.load(task, version, expected_backbone=backbone.fingerprint)
-    head = build_head(stored.manifest, stored.weights)
+    head = build_head(stored.manifest, stored.weights, backbone)
     head.to(device)
     for param in head.parameters():
         param.requires_grad_(False)
@@ -41,4 +41,4 @@ def save_module(store: ModuleStore, task: str, version: str, head: Head, backbon
         training=training or {}, metrics=metrics or {}, description=description,
         weights_sha256="", **head.manifest_fields(),
     )
-    return store.save(manifest, head.state_dict(), overwrite=overwrite)
+    return store.save(manifest, head.artifact_weights(), overwrite=overwrite)

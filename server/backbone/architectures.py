@@ -39,8 +39,7 @@ class EncoderAdapter:
         return create_bidirectional_mask(config=self.config, inputs_embeds=embedded, attention_mask=attention_mask)
 
     def run_layer(self, index: int, hidden: torch.Tensor, mask) -> torch.Tensor:
-        out = self.layers[index](hidden, mask)
-        return out[0] if isinstance(out, tuple) else out
+        return run_block(self.layers[index], hidden, mask)
 
 
 ADAPTERS: dict[str, Callable[[nn.Module], EncoderAdapter]] = {
@@ -56,3 +55,37 @@ def adapter_for(model: nn.Module) -> EncoderAdapter:
     if model_type not in ADAPTERS:
         raise ValueError(f"backbone model_type {model_type!r} is not supported; supported: {sorted(ADAPTERS)}")
     return ADAPTERS[model_type](model)
+
+
+# The class of one layer per model type, so a head can rebuild backbone blocks (MTB) from the
+# backbone's config alone, as recorded in its manifest.
+LAYER_CLASSES = {
+    "bert": ("transformers.models.bert.modeling_bert", "BertLayer"),
+    "roberta": ("transformers.models.roberta.modeling_roberta", "RobertaLayer"),
+    "xlm-roberta": ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaLayer"),
+    "distilbert": ("transformers.models.distilbert.modeling_distilbert", "TransformerBlock"),
+}
+
+
+def block_config(hf_config: dict):
+    """A transformers config object from a manifest's dict, with the attention kernel we serve."""
+    from transformers import AutoConfig
+
+    values = dict(hf_config)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_block(config) -> nn.Module:
+    import importlib
+
+    if config.model_type not in LAYER_CLASSES:
+        raise ValueError(f"no transformer block class for model_type {config.model_type!r}")
+    module, name = LAYER_CLASSES[config.model_type]
+    return getattr(importlib.import_module(module), name)(config)
+
+
+def run_block(block: nn.Module, hidden: torch.Tensor, mask) -> torch.Tensor:
+    out = block(hidden, mask)
+    return out[0] if isinstance(out, tuple) else out

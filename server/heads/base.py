@@ -38,12 +38,16 @@ class Head(nn.Module):
 
     # ---- artifacts ---------------------------------------------------------------------------
     @classmethod
-    def from_manifest(cls, manifest: Manifest) -> "Head":
+    def from_manifest(cls, manifest: Manifest, backbone=None) -> "Head":
         raise NotImplementedError
 
     def manifest_fields(self) -> dict[str, Any]:
         """kind, task_type, labels, layers, config: what a Manifest needs from the head."""
         raise NotImplementedError
+
+    def artifact_weights(self) -> dict[str, torch.Tensor]:
+        """What the artifact stores (LoRA-MTB stores only its low-rank factors and classifier)."""
+        return self.state_dict()
 
     def load_weights(self, weights: dict[str, torch.Tensor], where: str = "module") -> None:
         """Strict load that names every missing, unexpected or mis-shaped tensor."""

@@ -14,8 +14,9 @@ def register_head(kind: str, cls: type[Head]) -> None:
     HEAD_KINDS[kind] = cls
 
 
-def build_head(manifest: Manifest, weights=None) -> Head:
-    """A head for this manifest, with weights loaded (and checked) when given."""
+def build_head(manifest: Manifest, weights=None, backbone=None) -> Head:
+    """A head for this manifest, with weights loaded (and checked) when given. Kinds that start
+    from backbone weights (MTB, LoRA-MTB) read them from `backbone`."""
     cls = HEAD_KINDS.get(manifest.kind)
     if cls is None:
         raise ArtifactError(
@@ -23,7 +24,7 @@ def build_head(manifest: Manifest, weights=None) -> Head:
             f"this server knows {sorted(HEAD_KINDS)}",
         )
     try:
-        head = cls.from_manifest(manifest)
+        head = cls.from_manifest(manifest, backbone)
     except (ValueError, TypeError) as exc:
         raise ArtifactError("bad_manifest", f"{manifest.task}/{manifest.version}: bad head config: {exc}") from exc
     if weights is not None:

@@ -89,7 +89,7 @@ class LayerMixHead(Head):
 
     # ---- artifacts -------------------------------------------------------------------------
     @classmethod
-    def from_manifest(cls, manifest: Manifest) -> "LayerMixHead":
+    def from_manifest(cls, manifest: Manifest, backbone=None) -> "LayerMixHead":
         config = LayerMixConfig(**manifest.config)
         if config.task_type != manifest.task_type:
             raise ValueError(f"config task_type {config.task_type.value} != manifest {manifest.task_type.value}")

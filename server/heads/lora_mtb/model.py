@@ -1,0 +1,50 @@
+"""LoRA-MTB head: the artifact stores only low-rank factors and the task layer; at load the factors
+are merged into copies of the backbone blocks named in the manifest, so serving costs exactly what
+an MTB costs."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from modules_store import ArtifactError, Manifest
+from server.heads.lora_mtb.config import LoraMTBConfig
+from server.heads.lora_mtb.layer import merge_factors
+from server.heads.mtb.model import MTBHead
+
+
+class LoraMTBHead(MTBHead):
+    config_class = LoraMTBConfig
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, backbone=None) -> "LoraMTBHead":
+        config = cls.config_class(**manifest.config)
+        cls._check_manifest(config, manifest)
+        if backbone is None:
+            raise ValueError("a LoRA-MTB module is rebuilt from its backbone's blocks: load it with the backbone")
+        blocks = [copy.deepcopy(backbone.adapter.layers[i]) for i in config.copied_from]
+        head = cls(config, manifest.labels or None, blocks)
+        head.hf_config._attn_implementation = backbone.config._attn_implementation
+        return head
+
+    def load_weights(self, weights: dict[str, torch.Tensor], where: str = "module") -> None:
+        factors = {k: v for k, v in weights.items() if k.startswith("lora.")}
+        rest = {k: v for k, v in weights.items() if not k.startswith("lora.")}
+        expected = {f"lora.{b}.{t}.{ab}" for b in range(self.config.num_blocks) for t in self.config.targets
+                    for ab in "AB"}
+        unexpected = sorted(set(factors) - expected)
+        if unexpected:
+            raise ArtifactError("shape_mismatch", f"{where}: unexpected tensors {unexpected}")
+        try:
+            for index, block in enumerate(self.blocks):
+                merge_factors(block, index, self.config.targets, factors, self.config.rank, self.config.scale, where)
+        except ValueError as exc:
+            raise ArtifactError("shape_mismatch", str(exc)) from exc
+        task_layer = {k.removeprefix("task_layer."): v for k, v in rest.items() if k.startswith("task_layer.")}
+        stray = sorted(k for k in rest if not k.startswith("task_layer."))
+        if stray:
+            raise ArtifactError("shape_mismatch", f"{where}: unexpected tensors {stray}")
+        try:
+            self.task_layer.load_state_dict(task_layer, strict=True)
+        except RuntimeError as exc:
+            raise ArtifactError("shape_mismatch", f"{where}: task layer weights disagree: {exc}") from exc

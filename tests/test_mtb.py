@@ -1,0 +1,101 @@
+"""MTB and LoRA-MTB heads: initialisation, merged LoRA, sharing the backbone pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modules_store import ArtifactError, ModuleStore
+from server.engine import Engine
+from server.heads.mtb import MTBHead
+from server.modules import LoadedModule, load_module, save_module
+from tests.helpers import NER_LABELS, random_head
+from training.lora import TrainableLoraMTB
+
+TEXTS = ["John Smith flew from Paris to New York on Monday.", "A fine, quiet film.", "ok"]
+
+
+def as_modules(**heads):
+    return {task: LoadedModule(task, "1", None, head) for task, head in heads.items()}
+
+
+@pytest.mark.parametrize("backbone_name", ["tiny_backbone", "minilm"])
+def test_mtb_from_last_block_reproduces_it(request, backbone_name):
+    backbone = request.getfixturevalue(backbone_name)
+    head = MTBHead.from_backbone(backbone, "sequence_classification", ["a", "b"]).eval()
+    assert head.layers_read() == [backbone.num_layers - 1]
+    batch = backbone.tokenize(TEXTS)
+    states = backbone.all_states(batch)
+    with torch.inference_mode():
+        state = head.consume(head.start(batch), backbone.num_layers - 1, states[-2])
+    torch.testing.assert_close(state["hidden"], states[-1], atol=1e-5, rtol=0)
+
+
+def test_mtb_round_trip_through_the_store(tmp_path, tiny_backbone):
+    head = MTBHead.from_backbone(tiny_backbone, "token_classification", NER_LABELS, num_blocks=2).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # as if trained: differ from the backbone's blocks
+    store = ModuleStore(tmp_path)
+    save_module(store, "ner", "1", head, tiny_backbone)
+    loaded = load_module(store, "ner", None, tiny_backbone)
+    assert loaded.manifest.kind == "mtb" and loaded.manifest.config["copied_from"] == [1, 2]
+    batch = tiny_backbone.tokenize(TEXTS)
+    engine = Engine(tiny_backbone)
+    torch.testing.assert_close(engine.logits(batch, {"ner": loaded})["ner"],
+                               engine.logits(batch, as_modules(ner=head))["ner"], atol=1e-6, rtol=0)
+
+
+def trained_lora(backbone, seed=0):
+    torch.manual_seed(seed)
+    head = TrainableLoraMTB.from_backbone(backbone, "sequence_classification", ["neg", "pos"], rank=4,
+                                          lora_alpha=8.0).eval()
+    with torch.no_grad():  # as if trained: B starts at zero in LoRA, give it values
+        for name, p in head.named_parameters():
+            if "lora_" in name or "task_layer" in name:
+                p.copy_(torch.randn_like(p) * 0.05)
+    return head
+
+
+@pytest.mark.parametrize("backbone_name", ["tiny_backbone", "minilm"])
+def test_merged_lora_equals_unmerged_training_model(request, tmp_path, backbone_name):
+    backbone = request.getfixturevalue(backbone_name)
+    head = trained_lora(backbone)
+    store = ModuleStore(tmp_path)
+    save_module(store, "sentiment", "1", head, backbone)
+    stored = set(store.load("sentiment").weights)
+    assert all(k.startswith(("lora.", "task_layer.")) for k in stored)  # factors + task layer only
+    loaded = load_module(store, "sentiment", None, backbone)
+    assert type(loaded.head).__name__ == "LoraMTBHead"
+    assert not any("lora" in name for name, _ in loaded.head.named_modules())  # merged: plain linears
+    batch = backbone.tokenize(TEXTS)
+    engine = Engine(backbone)
+    served = engine.logits(batch, {"s": loaded})["s"]
+    training = engine.logits(batch, as_modules(s=head))["s"]
+    torch.testing.assert_close(served, training, atol=1e-5, rtol=0)
+    untouched = MTBHead.from_backbone(backbone, "sequence_classification", ["neg", "pos"]).eval()
+    untouched.task_layer.load_state_dict(head.task_layer.state_dict())
+    assert (engine.logits(batch, as_modules(s=untouched))["s"] - served).abs().max() > 1e-4  # LoRA mattered
+
+
+def test_lora_mtb_refuses_wrong_rank(tmp_path, tiny_backbone):
+    store = ModuleStore(tmp_path)
+    save_module(store, "sentiment", "1", trained_lora(tiny_backbone), tiny_backbone)
+    import json
+    path = store.path("sentiment", "1") / "manifest.json"
+    data = json.loads(path.read_text())
+    data["config"]["rank"] = 8
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="do not fit .* at rank 8"):
+        load_module(store, "sentiment", None, tiny_backbone)
+
+
+def test_mtb_and_layermix_in_one_pass_equal_each_alone(tiny_backbone):
+    mtb = MTBHead.from_backbone(tiny_backbone, "sequence_classification", ["a", "b"]).eval()
+    lora = trained_lora(tiny_backbone, seed=3)
+    mix = random_head(tiny_backbone, "token_classification", NER_LABELS, seed=4)
+    batch = tiny_backbone.tokenize(TEXTS)
+    engine = Engine(tiny_backbone)
+    together = engine.logits(batch, as_modules(mtb=mtb, lora=lora, mix=mix))
+    for task, head in (("mtb", mtb), ("lora", lora), ("mix", mix)):
+        alone = engine.logits(batch, as_modules(**{task: head}))[task]
+        torch.testing.assert_close(together[task], alone, atol=1e-6, rtol=0)

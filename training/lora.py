@@ -1,0 +1,37 @@
+"""LoRA for training MTB blocks, via peft; the served artifact keeps only the factors (our format)."""
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+
+from server.heads.lora_mtb import LoraMTBHead
+from server.heads.lora_mtb.layer import factor_names
+
+ADAPTER = "default"
+
+
+class TrainableLoraMTB(LoraMTBHead):
+    """A LoRA-MTB head with peft's unmerged LoRA layers inside its blocks, for training."""
+
+    @classmethod
+    def from_backbone(cls, backbone, task_type, labels, num_blocks=1, source_layer=None, rank=8,
+                      lora_alpha=16.0, targets=None, **options) -> "TrainableLoraMTB":
+        extra = {"rank": rank, "lora_alpha": lora_alpha, **({"targets": targets} if targets else {})}
+        head = super().from_backbone(backbone, task_type, labels, num_blocks, source_layer, **extra, **options)
+        lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=head.config.targets, lora_dropout=0.0,
+                          bias="none")
+        for block in head.blocks:
+            for param in block.parameters():
+                param.requires_grad_(False)  # the copied block stays frozen; only factors train
+            inject_adapter_in_model(lora, block, adapter_name=ADAPTER)
+        return head
+
+    def artifact_weights(self) -> dict[str, torch.Tensor]:
+        weights = {f"task_layer.{k}": v for k, v in self.task_layer.state_dict().items()}
+        for index, block in enumerate(self.blocks):
+            for target in self.config.targets:
+                layer = block.get_submodule(target)
+                a_name, b_name = factor_names(index, target)
+                weights[a_name] = layer.lora_A[ADAPTER].weight.detach().clone()
+                weights[b_name] = layer.lora_B[ADAPTER].weight.detach().clone()
+        return weights
