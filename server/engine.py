@@ -41,6 +41,10 @@ class Engine:
             self._plans.move_to_end(key)
         return plan
 
+    def forget_plans(self) -> None:
+        """Drop cached plans (after a module is unloaded or replaced, so its head can be freed)."""
+        self._plans.clear()
+
     @torch.inference_mode()
     def logits(self, batch: TokenBatch, modules: dict[str, LoadedModule],
                timings: Timings | None = None) -> dict[str, torch.Tensor]:
@@ -50,17 +54,20 @@ class Engine:
         start = time.perf_counter()
         head_time = 0.0
         states = {task: m.head.start(batch) for task, m in modules.items()}
+        buffers = [None] * len(plan.groups)
         for index, hidden in self.backbone.stream(batch, upto=plan.deepest):
             step = plan.steps.get(index)
             if step is None:
                 continue
             t0 = time.perf_counter()
-            if step.fused is not None:
-                step.fused.apply(states, hidden)
+            for g in step.groups:
+                buffers[g] = plan.groups[g].apply(buffers[g], index, hidden)
             for task in step.single:
                 states[task] = modules[task].head.consume(states[task], index, hidden)
             head_time += time.perf_counter() - t0
         t0 = time.perf_counter()
+        for group, buffer in zip(plan.groups, buffers):
+            group.hand_over(buffer, states)
         out = {task: modules[task].head.finish(states[task], batch) for task in modules}
         head_time += time.perf_counter() - t0
         timings.heads += head_time

@@ -1,12 +1,13 @@
 """Execution plan: which backbone states to compute and who reads each one.
 
 From a set of loaded modules: the union of states they read, the deepest one (the backbone stops
-there), the readers of each state, and fusions: layer-mix heads reading the same state share one
-GELU and one matmul against their concatenated projections.
+there), and the readers of each state. Layer-mix heads of the same width k are fused into a
+`MixGroup`: per state one GELU, one matmul against their concatenated projections, one layer norm
+and one weighted add into a stacked running buffer (B, T, K, k), whatever K is.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -15,32 +16,43 @@ from server.heads.layermix import LayerMixHead
 from server.modules import LoadedModule
 
 
-@dataclass
-class FusedProjection:
-    """All layer-mix projections of one backbone state as one (sum k, H) matmul."""
+class MixGroup:
+    """Layer-mix heads sharing k, run as one. Serving only (eval mode: no dropout)."""
 
-    index: int
-    tasks: list[str]
-    heads: list[LayerMixHead]
-    weight: torch.Tensor = field(init=False)
-    sizes: list[int] = field(init=False)
+    def __init__(self, tasks: list[str], heads: list[LayerMixHead]):
+        self.tasks, self.heads = tasks, heads
+        self.k = heads[0].config.project_dim
+        self.steps: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
+        weights = [head.mix_weights().detach() for head in heads]
+        for index in sorted({i for head in heads for i in head.layers_read()}):
+            members = [j for j, head in enumerate(heads) if index in head.layers_read()]
+            projection = torch.cat([heads[j].projection(index).detach() for j in members], dim=0)
+            layer_weight = torch.stack([weights[j][heads[j]._slot[index]] for j in members])
+            rows = None if len(members) == len(heads) else torch.tensor(members, device=projection.device)
+            self.steps[index] = (rows, projection, layer_weight.view(-1, 1))
 
-    def __post_init__(self):
-        parts = [head.projection(self.index) for head in self.heads]
-        self.weight = torch.cat(parts, dim=0).detach()
-        self.sizes = [p.shape[0] for p in parts]
+    def apply(self, buffer: torch.Tensor | None, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        rows, projection, layer_weight = self.steps[index]
+        projected = (F.gelu(hidden) @ projection.T).unflatten(-1, (-1, self.k))  # (B, T, K_index, k)
+        term = F.layer_norm(projected, (self.k,)) * layer_weight
+        if buffer is None:
+            buffer = hidden.new_zeros(*hidden.shape[:2], len(self.heads), self.k)
+        if rows is None:
+            buffer += term
+        else:
+            buffer.index_add_(2, rows, term)
+        return buffer
 
-    def apply(self, states: dict, hidden: torch.Tensor) -> None:
-        projected = F.gelu(hidden) @ self.weight.T
-        for task, head, chunk in zip(self.tasks, self.heads, projected.split(self.sizes, dim=-1)):
-            states[task] = head.accumulate(states[task], self.index, chunk)
+    def hand_over(self, buffer: torch.Tensor, states: dict) -> None:
+        for j, task in enumerate(self.tasks):
+            states[task]["mix"] = buffer[:, :, j]
 
 
-@dataclass
 class LayerStep:
-    index: int
-    fused: FusedProjection | None  # layer-mix readers, when two or more share this state
-    single: list[str]  # readers fed one by one
+    def __init__(self, index: int, groups: list[int], single: list[str]):
+        self.index = index
+        self.groups = groups  # positions in ExecutionPlan.groups of the groups reading this state
+        self.single = single  # tasks whose heads consume this state one by one
 
 
 class ExecutionPlan:
@@ -51,20 +63,24 @@ class ExecutionPlan:
         self.reads = {task: m.head.layers_read() for task, m in modules.items()}
         self.layers = sorted({i for layers in self.reads.values() for i in layers})
         self.deepest = self.layers[-1]
+        by_width = defaultdict(list)
+        if fuse:
+            for task, module in modules.items():
+                if isinstance(module.head, LayerMixHead) and not module.head.training:
+                    by_width[module.head.config.project_dim].append(task)
+        self.groups = [MixGroup(tasks, [modules[t].head for t in tasks]) for tasks in by_width.values()
+                       if len(tasks) >= 2]
+        grouped = {t for g in self.groups for t in g.tasks}
         self.steps: dict[int, LayerStep] = {}
         for index in self.layers:
-            readers = [task for task in modules if index in self.reads[task]]
-            mixers = [t for t in readers if isinstance(modules[t].head, LayerMixHead)]
-            fused = None
-            if fuse and len(mixers) >= 2:
-                fused = FusedProjection(index, mixers, [modules[t].head for t in mixers])
-            single = [t for t in readers if fused is None or t not in fused.tasks]
-            self.steps[index] = LayerStep(index, fused, single)
+            groups = [g for g, group in enumerate(self.groups) if index in group.steps]
+            single = [t for t in modules if index in self.reads[t] and t not in grouped]
+            self.steps[index] = LayerStep(index, groups, single)
 
     def describe(self) -> dict:
         return {
             "tasks": sorted(self.modules),
             "layers": self.layers,
             "deepest": self.deepest,
-            "fused": {i: s.fused.tasks for i, s in self.steps.items() if s.fused},
+            "fused": [g.tasks for g in self.groups],
         }

@@ -77,6 +77,7 @@ class Runtime:
         raises ArtifactError and leaves the running set untouched."""
         module = load_module(self.store, task, version, self.backbone, self.settings.device)
         self.modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
+        self.engine.forget_plans()
         self.load_errors.pop(task, None)
         self.metrics.modules_loaded.set(len(self.modules))
         log.info("module %s/%s loaded", task, module.version)
@@ -86,6 +87,7 @@ class Runtime:
         modules = dict(self.modules)
         removed = modules.pop(task)
         self.modules = modules
+        self.engine.forget_plans()
         self.metrics.modules_loaded.set(len(modules))
         log.info("module %s/%s unloaded", task, removed.version)
         return removed
