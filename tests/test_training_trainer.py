@@ -218,3 +218,11 @@ def test_settings_parsing_and_config_errors(tmp_path):
     args = build_parser().parse_args(["layermix", "--config", str(config), "--lambda", "0.25", "--k", "32"])
     settings = settings_from_args(args)
     assert (settings.epochs, settings.lambda_entropy, settings.project_dim) == (2, 0.25, 32)
+
+
+def test_an_existing_version_is_refused_before_training(sentiment_run, sentiment_files):
+    run, _ = sentiment_run
+    settings = TrainSettings(train=str(sentiment_files[0]), validation=str(sentiment_files[1]), task="sentiment",
+                             store=str(run / "store"), progress=False)
+    with pytest.raises(ValueError, match="already exists"):
+        train(settings)

@@ -38,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    p = commands.add_parser("layermix", help="train a layer-mix head (DESIGN.md section 1)",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = commands.add_parser("layermix", help="train a layer-mix head (DESIGN.md section 1)")
     p.add_argument("--config", help="YAML or JSON file of settings (same names as the options, '_' or '-')")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003")
@@ -83,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--states", choices=["cache", "recompute"], default=S,
                    help="cache backbone states once in fp16, or recompute them every epoch")
     g.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1, ...")
+    g.add_argument("--threads", type=int, default=S,
+                   help="CPU threads; 0 = one per core. Use 1 when other jobs share the cores")
     g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=S, help="bf16 autocast (default: on CUDA)")
 
     g = p.add_argument_group("output")
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--description", default=S)
     g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=S)
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bars")
+
+    _document_defaults(p)
 
     e = commands.add_parser("eval", help="score a stored module on a labelled file (served path)")
     e.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
@@ -111,6 +114,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output", default=None, help="also write the metrics JSON here")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     return parser
+
+
+def _document_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append each knob's default (from TrainSettings, or per task type) to its help text."""
+    from training.settings import TASK_DEFAULTS, TrainSettings
+
+    sequence, token = TASK_DEFAULTS.values()
+    for action in parser._actions:
+        field = TrainSettings.model_fields.get(action.dest)
+        if field is None or "default" in (action.help or ""):
+            continue
+        if action.dest in sequence:
+            note = f"default: {sequence[action.dest]} sequence / {token[action.dest]} token tasks"
+        elif field.default is not None:
+            note = f"default: {field.default}"
+        else:
+            continue
+        action.help = f"{action.help} ({note})" if action.help else note
 
 
 def settings_from_args(args: argparse.Namespace):

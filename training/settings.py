@@ -102,6 +102,8 @@ class TrainSettings(BaseModel):
     states: Literal["cache", "recompute"] = Field(
         "cache", description="cache backbone states once (fp16) or recompute them every epoch")
     device: str = "auto"
+    threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default (one per core). "
+                         "1 is much faster when other processes compete for the cores")
     amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")
     # ---- output
     task: str | None = None

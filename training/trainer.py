@@ -218,8 +218,70 @@ def validate(head, split: Split, source, s: TrainSettings, device, amp: bool) ->
     return total / max(count, 1), score(split, predicted)
 
 
+@dataclass
+class Fit:
+    history: list[dict]
+    best_epoch: int
+    best_value: float
+    states_seconds: float
+    cache_bytes: int
+
+
+def fit(head: LayerMixHead, train_split: Split, val_split: Split, s: TrainSettings, device, amp: bool) -> Fit:
+    """Train until the epochs run out or the validation metric stops improving; the head ends
+    holding the weights of its best epoch."""
+    layers = head.config.layers
+    t0 = time.perf_counter()
+    if s.states == "cache":
+        where = cache_device(device, [train_split, val_split], layers, train_split.backbone.hidden_size)
+        train_source = CachedStates(train_split, layers, s.eval_batch_size, device=where, progress=s.progress,
+                                    desc="caching train states")
+        val_source = CachedStates(val_split, layers, s.eval_batch_size, device=where, progress=s.progress,
+                                  desc="caching validation states")
+        cache_bytes = train_source.nbytes() + val_source.nbytes()
+    else:
+        train_source, val_source = RecomputedStates(train_split, layers), RecomputedStates(val_split, layers)
+        cache_bytes = 0
+    states_seconds = time.perf_counter() - t0
+
+    optimizer = make_optimizer(s, head)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer, mode="max", factor=s.lr_factor, patience=s.lr_patience, min_lr=s.min_lr)
+    rng = random.Random(s.seed)
+    history, best, best_epoch, stale = [], -math.inf, 0, 0
+    best_state = copy.deepcopy(head.state_dict())
+    for epoch in range(1, s.epochs + 1):
+        t0 = time.perf_counter()
+        train_loss = run_epoch(head, train_split, train_source, optimizer, s, rng, device, amp,
+                               desc=f"epoch {epoch}/{s.epochs}")
+        train_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        val_loss, val_metrics = validate(head, val_split, val_source, s, device, amp)
+        value = val_metrics[s.metric]
+        history.append({
+            "epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, s.metric: value,
+            "lr": optimizer.param_groups[0]["lr"], "layer_weights": head.mix_weights().detach().cpu().tolist(),
+            "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2),
+        })
+        improved = value > best
+        if improved:
+            best, best_epoch, stale = value, epoch, 0
+            best_state = copy.deepcopy(head.state_dict())
+        else:
+            stale += 1
+        if s.progress:
+            tqdm.write(f"epoch {epoch}: train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
+                       f"{s.metric} {value:.4f}{'  (best)' if improved else ''}  [{train_seconds:.1f}s]")
+        scheduler.step(value)
+        if stale >= s.patience:
+            break
+    head.load_state_dict(best_state)
+    return Fit(history, best_epoch, best, states_seconds, cache_bytes)
+
+
 def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = "",
           config_file: str | None = None) -> TrainResult:
+    """The whole run: data, head, fit, served-path validation, artifact, report."""
     started = time.perf_counter()
     seed_everything(s.seed)
     train_data, val_data, labels, preset_metric, provenance = resolve_data(s)
@@ -231,111 +293,61 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         raise ValueError(f"metric {metric!r} not available for {task_type.value} with {len(labels)} labels; "
                          f"choose from {METRICS[task_type]}")
 
-    device = pick_device(s.device)
-    amp = s.amp if s.amp is not None else device.type == "cuda"
-    backbone = backbone or Backbone.load(s.backbone, device=str(device))
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
-    store_dir = Path(s.store) if s.store else run_dir / "store"
+    store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
+    if store.path(task, s.version).exists() and not s.overwrite:  # say so now, not after training
+        raise ValueError(f"{task}/{s.version} already exists in {store.root}; pick another --version or --overwrite")
 
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    device = pick_device(s.device)
+    amp = s.amp if s.amp is not None else device.type == "cuda"
+    backbone = backbone or Backbone.load(s.backbone, device=str(device))
     head = build_head(s, task_type, labels, backbone).to(device)
-    layers = head.config.layers
-    train_split = Split(train_data, labels, backbone)
-    val_split = Split(val_data, labels, backbone)
+    train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
+    result = fit(head, train_split, val_split, s, device, amp)
+    train_seconds = time.perf_counter() - started
 
-    t0 = time.perf_counter()
-    if s.states == "cache":
-        cache = dict(device=cache_device(device, [train_split, val_split], layers, backbone.hidden_size),
-                     progress=s.progress)
-        train_source = CachedStates(train_split, layers, s.eval_batch_size, desc="caching train", **cache)
-        val_source = CachedStates(val_split, layers, s.eval_batch_size, desc="caching validation", **cache)
-        cache_bytes = train_source.nbytes() + val_source.nbytes()
-    else:
-        train_source, val_source = RecomputedStates(train_split, layers), RecomputedStates(val_split, layers)
-        cache_bytes = 0
-    states_seconds = time.perf_counter() - t0
-
-    optimizer = make_optimizer(s, head)
-    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-        optimizer, mode="max", factor=s.lr_factor, patience=s.lr_patience, min_lr=s.min_lr)
-    rng = random.Random(s.seed)
-    history, best, best_epoch, best_state, stale = [], -math.inf, 0, None, 0
-    for epoch in range(1, s.epochs + 1):
-        t0 = time.perf_counter()
-        train_loss = run_epoch(head, train_split, train_source, optimizer, s, rng, device, amp,
-                               desc=f"epoch {epoch}/{s.epochs}")
-        train_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        val_loss, val_metrics = validate(head, val_split, val_source, s, device, amp)
-        value = val_metrics[metric]
-        history.append({
-            "epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, metric: value,
-            "validation": _headline(val_metrics), "lr": optimizer.param_groups[0]["lr"],
-            "layer_weights": head.mix_weights().detach().cpu().tolist(),
-            "train_seconds": train_seconds, "validation_seconds": time.perf_counter() - t0,
-        })
-        improved = value > best
-        if improved:
-            best, best_epoch, stale = value, epoch, 0
-            best_state = copy.deepcopy(head.state_dict())
-        else:
-            stale += 1
-        if s.progress:
-            tqdm.write(f"epoch {epoch}: train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
-                       f"{metric} {value:.4f}{'  (best)' if improved else ''}  [{train_seconds:.1f}s]")
-        scheduler.step(value)
-        if stale >= s.patience:
-            break
-    train_total = time.perf_counter() - started
-
-    head.load_state_dict(best_state)
     head.eval()
     for param in head.parameters():
         param.requires_grad_(False)
     # the number that ships: the best head measured the way the server runs it
     served = LoadedModule(task=task, version=s.version, manifest=None, head=head)
     metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress)
-    metrics["metric"] = metric
-    metrics["split"] = "validation"
+    metrics.update(metric=metric, split="validation")
 
-    weights = dict(zip(layers, head.mix_weights().detach().cpu().tolist()))
+    weights = dict(zip(head.config.layers, head.mix_weights().detach().cpu().tolist()))
     training = {
         "command": command,
         "config_file": config_file,
         "settings": s.model_dump(mode="json"),
         "data": provenance,
-        "labels": labels,
-        "best_epoch": best_epoch,
-        "epochs_run": len(history),
-        "best_epoch_metric": best,  # measured on the training-time states (fp16 when cached)
-        "history": [{k: v for k, v in h.items() if k != "validation"} for h in history],
+        "best_epoch": result.best_epoch,
+        "epochs_run": len(result.history),
+        "best_epoch_metric": result.best_value,  # on the training-time states (fp16 when cached)
+        "history": result.history,
         "layer_weights": {str(k): v for k, v in weights.items()},
         "parameters": count_parameters(head),
         "timing": {
-            "states_seconds": round(states_seconds, 2),
             "states_mode": s.states,
-            "state_cache_bytes": cache_bytes,
-            "epoch_seconds": [round(h["train_seconds"], 2) for h in history],
-            "total_seconds": round(train_total, 2),
+            "states_seconds": round(result.states_seconds, 2),
+            "state_cache_bytes": result.cache_bytes,
+            "epoch_seconds": [h["train_seconds"] for h in result.history],
+            "total_seconds": round(train_seconds, 2),
         },
         "environment": {
             "device": str(device), "amp": amp, "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "threads": torch.get_num_threads(),
         },
     }
-    store = ModuleStore(store_dir)
     description = s.description or f"layer-mix head on {backbone.name}, trained on {s.dataset or s.train}"
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite)
     load_module(store, task, s.version, backbone)  # refuse to report success on an unloadable artifact
-    result = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
-                         history=history, layer_weights=weights, training=training)
-    write_report(report_dir, result)
-    return result
-
-
-
-def _headline(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
+                          history=result.history, layer_weights=weights, training=training)
+    write_report(report_dir, outcome)
+    return outcome
