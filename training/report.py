@@ -37,7 +37,7 @@ def write_report(report_dir: Path, result) -> dict[str, Path]:
     paths["metrics"].write_text(json.dumps(summary, indent=2) + "\n")
     plot_layer_weights(result.layer_weights, paths["layer_weights"], f"{result.task}: learned layer distribution")
     plot_curves(result.history, sorted(result.layer_weights), result.metrics.get("metric", ""), paths["curves"],
-                result.task)
+                result.task, result.training.get("best_epoch"))
     return paths
 
 
@@ -57,9 +57,10 @@ def plot_layer_weights(weights: dict[int, float], path: Path, title: str) -> Non
     plt.close(fig)
 
 
-def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path, task: str) -> None:
+def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path, task: str,
+                best_epoch: int | None = None) -> None:
     epochs = [h["epoch"] for h in history]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.4))
     axes[0].plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     axes[0].plot(epochs, [h["validation_loss"] for h in history], marker="o", label="validation")
     axes[0].set_title("loss")
@@ -70,12 +71,14 @@ def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path,
         per_state = list(zip(*[h["layer_weights"] for h in history]))
         for i, series in zip(layers, per_state):
             axes[2].plot(epochs, series, marker=".", label=state_name(i))
-        axes[2].legend(fontsize=7, ncol=2)
+        axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     axes[2].set_title("layer weights")
     for ax in axes:
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(task)
+        if best_epoch:
+            ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=0.8)
+    fig.suptitle(f"{task} (dashed: best epoch, the one kept)" if best_epoch else task)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
