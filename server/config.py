@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     batching: bool = Field(True, description="batch concurrent requests into one backbone pass")
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per backbone pass (rows x longest)")
     max_batch_size: int = Field(128, ge=1, description="most inputs per backbone pass")
+    max_padding_ratio: float = Field(
+        1.25, ge=1.0, description="a batch is cut into length runs whose padded tokens stay within this "
+        "factor of their real tokens, one backbone pass each (a large value: one pass per batch)")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests after its first")
     max_queue: int = Field(256, ge=1, description="requests waiting for compute; beyond this, 429 at once")
     request_timeout_s: float = Field(30.0, gt=0, description="a request still queued after this is answered 503")

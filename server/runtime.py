@@ -99,10 +99,31 @@ class Runtime:
     # ---- inference ---------------------------------------------------------------------------
     def run_batch(self, rows: list[EncodedInput], modules: dict[str, LoadedModule],
                   timings: Timings) -> dict[str, list[dict]]:
-        """One backbone pass for rows gathered from one or more requests (compute thread)."""
-        batch = self.backbone.collate(rows)
-        outputs = self.engine.predict(batch, modules, timings)
-        self.metrics.batch_size.observe(batch.size)
-        self.metrics.batch_tokens.observe(batch.size * batch.seq_len)
-        self.metrics.backbone_layers.observe(self.engine.plan(modules).deepest)
+        """Backbone passes for rows gathered from one or more requests (compute thread).
+
+        Rows arrive sorted by length; they are cut into runs whose padded size stays within
+        `max_padding_ratio` of their real tokens, one pass per run: on a CPU, compute scales with
+        padded tokens, so one pass padded to its longest row can cost more than several tight ones.
+        """
+        outputs: dict[str, list[dict]] = {task: [] for task in modules}
+        for run in length_runs([len(row) for row in rows], self.settings.max_padding_ratio):
+            batch = self.backbone.collate(rows[run])
+            for task, answers in self.engine.predict(batch, modules, timings).items():
+                outputs[task].extend(answers)
+            self.metrics.batch_size.observe(batch.size)
+            self.metrics.batch_tokens.observe(batch.size * batch.seq_len)
+            self.metrics.backbone_layers.observe(self.engine.plan(modules).deepest)
         return outputs
+
+
+def length_runs(lengths: list[int], max_padding_ratio: float) -> list[slice]:
+    """Cut ascending `lengths` into consecutive runs with rows x longest <= ratio x real tokens."""
+    runs, start, real = [], 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and (i - start + 1) * length > max_padding_ratio * (real + length):
+            runs.append(slice(start, i))
+            start, real = i, 0
+        real += length
+    if lengths:
+        runs.append(slice(start, len(lengths)))
+    return runs

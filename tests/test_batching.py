@@ -103,3 +103,15 @@ def test_requests_whose_client_left_are_dropped_before_compute(tiny_store, tiny_
         metrics = httpx.get(server.url + "/metrics").text
     assert 'tmod_dropped_requests_total{reason="client_gone"} 1.0' in metrics
     assert "tmod_batch_size_count 0.0" in metrics
+
+
+def test_length_runs_bound_padding():
+    from server.runtime import length_runs
+    lengths = [3, 4, 4, 5, 9, 10, 30, 31]
+    runs = length_runs(lengths, 1.25)
+    assert [lengths[r] for r in runs] == [[3, 4, 4, 5], [9, 10], [30, 31]]
+    for r in runs:
+        part = lengths[r]
+        assert len(part) * max(part) <= 1.25 * sum(part)
+    assert length_runs(lengths, 1e9) == [slice(0, 8)]  # no cutting: one pass
+    assert length_runs([7], 1.0) == [slice(0, 1)] and length_runs([], 1.25) == []
