@@ -99,3 +99,33 @@ def test_mtb_and_layermix_in_one_pass_equal_each_alone(tiny_backbone):
     for task, head in (("mtb", mtb), ("lora", lora), ("mix", mix)):
         alone = engine.logits(batch, as_modules(**{task: head}))[task]
         torch.testing.assert_close(together[task], alone, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("mtb", ["--lr", "0.003"]),
+    ("lora-mtb", ["--lr", "0.01", "--rank", "4", "--targets", "attention.self.query,attention.self.value"]),
+])
+def test_tmod_train_mtb_kinds_learn_and_ship_loadable_artifacts(tmp_path, train_backbone_dir, train_backbone, kind, extra):
+    from tests.test_training_trainer import write_sentiment
+    from training.cli import main
+
+    train_file = write_sentiment(tmp_path / "train.tsv", 48, 0)
+    validation_file = write_sentiment(tmp_path / "validation.tsv", 24, 1)
+    argv = [kind, "--train", str(train_file), "--validation", str(validation_file), "--text-column", "sentence",
+            "--label-column", "label", "--label-map", "0=negative,1=positive", "--labels", "negative,positive",
+            "--backbone", str(train_backbone_dir), "--task", "sentiment", "--store", str(tmp_path / "store"),
+            "--report-dir", str(tmp_path / "report"), "--epochs", "5", "--patience", "10", "--batch-size", "8",
+            "--no-progress", *extra]
+    assert main(argv) == 0
+    module = load_module(ModuleStore(tmp_path / "store"), "sentiment", "1", train_backbone)
+    manifest = module.manifest
+    assert manifest.kind == kind and manifest.layers == [train_backbone.num_layers - 1]
+    history = manifest.training["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    training = manifest.training
+    if kind == "lora-mtb":
+        # only factors and the task layer are trained and stored; serving merges them into full blocks
+        assert training["trainable_parameters"] == training["artifact_parameters"] < training["parameters"]
+        assert manifest.config["targets"] == ["attention.self.query", "attention.self.value"]
+    else:
+        assert training["trainable_parameters"] == training["parameters"]

@@ -1,8 +1,10 @@
-"""`tmod-train`: train layer-mix heads into a module store, and score stored modules.
+"""`tmod-train`: train heads (layer-mix, MTB, LoRA-MTB) into a module store, and score stored modules.
 
     tmod-train layermix --dataset sst2 --task sentiment --store modules_store
     tmod-train layermix --train a.tsv --validation b.tsv --text-column sentence --label-column label
     tmod-train layermix --config sst2.yaml --epochs 3          # options override the file
+    tmod-train mtb --dataset sst2 --task sentiment --version mtb-1 --store modules_store
+    tmod-train lora-mtb --dataset conll2003 --task ner --rank 8
     tmod-train eval --store modules_store --task sentiment --dataset sst2
 """
 from __future__ import annotations
@@ -34,11 +36,9 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
     g.add_argument("--label-map", default=default, help="rename raw labels: '0=negative,1=positive'")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    p = commands.add_parser("layermix", help="train a layer-mix head (DESIGN.md section 1)")
+def add_train_command(commands, kind: str, help_text: str) -> None:
+    p = commands.add_parser(kind, help=help_text)
+    p.set_defaults(kind=kind)
     p.add_argument("--config", help="YAML or JSON file of settings (same names as the options, '_' or '-')")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003")
@@ -49,21 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-validation", type=int, default=S)
     add_data_options(p)
 
-    g = p.add_argument_group("head")
-    g.add_argument("--layers", default=S, help="states to mix: 'all', '6' (last-layer baseline), '0-6', '1,3,5'")
-    g.add_argument("--k", "--project-dim", dest="project_dim", type=int, default=S, help="projection width k")
-    g.add_argument("--alpha", type=float, default=S, help="temperature of softmax(alpha * p)")
-    g.add_argument("--cutoff", type=float, default=S, help="layer weights under this are zeroed")
-    g.add_argument("--lambda", "--lambda-entropy", dest="lambda_entropy", type=float, default=S,
-                   help="entropy penalty on the layer distribution")
-    g.add_argument("--dropout", type=float, default=S)
-    g.add_argument("--attention-heads", type=int, default=S)
-    g.add_argument("--encoder-layers", type=int, default=S, help="token tasks: encoder layers on the mix")
-    g.add_argument("--ffn-dim", type=int, default=S, help="token tasks: their feed-forward width")
-    g.add_argument("--positional", action=argparse.BooleanOptionalAction, default=S,
-                   help="learned positional embeddings on the mix")
-    g.add_argument("--casing", action=argparse.BooleanOptionalAction, default=S,
-                   help="casing embedding read from the raw text (the tokenizer lowercases)")
+    add_head_options(p, kind)
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--optimizer", choices=["adam", "adamw"], default=S)
@@ -98,6 +84,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bars")
 
     _document_defaults(p)
+
+
+def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
+    if kind == "layermix":
+        g = p.add_argument_group("head")
+        g.add_argument("--layers", default=S, help="states to mix: 'all', '6' (last-layer baseline), '0-6', '1,3,5'")
+        g.add_argument("--k", "--project-dim", dest="project_dim", type=int, default=S, help="projection width k")
+        g.add_argument("--alpha", type=float, default=S, help="temperature of softmax(alpha * p)")
+        g.add_argument("--cutoff", type=float, default=S, help="layer weights under this are zeroed")
+        g.add_argument("--lambda", "--lambda-entropy", dest="lambda_entropy", type=float, default=S,
+                       help="entropy penalty on the layer distribution")
+        g.add_argument("--dropout", type=float, default=S)
+        g.add_argument("--attention-heads", type=int, default=S)
+        g.add_argument("--encoder-layers", type=int, default=S, help="token tasks: encoder layers on the mix")
+        g.add_argument("--ffn-dim", type=int, default=S, help="token tasks: their feed-forward width")
+        g.add_argument("--positional", action=argparse.BooleanOptionalAction, default=S,
+                       help="learned positional embeddings on the mix")
+        g.add_argument("--casing", action=argparse.BooleanOptionalAction, default=S,
+                       help="casing embedding read from the raw text (the tokenizer lowercases)")
+        return
+    g = p.add_argument_group("head")
+    g.add_argument("--blocks", type=int, default=S, help="backbone blocks copied and trained")
+    g.add_argument("--source-layer", type=int, default=S,
+                   help="state the blocks read (default: the one before the copied last blocks)")
+    g.add_argument("--pooling", choices=["mean", "cls"], default=S, help="sequence tasks: pooling")
+    g.add_argument("--dropout", type=float, default=S)
+    if kind == "lora-mtb":
+        g.add_argument("--rank", type=int, default=S, help="rank of the low-rank updates")
+        g.add_argument("--lora-alpha", type=float, default=S, help="updates are scaled by lora_alpha / rank")
+        g.add_argument("--targets", default=S, help="comma-separated block linears to adapt (default: all six)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    add_train_command(commands, "layermix", "train a layer-mix head (DESIGN.md section 1)")
+    add_train_command(commands, "mtb", "train a Modular Transformer Block head (copies of the last blocks)")
+    add_train_command(commands, "lora-mtb", "train a LoRA-MTB head (frozen block copies + low-rank updates)")
 
     e = commands.add_parser("eval", help="score a stored module on a labelled file (served path)")
     e.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
@@ -143,7 +168,7 @@ def settings_from_args(args: argparse.Namespace):
     return TrainSettings(**{**values, **given})
 
 
-def cmd_layermix(args: argparse.Namespace, command: str) -> int:
+def cmd_train(args: argparse.Namespace, command: str) -> int:
     from training.trainer import train
 
     result = train(settings_from_args(args), command=command, config_file=args.config)
@@ -199,8 +224,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.command == "layermix":
-        return cmd_layermix(args, shlex.join(["tmod-train", *argv]))
+    if args.command in ("layermix", "mtb", "lora-mtb"):
+        return cmd_train(args, shlex.join(["tmod-train", *argv]))
     return cmd_eval(args)
 
 

@@ -56,8 +56,15 @@ def parse_label_map(value) -> dict[str, str] | None:
     return {raw.strip(): name.strip() for raw, name in pairs}
 
 
+# Learning rates per head kind: a fresh small head learns fast; copied transformer blocks are
+# fine-tuned gently; LoRA factors sit in between.
+KIND_LR = {"layermix": 1e-3, "mtb": 5e-5, "lora-mtb": 5e-4}
+
+
 class TrainSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["layermix", "mtb", "lora-mtb"] = Field("layermix", description="head kind to train")
 
     # ---- data
     dataset: str | None = Field(None, description="preset: sst2, cola, rte, conll2003")
@@ -85,9 +92,16 @@ class TrainSettings(BaseModel):
     ffn_dim: int | None = Field(None, ge=1)
     positional: bool = False
     casing: bool = False
+    # ---- MTB / LoRA-MTB heads
+    blocks: int = Field(1, ge=1, description="MTB: backbone blocks copied and trained")
+    source_layer: int | None = Field(None, ge=0, description="MTB: state the blocks read (default: before the copied last blocks)")
+    pooling: Literal["mean", "cls"] = Field("mean", description="MTB sequence tasks: pooling before the classifier")
+    rank: int = Field(8, ge=1, description="LoRA-MTB: rank of the updates")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA-MTB: updates are scaled by lora_alpha / rank")
+    targets: list[str] | None = Field(None, description="LoRA-MTB: block linears to adapt (default: all six)")
     # ---- optimisation
     optimizer: Literal["adam", "adamw"] = "adamw"
-    lr: float = Field(1e-3, gt=0)
+    lr: float | None = Field(None, gt=0, description="default per kind: layermix 1e-3, mtb 5e-5, lora-mtb 5e-4")
     weight_decay: float = Field(0.01, ge=0)
     batch_size: int = Field(32, ge=1)
     eval_batch_size: int = Field(128, ge=1, description="batch size of backbone passes and evaluation")
@@ -121,6 +135,11 @@ class TrainSettings(BaseModel):
     def _layers(cls, value):
         return parse_layers(value)
 
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _targets(cls, value):
+        return [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
+
     @field_validator("label_map", mode="before")
     @classmethod
     def _label_map(cls, value):
@@ -129,6 +148,8 @@ class TrainSettings(BaseModel):
     def with_task_defaults(self, task_type: TaskType) -> "TrainSettings":
         """A copy with the knobs left unset filled from TASK_DEFAULTS."""
         unset = {k: v for k, v in TASK_DEFAULTS[task_type].items() if getattr(self, k) is None}
+        if self.lr is None:
+            unset["lr"] = KIND_LR[self.kind]
         return self.model_copy(update=unset)
 
 

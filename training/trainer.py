@@ -23,7 +23,9 @@ from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType, sha256_file
 from server.backbone import Backbone
+from server.heads import Head
 from server.heads.layermix import LayerMixConfig, LayerMixHead
+from server.heads.mtb import MTBHead
 from server.modules import LoadedModule, count_parameters, load_module, save_module
 from training.data import (
     IGNORE_INDEX,
@@ -34,6 +36,7 @@ from training.data import (
     label_order,
     preset_spec,
 )
+from training.lora import TrainableLoraMTB
 from training.evaluate import predictions, score, score_module
 from training.report import write_report
 from training.settings import TASK_DEFAULTS, TrainSettings
@@ -103,21 +106,41 @@ def _file_spec(s: TrainSettings, path: str) -> DataSpec:
 
 
 # ---- the model -------------------------------------------------------------------------------
-def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbone: Backbone) -> LayerMixHead:
-    layers = s.layers if s.layers is not None else list(range(backbone.num_layers + 1))
-    bad = [i for i in layers if not 0 <= i <= backbone.num_layers]
-    if bad:
-        raise ValueError(f"--layers {bad} outside 0..{backbone.num_layers} (0 = embeddings)")
-    config = LayerMixConfig(
-        task_type=task_type, num_labels=len(labels), hidden_size=backbone.hidden_size, layers=layers,
-        project_dim=s.project_dim, alpha=s.alpha, cutoff=s.cutoff, attention_heads=s.attention_heads,
-        dropout=s.dropout, encoder_layers=s.encoder_layers, ffn_dim=s.ffn_dim, positional=s.positional,
-        max_positions=backbone.max_tokens, casing=s.casing,
-    )
-    return LayerMixHead(config, labels)
+def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbone: Backbone) -> Head:
+    """A fresh head of the kind `s.kind` (layermix, mtb, lora-mtb) for this task and backbone."""
+    if s.kind == "layermix":
+        layers = s.layers if s.layers is not None else list(range(backbone.num_layers + 1))
+        bad = [i for i in layers if not 0 <= i <= backbone.num_layers]
+        if bad:
+            raise ValueError(f"--layers {bad} outside 0..{backbone.num_layers} (0 = embeddings)")
+        config = LayerMixConfig(
+            task_type=task_type, num_labels=len(labels), hidden_size=backbone.hidden_size, layers=layers,
+            project_dim=s.project_dim, alpha=s.alpha, cutoff=s.cutoff, attention_heads=s.attention_heads,
+            dropout=s.dropout, encoder_layers=s.encoder_layers, ffn_dim=s.ffn_dim, positional=s.positional,
+            max_positions=backbone.max_tokens, casing=s.casing,
+        )
+        return LayerMixHead(config, labels)
+    options = dict(num_blocks=s.blocks, source_layer=s.source_layer, pooling=s.pooling, dropout=s.dropout)
+    if s.kind == "mtb":
+        return MTBHead.from_backbone(backbone, task_type, labels, **options)
+    return TrainableLoraMTB.from_backbone(backbone, task_type, labels, rank=s.rank, lora_alpha=s.lora_alpha,
+                                          targets=s.targets, **options)
 
 
-def head_forward(head: LayerMixHead, batch, states) -> torch.Tensor:
+def training_states(head: Head) -> list[int]:
+    """States to feed while training: every state a layer-mix head may still weigh (the cutoff
+    moves as p learns), or the fixed states other kinds read."""
+    return head.config.layers if isinstance(head, LayerMixHead) else head.layers_read()
+
+
+def layer_distribution(head: Head) -> dict[int, float]:
+    """The weight each state gets: the learned p~ for layer-mix, 1 for the state an MTB reads."""
+    if isinstance(head, LayerMixHead):
+        return dict(zip(head.config.layers, head.mix_weights().detach().cpu().tolist()))
+    return {index: 1.0 for index in head.layers_read()}
+
+
+def head_forward(head: Head, batch, states) -> torch.Tensor:
     """The served computation: start, consume each state as it comes, finish."""
     state = head.start(batch)
     for index, hidden in states:
@@ -136,11 +159,14 @@ def layer_entropy(head: LayerMixHead) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum()
 
 
-def make_optimizer(s: TrainSettings, head: LayerMixHead) -> torch.optim.Optimizer:
+def make_optimizer(s: TrainSettings, head: Head) -> torch.optim.Optimizer:
     # No decay on the layer logits (decay would pull the mix toward uniform, which is the
-    # entropy penalty's job), nor on biases and norms.
+    # entropy penalty's job), nor on biases and norms. Frozen weights (LoRA-MTB's copied
+    # blocks) are not handed to the optimizer at all.
     decay, no_decay = [], []
     for name, param in head.named_parameters():
+        if not param.requires_grad:
+            continue
         (no_decay if name == "layer_logits" or param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if s.optimizer == "adam":  # Adam's weight decay is the L2 kind (added to the gradient)
@@ -180,7 +206,7 @@ def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: rand
               desc: str) -> float:
     head.train()
     total, count = 0.0, 0
-    lam = s.lambda_entropy or 0.0
+    lam = (s.lambda_entropy or 0.0) if isinstance(head, LayerMixHead) else 0.0
     bar = tqdm(split.batches(s.batch_size, shuffle=True, rng=rng), desc=desc, unit="batch",
                disable=not s.progress, leave=False)
     for rows in bar:
@@ -227,10 +253,10 @@ class Fit:
     cache_bytes: int
 
 
-def fit(head: LayerMixHead, train_split: Split, val_split: Split, s: TrainSettings, device, amp: bool) -> Fit:
+def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, device, amp: bool) -> Fit:
     """Train until the epochs run out or the validation metric stops improving; the head ends
     holding the weights of its best epoch."""
-    layers = head.config.layers
+    layers = training_states(head)
     t0 = time.perf_counter()
     if s.states == "cache":
         where = cache_device(device, [train_split, val_split], layers, train_split.backbone.hidden_size)
@@ -260,7 +286,7 @@ def fit(head: LayerMixHead, train_split: Split, val_split: Split, s: TrainSettin
         value = val_metrics[s.metric]
         history.append({
             "epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, s.metric: value,
-            "lr": optimizer.param_groups[0]["lr"], "layer_weights": head.mix_weights().detach().cpu().tolist(),
+            "lr": optimizer.param_groups[0]["lr"], "layer_weights": list(layer_distribution(head).values()),
             "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2),
         })
         improved = value > best
@@ -307,6 +333,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     amp = s.amp if s.amp is not None else device.type == "cuda"
     backbone = backbone or Backbone.load(s.backbone, device=str(device))
     head = build_head(s, task_type, labels, backbone).to(device)
+    trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
     result = fit(head, train_split, val_split, s, device, amp)
     train_seconds = time.perf_counter() - started
@@ -319,7 +346,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress)
     metrics.update(metric=metric, split="validation")
 
-    weights = dict(zip(head.config.layers, head.mix_weights().detach().cpu().tolist()))
+    weights = layer_distribution(head)
     training = {
         "command": command,
         "config_file": config_file,
@@ -330,7 +357,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         "best_epoch_metric": result.best_value,  # on the training-time states (fp16 when cached)
         "history": result.history,
         "layer_weights": {str(k): v for k, v in weights.items()},
-        "parameters": count_parameters(head),
+        "parameters": count_parameters(head),  # what serving runs (LoRA merged)
+        "trainable_parameters": trainable,
+        "artifact_parameters": sum(t.numel() for t in head.artifact_weights().values()),
         "timing": {
             "states_mode": s.states,
             "states_seconds": round(result.states_seconds, 2),
@@ -343,7 +372,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
             "machine": platform.machine(), "threads": torch.get_num_threads(),
         },
     }
-    description = s.description or f"layer-mix head on {backbone.name}, trained on {s.dataset or s.train}"
+    description = s.description or f"{s.kind} head on {backbone.name}, trained on {s.dataset or s.train}"
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite)
     load_module(store, task, s.version, backbone)  # refuse to report success on an unloadable artifact

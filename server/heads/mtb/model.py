@@ -52,6 +52,8 @@ class MTBHead(Head):
                            source_layer=source, copied_from=copied, backbone_config=backbone.config.to_dict(),
                            **options)
         blocks = [copy.deepcopy(backbone.adapter.layers[i]) for i in copied]
+        for param in (p for block in blocks for p in block.parameters()):
+            param.requires_grad_(True)  # the backbone's originals are frozen; the copies train
         head = cls(config, labels, blocks)
         head.hf_config._attn_implementation = backbone.config._attn_implementation
         return head
