@@ -20,6 +20,15 @@ class Head(nn.Module):
     task_type: TaskType
     labels: list[str]
 
+    def __init__(self, config, labels: list[str] | None = None):
+        """`config` is the kind's pydantic config; it names task_type and num_labels."""
+        super().__init__()
+        self.config = config
+        self.task_type = config.task_type
+        self.labels = list(labels) if labels else [str(i) for i in range(config.num_labels)]
+        if len(self.labels) != config.num_labels:
+            raise ValueError(f"{len(self.labels)} labels for num_labels={config.num_labels}")
+
     def layers_read(self) -> list[int]:
         """Backbone state indices (0 = embeddings) this head needs, ascending."""
         raise NotImplementedError

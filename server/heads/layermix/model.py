@@ -28,12 +28,7 @@ from server.heads.layermix.layer import (
 
 class LayerMixHead(Head):
     def __init__(self, config: LayerMixConfig, labels: list[str] | None = None):
-        super().__init__()
-        self.config = config
-        self.task_type = config.task_type
-        self.labels = list(labels) if labels else [str(i) for i in range(config.num_labels)]
-        if len(self.labels) != config.num_labels:
-            raise ValueError(f"{len(self.labels)} labels for num_labels={config.num_labels}")
+        super().__init__(config, labels)
         k = config.project_dim
         # one projection per mixed state, no bias (the LN that follows removes any offset)
         self.projections = nn.Parameter(torch.empty(len(config.layers), k, config.hidden_size))

@@ -24,12 +24,7 @@ class MTBHead(Head):
     config_class = MTBConfig
 
     def __init__(self, config: MTBConfig, labels: list[str] | None = None, blocks: list[nn.Module] | None = None):
-        super().__init__()
-        self.config = config
-        self.task_type = config.task_type
-        self.labels = list(labels) if labels else [str(i) for i in range(config.num_labels)]
-        if len(self.labels) != config.num_labels:
-            raise ValueError(f"{len(self.labels)} labels for num_labels={config.num_labels}")
+        super().__init__(config, labels)
         self.hf_config = block_config(config.backbone_config)
         if blocks is None:
             blocks = [build_block(self.hf_config) for _ in config.copied_from]
