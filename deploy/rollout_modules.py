@@ -1,0 +1,108 @@
+"""Roll a module version out to every tmod replica, one replica at a time, without a restart.
+
+Each replica is told to load the version from its (shared) store through the admin API
+(`POST /admin/modules/{task}/{action}`, bearer token from the TMOD_ADMIN_TOKEN environment
+variable, never from the command line); a load swaps the head between batches, so no request is
+dropped, and a refused artifact (checksum, backbone fingerprint, shapes) changes nothing on that
+replica. After each call the replica's `GET /v1/tasks/{task}` must report the new version.
+
+Replicas are named by --hosts (HOST:PORT,...) or found by --dns NAME: a headless Service
+(deploy/k8s/base/service-headless.yaml) resolves to the address of every ready pod. The images
+ship this script at /app/deploy/rollout_modules.py; Kubernetes use, from deploy/README.md:
+
+    # from inside each pod (the pod already has the token in its environment)
+    for p in $(kubectl get pods -l app.kubernetes.io/name=tmod -o name); do
+        kubectl exec "$p" -- python /app/deploy/rollout_modules.py sentiment --version 2 --hosts 127.0.0.1:8080
+    done
+    # or as a Job inside the cluster: deploy/k8s/examples/rollout-job.yaml (uses --dns tmod-headless)
+
+Standard library only. Exit status 0 when every replica reports the version, 1 otherwise (the
+replicas already done keep the new version: run again, or roll back by loading the old one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+
+
+def resolve(name: str, port: int) -> list[str]:
+    """Every address a (headless Service) DNS name resolves to, as HOST:PORT, sorted."""
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    hosts = sorted({info[4][0] for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+def call(opener, method: str, url: str, token: str | None = None, body: dict | None = None, timeout: float = 120):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        request.add_header("content-type", "application/json")
+    if token:
+        request.add_header("authorization", f"Bearer {token}")
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"null")
+        except ValueError:
+            return exc.code, None
+
+
+def roll_out(hosts: list[str], task: str, version: str | None, action: str, token: str,
+             timeout: float = 120, log=print) -> bool:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    for host in hosts:
+        base = f"http://{host}"
+        status, body = call(opener, "POST", f"{base}/admin/modules/{task}/{action}", token,
+                            {"version": version}, timeout)
+        if status != 200:
+            log(f"{host}: {action} {task} failed: HTTP {status} {json.dumps(body)}")
+            return False
+        if action == "unload":
+            status, _ = call(opener, "GET", f"{base}/v1/tasks/{task}", timeout=timeout)
+            if status != 404:
+                log(f"{host}: {task} still listed after unload (HTTP {status})")
+                return False
+            log(f"{host}: unloaded {task} (was version {body.get('version')})")
+            continue
+        status, info = call(opener, "GET", f"{base}/v1/tasks/{task}", timeout=timeout)
+        served = (info or {}).get("version") if status == 200 else None
+        if served != body.get("version") or (version is not None and served != version):
+            log(f"{host}: {task} serves version {served!r} after {action}, expected {version or body.get('version')!r}")
+            return False
+        log(f"{host}: {task} version {served} (was {body.get('previous_version')})")
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("task")
+    p.add_argument("--version", default=None, help="version to load (default: the latest in the store)")
+    p.add_argument("--action", choices=("load", "reload", "unload"), default="load")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--hosts", help="comma-separated HOST:PORT of every replica")
+    where.add_argument("--dns", help="a name that resolves to every replica (a headless Service)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("TMOD_PORT", "8080")), help="port with --dns")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
+    args = p.parse_args(argv)
+    token = os.environ.get("TMOD_ADMIN_TOKEN")
+    if not token:
+        print("TMOD_ADMIN_TOKEN is not set", file=sys.stderr)
+        return 2
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else resolve(args.dns, args.port)
+    if not hosts:
+        print("no replicas found", file=sys.stderr)
+        return 2
+    print(f"{args.action} {args.task} version {args.version or 'latest'} on {len(hosts)} replica(s)", flush=True)
+    return 0 if roll_out(hosts, args.task, args.version, args.action, token, args.timeout,
+                         log=lambda m: print(m, flush=True)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
