@@ -11,7 +11,7 @@ Replicas are named by --hosts (HOST:PORT,...) or found by --dns NAME: a headless
 ship this script at /app/deploy/rollout_modules.py; Kubernetes use, from deploy/README.md:
 
     # from inside each pod (the pod already has the token in its environment)
-    for p in $(kubectl get pods -l app.kubernetes.io/name=tmod -o name); do
+    for p in $(kubectl get pods -l app.kubernetes.io/name=tmod,app.kubernetes.io/component=server -o name); do
         kubectl exec "$p" -- python /app/deploy/rollout_modules.py sentiment --version 2 --hosts 127.0.0.1:8080
     done
     # or as a Job inside the cluster: deploy/k8s/examples/rollout-job.yaml (uses --dns tmod-headless)
