@@ -10,8 +10,8 @@
   TMOD_* name is a field of `server.config.Settings` and every value parses, ports, store path,
   user id, threads and CPU request, the metric the autoscaler reads is one the server exports; and
   a real `tmod-serve` process started with the rendered environment answers the probes.
-- The Dockerfiles run the README's install steps verbatim (the GPU image adds the `gpu` extra and
-  nothing else), with torch pinned as in pyproject.toml.
+- The Dockerfiles, parsed by BuildKit's own parser, run the README's install steps verbatim (the
+  GPU image adds the `gpu` extra and nothing else), with torch pinned as in pyproject.toml.
 - The healthcheck and module rollout scripts shipped in the images work against real servers.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 import tomllib
 from pathlib import Path
 
+import dockerfile
 import httpx
 import kubernetes_validate
 import pytest
@@ -363,33 +364,20 @@ def test_tmod_serve_starts_under_the_deployment_environment_and_answers_the_prob
 
 
 # ---- Dockerfiles: the README's install steps ------------------------------------------------------
-def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, pending = [], ""
-    for line in path.read_text().splitlines():
-        stripped = line.strip()
-        if not pending and (not stripped or stripped.startswith("#")):
-            continue
-        if pending and stripped.startswith("#"):
-            continue
-        if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
-            continue
-        full = (pending + stripped).strip()
-        pending = ""
-        keyword, _, args = full.partition(" ")
-        out.append((keyword.upper(), args.strip()))
-    return out
+def dockerfile_instructions(path: Path) -> list:
+    """Parsed by BuildKit's own Dockerfile parser (the `dockerfile` package): a syntax error fails here."""
+    return dockerfile.parse_file(str(path))
 
 
-def stages(path: Path) -> dict[str, list[tuple[str, str]]]:
+def stages(path: Path) -> dict[str, list]:
     result, current = {}, None
-    for keyword, args in dockerfile_instructions(path):
-        if keyword == "FROM":
-            current = args.split(" AS ")[-1].strip() if " AS " in args else args
+    for command in dockerfile_instructions(path):
+        if command.cmd == "FROM":
+            value = command.value
+            current = value[2] if len(value) == 3 and value[1].upper() == "AS" else value[0]
             result[current] = []
         elif current is not None:
-            result[current].append((keyword, args))
+            result[current].append(command)
     return result
 
 
@@ -416,8 +404,8 @@ def readme_install_steps() -> list[list[str]]:
 
 
 def build_run_steps(flavour: str) -> list[list[str]]:
-    return [step for keyword, args in stages(DOCKERFILES[flavour])["build"] if keyword == "RUN"
-            for step in shell_steps(args)]
+    return [step for command in stages(DOCKERFILES[flavour])["build"] if command.cmd == "RUN"
+            for step in shell_steps(" ".join(command.value))]
 
 
 def with_extra(step: list[str], extra: str) -> list[str]:
@@ -431,36 +419,37 @@ def is_subsequence(needles: list, haystack: list) -> bool:
 
 def build_args(flavour: str) -> dict[str, str]:
     out = {}
-    for keyword, args in dockerfile_instructions(DOCKERFILES[flavour]):
-        if keyword == "ARG" and "=" in args:
-            name, _, value = args.partition("=")
+    for command in dockerfile_instructions(DOCKERFILES[flavour]):
+        if command.cmd == "ARG" and "=" in command.value[0]:
+            name, _, value = command.value[0].partition("=")
             out[name] = value
     return out
 
 
 def image_env(flavour: str) -> dict[str, str]:
     env = {}
-    for keyword, args in stages(DOCKERFILES[flavour])["runtime"]:
-        if keyword == "ENV":
-            for word in shlex.split(args):
-                name, _, value = word.partition("=")
-                env[name] = value
+    for command in stages(DOCKERFILES[flavour])["runtime"]:
+        if command.cmd == "ENV":
+            env.update(zip(command.value[::2], command.value[1::2]))
     return env
 
 
 def copied_into_image(flavour: str) -> set[str]:
     """Paths in the runtime image that COPY instructions fill from the build context."""
     out = set()
-    for keyword, args in stages(DOCKERFILES[flavour])["runtime"]:
-        if keyword == "COPY" and not args.startswith("--from"):
-            *sources, dest = args.split()
+    for command in stages(DOCKERFILES[flavour])["runtime"]:
+        if command.cmd == "COPY" and not command.flags:
+            *sources, dest = command.value
             out |= {dest.rstrip("/") + "/" + Path(s).name for s in sources} if dest.endswith("/") else {dest}
     return out
 
 
+def last(flavour: str, cmd: str):
+    return [c for c in stages(DOCKERFILES[flavour])["runtime"] if c.cmd == cmd][-1]
+
+
 def dockerfile_uid() -> int:
-    users = {next(a for k, a in stages(path)["runtime"][::-1] if k == "USER") for path in DOCKERFILES.values()}
-    (user,) = users
+    (user,) = {last(flavour, "USER").value[0] for flavour in DOCKERFILES}
     return int(user.split(":")[0])
 
 
@@ -493,20 +482,22 @@ def test_dockerfile_installs_exactly_as_the_readme(flavour):
 @pytest.mark.parametrize("flavour", ["cpu", "gpu"])
 def test_image_runtime_agrees_with_the_manifests(flavour):
     runtime = stages(DOCKERFILES[flavour])["runtime"]
-    keywords = dict(runtime)  # last of each
     env = image_env(flavour)
     k8s_env = container_env(render(f"overlays/{flavour}"))
     assert {n for n in env if n.startswith("TMOD_")} <= SETTINGS_ENV
-    assert env["TMOD_PORT"] == k8s_env["TMOD_PORT"] == keywords["EXPOSE"]
+    assert env["TMOD_PORT"] == k8s_env["TMOD_PORT"] == last(flavour, "EXPOSE").value[0]
     assert env["TMOD_STORE"] == k8s_env["TMOD_STORE"] == "/var/lib/tmod/store"
     assert env["TMOD_DEVICE"] == k8s_env["TMOD_DEVICE"]
     assert env["HF_HUB_OFFLINE"] == "1" and env["HOME"].startswith("/tmp")
-    assert ("COPY", "--from=build /store /var/lib/tmod/store") in runtime  # the shipped modules, baked in
-    user = keywords["USER"].split(":")[0]
+    # the shipped modules, baked in where the store volume mounts
+    assert any(c.cmd == "COPY" and c.flags == ("--from=build",) and c.value == ("/store", "/var/lib/tmod/store")
+               for c in runtime)
+    user = last(flavour, "USER").value[0].split(":")[0]
     assert user.isdigit() and int(user) != 0
-    assert shlex.split(keywords["ENTRYPOINT"].strip("[]").replace(",", " ")) == ["tmod-serve"]
-    healthcheck = keywords["HEALTHCHECK"]
-    assert "/app/deploy/healthcheck.py" in healthcheck and "/app/deploy/healthcheck.py" in copied_into_image(flavour)
+    assert last(flavour, "ENTRYPOINT").value == ("tmod-serve",)
+    healthcheck = last(flavour, "HEALTHCHECK").value
+    assert healthcheck == ("CMD", "python", "/app/deploy/healthcheck.py")
+    assert healthcheck[-1] in copied_into_image(flavour)
 
 
 @pytest.mark.parametrize("flavour", ["cpu", "gpu"])
@@ -514,10 +505,10 @@ def test_dockerignore_sends_what_the_dockerfile_copies(flavour):
     ignore = (DOCKERFILES[flavour].parent / f"{DOCKERFILES[flavour].name}.dockerignore").read_text().splitlines()
     rules = [line for line in ignore if line.strip() and not line.startswith("#")]
     assert rules[0] == "*"  # everything out, then only what the image needs back in
-    included = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    for keyword, args in dockerfile_instructions(DOCKERFILES[flavour]):
-        if keyword == "COPY" and not args.startswith("--from"):
-            for source in args.split()[:-1]:
+    included = {line[1:].rstrip("/") for line in rules if line.startswith("!")}
+    for command in dockerfile_instructions(DOCKERFILES[flavour]):
+        if command.cmd == "COPY" and not command.flags:
+            for source in command.value[:-1]:
                 assert source.rstrip("/") in included, f"{source} is not sent in the build context"
                 assert (ROOT / source).exists(), source
 
