@@ -54,7 +54,6 @@ import datetime as dt
 import itertools
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -69,6 +68,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.environment import loadavg, machine_info  # noqa: E402
 
 CONLL_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
 SST2_LABELS = ["negative", "positive"]
@@ -135,53 +136,12 @@ def build_store(store_dir: Path, backbone_path: str | None, seed: int) -> dict:
     return info
 
 
-def git_commit() -> dict:
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        except Exception:  # noqa: BLE001  (no git: record that, do not fail the benchmark)
-            return None
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty_tracked_files": bool(status) if status is not None else None}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
-def machine_info() -> dict:
-    import httpx
-    import torch
-    import transformers
-
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "device": "cpu",
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "httpx": httpx.__version__,
-            "tmod_git": git_commit(),
-        },
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -849,7 +809,7 @@ def main(argv=None) -> int:
         result = {
             "benchmark": "bench_load",
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine_info(),
+            "machine": machine_info(httpx=__import__("httpx").__version__),
             "load_average_start": load_start,
             "load_average_end": load_end,
             "wall_seconds": round(time.perf_counter() - t_begin, 1),

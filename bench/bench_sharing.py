@@ -37,7 +37,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -49,6 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.environment import machine_info  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -116,48 +117,10 @@ def build_modules(store, backbone, count: int, layers, project_dim: int, seed: i
     return modules
 
 
-def git_commit() -> dict:
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        except Exception:  # noqa: BLE001  (no git: record that, do not fail the benchmark)
-            return None
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty_tracked_files": bool(status) if status is not None else None}
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
-def machine_info() -> dict:
-    import transformers
-
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "load_average_at_start_1_5_15min": load,
-        "device": "cpu",
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tmod_git": git_commit(),
-        },
-    }
 
 
 # ---------------------------------------------------------------------------------------------
