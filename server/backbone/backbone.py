@@ -1,6 +1,7 @@
 """The frozen backbone: tokenize with offsets, then stream hidden states one layer at a time."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from importlib import resources
@@ -12,6 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from modules_store import BackboneFingerprint
 from server.backbone.architectures import adapter_for
+from server.backbone.backends.torch_backend import TorchBackend
 from server.backbone.tokens import EncodedInput, TokenBatch
 
 
@@ -65,6 +67,7 @@ class Backbone:
         tok_max = getattr(tokenizer, "model_max_length", model_max) or model_max
         self.max_tokens = min(model_max, tok_max)  # the most tokens one input may have
         self.device = next(self.model.parameters()).device
+        self.backend = TorchBackend(self.adapter)  # what runs the layers (use_backend for another)
         self.fingerprint = BackboneFingerprint(
             architecture=(self.config.architectures or [type(model).__name__])[0],
             num_layers=self.num_layers,
@@ -142,9 +145,9 @@ class Backbone:
         ).to(self.device)
 
     # ---- running -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def stream(self, batch: TokenBatch, upto: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (state index, hidden states (B, T, H)) for states 0..upto, one at a time.
+        """Yield (state index, hidden states (B, T, H)) for states 0..upto, one at a time, from the
+        backend (`server/backbone/backends/`: PyTorch eager by default, or ONNX Runtime).
 
         Only the state being handed out (and the next one while it is computed) is alive: the
         generator keeps no list, so each state is freed as soon as the consumer drops it.
@@ -152,12 +155,17 @@ class Backbone:
         upto = self.num_layers if upto is None else upto
         if not 0 <= upto <= self.num_layers:
             raise ValueError(f"upto={upto} outside 0..{self.num_layers}")
-        hidden = self.adapter.embed(batch.input_ids, batch.token_type_ids)
-        mask = self.adapter.mask(hidden, batch.attention_mask)
-        yield 0, hidden
-        for index in range(upto):
-            hidden = self.adapter.run_layer(index, hidden, mask)
-            yield index + 1, hidden
+        return self.backend.stream(batch, upto)
+
+    def use_backend(self, name: str = "torch", precision: str = "fp32", cache_dir=None,
+                    threads: int | None = None) -> "Backbone":
+        """A backbone that streams through another backend (same model, tokenizer and fingerprint;
+        this one is left as it is)."""
+        from server.backbone.backends import make_backend
+
+        other = copy.copy(self)
+        other.backend = make_backend(self, name, precision=precision, cache_dir=cache_dir, threads=threads)
+        return other
 
     @torch.inference_mode()
     def all_states(self, batch: TokenBatch) -> tuple[torch.Tensor, ...]:
