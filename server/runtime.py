@@ -53,6 +53,12 @@ class Runtime:
                 t0 = time.perf_counter()
                 self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device)
                 log.info("backbone %s loaded in %.1fs", self.backbone.name, time.perf_counter() - t0)
+            if (self.settings.backend, self.settings.precision) != (self.backbone.backend.name, self.backbone.backend.precision):
+                t0 = time.perf_counter()
+                self.backbone = self.backbone.use_backend(
+                    self.settings.backend, self.settings.precision, self.settings.cache_dir, self.settings.threads)
+                log.info("backend %s %s ready in %.1fs (%s)", self.settings.backend, self.settings.precision,
+                         time.perf_counter() - t0, self.backbone.backend.describe())
             self.engine = Engine(self.backbone)
             wanted = self.settings.task_list() if self.settings.tasks is not None else self.store.tasks()
             loaded = {}

@@ -1,0 +1,267 @@
+"""ONNX Runtime: the backbone exported as one graph per layer block, so states still stream.
+
+The model is exported once, as L + 1 small graphs: the embeddings (token ids -> state 0) and one
+graph per encoder layer (state l-1 and the additive attention mask -> state l). `stream` runs them
+in order and hands out each state as it comes, so heads read layers as they are computed and a
+plan that needs only states <= m runs only the first m layer graphs: early exit still cuts compute,
+and every plan is served by the same graphs (no per-plan export).
+
+Exported graphs are cached on disk, keyed by the backbone fingerprint (architecture, layer count,
+width, tokenizer vocabulary hash, weights hash), the opset, the precision and the export format
+version, so a second start loads them in seconds. int8 is ONNX Runtime's dynamic quantisation
+(weights int8 per output channel, activations quantised per call) of the layer graphs' MatMuls; the
+embeddings stay fp32 (a table lookup: nothing to gain).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from server.backbone.architectures import run_block
+from server.backbone.tokens import TokenBatch
+
+log = logging.getLogger("tmod")
+
+OPSET = 18
+# Bump when what is exported changes (graph inputs/outputs, wrappers, quantisation recipe): old
+# cache entries are then simply not found.
+EXPORT_FORMAT = 1
+PRECISIONS = ("fp32", "int8")
+MASK_MIN = float(np.finfo(np.float32).min)
+
+
+def default_cache_dir() -> Path:
+    """$TMOD_CACHE_DIR, else $XDG_CACHE_HOME/tmod, else ~/.cache/tmod."""
+    if os.environ.get("TMOD_CACHE_DIR"):
+        return Path(os.environ["TMOD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tmod"
+
+
+def cache_key(fingerprint, precision: str, opset: int = OPSET) -> str:
+    fp = fingerprint.model_dump() if hasattr(fingerprint, "model_dump") else dict(fingerprint)
+    fp.pop("name", None)  # a display name: the same weights under another name are the same graphs
+    payload = {"fingerprint": fp, "precision": precision, "opset": opset, "format": EXPORT_FORMAT}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def graph_dir_name(backbone, precision: str, opset: int = OPSET) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.name or "backbone").strip("-")[:60] or "backbone"
+    return f"{slug}-{precision}-opset{opset}-{cache_key(backbone.fingerprint, precision, opset)[:20]}"
+
+
+def graph_files(num_layers: int) -> list[str]:
+    return ["embeddings.onnx"] + [f"layer_{i:03d}.onnx" for i in range(num_layers)]
+
+
+# ---- export ----------------------------------------------------------------------------------
+class _Embeddings(torch.nn.Module):
+    def __init__(self, adapter, token_types: bool):
+        super().__init__()
+        self.adapter, self.token_types = adapter, token_types
+        self.embeddings = adapter.model.embeddings  # registered, so its weights are exported
+
+    def forward(self, input_ids, token_type_ids=None):
+        return self.adapter.embed(input_ids, token_type_ids if self.token_types else None)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden, mask):
+        return run_block(self.block, hidden, mask)
+
+
+def _export(module, args: tuple, path: Path, input_names, dynamic_shapes, opset: int) -> None:
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "torchvision is not installed" and similar, once per graph
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # the exporter's own deprecation / naming chatter
+        torch.onnx.export(
+            module, args, str(path), input_names=list(input_names), output_names=["state"],
+            dynamic_shapes=dynamic_shapes, opset_version=opset, dynamo=True, external_data=False,
+            verbose=False, report=False,
+        )
+    quiet.setLevel(level)
+
+
+def export_fp32(backbone, out: Path, opset: int = OPSET) -> None:
+    """Write embeddings.onnx and layer_NNN.onnx for `backbone` into `out` (torch.onnx, dynamo)."""
+    from torch.export import Dim
+
+    adapter = backbone.adapter
+    # an example whose batch and sequence sizes differ from each other and from 0/1, so the
+    # exporter keeps both symbolic
+    example = backbone.tokenize(["tmod exports this backbone", "one graph per layer block, then stream them"])
+    ids = example.input_ids.cpu()
+    types = example.token_type_ids.cpu() if adapter.uses_token_types else None
+    batch = Dim("batch", min=1, max=65536)
+    seq = Dim("seq", min=1, max=max(backbone.max_tokens, ids.shape[1] + 1))
+    with torch.no_grad():
+        if types is not None:
+            _export(_Embeddings(adapter, True).eval(), (ids, types), out / "embeddings.onnx",
+                    ["input_ids", "token_type_ids"], {"input_ids": {0: batch, 1: seq}, "token_type_ids": {0: batch, 1: seq}},
+                    opset)
+        else:
+            _export(_Embeddings(adapter, False).eval(), (ids,), out / "embeddings.onnx",
+                    ["input_ids"], {"input_ids": {0: batch, 1: seq}}, opset)
+        hidden = adapter.embed(ids, types)
+        mask = additive_mask(example.attention_mask.cpu().numpy())
+        mask_t = torch.from_numpy(mask)
+        for index, block in enumerate(adapter.layers):
+            _export(_Layer(block).eval(), (hidden, mask_t), out / f"layer_{index:03d}.onnx", ["hidden", "mask"],
+                    {"hidden": {0: batch, 1: seq}, "mask": {0: batch, 3: seq}}, opset)
+
+
+def quantize_int8(src: Path, out: Path, num_layers: int) -> None:
+    """Dynamic int8 quantisation of every layer graph's MatMuls (weights per channel)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    shutil.copy2(src / "embeddings.onnx", out / "embeddings.onnx")
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantiser logs a "consider pre-processing" warning per graph
+    try:
+        for name in graph_files(num_layers)[1:]:
+            quantize_dynamic(src / name, out / name, weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"])
+    finally:
+        root.setLevel(level)
+
+
+def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | None = None,
+                  opset: int = OPSET) -> tuple[Path, bool]:
+    """The directory holding this backbone's graphs at `precision`, exporting them if no cache
+    entry exists. Returns (directory, exported_now). An unwritable cache directory is not fatal:
+    the graphs are exported to a temporary directory instead (and exported again next start)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported by the onnx backend; choose one of {PRECISIONS}")
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    root = root / "onnx"
+    target = root / graph_dir_name(backbone, precision, opset)
+    files = graph_files(backbone.num_layers)
+    if (target / "meta.json").is_file() and all((target / f).is_file() for f in files):
+        return target, False
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    except OSError as exc:
+        log.warning("onnx cache %s not writable (%s): exporting to a temporary directory", root, exc)
+        root, work = None, Path(tempfile.mkdtemp(prefix="tmod-onnx-"))
+    t0 = time.perf_counter()
+    if precision == "fp32":
+        export_fp32(backbone, work, opset)
+    else:  # derived from the fp32 graphs, themselves cached
+        fp32_dir, _ = ensure_graphs(backbone, "fp32", cache_dir if root is not None else work / "fp32", opset)
+        quantize_int8(fp32_dir, work, backbone.num_layers)
+    seconds = time.perf_counter() - t0
+    meta = {
+        "format": EXPORT_FORMAT, "opset": opset, "precision": precision, "files": files,
+        "fingerprint": backbone.fingerprint.model_dump(), "key": cache_key(backbone.fingerprint, precision, opset),
+        "exporter": "torch.onnx.export(dynamo=True)", "torch": torch.__version__,
+        "onnxruntime": _ort_version(), "seconds": round(seconds, 2),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (work / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks the entry complete
+    log.info("backbone %s exported to onnx (%s, %d graphs) in %.1fs", backbone.name, precision, len(files), seconds)
+    if root is None:
+        return work, True
+    try:
+        os.rename(work, target)  # atomic; another process that got there first wins
+    except OSError:
+        if not (target / "meta.json").is_file():
+            shutil.rmtree(target, ignore_errors=True)  # a broken leftover: replace it
+            try:
+                os.rename(work, target)
+                return target, True
+            except OSError:
+                pass
+        shutil.rmtree(work, ignore_errors=True)
+    return target, True
+
+
+def _ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
+def additive_mask(attention_mask: np.ndarray) -> np.ndarray:
+    """(B, T) 1/0 -> (B, 1, 1, T) float32: 0 where a key may be attended, float32 min where not."""
+    return ((1.0 - attention_mask[:, None, None, :].astype(np.float32)) * MASK_MIN).astype(np.float32)
+
+
+# ---- running ---------------------------------------------------------------------------------
+class OnnxBackend:
+    """Runs the cached per-layer graphs with ONNX Runtime (CPU execution provider).
+
+    `runs[i]` counts how many times graph i ran (0: embeddings, l: layer l), so early exit can be
+    checked; `exported` says whether this load had to export (False: the cache was used).
+    """
+
+    name = "onnx"
+
+    def __init__(self, backbone, precision: str = "fp32", cache_dir: Path | str | None = None,
+                 threads: int | None = None, opset: int = OPSET):
+        import onnxruntime as ort
+
+        if torch.device(backbone.device).type != "cpu":
+            raise ValueError(f"the onnx backend runs on the CPU only for now (device {backbone.device} asked); "
+                             "use backend torch on a GPU")
+        self.precision = precision
+        self.num_layers = backbone.num_layers
+        self.uses_token_types = backbone.adapter.uses_token_types
+        t0 = time.perf_counter()
+        self.graph_dir, self.exported = ensure_graphs(backbone, precision, cache_dir, opset)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.inter_op_num_threads = 1
+        options.intra_op_num_threads = threads or 0  # 0: ONNX Runtime's choice (one per physical core)
+        options.log_severity_level = 3
+        # the heads run in torch between two layer graphs: ORT's pool must not spin on the cores then
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.threads = threads
+        self.sessions = [
+            ort.InferenceSession(str(self.graph_dir / f), options, providers=["CPUExecutionProvider"])
+            for f in graph_files(self.num_layers)
+        ]
+        self.load_seconds = time.perf_counter() - t0
+        self.runs = [0] * (self.num_layers + 1)
+
+    def stream(self, batch: TokenBatch, upto: int) -> Iterator[tuple[int, torch.Tensor]]:
+        feed = {"input_ids": batch.input_ids.cpu().numpy()}
+        if self.uses_token_types:
+            types = batch.token_type_ids
+            feed["token_type_ids"] = (types.cpu().numpy() if types is not None
+                                      else np.zeros_like(feed["input_ids"]))
+        hidden = self.sessions[0].run(None, feed)[0]
+        self.runs[0] += 1
+        mask = additive_mask(batch.attention_mask.cpu().numpy())
+        yield 0, torch.from_numpy(hidden)
+        for index in range(upto):
+            hidden = self.sessions[index + 1].run(None, {"hidden": hidden, "mask": mask})[0]
+            self.runs[index + 1] += 1
+            yield index + 1, torch.from_numpy(hidden)
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "precision": self.precision, "onnxruntime": _ort_version(),
+                "intra_op_threads": self.threads or "default", "graph_dir": str(self.graph_dir),
+                "exported_at_load": self.exported, "load_seconds": round(self.load_seconds, 2)}
