@@ -468,6 +468,8 @@ def test_dockerfile_installs_exactly_as_the_readme(flavour):
     others = [s for s in run if s[:2] == [".venv/bin/pip", "install"] and s != project_install]
     assert others == [[".venv/bin/pip", "install", "--index-url", "${TORCH_INDEX_URL}", "torch==${TORCH_VERSION}"]]
     assert run.index(others[0]) < run.index(project_install)
+    # the baked store is readable by the non-root user whatever modes tmod-train left on it
+    assert any(step[:3] == ["chmod", "-R", "a+rX"] and "/store" in step for step in run)
     args = build_args(flavour)
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
