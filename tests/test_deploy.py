@@ -464,11 +464,17 @@ def test_dockerfile_installs_exactly_as_the_readme(flavour):
     expected = readme if flavour == "cpu" else [with_extra(step, "gpu") for step in readme]
     run = build_run_steps(flavour)
     assert is_subsequence(expected, run), f"README steps {expected} not run in order by {DOCKERFILES[flavour].name}"
-    # every other pip install is the torch pre-install from the PyTorch index, nothing else
+    # every other pip install is the torch pre-install from the PyTorch index, and in the GPU image
+    # the swap that leaves onnxruntime-gpu as the only ONNX Runtime; nothing else
     project_install = expected[-1]
-    others = [s for s in run if s[:2] == [".venv/bin/pip", "install"] and s != project_install]
-    assert others == [[".venv/bin/pip", "install", "--index-url", "${TORCH_INDEX_URL}", "torch==${TORCH_VERSION}"]]
-    assert run.index(others[0]) < run.index(project_install)
+    torch_install = [".venv/bin/pip", "install", "--index-url", "${TORCH_INDEX_URL}", "torch==${TORCH_VERSION}"]
+    ort_swap = [[".venv/bin/pip", "uninstall", "-y", "onnxruntime", "onnxruntime-gpu"],
+                [".venv/bin/pip", "install", "--no-deps", "onnxruntime-gpu==${ORT_VERSION}"]]
+    pip = [s for s in run if s[0] == ".venv/bin/pip" and s[1] in ("install", "uninstall") and s != project_install]
+    assert pip == ([torch_install] if flavour == "cpu" else [torch_install, *ort_swap])
+    assert run.index(torch_install) < run.index(project_install)
+    if flavour == "gpu":
+        assert run.index(project_install) < run.index(ort_swap[0])
     # the baked store is readable by the non-root user whatever modes tmod-train left on it
     assert any(step[:3] == ["chmod", "-R", "a+rX"] and "/store" in step for step in run)
     args = build_args(flavour)
