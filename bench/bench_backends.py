@@ -289,7 +289,8 @@ def markdown(result: dict) -> str:
         f"Engine.logits per batch; {s['rounds']} interleaved rounds; clock: {clock} "
         f"({'CPU time of the process' if clock == 'cpu' else 'elapsed time'}; the other clock is in the JSON). "
         "seq/s: median over rounds; x torch: throughput ratio against torch fp32 with the same K, per round, "
-        "median (min-max); latency: per call (one batch), over every call of every round.", "",
+        "median (min-max); latency: per call (one batch), over every call of every round (short inputs: "
+        "batches of different lengths, so p99 is the longest batch's time, not noise).", "",
         f"Command: `{result['command']}`", "",
     ]
     for kind, per_bs in result["speed"].items():
