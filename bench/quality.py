@@ -66,8 +66,12 @@ def main() -> None:
         finetune = json.loads(finetune_file.read_text()) if finetune_file.is_file() else None
         # the fine-tuning anchor may have used a training subset (CPU time); a layer-mix head trained
         # on the same subset (same seed, so the same rows) makes the comparison like for like
-        subset = finetune and finetune.get("settings", {}).get("train_rows_used")
-        same_subset = rescore(Path(args.baselines), task, f"subset-{subset}", dataset) if subset else None
+        settings = (finetune or {}).get("settings", {})
+        subset = settings.get("train_rows_used")
+        if subset and subset >= settings.get("train_rows_in_file", subset + 1):
+            same_subset = layermix  # the anchor used every row: the shipped module is the match
+        else:
+            same_subset = rescore(Path(args.baselines), task, f"subset-{subset}", dataset) if subset else None
         rows[task] = {"dataset": dataset, "metric": metric, "title": title, "layermix": layermix,
                       "last_layer": last_layer, "layermix_same_subset_as_finetune": same_subset,
                       "full_finetune": None if finetune is None else {
