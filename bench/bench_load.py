@@ -69,7 +69,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.environment import loadavg, machine_info  # noqa: E402
+from bench.environment import loadavg, machine_info, read_sst2_sentences as read_sentences  # noqa: E402
+from training.data import default_data_dir  # noqa: E402
 
 CONLL_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
 SST2_LABELS = ["negative", "positive"]
@@ -84,20 +85,6 @@ LABELS = {"batching_on": "batching on", "batching_off": "batching off (batch-1)"
 # ---------------------------------------------------------------------------------------------
 # inputs, store, machine
 # ---------------------------------------------------------------------------------------------
-def default_data_dir() -> Path:
-    env = os.environ.get("TMOD_DATA_DIR")
-    return Path(env) if env else (REPO / ".." / "shared" / "data").resolve()
-
-
-def read_sentences(data_dir: Path) -> list[str]:
-    path = data_dir / "sst2" / "validation.tsv"
-    if not path.is_file():
-        raise SystemExit(f"no SST-2 validation file at {path} (set --data-dir or TMOD_DATA_DIR)")
-    lines = path.read_text(encoding="utf-8").splitlines()[1:]  # header; tab-separated, no quoting
-    sentences = [line.split("\t")[0].strip() for line in lines if line.strip()]
-    return [s for s in sentences if s]
-
-
 def build_store(store_dir: Path, backbone_path: str | None, seed: int) -> dict:
     """Random-weight layer-mix heads sized like the tmod-train defaults, saved as real artifacts."""
     import torch

@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.environment import machine_info  # noqa: E402
+from bench.environment import machine_info, read_sst2_sentences as read_sentences  # noqa: E402
+from training.data import default_data_dir  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -62,19 +63,6 @@ TARGET_K = 4
 # ---------------------------------------------------------------------------------------------
 # setup
 # ---------------------------------------------------------------------------------------------
-def default_data_dir() -> Path:
-    env = os.environ.get("TMOD_DATA_DIR")
-    return Path(env) if env else (REPO / ".." / "shared" / "data").resolve()
-
-
-def read_sentences(data_dir: Path) -> list[str]:
-    path = data_dir / "sst2" / "validation.tsv"
-    if not path.is_file():
-        raise SystemExit(f"no SST-2 validation file at {path} (set --data-dir or TMOD_DATA_DIR)")
-    lines = path.read_text(encoding="utf-8").splitlines()[1:]  # header; tab-separated, no quoting
-    return [line.split("\t")[0].strip() for line in lines if line.strip()]
-
-
 def make_head(i: int, hidden_size: int, layers: list[int], project_dim: int, seed: int):
     from server.heads.layermix import LayerMixConfig, LayerMixHead
 

@@ -60,3 +60,14 @@ def machine_info(device: str = "cpu", **extra_versions: str) -> dict:
             "tmod_git": git_commit(),
         },
     }
+
+
+def read_sst2_sentences(data_dir: Path | None = None) -> list[str]:
+    """SST-2 validation sentences: the real inputs the speed benchmarks send."""
+    from training.data import default_data_dir
+
+    path = Path(data_dir or default_data_dir()) / "sst2" / "validation.tsv"
+    if not path.is_file():
+        raise SystemExit(f"no SST-2 validation file at {path} (set --data-dir or TMOD_DATA_DIR)")
+    lines = path.read_text(encoding="utf-8").splitlines()[1:]  # header; tab-separated, no quoting
+    return [s for s in (line.split("\t")[0].strip() for line in lines if line.strip()) if s]

@@ -36,9 +36,7 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +50,7 @@ from torch import nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from modules_store import TaskType  # noqa: E402
+from bench.environment import machine_info  # noqa: E402
 from server.backbone import Backbone  # noqa: E402
 from training.data import IGNORE_INDEX, PRESETS, default_data_dir, preset_spec  # noqa: E402
 from training.evaluate import predictions, score  # noqa: E402
@@ -152,50 +151,10 @@ def headline(task: str, scores: dict) -> dict:
 
 
 # ---- environment ------------------------------------------------------------------------------
-def _git(*args) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001  (no git: record that, do not fail)
-        return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def environment() -> dict:
-    import transformers
-
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    return {
-        "machine": {
-            "platform": platform.platform(),
-            "arch": platform.machine(),
-            "cpu": _cpu_model(),
-            "cores": os.cpu_count(),
-            "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "torch_threads": torch.get_num_threads(),
-            "load_average_at_start_1_5_15min": load,
-            "device": "cpu",
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "git_commit": _git("rev-parse", "HEAD"),
-            "git_dirty_tracked_files": bool(status) if status is not None else None,
-        },
-    }
+    info = machine_info()
+    info["torch_threads"] = torch.get_num_threads()
+    return {"versions": info.pop("versions"), "machine": info}
 
 
 # ---- main -------------------------------------------------------------------------------------
