@@ -90,6 +90,8 @@ class ModuleStore:
             manifest = Manifest.model_validate_json(path.read_bytes())
         except ValidationError as exc:
             raise ArtifactError("bad_manifest", f"invalid manifest {path}: {exc}") from exc
+        except OSError as exc:
+            raise ArtifactError("unreadable", f"cannot read manifest {path}: {exc}") from exc
         if (manifest.task, manifest.version) != (task, version):
             raise ArtifactError(
                 "bad_manifest",
@@ -111,7 +113,10 @@ class ModuleStore:
         weights_path = folder / WEIGHTS_FILE
         if not weights_path.is_file():
             raise ArtifactError("missing_weights", f"{task}/{version}: no {WEIGHTS_FILE} in {folder}")
-        actual = sha256_file(weights_path)
+        try:
+            actual = sha256_file(weights_path)
+        except OSError as exc:
+            raise ArtifactError("unreadable", f"{task}/{version}: cannot read {weights_path}: {exc}") from exc
         if actual != manifest.weights_sha256:
             raise ArtifactError(
                 "checksum_mismatch",
@@ -139,11 +144,14 @@ class ModuleStore:
             raise ArtifactError("exists", f"{manifest.task}/{manifest.version} already exists in {self.root}")
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{manifest.version}-", dir=folder.parent))
+        staging.chmod(0o755)  # mkdtemp makes 0700: a server running as another user must read it
         try:
             tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
             save_file(tensors, str(staging / WEIGHTS_FILE))
             manifest = manifest.model_copy(update={"weights_sha256": sha256_file(staging / WEIGHTS_FILE)})
             (staging / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+            for written in (staging / WEIGHTS_FILE, staging / MANIFEST_FILE):
+                written.chmod(0o644)
             if folder.exists():
                 shutil.rmtree(folder)
             staging.rename(folder)

@@ -134,3 +134,22 @@ def test_refuses_missing_weights_and_unknown_task(store, tiny_backbone):
     (store.path("sentiment", "1") / "weights.safetensors").unlink()
     with pytest.raises(ArtifactError, match="no weights.safetensors"):
         load_module(store, "sentiment", None, tiny_backbone)
+
+
+def test_saved_artifacts_are_readable_by_other_users(store):
+    folder = store.path("sentiment", "1")
+    assert folder.stat().st_mode & 0o755 == 0o755
+    for name in ("manifest.json", "weights.safetensors"):
+        assert (folder / name).stat().st_mode & 0o644 == 0o644
+
+
+def test_unreadable_artifact_is_refused_not_crashed(store, tiny_backbone, monkeypatch):
+    import modules_store.store as store_module
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(store_module, "sha256_file", denied)
+    with pytest.raises(ArtifactError, match="cannot read") as info:
+        load_module(store, "sentiment", None, tiny_backbone)
+    assert info.value.reason == "unreadable"
