@@ -86,3 +86,22 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
     access = [r for r in records if r["logger"] == "tmod.access"]
     assert any(r["request_id"] == "trace-123" and r["path"] == "/v1/infer" and r["status"] == 200 for r in access)
     assert all(len(r["request_id"]) >= 8 for r in access)
+
+
+def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
+    """The modules that ship in modules_store/ load on the default backbone and do their jobs."""
+    from server.app import create_app
+    from server.config import Settings
+    from tests.helpers import LiveServer
+
+    text = "Angela Merkel visited the Siemens plant in Munich. What a great trip!"
+    with LiveServer(create_app(Settings(), backbone=minilm)) as server:
+        assert httpx.get(server.url + "/readyz").json()["refused"] == {}
+        body = httpx.post(server.url + "/v1/infer", params={"tasks": "ner,sentiment,acceptability"},
+                          json={"inputs": [text, "The cat sat the on mat."]}, timeout=60).json()
+    first, second = body["results"]
+    assert {(e["text"], e["label"]) for e in first["ner"]["entities"]} == {
+        ("Angela Merkel", "PER"), ("Siemens", "ORG"), ("Munich", "LOC")}
+    assert first["sentiment"]["label"] == "positive"
+    assert first["acceptability"]["label"] == "acceptable" and second["acceptability"]["label"] == "unacceptable"
+    assert set(body["tasks"]) == {"ner", "sentiment", "acceptability"}
