@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import torch
 import uvicorn
-from transformers import AutoTokenizer, BertConfig, BertModel, DistilBertConfig, DistilBertModel, RobertaConfig, RobertaModel
+from transformers import (AutoTokenizer, BertConfig, BertModel, DistilBertConfig, DistilBertModel, LlamaConfig, LlamaModel,
+                          RobertaConfig, RobertaModel)
 
 from modules_store import ModuleStore, TaskType
 from server.backbone import Backbone, default_backbone_path
@@ -20,7 +21,8 @@ NER_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC
 
 
 def make_tiny_backbone_dir(root: Path, family: str = "bert", layers: int = 3, seed: int = 0) -> Path:
-    """A randomly initialised encoder with the real MiniLM tokenizer, saved like a hub checkout."""
+    """A randomly initialised encoder (or Llama-style decoder: family "llama") with the real MiniLM
+    tokenizer, saved like a hub checkout."""
     tokenizer = AutoTokenizer.from_pretrained(default_backbone_path(), local_files_only=True)
     vocab = len(tokenizer)
     torch.manual_seed(seed)
@@ -35,6 +37,10 @@ def make_tiny_backbone_dir(root: Path, family: str = "bert", layers: int = 3, se
     elif family == "distilbert":
         model = DistilBertModel(DistilBertConfig(dim=32, n_layers=layers, n_heads=2, hidden_dim=64,
                                                  architectures=["DistilBertModel"], **common))
+    elif family == "llama":
+        model = LlamaModel(LlamaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                       num_key_value_heads=1, intermediate_size=64, pad_token_id=tokenizer.pad_token_id,
+                                       architectures=["LlamaModel"], **common))
     else:
         raise ValueError(family)
     path = root / f"tiny-{family}"

@@ -30,6 +30,26 @@ def test_mtb_from_last_block_reproduces_it(request, backbone_name):
     torch.testing.assert_close(state["hidden"], states[-1], atol=1e-5, rtol=0)
 
 
+def test_mtb_on_a_decoder_reproduces_its_last_block(tmp_path):
+    """A Llama-style block (causal mask, rotary positions) copied into an MTB head, rebuilt from the
+    manifest's config alone, gives the backbone's own last state."""
+    from server.backbone import Backbone
+    from tests.helpers import make_tiny_backbone_dir
+
+    backbone = Backbone.load(make_tiny_backbone_dir(tmp_path, "llama"))
+    head = MTBHead.from_backbone(backbone, "token_classification", NER_LABELS).eval()
+    store = ModuleStore(tmp_path / "store")
+    save_module(store, "ner", "1", head, backbone)
+    loaded = load_module(store, "ner", "1", backbone).head
+    batch = backbone.tokenize(TEXTS)
+    states = [h for _, h in backbone.stream(batch)]
+    real = batch.attention_mask.bool()
+    for mtb in (head, loaded):
+        with torch.inference_mode():
+            state = mtb.consume(mtb.start(batch), backbone.num_layers - 1, states[-2])
+        torch.testing.assert_close(state["hidden"][real], states[-1][real], atol=1e-5, rtol=0)
+
+
 def test_mtb_round_trip_through_the_store(tmp_path, tiny_backbone):
     head = MTBHead.from_backbone(tiny_backbone, "token_classification", NER_LABELS, num_blocks=2).eval()
     with torch.no_grad():

@@ -48,6 +48,29 @@ def test_stream_matches_hf_forward_for_encoder_families(tmp_path, family):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def test_stream_matches_hf_forward_for_a_llama_decoder(tmp_path):
+    """Causal decoder: same states as the model's forward (HF applies the final RMSNorm to its last
+    hidden state; tmod hands out the raw block output like every other state), padding on the right
+    changes nothing for the real tokens."""
+    backbone = Backbone.load(make_tiny_backbone_dir(tmp_path, "llama"))
+    batch = backbone.tokenize(TEXTS)
+    reference = backbone.all_states(batch)
+    streamed = [h for _, h in backbone.stream(batch)]
+    assert len(streamed) == len(reference) == backbone.num_layers + 1
+    real = batch.attention_mask.bool()
+    for ref, got in zip(reference[:-1], streamed[:-1]):
+        torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(backbone.model.norm(streamed[-1])[real], reference[-1][real], atol=1e-5, rtol=0)
+    for row, text in enumerate(TEXTS):  # each row alone (no padding) equals its padded row
+        alone = [h for _, h in backbone.stream(backbone.tokenize([text]))]
+        n = int(batch.attention_mask[row].sum())
+        for together, single in zip(streamed, alone):
+            torch.testing.assert_close(together[row, :n], single[0], atol=1e-5, rtol=0)
+    head = random_head(backbone, "token_classification", NER_LABELS, seed=5)
+    logits = Engine(backbone).logits(batch, as_modules(ner=head))["ner"]
+    assert logits.shape == (len(TEXTS), batch.seq_len, len(NER_LABELS))
+
+
 def check_layermix_equals_reference(backbone, texts, pairs=None):
     heads = {
         "seq": random_head(backbone, "sequence_classification", ["a", "b", "c"], seed=11),

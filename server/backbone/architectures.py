@@ -1,9 +1,11 @@
 """Per-architecture access to a Hugging Face model's embedding step and its layer list.
 
-Streaming needs three things from a model: embed the tokens, build the attention mask the layers
-expect, and call one layer. Encoders (BERT, RoBERTa, DistilBERT, MiniLM, ...) all fit the same
-adapter; a decoder (Llama/GPT-2 style) would add one here with a causal mask and rotary/position
-arguments, and register it in ADAPTERS.
+Streaming needs three things from a model: embed the tokens, build what the layers need besides
+the hidden states (a `BlockContext`: the attention mask, plus rotary position embeddings for a
+decoder), and call one layer. Encoders (BERT, RoBERTa, DistilBERT, MiniLM, ...) share
+`EncoderAdapter`; Llama-style decoders (SmolLM2) use `DecoderAdapter` with a causal mask. The MTB
+head rebuilds blocks from a config alone and runs them through the same `block_context` /
+`run_block` pair.
 """
 from __future__ import annotations
 
@@ -11,7 +13,48 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_bidirectional_mask
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+DECODER_TYPES = ("llama",)
+
+
+def is_decoder(config) -> bool:
+    return config.model_type in DECODER_TYPES
+
+
+class BlockContext:
+    """What a block call needs besides the hidden states, built once per batch."""
+
+    def __init__(self, mask, position_embeddings=None, position_ids=None):
+        self.mask, self.position_embeddings, self.position_ids = mask, position_embeddings, position_ids
+
+    def run(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        if self.position_embeddings is None:  # encoders: (hidden_states, attention_mask) positionally
+            out = block(hidden, self.mask)
+        else:
+            out = block(hidden, attention_mask=self.mask, position_embeddings=self.position_embeddings,
+                        position_ids=self.position_ids)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def rotary_for(config) -> nn.Module | None:
+    """The rotary position embedding module of a decoder config (no weights, only buffers)."""
+    if not is_decoder(config):
+        return None
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(config=config)
+
+
+def block_context(config, hidden: torch.Tensor, attention_mask: torch.Tensor, rotary: nn.Module | None = None) -> BlockContext:
+    """Bidirectional mask for encoders; causal mask and rotary embeddings for decoders (padding is
+    on the right, so positions are 0..T-1 for every row)."""
+    if not is_decoder(config):
+        return BlockContext(create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask))
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
+                              past_key_values=None, position_ids=positions)
+    return BlockContext(mask, rotary(hidden, position_ids=positions), positions)
 
 
 class EncoderAdapter:
@@ -42,15 +85,39 @@ class EncoderAdapter:
         return run_block(self.layers[index], hidden, mask)
 
 
-ADAPTERS: dict[str, Callable[[nn.Module], EncoderAdapter]] = {
+class DecoderAdapter:
+    """Llama-style causal decoders (SmolLM2): token embeddings, then blocks with a causal mask and
+    rotary position embeddings. State L is the last block's raw output (the final RMSNorm, which
+    only the language-model head needs, is not applied), like every other state."""
+
+    uses_token_types = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        self.layers = model.layers
+        self.rotary = model.rotary_emb
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def mask(self, embedded: torch.Tensor, attention_mask: torch.Tensor) -> BlockContext:
+        return block_context(self.config, embedded, attention_mask, self.rotary)
+
+    def run_layer(self, index: int, hidden: torch.Tensor, context: BlockContext) -> torch.Tensor:
+        return context.run(self.layers[index], hidden)
+
+
+ADAPTERS: dict[str, Callable[[nn.Module], EncoderAdapter | DecoderAdapter]] = {
     "bert": EncoderAdapter,
     "roberta": EncoderAdapter,
     "xlm-roberta": EncoderAdapter,
     "distilbert": EncoderAdapter,
+    "llama": DecoderAdapter,
 }
 
 
-def adapter_for(model: nn.Module) -> EncoderAdapter:
+def adapter_for(model: nn.Module) -> EncoderAdapter | DecoderAdapter:
     model_type = model.config.model_type
     if model_type not in ADAPTERS:
         raise ValueError(f"backbone model_type {model_type!r} is not supported; supported: {sorted(ADAPTERS)}")
@@ -64,6 +131,7 @@ LAYER_CLASSES = {
     "roberta": ("transformers.models.roberta.modeling_roberta", "RobertaLayer"),
     "xlm-roberta": ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaLayer"),
     "distilbert": ("transformers.models.distilbert.modeling_distilbert", "TransformerBlock"),
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"),
 }
 
 
@@ -83,9 +151,12 @@ def build_block(config) -> nn.Module:
     if config.model_type not in LAYER_CLASSES:
         raise ValueError(f"no transformer block class for model_type {config.model_type!r}")
     module, name = LAYER_CLASSES[config.model_type]
-    return getattr(importlib.import_module(module), name)(config)
+    cls = getattr(importlib.import_module(module), name)
+    return cls(config, layer_idx=0) if is_decoder(config) else cls(config)
 
 
 def run_block(block: nn.Module, hidden: torch.Tensor, mask) -> torch.Tensor:
-    out = block(hidden, mask)
-    return out[0] if isinstance(out, tuple) else out
+    """One block call; `mask` is a BlockContext, or an encoder's attention mask tensor (the ONNX
+    export passes the mask as a graph input)."""
+    context = mask if isinstance(mask, BlockContext) else BlockContext(mask)
+    return context.run(block, hidden)

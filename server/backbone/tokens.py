@@ -52,3 +52,77 @@ class TokenBatch:
         if self.token_type_ids is not None:
             self.token_type_ids = self.token_type_ids.to(device)
         return self
+
+
+class InputTooLong(ValueError):
+    def __init__(self, rows: list[int], lengths: list[int], limit: int):
+        self.rows, self.lengths, self.limit = rows, lengths, limit
+        detail = ", ".join(f"input {r} has {n} tokens" for r, n in zip(rows, lengths))
+        super().__init__(f"{detail}; the limit is {limit} (ask for truncation to cut them)")
+
+
+class TextEncoder:
+    """A fast tokenizer with its model's limits: text -> EncodedInput (with character offsets) ->
+    padded TokenBatch. The backbone has one; a bridge has one for its target backbone."""
+
+    def __init__(self, tokenizer, max_tokens: int, uses_token_types: bool, device: torch.device | str = "cpu"):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("a fast tokenizer is required (character offsets come from it)")
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens  # the most tokens one input may have
+        self.uses_token_types = uses_token_types
+        self.device = torch.device(device)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+
+    def tokenize(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None) -> TokenBatch:
+        """encode() then collate(): a padded batch in input order."""
+        return self.collate(self.encode(texts, text_pairs, truncate, max_tokens))
+
+    def encode(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None) -> list[EncodedInput]:
+        """Tokenize with offsets. Inputs over the token limit (the model's, or a lower
+        `max_tokens`) raise InputTooLong unless `truncate`."""
+        texts = list(texts)
+        pairs = list(text_pairs) if text_pairs is not None else None
+        limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
+        enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=False, verbose=False)
+        lengths = [len(ids) for ids in enc["input_ids"]]
+        too_long = [i for i, n in enumerate(lengths) if n > limit]
+        if too_long and not truncate:
+            raise InputTooLong(too_long, [lengths[i] for i in too_long], limit)
+        if too_long:
+            enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
+        cut = set(too_long)
+        rows = []
+        for r, encoding in enumerate(enc.encodings):
+            rows.append(EncodedInput(
+                text=texts[r], text_pair=pairs[r] if pairs is not None else None,
+                ids=list(encoding.ids), type_ids=list(encoding.type_ids), offsets=list(encoding.offsets),
+                sequence_ids=list(encoding.sequence_ids), word_ids=list(encoding.word_ids), truncated=r in cut,
+            ))
+        return rows
+
+    def collate(self, rows) -> TokenBatch:
+        """Pad encoded inputs (possibly from several requests) into one batch; padding goes on
+        the right for every model (a causal decoder's real tokens never attend to it)."""
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        types = torch.zeros((len(rows), width), dtype=torch.long) if self.uses_token_types else None
+        for r, row in enumerate(rows):
+            n = len(row)
+            input_ids[r, :n] = torch.tensor(row.ids, dtype=torch.long)
+            attention[r, :n] = 1
+            if types is not None:
+                types[r, :n] = torch.tensor(row.type_ids, dtype=torch.long)
+        padding = [width - len(row) for row in rows]
+        has_pairs = any(row.text_pair is not None for row in rows)
+        return TokenBatch(
+            input_ids=input_ids, attention_mask=attention, token_type_ids=types,
+            offsets=[row.offsets + [(0, 0)] * p for row, p in zip(rows, padding)],
+            sequence_ids=[row.sequence_ids + [None] * p for row, p in zip(rows, padding)],
+            word_ids=[row.word_ids + [None] * p for row, p in zip(rows, padding)],
+            texts=[row.text for row in rows],
+            text_pairs=[row.text_pair for row in rows] if has_pairs else None,
+            truncated=[row.truncated for row in rows],
+        ).to(self.device)

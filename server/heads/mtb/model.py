@@ -12,12 +12,11 @@ import torch
 from torch import nn
 
 from modules_store import Manifest, TaskType
-from server.backbone.architectures import block_config, build_block, run_block
+from server.backbone.architectures import block_config, block_context, build_block, rotary_for, run_block
 from server.backbone.tokens import TokenBatch
 from server.heads.base import Head
 from server.heads.mtb.config import MTBConfig
 from server.heads.mtb.layer import PooledClassifier, TokenLinear
-from transformers.masking_utils import create_bidirectional_mask
 
 
 class MTBHead(Head):
@@ -29,6 +28,7 @@ class MTBHead(Head):
         if blocks is None:
             blocks = [build_block(self.hf_config) for _ in config.copied_from]
         self.blocks = nn.ModuleList(blocks)
+        self.rotary = rotary_for(self.hf_config)  # decoders: rotary position embeddings (buffers only)
         if config.task_type == TaskType.token_classification:
             self.task_layer = TokenLinear(config.hidden_size, config.num_labels, config.dropout)
         else:
@@ -61,7 +61,7 @@ class MTBHead(Head):
         return {"mask": batch.attention_mask, "hidden": None}
 
     def consume(self, state: dict[str, Any], index: int, hidden: torch.Tensor) -> dict[str, Any]:
-        mask = create_bidirectional_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=state["mask"])
+        mask = block_context(self.hf_config, hidden, state["mask"], self.rotary)
         for block in self.blocks:
             hidden = run_block(block, hidden, mask)
         state["hidden"] = hidden
