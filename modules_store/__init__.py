@@ -6,7 +6,7 @@ modules that ship with the server.
 """
 from pathlib import Path
 
-from modules_store.manifest import BackboneFingerprint, Manifest, TaskType
+from modules_store.manifest import BackboneFingerprint, BridgeManifest, Manifest, TaskType
 from modules_store.store import (
     ArtifactError,
     ModuleStore,
@@ -19,6 +19,7 @@ DEFAULT_STORE = Path(__file__).resolve().parent
 __all__ = [
     "ArtifactError",
     "BackboneFingerprint",
+    "BridgeManifest",
     "DEFAULT_STORE",
     "Manifest",
     "ModuleStore",

@@ -77,3 +77,37 @@ class Manifest(BaseModel):
         if len(set(labels)) != len(labels):
             raise ValueError(f"labels must be unique, got {labels}")
         return labels
+
+
+class BridgeManifest(BaseModel):
+    """A bridge: it reads states of `source` (the backbone it is served on) and produces states of
+    `target` (the backbone foreign modules were trained on), so those modules serve on `source`.
+    Stored like a module, as `<bridges>/<name>/<version>/`, with the target tokenizer beside it
+    (`tokenizer.json`, checked against `tokenizer_sha256`) when the bridge re-tokenizes."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    format_version: int = 1
+    name: str
+    version: str
+    kind: str = Field(description="bridge kind, e.g. 'transformer' or 'alignment'; the registry maps it to a class")
+    source: BackboneFingerprint
+    target: BackboneFingerprint
+    source_layers: list[int] = Field(description="source states the bridge reads (0 = embeddings)")
+    target_layers: list[int] = Field(description="target states it produces")
+    config: dict[str, Any] = Field(default_factory=dict)
+    training: dict[str, Any] = Field(default_factory=dict, description="data, objective, command, settings")
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    weights_sha256: str
+    tokenizer_sha256: str | None = None
+    description: str = ""
+
+    _safe_name = field_validator("name", "version")(Manifest._safe_name.__func__)
+
+    @property
+    def task(self) -> str:  # the store's folder name
+        return self.name
+
+    @property
+    def backbone(self) -> BackboneFingerprint:  # what the store checks against the running backbone
+        return self.source

@@ -50,10 +50,16 @@ def _version_key(version: str):
 
 
 class ModuleStore:
-    """A directory of `<task>/<version>/{manifest.json,weights.safetensors}`."""
+    """A directory of `<task>/<version>/{manifest.json,weights.safetensors}`.
 
-    def __init__(self, root: str | os.PathLike):
+    The same layout holds bridges (`BridgeManifest`, named instead of tasked): pass
+    `manifest_cls`; a manifest's `task` names its folder and its `backbone` is the fingerprint the
+    artifact must be served on.
+    """
+
+    def __init__(self, root: str | os.PathLike, manifest_cls: type = Manifest):
         self.root = Path(root)
+        self.manifest_cls = manifest_cls
 
     # ---- listing -------------------------------------------------------------------------
     def tasks(self) -> list[str]:
@@ -87,7 +93,7 @@ class ModuleStore:
         if not path.is_file():
             raise ArtifactError("not_found", f"no manifest at {path}")
         try:
-            manifest = Manifest.model_validate_json(path.read_bytes())
+            manifest = self.manifest_cls.model_validate_json(path.read_bytes())
         except ValidationError as exc:
             raise ArtifactError("bad_manifest", f"invalid manifest {path}: {exc}") from exc
         except OSError as exc:
@@ -137,8 +143,11 @@ class ModuleStore:
         return StoredModule(manifest=manifest, weights=weights, path=folder)
 
     # ---- writing ---------------------------------------------------------------------------
-    def save(self, manifest: Manifest, weights: dict[str, torch.Tensor], overwrite: bool = False) -> Path:
-        """Write weights then manifest (with the weights' sha256) atomically into the store."""
+    def save(self, manifest: Manifest, weights: dict[str, torch.Tensor], overwrite: bool = False,
+             extra_files: dict[str, bytes] | None = None) -> Path:
+        """Write weights then manifest (with the weights' sha256) atomically into the store.
+        `extra_files` (name -> bytes, e.g. a bridge's target tokenizer) are written beside them; a
+        manifest that must vouch for them records their sha256 itself."""
         folder = self.path(manifest.task, manifest.version)
         if folder.exists() and not overwrite:
             raise ArtifactError("exists", f"{manifest.task}/{manifest.version} already exists in {self.root}")
@@ -148,6 +157,10 @@ class ModuleStore:
         try:
             tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights.items()}
             save_file(tensors, str(staging / WEIGHTS_FILE))
+            for name, data in (extra_files or {}).items():
+                (staging / name).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+                (staging / name).write_bytes(data)
+                (staging / name).chmod(0o644)
             manifest = manifest.model_copy(update={"weights_sha256": sha256_file(staging / WEIGHTS_FILE)})
             (staging / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
             for written in (staging / WEIGHTS_FILE, staging / MANIFEST_FILE):
