@@ -1,7 +1,8 @@
 """Feeding a head during training: batches of a split, their targets, and the backbone states.
 
 The backbone is frozen, so its states are a function of the input alone. `CachedStates` runs it
-once per split and keeps only the states the head reads, real tokens only, in fp16;
+once per split and keeps only the states the head reads, real tokens only, in fp16 (a
+`TokenStateCache`, which `training.pairing.PairedStates` uses too);
 `RecomputedStates` runs it again for every batch (no memory cost, a backbone pass per epoch).
 Either way every input is encoded by `Backbone.encode` and padded by `Backbone.collate`, exactly
 as the server does it.
@@ -9,13 +10,13 @@ as the server does it.
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from modules_store import TaskType
-from server.backbone import Backbone, TokenBatch
+from server.backbone import Backbone, EncodedInput, TokenBatch
 from training.data import IGNORE_INDEX, LabelledData, token_labels
 
 
@@ -59,21 +60,28 @@ class Split:
         return out
 
     def batches(self, batch_size: int, shuffle: bool = False, rng: random.Random | None = None) -> list[list[int]]:
-        """Rows grouped by similar length to cut padding. Shuffled: random pools of 50 batches,
-        each sorted by length, cut into batches, then the batches shuffled (new every epoch)."""
-        order = list(range(len(self)))
-        if not shuffle:
-            order.sort(key=self.lengths.__getitem__)
-            return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        rng = rng or random.Random(0)
-        rng.shuffle(order)
-        pool = batch_size * 50
-        out = []
-        for start in range(0, len(order), pool):
-            chunk = sorted(order[start:start + pool], key=self.lengths.__getitem__)
-            out += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-        rng.shuffle(out)
-        return out
+        """Rows grouped by similar length to cut padding (see `length_batches`)."""
+        return length_batches(self.lengths, batch_size, shuffle, rng)
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, shuffle: bool = False,
+                   rng: random.Random | None = None) -> list[list[int]]:
+    """Row indices grouped by similar length to cut padding. Not shuffled: sorted by length, cut
+    into batches. Shuffled: random pools of 50 batches, each sorted by length, cut into batches,
+    then the batches shuffled (new every epoch)."""
+    order = list(range(len(lengths)))
+    if not shuffle:
+        order.sort(key=lengths.__getitem__)
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng = rng or random.Random(0)
+    rng.shuffle(order)
+    pool = batch_size * 50
+    out = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start:start + pool], key=lengths.__getitem__)
+        out += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(out)
+    return out
 
 
 class RecomputedStates:
@@ -90,45 +98,83 @@ class RecomputedStates:
                 yield index, hidden.clone()
 
 
-class CachedStates:
-    """Every state the head reads, for every real token of the split, computed once in fp16.
+class TokenStateCache:
+    """Backbone states of every real token of a list of encoded inputs, computed once (no grad)
+    and kept flat: one (total tokens + 1, H) tensor per state, row `starts[r] + t` holding token t
+    of input r; the last row is all zeros and is what padded positions gather.
 
-    Memory: total tokens x len(layers) x hidden size x 2 bytes (SST-2 train, all 7 states of
-    MiniLM: about 0.87M tokens -> 4.7 GB; one state -> 0.7 GB).
+    Memory: total tokens x len(layers) x hidden size x 2 bytes in fp16 (SST-2 train, all 7 states
+    of MiniLM: about 0.87M tokens -> 4.7 GB; one state -> 0.7 GB).
+
+    `tensors` ({state: (total + 1, H)}) fills the cache from elsewhere (a file) instead of running
+    `backbone`, which may then be None.
     """
 
-    def __init__(self, split: Split, layers: list[int], batch_size: int = 128, dtype=torch.float16,
-                 device: torch.device | str = "cpu", progress: bool = True, desc: str = "caching states"):
-        self.split, self.layers, self.device = split, list(layers), torch.device(device)
-        hidden_size = split.backbone.hidden_size
+    def __init__(self, backbone: Backbone | None, encoded: Sequence[EncodedInput], layers: Sequence[int],
+                 batch_size: int = 128, dtype=torch.float16, device: torch.device | str = "cpu",
+                 progress: bool = True, desc: str = "caching states",
+                 tensors: dict[int, torch.Tensor] | None = None):
+        self.layers, self.device = list(dict.fromkeys(layers)), torch.device(device)
+        self.lengths = [len(e) for e in encoded]
         self.starts, total = [], 0
-        for n in split.lengths:
+        for n in self.lengths:
             self.starts.append(total)
             total += n
+        self.total = total
         self.padding_row = total  # an all-zero row that padded positions gather
-        self.cache = {i: torch.zeros(total + 1, hidden_size, dtype=dtype, device=self.device) for i in self.layers}
+        if tensors is not None:
+            self.cache = {}
+            for i in self.layers:
+                if i not in tensors:
+                    raise ValueError(f"state {i} is missing from the given tensors")
+                if tensors[i].shape[0] != total + 1:
+                    raise ValueError(f"state {i} has {tensors[i].shape[0]} rows, {total + 1} expected")
+                self.cache[i] = tensors[i].to(self.device, dtype)
+            return
+        if backbone is None:
+            raise ValueError("a backbone (or the tensors) is needed to fill the cache")
+        self.cache = {i: torch.zeros(total + 1, backbone.hidden_size, dtype=dtype, device=self.device)
+                      for i in self.layers}
         upto = max(self.layers)
-        with tqdm(total=len(split), desc=desc, unit="ex", disable=not progress, leave=False) as bar:
-            for rows in split.batches(batch_size):
-                batch = split.token_batch(rows)
-                for index, hidden in split.backbone.stream(batch, upto=upto):
+        with tqdm(total=len(encoded), desc=desc, unit="ex", disable=not progress, leave=False) as bar:
+            for rows in length_batches(self.lengths, batch_size):
+                batch = backbone.collate([encoded[r] for r in rows])
+                for index, hidden in backbone.stream(batch, upto=upto):
                     if index not in self.cache:
                         continue
                     hidden = hidden.to(self.device, dtype)
                     for i, r in enumerate(rows):
-                        start, n = self.starts[r], split.lengths[r]
+                        start, n = self.starts[r], self.lengths[r]
                         self.cache[index][start:start + n] = hidden[i, :n]
                 bar.update(len(rows))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.cache.values())
 
-    def states(self, rows: list[int], batch: TokenBatch) -> Iterator[tuple[int, torch.Tensor]]:
-        width = batch.seq_len
+    def flat(self, index: int) -> torch.Tensor:
+        """State `index` of every real token, (total tokens, H), in the cache's dtype (a view)."""
+        return self.cache[index][:self.total]
+
+    def gather_index(self, rows: Sequence[int], width: int) -> torch.Tensor:
+        """(B, width) flat row numbers of the tokens of `rows`, padded with the zero row."""
         gather = torch.full((len(rows), width), self.padding_row, dtype=torch.long)
         for i, r in enumerate(rows):
-            n = self.split.lengths[r]
+            n = self.lengths[r]
             gather[i, :n] = torch.arange(self.starts[r], self.starts[r] + n)
-        gather = gather.to(self.device)
-        for index in self.layers:
+        return gather.to(self.device)
+
+    def states(self, rows: Sequence[int], batch: TokenBatch,
+               layers: Sequence[int] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """(state, (B, T, H) float32 on the batch's device) for `rows` padded as `batch` is."""
+        gather = self.gather_index(rows, batch.seq_len)
+        for index in (self.layers if layers is None else layers):
             yield index, self.cache[index][gather].to(batch.input_ids.device, torch.float32)
+
+
+class CachedStates(TokenStateCache):
+    """Every state the head reads, for every real token of the split, computed once in fp16."""
+
+    def __init__(self, split: Split, layers: list[int], batch_size: int = 128, dtype=torch.float16,
+                 device: torch.device | str = "cpu", progress: bool = True, desc: str = "caching states"):
+        self.split = split
+        super().__init__(split.backbone, split.encoded, layers, batch_size, dtype, device, progress, desc)
