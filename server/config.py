@@ -17,14 +17,17 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="port to bind (0 = any free port)")
     store: Path = Field(DEFAULT_STORE, description="module store directory")
     backbone: Path | None = Field(None, description="local Hugging Face model directory (default: all-MiniLM-L6-v2)")
-    device: str = Field("cpu", description="torch device for backbone and heads")
+    device: str = Field("cpu", description="torch device for backbone and heads: cpu, cuda or cuda:N "
+                        "(backend onnx then uses ONNX Runtime's CUDAExecutionProvider)")
     tasks: str | None = Field(None, description="comma-separated tasks to load at start (default: every task in the store)")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads, and ONNX Runtime's with backend onnx (default: the library's choice)")
     backend: Literal["torch", "onnx"] = Field(
         "torch", description="what runs the backbone's layers: torch (PyTorch eager) or onnx (ONNX Runtime, "
         "one exported graph per layer, cached under cache_dir)")
-    precision: Literal["fp32", "int8"] = Field(
-        "fp32", description="backbone precision: fp32, or int8 (dynamic quantisation; backend onnx on the CPU only)")
+    precision: Literal["fp32", "bf16", "fp16", "int8"] = Field(
+        "fp32", description="backbone precision: fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
+        "fp32 layer norms and residual stream; CPU with avx512_bf16/AMX, or cuda); fp16 (backend torch on a "
+        "cuda device); int8 (backend onnx on the CPU: dynamic quantisation)")
     cache_dir: Path | None = Field(None, description="where exported backbone graphs are cached "
                                    "(default: $XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
@@ -45,9 +48,66 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _precision_fits_backend(self) -> "Settings":
-        if self.precision != "fp32" and self.backend == "torch":
-            raise ValueError(f"precision {self.precision} needs backend onnx (backend torch runs fp32)")
+        problem = precision_problem(self.backend, self.precision, self.device) or device_problem(self.device)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def task_list(self) -> list[str]:
         return [t.strip() for t in (self.tasks or "").split(",") if t.strip()]
+
+
+# ---- which backend / precision / device combinations exist -----------------------------------------
+# Checked here (so a bad setting stops the server before it loads anything) and again by
+# `make_backend` (so a benchmark or a test that builds a backend directly gets the same message).
+PRECISIONS_BY_BACKEND = {"torch": ("fp32", "bf16", "fp16"), "onnx": ("fp32", "int8")}
+
+
+def _device_type(device: str) -> str:
+    return str(device).split(":", 1)[0].strip().lower()
+
+
+def precision_problem(backend: str, precision: str, device: str = "cpu") -> str | None:
+    """Why (backend, precision, device) cannot run, in one sentence; None when it can."""
+    kind = _device_type(device)
+    if precision == "int8":
+        if backend != "onnx":
+            return f"precision int8 needs backend onnx (backend {backend} runs fp32, bf16 or fp16)"
+        if kind != "cpu":
+            return (f"precision int8 runs on the CPU only (device {device} asked): ONNX Runtime's dynamic "
+                    "quantisation has no CUDA kernels; on a GPU use backend torch with precision fp16 or bf16")
+        return None
+    if precision in ("bf16", "fp16"):
+        if backend != "torch":
+            return (f"precision {precision} needs backend torch (backend {backend} runs "
+                    f"{' or '.join(PRECISIONS_BY_BACKEND.get(backend, ('fp32',)))})")
+        if precision == "fp16" and kind != "cuda":
+            return (f"precision fp16 needs a cuda device (device {device} asked): CPUs have no fast float16 "
+                    "matrix products; on the CPU use precision bf16 (backend torch) or int8 (backend onnx)")
+        return None
+    if precision != "fp32":
+        return f"unknown precision {precision!r}; choose one of fp32, bf16, fp16, int8"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot be used by torch here, in one sentence; None when it can. Imports torch
+    only for a cuda device, so the CPU default stays cheap."""
+    kind = _device_type(device)
+    if kind == "cpu":
+        return None
+    if kind != "cuda":
+        return f"device {device!r} is not supported; choose cpu, cuda or cuda:N"
+    index_text = str(device).split(":", 1)[1] if ":" in str(device) else "0"
+    if not index_text.isdigit():
+        return f"device {device!r}: the cuda index must be a number (cuda:0, cuda:1, ...)"
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return (f"device {device} asked but torch sees no CUDA device (torch {torch.__version__}, {build}); "
+                "use device cpu, or install a CUDA build of torch on a machine with an NVIDIA GPU")
+    count = torch.cuda.device_count()
+    if int(index_text) >= count:
+        return f"device {device} asked but torch sees {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+    return None

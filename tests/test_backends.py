@@ -1,7 +1,8 @@
 """Backbone backends (server/backbone/backends/): ONNX Runtime against the PyTorch reference.
 
 Same hidden states, same task outputs through the Engine, early exit per layer graph, the export
-cache reused, int8 loading, and the backend picked by one setting of a live server.
+cache reused, int8 loading, and the backend picked by one setting of a live server. Precision
+(torch bf16, refused combinations, the CUDA path's errors) is in tests/test_precision.py.
 """
 from __future__ import annotations
 
@@ -296,11 +297,15 @@ def test_server_with_onnx_backend_answers_like_torch(tiny_store, tiny_backbone, 
     assert answers["torch"]["model"] == answers["onnx"]["model"]
 
 
-def test_onnx_backend_refuses_a_gpu_backbone(tiny_backbone, onnx_cache):
-    """The CUDA execution provider is not wired yet: say so instead of copying states to the host."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_onnx_backend_on_a_gpu_backbone_without_a_gpu_says_why(tiny_backbone, onnx_cache):
+    """A cuda backbone selects the CUDA execution provider (tests/test_precision.py checks the
+    provider list); with no GPU the backend is refused before anything is exported."""
     import copy
 
     on_gpu = copy.copy(tiny_backbone)
     on_gpu.device = torch.device("cuda")
-    with pytest.raises(ValueError, match="CPU only"):
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
         on_gpu.use_backend("onnx", cache_dir=onnx_cache)
+    with pytest.raises(ValueError, match="precision int8 runs on the CPU only"):
+        on_gpu.use_backend("onnx", precision="int8", cache_dir=onnx_cache)

@@ -16,7 +16,7 @@ from server.backbone.tokens import TokenBatch
 @runtime_checkable
 class BackboneBackend(Protocol):
     name: str  # "torch", "onnx"
-    precision: str  # "fp32", "int8"
+    precision: str  # "fp32", "bf16", "fp16" (torch), "int8" (onnx)
 
     def stream(self, batch: TokenBatch, upto: int) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield (state index, hidden (B, T, H) float32 torch tensor) for states 0..upto, in order,

@@ -107,6 +107,12 @@ def export_fp32(backbone, out: Path, opset: int = OPSET) -> None:
     from torch.export import Dim
 
     adapter = backbone.adapter
+    if next(adapter.model.parameters()).device.type != "cpu":  # the graphs are exported from a CPU copy
+        import copy
+
+        from server.backbone.architectures import adapter_for
+
+        adapter = adapter_for(copy.deepcopy(adapter.model).to("cpu"))
     # an example whose batch and sequence sizes differ from each other and from 0/1, so the
     # exporter keeps both symbolic
     example = backbone.tokenize(["tmod exports this backbone", "one graph per layer block, then stream them"])
@@ -209,8 +215,30 @@ def additive_mask(attention_mask: np.ndarray) -> np.ndarray:
 
 
 # ---- running ---------------------------------------------------------------------------------
+def execution_providers(device: torch.device, precision: str) -> list:
+    """ONNX Runtime providers for the backbone's device: the CPU provider on the CPU; on cuda:N the
+    CUDA provider for GPU N (CPU as ONNX Runtime's fallback for any op without a CUDA kernel).
+    Raises ValueError, in one sentence, when the device cannot be served."""
+    import onnxruntime as ort
+
+    if device.type == "cpu":
+        return ["CPUExecutionProvider"]
+    if device.type != "cuda":
+        raise ValueError(f"backend onnx runs on cpu or cuda (device {device} asked)")
+    if precision != "fp32":
+        raise ValueError(f"backend onnx on a cuda device runs fp32 only ({precision} asked): int8 is a CPU recipe "
+                         "and no fp16 graphs are exported; on a GPU use backend torch with precision fp16 or bf16")
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise ValueError(f"device {device} with backend onnx needs ONNX Runtime's CUDAExecutionProvider, and "
+                         f"onnxruntime {ort.__version__} offers only {available}: install onnxruntime-gpu in place "
+                         "of onnxruntime, or use backend torch on the GPU")
+    return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+
+
 class OnnxBackend:
-    """Runs the cached per-layer graphs with ONNX Runtime (CPU execution provider).
+    """Runs the cached per-layer graphs with ONNX Runtime (CPU execution provider, or CUDA's on a
+    cuda backbone).
 
     `runs[i]` counts how many times graph i ran (0: embeddings, l: layer l), so early exit can be
     checked; `exported` says whether this load had to export (False: the cache was used).
@@ -222,9 +250,8 @@ class OnnxBackend:
                  threads: int | None = None, opset: int = OPSET):
         import onnxruntime as ort
 
-        if torch.device(backbone.device).type != "cpu":
-            raise ValueError(f"the onnx backend runs on the CPU only for now (device {backbone.device} asked); "
-                             "use backend torch on a GPU")
+        self.device = torch.device(backbone.device)
+        providers = execution_providers(self.device, precision)
         self.precision = precision
         self.num_layers = backbone.num_layers
         self.uses_token_types = backbone.adapter.uses_token_types
@@ -240,9 +267,15 @@ class OnnxBackend:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.threads = threads
         self.sessions = [
-            ort.InferenceSession(str(self.graph_dir / f), options, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(str(self.graph_dir / f), options, providers=providers)
             for f in graph_files(self.num_layers)
         ]
+        self.providers = self.sessions[0].get_providers()
+        if self.device.type == "cuda" and "CUDAExecutionProvider" not in self.providers:
+            # ONNX Runtime falls back to the CPU silently when the CUDA provider fails to load
+            raise ValueError(f"device {self.device} asked but ONNX Runtime could not start its CUDAExecutionProvider "
+                             f"(sessions run on {self.providers}): check the CUDA / cuDNN libraries that "
+                             "onnxruntime-gpu needs")
         self.load_seconds = time.perf_counter() - t0
         self.runs = [0] * (self.num_layers + 1)
 
@@ -255,13 +288,21 @@ class OnnxBackend:
         hidden = self.sessions[0].run(None, feed)[0]
         self.runs[0] += 1
         mask = additive_mask(batch.attention_mask.cpu().numpy())
-        yield 0, torch.from_numpy(hidden)
+        yield 0, self._state(hidden)
         for index in range(upto):
             hidden = self.sessions[index + 1].run(None, {"hidden": hidden, "mask": mask})[0]
             self.runs[index + 1] += 1
-            yield index + 1, torch.from_numpy(hidden)
+            yield index + 1, self._state(hidden)
+
+    def _state(self, hidden: np.ndarray) -> torch.Tensor:
+        """A state for the heads, on the backbone's device. On cuda each state makes a round trip
+        through host memory (ONNX Runtime copies inputs in and outputs out per graph); IO binding
+        would keep it on the GPU."""
+        state = torch.from_numpy(hidden)
+        return state if self.device.type == "cpu" else state.to(self.device)
 
     def describe(self) -> dict:
         return {"backend": self.name, "precision": self.precision, "onnxruntime": _ort_version(),
+                "device": str(self.device), "providers": self.providers,
                 "intra_op_threads": self.threads or "default", "graph_dir": str(self.graph_dir),
                 "exported_at_load": self.exported, "load_seconds": round(self.load_seconds, 2)}

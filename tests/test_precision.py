@@ -1,0 +1,269 @@
+"""Backbone precision (server/backbone/backends/torch_backend.py, server/config.py).
+
+bf16 on the torch backend against the fp32 reference: same labels, scores within a stated
+tolerance, states still float32 and streamed one at a time, autocast never reaching the heads;
+precision is one setting of a live server; every refused (backend, precision, device) combination
+says why; the CUDA path's error when no GPU is there (the GPU itself is not exercised here).
+
+Tolerance. bfloat16 keeps 8 significant bits: rounding an operand costs up to 2^-9 ~ 0.2% of it, and
+every matrix product (Q/K/V, attention, output, FFN) of every layer rounds its inputs, so the error
+grows with depth: on the real MiniLM a token's state differs from fp32 by up to 1.2% of its norm at
+layer 6 (0.4% at layer 1; up to ~0.3 in a single coordinate, |h| up to ~10), the shipped heads'
+logits by up to 0.16 and their softmax probabilities by up to 0.025 (measured on 256 SST-2
+validation sentences and on SAMPLE). STATE_TOL = 0.03 (per-token relative error) and
+SCORE_TOL = 0.05 (probabilities) are about twice those largest differences. (The tiny random test
+encoders stay within 1e-4: their small random layers barely move the fp32 residual stream.) Labels must be identical wherever
+the fp32 reference's top-1 / top-2 probability margin exceeds 2 * SCORE_TOL (a shift of at most
+SCORE_TOL in each of the two probabilities cannot swap them there); closer calls are counted, not
+asserted, and the validation-set agreement is measured by `bench/bench_backends.py --quality`.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from modules_store import ModuleStore
+from server.app import create_app
+from server.backbone import Backbone
+from server.backbone.backends import make_backend
+from server.backbone.backends.torch_backend import cpu_has_fast_bf16
+from server.config import Settings, device_problem, precision_problem
+from server.engine import Engine
+from server.modules import LoadedModule, load_module
+from tests.helpers import LiveServer, NER_LABELS, make_tiny_backbone_dir, random_head
+from tests.test_backends import PAIRS, SAMPLE
+
+STATE_TOL = 0.03
+SCORE_TOL = 0.05
+SURE_MARGIN = 2 * SCORE_TOL
+SHIPPED = ModuleStore(Path(__file__).resolve().parents[1] / "modules_store")
+
+
+def probabilities(logits: dict, batch) -> dict:
+    """{task: (N, labels) softmax}: sequence tasks one row per input, token tasks one per real token."""
+    mask = batch.attention_mask.bool()
+    return {t: (x[mask] if x.dim() == 3 else x).float().softmax(-1) for t, x in logits.items()}
+
+
+def token_relative_error(reference: torch.Tensor, other: torch.Tensor, mask: torch.Tensor) -> float:
+    """Largest |other - reference| / |reference| over real tokens (norms over the hidden size)."""
+    return ((other - reference)[mask].norm(dim=-1) / reference[mask].norm(dim=-1)).max().item()
+
+
+def compare_to_fp32(reference: dict, other: dict) -> dict:
+    """Assert the module docstring's rule; return {task: (rows, sure rows, sure rows that agree)}."""
+    out = {}
+    for task, ref in reference.items():
+        got = other[task]
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        diff = (got - ref).abs().max().item()
+        assert diff <= SCORE_TOL, f"{task}: probabilities differ by {diff:.4f} > {SCORE_TOL}"
+        top2 = ref.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > SURE_MARGIN
+        same = ref.argmax(-1) == got.argmax(-1)
+        assert same[sure].all(), f"{task}: {(~same[sure]).sum().item()} confident labels changed"
+        out[task] = (len(ref), int(sure.sum()), int(same.sum()))
+    return out
+
+
+# ---- bf16 against fp32 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
+def test_bf16_states_stay_float32_and_close_for_encoder_families(tmp_path, family):
+    backbone = Backbone.load(make_tiny_backbone_dir(tmp_path, family))
+    bf16 = backbone.use_backend("torch", "bf16")
+    assert (bf16.backend.name, bf16.backend.precision) == ("torch", "bf16")
+    assert backbone.backend.precision == "fp32"  # the original is untouched, and so are its weights
+    assert all(p.dtype == torch.float32 for p in backbone.model.parameters())
+    linears = [m for m in bf16.backend.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    for texts, pairs in [(SAMPLE, None), (SAMPLE[:4], PAIRS[:4]), (["ok"], None)]:
+        batch = backbone.tokenize(texts, pairs)
+        ref = [h for _, h in backbone.stream(batch)]
+        got = [h for _, h in bf16.stream(batch)]
+        assert len(got) == len(ref) == backbone.num_layers + 1
+        torch.testing.assert_close(got[0], ref[0], atol=0, rtol=0)  # embeddings run in fp32: exact
+        for index, (r, g) in enumerate(zip(ref, got)):
+            assert g.dtype == torch.float32 and g.shape == r.shape, index
+            mask = batch.attention_mask.bool()
+            # per token: the error is a few bf16 roundings of the state's own size, not an absolute
+            assert token_relative_error(r, g, mask) < STATE_TOL, (family, index)
+
+
+def test_bf16_minilm_shipped_modules_same_labels(minilm):
+    """The real backbone and the shipped modules (or random heads where the store lacks one)."""
+    bf16 = minilm.use_backend("torch", "bf16")
+    modules = {t: load_module(SHIPPED, t, None, minilm) for t in SHIPPED.tasks()}
+    if "ner" not in modules:
+        modules["ner"] = LoadedModule("ner", "1", None, random_head(minilm, "token_classification", NER_LABELS, 12))
+    if "sentiment" not in modules:
+        modules["sentiment"] = LoadedModule("sentiment", "1", None,
+                                            random_head(minilm, "sequence_classification", ["a", "b"], 11))
+    batch = minilm.tokenize(SAMPLE)
+    mask = batch.attention_mask.bool()
+    errors = [token_relative_error(r, g, mask) for (_, r), (_, g) in zip(minilm.stream(batch), bf16.stream(batch))]
+    assert errors[0] == 0 and max(errors) < STATE_TOL, errors
+    counts = compare_to_fp32(probabilities(Engine(minilm).logits(batch, modules), batch),
+                             probabilities(Engine(bf16).logits(batch, modules), batch))
+    print(f"\nbf16 vs fp32 on SAMPLE (rows, rows with margin > {SURE_MARGIN}, rows with the same label): {counts}")
+    for task, (rows, sure, same) in counts.items():
+        assert sure >= 0.9 * rows, (task, counts)  # the rule above is not vacuous on this sample
+        assert same >= rows - 2, (task, counts)  # at most two close calls flip on the sample
+    # served outputs: the same sequence labels and entity spans
+    reference = Engine(minilm).predict(batch, modules)
+    other = Engine(bf16).predict(batch, modules)
+    for task in reference:
+        for r, o in zip(reference[task], other[task]):
+            if "label" in r:
+                assert o["label"] == r["label"], (task, r, o)
+
+
+def test_bf16_heads_never_run_under_autocast(tiny_backbone):
+    """Autocast is entered around each layer call only: between two states (where the engine runs
+    the heads) it is off, so heads compute in float32 as with fp32."""
+    bf16 = tiny_backbone.use_backend("torch", "bf16")
+    batch = tiny_backbone.tokenize(SAMPLE[:3])
+    seen = []
+    for index, hidden in bf16.stream(batch):
+        seen.append((index, torch.is_autocast_enabled("cpu"), hidden.dtype))
+    assert seen == [(i, False, torch.float32) for i in range(tiny_backbone.num_layers + 1)]
+
+
+def test_bf16_early_exit_runs_only_needed_layers(tiny_backbone):
+    bf16 = tiny_backbone.use_backend("torch", "bf16")
+    calls = {"bf16": [], "fp32": []}
+    hooks = [layer.register_forward_hook(lambda m, i, o, n=n: calls["bf16"].append(n))
+             for n, layer in enumerate(bf16.backend.layers)]
+    hooks += [layer.register_forward_hook(lambda m, i, o: calls["fp32"].append(1)) for layer in tiny_backbone.adapter.layers]
+    try:
+        shallow = random_head(bf16, "sequence_classification", ["a", "b"], seed=1, layers=[0, 1])
+        Engine(bf16).logits(tiny_backbone.tokenize(SAMPLE[:2]), {"s": LoadedModule("s", "1", None, shallow)})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == {"bf16": [0], "fp32": []}
+
+
+@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="no native bfloat16 on this CPU")
+def test_bf16_is_faster_than_fp32_on_this_cpu(minilm):
+    """A sanity check, not the benchmark (bench/bench_backends.py measures it): 32 MiniLM rows of
+    48 tokens, best of 3, CPU time of this process, one thread."""
+    import time
+
+    bf16 = minilm.use_backend("torch", "bf16")
+    batch = minilm.tokenize([" ".join(["word"] * 46)] * 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def best(bb):
+            times = []
+            for _ in range(3):
+                t0 = time.process_time()
+                for _ in bb.stream(batch):
+                    pass
+                times.append(time.process_time() - t0)
+            return min(times)
+
+        best(bf16), best(minilm)  # warm-up (oneDNN picks its kernels)
+        ratio = best(minilm) / best(bf16)
+    finally:
+        torch.set_num_threads(threads)
+    assert ratio > 1.2, f"bf16 only {ratio:.2f}x fp32"
+
+
+# ---- one setting ---------------------------------------------------------------------------------
+def test_precision_is_one_setting(monkeypatch, tiny_store, tiny_backbone):
+    monkeypatch.setenv("TMOD_PRECISION", "bf16")
+    assert (Settings().backend, Settings().precision) == ("torch", "bf16")
+    texts = SAMPLE[:6]
+    answers = {}
+    for precision in ("fp32", "bf16"):
+        monkeypatch.setenv("TMOD_PRECISION", precision)
+        app = create_app(Settings(store=tiny_store.root), backbone=tiny_backbone)
+        with LiveServer(app) as server:
+            response = httpx.post(server.url + "/v1/infer", json={"inputs": texts}, timeout=60)
+            assert response.status_code == 200, response.text
+            answers[precision] = response.json()["results"]
+            backend = app.state.runtime.backbone.backend
+            assert (backend.name, backend.precision) == ("torch", precision)
+    assert tiny_backbone.backend.precision == "fp32"  # the backbone handed in is left as it was
+    for r, o in zip(answers["fp32"], answers["bf16"]):
+        assert r.keys() == o.keys()
+        for task in r:
+            if "scores" in r[task]:
+                for label, p in r[task]["scores"].items():
+                    assert o[task]["scores"][label] == pytest.approx(p, abs=SCORE_TOL), (task, label)
+
+
+# ---- refused combinations: one precise sentence each -------------------------------------------------
+REFUSED = [
+    (dict(precision="int8"), "precision int8 needs backend onnx"),
+    (dict(precision="fp16"), "precision fp16 needs a cuda device"),
+    (dict(backend="onnx", precision="bf16"), "precision bf16 needs backend torch"),
+    (dict(backend="onnx", precision="fp16"), "precision fp16 needs backend torch"),
+    (dict(backend="onnx", precision="int8", device="cuda"), "precision int8 runs on the CPU only"),
+    (dict(device="tpu"), "device 'tpu' is not supported"),
+    (dict(device="cuda:first"), "the cuda index must be a number"),
+]
+
+
+@pytest.mark.parametrize("values, message", REFUSED)
+def test_refused_combinations_say_why(values, message):
+    with pytest.raises(ValueError, match=message):
+        Settings(**values)
+
+
+@pytest.mark.parametrize("values", [dict(), dict(precision="bf16"), dict(backend="onnx"),
+                                    dict(backend="onnx", precision="int8")])
+def test_cpu_combinations_are_accepted(values):
+    settings = Settings(**values)
+    assert precision_problem(settings.backend, settings.precision, settings.device) is None
+
+
+def test_make_backend_refuses_like_settings(tiny_backbone):
+    with pytest.raises(ValueError, match="precision fp16 needs a cuda device"):
+        make_backend(tiny_backbone, "torch", precision="fp16")
+    with pytest.raises(ValueError, match="precision bf16 needs backend torch"):
+        make_backend(tiny_backbone, "onnx", precision="bf16")
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_backend(tiny_backbone, "tensorrt", precision="bf16")
+
+
+# ---- the CUDA path when there is no GPU ------------------------------------------------------------
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+
+
+@no_gpu
+@pytest.mark.parametrize("values", [dict(device="cuda"), dict(device="cuda:0", precision="fp16"),
+                                    dict(device="cuda", precision="bf16"), dict(device="cuda", backend="onnx")])
+def test_cuda_without_a_gpu_is_refused_at_settings(values):
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        Settings(**values)
+    assert "torch sees no CUDA device" in device_problem(values["device"])
+
+
+@no_gpu
+@pytest.mark.parametrize("backend, precision", [("torch", "fp32"), ("torch", "fp16"), ("onnx", "fp32")])
+def test_cuda_without_a_gpu_is_refused_by_make_backend(tiny_backbone, backend, precision):
+    on_gpu = copy.copy(tiny_backbone)
+    on_gpu.device = torch.device("cuda")  # as Backbone.load(device="cuda") would record it
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        make_backend(on_gpu, backend, precision=precision)
+
+
+def test_onnx_on_cuda_needs_the_cuda_execution_provider():
+    ort = pytest.importorskip("onnxruntime")
+    from server.backbone.backends.onnx_backend import execution_providers
+
+    assert execution_providers(torch.device("cpu"), "int8") == ["CPUExecutionProvider"]
+    with pytest.raises(ValueError, match="runs fp32 only"):
+        execution_providers(torch.device("cuda"), "int8")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        providers = execution_providers(torch.device("cuda:1"), "fp32")
+        assert providers[0] == ("CUDAExecutionProvider", {"device_id": 1})
+    else:
+        with pytest.raises(ValueError, match="needs ONNX Runtime's CUDAExecutionProvider"):
+            execution_providers(torch.device("cuda:1"), "fp32")
