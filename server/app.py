@@ -87,12 +87,18 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def _task_info(module: LoadedModule) -> dict:
+def _task_info(module: LoadedModule, bridges: dict) -> dict:
     m = module.manifest
+    via = None
+    if module.bridge is not None:  # a foreign module: the chain backbone -> bridge -> module's backbone
+        b = bridges[module.bridge].manifest
+        via = {"bridge": b.name, "version": b.version, "kind": b.kind, "objective": b.training.get("objective"),
+               "chain": [b.source.name or b.source.short, f"bridge {b.name}/{b.version}", b.target.name or b.target.short]}
     return {
         "task": module.task, "version": module.version, "kind": m.kind, "task_type": m.task_type.value,
         "labels": m.labels, "layers": module.head.layers_read(), "parameters": count_parameters(module.head),
         "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
+        "served_through": via,
     }
 
 
@@ -270,7 +276,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks():
         require_ready()
-        return {"tasks": [_task_info(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info()}
+        return {"tasks": [_task_info(m, runtime.bridges) for _, m in sorted(runtime.modules.items())], "backbone": model_info()}
 
     @app.get("/v1/tasks/{name}", response_model=TaskDetail, tags=["tasks"], responses={404: {}})
     async def get_task(name: str):
@@ -279,7 +285,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if module is None:
             raise ApiError(404, "unknown_task", f"no task {name!r}; loaded tasks: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
-        return {**_task_info(module), "manifest": module.manifest.model_dump(mode="json")}
+        return {**_task_info(module, runtime.bridges), "manifest": module.manifest.model_dump(mode="json")}
 
     # ---- Open Inference Protocol v2 (KServe / Triton clients) --------------------------------
     def oip_module(task: str, version: str | None = None) -> LoadedModule:

@@ -16,7 +16,10 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8080, ge=0, le=65535, description="port to bind (0 = any free port)")
     store: Path = Field(DEFAULT_STORE, description="module store directory")
-    backbone: Path | None = Field(None, description="local Hugging Face model directory (default: all-MiniLM-L6-v2)")
+    backbone: Path | None = Field(None, description="local Hugging Face model directory, or a named offline backbone: "
+                                  "minilm (all-MiniLM-L6-v2, the default) or smollm2 (SmolLM2-135M-Instruct)")
+    bridges: Path | None = Field(None, description="bridge store: bridges from this backbone let modules trained on "
+                                 "another backbone serve here (default: <store>/_bridges)")
     device: str = Field("cpu", description="torch device for backbone and heads: cpu, cuda or cuda:N "
                         "(backend onnx then uses ONNX Runtime's CUDAExecutionProvider)")
     tasks: str | None = Field(None, description="comma-separated tasks to load at start (default: every task in the store)")
@@ -52,6 +55,9 @@ class Settings(BaseSettings):
         if problem:
             raise ValueError(problem)
         return self
+
+    def bridge_dir(self) -> Path:
+        return self.bridges if self.bridges is not None else self.store / "_bridges"
 
     def task_list(self) -> list[str]:
         return [t.strip() for t in (self.tasks or "").split(",") if t.strip()]

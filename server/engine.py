@@ -22,18 +22,20 @@ class Timings:
 
 
 class Engine:
-    def __init__(self, backbone: Backbone, plan_cache_size: int = 64, fuse: bool = True):
+    def __init__(self, backbone: Backbone, plan_cache_size: int = 64, fuse: bool = True, bridges: dict | None = None):
         self.backbone = backbone
         self.fuse = fuse
+        self.bridges = bridges or {}  # name -> LoadedBridge (replaced whole, with forget_plans)
         self._plans: OrderedDict[tuple, ExecutionPlan] = OrderedDict()
         self._plan_cache_size = plan_cache_size
 
     def plan(self, modules: dict[str, LoadedModule]) -> ExecutionPlan:
         # keyed by head identity: a reloaded module is a new head and gets a new plan
-        key = tuple(sorted((task, id(m.head)) for task, m in modules.items()))
+        key = tuple(sorted((task, id(m.head), m.bridge or "", id(self.bridges.get(m.bridge)))
+                           for task, m in modules.items()))
         plan = self._plans.get(key)
         if plan is None:
-            plan = ExecutionPlan(modules, fuse=self.fuse)
+            plan = ExecutionPlan(modules, fuse=self.fuse, bridges=self.bridges)
             self._plans[key] = plan
             if len(self._plans) > self._plan_cache_size:
                 self._plans.popitem(last=False)
@@ -49,11 +51,19 @@ class Engine:
     def logits(self, batch: TokenBatch, modules: dict[str, LoadedModule],
                timings: Timings | None = None) -> dict[str, torch.Tensor]:
         """Run the backbone once, up to the deepest state any head needs; return logits per task."""
+        return self.run(batch, modules, timings)[0]
+
+    @torch.inference_mode()
+    def run(self, batch: TokenBatch, modules: dict[str, LoadedModule],
+            timings: Timings | None = None) -> tuple[dict[str, torch.Tensor], dict[str, TokenBatch]]:
+        """(logits per task, the batch each task's logits are laid out on). Native tasks answer on
+        `batch`; foreign tasks on the batch their bridge hands back (the target tokenization)."""
         plan = self.plan(modules)
         timings = timings or Timings()
         start = time.perf_counter()
         head_time = 0.0
-        states = {task: m.head.start(batch) for task, m in modules.items()}
+        states = {task: modules[task].head.start(batch) for task in plan.native}
+        bridge_states = {name: bridge.start(batch) for name, bridge in plan.bridges.items()}
         buffers = [None] * len(plan.groups)
         for index, hidden in self.backbone.stream(batch, upto=plan.deepest):
             step = plan.steps.get(index)
@@ -64,21 +74,37 @@ class Engine:
                 buffers[g] = plan.groups[g].apply(buffers[g], index, hidden)
             for task in step.single:
                 states[task] = modules[task].head.consume(states[task], index, hidden)
+            for name in step.bridges:
+                bridge_states[name] = plan.bridges[name].consume(bridge_states[name], index, hidden)
             head_time += time.perf_counter() - t0
         t0 = time.perf_counter()
         for group, buffer in zip(plan.groups, buffers):
             group.hand_over(buffer, states)
-        out = {task: modules[task].head.finish(states[task], batch) for task in modules}
+        out = {task: modules[task].head.finish(states[task], batch) for task in plan.native}
+        batches = {task: batch for task in plan.native}
+        for name, tasks in plan.foreign.items():
+            target_batch, target_states = plan.bridges[name].finish(bridge_states[name], batch)
+            for task in tasks:
+                out[task] = run_head(modules[task].head, target_batch, target_states)
+                batches[task] = target_batch
         head_time += time.perf_counter() - t0
         timings.heads += head_time
         timings.backbone += time.perf_counter() - start - head_time
-        return out
+        return out, batches
 
     def predict(self, batch: TokenBatch, modules: dict[str, LoadedModule],
                 timings: Timings | None = None) -> dict[str, list[dict]]:
         """Decoded answers per task, each a list in batch row order."""
-        logits = self.logits(batch, modules, timings)
+        logits, batches = self.run(batch, modules, timings)
         return {
-            task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batch)
+            task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task])
             for task in modules
         }
+
+
+def run_head(head, batch: TokenBatch, states: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A head over states already at hand (a bridge's output, or cached states), in index order."""
+    state = head.start(batch)
+    for index in head.layers_read():
+        state = head.consume(state, index, states[index])
+    return head.finish(state, batch)

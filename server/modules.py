@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modules_store import Manifest, ModuleStore
+from modules_store import ArtifactError, Manifest, ModuleStore
 from server.heads import Head, build_head
 
 
@@ -15,17 +15,53 @@ class LoadedModule:
     version: str
     manifest: Manifest
     head: Head
+    bridge: str | None = None  # name of the loaded bridge it is served through (a foreign module)
 
 
-def load_module(store: ModuleStore, task: str, version: str | None, backbone, device="cpu") -> LoadedModule:
+def load_module(store: ModuleStore, task: str, version: str | None, backbone, device="cpu",
+                bridges: dict | None = None) -> LoadedModule:
     """Checksum, backbone fingerprint, head config and tensor shapes are all checked here;
-    any failure raises ArtifactError and nothing is returned."""
-    stored = store.load(task, version, expected_backbone=backbone.fingerprint)
-    head = build_head(stored.manifest, stored.weights, backbone)
+    any failure raises ArtifactError and nothing is returned.
+
+    A module trained on another backbone (a foreign module) is served through the first of
+    `bridges` (name -> LoadedBridge, all running on `backbone`) whose target is that backbone and
+    which produces every state the module reads."""
+    version = version or store.latest(task)
+    manifest = store.read_manifest(task, version)
+    bridge = None
+    if manifest.backbone.identity() != backbone.fingerprint.identity():
+        bridge = find_bridge(manifest, bridges or {}, backbone)
+    expected = bridge.manifest.target if bridge else backbone.fingerprint
+    stored = store.load(task, version, expected_backbone=expected)
+    if bridge is not None and manifest.kind == "lora-mtb":
+        raise ArtifactError("fingerprint_mismatch", f"{task}/{version}: a LoRA-MTB module is rebuilt from its own "
+                            "backbone's blocks, which a bridge does not provide")
+    head = build_head(stored.manifest, stored.weights, backbone if bridge is None else None)
+    if bridge is not None:
+        missing = sorted(set(head.layers_read()) - set(bridge.bridge.states_out()))
+        if missing:
+            raise ArtifactError("fingerprint_mismatch", f"{task}/{version}: reads states {missing} of "
+                                f"{manifest.backbone.name or 'its backbone'}, which bridge {bridge.name} does not produce "
+                                f"(it produces {bridge.bridge.states_out()})")
     head.to(device)
     for param in head.parameters():
         param.requires_grad_(False)
-    return LoadedModule(task=task, version=stored.manifest.version, manifest=stored.manifest, head=head)
+    return LoadedModule(task=task, version=stored.manifest.version, manifest=stored.manifest, head=head,
+                        bridge=bridge.name if bridge else None)
+
+
+def find_bridge(manifest: Manifest, bridges: dict, backbone):
+    """The loaded bridge from `backbone` to the module's backbone, or ArtifactError saying why none fits."""
+    wanted = manifest.backbone.identity()
+    for bridge in bridges.values():
+        if bridge.manifest.target.identity() == wanted:
+            return bridge
+    diffs = "; ".join(manifest.backbone.differences(backbone.fingerprint))
+    raise ArtifactError(
+        "fingerprint_mismatch",
+        f"{manifest.task}/{manifest.version}: backbone fingerprint mismatch ({diffs}), and no loaded bridge "
+        f"leads from {backbone.name} to {manifest.backbone.name or manifest.backbone.short}",
+    )
 
 
 def count_parameters(module: torch.nn.Module) -> int:

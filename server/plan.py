@@ -1,7 +1,8 @@
 """Execution plan: which backbone states to compute and who reads each one.
 
 From a set of loaded modules: the union of states they read, the deepest one (the backbone stops
-there), and the readers of each state. Layer-mix heads of the same width k are fused into a
+there), and the readers of each state. Foreign modules (served through a bridge) do not read the
+backbone: their bridge does, once for all of them, and they read the states it hands back. Layer-mix heads of the same width k are fused into a
 `MixGroup`: per state one GELU, one matmul against their concatenated projections, one layer norm
 and one weighted add into a stacked running buffer (B, T, K, k), whatever K is.
 """
@@ -49,23 +50,32 @@ class MixGroup:
 
 
 class LayerStep:
-    def __init__(self, index: int, groups: list[int], single: list[str]):
+    def __init__(self, index: int, groups: list[int], single: list[str], bridges: list[str]):
         self.index = index
         self.groups = groups  # positions in ExecutionPlan.groups of the groups reading this state
         self.single = single  # tasks whose heads consume this state one by one
+        self.bridges = bridges  # bridges reading this state
 
 
 class ExecutionPlan:
-    def __init__(self, modules: dict[str, LoadedModule], fuse: bool = True):
+    def __init__(self, modules: dict[str, LoadedModule], fuse: bool = True, bridges: dict | None = None):
         if not modules:
             raise ValueError("an execution plan needs at least one module")
         self.modules = modules
-        self.reads = {task: m.head.layers_read() for task, m in modules.items()}
+        self.native = [t for t, m in modules.items() if m.bridge is None]
+        self.foreign: dict[str, list[str]] = defaultdict(list)  # bridge name -> its tasks
+        for task, module in modules.items():
+            if module.bridge is not None:
+                self.foreign[module.bridge].append(task)
+        self.bridges = {name: (bridges or {})[name].bridge for name in self.foreign}
+        self.reads = {task: modules[task].head.layers_read() for task in self.native}
+        self.reads.update({f"bridge:{name}": bridge.layers_read() for name, bridge in self.bridges.items()})
         self.layers = sorted({i for layers in self.reads.values() for i in layers})
         self.deepest = self.layers[-1]
         by_width = defaultdict(list)
         if fuse:
-            for task, module in modules.items():
+            for task in self.native:
+                module = modules[task]
                 if isinstance(module.head, LayerMixHead) and not module.head.training:
                     by_width[module.head.config.project_dim].append(task)
         self.groups = [MixGroup(tasks, [modules[t].head for t in tasks]) for tasks in by_width.values()
@@ -74,8 +84,9 @@ class ExecutionPlan:
         self.steps: dict[int, LayerStep] = {}
         for index in self.layers:
             groups = [g for g, group in enumerate(self.groups) if index in group.steps]
-            single = [t for t in modules if index in self.reads[t] and t not in grouped]
-            self.steps[index] = LayerStep(index, groups, single)
+            single = [t for t in self.native if index in self.reads[t] and t not in grouped]
+            readers = [name for name, bridge in self.bridges.items() if index in bridge.layers_read()]
+            self.steps[index] = LayerStep(index, groups, single, readers)
 
     def describe(self) -> dict:
         return {
@@ -83,4 +94,5 @@ class ExecutionPlan:
             "layers": self.layers,
             "deepest": self.deepest,
             "fused": [g.tasks for g in self.groups],
+            "bridged": {name: sorted(tasks) for name, tasks in self.foreign.items()},
         }

@@ -27,6 +27,7 @@ class Runtime:
         self.backbone = backbone
         self.engine: Engine | None = None
         self.modules: dict[str, LoadedModule] = {}  # replaced whole, never mutated: readers see a snapshot
+        self.bridges: dict = {}  # name -> LoadedBridge from this backbone (foreign modules are served through them)
         self.load_errors: dict[str, str] = {}
         self.ready = threading.Event()
         self.startup_error: str | None = None
@@ -59,13 +60,15 @@ class Runtime:
                     self.settings.backend, self.settings.precision, self.settings.cache_dir, self.settings.threads)
                 log.info("backend %s %s ready in %.1fs (%s)", self.settings.backend, self.settings.precision,
                          time.perf_counter() - t0, self.backbone.backend.describe())
-            self.engine = Engine(self.backbone)
+            self.bridges = self.load_bridges()
+            self.engine = Engine(self.backbone, bridges=self.bridges)
             wanted = self.settings.task_list() if self.settings.tasks is not None else self.store.tasks()
             loaded = {}
             for task in wanted:
                 try:
-                    loaded[task] = load_module(self.store, task, None, self.backbone, self.settings.device)
-                    log.info("module %s/%s loaded", task, loaded[task].version)
+                    loaded[task] = load_module(self.store, task, None, self.backbone, self.settings.device, self.bridges)
+                    via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
+                    log.info("module %s/%s loaded%s", task, loaded[task].version, via)
                 except ArtifactError as exc:
                     # one broken artifact must not keep the others from serving
                     self.load_errors[task] = exc.message
@@ -77,11 +80,32 @@ class Runtime:
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")
 
+    def load_bridges(self) -> dict:
+        """Every bridge in the bridge store that runs on this backbone (latest version of each);
+        bridges from other backbones are skipped, broken ones refused with a logged reason."""
+        from server.bridges import bridge_store, load_bridge
+
+        store = bridge_store(self.settings.bridge_dir())
+        loaded = {}
+        for name in store.tasks():
+            try:
+                manifest = store.read_manifest(name)
+                if manifest.source.identity() != self.backbone.fingerprint.identity():
+                    log.info("bridge %s skipped: it runs on %s", name, manifest.source.name or manifest.source.short)
+                    continue
+                loaded[name] = load_bridge(store, name, None, self.backbone, self.settings.device)
+                log.info("bridge %s/%s loaded: %s -> %s", name, loaded[name].version, manifest.source.name,
+                         manifest.target.name)
+            except ArtifactError as exc:
+                self.load_errors[f"bridge:{name}"] = exc.message
+                log.error("bridge %s refused: %s", name, exc.message)
+        return loaded
+
     # ---- hot modules (run in the compute thread, between batches) ----------------------------
     def load_task(self, task: str, version: str | None = None) -> LoadedModule:
         """Load (or replace with) a version, default the store's latest. A refused artifact
         raises ArtifactError and leaves the running set untouched."""
-        module = load_module(self.store, task, version, self.backbone, self.settings.device)
+        module = load_module(self.store, task, version, self.backbone, self.settings.device, self.bridges)
         self.modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
         self.engine.forget_plans()
         self.load_errors.pop(task, None)

@@ -55,6 +55,7 @@ class TaskInfo(BaseModel):
     metrics: dict[str, Any]
     backbone: dict[str, Any]
     description: str = ""
+    served_through: dict[str, Any] | None = None  # a foreign module: the bridge and the chain of backbones
 
 
 class TaskDetail(TaskInfo):
