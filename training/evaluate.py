@@ -50,10 +50,17 @@ def collect(split: Split, batches: Iterable[list[int]],
 
 
 def score_module(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
-                 engine: Engine | None = None) -> dict:
-    """Validation metrics of a loaded module through the served path (Engine.logits)."""
+                 engine: Engine | None = None, answer_split: Split | None = None) -> dict:
+    """Validation metrics of a loaded module through the served path (Engine.logits).
+
+    A foreign module behind a bridge that re-tokenizes answers on the target backbone's tokens:
+    `answer_split` is the same data encoded by the target backbone, where predictions are read."""
     engine = engine or Engine(split.backbone)
     task = module.task
-    batches = split.batches(batch_size)
-    bar = tqdm(batches, desc=f"scoring {task}", unit="batch", disable=not progress, leave=False)
-    return score(split, collect(split, bar, lambda rows, batch: engine.logits(batch, {task: module})[task]))
+    answers = answer_split or split
+    predicted: list = [None] * len(split)
+    for rows in tqdm(split.batches(batch_size), desc=f"scoring {task}", unit="batch", disable=not progress, leave=False):
+        logits = engine.logits(split.token_batch(rows), {task: module})[task]
+        for r, p in zip(rows, predictions(answers, rows, logits)):
+            predicted[r] = p
+    return score(split, predicted)
