@@ -6,6 +6,7 @@
     tmod-train mtb --dataset sst2 --task sentiment --version mtb-1 --store modules_store
     tmod-train lora-mtb --dataset conll2003 --task ner --rank 8
     tmod-train eval --store modules_store --task sentiment --dataset sst2
+    tmod-train align --source minilm --target smollm2 --mapping avg --dataset sst2   # alignment bridge
 """
 from __future__ import annotations
 
@@ -116,6 +117,38 @@ def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
         g.add_argument("--targets", default=S, help="comma-separated block linears to adapt (default: all six)")
 
 
+def add_align_command(commands) -> None:
+    """`tmod-train align` (training/align.py): an alignment bridge, fitted without training."""
+    p = commands.add_parser("align", help="alignment bridge: serve TARGET's modules on SOURCE by matching "
+                                          "hidden dimensions (Pearson + linear assignment; no training)")
+    p.add_argument("--source", default="minilm", help="backbone the bridge is served on: minilm, smollm2, a folder")
+    p.add_argument("--target", default="smollm2", help="backbone the foreign modules were trained on")
+    p.add_argument("--target-layers", default=None, help="target states to produce: 'all' (default), '0,5,10', '0-6'")
+    p.add_argument("--mapping", choices=["skip", "avg"], default="skip",
+                   help="deeper source: each group's last state (skip) or the group's mean (avg)")
+    p.add_argument("--standardize", action=argparse.BooleanOptionalAction, default=False,
+                   help="also match each dimension's mean and spread (default: the paper's plain permutation)")
+    p.add_argument("--pool", choices=["token", "word"], default="token",
+                   help="align rows per target token (default) or per whitespace word")
+    p.add_argument("--dataset", default="sst2", help="preset(s) whose training texts are paired, comma-separated")
+    p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
+    p.add_argument("--max-texts", type=int, default=2000, help="seeded random subset of the texts (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heatmap", action=argparse.BooleanOptionalAction, default=True,
+                   help="also pair every source state and report every source x target state correlation")
+    p.add_argument("--store", default=None, help="bridge store (default: <module store>/_bridges)")
+    p.add_argument("--name", default=None, help="bridge name (default: align-<source>-to-<target>)")
+    p.add_argument("--version", default=None, help="default: the mapping, e.g. 'avg' or 'skip-std'")
+    p.add_argument("--description", default=None)
+    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--report-dir", default=None, help="default: runs/<name>-<version>-<time>/report")
+    p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR or ~/.cache/tmod)")
+    p.add_argument("--batch-size", type=int, default=64, help="backbone batch size")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto")
     e.add_argument("--output", default=None, help="also write the metrics JSON here")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    add_align_command(commands)
     return parser
 
 
@@ -224,6 +258,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "align":
+        from training.align import cmd_align
+
+        return cmd_align(args, shlex.join(["tmod-train", *argv]))
     if args.command in ("layermix", "mtb", "lora-mtb"):
         return cmd_train(args, shlex.join(["tmod-train", *argv]))
     return cmd_eval(args)
