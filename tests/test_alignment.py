@@ -1,0 +1,396 @@
+"""Paired states and the alignment bridge, on tiny random backbones (fast, deterministic)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import BertModel, LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+
+from modules_store import ArtifactError
+from server.backbone import Backbone
+from server.bridges import BRIDGE_KINDS, bridge_store, load_bridge, save_bridge
+from server.bridges.alignment import AlignmentBridge, AlignmentConfig
+from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head
+from training.align import align, correlation, correlation_grid, layer_groups, match
+from training.pairing import PairedStates
+
+WORDS = ("the cat sat on a mat while unbelievably quiet dogs were playing football near Paris "
+         "and nobody said anything about it , really ! Strange weather : 42 % rain").split()
+
+
+def make_texts(n: int = 50, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 12)))) for _ in range(n)]
+
+
+TEXTS = make_texts()
+
+
+# ---- tiny backbones ---------------------------------------------------------------------------
+def permute_bert(model: BertModel, perm: torch.Tensor) -> BertModel:
+    """The same BERT with its hidden space permuted: every state of the result is the original's
+    state with dims reordered, new[..., d] = old[..., perm[d]]."""
+    out = copy.deepcopy(model)
+    state = {}
+    for name, t in model.state_dict().items():
+        t = t.clone()
+        if name.endswith("_embeddings.weight"):
+            t = t[:, perm]  # (vocab/positions/types, H)
+        elif "LayerNorm" in name:
+            t = t[perm]
+        elif any(f".{k}.weight" in name for k in ("query", "key", "value")) or "intermediate.dense.weight" in name:
+            t = t[:, perm]  # reads the hidden state
+        elif name.endswith("output.dense.weight"):  # attention.output.dense and output.dense write it
+            t = t[perm, :]
+        elif name.endswith("output.dense.bias"):
+            t = t[perm]
+        elif name == "pooler.dense.weight":
+            t = t[perm][:, perm]
+        elif name == "pooler.dense.bias":
+            t = t[perm]
+        state[name] = t
+    out.load_state_dict(state)
+    return out.eval()
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return Backbone.load(make_tiny_backbone_dir(tmp_path_factory.mktemp("align"), "bert", layers=3, seed=4))
+
+
+@pytest.fixture(scope="module")
+def perm():
+    return torch.randperm(32, generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def permuted(bert, perm):
+    return Backbone(permute_bert(bert.model, perm), bert.tokenizer, name="tiny-bert-permuted")
+
+
+@pytest.fixture(scope="module")
+def char_llama(tmp_path_factory):
+    """A tiny Llama with a character-level tokenizer (BOS special token): offsets unlike MiniLM's."""
+    chars = sorted(set("".join(TEXTS + ["playing football!"])))
+    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>", unk_token="<unk>",
+                                   model_max_length=128)
+    torch.manual_seed(1)
+    model = LlamaModel(LlamaConfig(vocab_size=len(vocab), hidden_size=24, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=48, max_position_embeddings=128,
+                                   pad_token_id=0, architectures=["LlamaModel"]))
+    path = tmp_path_factory.mktemp("charllama") / "tiny-char-llama"
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return Backbone.load(path)
+
+
+@pytest.fixture(scope="module")
+def paired(bert, permuted, tmp_path_factory):
+    # source: the backbone the bridge serves on; target: the one the modules were trained on
+    return PairedStates.build(TEXTS, bert, permuted, [0, 1, 2, 3], [0, 1, 2, 3],
+                              cache_dir=tmp_path_factory.mktemp("cache"), progress=False)
+
+
+def run_head(head, backbone, batch):
+    layers = head.layers_read()
+    state = head.start(batch)
+    for i, hidden in backbone.stream(batch, upto=max(layers)):
+        if i in layers:
+            state = head.consume(state, i, hidden)
+    return head.finish(state, batch)
+
+
+def run_bridged(head, bridge, backbone, batch):
+    state = bridge.start(batch)
+    for i, hidden in backbone.stream(batch, upto=max(bridge.layers_read())):
+        if i in bridge.layers_read():
+            state = bridge.consume(state, i, hidden)
+    target_batch, states = bridge.finish(state, batch)
+    hs = head.start(target_batch)
+    for i in head.layers_read():
+        hs = head.consume(hs, i, states[i])
+    return head.finish(hs, target_batch)
+
+
+# ---- (a) a permuted copy: alignment recovers the permutation -----------------------------------
+@torch.inference_mode()
+def test_permuted_model_states_are_permuted(bert, permuted, perm):
+    batch = bert.tokenize(TEXTS[:8])
+    original, moved = bert.all_states(batch), permuted.all_states(batch)
+    assert len(original) == len(moved) == 4
+    for a, b in zip(original, moved):
+        assert torch.allclose(b, a[..., perm], atol=1e-5)
+    assert bert.fingerprint.identity() != permuted.fingerprint.identity()
+
+
+def test_alignment_recovers_the_permutation(paired, perm):
+    bridge, diag = align(paired, mapping="skip")
+    assert BRIDGE_KINDS["alignment"] is AlignmentBridge
+    assert bridge.layers_read() == [0, 1, 2, 3] and bridge.states_out() == [0, 1, 2, 3]
+    for k in range(4):
+        assert torch.equal(bridge.index[k], perm)
+        assert torch.equal(bridge.scale[k], torch.ones(32)) and torch.equal(bridge.shift[k], torch.zeros(32))
+        assert diag["per_state"][k]["mean_matched_correlation"] > 0.999
+        assert diag["per_state"][k]["source_states"] == [k]
+    std, _ = align(paired, mapping="skip", standardize=True)
+    assert torch.equal(std.index, bridge.index)
+    assert torch.allclose(std.scale, torch.ones_like(std.scale), atol=1e-2)
+
+
+@pytest.mark.parametrize("task", ["sequence", "token"])
+@torch.inference_mode()
+def test_foreign_module_through_the_bridge_matches_native(paired, bert, permuted, task):
+    bridge, _ = align(paired, mapping="skip")
+    if task == "sequence":
+        head = random_head(permuted, "sequence_classification", ["negative", "positive"], seed=3)
+    else:
+        head = random_head(permuted, "token_classification", NER_LABELS, seed=5, casing=True)
+    texts = make_texts(12, seed=9)  # not the texts the alignment was fitted on
+    native = run_head(head, permuted, permuted.tokenize(texts))
+    served = run_bridged(head, bridge, bert, bert.tokenize(texts))
+    assert native.shape == served.shape
+    assert torch.allclose(native, served, atol=1e-4)
+
+
+def test_correlation_and_matching_against_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 5))
+    y = np.concatenate([x[:, [3, 0]] * 2 + 1, rng.normal(size=(300, 4))], axis=1)
+    c = correlation(torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32))
+    want = np.corrcoef(x.T, y.T)[:5, 5:]
+    assert c.shape == (5, 6) and np.allclose(c, want, atol=1e-5)
+    rows, cols = match(c)
+    assert len(rows) == 5 and dict(zip(cols.tolist(), rows.tolist()))[0] == 3
+    assert dict(zip(cols.tolist(), rows.tolist()))[1] == 0
+    const = correlation(torch.ones(10, 2), torch.randn(10, 3))
+    assert np.all(const == 0)
+
+
+def test_layer_groups():
+    # a MiniLM (6) module served on SmolLM2 (30): groups of 5
+    assert layer_groups(30, 6, range(7), "skip") == {0: [0], 1: [5], 2: [10], 3: [15], 4: [20], 5: [25], 6: [30]}
+    avg = layer_groups(30, 6, range(7), "avg")
+    assert avg[0] == [0] and avg[1] == [1, 2, 3, 4, 5] and avg[6] == [26, 27, 28, 29, 30]
+    # a SmolLM2 module served on MiniLM: target j reads round(j * 6 / 30), both mappings alike
+    want = {0: [0], 5: [1], 10: [2], 15: [3], 20: [4], 25: [5], 30: [6], 3: [1], 2: [0]}
+    for mapping in ("skip", "avg"):
+        assert layer_groups(6, 30, want, mapping) == want
+    assert layer_groups(3, 3, [0, 1, 2, 3], "avg") == {0: [0], 1: [1], 2: [2], 3: [3]}
+    with pytest.raises(ValueError):
+        layer_groups(6, 30, [31])
+
+
+@torch.inference_mode()
+def test_avg_bridge_streams_and_averages(tmp_path):
+    deep = Backbone.load(make_tiny_backbone_dir(tmp_path, "bert", layers=4, seed=2))
+    shallow_dir = make_tiny_backbone_dir(tmp_path / "s", "roberta", layers=2, seed=3)
+    shallow = Backbone.load(shallow_dir)
+    paired = PairedStates.build(TEXTS[:30], deep, shallow, list(range(5)), [0, 1, 2], cache=False, progress=False)
+    bridge, diag = align(paired, mapping="avg")
+    assert bridge.config.groups == {0: [0], 1: [1, 2], 2: [3, 4]}
+    assert diag["per_state"][2]["source_states"] == [3, 4]
+    batch = deep.tokenize(TEXTS[:5])
+    states = dict(enumerate(deep.all_states(batch)))
+    seen = []
+    state = bridge.start(batch)
+    for i, hidden in deep.stream(batch):
+        state = bridge.consume(state, i, hidden)
+        seen.append(sorted(state["sums"]))
+    assert seen == [[], [1], [], [2], []]  # a running sum lives only while its group streams
+    out_batch, out = bridge.finish(state, batch)
+    assert out_batch is batch and sorted(out) == [0, 1, 2]
+    for k, (j, group) in enumerate(bridge.config.groups.items()):
+        mean = torch.stack([states[i] for i in group]).mean(0)
+        assert torch.allclose(out[j], mean[..., bridge.index[k]], atol=1e-5)
+    assert torch.allclose(bridge({i: states[i] for i in range(5)})[2], out[2])
+
+
+def test_unmatched_target_dims_get_their_mean(bert, char_llama):
+    # 32-wide source, 24-wide target and back: the wider target keeps 8 constant dims
+    paired = PairedStates.build(TEXTS, char_llama, bert, [0, 1, 2], [0, 3], cache=False, progress=False)
+    bridge, diag = align(paired, mapping="skip")
+    assert bridge.config.groups == {0: [0], 3: [2]}
+    for j in (0, 3):
+        matched = bridge.matched(j)
+        assert int(matched.sum()) == 24 and diag["per_state"][j]["matched"] == 24
+        _, y = paired.token_pairs(bridge.config.groups[j], j)
+        k = bridge.states_out().index(j)
+        assert torch.allclose(bridge.shift[k][~matched], y.mean(0)[~matched], atol=1e-4)
+    out = bridge({0: torch.randn(2, 5, 24), 2: torch.randn(2, 5, 24)})
+    assert out[3].shape == (2, 5, 32)
+
+
+# ---- (b) rows aligned by character offsets ----------------------------------------------------
+def _spans(encoded):
+    out = []
+    for (a, b), seq in zip(encoded.offsets, encoded.sequence_ids):
+        text = encoded.text
+        while a < b and text[a].isspace():
+            a += 1
+        while b > a and text[b - 1].isspace():
+            b -= 1
+        out.append((a, b) if seq is not None and b > a else None)
+    return out
+
+
+def test_token_pairs_align_by_characters(bert, char_llama):
+    texts = ["playing football!", *TEXTS[:20]]
+    paired = PairedStates.build(texts, bert, char_llama, [0], [0], cache=False, progress=False)
+    assert paired.target_encoded[0].sequence_ids[0] is None  # the BOS token is special
+    # hand-made: MiniLM keeps "playing" and "football" whole; the target spells them out
+    src, tgt = paired.source_encoded[0], paired.target_encoded[0]
+    assert [src.offsets[t] for t in range(1, 4)] == [(0, 7), (8, 16), (16, 17)]
+    assert tgt.offsets[1:4] == [(0, 1), (1, 2), (2, 3)]
+    # make every state say where it came from: dim 0 = flat row number
+    for cache in (paired.source_cache, paired.target_cache):
+        flat = cache.cache[0]
+        flat.zero_()
+        flat[:cache.total, 0] = torch.arange(cache.total, dtype=torch.float16)
+    x, y = paired.token_pairs(0, 0)
+    s0, t0 = paired.source_cache.starts[0], paired.target_cache.starts[0]
+    # rows 0..6 are the characters of "playing" (the BOS is skipped): all read source token 1
+    assert y[:7, 0].tolist() == [t0 + t for t in range(1, 8)]
+    assert x[:7, 0].tolist() == [s0 + 1] * 7
+    assert y[7, 0].item() == t0 + 8 and x[7, 0].item() == s0 + 2  # "f" of football (the space is no token)
+    # every row against a brute-force search
+    expected = []
+    for r in range(len(texts)):
+        s_sp, t_sp = _spans(paired.source_encoded[r]), _spans(paired.target_encoded[r])
+        for t, ts in enumerate(t_sp):
+            if ts is None:
+                continue
+            hits = [u for u, ss in enumerate(s_sp) if ss is not None and ss[0] < ts[1] and ts[0] < ss[1]]
+            if hits:
+                expected.append((paired.target_cache.starts[r] + t,
+                                 np.mean([paired.source_cache.starts[r] + u for u in hits])))
+    assert y.shape[0] == len(expected) == x.shape[0]
+    assert np.allclose(y[:, 0].numpy(), [e[0] for e in expected])
+    assert np.allclose(x[:, 0].numpy(), [e[1] for e in expected], atol=0.5)  # fp16 row numbers
+    # word pooling: one row per whitespace word, each side the mean of its tokens in the word
+    xw, yw = paired.token_pairs(0, 0, pool="word")
+    assert xw.shape[0] == sum(len(t.split()) for t in texts)
+    assert xw[0, 0].item() == s0 + 1 and yw[0, 0].item() == pytest.approx(t0 + 4)  # "playing": target 1..7
+    assert xw[1, 0].item() == pytest.approx(s0 + 2.5)  # "football!": source "football", "!"
+
+
+def test_batches_and_padding(paired):
+    rows = [3, 0, 7]
+    batch, states = paired.target_batch(rows)
+    assert batch.texts == [TEXTS[r] for r in rows] and sorted(states) == paired.target_layers
+    src_batch, src_states = paired.source_batch(rows)
+    mask = batch.attention_mask.bool()
+    for h in states.values():
+        assert h.dtype == torch.float32 and h.shape[:2] == batch.input_ids.shape and h[~mask].abs().sum() == 0
+    assert torch.equal(src_batch.input_ids, batch.input_ids)  # same tokenizer here
+    got = sorted(r for b in paired.batches(8, shuffle=True) for r in b)
+    assert got == list(range(len(paired)))
+    assert len(paired) == len(TEXTS) and paired.source_hidden == paired.target_hidden == 32
+
+
+# ---- (c) the paired cache ---------------------------------------------------------------------
+def test_paired_cache_round_trips(bert, permuted, tmp_path, monkeypatch, caplog):
+    first = PairedStates.build(TEXTS[:20], bert, permuted, [0, 2], [1], cache_dir=tmp_path, progress=False)
+    assert first.path is not None and first.path.parent == tmp_path / "paired" and first.path.is_file()
+    meta = json.loads(first.path.with_suffix(".json").read_text())
+    assert meta["source"]["layers"] == [0, 2] and meta["target"]["layers"] == [1] and meta["count"] == 20
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the backbone ran although the states are cached")
+
+    monkeypatch.setattr(bert, "stream", boom)
+    monkeypatch.setattr(permuted, "stream", boom)
+    again = PairedStates.build(TEXTS[:20], bert, permuted, [2, 0], [1], cache_dir=tmp_path, progress=False)
+    assert again.path == first.path
+    for i in (0, 2):
+        assert torch.equal(again.source_cache.cache[i], first.source_cache.cache[i])
+    assert torch.equal(again.target_cache.cache[1], first.target_cache.cache[1])
+    x1, y1 = first.token_pairs([0, 2], 1)
+    x2, y2 = again.token_pairs([0, 2], 1)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    # other texts or layers: another key
+    with pytest.raises(AssertionError, match="backbone ran"):
+        PairedStates.build(TEXTS[:19], bert, permuted, [0, 2], [1], cache_dir=tmp_path, progress=False)
+    monkeypatch.undo()
+    # a damaged cache is recomputed
+    first.path.write_bytes(b"not safetensors")
+    fixed = PairedStates.build(TEXTS[:20], bert, permuted, [0, 2], [1], cache_dir=tmp_path, progress=False)
+    assert torch.equal(fixed.source_cache.cache[2], first.source_cache.cache[2])
+    assert "recomputing" in caplog.text
+
+
+# ---- (d) the artifact -------------------------------------------------------------------------
+@torch.inference_mode()
+def test_artifact_round_trip_and_corruption(paired, bert, permuted, tmp_path):
+    bridge, diag = align(paired, mapping="skip", standardize=True)
+    store = bridge_store(tmp_path / "bridges")
+    folder = save_bridge(store, "align-tiny", "1", bridge, bert, permuted, metrics={"mean": diag["mean_matched_correlation"]})
+    assert not (folder / "target_tokenizer").exists()  # keeps the source tokens
+    loaded = load_bridge(store, "align-tiny", "1", bert)
+    assert isinstance(loaded.bridge, AlignmentBridge) and loaded.manifest.kind == "alignment"
+    assert loaded.manifest.source_layers == [0, 1, 2, 3] and loaded.bridge.target_text is None
+    assert loaded.bridge.config.groups == bridge.config.groups
+    batch = bert.tokenize(TEXTS[:6])
+    states = dict(enumerate(bert.all_states(batch)))
+    a, b = bridge(states), loaded.bridge(states)
+    assert all(torch.equal(a[j], b[j]) for j in a)
+    with pytest.raises(ArtifactError) as err:  # served on the wrong backbone
+        load_bridge(store, "align-tiny", "1", permuted)
+    assert err.value.reason == "fingerprint_mismatch"
+    weights = folder / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError) as err:
+        load_bridge(store, "align-tiny", "1", bert)
+    assert err.value.reason == "checksum_mismatch"
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError):
+        AlignmentConfig(mapping="skip", source_hidden_size=4, target_hidden_size=4, groups={1: [1, 2]})
+    with pytest.raises(ValueError):
+        AlignmentConfig(mapping="avg", source_hidden_size=4, target_hidden_size=4, groups={1: [2, 1]})
+    config = AlignmentConfig(mapping="avg", source_hidden_size=4, target_hidden_size=4, groups={"2": [3, 4], "0": [0]})
+    assert list(config.groups) == [0, 2]
+
+
+def test_correlation_grid(paired):
+    grid = correlation_grid(paired, [0, 3], [0, 3])
+    g = np.array(grid["mean_matched_correlation"])
+    # random tiny layers barely move the residual stream, so off-diagonal pairs correlate highly too
+    assert g.shape == (2, 2) and g[0, 0] > 0.999 and g[1, 1] > 0.999 and g[0, 1] <= g[0, 0]
+
+
+# ---- the command -----------------------------------------------------------------------------
+def test_align_command(tmp_path, bert, permuted):
+    from training.cli import main
+
+    data = tmp_path / "data" / "sst2"
+    data.mkdir(parents=True)
+    (data / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(TEXTS)))
+    src_dir = tmp_path / "src"
+    bert.model.save_pretrained(src_dir)
+    bert.tokenizer.save_pretrained(src_dir)
+    tgt_dir = tmp_path / "tgt"
+    permuted.model.save_pretrained(tgt_dir)
+    permuted.tokenizer.save_pretrained(tgt_dir)
+    report = tmp_path / "report"
+    rc = main(["align", "--source", str(src_dir), "--target", str(tgt_dir), "--dataset", "sst2",
+               "--data-dir", str(tmp_path / "data"), "--max-texts", "40", "--mapping", "avg",
+               "--store", str(tmp_path / "bridges"), "--name", "perm", "--version", "1",
+               "--report-dir", str(report), "--cache-dir", str(tmp_path / "cache"), "--no-progress"])
+    assert rc == 0
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert metrics["texts"] == 40 and metrics["metrics"]["mean_matched_correlation"] > 0.999
+    assert np.array(metrics["layer_grid"]["mean_matched_correlation"]).shape == (4, 4)
+    assert (report / "correlation.png").stat().st_size > 0
+    loaded = load_bridge(bridge_store(tmp_path / "bridges"), "perm", "1", Backbone.load(src_dir))
+    assert loaded.manifest.training["mapping"] == "avg"

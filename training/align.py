@@ -1,0 +1,313 @@
+"""Alignment transfer (Klimaszewski et al.): serve modules of backbone B on backbone A, no training.
+
+On paired states (the same texts through both backbones, rows aligned by characters: see
+`training.pairing`), the Pearson correlation C (H_s x H_t) between every source dimension and
+every target dimension is measured, and `scipy.optimize.linear_sum_assignment(-C)` matches
+min(H_s, H_t) pairs of dimensions one to one, maximising the summed correlation. The bridge
+(`server.bridges.alignment.AlignmentBridge`) then feeds each target dimension from its matched
+source dimension.
+
+Layers: the deeper backbone's layers are split into consecutive groups, one per layer of the
+shallower one (state 0, the embeddings, maps to state 0). A deeper source feeds target state j
+from its group's last state (SKIP) or the mean of the group's states (AVG); a shallower source
+feeds target state j from source state round(j * L_s / L_t) (SKIP and AVG coincide).
+
+    tmod-train align --source minilm --target smollm2 --target-layers 0,5,10,15,20,25,30 \\
+        --mapping avg --dataset sst2 --max-texts 2000
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import shlex
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from server.bridges.alignment import AlignmentBridge, AlignmentConfig
+from training.pairing import PairedStates
+
+MAPPINGS = ("skip", "avg")
+
+
+# ---- layers -----------------------------------------------------------------------------------
+def _round(x: float) -> int:
+    return int(math.floor(x + 0.5))  # half up, not Python's half-to-even
+
+
+def layer_groups(source_layers: int, target_layers: int, target_states: Sequence[int],
+                 mapping: str = "skip") -> dict[int, list[int]]:
+    """{target state j: the source states that feed it} for backbones of `source_layers` and
+    `target_layers` layers (states 0..L)."""
+    if mapping not in MAPPINGS:
+        raise ValueError(f"mapping must be one of {MAPPINGS}, not {mapping!r}")
+    l_s, l_t = source_layers, target_layers
+    out = {}
+    for j in sorted(set(target_states)):
+        if not 0 <= j <= l_t:
+            raise ValueError(f"target state {j} outside 0..{l_t}")
+        if j == 0:
+            out[j] = [0]
+        elif l_s > l_t:  # deeper source: group j is (b_{j-1}, b_j]
+            lo, hi = _round((j - 1) * l_s / l_t), _round(j * l_s / l_t)
+            out[j] = [hi] if mapping == "skip" else list(range(lo + 1, hi + 1))
+        else:
+            out[j] = [_round(j * l_s / l_t)]
+    return out
+
+
+# ---- correlation and matching ------------------------------------------------------------------
+def correlation(x: torch.Tensor, y: torch.Tensor, chunk: int = 65536) -> np.ndarray:
+    """Pearson correlation (H_s, H_t) between every column of x (N, H_s) and of y (N, H_t),
+    accumulated in float64 over row chunks. Constant columns correlate 0 with everything."""
+    if x.shape[0] != y.shape[0] or x.shape[0] < 2:
+        raise ValueError(f"need the same number (>= 2) of rows, got {x.shape[0]} and {y.shape[0]}")
+    n = x.shape[0]
+    mx, my = x.double().mean(0), y.double().mean(0)
+    cross = torch.zeros(x.shape[1], y.shape[1], dtype=torch.float64)
+    vx = torch.zeros(x.shape[1], dtype=torch.float64)
+    vy = torch.zeros(y.shape[1], dtype=torch.float64)
+    for s in range(0, n, chunk):
+        xc, yc = x[s:s + chunk].double() - mx, y[s:s + chunk].double() - my
+        cross += xc.T @ yc
+        vx += (xc * xc).sum(0)
+        vy += (yc * yc).sum(0)
+    denom = torch.sqrt(vx)[:, None] * torch.sqrt(vy)[None, :]
+    c = torch.where(denom > 0, cross / denom.clamp(min=1e-300), torch.zeros_like(cross))
+    return c.numpy()
+
+
+def match(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source dims, target dims) of the one-to-one matching maximising the summed correlation."""
+    from scipy.optimize import linear_sum_assignment
+
+    return linear_sum_assignment(-c)
+
+
+def matched_correlation(x: torch.Tensor, y: torch.Tensor) -> float:
+    c = correlation(x, y)
+    rows, cols = match(c)
+    return float(c[rows, cols].mean())
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+def align(paired: PairedStates, mapping: str = "skip", standardize: bool = False,
+          target_states: Sequence[int] | None = None, pool: str = "token",
+          progress: bool = False) -> tuple[AlignmentBridge, dict]:
+    """Fit an AlignmentBridge on `paired` (source = the backbone it will serve on). Returns the
+    bridge and its diagnostics: per target state, the source states used, the mean / median
+    correlation of the matched dimensions, the number of aligned rows."""
+    targets = sorted(set(target_states if target_states is not None else paired.target_layers))
+    groups = layer_groups(paired.source_fingerprint.num_layers, paired.target_fingerprint.num_layers, targets, mapping)
+    needed = sorted({i for g in groups.values() for i in g})
+    missing = sorted(set(needed) - set(paired.source_layers)) + [f"target {j}" for j in targets
+                                                                   if j not in paired.target_layers]
+    if missing:
+        raise ValueError(f"states {missing} are not in the paired states (source {paired.source_layers}, "
+                         f"target {paired.target_layers})")
+    config = AlignmentConfig(mapping=mapping, standardize=standardize, pool=pool, groups=groups,
+                             source_hidden_size=paired.source_hidden, target_hidden_size=paired.target_hidden)
+    bridge = AlignmentBridge(config)
+    per_state = {}
+    for j in tqdm(targets, desc="aligning target states", disable=not progress, leave=False):
+        x, y = paired.token_pairs(groups[j], j, pool=pool)
+        c = correlation(x, y)
+        rows, cols = match(c)
+        index = torch.zeros(paired.target_hidden, dtype=torch.long)
+        scale = torch.zeros(paired.target_hidden)
+        shift = y.double().mean(0).float()  # unmatched target dims: their mean on the pairs
+        index[torch.as_tensor(cols)] = torch.as_tensor(rows, dtype=torch.long)
+        if standardize:
+            mu_s, sd_s = x.double().mean(0), x.double().std(0)
+            mu_t, sd_t = y.double().mean(0), y.double().std(0)
+            src = torch.as_tensor(rows, dtype=torch.long)
+            tgt = torch.as_tensor(cols, dtype=torch.long)
+            ratio = torch.where(sd_s[src] > 0, sd_t[tgt] / sd_s[src].clamp(min=1e-12), torch.zeros_like(sd_s[src]))
+            scale[tgt] = ratio.float()
+            shift[tgt] = (mu_t[tgt] - mu_s[src] * ratio).float()
+        else:
+            scale[torch.as_tensor(cols)] = 1.0
+            shift[torch.as_tensor(cols)] = 0.0
+        bridge.set_alignment(j, index, scale, shift)
+        matched = c[rows, cols]
+        per_state[j] = {"source_states": groups[j], "rows": int(x.shape[0]), "matched": int(len(rows)),
+                        "mean_matched_correlation": float(matched.mean()),
+                        "median_matched_correlation": float(np.median(matched)),
+                        "mean_max_correlation": float(np.abs(c).max(axis=0).mean())}
+    diagnostics = {"mapping": mapping, "standardize": standardize, "pool": pool, "per_state": per_state,
+                   "mean_matched_correlation": float(np.mean([v["mean_matched_correlation"]
+                                                             for v in per_state.values()]))}
+    return bridge.eval(), diagnostics
+
+
+def correlation_grid(paired: PairedStates, source_states: Sequence[int] | None = None,
+                     target_states: Sequence[int] | None = None, pool: str = "token",
+                     progress: bool = False) -> dict:
+    """Mean matched correlation of every (source state, target state) pair: which source layer
+    looks most like which target layer after the best matching of dimensions."""
+    sources = list(source_states if source_states is not None else paired.source_layers)
+    targets = list(target_states if target_states is not None else paired.target_layers)
+    ys = {j: paired.token_pairs(sources[0], j, pool)[1] for j in targets}
+    grid = np.zeros((len(sources), len(targets)))
+    with tqdm(total=len(sources) * len(targets), desc="layer x layer correlation", disable=not progress,
+              leave=False) as bar:
+        for a, i in enumerate(sources):
+            x, _ = paired.token_pairs(i, targets[0], pool)
+            for b, j in enumerate(targets):
+                grid[a, b] = matched_correlation(x, ys[j])
+                bar.update(1)
+    return {"source_states": sources, "target_states": targets, "mean_matched_correlation": grid.tolist()}
+
+
+# ---- the report -------------------------------------------------------------------------------
+def plot_alignment(diagnostics: dict, grid: dict | None, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from training.report import state_name
+
+    per_state = diagnostics["per_state"]
+    targets = sorted(int(j) for j in per_state)
+    fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 6.5, 4.2), squeeze=False)
+    ax = axes[0][0]
+    values = [per_state[j]["mean_matched_correlation"] for j in targets]
+    bars = ax.bar([state_name(j) for j in targets], values, color="#4c72b0")
+    for bar, v, j in zip(bars, values, targets):
+        label = f"{v:.2f}\n<-" + ",".join(state_name(i) for i in per_state[j]["source_states"][:1])
+        if len(per_state[j]["source_states"]) > 1:
+            label += f"..{state_name(per_state[j]['source_states'][-1])}"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("target state")
+    ax.set_ylabel("mean matched correlation")
+    ax.set_title(f"mapping {diagnostics['mapping']}")
+    if grid:
+        ax = axes[0][1]
+        g = np.array(grid["mean_matched_correlation"])
+        im = ax.imshow(g, aspect="auto", cmap="viridis", vmin=0, vmax=max(1e-6, float(g.max())), origin="lower")
+        ax.set_yticks(range(len(grid["source_states"])))
+        ax.set_yticklabels([state_name(i) for i in grid["source_states"]], fontsize=6)
+        ax.set_xticks(range(len(grid["target_states"])))
+        ax.set_xticklabels([state_name(j) for j in grid["target_states"]], fontsize=7)
+        ax.set_xlabel("target state")
+        ax.set_ylabel("source state")
+        ax.set_title("mean matched correlation, every pair of states")
+        for b, j in enumerate(grid["target_states"]):
+            for i in per_state.get(j, {}).get("source_states", []):
+                if i in grid["source_states"]:
+                    a = grid["source_states"].index(i)
+                    ax.add_patch(plt.Rectangle((b - 0.5, a - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1))
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- the command --------------------------------------------------------------------------------
+def _parse_states(value: str | None, num_layers: int) -> list[int]:
+    if value is None or value == "all":
+        return list(range(num_layers + 1))
+    out = set()
+    for part in value.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.update(range(int(lo), int(hi) + 1))
+        elif part:
+            out.add(int(part))
+    return sorted(out)
+
+
+def load_texts(args) -> list[str]:
+    """Training-split texts of the presets (comma-separated), seeded subset of --max-texts, order
+    kept; pair tasks contribute both texts of each example as separate texts."""
+    from training.data import PRESETS, preset_spec
+
+    texts: list[str] = []
+    for name in [d.strip() for d in args.dataset.split(",") if d.strip()]:
+        if name not in PRESETS:
+            raise SystemExit(f"unknown dataset {name!r}; presets: {sorted(PRESETS)}")
+        data = preset_spec(PRESETS[name], "train", args.data_dir).read()
+        texts += data.texts()
+        if data.has_pairs:
+            texts += [t for t in data.text_pairs() if t]
+    seen, unique = set(), []
+    for t in texts:
+        if t and t not in seen:
+            seen.add(t)
+            unique.append(t)
+    if args.max_texts and args.max_texts < len(unique):
+        keep = sorted(random.Random(args.seed).sample(range(len(unique)), args.max_texts))
+        unique = [unique[i] for i in keep]
+    return unique
+
+
+def cmd_align(args, command: str) -> int:
+    from modules_store import DEFAULT_STORE
+    from server.backbone import Backbone
+    from server.bridges import bridge_store, save_bridge
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    t0 = time.perf_counter()
+    source = Backbone.load(args.source, device=device)
+    target = Backbone.load(args.target, device=device)
+    targets = _parse_states(args.target_layers, target.num_layers)
+    groups = layer_groups(source.num_layers, target.num_layers, targets, args.mapping)
+    needed = sorted({i for g in groups.values() for i in g})
+    source_states = list(range(source.num_layers + 1)) if args.heatmap else needed
+    texts = load_texts(args)
+    t_load = time.perf_counter()
+    paired = PairedStates.build(texts, source, target, source_states, targets,
+                                cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                                batch_size=args.batch_size, progress=args.progress)
+    t_states = time.perf_counter()
+    bridge, diagnostics = align(paired, args.mapping, args.standardize, targets, args.pool, progress=args.progress)
+    t_fit = time.perf_counter()
+    grid = correlation_grid(paired, pool=args.pool, progress=args.progress) if args.heatmap else None
+    t_grid = time.perf_counter()
+    pool = paired.pooling(args.pool)
+    name = args.name or f"align-{_slug(source.name)}-to-{_slug(target.name)}"
+    version = args.version or f"{args.mapping}{'-std' if args.standardize else ''}"
+    store_dir = Path(args.store) if args.store else Path(DEFAULT_STORE) / "_bridges"
+    training = {"command": command, "method": "alignment (Pearson correlation + linear_sum_assignment)",
+                "datasets": args.dataset, "texts": len(texts), "aligned_rows": pool.rows,
+                "source_tokens": paired.source_cache.total, "target_tokens": paired.target_cache.total,
+                "source": source.name, "target": target.name, "mapping": args.mapping,
+                "standardize": args.standardize, "pool": args.pool, "seed": args.seed,
+                "timing": {"load_seconds": t_load - t0, "states_seconds": t_states - t_load,
+                           "fit_seconds": t_fit - t_states, "grid_seconds": t_grid - t_fit},
+                "paired_cache": str(paired.path) if paired.path else None}
+    metrics = {"mean_matched_correlation": diagnostics["mean_matched_correlation"],
+               "per_state": {str(j): v for j, v in diagnostics["per_state"].items()}}
+    artifact = save_bridge(bridge_store(store_dir), name, version, bridge, source, target, training=training,
+                           metrics=metrics, description=args.description or
+                           f"alignment bridge: {target.name} modules served on {source.name}",
+                           overwrite=args.overwrite)
+    report_dir = Path(args.report_dir) if args.report_dir else Path("runs") / f"{name}-{version}-{time.strftime('%Y%m%d-%H%M%S')}" / "report"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"name": name, "version": version, "artifact": str(artifact), **training, "metrics": metrics,
+               "layer_grid": grid}
+    (report_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_alignment(diagnostics, grid, report_dir / "correlation.png",
+                   f"alignment: {target.name} states from {source.name} ({len(texts)} texts, {pool.rows} rows)")
+    print(json.dumps({"name": name, "version": version, "artifact": str(artifact), "report": str(report_dir),
+                      "mean_matched_correlation": {str(j): round(v["mean_matched_correlation"], 4)
+                                                   for j, v in diagnostics["per_state"].items()}}, indent=2))
+    return 0
+
+
+def _slug(name: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:24] or "backbone"
