@@ -394,3 +394,34 @@ def test_align_command(tmp_path, bert, permuted):
     assert (report / "correlation.png").stat().st_size > 0
     loaded = load_bridge(bridge_store(tmp_path / "bridges"), "perm", "1", Backbone.load(src_dir))
     assert loaded.manifest.training["mapping"] == "avg"
+
+
+# ---- served: the engine runs a foreign module through a loaded alignment bridge ---------------
+def test_a_foreign_module_serves_through_the_alignment_bridge_in_the_engine(paired, bert, permuted, tmp_path):
+    from modules_store import ModuleStore
+    from server.engine import Engine
+    from server.modules import load_module, save_module
+
+    bridge, _ = align(paired, mapping="skip")
+    store = bridge_store(tmp_path / "bridges")
+    save_bridge(store, "perm", "1", bridge, bert, permuted)
+    loaded = load_bridge(store, "perm", "1", bert)
+    modules = ModuleStore(tmp_path / "modules")
+    head = random_head(permuted, "token_classification", NER_LABELS, 6, layers=[0, 2, 3])
+    save_module(modules, "ner", "1", head, permuted)
+    foreign = load_module(modules, "ner", "1", bert, bridges={"perm": loaded})
+    native = load_module(modules, "ner", "1", permuted)
+    assert foreign.bridge == "perm"
+    texts = ["John lives in Paris .", "the cat sat on a mat", "unbelievably quiet dogs"]
+    batch = bert.tokenize(texts)
+    engine = Engine(bert, bridges={"perm": loaded})
+    logits, batches = engine.run(batch, {"ner": foreign})
+    assert batches["ner"] is batch  # the alignment bridge keeps the source tokens
+    want, _ = Engine(permuted).run(permuted.tokenize(texts), {"ner": native})
+    assert torch.allclose(logits["ner"], want["ner"], atol=1e-4)
+    got = engine.predict(batch, {"ner": foreign})["ner"]
+    expected = Engine(permuted).predict(permuted.tokenize(texts), {"ner": native})["ner"]
+    strip = (lambda rows: [[{k: v for k, v in e.items() if k != "score"} for e in r["entities"]] for r in rows])
+    assert strip(got) == strip(expected) and any(r["entities"] for r in got)
+    scores = (lambda rows: [e.get("score", 0.0) for r in rows for e in r["entities"]])
+    assert scores(got) == pytest.approx(scores(expected), abs=1e-5)
