@@ -425,3 +425,9 @@ def test_a_foreign_module_serves_through_the_alignment_bridge_in_the_engine(pair
     assert strip(got) == strip(expected) and any(r["entities"] for r in got)
     scores = (lambda rows: [e.get("score", 0.0) for r in rows for e in r["entities"]])
     assert scores(got) == pytest.approx(scores(expected), abs=1e-5)
+
+
+def test_null_baseline_is_below_the_real_matching(paired):
+    _, diag = align(paired, mapping="skip")
+    for j, v in diag["per_state"].items():
+        assert v["null_matched_correlation"] < 0.5 < v["mean_matched_correlation"]

@@ -96,12 +96,21 @@ def matched_correlation(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 # ---- fitting ------------------------------------------------------------------------------------
+def null_matched_correlation(x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> float:
+    """The mean matched correlation with the pairing broken (target rows shuffled): what the
+    matching finds in noise alone with this many rows and dimensions, the floor to read the real
+    number against."""
+    order = torch.randperm(y.shape[0], generator=torch.Generator().manual_seed(seed))
+    return matched_correlation(x, y[order])
+
+
 def align(paired: PairedStates, mapping: str = "skip", standardize: bool = False,
           target_states: Sequence[int] | None = None, pool: str = "token",
-          progress: bool = False) -> tuple[AlignmentBridge, dict]:
+          progress: bool = False, null: bool = True) -> tuple[AlignmentBridge, dict]:
     """Fit an AlignmentBridge on `paired` (source = the backbone it will serve on). Returns the
     bridge and its diagnostics: per target state, the source states used, the mean / median
-    correlation of the matched dimensions, the number of aligned rows."""
+    correlation of the matched dimensions, the number of aligned rows, and (`null`) the same
+    mean with the pairs shuffled (the noise floor)."""
     targets = sorted(set(target_states if target_states is not None else paired.target_layers))
     groups = layer_groups(paired.source_fingerprint.num_layers, paired.target_fingerprint.num_layers, targets, mapping)
     needed = sorted({i for g in groups.values() for i in g})
@@ -139,6 +148,8 @@ def align(paired: PairedStates, mapping: str = "skip", standardize: bool = False
                         "mean_matched_correlation": float(matched.mean()),
                         "median_matched_correlation": float(np.median(matched)),
                         "mean_max_correlation": float(np.abs(c).max(axis=0).mean())}
+        if null:
+            per_state[j]["null_matched_correlation"] = null_matched_correlation(x, y)
     diagnostics = {"mapping": mapping, "standardize": standardize, "pool": pool, "per_state": per_state,
                    "mean_matched_correlation": float(np.mean([v["mean_matched_correlation"]
                                                              for v in per_state.values()]))}
@@ -185,6 +196,10 @@ def plot_alignment(diagnostics: dict, grid: dict | None, path: Path, title: str)
             label += f"..{state_name(per_state[j]['source_states'][-1])}"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                     fontsize=7)
+    if all("null_matched_correlation" in per_state[j] for j in targets):
+        ax.plot(range(len(targets)), [per_state[j]["null_matched_correlation"] for j in targets], "k_",
+                markersize=18, label="pairs shuffled (noise floor)")
+        ax.legend(fontsize=7, loc="upper right")
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("target state")
     ax.set_ylabel("mean matched correlation")
