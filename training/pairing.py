@@ -86,6 +86,15 @@ def _words(encoded: EncodedInput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return arr[:, 0], arr[:, 1], arr[:, 2]
 
 
+def _without_names(meta: dict) -> dict:
+    """Cache metadata less the backbones' display names (informational, not part of the key)."""
+    out = dict(meta)
+    for side in ("source", "target"):
+        if isinstance(out.get(side), dict):
+            out[side] = {k: v for k, v in out[side].items() if k != "name"}
+    return out
+
+
 class Pooling:
     """How flat token rows of each side pool into aligned rows: row g of the output is the mean
     of source rows `source_index[source_group == g]` (likewise for the target)."""
@@ -200,7 +209,7 @@ class PairedStates:
         except (OSError, ValueError) as exc:
             log.warning("ignoring the paired cache %s: unreadable metadata (%s)", meta_path, exc)
             return None
-        if stored != meta:
+        if _without_names(stored) != _without_names(meta):
             log.warning("ignoring the paired cache %s: its metadata does not match (recomputing)", meta_path)
             return None
         try:
