@@ -7,6 +7,8 @@
     tmod-train lora-mtb --dataset conll2003 --task ner --rank 8
     tmod-train eval --store modules_store --task sentiment --dataset sst2
     tmod-train align --source minilm --target smollm2 --mapping avg --dataset sst2   # alignment bridge
+    tmod-train bridge --source minilm --target smollm2 --target-layers 0,5,10,15,20,25,30 --objective mse
+    tmod-train bridge --objective distill --module STORE/TASK/VERSION --dataset sst2   # transformer bridge
 """
 from __future__ import annotations
 
@@ -149,6 +151,49 @@ def add_align_command(commands) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
 
 
+def add_bridge_command(commands) -> None:
+    """`tmod-train bridge` (training/bridge.py): a transformer bridge, trained (MSE or distillation)."""
+    p = commands.add_parser("bridge", help="transformer bridge: serve TARGET's modules on SOURCE; trained on "
+                                           "paired states (MSE) or through a frozen target module (distill)")
+    p.add_argument("--source", default=None, help="backbone the bridge is served on: minilm (default), smollm2, a folder")
+    p.add_argument("--target", default=None, help="backbone the foreign modules were trained on (default: smollm2)")
+    p.add_argument("--source-layers", default=None, help="source states mixed: 'all' (default), '0-6', '2,4,6'")
+    p.add_argument("--target-layers", default=None,
+                   help="target states produced: default the module's states, else all; '0,5,10,15,20,25,30'")
+    p.add_argument("--objective", choices=["mse", "distill"], default=None, help="default: mse")
+    p.add_argument("--module", default=None, help="STORE/TASK[/VERSION], a module of the TARGET backbone: the "
+                   "teacher for distill; for mse only measured (agreement with its teacher)")
+    p.add_argument("--temperature", type=float, default=None, help="distill: softmax temperature (default 2)")
+    p.add_argument("--ce-weight", type=float, default=None, help="distill: hard-label cross-entropy weight (default 0)")
+    p.add_argument("--mse-weight", type=float, default=None, help="distill: log(1+MSE) state term weight (default 0)")
+    p.add_argument("--dataset", default=None, help="preset whose texts are paired: train split to train, "
+                   "validation split to validate (default: sst2)")
+    p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
+    p.add_argument("--max-texts", type=int, default=None, help="seeded random subset of the training texts")
+    p.add_argument("--max-validation", type=int, default=None, help="seeded random subset of the validation texts")
+    p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR or ~/.cache/tmod)")
+    for name, kind, note in (("d-model", int, 256), ("heads", int, 4), ("encoder-layers", int, 2),
+                             ("decoder-layers", int, 2), ("ffn-dim", int, 1024), ("dropout", float, 0.1),
+                             ("token-dim", int, 64), ("max-positions", int, 512), ("lr", float, 3e-4),
+                             ("weight-decay", float, 0.01), ("batch-size", int, 32), ("eval-batch-size", int, 64),
+                             ("epochs", int, 20), ("patience", int, 3), ("lr-patience", int, 1),
+                             ("warmup-steps", int, 200), ("grad-clip", float, 1.0), ("seed", int, 0),
+                             ("threads", int, 0)):
+        p.add_argument(f"--{name}", type=kind, default=None, help=f"default: {note}")
+    p.add_argument("--standardise", action=argparse.BooleanOptionalAction, default=None,
+                   help="per-dimension standardised source mix and target predictions (default: yes)")
+    p.add_argument("--device", default=None, help="auto (default), cpu, cuda")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast on CUDA (default: no)")
+    p.add_argument("--bridge-store", default=None, help="default: modules_store/_bridges")
+    p.add_argument("--name", default=None, help="default: <source>-to-<target>-<objective>[-<task>]")
+    p.add_argument("--version", default=None, help="default: 1")
+    p.add_argument("--report-dir", default=None, help="default: runs/bridge-<name>-<version>-<time>/report")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--description", default=None)
+    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output", default=None, help="also write the metrics JSON here")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     add_align_command(commands)
+    add_bridge_command(commands)
     return parser
 
 
@@ -262,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         from training.align import cmd_align
 
         return cmd_align(args, shlex.join(["tmod-train", *argv]))
+    if args.command == "bridge":
+        from training.bridge import cmd_bridge
+
+        return cmd_bridge(args, shlex.join(["tmod-train", *argv]))
     if args.command in ("layermix", "mtb", "lora-mtb"):
         return cmd_train(args, shlex.join(["tmod-train", *argv]))
     return cmd_eval(args)

@@ -1,0 +1,343 @@
+"""The transformer bridge (server/bridges/transformer.py) and its training (training/bridge.py).
+
+Tiny random backbones (the real MiniLM tokenizer), CPU, seeded: a rotation the MSE objective must
+learn, distillation through a frozen foreign module, artifacts that round-trip (and refuse damage),
+the streamed path equal to the training path, and a served foreign module through the Engine.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from modules_store import ArtifactError, ModuleStore
+from server.backbone import Backbone
+from server.bridges import BRIDGE_KINDS, bridge_store, load_bridge, save_bridge
+from server.bridges.transformer import TransformerBridge
+from server.engine import Engine
+from server.modules import load_module, save_module
+from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head
+from training.bridge import (BridgeSettings, ModuleProbe, evaluate, fit_bridge, state_statistics,
+                             train_bridge)
+from training.pairing import PairedStates
+
+WORDS = ("the a cat dog house river green small quick slow runs sleeps eats over under near city music "
+         "film good bad very not movie story plot actor great terrible boring fun long short red blue "
+         "Paris London John Mary bank money water tree old new loud quiet happy sad").split()
+SMALL = dict(d_model=64, heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=128, token_dim=16, dropout=0.0)
+
+
+def make_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(n)]
+
+
+def stream_states(backbone: Backbone, batch, layers) -> dict[int, torch.Tensor]:
+    return {i: h.clone() for i, h in backbone.stream(batch) if i in layers}
+
+
+def streamed(bridge, backbone: Backbone, batch):
+    """What the server does: start, consume each state as the backbone streams it, finish."""
+    state = bridge.start(batch)
+    for index, hidden in backbone.stream(batch):
+        if index in bridge.layers_read():
+            state = bridge.consume(state, index, hidden)
+    return bridge.finish(state, batch)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small tensors: one thread is faster, and far faster when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def source(tiny_backbone):
+    return tiny_backbone  # BERT, 3 layers, 32 wide
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_backbone_dir(tmp_path_factory.mktemp("bridge_target"), "llama", layers=3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return Backbone.load(target_dir)  # Llama decoder, 3 layers, 32 wide
+
+
+def settings(**values) -> BridgeSettings:
+    base = dict(lr=1e-3, batch_size=16, epochs=1000, patience=1000, warmup_steps=20, progress=False, **SMALL)
+    return BridgeSettings(**{**base, **values})
+
+
+def fresh_bridge(source, target, source_layers, target_layers, train_pairs=None, seed=0) -> TransformerBridge:
+    torch.manual_seed(seed)
+    bridge = TransformerBridge.for_backbones(source, target, source_layers, target_layers, **SMALL)
+    if train_pairs is not None:
+        bridge.set_standardisation(state_statistics(train_pairs, "source"), state_statistics(train_pairs, "target"))
+    return bridge
+
+
+# ---- (a) the MSE objective learns a known map ---------------------------------------------------
+def test_mse_objective_learns_a_rotation_of_the_hidden_space(source, tmp_path):
+    torch.manual_seed(123)
+    rotation, _ = torch.linalg.qr(torch.randn(source.hidden_size, source.hidden_size))
+    layers_in, layers_out = [0, 1, 2, 3], [2, 3]
+    texts = make_texts(300)
+
+    def rotated_pairs(chunk):
+        pairs = PairedStates.build(chunk, source, source, layers_in, layers_out, progress=False, cache=False)
+        for i in layers_out:  # the target: the same model in a rotated hidden space
+            cache = pairs.target_cache.cache
+            cache[i] = (cache[i].float() @ rotation).to(cache[i].dtype)
+        return pairs
+
+    train, val = rotated_pairs(texts[:240]), rotated_pairs(texts[240:])
+    bridge = fresh_bridge(source, source, layers_in, layers_out, train)
+    s = settings()
+    fit = fit_bridge(bridge, train, val, s, probe=None, max_steps=300)
+    after = evaluate(bridge, val, "validation", None, s, torch.device("cpu"))
+
+    assert fit.initial["cosine"] < 0.6  # the untrained bridge is far off (the test can fail)
+    assert after["log_mse"] < fit.initial["log_mse"] / 20
+    assert after["cosine"] > 0.95
+    # and directly: the bridged states are the rotated states of the source backbone
+    batch = source.tokenize(texts[250:258])
+    made_batch, made = streamed(bridge.eval(), source, batch)
+    truth = stream_states(source, batch, layers_out)
+    real = batch.attention_mask.bool()
+    for i in layers_out:
+        cos = torch.nn.functional.cosine_similarity(made[i], truth[i] @ rotation, dim=-1)[real]
+        assert cos.mean() > 0.95 and cos.min() > 0.8
+
+
+# ---- (b) distillation through a frozen foreign module --------------------------------------------
+def test_distillation_moves_the_module_toward_its_outputs_on_real_states(source, target, tmp_path):
+    store = ModuleStore(tmp_path / "store")
+    save_module(store, "ner", "1", random_head(target, "token_classification", NER_LABELS, 6, casing=True), target)
+    module = load_module(store, "ner", "1", target)  # on the TARGET backbone
+    layers_in, layers_out = [0, 1, 2, 3], module.head.layers_read()
+    texts = make_texts(300, seed=1)
+    train = PairedStates.build(texts[:240], source, target, layers_in, layers_out, progress=False, cache=False)
+    val = PairedStates.build(texts[240:], source, target, layers_in, layers_out, progress=False, cache=False)
+    probe = ModuleProbe(module, {"train": train, "validation": val}, 64, torch.device("cpu"), progress=False)
+    head_before = {k: v.clone() for k, v in module.head.state_dict().items()}
+
+    bridge = fresh_bridge(source, target, layers_in, layers_out, train)
+    s = settings(objective="distill", temperature=1.0)
+    fit = fit_bridge(bridge, train, val, s, probe=probe, max_steps=300)
+    best = fit.history[fit.best_epoch - 1]
+
+    assert best["validation_kl"] < fit.initial["kl"] / 4
+    assert best["validation_agreement"] > fit.initial["agreement"] + 0.05
+    assert all(torch.equal(v, module.head.state_dict()[k]) for k, v in head_before.items())  # the head is frozen
+    assert not any(p.requires_grad for p in module.head.parameters())
+    # the validation numbers are those of the kept (best) weights
+    again = evaluate(bridge, val, "validation", probe, s, torch.device("cpu"))
+    assert again["kl"] == pytest.approx(best["validation_kl"], rel=1e-4, abs=1e-6)
+
+
+# ---- (c) artifacts -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_bridge(tmp_path_factory, source, target):
+    torch.manual_seed(0)
+    bridge = TransformerBridge.for_backbones(source, target, [1, 2, 3], [0, 2, 3], **SMALL).eval()
+    with torch.no_grad():  # non-trivial standardisation and mix, so a lost buffer would show
+        bridge.source_mean.normal_()
+        bridge.source_std.uniform_(0.5, 2.0)
+        bridge.target_mean.normal_()
+        bridge.target_std.uniform_(0.5, 2.0)
+        bridge.mix_logits.normal_()
+    bridge.requires_grad_(False)  # as load_bridge leaves it (frozen weights pick the same attention kernels)
+    store = bridge_store(tmp_path_factory.mktemp("bridges"))
+    folder = save_bridge(store, "tiny", "1", bridge, source, target, training={"objective": "mse"})
+    return store, folder, bridge
+
+
+def test_saved_bridge_loads_with_identical_outputs_and_target_tokenizer(saved_bridge, source, target):
+    store, folder, bridge = saved_bridge
+    assert BRIDGE_KINDS["transformer"] is TransformerBridge
+    loaded = load_bridge(store, "tiny", "1", source)
+    assert loaded.manifest.kind == "transformer"
+    assert loaded.manifest.target_layers == [0, 2, 3] and loaded.manifest.source_layers == [1, 2, 3]
+    assert loaded.manifest.target.identity() == target.fingerprint.identity()
+    assert not loaded.bridge.training
+
+    texts = ["John lives in Paris .", "a very good movie", "bad"]
+    pairs = ["it is fine", "Mary agrees", "the end"]
+    for args in ((texts, None), (texts, pairs)):
+        mine, theirs = loaded.bridge.target_text.tokenize(*args), target.tokenize(*args)
+        assert torch.equal(mine.input_ids, theirs.input_ids)
+        assert torch.equal(mine.attention_mask, theirs.attention_mask)
+        assert mine.offsets == theirs.offsets and mine.sequence_ids == theirs.sequence_ids
+    assert loaded.bridge.target_text.max_tokens == target.max_tokens
+
+    batch = source.tokenize(texts)
+    with torch.no_grad():
+        batch_a, out_a = streamed(bridge, source, batch)
+        batch_b, out_b = streamed(loaded.bridge, source, batch)
+    assert torch.equal(batch_a.input_ids, batch_b.input_ids)
+    assert sorted(out_b) == [0, 2, 3]
+    for i in out_a:
+        assert torch.equal(out_a[i], out_b[i])
+
+
+def test_damaged_bridge_artifacts_are_refused(saved_bridge, source, tmp_path):
+    store, folder, _ = saved_bridge
+    for damage in ("weights", "tokenizer"):
+        copy_root = tmp_path / damage
+        shutil.copytree(store.root, copy_root)
+        copy = copy_root / "tiny" / "1"
+        if damage == "weights":
+            path = copy / "weights.safetensors"
+            data = bytearray(path.read_bytes())
+            data[-5] ^= 0xFF
+            path.write_bytes(bytes(data))
+        else:
+            path = copy / "target_tokenizer" / "tokenizer.json"
+            path.write_bytes(path.read_bytes() + b" ")  # still a valid tokenizer, but not the one vouched for
+        with pytest.raises(ArtifactError) as caught:
+            load_bridge(bridge_store(copy_root), "tiny", "1", source)
+        assert caught.value.reason == "checksum_mismatch"
+
+
+def test_bridge_for_another_source_is_refused(saved_bridge, target):
+    store, _, _ = saved_bridge
+    with pytest.raises(ArtifactError) as caught:
+        load_bridge(store, "tiny", "1", target)  # served on the target instead of the source
+    assert caught.value.reason == "fingerprint_mismatch"
+
+
+# ---- (d) the streamed path is the training path ------------------------------------------------
+def test_start_consume_finish_equals_forward_train(saved_bridge, source, target):
+    _, _, bridge = saved_bridge
+    texts = ["John lives in Paris .", "a very good movie indeed , said Mary", "bad"]
+    for pairs in (None, ["it is fine", "Mary agrees", "the end of it all"]):
+        batch = source.tokenize(texts, pairs)
+        with torch.no_grad():
+            made_batch, served = streamed(bridge, source, batch)
+            trained = bridge.forward_train(stream_states(source, batch, bridge.layers_read()), batch,
+                                           target.tokenize(texts, pairs))
+        assert torch.equal(made_batch.input_ids, target.tokenize(texts, pairs).input_ids)
+        assert made_batch.texts == texts and made_batch.text_pairs == pairs
+        for i in bridge.states_out():
+            assert served[i].shape == (len(texts), made_batch.seq_len, target.hidden_size)
+            assert torch.allclose(served[i], trained[i], atol=1e-5, rtol=0)
+    # as in training: trainable weights, gradients on (other attention kernels), still the same numbers
+    trainable = copy.deepcopy(bridge).requires_grad_(True)
+    batch = source.tokenize(texts)
+    with torch.no_grad():
+        _, served = streamed(bridge, source, batch)
+    trained = trainable.forward_train(stream_states(source, batch, bridge.layers_read()), batch, target.tokenize(texts))
+    for i in bridge.states_out():
+        assert torch.allclose(served[i], trained[i], atol=1e-5, rtol=0)
+    trained[3].pow(2).mean().backward()
+    assert trainable.adapt_in.weight.grad is not None and trainable.mix_logits.grad is not None
+
+
+def test_a_foreign_module_serves_through_the_bridge_in_the_engine(saved_bridge, source, target, tmp_path):
+    store_b, _, bridge = saved_bridge
+    loaded = load_bridge(store_b, "tiny", "1", source)
+    modules = ModuleStore(tmp_path / "modules")
+    head = random_head(target, "sequence_classification", ["negative", "positive"], 4, layers=[0, 2, 3])
+    save_module(modules, "sentiment", "1", head, target)
+    foreign = load_module(modules, "sentiment", "1", source, bridges={"tiny": loaded})
+    assert foreign.bridge == "tiny"
+    texts = ["a very good movie", "bad", "John lives in Paris ."]
+    batch = source.tokenize(texts)
+    logits, batches = Engine(source, bridges={"tiny": loaded}).run(batch, {"sentiment": foreign})
+    with torch.no_grad():
+        target_batch = target.tokenize(texts)
+        states = bridge.forward_train(stream_states(source, batch, bridge.layers_read()), batch, target_batch)
+        state = head.start(target_batch)
+        for i in head.layers_read():
+            state = head.consume(state, i, states[i])
+        expected = head.finish(state, target_batch)
+    assert torch.equal(batches["sentiment"].input_ids, target_batch.input_ids)
+    assert torch.allclose(logits["sentiment"], expected, atol=1e-5)
+
+
+# ---- the whole run: tmod-train bridge ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def sst2_dir(tmp_path_factory):
+    """A tiny stand-in for the sst2 preset's files (label 1 when the text says good/great/fun)."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "sst2").mkdir()
+    for split, n, seed in (("train", 120, 0), ("validation", 40, 1)):
+        lines = ["sentence\tlabel"]
+        for text in make_texts(n, seed):
+            lines.append(f"{text}\t{int(any(w in text.split() for w in ('good', 'great', 'fun')))}")
+        (root / "sst2" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_train_bridge_distill_writes_a_loadable_artifact_and_report(sst2_dir, source, target, tmp_path):
+    modules = ModuleStore(tmp_path / "modules")
+    save_module(modules, "sentiment", "1",
+                random_head(target, "sequence_classification", ["negative", "positive"], 4, layers=[0, 2, 3]), target)
+    s = settings(objective="distill", module=str(modules.root / "sentiment" / "1"), dataset="sst2",
+                 data_dir=str(sst2_dir), epochs=2, ce_weight=0.5, mse_weight=0.1,
+                 bridge_store=str(tmp_path / "bridges"), report_dir=str(tmp_path / "report"),
+                 cache_dir=str(tmp_path / "cache"), name="tiny-distill", threads=1)
+    result = train_bridge(s, source=source, target=target, command="tmod-train bridge ...")
+
+    loaded = load_bridge(bridge_store(tmp_path / "bridges"), "tiny-distill", "1", source)
+    manifest = loaded.manifest
+    assert manifest.target_layers == [0, 2, 3]  # the module's states, by default
+    assert manifest.training["objective"] == "distill"
+    assert manifest.training["module"]["task"] == "sentiment"
+    assert manifest.training["settings"]["ce_weight"] == 0.5
+    assert manifest.training["data"]["train_texts"] == 120 and manifest.training["data"]["validation_texts"] == 40
+    assert 1 <= len(manifest.training["history"]) <= 2
+    for key in ("kl", "agreement", "accuracy", "teacher_accuracy", "cosine"):
+        assert key in result.metrics and key in result.metrics["served"]
+    # measured through start/consume/finish of the loaded artifact: the same numbers as in training
+    assert result.metrics["served"]["kl"] == pytest.approx(result.metrics["kl"], rel=1e-4, abs=1e-6)
+    assert result.metrics["served"]["agreement"] == pytest.approx(result.metrics["agreement"])
+    assert (tmp_path / "report" / "metrics.json").is_file() and (tmp_path / "report" / "curves.png").stat().st_size
+    assert list((tmp_path / "cache" / "paired").glob("*.safetensors"))  # paired states cached for the next run
+
+
+def test_cli_bridge_mse(sst2_dir, tiny_backbone_dir, target_dir, tmp_path, capsys):
+    from training.cli import main
+
+    code = main(["bridge", "--source", str(tiny_backbone_dir), "--target", str(target_dir), "--target-layers", "1,3",
+                 "--objective", "mse", "--dataset", "sst2", "--data-dir", str(sst2_dir), "--max-texts", "60",
+                 "--epochs", "1", "--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1",
+                 "--ffn-dim", "64", "--token-dim", "8", "--bridge-store", str(tmp_path / "bridges"),
+                 "--report-dir", str(tmp_path / "report"), "--cache-dir", str(tmp_path / "cache"),
+                 "--threads", "1", "--no-progress"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["validation"]["objective"] == "mse"
+    store = bridge_store(tmp_path / "bridges")
+    [name] = store.tasks()
+    manifest = store.read_manifest(name, "1")
+    assert manifest.target_layers == [1, 3] and manifest.source_layers == [0, 1, 2, 3]
+    assert manifest.training["command"].startswith("tmod-train bridge --source")
+    assert manifest.training["settings"]["d_model"] == 32
+    assert manifest.training["data"]["train_texts"] == 60
+    assert manifest.tokenizer_sha256
+
+
+def test_distill_needs_a_module_and_the_modules_states(sst2_dir, source, target, tmp_path):
+    with pytest.raises(ValueError, match="needs --module"):
+        train_bridge(settings(objective="distill", data_dir=str(sst2_dir)), source=source, target=target)
+    modules = ModuleStore(tmp_path / "modules")
+    save_module(modules, "sentiment", "1",
+                random_head(target, "sequence_classification", ["negative", "positive"], 4, layers=[0, 2, 3]), target)
+    with pytest.raises(ValueError, match="leaves out"):
+        train_bridge(settings(objective="distill", module=str(modules.root / "sentiment"), target_layers="3",
+                              data_dir=str(sst2_dir)), source=source, target=target)
+    with pytest.raises(ArtifactError):  # a module of the source backbone is not a target module
+        save_module(modules, "native", "1", random_head(source, "sequence_classification", ["a", "b"], 4), source)
+        train_bridge(settings(objective="distill", module=str(modules.root / "native"), data_dir=str(sst2_dir)),
+                     source=source, target=target)
