@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Benchmark: which backbone backend serves fastest on this CPU, and what int8 costs.
+"""Benchmark: which backbone backend serves fastest on this CPU, and what bf16 and int8 cost.
 
-Backends (server/backbone/backends/): PyTorch eager fp32 (the reference), ONNX Runtime fp32 and
-ONNX Runtime int8 (dynamic quantisation), all streaming one state at a time into the heads.
+Backends (server/backbone/backends/): PyTorch eager fp32 (the reference), PyTorch eager bf16
+(bfloat16 Linear weights, layer calls under autocast, fp32 layer norms and residual stream),
+ONNX Runtime fp32 and ONNX Runtime int8 (dynamic quantisation), all streaming one state at a time
+into the heads.
 
 Speed: sequences per second and per-call latency (p50 / p99) of `Engine.logits` (backbone + K
 layer-mix heads to logits; tokenization done once up front) for K = 1 and 4 heads, batch sizes
@@ -19,7 +21,7 @@ time (other jobs on the shared cores do not count); wall-clock numbers are in th
 
 Quality (--quality, on by default in a full run): every shipped module whose dataset is known
 (bench/quality.py's TASKS) is scored on its validation set through Engine.logits on each backend,
-with the prediction agreement against torch fp32.
+with the prediction agreement against torch fp32 (torch bf16 and onnx int8 are the lossy ones).
 
 Also recorded: export time of the per-layer graphs (cold cache) and load time from the cache.
 
@@ -46,10 +48,15 @@ from bench.environment import machine_info  # noqa: E402
 
 import torch  # noqa: E402
 
-VARIANTS = [("torch", "fp32"), ("onnx", "fp32"), ("onnx", "int8")]
+VARIANTS = [("torch", "fp32"), ("torch", "bf16"), ("onnx", "fp32"), ("onnx", "int8")]
 REFERENCE = "torch-fp32"
 TARGET_BATCH = 32
 TARGET_SPEEDUP = 1.5  # issue 7: the default CPU backend >= 1.5x PyTorch eager fp32 at batch 32
+# A lossy variant may become the default only if it stays accurate: on every shipped module at least
+# this share of predictions equal torch fp32's, and the validation metric drops by less than this
+# (0.3 points on a 0-100 scale; metrics are stored as fractions).
+DEFAULT_MIN_AGREEMENT = 0.99
+DEFAULT_MAX_DROP = 0.003
 
 
 def variant_name(backend: str, precision: str) -> str:
@@ -269,6 +276,37 @@ def quality_section(args, backbones: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# the decision
+# ---------------------------------------------------------------------------------------------
+def decide(result: dict) -> dict:
+    """Per variant: its slowest batch-32 speed-up (median over rounds, over input kinds and K), its
+    largest metric drop and lowest prediction agreement on the shipped modules; whether it meets
+    the speed target, and whether it is accurate enough to be the default (module constants)."""
+    out = {}
+    for backend, precision in VARIANTS:
+        name = variant_name(backend, precision)
+        if name == REFERENCE:
+            continue
+        ratios = [entry["speedup_vs_torch_fp32"][f"{name}-K{k}"]["median"]
+                  for per_bs in result.get("speed", {}).values() for bs, entry in per_bs.items()
+                  if int(bs) == TARGET_BATCH for k in result["settings"]["ks"]]
+        quality = [e["backends"][name] for e in result.get("quality", {}).values() if name in e["backends"]]
+        drop = max((-q["delta_vs_torch_fp32"] for q in quality), default=None)
+        agreement = min((q["agreement_with_torch_fp32"] for q in quality), default=None)
+        speed_met = bool(ratios) and min(ratios) >= TARGET_SPEEDUP
+        accurate = (drop is not None and drop < DEFAULT_MAX_DROP and agreement >= DEFAULT_MIN_AGREEMENT)
+        out[name] = {"batch32_speedup_min_of_medians": min(ratios) if ratios else None,
+                     "batch32_speedup_max_of_medians": max(ratios) if ratios else None,
+                     "speed_target_met": speed_met, "largest_metric_drop": drop, "lowest_agreement": agreement,
+                     "accurate_enough_for_default": accurate if quality else None,
+                     "qualifies_as_default": bool(speed_met and accurate)}
+    out["rule"] = (f"speed-up >= {TARGET_SPEEDUP}x torch fp32 at batch {TARGET_BATCH} on every input kind and K; "
+                   f"prediction agreement with torch fp32 >= {DEFAULT_MIN_AGREEMENT:.0%} and metric drop "
+                   f"< {100 * DEFAULT_MAX_DROP:.1f} points on every shipped module")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # reporting
 # ---------------------------------------------------------------------------------------------
 def fmt_ratio(r: dict) -> str:
@@ -312,18 +350,20 @@ def markdown(result: dict) -> str:
             lines.append(f"| | | | | | | (mean padded length {entry['mean_padded_length']:.1f}, "
                          f"{entry['sequences_per_round']} seq/round) |")
         lines.append("")
+    others = [variant_name(*v) for v in VARIANTS if variant_name(*v) != REFERENCE]
     lines += [f"## Target: default CPU backend >= {TARGET_SPEEDUP}x torch eager fp32 at batch {TARGET_BATCH}", "",
-              "| inputs | K | onnx fp32 | onnx int8 |", "| --- | ---: | ---: | ---: |"]
+              "| inputs | K | " + " | ".join(name.replace("-", " ") for name in others) + " |",
+              "| --- | ---: | " + " | ".join("---:" for _ in others) + " |"]
     for kind, per_bs in result["speed"].items():
         entry = per_bs.get(str(TARGET_BATCH))
         if not entry:
             continue
         for k in s["ks"]:
             cells = []
-            for precision in ("fp32", "int8"):
-                r = entry["speedup_vs_torch_fp32"][f"onnx-{precision}-K{k}"]
+            for name in others:
+                r = entry["speedup_vs_torch_fp32"][f"{name}-K{k}"]
                 cells.append(f"{fmt_ratio(r)} {'met' if r['median'] >= TARGET_SPEEDUP else 'not met'}")
-            lines.append(f"| {kind} | {k} | {cells[0]} | {cells[1]} |")
+            lines.append(f"| {kind} | {k} | " + " | ".join(cells) + " |")
     lines.append("")
     if result.get("startup"):
         lines += ["## Export and start-up (MiniLM)", "", "| precision | cold (export) s | from cache s | graphs MB |",
@@ -346,6 +386,24 @@ def markdown(result: dict) -> str:
                              f"{b['delta_vs_torch_fp32']:+.4f} | {100 * b['agreement_with_torch_fp32']:.2f}% "
                              f"of {e['agreement_unit']} |")
         lines.append("")
+    if result.get("decision"):
+        d = result["decision"]
+        lines += ["## Decision", "", f"Rule for a default: {d['rule']}.", "",
+                  "| variant | batch-32 speed-up (slowest-fastest median) | target | largest metric drop | "
+                  "lowest agreement | accurate enough | qualifies as default |",
+                  "| --- | ---: | :---: | ---: | ---: | :---: | :---: |"]
+        for name, v in d.items():
+            if name == "rule":
+                continue
+            speed = ("-" if v["batch32_speedup_min_of_medians"] is None else
+                     f"{v['batch32_speedup_min_of_medians']:.2f}-{v['batch32_speedup_max_of_medians']:.2f}")
+            drop = ("-" if v["largest_metric_drop"] is None else
+                    f"{100 * v['largest_metric_drop'] + 0.0:.2f} points".replace("-0.00", "0.00"))
+            agree = "-" if v["lowest_agreement"] is None else f"{100 * v['lowest_agreement']:.2f}%"
+            lines.append(f"| {name} | {speed} | {'met' if v['speed_target_met'] else 'not met'} | {drop} | {agree} | "
+                         f"{ {True: 'yes', False: 'no', None: '-'}[v['accurate_enough_for_default']] } | "
+                         f"{'yes' if v['qualifies_as_default'] else 'no'} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -358,7 +416,7 @@ def plot(result: dict, path: Path) -> None:
     s = result["settings"]
     kinds = list(result["speed"])
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), squeeze=False)
-    colors = {"torch-fp32": "tab:blue", "onnx-fp32": "tab:orange", "onnx-int8": "tab:green"}
+    colors = {"torch-fp32": "tab:blue", "torch-bf16": "tab:purple", "onnx-fp32": "tab:orange", "onnx-int8": "tab:green"}
     for ax, kind in zip(axes[0], kinds):
         per_bs = result["speed"][kind]
         sizes = [int(b) for b in per_bs]
@@ -384,9 +442,9 @@ def plot(result: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Throughput and latency of the backbone backends (torch fp32, onnx fp32, onnx int8) through "
-                    "Engine.logits with K layer-mix heads, and int8's accuracy cost on the shipped modules "
-                    "(see the module docstring).")
+        description="Throughput and latency of the backbone backends (torch fp32, torch bf16, onnx fp32, onnx int8) "
+                    "through Engine.logits with K layer-mix heads, and the accuracy cost of bf16 and int8 on the "
+                    "shipped modules (see the module docstring).")
     p.add_argument("--quick", action="store_true",
                    help="smoke run (2 rounds, fewer batches, 200 examples per quality set); writes <stem>-quick.*")
     p.add_argument("--data-dir", type=Path, default=default_data_dir(),
@@ -407,7 +465,8 @@ def parse_args(argv=None):
     p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
                    help="clock for the reported numbers (auto: cpu with 1 thread, else wall); both are recorded")
     p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
-                   help="score the shipped modules on their validation sets with every backend")
+                   help="score the shipped modules on their validation sets with every backend (torch bf16 and "
+                        "onnx int8 against torch fp32)")
     p.add_argument("--quality-examples", type=int, default=None,
                    help="score a seeded subset of this many examples (default: all; quick: 200)")
     p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True, help="run the timing part")
@@ -457,7 +516,7 @@ def main(argv=None) -> None:
     backbones = {}
     for backend, precision in VARIANTS:
         name = variant_name(backend, precision)
-        backbones[name] = bb if backend == "torch" else bb.use_backend(backend, precision, args.cache_dir, args.threads)
+        backbones[name] = bb if name == REFERENCE else bb.use_backend(backend, precision, args.cache_dir, args.threads)
         result["settings"]["backends"][name] = backbones[name].backend.describe()
     with tempfile.TemporaryDirectory() as tmp:
         store = ModuleStore(tmp)
@@ -469,6 +528,7 @@ def main(argv=None) -> None:
     if args.quality:
         print("quality:", flush=True)
         result["quality"] = quality_section(args, backbones)
+    result["decision"] = decide(result)
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["machine"]["load_average_at_end"] = machine_info()["load_average_at_start_1_5_15min"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
