@@ -10,7 +10,7 @@ import typing
 
 import uvicorn
 
-from server.config import Settings
+from server.config import Settings, device_problem
 from server.logs import configure_logging
 
 
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     overrides = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     settings = Settings(**overrides)
+    problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
+    if problem:
+        raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
     from server.app import create_app  # imported late so --help stays fast
 

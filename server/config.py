@@ -27,10 +27,11 @@ class Settings(BaseSettings):
     backend: Literal["torch", "onnx"] = Field(
         "torch", description="what runs the backbone's layers: torch (PyTorch eager) or onnx (ONNX Runtime, "
         "one exported graph per layer, cached under cache_dir)")
-    precision: Literal["fp32", "bf16", "fp16", "int8"] = Field(
-        "fp32", description="backbone precision: fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
-        "fp32 layer norms and residual stream; CPU with avx512_bf16/AMX, or cuda); fp16 (backend torch on a "
-        "cuda device); int8 (backend onnx on the CPU: dynamic quantisation)")
+    precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = Field(
+        "auto", description="backbone precision: auto (bf16 with backend torch on a CPU with native bfloat16, "
+        "avx512_bf16 or AMX; fp32 everywhere else); fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
+        "fp32 layer norms and residual stream; such a CPU, or cuda); fp16 (backend torch on a cuda device); "
+        "int8 (backend onnx on the CPU: dynamic quantisation)")
     cache_dir: Path | None = Field(None, description="where exported backbone graphs are cached "
                                    "(default: $XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
@@ -51,7 +52,12 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _precision_fits_backend(self) -> "Settings":
-        problem = precision_problem(self.backend, self.precision, self.device) or device_problem(self.device)
+        # static checks only: a GPU setting must parse on a machine without one (deployment manifests
+        # are checked on CPUs); whether the device is there is checked at start (`device_problem`)
+        problem = device_name_problem(self.device)
+        if self.precision == "auto":
+            self.precision = auto_precision(self.backend, self.device)
+        problem = problem or precision_problem(self.backend, self.precision, self.device)
         if problem:
             raise ValueError(problem)
         return self
@@ -64,8 +70,10 @@ class Settings(BaseSettings):
 
 
 # ---- which backend / precision / device combinations exist -----------------------------------------
-# Checked here (so a bad setting stops the server before it loads anything) and again by
-# `make_backend` (so a benchmark or a test that builds a backend directly gets the same message).
+# Combinations are checked when Settings are built (so a bad setting stops the server before it
+# loads anything) and again by `make_backend` (so a benchmark or a test that builds a backend
+# directly gets the same message). Whether a cuda device is present is checked at start-up
+# (`tmod-serve`, `make_backend`), not when Settings are parsed.
 PRECISIONS_BY_BACKEND = {"torch": ("fp32", "bf16", "fp16"), "onnx": ("fp32", "int8")}
 
 
@@ -96,9 +104,28 @@ def precision_problem(backend: str, precision: str, device: str = "cpu") -> str 
     return None
 
 
-def device_problem(device: str) -> str | None:
-    """Why `device` cannot be used by torch here, in one sentence; None when it can. Imports torch
-    only for a cuda device, so the CPU default stays cheap."""
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 matrix products natively on this CPU (avx512_bf16 or AMX)."""
+    import torch
+
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def auto_precision(backend: str, device: str) -> str:
+    """What precision "auto" means: bf16 where it was measured to pay for a negligible accuracy
+    cost (backend torch on a CPU with native bfloat16: bench/bench_backends.py, 1.7-1.9x fp32 at
+    batch 32, shipped modules' metrics within 0.04 points), fp32 everywhere else (onnx; cuda, where
+    fp16 / bf16 are wired but not measured; a CPU that would emulate bfloat16)."""
+    if backend == "torch" and _device_type(device) == "cpu" and cpu_has_native_bf16():
+        return "bf16"
+    return "fp32"
+
+
+def device_name_problem(device: str) -> str | None:
+    """Why `device` is not a device name tmod serves on, in one sentence; None when it is one."""
     kind = _device_type(device)
     if kind == "cpu":
         return None
@@ -107,6 +134,16 @@ def device_problem(device: str) -> str | None:
     index_text = str(device).split(":", 1)[1] if ":" in str(device) else "0"
     if not index_text.isdigit():
         return f"device {device!r}: the cuda index must be a number (cuda:0, cuda:1, ...)"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot be used by torch on this machine, in one sentence; None when it can.
+    Imports torch only for a cuda device."""
+    problem = device_name_problem(device)
+    if problem or _device_type(device) == "cpu":
+        return problem
+    index_text = str(device).split(":", 1)[1] if ":" in str(device) else "0"
     import torch
 
     if not torch.cuda.is_available():

@@ -279,6 +279,7 @@ def test_server_with_onnx_backend_answers_like_torch(tiny_store, tiny_backbone, 
     texts = SAMPLE[:6]
     answers = {}
     monkeypatch.setenv("TMOD_CACHE_DIR", str(onnx_cache))
+    monkeypatch.setenv("TMOD_PRECISION", "fp32")  # the exact reference (auto would pick bf16 on some CPUs)
     for backend in ("torch", "onnx"):
         monkeypatch.setenv("TMOD_BACKEND", backend)
         app = create_app(Settings(store=tiny_store.root), backbone=tiny_backbone)

@@ -30,8 +30,7 @@ from modules_store import ModuleStore
 from server.app import create_app
 from server.backbone import Backbone
 from server.backbone.backends import make_backend
-from server.backbone.backends.torch_backend import cpu_has_fast_bf16
-from server.config import Settings, device_problem, precision_problem
+from server.config import Settings, auto_precision, cpu_has_native_bf16, device_problem, precision_problem
 from server.engine import Engine
 from server.modules import LoadedModule, load_module
 from tests.helpers import LiveServer, NER_LABELS, make_tiny_backbone_dir, random_head
@@ -147,7 +146,7 @@ def test_bf16_early_exit_runs_only_needed_layers(tiny_backbone):
     assert calls == {"bf16": [0], "fp32": []}
 
 
-@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="no native bfloat16 on this CPU")
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bfloat16 on this CPU")
 def test_bf16_is_faster_than_fp32_on_this_cpu(minilm):
     """A sanity check, not the benchmark (bench/bench_backends.py measures it): 32 MiniLM rows of
     48 tokens, best of 3, CPU time of this process, one thread."""
@@ -216,11 +215,23 @@ def test_refused_combinations_say_why(values, message):
         Settings(**values)
 
 
-@pytest.mark.parametrize("values", [dict(), dict(precision="bf16"), dict(backend="onnx"),
+@pytest.mark.parametrize("values", [dict(), dict(precision="bf16"), dict(precision="fp32"), dict(backend="onnx"),
                                     dict(backend="onnx", precision="int8")])
-def test_cpu_combinations_are_accepted(values):
+def test_cpu_combinations_are_accepted(values, monkeypatch):
+    monkeypatch.delenv("TMOD_PRECISION", raising=False)
     settings = Settings(**values)
+    assert settings.precision != "auto"  # resolved when the settings are built
     assert precision_problem(settings.backend, settings.precision, settings.device) is None
+
+
+def test_auto_precision_is_bf16_only_where_it_was_measured(monkeypatch, tiny_backbone):
+    monkeypatch.delenv("TMOD_PRECISION", raising=False)
+    native = "bf16" if cpu_has_native_bf16() else "fp32"
+    assert Settings().precision == auto_precision("torch", "cpu") == native
+    assert Settings(backend="onnx").precision == "fp32"
+    assert Settings(precision="fp32").precision == "fp32"  # fp32 stays one setting away
+    assert auto_precision("torch", "cuda") == "fp32"
+    assert make_backend(tiny_backbone, "torch", precision="auto").precision == native
 
 
 def test_make_backend_refuses_like_settings(tiny_backbone):
@@ -236,13 +247,23 @@ def test_make_backend_refuses_like_settings(tiny_backbone):
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 
 
-@no_gpu
 @pytest.mark.parametrize("values", [dict(device="cuda"), dict(device="cuda:0", precision="fp16"),
                                     dict(device="cuda", precision="bf16"), dict(device="cuda", backend="onnx")])
-def test_cuda_without_a_gpu_is_refused_at_settings(values):
-    with pytest.raises(ValueError, match="torch sees no CUDA device"):
-        Settings(**values)
-    assert "torch sees no CUDA device" in device_problem(values["device"])
+def test_gpu_settings_parse_anywhere(values):
+    """A GPU deployment's settings are checked on CPU machines too (tests/test_deploy.py): only the
+    combination is checked when Settings are built; the device itself at start-up."""
+    settings = Settings(**values)
+    assert settings.precision == values.get("precision", "fp32")  # auto is fp32 on cuda (not measured)
+
+
+@no_gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_a_gpu_stops_tmod_serve_with_the_reason(device):
+    from server.cli import main
+
+    assert "torch sees no CUDA device" in device_problem(device)
+    with pytest.raises(SystemExit, match="tmod-serve: device cuda.* asked but torch sees no CUDA device"):
+        main(["--device", device, "--precision", "fp16", "--port", "0"])
 
 
 @no_gpu

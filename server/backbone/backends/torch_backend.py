@@ -18,6 +18,7 @@ from torch import nn
 
 from server.backbone.architectures import run_block
 from server.backbone.tokens import TokenBatch
+from server.config import cpu_has_native_bf16
 
 log = logging.getLogger("tmod")
 
@@ -47,16 +48,9 @@ def check_low_precision(precision: str, device: torch.device) -> None:
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"precision bf16 asked on {device} ({torch.cuda.get_device_name(device)}), which has no "
                          "bfloat16 support; use precision fp16")
-    if precision == "bf16" and device.type == "cpu" and not cpu_has_fast_bf16():
+    if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         log.warning("precision bf16 on a CPU without native bfloat16 instructions (avx512_bf16 / AMX): "
                     "it runs, but emulated, and likely slower than fp32")
-
-
-def cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 class TorchBackend:
@@ -97,5 +91,5 @@ class TorchBackend:
             out["compute"] = (f"nn.Linear weights stored as {self.dtype}, layer calls under torch.autocast; "
                               "layer norms and residual stream float32")
             if self.device.type == "cpu":
-                out["cpu_native_bf16"] = cpu_has_fast_bf16()
+                out["cpu_native_bf16"] = cpu_has_native_bf16()
         return out
