@@ -2,10 +2,11 @@
 
 fp32 runs the backbone's layers as they are. bf16 (and fp16, on a GPU) runs a copy of the layers
 whose `nn.Linear` weights are stored in that dtype, each layer call under `torch.autocast`: the
-matrix products (and the attention's, through SDPA) run in 16 bits, while layer norms, softmax
-and the residual stream stay float32 (autocast's fp32 list and type promotion), so every state is
+matrix products and the SDPA attention kernel run in 16 bits, while layer norms and the residual
+stream stay float32 (autocast's fp32 list and type promotion), so every state is
 float32 as with fp32 and the heads are unchanged. Storing the weights in 16 bits once, instead of
-letting autocast cast fp32 weights at every call, is what makes bf16 pay at batch 1 too.
+letting autocast cast the fp32 weights at every call, matters at batch 1 (one scratch measurement on
+MiniLM, one thread: 1.47x fp32 instead of 1.32x; the same at batch 32, ~1.9x).
 """
 from __future__ import annotations
 
