@@ -155,7 +155,7 @@ def saved_bridge(tmp_path_factory, source, target):
         bridge.source_std.uniform_(0.5, 2.0)
         bridge.target_mean.normal_()
         bridge.target_std.uniform_(0.5, 2.0)
-        bridge.mix_logits.normal_()
+        bridge.mix_logits.normal_(std=0.05)
     bridge.requires_grad_(False)  # as load_bridge leaves it (frozen weights pick the same attention kernels)
     store = bridge_store(tmp_path_factory.mktemp("bridges"))
     folder = save_bridge(store, "tiny", "1", bridge, source, target, training={"objective": "mse"})

@@ -86,6 +86,7 @@ class BridgeSettings(BaseModel):
     token_dim: int = Field(64, ge=1)
     max_positions: int = Field(512, ge=1)
     standardise: bool = True
+    mix_alpha: float = Field(32.0, gt=0, description="temperature of the source mix softmax(alpha * p)")
     # ---- optimisation
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -537,7 +538,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     bridge = TransformerBridge.for_backbones(
         source, target, source_layers, target_layers, d_model=s.d_model, heads=s.heads,
         encoder_layers=s.encoder_layers, decoder_layers=s.decoder_layers, ffn_dim=s.ffn_dim, dropout=s.dropout,
-        token_dim=s.token_dim, max_positions=s.max_positions, standardise=s.standardise).to(device)
+        token_dim=s.token_dim, max_positions=s.max_positions, standardise=s.standardise,
+        mix_alpha=s.mix_alpha).to(device)
     if s.standardise:
         bridge.set_standardisation(state_statistics(train_pairs, "source", s.eval_batch_size),
                                    state_statistics(train_pairs, "target", s.eval_batch_size))
@@ -548,7 +550,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     best = result.history[result.best_epoch - 1] if result.best_epoch else {}
     metrics = {"objective": s.objective, "split": "validation", "best_epoch": result.best_epoch,
                "validation_loss": result.best_loss,
-               **{k.removeprefix("validation_"): v for k, v in best.items() if k.startswith("validation_")},
+               **{k.removeprefix("validation_"): v for k, v in best.items()
+                  if k.startswith("validation_") and k != "validation_seconds"},
                "untrained": result.initial}
     training = {
         "command": command, "objective": s.objective, "settings": s.model_dump(mode="json"),

@@ -174,7 +174,8 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR or ~/.cache/tmod)")
     for name, kind, note in (("d-model", int, 256), ("heads", int, 4), ("encoder-layers", int, 2),
                              ("decoder-layers", int, 2), ("ffn-dim", int, 1024), ("dropout", float, 0.1),
-                             ("token-dim", int, 64), ("max-positions", int, 512), ("lr", float, 3e-4),
+                             ("token-dim", int, 64), ("max-positions", int, 512), ("mix-alpha", float, 32.0),
+                             ("lr", float, 3e-4),
                              ("weight-decay", float, 0.01), ("batch-size", int, 32), ("eval-batch-size", int, 64),
                              ("epochs", int, 20), ("patience", int, 3), ("lr-patience", int, 1),
                              ("warmup-steps", int, 200), ("grad-clip", float, 1.0), ("seed", int, 0),

@@ -2,7 +2,7 @@
 
 The design follows the thesis' encoder-decoder bridge (no token embeddings on the input side):
 
-    source side:  m = sum_i w_i * (h_i - mu_i) / sigma_i      w = softmax(mix_logits), one per source state read
+    source side:  m = sum_i w_i * (h_i - mu_i) / sigma_i      w = softmax(alpha * p), one p per source state read
                   x = Linear(H_s -> d)(m) + source positions  ->  encoder (self-attention, key padding mask)
     target side:  q = Linear(E_tok[target token ids]) + target positions + segment
                   ->  decoder (self-attention over target positions, NO causal mask; cross-attention to the
@@ -57,6 +57,8 @@ class TransformerBridgeConfig(BaseModel):
     max_positions: int = Field(512, ge=1, description="learned positions (source and target); later ones reuse the last")
     token_dim: int = Field(64, ge=1, description="width of the target token-identity embedding (before Linear to d)")
     standardise: bool = Field(True, description="mix standardised source states and predict standardised target states")
+    mix_alpha: float = Field(32.0, gt=0, description="temperature of the source mix, softmax(alpha * p): with Adam "
+                             "p moves ~lr per step, so alpha sets how fast the mix can leave uniform")
 
     @model_validator(mode="after")
     def _check(self) -> "TransformerBridgeConfig":
@@ -121,7 +123,7 @@ class TransformerBridge(Bridge):
         return list(self.config.target_layers)
 
     def mix_weights(self) -> torch.Tensor:
-        return torch.softmax(self.mix_logits, dim=0)
+        return torch.softmax(self.config.mix_alpha * self.mix_logits, dim=0)
 
     def start(self, batch: TokenBatch) -> dict[str, Any]:
         return {"mix": None, "weights": self.mix_weights()}
