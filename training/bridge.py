@@ -602,17 +602,24 @@ def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Pat
                                                   "steps", "parameters", "timing", "data") if k in result.training}}
     paths["metrics"].write_text(json.dumps(summary, indent=2) + "\n")
 
+    from matplotlib.ticker import MaxNLocator
+
     history = result.history
     epochs = [h["epoch"] for h in history]
+    untrained = result.metrics.get("untrained", {})  # drawn as epoch 0 of the validation curves
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     axes[0].plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
-    axes[0].plot(epochs, [h["validation_loss"] for h in history], marker="o", label="validation")
+    axes[0].plot([0] * ("loss" in untrained) + epochs,
+                 [untrained["loss"]] * ("loss" in untrained) + [h["validation_loss"] for h in history],
+                 marker="o", label="validation (0: untrained)")
     axes[0].set_title(f"loss ({result.training.get('objective', '')})")
     axes[0].legend()
-    for key, label in (("validation_cosine", "cosine to real states"), ("validation_agreement", "agreement with teacher"),
-                       ("validation_accuracy", "module accuracy (bridged)")):
-        if history and key in history[0]:
-            axes[1].plot(epochs, [h[key] for h in history], marker="o", label=label)
+    for key, label in (("cosine", "cosine to real states"), ("agreement", "agreement with teacher"),
+                       ("accuracy", "module accuracy (bridged)")):
+        if history and f"validation_{key}" in history[0]:
+            start = [0] * (key in untrained)
+            axes[1].plot(start + epochs, [untrained[key]] * len(start) + [h[f"validation_{key}"] for h in history],
+                         marker="o", label=label)
     if history and "validation_teacher_accuracy" in history[0]:
         axes[1].axhline(history[0]["validation_teacher_accuracy"], color="grey", linestyle=":", label="module accuracy (real)")
     axes[1].set_title("validation")
@@ -620,6 +627,7 @@ def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Pat
     best_epoch = result.training.get("best_epoch")
     for ax in axes:
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if best_epoch:
             ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=0.8)
     fig.suptitle(f"bridge {result.name}/{result.version} (dashed: best epoch, the one kept)")

@@ -17,8 +17,19 @@ from a PCA of the target backbone's input embeddings by `init_token_embedding`).
 
 Standardisation (mu, sigma per dimension of every source state read and every target state made,
 measured on the training pairs by `set_standardisation`) is on by default: SmolLM2's raw residual
-states carry a few outlier dimensions of magnitude ~1e4 (mostly on the first token) that would
-otherwise own both the input mix and any MSE loss. It is part of the artifact (buffers).
+states carry a few outlier dimensions of magnitude ~1e4 (mostly on the first token; per-dimension
+std up to ~6600 in states 15-25 against a median of ~14) that would otherwise own both the input
+mix and any MSE loss. It is part of the artifact (buffers). The experiment that decided it
+(MiniLM -> SmolLM2 states 0,5,...,30, 2000 SST-2 training texts, 200 validation texts, MSE
+objective, 8 epochs, otherwise defaults, CPU): trained in the standardised space the validation
+per-dimension standardised MSE was 0.54 (cosine to the real states 0.62); trained on raw states
+0.86 (cosine 0.43; 1.0 is predicting the mean), its raw log(1+MSE) only creeping from 7.47 to 7.33.
+
+The token-identity embedding is `token_dim` (64) wide, trainable, seeded from the top principal
+components of the target's input embedding matrix (for SmolLM2 these 64 keep 32% of its
+variance; 256 keep 66%). In a 4-epoch run of the setting above, PCA seeding vs a random seed and
+64 vs 256 wide made no clear difference overall (mean standardised MSE 0.570 / 0.578 / 0.632);
+state 0, a pure function of the token, stays the worst predicted (~0.85), limited by that width.
 
 Streaming: `consume` folds each source state into the running mix as it arrives (the stack of
 source states never exists); `finish` runs encoder and decoder once. `forward_train` is the same
