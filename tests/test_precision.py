@@ -147,32 +147,6 @@ def test_bf16_early_exit_runs_only_needed_layers(tiny_backbone):
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bfloat16 on this CPU")
-def test_bf16_is_faster_than_fp32_on_this_cpu(minilm):
-    """A sanity check, not the benchmark (bench/bench_backends.py measures it): 32 MiniLM rows of
-    48 tokens, best of 3, CPU time of this process, one thread."""
-    import time
-
-    bf16 = minilm.use_backend("torch", "bf16")
-    batch = minilm.tokenize([" ".join(["word"] * 46)] * 32)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        def best(bb):
-            times = []
-            for _ in range(3):
-                t0 = time.process_time()
-                for _ in bb.stream(batch):
-                    pass
-                times.append(time.process_time() - t0)
-            return min(times)
-
-        best(bf16), best(minilm)  # warm-up (oneDNN picks its kernels)
-        ratio = best(minilm) / best(bf16)
-    finally:
-        torch.set_num_threads(threads)
-    assert ratio > 1.2, f"bf16 only {ratio:.2f}x fp32"
-
-
 # ---- one setting ---------------------------------------------------------------------------------
 def test_precision_is_one_setting(monkeypatch, tiny_store, tiny_backbone):
     monkeypatch.setenv("TMOD_PRECISION", "bf16")
