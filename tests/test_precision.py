@@ -146,7 +146,6 @@ def test_bf16_early_exit_runs_only_needed_layers(tiny_backbone):
     assert calls == {"bf16": [0], "fp32": []}
 
 
-@pytest.mark.skipif(not cpu_has_native_bf16(), reason="no native bfloat16 on this CPU")
 # ---- one setting ---------------------------------------------------------------------------------
 def test_precision_is_one_setting(monkeypatch, tiny_store, tiny_backbone):
     monkeypatch.setenv("TMOD_PRECISION", "bf16")
