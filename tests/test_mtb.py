@@ -76,7 +76,7 @@ def trained_lora(backbone, seed=0):
     return head
 
 
-@pytest.mark.parametrize("backbone_name", ["tiny_backbone", "minilm"])
+@pytest.mark.parametrize("backbone_name", ["tiny_backbone", "tiny_llama", "minilm"])
 def test_merged_lora_equals_unmerged_training_model(request, tmp_path, backbone_name):
     backbone = request.getfixturevalue(backbone_name)
     head = trained_lora(backbone)
@@ -86,6 +86,8 @@ def test_merged_lora_equals_unmerged_training_model(request, tmp_path, backbone_
     assert all(k.startswith(("lora.", "task_layer.")) for k in stored)  # factors + task layer only
     loaded = load_module(store, "sentiment", None, backbone)
     assert type(loaded.head).__name__ == "LoraMTBHead"
+    assert loaded.manifest.config["targets"] == [n for n, m in backbone.adapter.layers[-1].named_modules()
+                                                 if isinstance(m, torch.nn.Linear)]  # every linear of the block
     assert not any("lora" in name for name, _ in loaded.head.named_modules())  # merged: plain linears
     batch = backbone.tokenize(TEXTS)
     engine = Engine(backbone)

@@ -10,13 +10,20 @@ from server.heads.lora_mtb.layer import factor_names
 ADAPTER = "default"
 
 
+def block_linears(block: torch.nn.Module) -> list[str]:
+    return [name for name, module in block.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
 class TrainableLoraMTB(LoraMTBHead):
     """A LoRA-MTB head with peft's unmerged LoRA layers inside its blocks, for training."""
 
     @classmethod
     def from_backbone(cls, backbone, task_type, labels, num_blocks=1, source_layer=None, rank=8,
                       lora_alpha=16.0, targets=None, **options) -> "TrainableLoraMTB":
-        extra = {"rank": rank, "lora_alpha": lora_alpha, **({"targets": targets} if targets else {})}
+        # default: every linear layer of the copied block, whatever the architecture names them
+        # (BERT: query/key/value/attention output/intermediate/output; Llama: q/k/v/o, gate/up/down)
+        targets = targets or block_linears(backbone.adapter.layers[-1])
+        extra = {"rank": rank, "lora_alpha": lora_alpha, "targets": targets}
         head = super().from_backbone(backbone, task_type, labels, num_blocks, source_layer, **extra, **options)
         lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=head.config.targets, lora_dropout=0.0,
                           bias="none")
