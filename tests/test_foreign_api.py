@@ -1,0 +1,125 @@
+"""Foreign modules over HTTP: a module trained on another backbone serves through a bridge from the
+bridge store, /v1/tasks shows the chain, and a broken bridge is refused without taking anything down."""
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from modules_store import ModuleStore
+from server.app import create_app
+from server.bridges import bridge_store, save_bridge
+from server.bridges.transformer import TransformerBridge
+from server.config import Settings
+from server.engine import Engine, run_head
+from server.modules import save_module
+from tests.helpers import NER_LABELS, LiveServer, populate_store, random_head
+
+TEXTS = ["John Smith flew from Paris to New York on Monday.", "A fine, quiet film."]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_backbone, tiny_llama):
+    """Store: the tiny BERT's own modules plus two modules trained on the tiny Llama; bridges: an
+    (untrained, seeded) transformer bridge from the tiny BERT to the tiny Llama."""
+    root = tmp_path_factory.mktemp("foreign")
+    store = populate_store(root / "store", tiny_backbone)
+    save_module(store, "llama-sentiment", "1",
+                random_head(tiny_llama, "sequence_classification", ["negative", "positive"], 21), tiny_llama)
+    save_module(store, "llama-ner", "1", random_head(tiny_llama, "token_classification", NER_LABELS, 22), tiny_llama)
+    torch.manual_seed(0)
+    bridge = TransformerBridge.for_backbones(tiny_backbone, tiny_llama, d_model=32, heads=2, ffn_dim=64,
+                                             token_dim=16, encoder_layers=1, decoder_layers=1).eval()
+    bridges = bridge_store(root / "bridges")
+    save_bridge(bridges, "bert-to-llama", "1", bridge, tiny_backbone, tiny_llama,
+                training={"objective": "mse"})
+    return store, bridges, bridge
+
+
+@pytest.fixture(scope="module")
+def live(setup, tiny_backbone):
+    store, bridges, _ = setup
+    settings = Settings(store=store.root, bridges=bridges.root)
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+
+
+def test_tasks_show_the_chain(live):
+    tasks = {t["task"]: t for t in live.get("/v1/tasks").json()["tasks"]}
+    assert tasks["sentiment"]["served_through"] is None
+    via = tasks["llama-sentiment"]["served_through"]
+    assert via["bridge"] == "bert-to-llama" and via["kind"] == "transformer" and via["objective"] == "mse"
+    assert len(via["chain"]) == 3 and via["chain"][1] == "bridge bert-to-llama/1"
+    assert tasks["llama-ner"]["backbone"]["architecture"] == "LlamaModel"
+
+
+def test_foreign_answers_equal_bridge_plus_module_by_hand(live, setup, tiny_backbone, tiny_llama):
+    store, _, bridge = setup
+    body = live.post("/v1/infer", params={"tasks": "llama-ner,llama-sentiment,sentiment"},
+                     json={"inputs": TEXTS}).json()
+    # by hand: the bridge on the tiny BERT's states, then the module on the bridged states
+    batch = tiny_backbone.tokenize(TEXTS)
+    head = ModuleStore(store.root).load("llama-sentiment")
+    from server.heads import build_head
+
+    sentiment = build_head(head.manifest, head.weights)
+    with torch.inference_mode():
+        target_batch, states = bridge.finish(_fold(bridge, tiny_backbone, batch), batch)
+        probs = torch.softmax(run_head(sentiment, target_batch, states), -1)
+    for row, result in enumerate(body["results"]):
+        got = result["llama-sentiment"]
+        label = int(probs[row].argmax())
+        assert got["label"] == ["negative", "positive"][label]
+        assert got["score"] == pytest.approx(float(probs[row, label]), abs=1e-5)
+        for entity in result["llama-ner"]["entities"]:  # decoded on the Llama tokenization: offsets slice the text
+            assert TEXTS[row][entity["start"]:entity["end"]] == entity["text"]
+        assert "sentiment" in result
+
+
+def _fold(bridge, backbone, batch):
+    state = bridge.start(batch)
+    with torch.inference_mode():
+        for index, hidden in backbone.stream(batch, upto=max(bridge.layers_read())):
+            if index in bridge.layers_read():
+                state = bridge.consume(state, index, hidden)
+    return state
+
+
+def test_one_bridge_pass_serves_every_foreign_module(setup, tiny_backbone):
+    """The plan reads the backbone once and runs the bridge once for both foreign modules."""
+    from server.bridges import load_bridge
+    from server.modules import load_module
+
+    store, bridges, _ = setup
+    loaded = {"bert-to-llama": load_bridge(bridges, "bert-to-llama", None, tiny_backbone)}
+    modules = {t: load_module(store, t, None, tiny_backbone, bridges=loaded) for t in ("llama-ner", "llama-sentiment", "ner")}
+    calls = []
+    bridge = loaded["bert-to-llama"].bridge
+    original = bridge.finish
+    bridge.finish = lambda *a: calls.append(1) or original(*a)
+    try:
+        Engine(tiny_backbone, bridges=loaded).predict(tiny_backbone.tokenize(TEXTS), modules)
+    finally:
+        del bridge.finish
+    assert calls == [1]
+
+
+def test_broken_bridge_is_refused_and_the_rest_serves(setup, tiny_backbone, tmp_path):
+    store, bridges, _ = setup
+    broken = bridge_store(tmp_path / "bridges")
+    shutil.copytree(bridges.root / "bert-to-llama", broken.root / "bert-to-llama")
+    weights = broken.root / "bert-to-llama" / "1" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    settings = Settings(store=store.root, bridges=broken.root)
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        ready = httpx.get(server.url + "/readyz").json()
+        assert "checksum" in str(ready).lower()
+        assert "llama-sentiment" not in ready["tasks"] and "sentiment" in ready["tasks"]
+        refused = httpx.post(server.url + "/v1/infer", params={"tasks": "llama-sentiment"}, json={"inputs": ["x y"]})
+        assert refused.status_code == 400 and "llama-sentiment" in refused.text
+        assert httpx.post(server.url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x y"]}).status_code == 200
