@@ -173,3 +173,13 @@ def test_presets_read_the_shared_data(name):
     assert set(train.labels_seen()) == set(preset.labels)
     if name == "rte":
         assert train.has_pairs and all(ex.text_pair for ex in train.examples)
+
+
+def test_offsets_leave_out_the_leading_space_of_byte_level_tokens():
+    """Byte-level BPE (SmolLM2) puts a word's leading space into its token; offsets must not."""
+    from server.backbone.tokens import trimmed_offsets
+
+    text, pair = "to Paris", "in  May"
+    raw = [(0, 2), (2, 8), (0, 2), (2, 7)]  # as a byte-level tokenizer reports them
+    assert trimmed_offsets(raw, [0, 0, 1, 1], text, pair) == [(0, 2), (3, 8), (0, 2), (4, 7)]
+    assert trimmed_offsets([(0, 0), (2, 3)], [None, 0], "a  b", None) == [(0, 0), (3, 3)]  # special; all-space token

@@ -54,6 +54,22 @@ class TokenBatch:
         return self
 
 
+def trimmed_offsets(offsets, sequence_ids, text: str, pair: str | None) -> list[tuple[int, int]]:
+    """Token spans without surrounding whitespace. Byte-level BPE tokenizers (SmolLM2, GPT-2
+    style) count a word's leading space into its token ("Paris" in "to Paris" is (2, 8)); every
+    consumer of offsets (entity spans, word tags, casing, token pairing) wants the word itself."""
+    out = []
+    for (start, end), seq in zip(offsets, sequence_ids):
+        source = text if seq == 0 else pair if seq == 1 else None
+        if source is not None:
+            while start < end and source[start].isspace():
+                start += 1
+            while end > start and source[end - 1].isspace():
+                end -= 1
+        out.append((start, end))
+    return out
+
+
 class InputTooLong(ValueError):
     def __init__(self, rows: list[int], lengths: list[int], limit: int):
         self.rows, self.lengths, self.limit = rows, lengths, limit
@@ -95,9 +111,10 @@ class TextEncoder:
         cut = set(too_long)
         rows = []
         for r, encoding in enumerate(enc.encodings):
+            pair = pairs[r] if pairs is not None else None
             rows.append(EncodedInput(
-                text=texts[r], text_pair=pairs[r] if pairs is not None else None,
-                ids=list(encoding.ids), type_ids=list(encoding.type_ids), offsets=list(encoding.offsets),
+                text=texts[r], text_pair=pair, ids=list(encoding.ids), type_ids=list(encoding.type_ids),
+                offsets=trimmed_offsets(encoding.offsets, encoding.sequence_ids, texts[r], pair),
                 sequence_ids=list(encoding.sequence_ids), word_ids=list(encoding.word_ids), truncated=r in cut,
             ))
         return rows
