@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType
-from server.bridges.transformer import TransformerBridge
+from server.bridges.transformer import BridgeShape, TransformerBridge
 from server.modules import LoadedModule, count_parameters, load_module
 from training.data import IGNORE_INDEX, PRESETS, preset_spec, token_labels
 from training.settings import parse_layers
@@ -52,7 +52,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BRIDGE_STORE = REPO_ROOT / "modules_store" / "_bridges"
 
 
-class BridgeSettings(BaseModel):
+class BridgeSettings(BridgeShape):
     """Every knob of a bridge training run (saved into the bridge's manifest)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -76,17 +76,7 @@ class BridgeSettings(BaseModel):
     max_texts: int | None = Field(None, ge=1, description="seeded random subset of the training texts")
     max_validation: int | None = Field(None, ge=1, description="seeded random subset of the validation texts")
     cache_dir: str | None = Field(None, description="paired-states cache (default: the tmod cache dir)")
-    # ---- bridge
-    d_model: int = Field(256, ge=1)
-    heads: int = Field(4, ge=1)
-    encoder_layers: int = Field(2, ge=0)
-    decoder_layers: int = Field(2, ge=1)
-    ffn_dim: int = Field(1024, ge=1)
-    dropout: float = Field(0.1, ge=0, lt=1)
-    token_dim: int = Field(64, ge=1)
-    max_positions: int = Field(512, ge=1)
-    standardise: bool = True
-    mix_alpha: float = Field(32.0, gt=0, description="temperature of the source mix softmax(alpha * p)")
+    # ---- bridge: d_model, heads, layers, ... come from BridgeShape
     # ---- optimisation
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -535,11 +525,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
         probe = ModuleProbe(module, {"train": train_pairs, "validation": val_pairs} if s.objective == "distill"
                             else {"validation": val_pairs}, s.eval_batch_size, device, labels, progress=s.progress)
 
-    bridge = TransformerBridge.for_backbones(
-        source, target, source_layers, target_layers, d_model=s.d_model, heads=s.heads,
-        encoder_layers=s.encoder_layers, decoder_layers=s.decoder_layers, ffn_dim=s.ffn_dim, dropout=s.dropout,
-        token_dim=s.token_dim, max_positions=s.max_positions, standardise=s.standardise,
-        mix_alpha=s.mix_alpha).to(device)
+    shape = {name: getattr(s, name) for name in BridgeShape.model_fields}
+    bridge = TransformerBridge.for_backbones(source, target, source_layers, target_layers, **shape).to(device)
     if s.standardise:
         bridge.set_standardisation(state_statistics(train_pairs, "source", s.eval_batch_size),
                                    state_statistics(train_pairs, "target", s.eval_batch_size))

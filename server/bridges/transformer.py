@@ -52,14 +52,11 @@ from server.bridges.registry import register_bridge
 SAVE_ONLY_KEYS = ("target_max_tokens", "target_uses_token_types")  # added by save_bridge, read by load_bridge
 
 
-class TransformerBridgeConfig(BaseModel):
+class BridgeShape(BaseModel):
+    """The architecture knobs of a transformer bridge (shared by its config and tmod-train's settings)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    source_hidden_size: int = Field(ge=1, description="H_s: width of the source backbone")
-    target_hidden_size: int = Field(ge=1, description="H_t: width of the target backbone")
-    source_layers: list[int] = Field(min_length=1, description="source states mixed (0 = embeddings)")
-    target_layers: list[int] = Field(min_length=1, description="target states produced")
-    target_vocab_size: int = Field(ge=1, description="rows of the target token-identity embedding")
     d_model: int = Field(256, ge=1)
     heads: int = Field(4, ge=1)
     encoder_layers: int = Field(2, ge=0)
@@ -71,6 +68,14 @@ class TransformerBridgeConfig(BaseModel):
     standardise: bool = Field(True, description="mix standardised source states and predict standardised target states")
     mix_alpha: float = Field(32.0, gt=0, description="temperature of the source mix, softmax(alpha * p): with Adam "
                              "p moves ~lr per step, so alpha sets how fast the mix can leave uniform")
+
+
+class TransformerBridgeConfig(BridgeShape):
+    source_hidden_size: int = Field(ge=1, description="H_s: width of the source backbone")
+    target_hidden_size: int = Field(ge=1, description="H_t: width of the target backbone")
+    source_layers: list[int] = Field(min_length=1, description="source states mixed (0 = embeddings)")
+    target_layers: list[int] = Field(min_length=1, description="target states produced")
+    target_vocab_size: int = Field(ge=1, description="rows of the target token-identity embedding")
 
     @model_validator(mode="after")
     def _check(self) -> "TransformerBridgeConfig":
