@@ -76,7 +76,7 @@ def bridge_plan(args) -> list[dict]:
     distillation bridge differ only in their objective."""
     plan = []
     for direction, (source, target, modules) in DIRECTIONS.items():
-        store = RUNS / "bridges" / direction
+        store = RUNS / ("bridges-quick" if args.quick else "bridges") / direction
         common = ["--source", source, "--target", target, "--target-layers", TARGET_LAYERS[target],
                   "--threads", str(args.threads)]
         mappings = ["skip"] if source == "minilm" else ["skip", "avg"]  # shallower source: SKIP = AVG
@@ -150,14 +150,15 @@ def score(module, source_bb, answer_bb, dataset: str, max_validation: int | None
     return score_module(split, module, batch_size=64, progress=True, engine=engine, answer_split=answers)
 
 
-def evaluate(plan: list[dict], backbones: dict, args) -> list[dict]:
+def evaluate(plan: list[dict], backbones: dict, args, directions: list[str]) -> list[dict]:
     from modules_store import ModuleStore
     from server.bridges import bridge_store, load_bridge
     from server.engine import Engine
     from server.modules import load_module
 
     rows = []
-    for direction, (source, target, modules) in DIRECTIONS.items():
+    for direction in directions:
+        source, target, modules = DIRECTIONS[direction]
         for task, (module_store, module_task) in modules.items():
             dataset, metric, chance = TASKS[task]
             store = ModuleStore(module_store)
@@ -172,6 +173,9 @@ def evaluate(plan: list[dict], backbones: dict, args) -> list[dict]:
             for item in plan:
                 if item["direction"] != direction or task not in item["tasks"]:
                     continue
+                if item["name"] not in bridge_store(item["store"]).tasks():
+                    print(f"{direction} {task} {item['method']}: bridge {item['name']} not trained, left out", flush=True)
+                    continue
                 loaded = load_bridge(bridge_store(item["store"]), item["name"], None, backbones[source])
                 bridges = {item["name"]: loaded}
                 module = load_module(store, module_task, None, backbones[source], bridges=bridges)
@@ -184,7 +188,7 @@ def evaluate(plan: list[dict], backbones: dict, args) -> list[dict]:
                              "recovery": (value - chance) / (native - chance) if native != chance else None,
                              "bridge_parameters": sum(p.numel() for p in loaded.bridge.parameters()),
                              "bridge_training": {k: loaded.manifest.training.get(k) for k in
-                                                 ("objective", "command", "train_texts", "seconds", "epochs")}})
+                                                 ("objective", "command", "epochs_run", "best_epoch", "timing", "parameters")}})
                 print(f"{direction} {task} {item['method']}: {metric} {value:.4f} (native {native:.4f})", flush=True)
     return rows
 
@@ -192,7 +196,7 @@ def evaluate(plan: list[dict], backbones: dict, args) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # cost per request
 # ---------------------------------------------------------------------------------------------
-def measure_costs(plan: list[dict], backbones: dict, args) -> list[dict]:
+def measure_costs(plan: list[dict], backbones: dict, args, directions: list[str]) -> list[dict]:
     from modules_store import ModuleStore
     from server.bridges import bridge_store, load_bridge
     from server.engine import Engine
@@ -203,13 +207,16 @@ def measure_costs(plan: list[dict], backbones: dict, args) -> list[dict]:
     sentences = read_sst2_sentences()
     random.Random(0).shuffle(sentences)
     out = []
-    for direction, (source, target, modules) in DIRECTIONS.items():
+    for direction in directions:
+        source, target, modules = DIRECTIONS[direction]
         bb = backbones[source]
         batches = {1: [bb.tokenize([s]) for s in sentences[:16]],
                    32: [bb.tokenize(sentences[32 * k: 32 * (k + 1)]) for k in range(1, 4)]}
         configs = {}
         for item in plan:
             if item["direction"] != direction or "sentiment" not in item["tasks"]:
+                continue
+            if item["name"] not in bridge_store(item["store"]).tasks():
                 continue
             loaded = load_bridge(bridge_store(item["store"]), item["name"], None, bb)
             bridges = {item["name"]: loaded}
@@ -366,6 +373,7 @@ def main() -> None:
     p.add_argument("--plan", action="store_true", help="print the tmod-train commands and exit")
     p.add_argument("--no-train", action="store_true", help="use the bridges already trained; train none")
     p.add_argument("--train-only", action="store_true", help="train the missing bridges, then stop")
+    p.add_argument("--merge-only", action="store_true", help="only merge the per-direction JSON files into the report")
     p.add_argument("--only", default=None, help="train only these directions (comma-separated)")
     p.add_argument("--retrain", action="store_true", help="train every bridge again")
     p.add_argument("--skip-costs", action="store_true")
@@ -376,7 +384,7 @@ def main() -> None:
     p.add_argument("--long-epochs", type=int, default=8, help="epochs of the distillation + hard labels bridge")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-validation", type=int, default=None, help="score on a subset of each validation split")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     args.bridge_texts = {k: int(v) for k, v in (kv.split("=") for kv in args.bridge_texts.split(","))}
     if args.quick:
@@ -394,15 +402,26 @@ def main() -> None:
         return
     from server.backbone import Backbone
 
-    backbones = {"minilm": Backbone.load("minilm"), "smollm2": Backbone.load("smollm2")}
-    rows = evaluate(plan, backbones, args)
-    costs = [] if args.skip_costs else measure_costs(plan, backbones, args)
-    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
-              "command": "python " + " ".join(["bench/transfer.py", *sys.argv[1:]]), "settings": vars(args),
-              "bridge_commands": [shlex.join(["tmod-train", *item["argv"]]) for item in plan],
-              "rows": rows, "costs": costs, "target": targets(rows)}
-    stem = "transfer-quick" if args.quick else "transfer"
     out = REPO / "bench" / "results"
+    stem = "transfer-quick" if args.quick else "transfer"
+    directions = args.only.split(",") if args.only else list(DIRECTIONS)
+    if not args.merge_only:
+        backbones = {"minilm": Backbone.load("minilm"), "smollm2": Backbone.load("smollm2")}
+        for direction in directions:  # one JSON per direction, so directions can be measured apart
+            sub = [item for item in plan if item["direction"] == direction]
+            rows = evaluate(sub, backbones, args, [direction])
+            costs = [] if args.skip_costs else measure_costs(sub, backbones, args, [direction])
+            part = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
+                    "command": "python " + " ".join(["bench/transfer.py", *sys.argv[1:]]), "settings": vars(args),
+                    "bridge_commands": [shlex.join(["tmod-train", *item["argv"]]) for item in sub],
+                    "rows": rows, "costs": costs}
+            (out / f"{stem}-{direction}.json").write_text(json.dumps(part, indent=2, default=str) + "\n")
+    parts = [json.loads((out / f"{stem}-{d}.json").read_text()) for d in DIRECTIONS if (out / f"{stem}-{d}.json").is_file()]
+    rows = [r for p in parts for r in p["rows"]]
+    result = {"date": max(p["date"] for p in parts), "machine": parts[-1]["machine"],
+              "command": "; ".join(sorted({p["command"] for p in parts})), "parts": [p["date"] for p in parts],
+              "settings": parts[-1]["settings"], "bridge_commands": [c for p in parts for c in p["bridge_commands"]],
+              "rows": rows, "costs": [c for p in parts for c in p["costs"]], "target": targets(rows)}
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / f"{stem}.md").write_text(markdown(result) + "\n")
     plot(result, out / f"{stem}.png")
