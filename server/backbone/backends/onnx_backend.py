@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from server.backbone.architectures import run_block
+from server.backbone.sources import default_cache_dir  # noqa: F401  (one cache root for every tmod cache)
 from server.backbone.tokens import TokenBatch
 
 log = logging.getLogger("tmod")
@@ -42,14 +43,6 @@ OPSET = 18
 EXPORT_FORMAT = 1
 PRECISIONS = ("fp32", "int8")
 MASK_MIN = float(np.finfo(np.float32).min)
-
-
-def default_cache_dir() -> Path:
-    """$TMOD_CACHE_DIR, else $XDG_CACHE_HOME/tmod, else ~/.cache/tmod."""
-    if os.environ.get("TMOD_CACHE_DIR"):
-        return Path(os.environ["TMOD_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tmod"
 
 
 def cache_key(fingerprint, precision: str, opset: int = OPSET) -> str:
