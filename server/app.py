@@ -161,6 +161,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                             truncate: bool, request: Request) -> tuple[list[dict], list, dict[str, str]]:
         """Shared by every protocol: limits, tokenization, the batcher, metrics, timing headers.
         -> (per-input results keyed by task, encoded rows, response headers)."""
+        with metrics.requests_in_flight.track_inprogress():
+            return await answer_inference(texts, text_pairs, modules, truncate, request)
+
+    async def answer_inference(texts, text_pairs, modules, truncate, request):
         received = time.perf_counter()
         if not texts:
             raise ApiError(422, "invalid_request", "no inputs: send at least one text")

@@ -31,6 +31,9 @@ class Metrics:
         )
         self.dropped = Counter("tmod_dropped_requests", "Requests dropped before compute", ["reason"], registry=r)
         self.queue_depth = Gauge("tmod_queue_depth", "Requests waiting for a backbone pass", registry=r)
+        self.requests_in_flight = Gauge(
+            "tmod_requests_in_flight", "Inference requests received and not yet answered", registry=r
+        )
         self.modules_loaded = Gauge("tmod_modules_loaded", "Task modules loaded", registry=r)
         self.backbone_layers = Histogram(
             "tmod_backbone_layers_run", "Backbone layers run per pass (early exit)",

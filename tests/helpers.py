@@ -72,6 +72,23 @@ def populate_store(store_dir: Path, backbone: Backbone) -> ModuleStore:
     return store
 
 
+def wait_until(condition, what: str, timeout: float = 120.0):
+    """Poll `condition` until it holds: tests wait for a fact the server reports, never for a guessed time."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def metric_sample(metrics_text: str, sample: str) -> float:
+    """The value of one sample in a Prometheus text page, e.g. `tmod_requests_total{outcome="success"}`; 0 if absent."""
+    for line in metrics_text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,8 +10,8 @@
   TMOD_* name is a field of `server.config.Settings` and every value parses, ports, store path,
   user id, threads and CPU request, the metric the autoscaler reads is one the server exports; and
   a real `tmod-serve` process started with the rendered environment answers the probes.
-- The Dockerfiles, parsed by BuildKit's own parser, run the README's install steps verbatim (the
-  GPU image adds the `gpu` extra and nothing else), with torch pinned as in pyproject.toml.
+- The Dockerfiles, parsed by BuildKit's own parser, run the README's install steps verbatim, from the
+  lock (the GPU image from the GPU lock and nothing else different), with torch as locked.
 - The healthcheck and module rollout scripts shipped in the images work against real servers.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ import httpx
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from modules_store import ModuleStore
 from server.app import create_app
@@ -403,13 +404,19 @@ def readme_install_steps() -> list[list[str]]:
     return steps[:-1]
 
 
+def locked_versions(name: str) -> dict[str, str]:
+    """requirements/<name>.lock as {package: version}."""
+    text = (ROOT / "requirements" / f"{name}.lock").read_text()
+    return dict(re.findall(r"^([A-Za-z0-9._-]+)==(\S+)", text, re.M))
+
+
 def build_run_steps(flavour: str) -> list[list[str]]:
     return [step for command in stages(DOCKERFILES[flavour])["build"] if command.cmd == "RUN"
             for step in shell_steps(" ".join(command.value))]
 
 
-def with_extra(step: list[str], extra: str) -> list[str]:
-    return [f".[{extra}]" if word == "." else word for word in step]
+def with_lock(step: list[str], lock: str) -> list[str]:
+    return [lock if word == "requirements/serve.lock" else word for word in step]
 
 
 def is_subsequence(needles: list, haystack: list) -> bool:
@@ -454,37 +461,37 @@ def dockerfile_uid() -> int:
 
 
 def test_readme_install_steps_are_found():
-    steps = readme_install_steps()  # not vacuous: the project install is among them
-    assert any(step[0].endswith("pip") and "install" in step and "." in step for step in steps), steps
+    steps = readme_install_steps()  # not vacuous: the locked set, then the project without dependencies
+    assert [".venv/bin/pip", "install", "-r", "requirements/serve.lock"] in steps, steps
+    assert steps[-1] == [".venv/bin/pip", "install", "--no-deps", "-e", "."], steps
 
 
 @pytest.mark.parametrize("flavour", ["cpu", "gpu"])
 def test_dockerfile_installs_exactly_as_the_readme(flavour):
     readme = readme_install_steps()
-    expected = readme if flavour == "cpu" else [with_extra(step, "gpu") for step in readme]
+    expected = readme if flavour == "cpu" else [with_lock(step, "requirements/gpu.lock") for step in readme]
     run = build_run_steps(flavour)
     assert is_subsequence(expected, run), f"README steps {expected} not run in order by {DOCKERFILES[flavour].name}"
-    # every other pip install is the torch pre-install from the PyTorch index, and in the GPU image
-    # the swap that leaves onnxruntime-gpu as the only ONNX Runtime; nothing else
-    project_install = expected[-1]
-    torch_install = [".venv/bin/pip", "install", "--index-url", "${TORCH_INDEX_URL}", "torch==${TORCH_VERSION}"]
-    ort_swap = [[".venv/bin/pip", "uninstall", "-y", "onnxruntime", "onnxruntime-gpu"],
-                [".venv/bin/pip", "install", "--no-deps", "onnxruntime-gpu==${ORT_VERSION}"]]
-    pip = [s for s in run if s[0] == ".venv/bin/pip" and s[1] in ("install", "uninstall") and s != project_install]
-    assert pip == ([torch_install] if flavour == "cpu" else [torch_install, *ort_swap])
-    assert run.index(torch_install) < run.index(project_install)
-    if flavour == "gpu":
-        assert run.index(project_install) < run.index(ort_swap[0])
+    # the only other pip install is the CPU image's torch, alone, from the PyTorch CPU index; nothing else
+    readme_pip = [step for step in expected if step[0] == ".venv/bin/pip"]
+    torch_install = [".venv/bin/pip", "install", "--no-deps", "--index-url", "${TORCH_INDEX_URL}",
+                     "torch==${TORCH_VERSION}"]
+    pip = [s for s in run if s[0] == ".venv/bin/pip" and s[1] in ("install", "uninstall") and s not in readme_pip]
+    assert pip == ([torch_install] if flavour == "cpu" else [])
     # the baked store is readable by the non-root user whatever modes tmod-train left on it
     assert any(step[:3] == ["chmod", "-R", "a+rX"] and "/store" in step for step in run)
-    args = build_args(flavour)
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
-    assert f"torch=={args['TORCH_VERSION']}" == torch_pin
-    if flavour == "cpu":
+    torch_pin = Requirement(next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch")))
+    lock = locked_versions("serve" if flavour == "cpu" else "gpu")
+    assert torch_pin.specifier.contains(lock["torch"])
+    if flavour == "cpu":  # torch comes first, at the lock's version, so the lock finds it satisfied
+        assert run.index(torch_install) < run.index(readme_pip[0])
+        args = build_args(flavour)
+        assert args["TORCH_VERSION"] == lock["torch"] and lock["torch"].endswith("+cpu")
         assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    else:
-        assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", args["TORCH_INDEX_URL"])
+    else:  # PyPI's torch is the CUDA build; onnxruntime-gpu is the one ONNX Runtime
+        assert "+" not in lock["torch"] and any(name.startswith("nvidia-") for name in lock)
+        assert "onnxruntime-gpu" in lock and "onnxruntime" not in lock
         assert any(d.startswith("onnxruntime-gpu") for d in pyproject["project"]["optional-dependencies"]["gpu"])
 
 

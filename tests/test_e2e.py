@@ -12,14 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers import free_port, populate_store
+from tests.helpers import free_port, metric_sample, populate_store, wait_until
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, minilm):
     store = populate_store(tmp_path_factory.mktemp("minilm-store"), minilm)
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_INPUTS": "4"}
+    # a 1 s batch window: requests sent together wait for each other, so the SIGTERM test finds them in flight
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_INPUTS": "4", "TMOD_MAX_WAIT_MS": "1000"}
     process = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "--port", str(port), "--store", str(store.root), "--log-level", "info"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -72,9 +73,16 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
     def slow_request():
         return httpx.post(url + "/v1/infer", json={"inputs": long_inputs}, timeout=120)
 
+    answered = 'tmod_requests_total{outcome="success"}'
+    answered_before = metric_sample(httpx.get(url + "/metrics").text, answered)
+
+    def reached_the_server():  # in flight, or already answered; one scrape, so the two numbers agree
+        page = httpx.get(url + "/metrics").text
+        return metric_sample(page, "tmod_requests_in_flight") + metric_sample(page, answered) - answered_before >= 6
+
     with ThreadPoolExecutor(6) as pool:
         pending = [pool.submit(slow_request) for _ in range(6)]
-        time.sleep(0.3)  # requests are queued or computing
+        wait_until(reached_the_server, "the six requests to reach the server")
         process.send_signal(signal.SIGTERM)
         statuses = [f.result().status_code for f in pending]
     assert statuses == [200] * 6  # nothing in flight was dropped
