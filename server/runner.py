@@ -97,10 +97,12 @@ class Bucket:
         return f"{self.size}x{self.seq_len}"
 
 
-def bounded(sizes: list[int], limit: int) -> list[int]:
-    """The sizes under `limit`, then the smallest one covering it (or the limit itself)."""
+def bounded(sizes: list[int], limit: int, hard: bool = False) -> list[int]:
+    """The sizes under `limit`, then the smallest one covering it (or the limit itself; always the
+    limit itself when it is `hard`: no row is longer than the backbone's token limit, and its
+    position table ends there)."""
     under = [s for s in sizes if s < limit]
-    return under + [next((s for s in sizes if s >= limit), limit)]
+    return under + [limit if hard else next((s for s in sizes if s >= limit), limit)]
 
 
 class BatchShapes:
@@ -121,7 +123,7 @@ class BatchShapes:
         if mode == "auto":
             mode = "buckets" if device.type == "cuda" else "length_runs"
         return cls(mode, bounded(parse_sizes(settings.graph_batch_sizes), settings.max_batch_size),
-                   bounded(parse_sizes(settings.graph_seq_lens), max_tokens), settings.max_padding_ratio)
+                   bounded(parse_sizes(settings.graph_seq_lens), max_tokens, hard=True), settings.max_padding_ratio)
 
     def bucket(self, rows: int, longest: int) -> Bucket | None:
         size = next((s for s in self.batch_sizes if s >= rows), None)
