@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +156,8 @@ def capture_section(device: str = "cuda", batch_sizes=(1, 32, 128), tokens: int 
                     graph_batch_sizes=",".join(map(str, batch_sizes)), max_batch_size=max(batch_sizes))
     eager = ModelRunner(Engine(bb), Settings(cuda_graphs=False, **settings))
     graphs = ModelRunner(Engine(bb), Settings(**settings))
-    out = {"modules": sorted(modules), "precision": precision, "tokens": tokens, "batches": {}}
+    out = {"modules": sorted(modules), "precision": precision, "head_precision": eager.head_precision,
+           "tokens": tokens, "batches": {}}
     for size in batch_sizes:
         rows = bb.encode([text] * size, truncate=True, max_tokens=tokens)
         prepared = eager.prepare(rows, modules).passes[0]
@@ -177,9 +179,9 @@ def capture_section(device: str = "cuda", batch_sizes=(1, 32, 128), tokens: int 
         modes = {"eager": eager_pass, "manual_graph": graph_pass}
         for mode in ("reduce-overhead", "max-autotune"):
             def compiled_run(ids, mask, engine=eager.engine):
-                device_batch.input_ids, device_batch.attention_mask = ids, mask
                 with eager.precision():
-                    return pack_logits(engine.run(device_batch, modules)[0])[0]
+                    return pack_logits(engine.run(replace(device_batch, input_ids=ids, attention_mask=mask),
+                                                  modules)[0])[0]
             try:
                 fn = torch.compile(compiled_run, mode=mode)
                 ids, mask = device_batch.input_ids.clone(), device_batch.attention_mask.clone()

@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per backbone pass (rows x longest)")
     max_batch_size: int = Field(128, ge=1, description="most inputs per backbone pass")
     max_padding_ratio: float = Field(
-        1.25, ge=1.0, description="a batch is cut into length runs whose padded tokens stay within this "
-        "factor of their real tokens, one backbone pass each (a large value: one pass per batch)")
+        1.25, ge=1.0, description="with batch_shapes length_runs (the CPU's), a batch is cut into length runs "
+        "whose padded tokens stay within this factor of their real tokens, one backbone pass each (a large value: "
+        "one pass per batch)")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests after its first")
     max_queue: int = Field(256, ge=1, description="requests waiting for compute; beyond this, 429 at once")
     request_timeout_s: float = Field(30.0, gt=0, description="a request still queued after this is answered 503")
@@ -69,9 +70,9 @@ class Settings(BaseSettings):
         "when it is reached and further shapes run eager (0: capture nothing)")
     head_precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="precision the task heads compute in: fp32, or the backbone's 16-bit precision "
-        "(bf16 / fp16, matrix products under torch.autocast); auto: the backbone's precision on cuda when it is "
-        "bf16 or fp16 (bf16 heads measured within the accuracy rule on every shipped module, see README), fp32 "
-        "otherwise")
+        "(bf16 / fp16, matrix products under torch.autocast); auto: bf16 on cuda when the backbone is bf16 (bf16 "
+        "heads measured within the accuracy rule on every shipped module, see README), fp32 otherwise (fp16 heads "
+        "are not measured yet: ask for them explicitly)")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
     log_level: str = Field("info", description="uvicorn log level")
 

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -477,6 +477,7 @@ class ModelRunner:
                 outputs[task].extend(answers)
         return outputs
 
+    @torch.inference_mode()
     def logits(self, batch: TokenBatch, bucket: Bucket | None, modules: dict[str, LoadedModule],
                timings: Timings) -> tuple[dict[str, torch.Tensor], dict[str, TokenBatch]]:
         """One pass: host logits per task (filler rows dropped) and the batch each is laid out on."""
@@ -489,7 +490,7 @@ class ModelRunner:
             batches = {task: real for task in modules}
             self._observe_graphs()
         else:
-            batch = batch.to(self.device, non_blocking=self.pinned)
+            batch = replace(batch).to(self.device, non_blocking=self.pinned)  # the host batch stays as it is
             with self.precision():
                 out, batches = self.engine.run(batch, modules, timings)
             start = time.perf_counter()

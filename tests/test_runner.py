@@ -320,3 +320,58 @@ def test_cuda_graph_replay_equals_eager(tiny_backbone_dir, tmp_path):
     assert graphs.graphs.captures == 1
     for task in modules:
         torch.testing.assert_close(got2[task], want2[task], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_reload_under_load_switches_answers_and_drops_no_request(tiny_backbone_dir, tmp_path):
+    """A real server on cuda with graphs: requests keep coming while sentiment is switched between
+    two versions; every request is answered 200, each with the answers of the version it names."""
+    import asyncio
+
+    import httpx
+
+    from server.app import create_app
+    from tests.helpers import LiveServer
+
+    backbone = Backbone.load(tiny_backbone_dir, device="cuda")
+    store = ModuleStore(tmp_path)
+    for version, seed in (("1", 1), ("2", 2)):
+        save_module(store, "sentiment", version, random_head(backbone, "sequence_classification",
+                                                             ["negative", "positive"], seed), backbone)
+    token = "t0ken"
+    settings = Settings(store=store.root, device="cuda", admin_token=token, graph_batch_sizes="1,2,4,8,16",
+                        graph_seq_lens="32,64")
+    texts = TEXTS[:4]
+
+    async def load(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def ask():
+                return await client.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": texts})
+
+            reference = {}
+            for version in ("1", "2"):
+                await client.post(f"/admin/modules/sentiment/load", json={"version": version},
+                                  headers={"authorization": f"Bearer {token}"})
+                reference[version] = (await ask()).json()["results"]
+            answers, switches = [], []
+            for round_ in range(6):
+                version = "12"[round_ % 2]
+                burst = [asyncio.create_task(ask()) for _ in range(24)]
+                switches.append(await client.post(f"/admin/modules/sentiment/load", json={"version": version},
+                                                  headers={"authorization": f"Bearer {token}"}))
+                answers += await asyncio.gather(*burst, *[ask() for _ in range(8)])
+            return reference, answers, switches
+
+    with LiveServer(create_app(settings, backbone=backbone)) as server:
+        reference, answers, switches = asyncio.run(load(server.url))
+        metrics = httpx.get(server.url + "/metrics").text
+    assert all(s.status_code == 200 for s in switches)
+    assert all(a.status_code == 200 for a in answers)  # no request dropped
+    for answer in answers:
+        body = answer.json()
+        want = reference[body["tasks"]["sentiment"]]
+        for got, expected in zip(body["results"], want):
+            assert got["sentiment"]["label"] == expected["sentiment"]["label"]
+            assert got["sentiment"]["score"] == pytest.approx(expected["sentiment"]["score"], abs=1e-4)
+    assert reference["1"] != reference["2"]
+    assert "tmod_cuda_graphs " in metrics
