@@ -231,13 +231,14 @@ def capture_cuda_graph(engine: Engine, modules: dict[str, LoadedModule], bucket:
             logits, _ = engine.run(inputs, modules)
         return pack_logits(logits)
 
-    before = torch.cuda.memory_reserved(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
             run()
     torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_reserved(device)  # the pool's growth is what the graph holds
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output, layout = run()
@@ -393,6 +394,8 @@ class ModelRunner:
         builds and captures anew; `warm_up` does it at once for the full module set)."""
         self.engine.forget_plans()
         self.graphs.forget()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the dropped graphs' pool goes back to the driver: later captures measure theirs
         self._observe_graphs()
 
     def warm_up(self, modules: dict[str, LoadedModule]) -> None:
