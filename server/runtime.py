@@ -38,8 +38,8 @@ class Runtime:
         # tokenization (Rust, releases the GIL) runs beside compute so the next batch is ready
         self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize")
         # on a GPU the next batch is formed and collated (in a tokenizer thread) while the device runs
-        # this one; on a CPU the compute thread is the whole machine's work, so batches go one at a time
-        # and a batch forms from everything that queued meanwhile
+        # this one; on a CPU the compute thread is the whole machine's work, so batches go one at a time,
+        # a batch forms from everything that queued meanwhile and is collated where it runs
         on_gpu = settings.device.startswith("cuda")
         self.batcher = Batcher(
             self.run_batch, self.executor,
@@ -48,7 +48,7 @@ class Runtime:
                 max_wait=settings.max_wait_ms / 1000, max_queue=settings.max_queue, enabled=settings.batching,
                 in_flight=2 if on_gpu else 1,
             ),
-            self.metrics, prepare=self.prepare_batch, prepare_executor=self.tokenize_executor,
+            self.metrics, prepare=self.prepare_batch if on_gpu else None, prepare_executor=self.tokenize_executor,
         )
 
     # ---- start-up ----------------------------------------------------------------------------

@@ -375,3 +375,60 @@ def test_cuda_reload_under_load_switches_answers_and_drops_no_request(tiny_backb
             assert got["sentiment"]["score"] == pytest.approx(expected["sentiment"]["score"], abs=1e-4)
     assert reference["1"] != reference["2"]
     assert "tmod_cuda_graphs " in metrics
+
+
+def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(tiny_backbone, tiny_store):
+    """The GPU's batcher pipeline (two batches in flight, collation in a tokenizer thread), run on
+    the CPU over real HTTP: batch n+1 is prepared while batch n runs, and every answer is the one
+    of the one-at-a-time path."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+
+    from server.app import create_app
+    from tests.helpers import LiveServer
+
+    requests = [([TEXTS[i % 6]], "sentiment,ner") for i in range(24)]
+
+    async def fire(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/infer", params={"tasks": t}, json={"inputs": x})
+                                          for x, t in requests))
+
+    settings = Settings(store=tiny_store.root, max_batch_size=4, max_wait_ms=20)
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        want = asyncio.run(fire(server.url))
+    app = create_app(settings, backbone=tiny_backbone)
+    runtime = app.state.runtime
+    events, lock = [], threading.Lock()
+
+    def logged(name, fn, pause=0.0):
+        def call(*args):
+            with lock:
+                events.append((name, "start"))
+            time.sleep(pause)  # a slow device: the overlap has time to show
+            out = fn(*args)
+            with lock:
+                events.append((name, "end"))
+            return out
+        return call
+
+    runtime.batcher.prepare = logged("prepare", runtime.prepare_batch)
+    runtime.batcher.run_batch = logged("run", runtime.run_batch, pause=0.05)
+    runtime.batcher.settings.in_flight = 2
+    with LiveServer(app) as server:
+        got = asyncio.run(fire(server.url))
+    for a, b in zip(got, want):
+        assert a.status_code == b.status_code == 200
+        assert_same_answers({t: [r[t] for r in a.json()["results"]] for t in ("sentiment", "ner")},
+                            {t: [r[t] for r in b.json()["results"]] for t in ("sentiment", "ner")})
+    running, overlapped = False, False
+    for name, what in events:
+        if name == "run":
+            running = what == "start"
+        elif what == "start" and running:
+            overlapped = True  # a batch was being prepared while another ran
+    assert overlapped
+    assert sum(1 for e in events if e == ("run", "start")) >= 6  # 24 rows, at most 4 per batch
