@@ -15,7 +15,7 @@ import torch
 
 from server.app import create_app
 from server.config import Settings
-from server.engine import Engine, Timings
+from server.engine import Engine
 from server.modules import load_module
 from server.runner import ModelRunner, OutOfMemory, is_out_of_memory
 from tests.helpers import LiveServer
