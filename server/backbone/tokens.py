@@ -1,8 +1,10 @@
 """Tokenized batches with character offsets, so heads can answer in input coordinates."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 CASING_CLASSES = 5  # none/special/padding, lower, Capitalized, UPPER, other (digits, punctuation, mixed)
@@ -40,6 +42,7 @@ class TokenBatch:
     # token only, so no attention row is fully masked; their outputs are dropped (`real`)
     filler_rows: int = 0
     casing: torch.Tensor | None = None  # (B, T) casing classes, made once on first use (`casing_ids`)
+    arrays: TokenArrays | None = None  # the per-token lists as arrays, made once on first use (`token_arrays`)
 
     @property
     def size(self) -> int:
@@ -67,6 +70,13 @@ class TokenBatch:
             self.casing = casing_classes(self).to(self.input_ids.device)
         return self.casing
 
+    def token_arrays(self) -> "TokenArrays":
+        """`sequence_ids`, `word_ids` and `offsets` as numpy arrays (real rows), made once per batch
+        and kept: decoders work on whole arrays instead of per token in Python."""
+        if self.arrays is None:
+            self.arrays = TokenArrays.of(self)
+        return self.arrays
+
     @property
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
@@ -93,6 +103,29 @@ class TokenBatch:
         if self.casing is not None:
             self.casing = self.casing.pin_memory()
         return self
+
+
+@dataclass
+class TokenArrays:
+    """A batch's per-token lists as (rows, T) int64 arrays, one row per real input; -1 where the
+    list holds None (special tokens, padding)."""
+
+    segment: np.ndarray  # sequence_ids: 0 = text, 1 = text_pair
+    word: np.ndarray  # word_ids
+    start: np.ndarray  # offsets: first character
+    end: np.ndarray  # offsets: one past the last character
+
+    @classmethod
+    def of(cls, batch: TokenBatch) -> "TokenArrays":
+        rows, width = len(batch.offsets), batch.seq_len
+
+        def ids(lists) -> np.ndarray:
+            flat = (-1 if i is None else i for i in itertools.chain.from_iterable(lists))
+            return np.fromiter(flat, dtype=np.int64, count=rows * width).reshape(rows, width)
+
+        pairs = itertools.chain.from_iterable(itertools.chain.from_iterable(batch.offsets))
+        offsets = np.fromiter(pairs, dtype=np.int64, count=rows * width * 2).reshape(rows, width, 2)
+        return cls(ids(batch.sequence_ids), ids(batch.word_ids), offsets[..., 0], offsets[..., 1])
 
 
 def casing_classes(batch: TokenBatch) -> torch.Tensor:
