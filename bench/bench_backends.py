@@ -259,20 +259,26 @@ def quality_section(args, backbones: dict) -> dict:
             print(f"  quality {task} {name}: {metric} {metrics[metric]:.4f}", flush=True)
         ref = predicted[REFERENCE]
         for name in backbones:
-            same = total = 0
-            for a, b in zip(ref, predicted[name]):
-                if isinstance(a, list):  # token task: per data word
-                    same += sum(x == y for x, y in zip(a, b))
-                    total += len(a)
-                else:
-                    same += a == b
-                    total += 1
             value = entry["backends"][name]["value"]
-            entry["backends"][name]["agreement_with_torch_fp32"] = same / total
+            entry["backends"][name]["agreement_with_torch_fp32"] = prediction_agreement(ref, predicted[name])
             entry["backends"][name]["delta_vs_torch_fp32"] = value - entry["backends"][REFERENCE]["value"]
         entry["agreement_unit"] = "data words (tags)" if isinstance(ref[0], list) else "examples (labels)"
         out[task] = entry
     return out
+
+
+def prediction_agreement(reference: list, predicted: list) -> float:
+    """Share of predictions equal to the reference's: labels for sequence tasks, data-word tags
+    for token tasks (`training.evaluate.collect`'s output)."""
+    same = total = 0
+    for a, b in zip(reference, predicted):
+        if isinstance(a, list):  # token task: per data word
+            same += sum(x == y for x, y in zip(a, b))
+            total += len(a)
+        else:
+            same += a == b
+            total += 1
+    return same / total
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,14 +60,22 @@ class BatchSettings:
     max_wait: float = 0.002  # seconds a batch waits for company after its first job
     max_queue: int = 256  # jobs waiting; beyond this, 429
     enabled: bool = True  # False: one job per backbone pass (for comparison)
+    in_flight: int = 1  # batches handed to compute at once: 2 forms and prepares the next while one runs
 
 
 class Batcher:
-    def __init__(self, run_batch: Callable, executor, settings: BatchSettings, metrics=None):
+    def __init__(self, run_batch: Callable, executor, settings: BatchSettings, metrics=None,
+                 prepare: Callable | None = None, prepare_executor=None):
         """`run_batch(rows, modules, timings)` runs on `executor` (the compute thread) and
-        returns the outputs per task, in row order."""
+        returns the outputs per task, in row order; an answer that is an exception fails its
+        request with it (a row refused for memory) and leaves the others answered. `prepare(rows,
+        modules)`, if given, runs first on `prepare_executor` (host work such as collating, beside
+        the compute thread) and what it returns is handed to run_batch in place of the rows."""
         self.run_batch = run_batch
         self.executor = executor
+        self.prepare = prepare
+        self.prepare_executor = prepare_executor
+        self._running: set[asyncio.Task] = set()  # batches handed on, not yet answered
         self.settings = settings
         self.metrics = metrics
         self._queue: asyncio.Queue[Job] | None = None
@@ -83,7 +91,7 @@ class Batcher:
     async def drain_and_stop(self) -> None:
         """Refuse new jobs, answer every queued one, then stop."""
         self._closing = True
-        while self.depth():
+        while self.depth() or self._running:
             await asyncio.sleep(0.01)
         if self._task is not None:
             self._task.cancel()
@@ -129,7 +137,9 @@ class Batcher:
         return rows <= self.settings.max_batch_size and rows * longest <= self.settings.max_batch_tokens
 
     async def _loop(self) -> None:
+        slots = asyncio.Semaphore(self.settings.in_flight)
         while True:
+            await slots.acquire()  # taken before the first job: with one slot a batch forms after the last ran
             first = await self._next(None)
             batch = [first]
             window_end = time.perf_counter() + self.settings.max_wait
@@ -143,10 +153,17 @@ class Batcher:
                     self._held.appendleft(job)  # first in line for the next batch
                     break
             self._observe_depth()
-            try:
-                await self._execute(batch)
-            except Exception:  # never let one batch kill the loop
-                log.exception("batch failed")
+            task = asyncio.get_running_loop().create_task(self._execute_logged(batch, slots))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _execute_logged(self, batch: list[Job], slots: asyncio.Semaphore) -> None:
+        try:
+            await self._execute(batch)
+        except Exception:  # never let one batch kill the loop
+            log.exception("batch failed")
+        finally:
+            slots.release()
 
     async def _live(self, batch: list[Job]) -> list[Job]:
         now = time.perf_counter()
@@ -180,7 +197,10 @@ class Batcher:
         timings = Timings()
         loop = asyncio.get_running_loop()
         try:
-            outputs = await loop.run_in_executor(self.executor, self.run_batch, rows, modules, timings)
+            work = rows
+            if self.prepare is not None:
+                work = await loop.run_in_executor(self.prepare_executor, self.prepare, rows, modules)
+            outputs = await loop.run_in_executor(self.executor, self.run_batch, work, modules, timings)
         except Exception as exc:
             for job in batch:
                 if not job.future.done():
@@ -195,7 +215,11 @@ class Batcher:
             job.timings.extra["queue"] = started - job.enqueued
             job.timings.backbone, job.timings.heads = timings.backbone, timings.heads
             results = [{task: outputs[task][position[(j, r)]] for task in job.modules} for r in range(len(job.rows))]
-            job.future.set_result(results)
+            refusal = next((a for row in results for a in row.values() if isinstance(a, Exception)), None)
+            if refusal is not None:
+                job.future.set_exception(refusal)
+            else:
+                job.future.set_result(results)
 
     def _count_dropped(self, reason: str) -> None:
         if self.metrics is not None:

@@ -42,11 +42,37 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per backbone pass (rows x longest)")
     max_batch_size: int = Field(128, ge=1, description="most inputs per backbone pass")
     max_padding_ratio: float = Field(
-        1.25, ge=1.0, description="a batch is cut into length runs whose padded tokens stay within this "
-        "factor of their real tokens, one backbone pass each (a large value: one pass per batch)")
+        1.25, ge=1.0, description="with batch_shapes length_runs (the CPU's), a batch is cut into length runs "
+        "whose padded tokens stay within this factor of their real tokens, one backbone pass each (a large value: "
+        "one pass per batch)")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests after its first")
     max_queue: int = Field(256, ge=1, description="requests waiting for compute; beyond this, 429 at once")
     request_timeout_s: float = Field(30.0, gt=0, description="a request still queued after this is answered 503")
+    # ---- the model runner (server/runner.py): batch shapes, CUDA graphs, head precision ----------
+    batch_shapes: Literal["auto", "length_runs", "buckets"] = Field(
+        "auto", description="how a batch becomes backbone passes: length_runs (rows cut into runs within "
+        "max_padding_ratio, one pass each: right on a CPU, where compute scales with padded tokens); buckets (one "
+        "pass per batch, rows padded up to a bucket length and the batch up to a bucket size from graph_seq_lens x "
+        "graph_batch_sizes: right on a GPU, where a pass costs launches, not padding); auto: buckets on cuda, "
+        "length_runs on the CPU")
+    cuda_graphs: bool = Field(
+        True, description="on a cuda device, capture each plan's whole pass (backbone and heads) as one CUDA graph "
+        "per bucket shape and replay it (shapes outside the buckets, and plans with foreign modules, run eager); "
+        "no effect on the CPU")
+    graph_batch_sizes: str = Field(
+        "1,2,4,8,16,32,64,128,256,512", description="bucket batch sizes (comma-separated); those above "
+        "max_batch_size are dropped, except the smallest one that covers it")
+    graph_seq_lens: str = Field(
+        "16,32,64,128,256,512", description="bucket sequence lengths in tokens (comma-separated); those above "
+        "the backbone's token limit are dropped, and the limit itself is the last bucket")
+    graph_memory_mb: int = Field(
+        4096, ge=0, description="GPU memory the captured graphs may hold (one shared memory pool); capture stops "
+        "when it is reached and further shapes run eager (0: capture nothing)")
+    head_precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="precision the task heads compute in: fp32, or the backbone's 16-bit precision "
+        "(bf16 / fp16, matrix products under torch.autocast); auto: bf16 on cuda when the backbone is bf16 (bf16 "
+        "heads measured within the accuracy rule on every shipped module, see README), fp32 otherwise (fp16 heads "
+        "are not measured yet: ask for them explicitly)")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
     log_level: str = Field("info", description="uvicorn log level")
 
@@ -58,6 +84,9 @@ class Settings(BaseSettings):
         if self.precision == "auto":
             self.precision = auto_precision(self.backend, self.device)
         problem = problem or precision_problem(self.backend, self.precision, self.device)
+        problem = problem or head_precision_problem(self.head_precision, self.precision)
+        problem = problem or sizes_problem("graph_batch_sizes", self.graph_batch_sizes)
+        problem = problem or sizes_problem("graph_seq_lens", self.graph_seq_lens)
         if problem:
             raise ValueError(problem)
         return self
@@ -101,6 +130,39 @@ def precision_problem(backend: str, precision: str, device: str = "cpu") -> str 
         return None
     if precision != "fp32":
         return f"unknown precision {precision!r}; choose one of fp32, bf16, fp16, int8"
+    return None
+
+
+def head_precision_problem(head_precision: str, precision: str) -> str | None:
+    """Heads compute in fp32 or in the backbone's own 16-bit precision (their matrix products run
+    under torch.autocast around the whole pass, which would also take the torch backend's fp32
+    layers down to 16 bits)."""
+    if head_precision in ("auto", "fp32") or head_precision == precision:
+        return None
+    return (f"head_precision {head_precision} needs the backbone in {head_precision} too (precision is {precision}); "
+            "heads compute in fp32 or in the backbone's 16-bit precision")
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (ascending, unique); ValueError naming the bad entry."""
+    sizes = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"{part!r} is not a positive whole number")
+        sizes.add(int(part))
+    if not sizes:
+        raise ValueError("no sizes given")
+    return sorted(sizes)
+
+
+def sizes_problem(name: str, text: str) -> str | None:
+    try:
+        parse_sizes(text)
+    except ValueError as exc:
+        return f"{name}={text!r}: {exc} (give comma-separated positive numbers, e.g. 1,2,4,8)"
     return None
 
 

@@ -95,11 +95,16 @@ class Engine:
     def predict(self, batch: TokenBatch, modules: dict[str, LoadedModule],
                 timings: Timings | None = None) -> dict[str, list[dict]]:
         """Decoded answers per task, each a list in batch row order."""
-        logits, batches = self.run(batch, modules, timings)
-        return {
-            task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task])
-            for task in modules
-        }
+        return decode_all(modules, *self.run(batch, modules, timings))
+
+
+def decode_all(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor],
+               batches: dict[str, TokenBatch]) -> dict[str, list[dict]]:
+    """Decoded answers per task from a pass's logits, each on the batch its logits are laid out on."""
+    return {
+        task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task])
+        for task in modules
+    }
 
 
 def run_head(head, batch: TokenBatch, states: dict[int, torch.Tensor]) -> torch.Tensor:

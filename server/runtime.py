@@ -15,6 +15,7 @@ from server.batcher import Batcher, BatchSettings
 from server.engine import Engine, Timings
 from server.metrics import Metrics
 from server.modules import LoadedModule, load_module
+from server.runner import ModelRunner, PreparedBatch, length_runs  # noqa: F401  (length_runs: re-exported)
 
 log = logging.getLogger("tmod")
 
@@ -26,6 +27,7 @@ class Runtime:
         self.metrics = Metrics()
         self.backbone = backbone
         self.engine: Engine | None = None
+        self.runner: ModelRunner | None = None  # batch shapes, CUDA graphs, out-of-memory splits
         self.modules: dict[str, LoadedModule] = {}  # replaced whole, never mutated: readers see a snapshot
         self.bridges: dict = {}  # name -> LoadedBridge from this backbone (foreign modules are served through them)
         self.load_errors: dict[str, str] = {}
@@ -35,13 +37,18 @@ class Runtime:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmod-compute")
         # tokenization (Rust, releases the GIL) runs beside compute so the next batch is ready
         self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize")
+        # on a GPU the next batch is formed and collated (in a tokenizer thread) while the device runs
+        # this one; on a CPU the compute thread is the whole machine's work, so batches go one at a time,
+        # a batch forms from everything that queued meanwhile and is collated where it runs
+        on_gpu = settings.device.startswith("cuda")
         self.batcher = Batcher(
             self.run_batch, self.executor,
             BatchSettings(
                 max_batch_tokens=settings.max_batch_tokens, max_batch_size=settings.max_batch_size,
                 max_wait=settings.max_wait_ms / 1000, max_queue=settings.max_queue, enabled=settings.batching,
+                in_flight=2 if on_gpu else 1,
             ),
-            self.metrics,
+            self.metrics, prepare=self.prepare_batch if on_gpu else None, prepare_executor=self.tokenize_executor,
         )
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -62,6 +69,7 @@ class Runtime:
                          time.perf_counter() - t0, self.backbone.backend.describe())
             self.bridges = self.load_bridges()
             self.engine = Engine(self.backbone, bridges=self.bridges)
+            self.runner = ModelRunner(self.engine, self.settings, self.metrics)
             wanted = self.settings.task_list() if self.settings.tasks is not None else self.store.tasks()
             loaded = {}
             for task in wanted:
@@ -75,6 +83,7 @@ class Runtime:
                     log.error("module %s refused: %s", task, exc.message)
             self.modules = loaded
             self.metrics.modules_loaded.set(len(loaded))
+            self.runner.warm_up(loaded)  # CUDA graphs of the common buckets (nothing on the CPU)
             self.ready.set()
         except Exception as exc:  # the server stays up (live, not ready) and says why
             self.startup_error = f"{type(exc).__name__}: {exc}"
@@ -107,7 +116,8 @@ class Runtime:
         raises ArtifactError and leaves the running set untouched."""
         module = load_module(self.store, task, version, self.backbone, self.settings.device, self.bridges)
         self.modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
-        self.engine.forget_plans()
+        self.runner.forget_plans()  # plans and graphs: none may serve the replaced head
+        self.runner.warm_up(self.modules)
         self.load_errors.pop(task, None)
         self.metrics.modules_loaded.set(len(self.modules))
         log.info("module %s/%s loaded", task, module.version)
@@ -117,7 +127,8 @@ class Runtime:
         modules = dict(self.modules)
         removed = modules.pop(task)
         self.modules = modules
-        self.engine.forget_plans()
+        self.runner.forget_plans()
+        self.runner.warm_up(modules)
         self.metrics.modules_loaded.set(len(modules))
         log.info("module %s/%s unloaded", task, removed.version)
         return removed
@@ -127,33 +138,21 @@ class Runtime:
         self.executor.shutdown(wait=True)
 
     # ---- inference ---------------------------------------------------------------------------
-    def run_batch(self, rows: list[EncodedInput], modules: dict[str, LoadedModule],
-                  timings: Timings) -> dict[str, list[dict]]:
-        """Backbone passes for rows gathered from one or more requests (compute thread).
+    def prepare_batch(self, rows: list[EncodedInput], modules: dict[str, LoadedModule]) -> PreparedBatch:
+        """Host work of a batch (passes chosen, rows collated): runs in a tokenizer thread."""
+        return self.runner.prepare(rows, modules)
 
-        Rows arrive sorted by length; they are cut into runs whose padded size stays within
-        `max_padding_ratio` of their real tokens, one pass per run: on a CPU, compute scales with
-        padded tokens, so one pass padded to its longest row can cost more than several tight ones.
-        """
-        outputs: dict[str, list[dict]] = {task: [] for task in modules}
-        for run in length_runs([len(row) for row in rows], self.settings.max_padding_ratio):
-            batch = self.backbone.collate(rows[run])
-            for task, answers in self.engine.predict(batch, modules, timings).items():
-                outputs[task].extend(answers)
-            self.metrics.batch_size.observe(batch.size)
-            self.metrics.batch_tokens.observe(batch.size * batch.seq_len)
-            self.metrics.backbone_layers.observe(self.engine.plan(modules).deepest)
+    def run_batch(self, rows: list[EncodedInput] | PreparedBatch, modules: dict[str, LoadedModule],
+                  timings: Timings) -> dict[str, list]:
+        """Backbone passes for rows gathered from one or more requests (compute thread), sorted by
+        length, or already prepared. The runner cuts them into passes (length runs on a CPU, one
+        bucket-padded pass on a GPU: `server/runner.py`, `BatchShapes`). A row refused for memory
+        holds an `OutOfMemory` (503) in place of its answers."""
+        prepared = rows if isinstance(rows, PreparedBatch) else self.runner.prepare(rows, modules)
+        outputs = self.runner.execute(prepared, modules, timings)
+        deepest = self.engine.plan(modules).deepest
+        for item in prepared.passes:
+            self.metrics.batch_size.observe(item.batch.real_rows)
+            self.metrics.batch_tokens.observe(item.batch.size * item.batch.seq_len)
+            self.metrics.backbone_layers.observe(deepest)
         return outputs
-
-
-def length_runs(lengths: list[int], max_padding_ratio: float) -> list[slice]:
-    """Cut ascending `lengths` into consecutive runs with rows x longest <= ratio x real tokens."""
-    runs, start, real = [], 0, 0
-    for i, length in enumerate(lengths):
-        if i > start and (i - start + 1) * length > max_padding_ratio * (real + length):
-            runs.append(slice(start, i))
-            start, real = i, 0
-        real += length
-    if lengths:
-        runs.append(slice(start, len(lengths)))
-    return runs

@@ -1,9 +1,13 @@
 """Tokenized batches with character offsets, so heads can answer in input coordinates."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
+
+CASING_CLASSES = 5  # none/special/padding, lower, Capitalized, UPPER, other (digits, punctuation, mixed)
 
 
 @dataclass
@@ -34,10 +38,44 @@ class TokenBatch:
     texts: list[str]
     text_pairs: list[str] | None
     truncated: list[bool]
+    # rows added at the end to fill a bucket shape (server/runner.py); each attends to its first
+    # token only, so no attention row is fully masked; their outputs are dropped (`real`)
+    filler_rows: int = 0
+    casing: torch.Tensor | None = None  # (B, T) casing classes, made once on first use (`casing_ids`)
+    arrays: TokenArrays | None = None  # the per-token lists as arrays, made once on first use (`token_arrays`)
 
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def real_rows(self) -> int:
+        return self.size - self.filler_rows
+
+    def real(self) -> "TokenBatch":
+        """This batch without its filler rows (what answers are decoded on)."""
+        if not self.filler_rows:
+            return self
+        n = self.real_rows
+        return replace(self, input_ids=self.input_ids[:n], attention_mask=self.attention_mask[:n],
+                       token_type_ids=None if self.token_type_ids is None else self.token_type_ids[:n],
+                       filler_rows=0, casing=None if self.casing is None else self.casing[:n])
+
+    def casing_ids(self) -> torch.Tensor:
+        """(B, T) casing class of each token, read from the raw text through its offsets, on the
+        batch's device. Made once per batch, on the host, and kept: a head that reads it (layer-mix
+        with `casing`) then does no per-token Python inside the pass, and the model runner copies
+        it into a captured graph's static input like the token ids."""
+        if self.casing is None:
+            self.casing = casing_classes(self).to(self.input_ids.device)
+        return self.casing
+
+    def token_arrays(self) -> "TokenArrays":
+        """`sequence_ids`, `word_ids` and `offsets` as numpy arrays (real rows), made once per batch
+        and kept: decoders work on whole arrays instead of per token in Python."""
+        if self.arrays is None:
+            self.arrays = TokenArrays.of(self)
+        return self.arrays
 
     @property
     def seq_len(self) -> int:
@@ -46,12 +84,73 @@ class TokenBatch:
     def lengths(self) -> list[int]:
         return self.attention_mask.sum(dim=1).tolist()
 
-    def to(self, device: torch.device | str) -> "TokenBatch":
-        self.input_ids = self.input_ids.to(device)
-        self.attention_mask = self.attention_mask.to(device)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TokenBatch":
+        """Move the tensors (non_blocking: from pinned host memory, asynchronously)."""
+        self.input_ids = self.input_ids.to(device, non_blocking=non_blocking)
+        self.attention_mask = self.attention_mask.to(device, non_blocking=non_blocking)
         if self.token_type_ids is not None:
-            self.token_type_ids = self.token_type_ids.to(device)
+            self.token_type_ids = self.token_type_ids.to(device, non_blocking=non_blocking)
+        if self.casing is not None:
+            self.casing = self.casing.to(device, non_blocking=non_blocking)
         return self
+
+    def pin_memory(self) -> "TokenBatch":
+        """Page-locked host copies of the tensors, so copies to a GPU can run asynchronously."""
+        self.input_ids = self.input_ids.pin_memory()
+        self.attention_mask = self.attention_mask.pin_memory()
+        if self.token_type_ids is not None:
+            self.token_type_ids = self.token_type_ids.pin_memory()
+        if self.casing is not None:
+            self.casing = self.casing.pin_memory()
+        return self
+
+
+@dataclass
+class TokenArrays:
+    """A batch's per-token lists as (rows, T) int64 arrays, one row per real input; -1 where the
+    list holds None (special tokens, padding)."""
+
+    segment: np.ndarray  # sequence_ids: 0 = text, 1 = text_pair
+    word: np.ndarray  # word_ids
+    start: np.ndarray  # offsets: first character
+    end: np.ndarray  # offsets: one past the last character
+
+    @classmethod
+    def of(cls, batch: TokenBatch) -> "TokenArrays":
+        rows, width = len(batch.offsets), batch.seq_len
+
+        def ids(lists) -> np.ndarray:
+            flat = (-1 if i is None else i for i in itertools.chain.from_iterable(lists))
+            return np.fromiter(flat, dtype=np.int64, count=rows * width).reshape(rows, width)
+
+        pairs = itertools.chain.from_iterable(itertools.chain.from_iterable(batch.offsets))
+        offsets = np.fromiter(pairs, dtype=np.int64, count=rows * width * 2).reshape(rows, width, 2)
+        return cls(ids(batch.sequence_ids), ids(batch.word_ids), offsets[..., 0], offsets[..., 1])
+
+
+def casing_classes(batch: TokenBatch) -> torch.Tensor:
+    """(B, T) host tensor: the casing class of each token (CASING_CLASSES), 0 for special tokens,
+    padding and filler rows. Lowercasing tokenizers lose the case cue NER leans on; this gives it back."""
+    height, width = batch.input_ids.shape
+    rows = []
+    for r in range(batch.real_rows):
+        ids = []
+        for (start, end), seq in zip(batch.offsets[r], batch.sequence_ids[r]):
+            if seq is None or end <= start:
+                ids.append(0)
+                continue
+            piece = (batch.texts[r] if seq == 0 else batch.text_pairs[r])[start:end]
+            if piece.islower():
+                ids.append(1)
+            elif piece[0].isupper() and (len(piece) == 1 or piece[1:].islower()):
+                ids.append(2)
+            elif piece.isupper():
+                ids.append(3)
+            else:
+                ids.append(4)
+        rows.append(ids + [0] * (width - len(ids)))
+    rows += [[0] * width] * (height - len(rows))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def trimmed_offsets(offsets, sequence_ids, text: str, pair: str | None) -> list[tuple[int, int]]:
@@ -119,13 +218,25 @@ class TextEncoder:
             ))
         return rows
 
-    def collate(self, rows) -> TokenBatch:
+    def collate(self, rows, shape: tuple[int, int] | None = None, device: torch.device | str | None = None,
+                casing: bool = False) -> TokenBatch:
         """Pad encoded inputs (possibly from several requests) into one batch; padding goes on
-        the right for every model (a causal decoder's real tokens never attend to it)."""
+        the right for every model (a causal decoder's real tokens never attend to it).
+
+        `shape` (rows, tokens): pad to that bucket shape instead of the smallest one; rows past
+        the real ones are filler rows (`TokenBatch.filler_rows`). `device`: where the tensors go
+        (default this encoder's device; "cpu" keeps them on the host for the caller to pin and
+        copy). `casing`: make the casing classes now (a loaded head reads them)."""
         width = max(len(row) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        types = torch.zeros((len(rows), width), dtype=torch.long) if self.uses_token_types else None
+        height = len(rows)
+        if shape is not None:
+            if shape[0] < height or shape[1] < width:
+                raise ValueError(f"bucket {shape} is smaller than the batch ({height} rows x {width} tokens)")
+            height, width = shape
+        input_ids = torch.full((height, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((height, width), dtype=torch.long)
+        attention[len(rows):, 0] = 1  # filler rows see one token: no attention row is all masked
+        types = torch.zeros((height, width), dtype=torch.long) if self.uses_token_types else None
         for r, row in enumerate(rows):
             n = len(row)
             input_ids[r, :n] = torch.tensor(row.ids, dtype=torch.long)
@@ -134,7 +245,7 @@ class TextEncoder:
                 types[r, :n] = torch.tensor(row.type_ids, dtype=torch.long)
         padding = [width - len(row) for row in rows]
         has_pairs = any(row.text_pair is not None for row in rows)
-        return TokenBatch(
+        batch = TokenBatch(
             input_ids=input_ids, attention_mask=attention, token_type_ids=types,
             offsets=[row.offsets + [(0, 0)] * p for row, p in zip(rows, padding)],
             sequence_ids=[row.sequence_ids + [None] * p for row, p in zip(rows, padding)],
@@ -142,4 +253,8 @@ class TextEncoder:
             texts=[row.text for row in rows],
             text_pairs=[row.text_pair for row in rows] if has_pairs else None,
             truncated=[row.truncated for row in rows],
-        ).to(self.device)
+            filler_rows=height - len(rows),
+        )
+        if casing:
+            batch.casing = casing_classes(batch)
+        return batch.to(self.device if device is None else device)

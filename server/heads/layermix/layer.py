@@ -5,9 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.backbone.tokens import TokenBatch
-
-CASING_CLASSES = 5  # none/special, lower, Capitalized, UPPER, other (digits, punctuation, mixed)
+from server.backbone.tokens import CASING_CLASSES, TokenBatch  # noqa: F401  (re-exported)
 
 
 def cutoff_weights(weights: torch.Tensor, cutoff: float) -> torch.Tensor:
@@ -23,29 +21,10 @@ def cutoff_weights(weights: torch.Tensor, cutoff: float) -> torch.Tensor:
 
 
 def casing_ids(batch: TokenBatch) -> torch.Tensor:
-    """(B, T) casing class of each token, read from the raw text through its offsets.
-
-    Lowercasing tokenizers lose the case cue that NER leans on; this gives it back cheaply.
-    """
-    rows = []
-    for r in range(batch.size):
-        ids = []
-        for (start, end), seq in zip(batch.offsets[r], batch.sequence_ids[r]):
-            if seq is None or end <= start:
-                ids.append(0)
-                continue
-            text = batch.texts[r] if seq == 0 else batch.text_pairs[r]
-            piece = text[start:end]
-            if piece.islower():
-                ids.append(1)
-            elif piece[0].isupper() and (len(piece) == 1 or piece[1:].islower()):
-                ids.append(2)
-            elif piece.isupper():
-                ids.append(3)
-            else:
-                ids.append(4)
-        rows.append(ids)
-    return torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+    """(B, T) casing class of each token (CASING_CLASSES), read from the raw text through its
+    offsets. Made once per batch on the host and kept on it (`TokenBatch.casing_ids`), so the pass
+    itself does no per-token Python (and a captured CUDA graph reads it as a static input)."""
+    return batch.casing_ids()
 
 
 class SequenceClassifier(nn.Module):

@@ -1,0 +1,251 @@
+"""The vectorised decoder (server/heads/decode.py) answers exactly what the per-row, per-token
+decoder it replaced answered. That decoder is kept below, unchanged, as the oracle; answers are
+compared as JSON text, so values, types and key order must all match."""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modules_store import DEFAULT_STORE, ModuleStore, TaskType
+from server.backbone.tokens import TokenBatch
+from server.engine import Engine
+from server.heads.decode import decode
+from server.modules import load_module
+from training.data import CONLL_TAGS, default_data_dir, read_conll
+
+
+# ---- the oracle: server/heads/decode.py as it was before vectorising (commit d01cb18) -------------
+def reference_decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: TokenBatch) -> list[dict[str, Any]]:
+    logits = logits.float().cpu()
+    if task_type == TaskType.sequence_classification:
+        return [_classification(labels, row) for row in logits]
+    if task_type == TaskType.regression:
+        return [{"value": float(row.reshape(-1)[0])} for row in logits]
+    if task_type == TaskType.token_classification:
+        return [_entities(labels, logits[r], batch, r) for r in range(batch.size)]
+    raise ValueError(f"no decoder for task type {task_type}")
+
+
+def _classification(labels: list[str], row: torch.Tensor) -> dict[str, Any]:
+    probs = torch.softmax(row, dim=-1).tolist()
+    best = max(range(len(probs)), key=probs.__getitem__)
+    return {"label": labels[best], "score": probs[best], "scores": dict(zip(labels, probs))}
+
+
+def _split_tag(tag: str) -> tuple[str, str]:
+    if tag == "O":
+        return "O", ""
+    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIE":
+        return tag[0], tag[2:]
+    return "I", tag
+
+
+def word_predictions(labels: list[str], logits: torch.Tensor, batch: TokenBatch, row: int):
+    probs = torch.softmax(logits, dim=-1)
+    scores, best = probs.max(dim=-1)
+    words: dict[tuple[int, int], list] = {}
+    for t, (seq, word) in enumerate(zip(batch.sequence_ids[row], batch.word_ids[row])):
+        if seq is None or word is None:
+            continue
+        start, end = batch.offsets[row][t]
+        key = (seq, word)
+        if key not in words:
+            words[key] = [seq, start, end, labels[int(best[t])], float(scores[t])]
+        else:
+            words[key][2] = max(words[key][2], end)
+    return list(words.values())
+
+
+def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, row: int) -> dict[str, Any]:
+    entities: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    word_scores: list[float] = []
+
+    def close():
+        nonlocal current
+        if current is not None:
+            current["score"] = sum(word_scores) / len(word_scores)
+            source = batch.texts[row] if current["segment"] == 0 else batch.text_pairs[row]
+            current["text"] = source[current["start"]:current["end"]]
+            entities.append(current)
+        current = None
+
+    for seq, start, end, tag, score in word_predictions(labels, logits, batch, row):
+        prefix, kind = _split_tag(tag)
+        continues = current is not None and prefix == "I" and kind == current["label"] and seq == current["segment"]
+        if continues:
+            current["end"] = end
+            word_scores.append(score)
+            continue
+        close()
+        if prefix != "O":
+            current = {"label": kind, "start": start, "end": end, "segment": seq}
+            word_scores = [score]
+    close()
+    fields = ("text", "label", "start", "end", "score") + (("segment",) if batch.text_pairs is not None else ())
+    return {"entities": [{k: e[k] for k in fields} for e in entities]}
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+def assert_same(task_type, labels, logits, batch) -> list[dict]:
+    new = decode(task_type, labels, logits, batch)
+    old = reference_decode(task_type, labels, logits, batch)
+    assert json.dumps(new) == json.dumps(old)  # numpy scalars would not serialise; key order counts
+    return new
+
+
+BIO = CONLL_TAGS
+PLAIN = ["O", "PER", "LOC", "ORG"]  # no prefixes: every non-O tag reads as I-, so equal tags join
+# E- starts an entity, S-X is a type of its own, "" is an I- of the type "" (which O has too)
+ODD = ["O", "B-X", "I-X", "E-X", "S-X", "X", "I-Y", "B-", "I", ""]
+LABEL_SETS = [BIO, PLAIN, ODD, ["O"], ["B-A", "I-A"]]
+
+WORDS = ["Angela", "Merkel", "visited", "Schwarzenegger", "unbelievably", "U.S.", "New", "York", "EU", "'s",
+         "naïve", "café", "—", "3.14", "e-mail", "a", "I", "ok", "Zürich", "東京", "🙂", ",", "(", ")",
+         "rejects", "German", "call", "to", "boycott", "British", "lamb", "supercalifragilistic"]
+SPACES = [" ", " ", " ", "  ", "\t", "\n", " \u00a0 "]
+
+
+def random_text(rng: random.Random, max_words: int = 12) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(0, max_words))]
+    text = "".join(w + rng.choice(SPACES) for w in words)
+    return rng.choice(["", " ", "\n"]) + text  # leading and trailing whitespace
+
+
+def random_batch(encoder, rng: random.Random) -> TokenBatch:
+    """Rows from up to three 'requests' collated together: plain texts, text pairs, or a mix
+    (a batch holds pairs as soon as one row has one); sometimes truncated, sometimes padded to a
+    larger bucket with filler rows and decoded on its real rows, as the model runner does."""
+    rows = []
+    for _ in range(rng.randint(1, 3)):
+        n = rng.randint(1, 5)
+        texts = [random_text(rng) for _ in range(n)]
+        pairs = [random_text(rng) for _ in range(n)] if rng.random() < 0.5 else None
+        limit = rng.choice([None, None, 6, 9])
+        rows += encoder.encode(texts, pairs, truncate=limit is not None, max_tokens=limit)
+    if rng.random() < 0.3:
+        width = max(len(row) for row in rows)
+        return encoder.collate(rows, shape=(len(rows) + rng.randint(0, 3), width + rng.randint(0, 4))).real()
+    return encoder.collate(rows)
+
+
+def random_logits(rng: random.Random, shape: tuple[int, ...]) -> torch.Tensor:
+    """Gaussian, or small integers (equal maxima: the first wins), or peaked on random labels
+    (long runs of one tag, entities across many words)."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    style = rng.choice(["gauss", "ties", "peaked"])
+    if style == "gauss":
+        return torch.randn(shape, generator=gen) * rng.choice([0.5, 3.0, 20.0])
+    if style == "ties":
+        return torch.randint(-1, 2, shape, generator=gen).float()
+    logits = torch.randn(shape, generator=gen)
+    best = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+    return logits.scatter(-1, best.unsqueeze(-1), 6.0)
+
+
+# ---- tests -------------------------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_token_classification_equals_the_old_decoder_on_random_batches(minilm, seed):
+    rng = random.Random(seed)
+    batch = random_batch(minilm.text, rng)
+    labels = rng.choice(LABEL_SETS)
+    logits = random_logits(rng, (batch.size, batch.seq_len, len(labels)))
+    if rng.random() < 0.3:
+        logits = logits.half()  # what a 16-bit head hands back
+    assert_same(TaskType.token_classification, labels, logits, batch)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 9), width=st.integers(1, 6))
+def test_sequence_classification_and_regression_equal_the_old_decoder(seed, rows, width):
+    rng = random.Random(seed)
+    labels = [f"label{i}" for i in range(width)]
+    assert_same(TaskType.sequence_classification, labels, random_logits(rng, (rows, width)), None)
+    assert_same(TaskType.regression, labels, random_logits(rng, (rows, width)), None)
+
+
+def scrambled_batch(rng: random.Random) -> TokenBatch:
+    """Token lists no tokenizer here makes: word ids out of order, a word's sub-tokens apart, words
+    of the pair before the text's, random spans. Words still come out in first-token order."""
+    rows, width = rng.randint(1, 6), rng.randint(1, 14)
+    texts = ["".join(rng.choice("ab ") for _ in range(30)) for _ in range(rows)]
+    pairs = ["".join(rng.choice("cd ") for _ in range(30)) for _ in range(rows)]
+    segments = [[rng.choice([None, 0, 1]) for _ in range(width)] for _ in range(rows)]
+    words = [[None if s is None else rng.choice([None, 0, 1, 2, 3]) for s in row] for row in segments]
+    offsets = []
+    for _ in range(rows):
+        starts = [rng.randint(0, 25) for _ in range(width)]
+        offsets.append([(a, a + rng.randint(0, 5)) for a in starts])
+    ids = torch.zeros((rows, width), dtype=torch.long)
+    return TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=None, offsets=offsets,
+                      sequence_ids=segments, word_ids=words, texts=texts, text_pairs=pairs, truncated=[False] * rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_token_classification_equals_the_old_decoder_on_scrambled_token_lists(seed):
+    rng = random.Random(seed)
+    batch = scrambled_batch(rng)
+    labels = rng.choice(LABEL_SETS)
+    assert_same(TaskType.token_classification, labels,
+                random_logits(rng, (batch.size, batch.seq_len, len(labels))), batch)
+
+
+def test_entities_span_words_across_sub_tokens_segments_and_rows(minilm):
+    """A hand-built case, so the property test's oracle is not the only judge: tags on first
+    sub-tokens, spans to the last sub-token, entities closed at a segment's end."""
+    text, pair = "Angela Schwarzenegger visited  Zürich", "Zürich rejects"
+    batch = minilm.text.tokenize([text, "ok"], [pair, "New York"])
+    logits = torch.full((batch.size, batch.seq_len, len(BIO)), -5.0)
+    wanted = {(0, 0, 0): "B-PER", (0, 0, 1): "I-PER", (0, 0, 3): "B-LOC", (0, 1, 0): "I-LOC",
+              (1, 1, 0): "B-LOC", (1, 1, 1): "I-LOC"}
+    for r in range(batch.size):
+        for t, (seq, word) in enumerate(zip(batch.sequence_ids[r], batch.word_ids[r])):
+            logits[r, t, BIO.index(wanted.get((r, seq, word), "O"))] = 5.0
+    answers = assert_same(TaskType.token_classification, BIO, logits, batch)
+    assert [[(e["text"], e["label"], e["segment"]) for e in a["entities"]] for a in answers] == [
+        [("Angela Schwarzenegger", "PER", 0), ("Zürich", "LOC", 0), ("Zürich", "LOC", 1)],
+        [("New York", "LOC", 1)],
+    ]
+    assert len(minilm.text.encode(["Schwarzenegger"])[0]) > 3  # the name is several sub-tokens
+
+
+@pytest.fixture(scope="module")
+def conll_validation():
+    path = default_data_dir() / "conll2003" / "validation.txt"
+    if not path.is_file():
+        pytest.skip(f"shared data not found at {path}")
+    return read_conll(path)
+
+
+def test_conll_validation_batches_decode_as_before(minilm, conll_validation):
+    """Real CoNLL validation sentences in 128-row batches through the real tokenizer, decoded from
+    the shipped NER module's logits (real predictions) and from random logits."""
+    ner = load_module(ModuleStore(DEFAULT_STORE), "ner", None, minilm)
+    engine = Engine(minilm)
+    texts = conll_validation.texts()
+    entities = 0
+    with torch.inference_mode():
+        for first in range(0, 1024, 128):
+            batch = minilm.text.tokenize(texts[first:first + 128], truncate=True)
+            logits, _ = engine.run(batch, {"ner": ner})
+            answers = assert_same(TaskType.token_classification, ner.head.labels, logits["ner"], batch)
+            entities += sum(len(a["entities"]) for a in answers)
+            random_ = random_logits(random.Random(first), (batch.size, batch.seq_len, len(BIO)))
+            assert_same(TaskType.token_classification, BIO, random_, batch)
+    assert entities > 1000  # the module finds entities: the comparison is not between empty lists
+
+
+def test_conll_pairs_decode_as_before(minilm, conll_validation):
+    texts = conll_validation.texts()[:256]
+    batch = minilm.text.tokenize(texts[:128], texts[128:], truncate=True)
+    logits = random_logits(random.Random(7), (batch.size, batch.seq_len, len(BIO)))
+    answers = assert_same(TaskType.token_classification, BIO, logits, batch)
+    assert {e["segment"] for a in answers for e in a["entities"]} == {0, 1}

@@ -1,0 +1,434 @@
+"""The model runner (server/runner.py): batch shapes, bucket padding, the graph cache and its
+invalidation on module changes, no host syncs inside a pass, head precision. CPU tests use the real
+tiny backbone and real modules; CUDA-only tests are marked and skipped without a GPU."""
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from modules_store import ModuleStore
+from server.backbone import Backbone
+from server.config import Settings
+from server.engine import Engine, Timings
+from server.modules import load_module, save_module
+from server.runner import (
+    Bucket,
+    BatchShapes,
+    CapturedPass,
+    ModelRunner,
+    bounded,
+    pack_logits,
+    static_batch,
+    unpack_logits,
+)
+from server.runtime import Runtime
+from tests.helpers import random_head
+
+TEXTS = ["Peter Blackburn met Angela Merkel in Brussels.", "A dull film.", "ok",
+         "The European Commission said on Thursday it disagreed with German advice to consumers.",
+         "Great acting, poor plot, fine music.", "NASA and the U.N. met in New York on 3 May."]
+SERVER_DIR = str(Path(__file__).resolve().parents[1] / "server")
+
+
+def modules_of(store, backbone, tasks=("sentiment", "ner", "acceptability")):
+    return {t: load_module(store, t, None, backbone) for t in tasks}
+
+
+def sorted_rows(backbone, texts, pairs=None):
+    return sorted(backbone.encode(texts, pairs), key=len)
+
+
+def runner_for(backbone, mode, capture=None, **settings):
+    engine = Engine(backbone)
+    return ModelRunner(engine, Settings(batch_shapes=mode, **settings), capture=capture)
+
+
+def assert_same_answers(got, want, abs_tol=1e-4):
+    assert set(got) == set(want)
+    for task in want:
+        assert len(got[task]) == len(want[task])
+        for a, b in zip(got[task], want[task]):
+            if "entities" in b:
+                assert [(e["label"], e["start"], e["end"]) for e in a["entities"]] == \
+                       [(e["label"], e["start"], e["end"]) for e in b["entities"]]
+                for ea, eb in zip(a["entities"], b["entities"]):
+                    assert ea["score"] == pytest.approx(eb["score"], abs=abs_tol)
+            else:
+                assert a["label"] == b["label"]
+                for label, p in b["scores"].items():
+                    assert a["scores"][label] == pytest.approx(p, abs=abs_tol)
+
+
+# ---- batch shapes ---------------------------------------------------------------------------------
+def test_buckets_are_bounded_by_the_batch_limit_and_the_token_limit():
+    assert bounded([1, 2, 4, 8, 16], 6) == [1, 2, 4, 8]  # the smallest covering size stays
+    assert bounded([1, 2, 4], 100) == [1, 2, 4, 100]  # the limit itself when none covers it
+    shapes = BatchShapes.for_settings(Settings(max_batch_size=100, graph_batch_sizes="1,8,64,128,256",
+                                               graph_seq_lens="16,64,256,1024"), torch.device("cpu"), 300)
+    assert shapes.mode == "length_runs"  # the CPU's default
+    assert shapes.batch_sizes == [1, 8, 64, 128] and shapes.seq_lens == [16, 64, 256, 300]
+
+
+def test_bucket_choice_covers_each_pass_and_cuts_batches_over_the_largest_size():
+    shapes = BatchShapes("buckets", [1, 2, 4, 8], [16, 32, 64])
+    assert shapes.bucket(3, 17) == Bucket(4, 32)
+    assert shapes.bucket(8, 64) == Bucket(8, 64)
+    assert shapes.bucket(1, 65) is None  # longer than every bucket: eager, unpadded
+    lengths = sorted([5, 9, 12, 12, 30, 31, 33, 40, 60, 61])
+    passes = shapes.passes(lengths)
+    assert [(p.start, p.stop) for p, _ in passes] == [(0, 8), (8, 10)]
+    assert [b for _, b in passes] == [Bucket(8, 64), Bucket(2, 64)]
+    # length runs: no bucket, runs within the padding ratio
+    runs = BatchShapes("length_runs", [8], [64], max_padding_ratio=1.25).passes(lengths)
+    assert all(b is None for _, b in runs) and len(runs) > 1
+
+
+def test_common_buckets_fit_the_token_budget_largest_first():
+    common = BatchShapes("buckets", [1, 4, 16], [16, 64]).common(max_batch_tokens=256)
+    assert common == [Bucket(16, 16), Bucket(4, 64), Bucket(4, 16), Bucket(1, 64), Bucket(1, 16)]
+
+
+def test_settings_refuse_bad_bucket_lists_and_mixed_head_precision():
+    with pytest.raises(ValueError, match="graph_seq_lens='16,x'"):
+        Settings(graph_seq_lens="16,x")
+    with pytest.raises(ValueError, match="head_precision bf16 needs the backbone in bf16"):
+        Settings(head_precision="bf16", precision="fp32")
+    assert Settings(head_precision="bf16", precision="bf16").head_precision == "bf16"
+
+
+def test_packed_logits_round_trip_and_drop_filler_rows():
+    logits = {"a": torch.randn(4, 3), "b": torch.randn(4, 7, 5)}
+    flat, layout = pack_logits(logits)
+    assert flat.dim() == 1 and flat.numel() == 4 * 3 + 4 * 7 * 5
+    back = unpack_logits(flat, layout, rows=3)
+    assert torch.equal(back["a"], logits["a"][:3]) and torch.equal(back["b"], logits["b"][:3])
+
+
+# ---- padding changes no answer -------------------------------------------------------------------
+def test_bucket_padding_gives_the_answers_of_unpadded_passes(tiny_backbone, tiny_store):
+    modules = modules_of(tiny_store, tiny_backbone)
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    plain = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000)  # one pass, padded to its longest row
+    padded = runner_for(tiny_backbone, "buckets", graph_batch_sizes="8", graph_seq_lens="64")
+    prepared = padded.prepare(rows, modules)
+    assert [(p.batch.size, p.batch.seq_len, p.batch.filler_rows) for p in prepared.passes] == [(8, 64, 2)]
+    assert_same_answers(padded.execute(prepared, modules, Timings()), plain.run(rows, modules))
+    # the logits themselves: real rows and real tokens agree closely
+    real_batch = tiny_backbone.collate(rows)
+    want = Engine(tiny_backbone).logits(real_batch, modules)
+    got, _ = padded.logits(prepared.passes[0].batch, prepared.passes[0].bucket, modules, Timings())
+    for task in modules:
+        if want[task].dim() == 3:
+            torch.testing.assert_close(got[task][:, :real_batch.seq_len], want[task], atol=1e-5, rtol=1e-4)
+        else:
+            torch.testing.assert_close(got[task], want[task], atol=1e-5, rtol=1e-4)
+
+
+def test_bucket_padding_on_pairs_and_a_decoder(tiny_llama, tmp_path):
+    store = ModuleStore(tmp_path)
+    save_module(store, "sentiment", "1", random_head(tiny_llama, "sequence_classification", ["neg", "pos"], 1),
+                tiny_llama)
+    save_module(store, "ner", "1", random_head(tiny_llama, "token_classification", ["O", "B-X", "I-X"], 2,
+                                               casing=True), tiny_llama)
+    modules = modules_of(store, tiny_llama, ("sentiment", "ner"))
+    rows = sorted_rows(tiny_llama, TEXTS[:3], ["Bonn.", "It was long and dull.", "Fine"])
+    plain = runner_for(tiny_llama, "length_runs", max_padding_ratio=1000)
+    padded = runner_for(tiny_llama, "buckets", graph_batch_sizes="4", graph_seq_lens="48")
+    assert_same_answers(padded.run(rows, modules), plain.run(rows, modules))
+
+
+# ---- graphs belong to their plan ----------------------------------------------------------------
+def record_eager(engine: Engine, runner_ref: list):
+    """A capture function for the CPU: the pass at a bucket runs eagerly on static input tensors
+    (as a replay does), so the cache, its invalidation and the static-input copies are checked here;
+    it records the heads each 'graph' was made with."""
+    made = []
+
+    def capture(modules, bucket):
+        inputs = static_batch(bucket, engine.backbone.device, engine.backbone.text.uses_token_types,
+                              any(getattr(m.head, "casing", None) is not None for m in modules.values()))
+
+        def replay():
+            with runner_ref[0].precision():
+                logits, _ = engine.run(inputs, modules)
+            return pack_logits(logits)[0]
+
+        made.append({task: m.head for task, m in modules.items()})
+        return CapturedPass(inputs, replay, pack_logits(engine.run(inputs, modules)[0])[1])
+
+    return capture, made
+
+
+def test_graphs_are_replayed_per_bucket_and_recaptured_after_every_module_change(tiny_backbone, tiny_store, tmp_path):
+    # a store of its own: version 2 of sentiment (other weights) is the latest, loaded at start
+    store = ModuleStore(tmp_path)
+    for task in ("sentiment", "ner"):
+        version = tiny_store.latest(task)
+        save_module(store, task, "1", load_module(tiny_store, task, version, tiny_backbone).head, tiny_backbone)
+    save_module(store, "sentiment", "2", random_head(tiny_backbone, "sequence_classification",
+                                                     ["negative", "positive"], 99), tiny_backbone)
+    settings = Settings(store=store.root, tasks="sentiment,ner", batch_shapes="buckets",
+                        graph_batch_sizes="2,8", graph_seq_lens="32,64", max_batch_tokens=64)
+    runtime = Runtime(settings, backbone=tiny_backbone)
+    runtime.start()
+    assert runtime.ready.is_set(), runtime.startup_error
+    runner = runtime.runner
+    capture, made = record_eager(runtime.engine, [runner])
+    runner.graphs.capture = capture  # what a GPU gets from capture_cuda_graph
+    runner.warm_up(runtime.modules)  # the common buckets: 2x32 (64 tokens) only
+    assert runner.graphs.captures == 1 and len(runner.graphs) == 1
+
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    engine = Engine(tiny_backbone)
+    first = runtime.run_batch(rows, runtime.modules, Timings())
+    assert_same_answers(first, engine.predict(tiny_backbone.collate(rows), runtime.modules))
+    assert runner.graphs.captures == 2  # 8x64 captured on first use
+    runtime.run_batch(rows, runtime.modules, Timings())
+    runtime.run_batch(rows[:2], runtime.modules, Timings())
+    assert runner.graphs.captures == 2  # both replayed, nothing recaptured
+
+    runtime.load_task("sentiment", "1")
+    assert len(runner.graphs) == 1 and runner.graphs.captures == 3  # dropped; the start bucket recaptured
+    second = runtime.run_batch(rows, runtime.modules, Timings())
+    assert made[-1]["sentiment"] is runtime.modules["sentiment"].head  # captured with the new head
+    assert_same_answers(second, engine.predict(tiny_backbone.collate(rows), runtime.modules))
+    assert [a["scores"] for a in second["sentiment"]] != [a["scores"] for a in first["sentiment"]]
+    assert second["ner"] == first["ner"] or all(  # ner unchanged (same head weights)
+        [e["label"] for e in a["entities"]] == [e["label"] for e in b["entities"]]
+        for a, b in zip(second["ner"], first["ner"]))
+
+    runtime.unload_task("ner")
+    assert all("ner" not in heads for heads in made[-1:])  # recaptured without the unloaded head
+    third = runtime.run_batch(rows, runtime.modules, Timings())
+    assert set(third) == {"sentiment"}
+    assert_same_answers(third, {"sentiment": second["sentiment"]})
+    runtime.load_task("sentiment", "2")
+    assert_same_answers(runtime.run_batch(rows, runtime.modules, Timings()), {"sentiment": first["sentiment"]})
+    runtime.close()
+
+
+def test_graph_memory_cap_and_a_failed_capture_fall_back_to_eager(tiny_backbone, tiny_store):
+    modules = modules_of(tiny_store, tiny_backbone)
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    calls = []
+
+    def failing(modules, bucket):
+        calls.append(bucket)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner = runner_for(tiny_backbone, "buckets", capture=failing, graph_batch_sizes="8", graph_seq_lens="64")
+    want = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000).run(rows, modules)
+    assert_same_answers(runner.run(rows, modules), want)
+    assert_same_answers(runner.run(rows, modules), want)
+    assert calls == [Bucket(8, 64)]  # tried once, then eager for that shape
+
+    capped = runner_for(tiny_backbone, "buckets", capture=failing, graph_memory_mb=0)
+    assert not capped.graphs.enabled
+    assert_same_answers(capped.run(rows, modules), want)
+    assert len(calls) == 1
+
+
+# ---- nothing in the pass waits on the device -----------------------------------------------------
+class HostSyncs(TorchFunctionMode):
+    """Records calls that read a tensor's values on the host (each one a device sync on a GPU, and
+    an error inside CUDA graph capture) or build a tensor from Python data, made from tmod's own code."""
+
+    READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS or func in (torch.tensor, torch.as_tensor):
+            caller = traceback.extract_stack(limit=2)[0]  # the frame that called it
+            if caller.filename.startswith(SERVER_DIR):
+                self.calls.append(f"{name} at {os.path.relpath(caller.filename, SERVER_DIR)}:{caller.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_pass_reads_nothing_back_from_the_device(tiny_backbone, tiny_store):
+    """Engine.run with the three test modules (casing included), fused and unfused, on a prepared
+    batch: no host read of a device value and no tensor built from Python lists in tmod's code."""
+    modules = modules_of(tiny_store, tiny_backbone)
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    for fuse in (True, False):
+        engine = Engine(tiny_backbone, fuse=fuse)
+        runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="8", graph_seq_lens="64"))
+        batch = runner.prepare(rows, modules).passes[0].batch
+        engine.plan(modules)  # plans are built once per module set, outside the pass
+        with torch.inference_mode(), HostSyncs() as syncs:
+            engine.run(batch, modules)
+        assert syncs.calls == []
+    with HostSyncs() as syncs:  # the detector sees what it looks for: layers_read() reads weights back
+        modules["sentiment"].head.layers_read()
+    assert syncs.calls and syncs.calls[0].startswith("tolist at heads/layermix/model.py")
+
+
+# ---- heads in 16 bits ----------------------------------------------------------------------------
+def test_bf16_heads_run_under_autocast_and_stay_close(tiny_backbone, tiny_store):
+    modules = modules_of(tiny_store, tiny_backbone)
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    bb16 = tiny_backbone.use_backend("torch", "bf16")
+    runner = ModelRunner(Engine(bb16), Settings(precision="bf16", head_precision="bf16"))
+    assert runner.head_precision == "bf16"
+    seen = []
+    hook = modules["sentiment"].head.classifier.classifier.register_forward_hook(
+        lambda mod, args, out: seen.append(out.dtype))
+    try:
+        got = runner.run(rows, modules)
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}  # the head's matrix products ran in bf16
+    want = ModelRunner(Engine(bb16), Settings(precision="bf16", head_precision="fp32")).run(rows, modules)
+    assert [a["label"] for a in got["sentiment"]] == [a["label"] for a in want["sentiment"]]
+    for a, b in zip(got["sentiment"], want["sentiment"]):
+        assert a["score"] == pytest.approx(b["score"], abs=0.02)
+    # auto: fp32 heads on the CPU (16-bit heads are a GPU setting)
+    assert ModelRunner(Engine(bb16), Settings(precision="bf16")).head_precision == "fp32"
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_cuda_graph_replay_equals_eager(tiny_backbone_dir, tmp_path):
+    backbone = Backbone.load(tiny_backbone_dir, device="cuda")
+    store = ModuleStore(tmp_path)
+    from tests.helpers import populate_store
+
+    populate_store(tmp_path, backbone)
+    modules = {t: load_module(store, t, None, backbone, "cuda") for t in ("sentiment", "ner", "acceptability")}
+    rows = sorted_rows(backbone, TEXTS)
+    graphs = ModelRunner(Engine(backbone), Settings(device="cuda", graph_batch_sizes="8", graph_seq_lens="64"))
+    eager = ModelRunner(Engine(backbone), Settings(device="cuda", cuda_graphs=False, graph_batch_sizes="8",
+                                                   graph_seq_lens="64"))
+    prepared = graphs.prepare(rows, modules)
+    got, _ = graphs.logits(prepared.passes[0].batch, prepared.passes[0].bucket, modules, Timings())
+    assert graphs.graphs.captures == 1 and graphs.graphs.memory_bytes >= 0
+    want, _ = eager.logits(eager.prepare(rows, modules).passes[0].batch, Bucket(8, 64), modules, Timings())
+    for task in modules:
+        torch.testing.assert_close(got[task], want[task], atol=1e-5, rtol=1e-5)
+    # replay again on other rows of the same bucket: static inputs are refilled, not stale
+    other = sorted_rows(backbone, TEXTS[::-1][:5])
+    got2, _ = graphs.logits(graphs.prepare(other, modules).passes[0].batch, Bucket(8, 64), modules, Timings())
+    want2, _ = eager.logits(eager.prepare(other, modules).passes[0].batch, Bucket(8, 64), modules, Timings())
+    assert graphs.graphs.captures == 1
+    for task in modules:
+        torch.testing.assert_close(got2[task], want2[task], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_reload_under_load_switches_answers_and_drops_no_request(tiny_backbone_dir, tmp_path):
+    """A real server on cuda with graphs: requests keep coming while sentiment is switched between
+    two versions; every request is answered 200, each with the answers of the version it names."""
+    import asyncio
+
+    import httpx
+
+    from server.app import create_app
+    from tests.helpers import LiveServer
+
+    backbone = Backbone.load(tiny_backbone_dir, device="cuda")
+    store = ModuleStore(tmp_path)
+    for version, seed in (("1", 1), ("2", 2)):
+        save_module(store, "sentiment", version, random_head(backbone, "sequence_classification",
+                                                             ["negative", "positive"], seed), backbone)
+    token = "t0ken"
+    settings = Settings(store=store.root, device="cuda", admin_token=token, graph_batch_sizes="1,2,4,8,16",
+                        graph_seq_lens="32,64")
+    texts = TEXTS[:4]
+
+    async def load(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def ask():
+                return await client.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": texts})
+
+            reference = {}
+            for version in ("1", "2"):
+                await client.post(f"/admin/modules/sentiment/load", json={"version": version},
+                                  headers={"authorization": f"Bearer {token}"})
+                reference[version] = (await ask()).json()["results"]
+            answers, switches = [], []
+            for round_ in range(6):
+                version = "12"[round_ % 2]
+                burst = [asyncio.create_task(ask()) for _ in range(24)]
+                switches.append(await client.post(f"/admin/modules/sentiment/load", json={"version": version},
+                                                  headers={"authorization": f"Bearer {token}"}))
+                answers += await asyncio.gather(*burst, *[ask() for _ in range(8)])
+            return reference, answers, switches
+
+    with LiveServer(create_app(settings, backbone=backbone)) as server:
+        reference, answers, switches = asyncio.run(load(server.url))
+        metrics = httpx.get(server.url + "/metrics").text
+    assert all(s.status_code == 200 for s in switches)
+    assert all(a.status_code == 200 for a in answers)  # no request dropped
+    for answer in answers:
+        body = answer.json()
+        want = reference[body["tasks"]["sentiment"]]
+        for got, expected in zip(body["results"], want):
+            assert got["sentiment"]["label"] == expected["sentiment"]["label"]
+            assert got["sentiment"]["score"] == pytest.approx(expected["sentiment"]["score"], abs=1e-4)
+    assert reference["1"] != reference["2"]
+    assert "tmod_cuda_graphs " in metrics
+
+
+def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(tiny_backbone, tiny_store):
+    """The GPU's batcher pipeline (two batches in flight, collation in a tokenizer thread), run on
+    the CPU over real HTTP: batch n+1 is prepared while batch n runs, and every answer is the one
+    of the one-at-a-time path."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+
+    from server.app import create_app
+    from tests.helpers import LiveServer
+
+    requests = [([TEXTS[i % 6]], "sentiment,ner") for i in range(24)]
+
+    async def fire(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/infer", params={"tasks": t}, json={"inputs": x})
+                                          for x, t in requests))
+
+    settings = Settings(store=tiny_store.root, max_batch_size=4, max_wait_ms=20)
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        want = asyncio.run(fire(server.url))
+    app = create_app(settings, backbone=tiny_backbone)
+    runtime = app.state.runtime
+    events, lock = [], threading.Lock()
+
+    def logged(name, fn, pause=0.0):
+        def call(*args):
+            with lock:
+                events.append((name, "start"))
+            time.sleep(pause)  # a slow device: the overlap has time to show
+            out = fn(*args)
+            with lock:
+                events.append((name, "end"))
+            return out
+        return call
+
+    runtime.batcher.prepare = logged("prepare", runtime.prepare_batch)
+    runtime.batcher.run_batch = logged("run", runtime.run_batch, pause=0.05)
+    runtime.batcher.settings.in_flight = 2
+    with LiveServer(app) as server:
+        got = asyncio.run(fire(server.url))
+    for a, b in zip(got, want):
+        assert a.status_code == b.status_code == 200
+        assert_same_answers({t: [r[t] for r in a.json()["results"]] for t in ("sentiment", "ner")},
+                            {t: [r[t] for r in b.json()["results"]] for t in ("sentiment", "ner")})
+    running, overlapped = False, False
+    for name, what in events:
+        if name == "run":
+            running = what == "start"
+        elif what == "start" and running:
+            overlapped = True  # a batch was being prepared while another ran
+    assert overlapped
+    assert sum(1 for e in events if e == ("run", "start")) >= 6  # 24 rows, at most 4 per batch
