@@ -1,6 +1,6 @@
 """Layer-mix heads of one width k run as one computation (serving only: eval mode, no dropout).
 
-`MixGroup` keeps one stacked running buffer (K, B, T, k) for its K heads: per state one GELU, one
+`MixGroup` keeps one stacked running buffer (B, T, K, k) for its K heads: per state one GELU, one
 matmul against the heads' concatenated projections, one layer norm and one weighted add, whatever K
 is. At the end its heads' classifiers run stacked too: heads whose classifiers have the same shape
 (`classifier_shape`) form a `SequenceStack` or a `TokenStack`, whose weights carry a leading head
@@ -38,7 +38,7 @@ class StackedAttention:
 
     def __init__(self, layers: list[torch.nn.MultiheadAttention]):
         self.heads = layers[0].num_heads
-        self.in_weight = stack([m.in_proj_weight.T for m in layers])  # (K, k, 3k): q, k, v
+        self.in_weight = stack([m.in_proj_weight for m in layers])  # (K, 3k, k): q, k, v
         self.in_bias = stack([m.in_proj_bias for m in layers]).unsqueeze(1)
         self.out_weight, self.out_bias = linear_stack([m.out_proj for m in layers])
 
@@ -46,10 +46,11 @@ class StackedAttention:
         """x (K, B, T, k), attend (B, T) bool (True = a real token) -> (K, B*T, k)."""
         K, B, T, k = x.shape
         qkv = batched_linear(x.view(K, B * T, k), self.in_weight, self.in_bias)
-        q, keys, values = qkv.view(K, B, T, 3, self.heads, k // self.heads).permute(3, 0, 1, 4, 2, 5).unbind(0)
-        mask = attend.view(1, B, 1, 1, T)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (K, B, heads, T, d)
-        return batched_linear(attended.transpose(2, 3).reshape(K, B * T, k), self.out_weight, self.out_bias)
+        # (K*B, heads, T, d) views: 4-D, so SDPA takes its fused CPU kernel, not the math fallback
+        q, keys, values = qkv.view(K * B, T, 3, self.heads, k // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = attend.view(1, B, 1, T).expand(K, B, 1, T).reshape(K * B, 1, 1, T)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (K*B, heads, T, d)
+        return batched_linear(attended.transpose(1, 2).reshape(K, B * T, k), self.out_weight, self.out_bias)
 
 
 class StackedLayerNorm:
@@ -179,21 +180,22 @@ class MixGroup:
         return None  # the buffer is made on the first state, with its shape
 
     def consume(self, buffer: torch.Tensor | None, index: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Add this state's weighted terms to the (K, B, T, k) buffer (made on the first state)."""
+        """Add this state's weighted terms to the (B, T, K, k) buffer (made on the first state)."""
         rows, projection, layer_weight = self.steps[index]
         projected = (F.gelu(hidden) @ projection.T).unflatten(-1, (-1, self.k))  # (B, T, K_index, k)
-        term = (F.layer_norm(projected, (self.k,)) * layer_weight).permute(2, 0, 1, 3)  # (K_index, B, T, k)
+        normed = F.layer_norm(projected, (self.k,))
         if buffer is None:
-            buffer = hidden.new_zeros(len(self.heads), *hidden.shape[:2], self.k)
+            buffer = hidden.new_zeros(*hidden.shape[:2], len(self.heads), self.k)
         if rows is None:
-            buffer += term
+            buffer.addcmul_(normed, layer_weight)  # one pass: buffer += w * LN(projected)
         else:
-            buffer.index_add_(0, rows, term)
+            buffer.index_add_(2, rows, normed * layer_weight)
         return buffer
 
     def finish(self, buffer: torch.Tensor, batch: TokenBatch) -> dict[str, torch.Tensor]:
         casing = casing_ids(batch) if self.reads_casing else None
+        stacked = buffer.permute(2, 0, 1, 3).contiguous()  # (K, B, T, k): one head after another
         out = {}
         for s in self.stacks:
-            out.update(s(buffer[s.start:s.stop], batch.attention_mask, casing))
+            out.update(s(stacked[s.start:s.stop], batch.attention_mask, casing))
         return out
