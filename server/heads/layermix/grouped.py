@@ -14,6 +14,8 @@ host syncs and no tensors made from Python values, so a pass can be captured as 
 """
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 import torch.nn.functional as F
 
@@ -151,7 +153,7 @@ class MixGroup:
 
     def __init__(self, tasks: list[str], heads: list[LayerMixHead]):
         # order the heads so that each classifier stack is a contiguous range of the buffer
-        order = sorted(range(len(heads)), key=lambda j: repr(classifier_shape(heads[j])))
+        order = sorted(range(len(heads)), key=lambda j: classifier_shape(heads[j]))
         self.tasks, self.heads = [tasks[j] for j in order], [heads[j] for j in order]
         heads = self.heads
         self.k = heads[0].config.project_dim
@@ -165,15 +167,10 @@ class MixGroup:
             self.steps[index] = (rows, projection, layer_weight.view(-1, 1))
         self.layers = sorted(self.steps)
         self.stacks: list[ClassifierStack] = []
-        start = 0
-        while start < len(heads):
-            shape = classifier_shape(heads[start])
-            stop = start
-            while stop < len(heads) and classifier_shape(heads[stop]) == shape:
-                stop += 1
+        for shape, members in groupby(range(len(heads)), key=lambda j: classifier_shape(heads[j])):
+            members = list(members)
             kind = TokenStack if shape[0] == "token" else SequenceStack
-            self.stacks.append(kind(self.tasks[start:stop], heads[start:stop], start))
-            start = stop
+            self.stacks.append(kind([self.tasks[j] for j in members], [heads[j] for j in members], members[0]))
         self.reads_casing = any(s.casing is not None for s in self.stacks)
 
     def start(self, batch: TokenBatch) -> None:

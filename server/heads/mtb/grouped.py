@@ -12,6 +12,7 @@ and each block is a large computation of its own, so a loop costs no launch over
 from __future__ import annotations
 
 import json
+from itertools import groupby
 
 import torch
 
@@ -70,13 +71,9 @@ class BlockGroup:
         self.hf_config, self.rotary = heads[0].hf_config, heads[0].rotary
         self.layers = [heads[0].config.source_layer]
         self.stacks: list[TaskLayerStack] = []
-        start = 0
-        while start < len(heads):
-            stop = start
-            while stop < len(heads) and task_layer_shape(heads[stop]) == task_layer_shape(heads[start]):
-                stop += 1
-            self.stacks.append(TaskLayerStack(self.tasks[start:stop], heads[start:stop], start))
-            start = stop
+        for _, members in groupby(range(len(heads)), key=lambda j: task_layer_shape(heads[j])):
+            members = list(members)
+            self.stacks.append(TaskLayerStack([self.tasks[j] for j in members], [heads[j] for j in members], members[0]))
 
     def start(self, batch: TokenBatch) -> dict:
         return {"mask": batch.attention_mask, "hidden": None}
