@@ -243,6 +243,40 @@ def early_exit_section(bb, engine, store, batches, k, project_dim, seed, rounds,
                     "the embedding's and the heads' fixed share."}
 
 
+def op_times(fn, calls: int) -> dict[str, float]:
+    """Self CPU seconds per aten op over `calls` calls of fn, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    return {e.key: e.self_cpu_time_total / 1e6 / calls for e in prof.key_averages()}
+
+
+def profile_section(bb, engine, mods, batch, k: int, calls: int = 3) -> dict:
+    """Where the heads' time goes: per op, one Engine.logits call with K heads minus one backbone
+    stream to the last layer (both profiled with torch.profiler, same batch), largest first."""
+    def stream():
+        with torch.inference_mode():
+            for _ in bb.stream(batch, upto=bb.num_layers):
+                pass
+    alone = op_times(stream, calls)
+    shared = op_times(lambda: engine.logits(batch, dict(list(mods.items())[:k])), calls)
+    added = {op: shared.get(op, 0.0) - alone.get(op, 0.0) for op in set(shared) | set(alone)}
+    total_alone = sum(alone.values())
+    rows = sorted(added.items(), key=lambda kv: -kv[1])
+    return {
+        "heads": k, "batch": batch.size, "tokens": batch.seq_len, "calls": calls,
+        "backbone_alone_seconds": total_alone, "engine_seconds": sum(shared.values()),
+        "added_by_heads_seconds": sum(added.values()),
+        "ops_added": [{"op": op, "seconds": t, "share_of_backbone": t / total_alone} for op, t in rows[:12]],
+        "note": "self CPU time per op (profiler overhead included, so only the shares are meant), Engine.logits with "
+                "K heads minus Backbone.stream alone; aten::mm is the heads' fused per-state projection, aten::bmm "
+                "their stacked classifiers, aten::addmm the backbone's own linears",
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # memory (one fresh subprocess per path)
 # ---------------------------------------------------------------------------------------------
@@ -513,6 +547,17 @@ def markdown(result: dict) -> str:
                          f"{fmt_ratio(row['heads_time_vs_full_depth'])} | {fmt_ratio(row['stream_time_vs_full_depth'])} | "
                          f"{row['heads_sequences_per_s']:.1f} |")
         lines.append("")
+    if result.get("profile"):
+        prof = result["profile"]
+        lines += [f"**Where the heads' time goes** (torch.profiler, K={prof['heads']} heads, batch {prof['batch']} x "
+                  f"{prof['tokens']} tokens: self CPU time per op of Engine.logits minus the backbone stream alone; "
+                  f"the heads add {prof['added_by_heads_seconds'] / prof['backbone_alone_seconds']:.0%} of the "
+                  "backbone's time)", "",
+                  "| op | share of the backbone's time |", "| --- | ---: |"]
+        for row in prof["ops_added"]:
+            if row["share_of_backbone"] >= 0.005:
+                lines.append(f"| {row['op']} | {row['share_of_backbone']:.1%} |")
+        lines += ["", prof["note"] + ".", ""]
     if result.get("memory"):
         mem = result["memory"]
         mb = 1024 * 1024
@@ -631,6 +676,8 @@ def parse_args(argv=None):
     p.add_argument("--memory-batch", type=int, default=None, help="B for the memory comparison (default 64, quick 16)")
     p.add_argument("--memory-tokens", type=int, default=None, help="T for the memory comparison (default 128, quick 64)")
     p.add_argument("--memory-heads", type=int, default=4)
+    p.add_argument("--profile-k", type=int, default=16,
+                   help="profile one Engine.logits call with this many heads against the backbone alone (0: skip)")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-early-exit", action="store_true")
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
@@ -733,6 +780,11 @@ def main(argv=None) -> None:
             result["throughput"][str(bs)] = sec
         del separate
         gc.collect()
+        if args.profile_k and args.profile_k <= K:
+            bs = args.early_exit_batch
+            batch = bb.tokenize(sentences[:bs])
+            print(f"profile, K={args.profile_k}, batch size {bs}", flush=True)
+            result["profile"] = profile_section(bb, engine, shared_mods, batch, args.profile_k)
 
         if not args.skip_early_exit:
             bs = args.early_exit_batch
