@@ -5,8 +5,8 @@ matmul against the heads' concatenated projections, one layer norm and one weigh
 is. At the end its heads' classifiers run stacked too: heads whose classifiers have the same shape
 (`classifier_shape`) form a `SequenceStack` or a `TokenStack`, whose weights carry a leading head
 dimension and run as batched matrix products (bmm) and one attention call over all of them. Label
-counts may differ: classifier rows are padded to the largest count and each head's logits are
-sliced back. Positional and casing embeddings are stacked with zero rows for heads without them
+counts may differ: classifier rows are padded with zeros (server/heads/stacking.py) and each head's
+logits are sliced back. Positional and casing embeddings are stacked with zero rows for heads without them
 (adding 0 changes nothing).
 
 Everything that depends only on the heads is built here, once per plan; per batch there are no
@@ -19,11 +19,11 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
+from modules_store import TaskType
 from server.backbone.tokens import TokenBatch
 from server.heads.layermix.layer import CASING_CLASSES, casing_ids
 from server.heads.layermix.model import LayerMixHead
 from server.heads.stacking import batched_linear, linear_stack, padded_classifiers, stack
-from modules_store import TaskType
 
 
 def classifier_shape(head: LayerMixHead) -> tuple:
