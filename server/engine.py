@@ -62,25 +62,25 @@ class Engine:
         timings = timings or Timings()
         start = time.perf_counter()
         head_time = 0.0
-        states = {task: modules[task].head.start(batch) for task in plan.native}
+        states = {task: modules[task].head.start(batch) for task in plan.single}
         bridge_states = {name: bridge.start(batch) for name, bridge in plan.bridges.items()}
-        buffers = [None] * len(plan.groups)
+        group_states = [group.start(batch) for group in plan.groups]
         for index, hidden in self.backbone.stream(batch, upto=plan.deepest):
             step = plan.steps.get(index)
             if step is None:
                 continue
             t0 = time.perf_counter()
             for g in step.groups:
-                buffers[g] = plan.groups[g].apply(buffers[g], index, hidden)
+                group_states[g] = plan.groups[g].consume(group_states[g], index, hidden)
             for task in step.single:
                 states[task] = modules[task].head.consume(states[task], index, hidden)
             for name in step.bridges:
                 bridge_states[name] = plan.bridges[name].consume(bridge_states[name], index, hidden)
             head_time += time.perf_counter() - t0
         t0 = time.perf_counter()
-        for group, buffer in zip(plan.groups, buffers):
-            group.hand_over(buffer, states)
-        out = {task: modules[task].head.finish(states[task], batch) for task in plan.native}
+        out = {task: modules[task].head.finish(states[task], batch) for task in plan.single}
+        for group, state in zip(plan.groups, group_states):
+            out.update(group.finish(state, batch))
         batches = {task: batch for task in plan.native}
         for name, tasks in plan.foreign.items():
             target_batch, target_states = plan.bridges[name].finish(bridge_states[name], batch)

@@ -2,51 +2,39 @@
 
 From a set of loaded modules: the union of states they read, the deepest one (the backbone stops
 there), and the readers of each state. Foreign modules (served through a bridge) do not read the
-backbone: their bridge does, once for all of them, and they read the states it hands back. Layer-mix heads of the same width k are fused into a
-`MixGroup`: per state one GELU, one matmul against their concatenated projections, one layer norm
-and one weighted add into a stacked running buffer (B, T, K, k), whatever K is.
+backbone: their bridge does, once for all of them, and they read the states it hands back.
+
+Heads of one architecture run as one group, with their weights stacked along a head dimension and
+built once per plan (a plan is cached per set of heads and forgotten when a module changes, so a
+reloaded module never meets stale stacks): layer-mix heads of one width k form a `MixGroup`
+(server/heads/layermix/grouped.py), MTB and merged LoRA-MTB heads reading one state with blocks of
+one architecture a `BlockGroup` (server/heads/mtb/grouped.py). A group follows the head contract
+(start / consume / finish) for all its heads at once; its finish returns every head's logits. A
+kind with a single head in the plan runs as that head.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
-import torch.nn.functional as F
-
 from server.heads.layermix import LayerMixHead
+from server.heads.layermix.grouped import MixGroup
+from server.heads.mtb import MTBHead
+from server.heads.mtb.grouped import BlockGroup, block_shape
 from server.modules import LoadedModule
 
 
-class MixGroup:
-    """Layer-mix heads sharing k, run as one. Serving only (eval mode: no dropout)."""
+def group_key(head) -> tuple | None:
+    """Heads with equal keys run as one group; None: the head runs alone."""
+    if head.training:
+        return None
+    if isinstance(head, LayerMixHead):
+        return ("layermix", head.config.project_dim)
+    if isinstance(head, MTBHead):
+        return ("mtb", *block_shape(head))
+    return None
 
-    def __init__(self, tasks: list[str], heads: list[LayerMixHead]):
-        self.tasks, self.heads = tasks, heads
-        self.k = heads[0].config.project_dim
-        self.steps: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
-        weights = [head.mix_weights().detach() for head in heads]
-        for index in sorted({i for head in heads for i in head.layers_read()}):
-            members = [j for j, head in enumerate(heads) if index in head.layers_read()]
-            projection = torch.cat([heads[j].projection(index).detach() for j in members], dim=0)
-            layer_weight = torch.stack([weights[j][heads[j]._slot[index]] for j in members])
-            rows = None if len(members) == len(heads) else torch.tensor(members, device=projection.device)
-            self.steps[index] = (rows, projection, layer_weight.view(-1, 1))
 
-    def apply(self, buffer: torch.Tensor | None, index: int, hidden: torch.Tensor) -> torch.Tensor:
-        rows, projection, layer_weight = self.steps[index]
-        projected = (F.gelu(hidden) @ projection.T).unflatten(-1, (-1, self.k))  # (B, T, K_index, k)
-        term = F.layer_norm(projected, (self.k,)) * layer_weight
-        if buffer is None:
-            buffer = hidden.new_zeros(*hidden.shape[:2], len(self.heads), self.k)
-        if rows is None:
-            buffer += term
-        else:
-            buffer.index_add_(2, rows, term)
-        return buffer
-
-    def hand_over(self, buffer: torch.Tensor, states: dict) -> None:
-        for j, task in enumerate(self.tasks):
-            states[task]["mix"] = buffer[:, :, j]
+GROUPS = {"layermix": MixGroup, "mtb": BlockGroup}
 
 
 class LayerStep:
@@ -72,19 +60,20 @@ class ExecutionPlan:
         self.reads.update({f"bridge:{name}": bridge.layers_read() for name, bridge in self.bridges.items()})
         self.layers = sorted({i for layers in self.reads.values() for i in layers})
         self.deepest = self.layers[-1]
-        by_width = defaultdict(list)
+        by_key = defaultdict(list)
         if fuse:
             for task in self.native:
-                module = modules[task]
-                if isinstance(module.head, LayerMixHead) and not module.head.training:
-                    by_width[module.head.config.project_dim].append(task)
-        self.groups = [MixGroup(tasks, [modules[t].head for t in tasks]) for tasks in by_width.values()
-                       if len(tasks) >= 2]
+                key = group_key(modules[task].head)
+                if key is not None:
+                    by_key[key].append(task)
+        self.groups = [GROUPS[key[0]](tasks, [modules[t].head for t in tasks])
+                       for key, tasks in by_key.items() if len(tasks) >= 2]
         grouped = {t for g in self.groups for t in g.tasks}
+        self.single = [t for t in self.native if t not in grouped]  # native tasks whose heads run alone
         self.steps: dict[int, LayerStep] = {}
         for index in self.layers:
-            groups = [g for g, group in enumerate(self.groups) if index in group.steps]
-            single = [t for t in self.native if index in self.reads[t] and t not in grouped]
+            groups = [g for g, group in enumerate(self.groups) if index in group.layers]
+            single = [t for t in self.single if index in self.reads[t]]
             readers = [name for name, bridge in self.bridges.items() if index in bridge.layers_read()]
             self.steps[index] = LayerStep(index, groups, single, readers)
 

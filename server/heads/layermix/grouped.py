@@ -1,0 +1,198 @@
+"""Layer-mix heads of one width k run as one computation (serving only: eval mode, no dropout).
+
+`MixGroup` keeps one stacked running buffer (B, T, K, k) for its K heads: per state one GELU, one
+matmul against the heads' concatenated projections, one layer norm and one weighted add, whatever K
+is. At the end its heads' classifiers run stacked too: heads whose classifiers have the same shape
+(`classifier_shape`) form a `SequenceStack` or a `TokenStack`, whose weights carry a leading head
+dimension and run as batched matrix products (bmm) and one attention call over all of them. Label
+counts may differ: classifier rows are padded with zeros (server/heads/stacking.py) and each head's
+logits are sliced back. Positional and casing embeddings are stacked with zero rows for heads without them
+(adding 0 changes nothing).
+
+Everything that depends only on the heads is built here, once per plan; per batch there are no
+host syncs and no tensors made from Python values, so a pass can be captured as a CUDA graph.
+"""
+from __future__ import annotations
+
+from itertools import groupby
+
+import torch
+import torch.nn.functional as F
+
+from modules_store import TaskType
+from server.backbone.tokens import TokenBatch
+from server.heads.layermix.layer import CASING_CLASSES, casing_ids
+from server.heads.layermix.model import LayerMixHead
+from server.heads.stacking import batched_linear, linear_stack, padded_classifiers, stack
+
+
+def classifier_shape(head: LayerMixHead) -> tuple:
+    """Heads with equal shapes stack: sequence heads by attention heads; token heads also by
+    encoder layers, feed-forward width and layer-norm eps."""
+    c = head.config
+    if c.task_type == TaskType.token_classification:
+        return ("token", c.attention_heads, c.encoder_layers, c.ffn_dim, head.classifier.encoder[0].norm1.eps)
+    return ("sequence", c.attention_heads)
+
+
+class StackedAttention:
+    """K nn.MultiheadAttention layers (self-attention, key padding mask) as one computation."""
+
+    def __init__(self, layers: list[torch.nn.MultiheadAttention]):
+        self.heads = layers[0].num_heads
+        self.in_weight = stack([m.in_proj_weight for m in layers])  # (K, 3k, k): q, k, v
+        self.in_bias = stack([m.in_proj_bias for m in layers]).unsqueeze(1)
+        self.out_weight, self.out_bias = linear_stack([m.out_proj for m in layers])
+
+    def __call__(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """x (K, B, T, k), attend (B, T) bool (True = a real token) -> (K, B*T, k)."""
+        K, B, T, k = x.shape
+        qkv = batched_linear(x.view(K, B * T, k), self.in_weight, self.in_bias)
+        # (K*B, heads, T, d) views: 4-D, so SDPA takes its fused CPU kernel, not the math fallback
+        q, keys, values = qkv.view(K * B, T, 3, self.heads, k // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = attend.view(1, B, 1, T).expand(K, B, 1, T).reshape(K * B, 1, 1, T)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (K*B, heads, T, d)
+        return batched_linear(attended.transpose(1, 2).reshape(K, B * T, k), self.out_weight, self.out_bias)
+
+
+class StackedLayerNorm:
+    def __init__(self, norms: list[torch.nn.LayerNorm]):
+        self.eps = norms[0].eps
+        self.weight = stack([m.weight for m in norms]).unsqueeze(1)  # (K, 1, k)
+        self.bias = stack([m.bias for m in norms]).unsqueeze(1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(self.bias, F.layer_norm(x, x.shape[-1:], eps=self.eps), self.weight)
+
+
+class ClassifierStack:
+    """What sequence and token stacks share: their heads, and the mix turned into the classifier's
+    input (GELU, then positional and casing embeddings)."""
+
+    def __init__(self, tasks: list[str], heads: list[LayerMixHead], start: int):
+        self.tasks, self.start, self.stop = tasks, start, start + len(heads)
+        self.num_labels = [head.config.num_labels for head in heads]
+        k = heads[0].config.project_dim
+        self.positions = None
+        if any(head.positions is not None for head in heads):
+            # heads clamp positions at their own max_positions - 1: repeat each table's last row up
+            # to the longest table, and clamp at that one
+            longest = max(head.config.max_positions for head in heads if head.positions is not None)
+            tables = []
+            for head in heads:
+                table = (head.positions.weight.detach() if head.positions is not None
+                         else heads[0].projections.new_zeros(1, k))
+                tail = table[-1:] if head.positions is not None else table
+                tables.append(torch.cat([table, tail.expand(longest - len(table), k)]))
+            self.positions = torch.stack(tables)  # (K, P, k)
+        self.casing = None
+        if any(head.casing is not None for head in heads):
+            self.casing = stack([head.casing.weight if head.casing is not None
+                                 else heads[0].projections.new_zeros(CASING_CLASSES, k) for head in heads])
+
+    def inputs(self, mix: torch.Tensor, casing: torch.Tensor | None) -> torch.Tensor:
+        """mix (K, B, T, k) -> GELU(mix) + positional + casing embeddings."""
+        mixed = F.gelu(mix)
+        if self.positions is not None:
+            T = mixed.shape[2]
+            positions = torch.arange(T, device=mixed.device).clamp(max=self.positions.shape[1] - 1)
+            mixed = mixed + self.positions[:, positions].unsqueeze(1)
+        if self.casing is not None:
+            mixed = mixed + self.casing[:, casing]
+        return mixed
+
+    def split(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(K, B[, T], C_max) -> each head's (B[, T], C) logits."""
+        return {task: logits[j, ..., :labels] for j, (task, labels) in enumerate(zip(self.tasks, self.num_labels))}
+
+
+class SequenceStack(ClassifierStack):
+    """K `SequenceClassifier`s: self-attention, GELU, masked mean, linear."""
+
+    def __init__(self, tasks: list[str], heads: list[LayerMixHead], start: int):
+        super().__init__(tasks, heads, start)
+        self.attention = StackedAttention([head.classifier.attention for head in heads])
+        self.weight, self.bias = padded_classifiers([head.classifier.classifier for head in heads])
+
+    def __call__(self, mix: torch.Tensor, mask: torch.Tensor, casing: torch.Tensor | None) -> dict:
+        K, B, T, k = mix.shape
+        attended = F.gelu(self.attention(self.inputs(mix, casing), mask.bool())).view(K, B, T, k)
+        weights = mask.to(attended.dtype).unsqueeze(-1)  # (B, T, 1)
+        pooled = (attended * weights).sum(2) / weights.sum(1).clamp(min=1)  # (K, B, k)
+        return self.split(batched_linear(pooled, self.weight, self.bias))
+
+
+class TokenStack(ClassifierStack):
+    """K `TokenClassifier`s: pre-LN encoder layer(s), then a linear per token."""
+
+    def __init__(self, tasks: list[str], heads: list[LayerMixHead], start: int):
+        super().__init__(tasks, heads, start)
+        self.layers = []
+        for depth in range(heads[0].config.encoder_layers):
+            layers = [head.classifier.encoder[depth] for head in heads]
+            self.layers.append((
+                StackedLayerNorm([m.norm1 for m in layers]), StackedAttention([m.self_attn for m in layers]),
+                StackedLayerNorm([m.norm2 for m in layers]), linear_stack([m.linear1 for m in layers]),
+                linear_stack([m.linear2 for m in layers]),
+            ))
+        self.weight, self.bias = padded_classifiers([head.classifier.classifier for head in heads])
+
+    def __call__(self, mix: torch.Tensor, mask: torch.Tensor, casing: torch.Tensor | None) -> dict:
+        K, B, T, k = mix.shape
+        attend = mask.bool()
+        x = self.inputs(mix, casing)
+        for norm1, attention, norm2, (w1, b1), (w2, b2) in self.layers:
+            x = x.view(K, B * T, k)
+            x = x + attention(norm1(x).view(K, B, T, k), attend)
+            x = x + batched_linear(F.gelu(batched_linear(norm2(x), w1, b1)), w2, b2)
+        return self.split(batched_linear(x, self.weight, self.bias).view(K, B, T, -1))
+
+
+class MixGroup:
+    """Layer-mix heads sharing k, run as one: the mix, then their classifiers stacked."""
+
+    def __init__(self, tasks: list[str], heads: list[LayerMixHead]):
+        # order the heads so that each classifier stack is a contiguous range of the buffer
+        order = sorted(range(len(heads)), key=lambda j: classifier_shape(heads[j]))
+        self.tasks, self.heads = [tasks[j] for j in order], [heads[j] for j in order]
+        heads = self.heads
+        self.k = heads[0].config.project_dim
+        self.steps: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
+        weights = [head.mix_weights().detach() for head in heads]
+        for index in sorted({i for head in heads for i in head.layers_read()}):
+            members = [j for j, head in enumerate(heads) if index in head.layers_read()]
+            projection = torch.cat([heads[j].projection(index).detach() for j in members], dim=0)
+            layer_weight = torch.stack([weights[j][heads[j]._slot[index]] for j in members])
+            rows = None if len(members) == len(heads) else torch.tensor(members, device=projection.device)
+            self.steps[index] = (rows, projection, layer_weight.view(-1, 1))
+        self.layers = sorted(self.steps)
+        self.stacks: list[ClassifierStack] = []
+        for shape, members in groupby(range(len(heads)), key=lambda j: classifier_shape(heads[j])):
+            members = list(members)
+            kind = TokenStack if shape[0] == "token" else SequenceStack
+            self.stacks.append(kind([self.tasks[j] for j in members], [heads[j] for j in members], members[0]))
+        self.reads_casing = any(s.casing is not None for s in self.stacks)
+
+    def start(self, batch: TokenBatch) -> None:
+        return None  # the buffer is made on the first state, with its shape
+
+    def consume(self, buffer: torch.Tensor | None, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Add this state's weighted terms to the (B, T, K, k) buffer (made on the first state)."""
+        rows, projection, layer_weight = self.steps[index]
+        projected = (F.gelu(hidden) @ projection.T).unflatten(-1, (-1, self.k))  # (B, T, K_index, k)
+        normed = F.layer_norm(projected, (self.k,))
+        if buffer is None:
+            buffer = hidden.new_zeros(*hidden.shape[:2], len(self.heads), self.k)
+        if rows is None:
+            buffer.addcmul_(normed, layer_weight)  # one pass: buffer += w * LN(projected)
+        else:
+            buffer.index_add_(2, rows, normed * layer_weight)
+        return buffer
+
+    def finish(self, buffer: torch.Tensor, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        casing = casing_ids(batch) if self.reads_casing else None
+        stacked = buffer.permute(2, 0, 1, 3).contiguous()  # (K, B, T, k): one head after another
+        out = {}
+        for s in self.stacks:
+            out.update(s(stacked[s.start:s.stop], batch.attention_mask, casing))
+        return out
