@@ -144,3 +144,20 @@ def test_token_head_answers_in_input_coordinates(tiny_mpnet):
         for entity in output["entities"]:
             source = TEXTS[row] if entity.get("segment", 0) == 0 else PAIRS[row]
             assert source[entity["start"]:entity["end"]] == entity["text"]
+
+
+def test_onnx_backend_exports_mpnet_per_layer(tiny_mpnet, tmp_path):
+    """The per-layer export holds: each layer graph takes the state and the bias (position bias with
+    the padding mask folded in, (B, heads, T, T), symbolic in batch and length); fp32 equals the HF
+    forward, early exit runs only the needed graphs, int8 stays close."""
+    onnx = tiny_mpnet.use_backend("onnx", "fp32", cache_dir=tmp_path)
+    for texts, pairs in ((TEXTS, None), (TEXTS, PAIRS), (["a b c", "d"], ["x y z w v u t s r q", "e"])):
+        batch = tiny_mpnet.tokenize(texts, pairs)
+        assert_states_equal(tiny_mpnet, batch, [h for _, h in onnx.stream(batch)])
+    before = list(onnx.backend.runs)
+    head = random_head(tiny_mpnet, "sequence_classification", ["a", "b"], seed=1, layers=[0, 1])
+    Engine(onnx).logits(tiny_mpnet.tokenize(TEXTS), as_modules(shallow=head))
+    assert [a - b for a, b in zip(onnx.backend.runs, before)] == [1, 1, 0, 0]
+    batch = tiny_mpnet.tokenize(TEXTS, PAIRS)
+    int8 = [h for _, h in tiny_mpnet.use_backend("onnx", "int8", cache_dir=tmp_path).stream(batch)]
+    assert_states_equal(tiny_mpnet, batch, int8, atol=0.05)
