@@ -5,8 +5,8 @@ For each backbone (all-MiniLM-L6-v2: 6x384; all-mpnet-base-v2: 12x768) and torch
 bf16 where the CPU has native bfloat16; fp16 too on a GPU): sequences and tokens per second of
 `Engine.logits` at batch 32 over SST-2 validation sentences (sorted by length and cut into batches,
 as the batcher's length runs do), for the backbone alone (every state streamed) and with the
-backbone's shipped single-text modules from the store (sentiment, ner, acceptability: the version
-each backbone serves). Tokenization is done once up front.
+backbone's shipped single-text modules from the store (those of sentiment, ner, acceptability that
+both backbones have: the version each backbone serves). Tokenization is done once up front.
 
 Noise control as in bench_backends.py: every round runs every configuration over the same batches
 in a freshly shuffled order; the MPNet / MiniLM ratio is computed per round and summarised by its
@@ -80,8 +80,10 @@ def main(argv=None) -> None:
     sentences = rng.sample(read_sst2_sentences(), args.batch_size * args.batches)
     gpu = args.device.startswith("cuda")
     configs, meta = {}, {}
-    for tier in BACKBONES:
-        base, modules = load_tier(tier, args.device, Path(args.store))
+    tiers = {tier: load_tier(tier, args.device, Path(args.store)) for tier in BACKBONES}
+    common = set.intersection(*(set(modules) for _, modules in tiers.values()))  # the same tasks on both
+    for tier, (base, modules) in tiers.items():
+        modules = {task: m for task, m in modules.items() if task in common}
         rows = sorted(base.encode(sentences), key=len)
         batches = [base.collate(rows[i:i + args.batch_size]) for i in range(0, len(rows), args.batch_size)]
         tokens = sum(int(b.attention_mask.sum()) for b in batches)
