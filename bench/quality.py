@@ -82,7 +82,10 @@ def main() -> None:
     args = parser.parse_args()
     results = Path(args.results)
     previous = results / "quality.json"
-    tiers = json.loads(previous.read_text()).get("tiers", {}) if previous.is_file() else {}
+    earlier = json.loads(previous.read_text()) if previous.is_file() else {}
+    tiers = earlier.get("tiers", {})
+    if "tasks" in earlier:  # a file from before the tiers: its rows are the MiniLM tier's
+        tiers = {"minilm": {"backbone": "minilm", "machine": earlier.get("machine"), "tasks": earlier["tasks"]}}
     for tier in [t.strip() for t in args.tiers.split(",") if t.strip()]:
         if tier not in TIERS:
             raise SystemExit(f"unknown tier {tier!r}; choose from {sorted(TIERS)}")
