@@ -132,3 +132,28 @@ class LiveServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0):
+    """The real `tmod-serve` process on a free loopback port, waited for until /readyz answers 200.
+    Returns (url, process); the caller stops it. Fails the test with its output if it never gets ready."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), *args], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return url, process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail(f"tmod-serve {' '.join(args)} did not become ready:\n{process.communicate()[0]}")
+

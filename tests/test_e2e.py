@@ -4,38 +4,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.helpers import free_port, populate_store
+from tests.helpers import populate_store, start_tmod_serve
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, minilm):
     store = populate_store(tmp_path_factory.mktemp("minilm-store"), minilm)
-    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_INPUTS": "4"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--port", str(port), "--store", str(store.root), "--log-level", "info"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail(f"tmod-serve did not become ready:\n{process.communicate()[0]}")
+    url, process = start_tmod_serve(["--store", str(store.root), "--log-level", "info"], env)
     yield url, process
     if process.poll() is None:
         process.kill()

@@ -4,10 +4,6 @@ the named backbone loads from the parts, streams the Hugging Face forward's stat
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 import torch
@@ -15,7 +11,7 @@ import torch
 from modules_store import DEFAULT_STORE, ModuleStore
 from server.backbone import Backbone
 from server.backbone.sources import mpnet_parts
-from tests.helpers import free_port
+from tests.helpers import start_tmod_serve
 
 pytestmark = pytest.mark.slow
 
@@ -58,22 +54,8 @@ def test_real_mpnet_streams_the_hf_forward(mpnet):
 def served(mpnet):
     if not mpnet_modules():
         pytest.skip("no MPNet module in the shipped store")
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), "--backbone", "mpnet",
-                                "--log-level", "info"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail(f"tmod-serve --backbone mpnet did not become ready:\n{process.communicate()[0]}")
+    url, process = start_tmod_serve(["--backbone", "mpnet", "--log-level", "info"], {**os.environ, "HF_HUB_OFFLINE": "1"},
+                                    ready_timeout=300)
     yield url
     process.terminate()
     process.wait(timeout=60)

@@ -68,7 +68,7 @@ class Backbone:
     def load(cls, path: str | Path | None = None, device: str = "cpu", name: str | None = None,
              cache_dir: Path | None = None) -> "Backbone":
         """A local Hugging Face folder, or a named offline backbone ('minilm', the default;
-        'smollm2'): see server/backbone/sources.py. Weights are computed in float32."""
+        'smollm2', 'mpnet'): see server/backbone/sources.py. Weights are computed in float32."""
         path, default_name = resolve_backbone(path, cache_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
