@@ -105,6 +105,7 @@ def test_bf16_states_stay_close_to_fp32(tiny_mpnet):
         torch.testing.assert_close(a[real], b[real], atol=0.1, rtol=0.05)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_cuda_precisions_match_the_cpu_forward(tiny_mpnet, tmp_path, precision):
