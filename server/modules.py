@@ -73,6 +73,20 @@ def servable_version(store: ModuleStore, task: str, backbone, bridges: dict | No
                         f"to the backbone of one; its versions are {owners}")
 
 
+def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) -> list[str]:
+    """The store's tasks that have a version `backbone` serves (see `servable_version`)."""
+    out = []
+    for task in store.tasks():
+        try:
+            servable_version(store, task, backbone, bridges)
+        except ArtifactError as exc:
+            if exc.reason != "other_backbone":
+                raise
+            continue
+        out.append(task)
+    return out
+
+
 def find_bridge(manifest: Manifest, bridges: dict, backbone):
     """The loaded bridge from `backbone` to the module's backbone, or ArtifactError saying why none fits."""
     wanted = manifest.backbone.identity()

@@ -170,3 +170,12 @@ def test_unreadable_artifact_is_refused_not_crashed(store, tiny_backbone, monkey
     with pytest.raises(ArtifactError, match="cannot read") as info:
         load_module(store, "sentiment", None, tiny_backbone)
     assert info.value.reason == "unreadable"
+
+
+def test_servable_tasks_lists_the_tasks_a_backbone_has_a_version_of(store, tiny_backbone, tmp_path):
+    from server.modules import servable_tasks
+
+    other = Backbone.load(make_tiny_backbone_dir(tmp_path / "other", "bert", layers=2, seed=7))
+    save_module(store, "topic", "other-1", random_head(other, "sequence_classification", ["a", "b"], 4), other)
+    assert servable_tasks(store, tiny_backbone) == ["sentiment"]
+    assert servable_tasks(store, other) == ["topic"]
