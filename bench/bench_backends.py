@@ -227,14 +227,14 @@ def quality_section(args, backbones: dict) -> dict:
     from bench.quality import TASKS
     from modules_store import ModuleStore
     from server.engine import Engine
-    from server.modules import load_module
+    from server.modules import load_module, servable_tasks
     from training.data import PRESETS, preset_spec
     from training.evaluate import collect, score
     from training.states import Split
 
     store = ModuleStore(args.store)
     out = {}
-    for task in store.tasks():
+    for task in servable_tasks(store, backbones[REFERENCE]):  # this backbone's modules (one store holds several)
         if task not in TASKS:
             print(f"  quality: {task} skipped (no dataset known for it in bench/quality.py)", flush=True)
             continue

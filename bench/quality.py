@@ -1,10 +1,13 @@
-"""Quality table of the shipped modules: layer-mix vs last-layer-only vs full fine-tuning.
+"""Quality table of the shipped modules, per backbone tier: layer-mix vs last-layer-only vs full
+fine-tuning.
 
 Every layer-mix and last-layer number is re-scored here from the artifact through the served path
-(`tmod-train eval`), never copied from a manifest; full fine-tuning numbers come from
-`bench/finetune_full.py`'s JSON (bench/results/finetune-<dataset>.json).
+(`tmod-train eval` on the tier's backbone, at the precision the module was trained at), never copied
+from a manifest; full fine-tuning numbers come from `bench/finetune_full.py`'s JSON
+(bench/results/finetune-<dataset>.json, MiniLM only). One store holds both tiers: each backbone
+scores the version it serves. `--tiers mpnet` re-scores one tier and keeps the other's entry.
 
-    .venv/bin/python bench/quality.py [--store modules_store] [--baselines runs/baselines]
+    .venv/bin/python bench/quality.py [--tiers minilm,mpnet] [--store modules_store]
 """
 from __future__ import annotations
 
@@ -24,24 +27,45 @@ TASKS = {  # shipped task -> (dataset preset, headline metric, name in the table
     "sentiment": ("sst2", "accuracy", "SST-2 accuracy"),
     "ner": ("conll2003", "f1", "CoNLL-2003 entity F1"),
     "acceptability": ("cola", "mcc", "CoLA Matthews corr."),
+    "entailment": ("rte", "accuracy", "RTE accuracy"),
+}
+# backbone tiers: the named backbone, the store of its last-layer baselines and their version, the
+# precision its modules were trained (and are scored) at, and the issue's validation targets
+TIERS = {
+    "minilm": {"backbone": "minilm", "baselines": "runs/baselines", "last_layer": "last-layer", "precision": "fp32",
+               "targets": {}},
+    "mpnet": {"backbone": "mpnet", "baselines": "runs/baselines-mpnet", "last_layer": "mpnet-last-layer",
+              "precision": "bf16",
+              "targets": {"sentiment": 0.95, "ner": 0.90, "acceptability": 0.40, "entailment": 0.65}},
 }
 
 
-def rescore(store: Path, task: str, version: str | None, dataset: str) -> dict | None:
-    from modules_store import ModuleStore
+def rescore(store: Path, task: str, version: str | None, dataset: str, backbone: str = "minilm",
+            precision: str = "fp32") -> dict | None:
+    """Re-score a module through the served path; None when the store has no version of `task` for
+    this backbone (or not the one asked for)."""
+    from modules_store import ArtifactError, ModuleStore
     from training.cli import main
 
     if not ModuleStore(store).versions(task) or (version and version not in ModuleStore(store).versions(task)):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "eval.json"
-        argv = ["eval", "--store", str(store), "--task", task, "--dataset", dataset, "--output", str(out), "--no-progress"]
-        main(argv + (["--version", version] if version else []))
+        argv = ["eval", "--store", str(store), "--task", task, "--dataset", dataset, "--output", str(out), "--no-progress",
+                "--backbone", backbone, "--precision", precision]
+        try:
+            main(argv + (["--version", version] if version else []))
+        except ArtifactError as exc:
+            if exc.reason == "other_backbone":
+                return None
+            raise
         result = json.loads(out.read_text())
     manifest = ModuleStore(store).read_manifest(task, result["version"])
     timing = manifest.training.get("timing", {})
+    data = manifest.training.get("data", {})
     return {
-        "version": result["version"], "metrics": result["metrics"],
+        "version": result["version"], "metrics": result["metrics"], "precision": precision,
+        "train_examples": data.get("train_examples"), "train_examples_in_file": data.get("train_examples_in_file"),
         "parameters": manifest.training.get("parameters"),
         "layers_read": manifest.layers,
         "train_seconds": timing.get("total_seconds"), "states_seconds": timing.get("states_seconds"),
@@ -53,15 +77,41 @@ def rescore(store: Path, task: str, version: str | None, dataset: str) -> dict |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", default=str(REPO / "modules_store"), help="shipped store (layer-mix modules)")
-    parser.add_argument("--baselines", default=str(REPO / "runs" / "baselines"),
-                        help="store of the last-layer-only baselines (training/train_shipped.sh writes it)")
+    parser.add_argument("--tiers", default=",".join(TIERS), help=f"backbone tiers to re-score: {', '.join(TIERS)}")
     parser.add_argument("--results", default=str(REPO / "bench" / "results"), help="where finetune-*.json are and output goes")
     args = parser.parse_args()
     results = Path(args.results)
+    previous = results / "quality.json"
+    earlier = json.loads(previous.read_text()) if previous.is_file() else {}
+    tiers = earlier.get("tiers", {})
+    if "tasks" in earlier:  # a file from before the tiers: its rows are the MiniLM tier's
+        tiers = {"minilm": {"backbone": "minilm", "machine": earlier.get("machine"), "tasks": earlier["tasks"]}}
+    for tier in [t.strip() for t in args.tiers.split(",") if t.strip()]:
+        if tier not in TIERS:
+            raise SystemExit(f"unknown tier {tier!r}; choose from {sorted(TIERS)}")
+        tiers[tier] = {"backbone": TIERS[tier]["backbone"], "machine": machine_info(),
+                       "tasks": score_tier(tier, Path(args.store), results)}
+    out = {"split": "validation", "tiers": tiers}
+    (results / "quality.json").write_text(json.dumps(out, indent=2) + "\n")
+    text = "\n\n".join(f"**{name}**\n\n" + markdown(tier["tasks"]) for name, tier in tiers.items())
+    (results / "quality.md").write_text(text + "\n")
+    print(text)
+
+
+def score_tier(tier: str, store: Path, results: Path) -> dict:
+    config = TIERS[tier]
+    baselines = REPO / config["baselines"]
     rows = {}
     for task, (dataset, metric, title) in TASKS.items():
-        layermix = rescore(Path(args.store), task, None, dataset)
-        last_layer = rescore(Path(args.baselines), task, "last-layer", dataset)
+        layermix = rescore(store, task, None, dataset, config["backbone"], config["precision"])
+        last_layer = rescore(baselines, task, config["last_layer"], dataset, config["backbone"], config["precision"])
+        target = config["targets"].get(task)
+        if tier != "minilm":  # the full fine-tuning anchors were run on MiniLM only
+            rows[task] = {"dataset": dataset, "metric": metric, "title": title, "layermix": layermix,
+                          "last_layer": last_layer, "target": target,
+                          "target_met": None if layermix is None or target is None
+                          else layermix["metrics"][metric] >= target}
+            continue
         finetune_file = results / f"finetune-{dataset}.json"
         finetune = json.loads(finetune_file.read_text()) if finetune_file.is_file() else None
         # the fine-tuning anchor may have used a training subset (CPU time); a layer-mix head trained
@@ -71,26 +121,26 @@ def main() -> None:
         if subset and subset >= settings.get("train_rows_in_file", subset + 1):
             same_subset = layermix  # the anchor used every row: the shipped module is the match
         else:
-            same_subset = rescore(Path(args.baselines), task, f"subset-{subset}", dataset) if subset else None
+            same_subset = rescore(baselines, task, f"subset-{subset}", dataset) if subset else None
         rows[task] = {"dataset": dataset, "metric": metric, "title": title, "layermix": layermix,
                       "last_layer": last_layer, "layermix_same_subset_as_finetune": same_subset,
                       "full_finetune": None if finetune is None else {
                           "value": finetune["validation_scores"].get(metric), "file": finetune_file.name,
                           "train_rows": finetune.get("settings", {}).get("train_rows_used"),
                           "train_seconds": finetune.get("train_seconds")}}
-    out = {"machine": machine_info(), "split": "validation", "tasks": rows}
-    (results / "quality.json").write_text(json.dumps(out, indent=2) + "\n")
-    (results / "quality.md").write_text(markdown(rows) + "\n")
-    print(markdown(rows))
+    return rows
+
+
+def value(entry, metric):
+    if not entry:
+        return "not run"
+    v = entry["metrics"][metric] if "metrics" in entry else entry["value"]
+    return "n/a" if v is None else f"{100 * v:.1f}"
 
 
 def markdown(rows: dict) -> str:
-    def value(entry, metric):
-        if not entry:
-            return "not run"
-        v = entry["metrics"][metric] if "metrics" in entry else entry["value"]
-        return "n/a" if v is None else f"{100 * v:.1f}"
-
+    if any("target" in row for row in rows.values()):
+        return markdown_tier(rows)
     lines = ["| task (validation) | layer-mix (shipped, all train rows) | last layer only (all rows) | "
              "full fine-tune (subset) | layer-mix on that subset | train rows of the subset | layer-mix params | "
              "states read | layer-mix train time |",
@@ -102,6 +152,26 @@ def markdown(rows: dict) -> str:
             f"{value(ft, row['metric'])} | {value(row['layermix_same_subset_as_finetune'], row['metric'])} | "
             f"{(ft or {}).get('train_rows') or 'n/a'} | {lm['parameters']:,} | {lm['layers_read']} | "
             f"{lm['train_seconds'] / 60:.1f} min |" if lm else f"| {task} | not trained | | | | | | | |")
+    return "\n".join(lines)
+
+
+def markdown_tier(rows: dict) -> str:
+    """A tier without fine-tuning anchors: shipped layer-mix, its training rows, the last-layer
+    baseline on the same rows, and the issue's target."""
+    lines = ["| task (validation) | layer-mix (shipped) | train rows used / in file | last layer only (same rows) | "
+             "target | met | layer-mix params | states read | layer-mix train time |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |"]
+    for task, row in rows.items():
+        lm, metric, target = row["layermix"], row["metric"], row["target"]
+        if not lm:
+            lines.append(f"| {task}: {row['title']} | not trained | | | | | | | |")
+            continue
+        met = "yes" if row["target_met"] else "**no**"
+        lines.append(
+            f"| {task}: {row['title']} | {value(lm, metric)} | {lm['train_examples']:,} / {lm['train_examples_in_file']:,} | "
+            f"{value(row['last_layer'], metric)} | {'' if target is None else f'>= {100 * target:.1f}'} | "
+            f"{met if target is not None else ''} | {lm['parameters']:,} | {lm['layers_read']} | "
+            f"{lm['train_seconds'] / 60:.1f} min |")
     return "\n".join(lines)
 
 

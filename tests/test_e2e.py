@@ -4,39 +4,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.helpers import free_port, metric_sample, populate_store, wait_until
+from tests.helpers import metric_sample, populate_store, start_tmod_serve, wait_until
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, minilm):
     store = populate_store(tmp_path_factory.mktemp("minilm-store"), minilm)
-    port = free_port()
     # a 1 s batch window: requests sent together wait for each other, so the SIGTERM test finds them in flight
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_INPUTS": "4", "TMOD_MAX_WAIT_MS": "1000"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--port", str(port), "--store", str(store.root), "--log-level", "info"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail(f"tmod-serve did not become ready:\n{process.communicate()[0]}")
+    url, process = start_tmod_serve(["--store", str(store.root), "--log-level", "info"], env)
     yield url, process
     if process.poll() is None:
         process.kill()

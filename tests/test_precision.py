@@ -32,7 +32,7 @@ from server.backbone import Backbone
 from server.backbone.backends import make_backend
 from server.config import Settings, auto_precision, cpu_has_native_bf16, device_problem, precision_problem
 from server.engine import Engine
-from server.modules import LoadedModule, load_module
+from server.modules import LoadedModule, load_module, servable_tasks
 from tests.helpers import LiveServer, NER_LABELS, make_tiny_backbone_dir, random_head
 from tests.test_backends import PAIRS, SAMPLE
 
@@ -95,7 +95,7 @@ def test_bf16_states_stay_float32_and_close_for_encoder_families(tmp_path, famil
 def test_bf16_minilm_shipped_modules_same_labels(minilm):
     """The real backbone and the shipped modules (or random heads where the store lacks one)."""
     bf16 = minilm.use_backend("torch", "bf16")
-    modules = {t: load_module(SHIPPED, t, None, minilm) for t in SHIPPED.tasks()}
+    modules = {t: load_module(SHIPPED, t, None, minilm) for t in servable_tasks(SHIPPED, minilm)}
     if "ner" not in modules:
         modules["ner"] = LoadedModule("ner", "1", None, random_head(minilm, "token_classification", NER_LABELS, 12))
     if "sentiment" not in modules:

@@ -77,9 +77,26 @@ def test_refuses_checksum_mismatch(store, tiny_backbone):
 def test_refuses_other_backbone(store, tmp_path):
     other = Backbone.load(make_tiny_backbone_dir(tmp_path / "other", "bert", layers=3, seed=99))
     with pytest.raises(ArtifactError, match="fingerprint mismatch.*weights_hash") as info:
-        load_module(store, "sentiment", None, other)
+        load_module(store, "sentiment", "1", other)
     assert info.value.reason == "fingerprint_mismatch"
     assert "vocab_hash" not in info.value.message  # same tokenizer: only the weights differ
+    with pytest.raises(ArtifactError, match=r"no version for backbone .*its versions are 1 \(") as info:
+        load_module(store, "sentiment", None, other)  # no version asked: none of them is for this backbone
+    assert info.value.reason == "other_backbone"
+
+
+def test_without_a_version_each_backbone_gets_its_own_latest(store, tiny_backbone, tmp_path):
+    """One store, two backbones: versions of one task trained on different backbones live side by
+    side; each backbone loads the latest of its own, whatever the others' version names."""
+    other = Backbone.load(make_tiny_backbone_dir(tmp_path / "other", "bert", layers=2, seed=7))
+    for version in ("other-1", "other-2"):
+        save_module(store, "sentiment", version, random_head(other, "sequence_classification", ["neg", "pos"], 2), other)
+    save_module(store, "sentiment", "0", random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 3),
+                tiny_backbone)
+    assert store.latest("sentiment") == "other-2"  # the store's order knows nothing of backbones
+    assert load_module(store, "sentiment", None, tiny_backbone).version == "1"
+    assert load_module(store, "sentiment", None, other).version == "other-2"
+    assert load_module(store, "sentiment", "0", tiny_backbone).version == "0"
 
 
 def test_refuses_shapes_that_disagree_with_manifest(store, tiny_backbone):
@@ -153,3 +170,12 @@ def test_unreadable_artifact_is_refused_not_crashed(store, tiny_backbone, monkey
     with pytest.raises(ArtifactError, match="cannot read") as info:
         load_module(store, "sentiment", None, tiny_backbone)
     assert info.value.reason == "unreadable"
+
+
+def test_servable_tasks_lists_the_tasks_a_backbone_has_a_version_of(store, tiny_backbone, tmp_path):
+    from server.modules import servable_tasks
+
+    other = Backbone.load(make_tiny_backbone_dir(tmp_path / "other", "bert", layers=2, seed=7))
+    save_module(store, "topic", "other-1", random_head(other, "sequence_classification", ["a", "b"], 4), other)
+    assert servable_tasks(store, tiny_backbone) == ["sentiment"]
+    assert servable_tasks(store, other) == ["topic"]

@@ -7,29 +7,40 @@ import json
 import pytest
 
 from modules_store import DEFAULT_STORE, ModuleStore
+from server.backbone.sources import resolve_backbone
 from training.cli import main
 from training.data import PRESETS, default_data_dir
 
 
-def shipped_trained_modules() -> list[tuple[str, str]]:
-    """(task, dataset preset) for each shipped module that tmod-train trained on a preset."""
+def shipped_trained_modules() -> list[tuple[str, str, str, str, str]]:
+    """(task, version, dataset preset, backbone, precision) for each shipped module version that
+    tmod-train trained on a preset (both backbone tiers: one store holds them)."""
     store = ModuleStore(DEFAULT_STORE)
     found = []
     for task in store.tasks():
-        dataset = store.read_manifest(task).training.get("settings", {}).get("dataset")
-        if dataset in PRESETS:
-            found.append((task, dataset))
+        for version in store.versions(task):
+            settings = store.read_manifest(task, version).training.get("settings", {})
+            if settings.get("dataset") in PRESETS:
+                found.append((task, version, settings["dataset"], settings.get("backbone") or "minilm",
+                              settings.get("precision") or "fp32"))
     return found
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task, dataset", shipped_trained_modules() or [pytest.param(None, None, marks=pytest.mark.skip(
-    reason="no shipped module trained by tmod-train yet"))])
-def test_shipped_module_rescores_to_its_manifest_metrics(task, dataset, tmp_path):
+@pytest.mark.parametrize("task, version, dataset, backbone, precision", shipped_trained_modules() or [pytest.param(
+    None, None, None, None, None, marks=pytest.mark.skip(reason="no shipped module trained by tmod-train yet"))])
+def test_shipped_module_rescores_to_its_manifest_metrics(task, version, dataset, backbone, precision, tmp_path):
     if not (default_data_dir() / PRESETS[dataset].validation).is_file():
         pytest.skip(f"shared data not found at {default_data_dir()}")
+    if backbone == "mpnet":
+        try:
+            resolve_backbone("mpnet")
+        except FileNotFoundError as exc:
+            pytest.skip(str(exc))
     out = tmp_path / "eval.json"
-    assert main(["eval", "--task", task, "--dataset", dataset, "--output", str(out), "--no-progress"]) == 0
+    argv = ["eval", "--task", task, "--version", version, "--dataset", dataset, "--backbone", backbone,
+            "--precision", precision, "--output", str(out), "--no-progress"]
+    assert main(argv) == 0
     result = json.loads(out.read_text())
     metric = result["manifest_metrics"]["metric"]
     assert result["metrics"]["examples" if "examples" in result["metrics"] else "sentences"] > 0

@@ -226,3 +226,42 @@ def test_an_existing_version_is_refused_before_training(sentiment_run, sentiment
                              store=str(run / "store"), progress=False)
     with pytest.raises(ValueError, match="already exists"):
         train(settings)
+
+
+def test_states_on_disk_are_reused_and_keyed_by_backbone_precision_and_data(sentiment_files, train_backbone, tmp_path):
+    """--state-cache: a second split of the same data on the same backbone and precision loads its
+    states from disk without running a layer, computing only states not stored yet; another
+    precision or other rows are another key."""
+    data = read_table(sentiment_files[1], text_column="sentence", label_column="label")
+    split = Split(data, ["0", "1"], train_backbone)
+    first = CachedStates(split, [0, 2], batch_size=5, progress=False, disk=tmp_path)
+    assert sorted(p.name.split(".")[1] for p in tmp_path.glob("*.safetensors")) == ["state0", "state2"]
+    calls = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: calls.append(1)) for layer in train_backbone.adapter.layers]
+    try:
+        again = CachedStates(Split(data, ["0", "1"], train_backbone), [2], batch_size=5, progress=False, disk=tmp_path)
+        assert calls == []  # every state read from disk
+        assert torch.equal(again.cache[2], first.cache[2])
+        CachedStates(split, [1, 2], batch_size=5, progress=False, disk=tmp_path)
+        assert calls  # state 1 was missing: the backbone ran (up to it) and it was stored
+        assert len(list(tmp_path.glob("*.state1.safetensors"))) == 1
+    finally:
+        for hook in hooks:
+            hook.remove()
+    from training.states import split_states_key
+
+    fewer = Split(data.subset(10, seed=0), ["0", "1"], train_backbone)
+    bf16 = Split(data, ["0", "1"], train_backbone.use_backend("torch", "bf16"))
+    assert len({split_states_key(s) for s in (split, fewer, bf16)}) == 3
+
+
+def test_precision_setting_trains_on_the_states_served_at_that_precision(tmp_path, sentiment_files, train_backbone,
+                                                                         train_backbone_dir):
+    settings = TrainSettings(train=str(sentiment_files[0]), validation=str(sentiment_files[1]), task="s",
+                             backbone=str(train_backbone_dir), run_dir=str(tmp_path / "run"), project_dim=16,
+                             epochs=1, precision="bf16", progress=False)
+    result = train(settings, backbone=train_backbone)
+    environment = result.training["environment"]["backbone_backend"]
+    assert environment["backend"] == "torch" and environment["precision"] == "bf16"
+    assert result.training["settings"]["precision"] == "bf16"
+    assert train_backbone.backend.precision == "fp32"  # the caller's backbone is left as it was

@@ -71,6 +71,10 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--states", choices=["cache", "recompute"], default=S,
                    help="cache backbone states once in fp16, or recompute them every epoch")
     g.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1, ...")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=S,
+                   help="backbone precision (backend torch) of the states trained and scored on")
+    g.add_argument("--state-cache", action=argparse.BooleanOptionalAction, default=S,
+                   help="keep the backbone states on disk ($TMOD_CACHE_DIR/states) for later runs on the same data")
     g.add_argument("--threads", type=int, default=S,
                    help="CPU threads; 0 = one per core. Use 1 when other jobs share the cores")
     g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=S, help="bf16 autocast (default: on CUDA)")
@@ -81,7 +85,7 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--store", default=S, help="module store to write into (default: RUN_DIR/store)")
     g.add_argument("--run-dir", default=S, help="default: runs/<task>-<version>-<time>")
     g.add_argument("--report-dir", default=S, help="default: RUN_DIR/report")
-    g.add_argument("--backbone", default=S, help="backbone folder (default: all-MiniLM-L6-v2)")
+    g.add_argument("--backbone", default=S, help="backbone folder, or a named one: minilm (default), smollm2, mpnet")
     g.add_argument("--description", default=S)
     g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=S)
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bars")
@@ -212,9 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--file", default=None, help="labelled file to score on (instead of a preset)")
     add_data_options(e, default=None)
     e.add_argument("--max-examples", type=int, default=None, help="score a seeded random subset")
-    e.add_argument("--backbone", default=None, help="backbone folder (default: all-MiniLM-L6-v2)")
+    e.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm (default), smollm2, mpnet")
     e.add_argument("--batch-size", type=int, default=128)
     e.add_argument("--device", default="auto")
+    e.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
+                   help="backbone precision (backend torch), as the module is served")
     e.add_argument("--output", default=None, help="also write the metrics JSON here")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     add_align_command(commands)
@@ -272,6 +278,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     backbone = Backbone.load(args.backbone, device=device)
+    if args.precision != "fp32":
+        backbone = backbone.use_backend("torch", args.precision)
     module = load_module(ModuleStore(args.store or DEFAULT_STORE), args.task, args.version, backbone, device=device)
     if bool(args.dataset) == bool(args.file):
         raise SystemExit("tmod-train eval: give exactly one of --dataset NAME or --file FILE")

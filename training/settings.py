@@ -116,6 +116,11 @@ class TrainSettings(BaseModel):
     states: Literal["cache", "recompute"] = Field(
         "cache", description="cache backbone states once (fp16) or recompute them every epoch")
     device: str = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "fp32", description="backbone precision (backend torch, as `tmod-serve --precision`): the states the "
+        "head is trained and scored on. auto: bf16 on a CPU with native bfloat16, else fp32")
+    state_cache: bool = Field(False, description="also keep the split's backbone states on disk "
+                              "($TMOD_CACHE_DIR/states), so a later run on the same data (a baseline) reuses them")
     threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default (one per core). "
                          "1 is much faster when other processes compete for the cores")
     amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")
@@ -125,7 +130,7 @@ class TrainSettings(BaseModel):
     store: str | None = None
     run_dir: str | None = None
     report_dir: str | None = None
-    backbone: str | None = Field(None, description="backbone folder (default: all-MiniLM-L6-v2)")
+    backbone: str | None = Field(None, description="backbone folder, or minilm (default) / smollm2 / mpnet")
     description: str = ""
     overwrite: bool = False
     progress: bool = True

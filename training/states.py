@@ -4,12 +4,19 @@ The backbone is frozen, so its states are a function of the input alone. `Cached
 once per split and keeps only the states the head reads, real tokens only, in fp16 (a
 `TokenStateCache`, which `training.pairing.PairedStates` uses too);
 `RecomputedStates` runs it again for every batch (no memory cost, a backbone pass per epoch).
+`CachedStates(disk=...)` also keeps them on disk, for later runs on the same split.
 Either way every input is encoded by `Backbone.encode` and padded by `Backbone.collate`, exactly
 as the server does it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import random
+import tempfile
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -18,6 +25,8 @@ from tqdm.auto import tqdm
 from modules_store import TaskType
 from server.backbone import Backbone, EncodedInput, TokenBatch
 from training.data import IGNORE_INDEX, LabelledData, token_labels
+
+log = logging.getLogger("tmod")
 
 
 class Split:
@@ -172,9 +181,70 @@ class TokenStateCache:
 
 
 class CachedStates(TokenStateCache):
-    """Every state the head reads, for every real token of the split, computed once in fp16."""
+    """Every state the head reads, for every real token of the split, computed once in fp16.
+
+    With `disk` (a folder), each state is also kept on disk as `<key>.state<i>.safetensors`, the key
+    being the sha256 of the backbone's identity, its backend precision and the split's token ids:
+    a later run on the same split (another head, the last-layer baseline) loads the states it needs
+    and runs the backbone only for states not stored yet (up to the deepest missing one)."""
 
     def __init__(self, split: Split, layers: list[int], batch_size: int = 128, dtype=torch.float16,
-                 device: torch.device | str = "cpu", progress: bool = True, desc: str = "caching states"):
+                 device: torch.device | str = "cpu", progress: bool = True, desc: str = "caching states",
+                 disk: Path | None = None):
         self.split = split
-        super().__init__(split.backbone, split.encoded, layers, batch_size, dtype, device, progress, desc)
+        layers = list(dict.fromkeys(layers))
+        if disk is None:
+            super().__init__(split.backbone, split.encoded, layers, batch_size, dtype, device, progress, desc)
+            return
+        prefix = Path(disk) / split_states_key(split)
+        stored = {i: load_state_file(prefix, i) for i in layers}
+        missing = [i for i in layers if stored[i] is None]
+        if missing:
+            computed = TokenStateCache(split.backbone, split.encoded, missing, batch_size, dtype, "cpu", progress, desc)
+            for i in missing:
+                stored[i] = computed.cache[i]
+                save_state_file(prefix, i, computed.cache[i])
+        super().__init__(None, split.encoded, layers, dtype=dtype, device=device, tensors=stored)
+
+
+STATES_FORMAT = 1
+
+
+def split_states_key(split: Split) -> str:
+    """sha256 of what a split's states depend on: backbone identity, backend precision, token ids."""
+    backbone = split.backbone
+    digest = hashlib.sha256(json.dumps({
+        "format": STATES_FORMAT, "backbone": list(backbone.fingerprint.identity()),
+        "backend": backbone.backend.name, "precision": backbone.backend.precision,
+    }).encode())
+    for row in split.encoded:
+        digest.update(json.dumps(row.ids).encode())
+    return digest.hexdigest()
+
+
+def load_state_file(prefix: Path, index: int) -> torch.Tensor | None:
+    from safetensors.torch import load_file
+
+    path = Path(f"{prefix}.state{index}.safetensors")
+    if not path.is_file():
+        return None
+    try:
+        return load_file(str(path))["state"]
+    except Exception as exc:  # a damaged file is recomputed, whatever the damage
+        log.warning("ignoring the state cache %s: %s (recomputing)", path, exc)
+        return None
+
+
+def save_state_file(prefix: Path, index: int, tensor: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(f"{prefix}.state{index}.safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".states-", suffix=".safetensors", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({"state": tensor.contiguous()}, tmp)
+        os.replace(tmp, path)  # a half-written file is never found
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType, sha256_file
 from server.backbone import Backbone
+from server.backbone.sources import default_cache_dir
 from server.heads import Head
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.mtb import MTBHead
@@ -260,10 +261,11 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
     t0 = time.perf_counter()
     if s.states == "cache":
         where = cache_device(device, [train_split, val_split], layers, train_split.backbone.hidden_size)
+        disk = default_cache_dir() / "states" if s.state_cache else None
         train_source = CachedStates(train_split, layers, s.eval_batch_size, device=where, progress=s.progress,
-                                    desc="caching train states")
+                                    desc="caching train states", disk=disk)
         val_source = CachedStates(val_split, layers, s.eval_batch_size, device=where, progress=s.progress,
-                                  desc="caching validation states")
+                                  desc="caching validation states", disk=disk)
         cache_bytes = train_source.nbytes() + val_source.nbytes()
     else:
         train_source, val_source = RecomputedStates(train_split, layers), RecomputedStates(val_split, layers)
@@ -332,6 +334,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     device = pick_device(s.device)
     amp = s.amp if s.amp is not None else device.type == "cuda"
     backbone = backbone or Backbone.load(s.backbone, device=str(device))
+    if s.precision != "fp32":  # the states the head learns from are the ones served at this precision
+        backbone = backbone.use_backend("torch", s.precision)
     head = build_head(s, task_type, labels, backbone).to(device)
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
@@ -368,7 +372,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
             "total_seconds": round(train_seconds, 2),
         },
         "environment": {
-            "device": str(device), "amp": amp, "torch": torch.__version__, "python": platform.python_version(),
+            "device": str(device), "amp": amp, "backbone_backend": backbone.backend.describe(), "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "threads": torch.get_num_threads(),
         },
     }

@@ -2,10 +2,11 @@
 
 Streaming needs three things from a model: embed the tokens, build what the layers need besides
 the hidden states (a `BlockContext`: the attention mask, plus rotary position embeddings for a
-decoder), and call one layer. Encoders (BERT, RoBERTa, DistilBERT, MiniLM, ...) share
-`EncoderAdapter`; Llama-style decoders (SmolLM2) use `DecoderAdapter` with a causal mask. The MTB
-head rebuilds blocks from a config alone and runs them through the same `block_context` /
-`run_block` pair.
+decoder, the relative position bias for MPNet), and call one layer. Encoders (BERT, RoBERTa,
+DistilBERT, MiniLM, ...) share `EncoderAdapter`; MPNet uses `MPNetAdapter` (its layers take a
+relative position bias that the model computes once per forward: here once per batch); Llama-style
+decoders (SmolLM2) use `DecoderAdapter` with a causal mask. The MTB head rebuilds blocks from a
+config alone and runs them through the same `block_context` / `run_block` pair.
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from torch import nn
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
 DECODER_TYPES = ("llama",)
+# Architectures whose per-batch block context needs weights that live outside the blocks, so a
+# block copied into a head (MTB) cannot be run from the config alone.
+OWN_CONTEXT_TYPES = {"mpnet": "MPNet's relative position bias is a table of the encoder, not of its layers "
+                              "(MTB / LoRA-MTB heads are not supported on MPNet; use layer-mix)"}
 
 
 def is_decoder(config) -> bool:
@@ -25,11 +30,14 @@ def is_decoder(config) -> bool:
 class BlockContext:
     """What a block call needs besides the hidden states, built once per batch."""
 
-    def __init__(self, mask, position_embeddings=None, position_ids=None):
+    def __init__(self, mask, position_embeddings=None, position_ids=None, position_bias=None):
         self.mask, self.position_embeddings, self.position_ids = mask, position_embeddings, position_ids
+        self.position_bias = position_bias  # MPNet: (B, heads, T, T) added to the attention scores
 
     def run(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        if self.position_embeddings is None:  # encoders: (hidden_states, attention_mask) positionally
+        if self.position_bias is not None:  # MPNet: (hidden_states, attention_mask, position_bias)
+            out = block(hidden, self.mask, self.position_bias)
+        elif self.position_embeddings is None:  # encoders: (hidden_states, attention_mask) positionally
             out = block(hidden, self.mask)
         else:
             out = block(hidden, attention_mask=self.mask, position_embeddings=self.position_embeddings,
@@ -49,6 +57,9 @@ def rotary_for(config) -> nn.Module | None:
 def block_context(config, hidden: torch.Tensor, attention_mask: torch.Tensor, rotary: nn.Module | None = None) -> BlockContext:
     """Bidirectional mask for encoders; causal mask and rotary embeddings for decoders (padding is
     on the right, so positions are 0..T-1 for every row)."""
+    if config.model_type in OWN_CONTEXT_TYPES:
+        raise ValueError(f"blocks of model_type {config.model_type!r} cannot run from a config alone: "
+                         f"{OWN_CONTEXT_TYPES[config.model_type]}")
     if not is_decoder(config):
         return BlockContext(create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask))
     positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -85,6 +96,35 @@ class EncoderAdapter:
         return run_block(self.layers[index], hidden, mask)
 
 
+class MPNetAdapter:
+    """MPNet (all-mpnet-base-v2): BERT-like post-LN layers whose attention scores get a relative
+    position bias. The Hugging Face encoder computes that bias (a bucketed table lookup, the same for
+    every layer) once per forward; here it is computed once per batch into the `BlockContext`,
+    already summed with the additive padding mask, so each layer adds one tensor instead of two
+    (the sum is exact where a key is real: mask 0; where it is padding both are ~float32 min).
+    Positions are counted from the left (0..T-1 for every row, padding on the right), as in HF.
+    MPNet has no token types; its embeddings number positions from the token ids (pad id 1)."""
+
+    uses_token_types = False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        self.layers = model.encoder.layer
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        return self.model.embeddings(input_ids=input_ids)
+
+    def mask(self, embedded: torch.Tensor, attention_mask: torch.Tensor) -> BlockContext:
+        bias = self.model.encoder.compute_position_bias(embedded)  # (B, heads, T, T)
+        # the additive padding mask of HF's eager attention (MPNet has no SDPA path): 0 / float32 min
+        padding = (1.0 - attention_mask[:, None, None, :].to(bias.dtype)) * torch.finfo(bias.dtype).min
+        return BlockContext(None, position_bias=bias + padding)
+
+    def run_layer(self, index: int, hidden: torch.Tensor, context: BlockContext) -> torch.Tensor:
+        return context.run(self.layers[index], hidden)
+
+
 class DecoderAdapter:
     """Llama-style causal decoders (SmolLM2): token embeddings, then blocks with a causal mask and
     rotary position embeddings. State L is the last block's raw output (the final RMSNorm, which
@@ -108,16 +148,17 @@ class DecoderAdapter:
         return context.run(self.layers[index], hidden)
 
 
-ADAPTERS: dict[str, Callable[[nn.Module], EncoderAdapter | DecoderAdapter]] = {
+ADAPTERS: dict[str, Callable[[nn.Module], EncoderAdapter | MPNetAdapter | DecoderAdapter]] = {
     "bert": EncoderAdapter,
     "roberta": EncoderAdapter,
     "xlm-roberta": EncoderAdapter,
     "distilbert": EncoderAdapter,
+    "mpnet": MPNetAdapter,
     "llama": DecoderAdapter,
 }
 
 
-def adapter_for(model: nn.Module) -> EncoderAdapter | DecoderAdapter:
+def adapter_for(model: nn.Module) -> EncoderAdapter | MPNetAdapter | DecoderAdapter:
     model_type = model.config.model_type
     if model_type not in ADAPTERS:
         raise ValueError(f"backbone model_type {model_type!r} is not supported; supported: {sorted(ADAPTERS)}")

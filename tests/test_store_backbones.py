@@ -1,0 +1,67 @@
+"""One store, two backbones, over real HTTP: a server started on either backbone from the same
+store serves exactly its own backbone's modules (plus foreign ones a bridge leads to), starts
+without refusals for the other backbone's modules, and /v1/tasks names each module's backbone."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from modules_store import ModuleStore
+from server.app import create_app
+from server.backbone import Backbone
+from server.config import Settings
+from server.modules import save_module
+from tests.helpers import NER_LABELS, LiveServer, make_tiny_backbone_dir, random_head
+
+SENTIMENT = ["negative", "positive"]
+ENTAILMENT = ["entailment", "not_entailment"]
+
+
+@pytest.fixture(scope="module")
+def backbones(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two-backbones")
+    return {family: Backbone.load(make_tiny_backbone_dir(root, family, layers=2), name=f"tiny-{family}")
+            for family in ("bert", "mpnet")}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, backbones):
+    """sentiment on both (1 on BERT; mpnet-1 on MPNet), ner on BERT only, entailment on MPNet only."""
+    bert, mpnet = backbones["bert"], backbones["mpnet"]
+    store = ModuleStore(tmp_path_factory.mktemp("store"))
+    save_module(store, "sentiment", "1", random_head(bert, "sequence_classification", SENTIMENT, 1), bert)
+    save_module(store, "ner", "1", random_head(bert, "token_classification", NER_LABELS, 2, casing=True), bert)
+    save_module(store, "sentiment", "mpnet-1", random_head(mpnet, "sequence_classification", SENTIMENT, 3), mpnet)
+    save_module(store, "entailment", "mpnet-1", random_head(mpnet, "sequence_classification", ENTAILMENT, 4), mpnet)
+    return store
+
+
+@pytest.mark.parametrize("family, expected", [
+    ("bert", {"sentiment": "1", "ner": "1"}),
+    ("mpnet", {"sentiment": "mpnet-1", "entailment": "mpnet-1"}),
+])
+def test_each_backbone_serves_its_own_modules(backbones, store, family, expected):
+    backbone = backbones[family]
+    with LiveServer(create_app(Settings(store=store.root), backbone=backbone)) as server:
+        ready = httpx.get(server.url + "/readyz").json()
+        assert ready["tasks"] == sorted(expected) and ready["refused"] == {}
+        listed = httpx.get(server.url + "/v1/tasks").json()["tasks"]
+        assert {t["task"]: t["version"] for t in listed} == expected
+        for task in listed:  # every module names the backbone it belongs to: this server's
+            assert task["backbone"]["name"] == f"tiny-{family}"
+            assert task["backbone"]["architecture"] == backbone.fingerprint.architecture
+        inputs = [{"text": "A fine, quiet film.", "text_pair": "It was good."}]
+        answer = httpx.post(server.url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": inputs})
+        assert answer.status_code == 200 and answer.json()["results"][0]["sentiment"]["label"] in SENTIMENT
+        other = "entailment" if family == "bert" else "ner"
+        refused = httpx.post(server.url + "/v1/infer", params={"tasks": other}, json={"inputs": ["x"]})
+        assert refused.status_code == 400 and other in refused.json()["error"]["message"]
+
+
+def test_asking_for_another_backbones_module_is_a_refusal_that_says_why(backbones, store):
+    settings = Settings(store=store.root, tasks="sentiment,ner")
+    with LiveServer(create_app(settings, backbone=backbones["mpnet"])) as server:
+        ready = httpx.get(server.url + "/readyz").json()
+        assert ready["tasks"] == ["sentiment"]
+        assert "no version for backbone tiny-mpnet" in ready["refused"]["ner"]
+        assert "1 (tiny-bert)" in ready["refused"]["ner"]
