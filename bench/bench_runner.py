@@ -142,14 +142,14 @@ def capture_section(device: str = "cuda", batch_sizes=(1, 32, 128), tokens: int 
     from server.backbone import Backbone
     from server.config import Settings
     from server.engine import Engine
-    from server.modules import load_module
+    from server.modules import load_module, servable_tasks
     from server.runner import ModelRunner, pack_logits
 
     bb = Backbone.load(device=device)
     if precision != "fp32":
         bb = bb.use_backend("torch", precision)
     store = ModuleStore(store or REPO / "modules_store")
-    modules = {t: load_module(store, t, None, bb, device) for t in store.tasks()}
+    modules = {t: load_module(store, t, None, bb, device) for t in servable_tasks(store, bb)}
     sentences = read_sst2_sentences(data_dir)
     text = " ".join(sentences[:20])
     settings = dict(device=device, precision=precision, graph_seq_lens=str(tokens),

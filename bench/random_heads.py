@@ -73,5 +73,5 @@ def build_modules(store, backbone, count: int, layers=None, project_dim: int = 6
             head_layers = layers(i) if callable(layers) else layers
             head = make_head(i, backbone, head_layers, project_dim, seed, kind)
             save_module(store, name, "1", head, backbone, description=f"bench: random {kind} head")
-        modules[name] = load_module(store, name, None, backbone)
+        modules[name] = load_module(store, name, None, backbone, str(backbone.device))
     return modules

@@ -364,10 +364,10 @@ class ModelRunner:
         self.head_precision = head_precision(settings, self.device)
         self.pinned = self.device.type == "cuda"
         if capture is None and self.device.type == "cuda" and settings.cuda_graphs:
-            pool = torch.cuda.graph_pool_handle()  # one pool for every capture
+            self._pool = torch.cuda.graph_pool_handle()  # one pool for every capture of a module set
 
             def capture(modules, bucket):
-                return capture_cuda_graph(engine, modules, bucket, self.precision, pool)
+                return capture_cuda_graph(engine, modules, bucket, self.precision, self._pool)
         self.graphs = GraphCache(capture, settings.graph_memory_mb * 2**20)
         self.metrics = metrics
         if metrics is not None:
@@ -396,6 +396,10 @@ class ModelRunner:
         self.graphs.forget()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the dropped graphs' pool goes back to the driver: later captures measure theirs
+            if hasattr(self, "_pool"):
+                # a fresh pool: capturing into the released one trips the caching allocator's
+                # use-count assertion (seen on an H100, torch 2.11), and every later shape ran eager
+                self._pool = torch.cuda.graph_pool_handle()
         self._observe_graphs()
 
     def warm_up(self, modules: dict[str, LoadedModule]) -> None:
