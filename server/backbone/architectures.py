@@ -111,12 +111,26 @@ class MPNetAdapter:
         self.model = model
         self.config = model.config
         self.layers = model.encoder.layer
+        self._buckets: dict[tuple[int, str], torch.Tensor] = {}  # (T, device) -> (T, T) bucket ids
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         return self.model.embeddings(input_ids=input_ids)
 
+    def relative_buckets(self, length: int, device: torch.device) -> torch.Tensor:
+        """(T, T) relative-position bucket ids, made once per length and device: HF computes them
+        per forward and (some versions) on the CPU, a copy a captured CUDA graph cannot hold."""
+        key = (length, str(device))
+        if key not in self._buckets:
+            positions = torch.arange(length, dtype=torch.long)
+            relative = positions[None, :] - positions[:, None]  # memory - context, as HF
+            buckets = self.model.encoder.relative_position_bucket(
+                relative, num_buckets=self.config.relative_attention_num_buckets)
+            self._buckets[key] = buckets.to(device)
+        return self._buckets[key]
+
     def mask(self, embedded: torch.Tensor, attention_mask: torch.Tensor) -> BlockContext:
-        bias = self.model.encoder.compute_position_bias(embedded)  # (B, heads, T, T)
+        buckets = self.relative_buckets(embedded.shape[1], embedded.device)
+        bias = self.model.encoder.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, heads, T, T)
         # the additive padding mask of HF's eager attention (MPNet has no SDPA path): 0 / float32 min
         padding = (1.0 - attention_mask[:, None, None, :].to(bias.dtype)) * torch.finfo(bias.dtype).min
         return BlockContext(None, position_bias=bias + padding)
