@@ -256,7 +256,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
               responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
     async def manage_module(task: str, action: str, request: Request, body: ModuleAction | None = None):
-        """load: load or replace with a store version (default latest); reload: read the loaded
+        """load: load or replace with a store version (default: the latest for this backbone); reload: read the loaded
         version (or the one named) again from the store; unload: stop serving the task.
         A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
         require_admin(request)

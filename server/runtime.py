@@ -117,7 +117,7 @@ class Runtime:
 
     # ---- hot modules (run in the compute thread, between batches) ----------------------------
     def load_task(self, task: str, version: str | None = None) -> LoadedModule:
-        """Load (or replace with) a version, default the store's latest. A refused artifact
+        """Load (or replace with) a version, default the store's latest for this backbone. A refused artifact
         raises ArtifactError and leaves the running set untouched."""
         module = load_module(self.store, task, version, self.backbone, self.settings.device, self.bridges)
         self.modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
