@@ -327,6 +327,11 @@ def write_markdown(path: Path, result: dict) -> None:
             lines.append(f"- {inputs} input(s), c={c}: server CPU per request x"
                          f"{after['server_cpu_us_per_request'] / before['server_cpu_us_per_request']:.2f}, "
                          f"req/s x{after['requests_per_s'] / before['requests_per_s']:.2f}")
+    mu = result.get("metric_updates")
+    if mu:
+        lines += ["", f"Metric updates of one 3-task request, in process (process CPU, best of {mu['rounds']} "
+                  f"interleaved rounds): labels looked up per request {mu['labels_per_request_us']} us, "
+                  f"`Metrics.record_answer` (children kept) {mu['record_answer_us']} us (x{mu['ratio']})."]
     lines += ["", "Extrapolation (labelled, not measured): " + result["extrapolation"]["text"], ""]
     for name, prof in result.get("profiles", {}).items():
         lines += [f"## Profile: {name} (CPU time, all server threads, cProfile)", "",
@@ -340,6 +345,38 @@ def write_markdown(path: Path, result: dict) -> None:
                   for row in prof["functions"][:20]]
         lines.append("")
     path.write_text("\n".join(lines))
+
+
+def metric_updates(repeats: int = 20_000) -> dict:
+    """A 3-task request's metric updates, in process: children looked up per request (as the app did
+    before) vs `Metrics.record_answer` (children kept once made). us per request."""
+    from server.metrics import Metrics
+
+    phases = [(phase, 0.001) for phase in ("queue", "tokenize", "backbone", "heads", "total")]
+
+    def looked_up(m):
+        for phase, seconds in phases:
+            m.duration.labels(phase).observe(seconds)
+        m.requests.labels("success").inc()
+        m.inputs.inc(1)
+        for task in TASKS:
+            m.task_requests.labels(task).inc()
+
+    def kept(m):
+        m.record_answer(phases, 1, TASKS)
+
+    out = {"repeats": repeats, "rounds": 5}
+    times = {"labels_per_request_us": [], "record_answer_us": []}
+    for _ in range(5):  # interleaved rounds, best of each
+        for name, fn in (("labels_per_request_us", looked_up), ("record_answer_us", kept)):
+            m = Metrics()
+            t0 = time.process_time()
+            for _ in range(repeats):
+                fn(m)
+            times[name].append((time.process_time() - t0) / repeats * 1e6)
+    out.update({k: round(min(v), 2) for k, v in times.items()})
+    out["ratio"] = round(out["record_answer_us"] / out["labels_per_request_us"], 3)
+    return out
 
 
 def parse_args(argv=None):
@@ -403,6 +440,8 @@ def main(argv=None) -> int:
                         "requests_profiled": profiled["requests"], "areas": profile_areas(prof),
                         "functions": profile_table(prof)}
     after = [r for r in result["levels"] if r["stack"] == "httptools+uvloop"]
+    result["metric_updates"] = metric_updates()
+    print("metric updates per request:", result["metric_updates"], flush=True)
     one = next(r for r in after if r["inputs_per_request"] == 1 and r["server_cpu_us_per_request"])
     many = next(r for r in after if r["inputs_per_request"] == 32 and r["server_cpu_us_per_input"])
     cores = 16
