@@ -12,8 +12,8 @@ BIO spans). The sleep releases the GIL, as a device wait does.
    all-MiniLM-L6-v2 tokenizer and config) is written to a temporary folder.
 2. One server is started (`python bench/bench_frontend.py --serve`, 127.0.0.1, batching on).
 3. Two such servers, both up for the whole run: uvicorn's pure-Python stack (h11 parser, asyncio
-   loop: before) and httptools + uvloop (after: what uvicorn picks by itself now that they are
-   tmod dependencies). Levels alternate which server goes first.
+   loop: before) and httptools + uvloop (after: `pip install .[fast]`; uvicorn picks them up by
+   itself). Levels alternate which server goes first.
    For each (inputs per request, concurrency) of 1 x 64, 1 x 256, 32 x 64, 32 x 256: `--clients`
    load-generator processes share the concurrency, each an asyncio loop of closed-loop workers on
    their own keep-alive connection, speaking minimal HTTP/1.1 over raw streams (an httpx client
@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:
 
 LEVELS = [(1, 64), (1, 256), (32, 64), (32, 256)]
 # uvicorn's HTTP parser and event loop: before (pure Python, what `pip install uvicorn` gives) and after
-# (httptools + uvloop, what uvicorn picks by itself once they are installed: a tmod dependency now)
+# (httptools + uvloop, tmod's `fast` extra: what uvicorn picks by itself once they are installed)
 STACKS = {"h11+asyncio": "h11,asyncio", "httptools+uvloop": "httptools,uvloop"}
 TASKS = ["sentiment", "ner", "acceptability"]
 
@@ -397,6 +397,11 @@ def main(argv=None) -> int:
     from bench.environment import machine_info, read_sst2_sentences
 
     args = parse_args(argv)
+    try:
+        import httptools  # noqa: F401
+        import uvloop  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench_frontend compares uvicorn stacks: pip install '.[fast]' (httptools, uvloop)")
     if args.quick:
         args.warmup, args.duration = 1.0, 2.0
     sentences = read_sst2_sentences()
