@@ -27,7 +27,7 @@ BIO spans). The sleep releases the GIL, as a device wait does.
 
 Outputs: bench/results/frontend-cpu.{json,md}.
 
-    .venv/bin/python bench/bench_frontend.py             # ~2 min
+    .venv/bin/python bench/bench_frontend.py             # ~3 min
     .venv/bin/python bench/bench_frontend.py --quick     # smoke run
 """
 from __future__ import annotations
