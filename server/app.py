@@ -208,13 +208,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         timings = job.timings
         total = time.perf_counter() - received
         queue = timings.extra.get("queue", 0.0)
-        for phase, seconds in (("queue", queue), ("tokenize", timings.tokenize), ("backbone", timings.backbone),
-                               ("heads", timings.heads), ("total", total)):
-            metrics.duration.labels(phase).observe(seconds)
-        metrics.requests.labels("success").inc()
-        metrics.inputs.inc(len(texts))
-        for task in modules:
-            metrics.task_requests.labels(task).inc()
+        metrics.record_answer((("queue", queue), ("tokenize", timings.tokenize), ("backbone", timings.backbone),
+                               ("heads", timings.heads), ("total", total)), len(texts), modules)
         headers = {
             "x-queue-time": queue, "x-tokenization-time": timings.tokenize, "x-backbone-time": timings.backbone,
             "x-heads-time": timings.heads, "x-inference-time": timings.backbone + timings.heads, "x-total-time": total,

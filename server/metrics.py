@@ -39,3 +39,23 @@ class Metrics:
             "tmod_backbone_layers_run", "Backbone layers run per pass (early exit)",
             buckets=tuple(range(0, 49, 2)), registry=r,
         )
+        # labelled children kept once made: a `labels()` lookup (validation, a lock, a dict) per
+        # request costs more than the update itself (bench/bench_frontend.py). Made on first use, so
+        # a series still appears only once something happened.
+        self._children: dict = {}
+
+    def child(self, metric, label: str):
+        key = (metric, label)  # metric objects hash by identity
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(label)
+        return found
+
+    def record_answer(self, phase_seconds, inputs: int, tasks) -> None:
+        """An inference request answered: its phase durations, its inputs, its tasks."""
+        for phase, seconds in phase_seconds:
+            self.child(self.duration, phase).observe(seconds)
+        self.child(self.requests, "success").inc()
+        self.inputs.inc(inputs)
+        for task in tasks:
+            self.child(self.task_requests, task).inc()
