@@ -10,13 +10,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from modules_store import ArtifactError
 from server import oip
 from server.backbone import Backbone, InputTooLong
-from server.batcher import ClientGone, DeadlineExceeded, Job, QueueFull
+from server.batcher import Job
 from server.config import Settings
 from server.errors import (
     ApiError,
@@ -27,7 +26,7 @@ from server.errors import (
     validation_error_handler,
 )
 from server.logs import RequestLog
-from server.modules import LoadedModule, count_parameters
+from server.modules import LoadedModule
 from server.runtime import Runtime
 from server.schemas import (
     InferRequest,
@@ -87,33 +86,18 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def _task_info(module: LoadedModule, bridges: dict) -> dict:
-    m = module.manifest
-    via = None
-    if module.bridge is not None:  # a foreign module: the chain backbone -> bridge -> module's backbone
-        b = bridges[module.bridge].manifest
-        via = {"bridge": b.name, "version": b.version, "kind": b.kind, "objective": b.training.get("objective"),
-               "chain": [b.source.name or b.source.short, f"bridge {b.name}/{b.version}", b.target.name or b.target.short]}
-    return {
-        "task": module.task, "version": module.version, "kind": m.kind, "task_type": m.task_type.value,
-        "labels": m.labels, "layers": module.head.layers_read(), "parameters": count_parameters(module.head),
-        "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
-        "served_through": via,
-    }
-
-
-def create_app(settings: Settings | None = None, backbone: Backbone | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, backbone: Backbone | None = None, runtime=None) -> FastAPI:
+    """The app over `runtime`: by default a Runtime in this process (backbone, modules, batcher);
+    in an HTTP worker process a `server.workers.RemoteRuntime` (the same interface) that forwards to
+    the engine process."""
     settings = settings or Settings()
-    runtime = Runtime(settings, backbone)
+    runtime = runtime or Runtime(settings, backbone)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # load in the compute thread so /healthz answers at once and /readyz tells when loading ends
-        asyncio.get_running_loop().run_in_executor(runtime.executor, runtime.start)
-        runtime.batcher.start()
+        await runtime.open()
         yield
-        await runtime.batcher.drain_and_stop()  # answer what was queued before exiting
-        runtime.close()
+        await runtime.shutdown()
 
     app = FastAPI(
         title="tmod", version="0.1.0", lifespan=lifespan,
@@ -129,8 +113,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     metrics = runtime.metrics
 
     def model_info() -> ModelInfo:
-        bb = runtime.backbone
-        return ModelInfo(backbone=bb.name, fingerprint=bb.fingerprint.short)
+        name, fingerprint = runtime.model_info()
+        return ModelInfo(backbone=name, fingerprint=fingerprint)
 
     def require_ready() -> None:
         if not runtime.ready.is_set():
@@ -158,9 +142,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return {n: loaded[n] for n in names}
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
-                            truncate: bool, request: Request) -> tuple[list[dict], list, dict[str, str]]:
+                            truncate: bool, request: Request) -> tuple[list[dict], Job, dict[str, str]]:
         """Shared by every protocol: limits, tokenization, the batcher, metrics, timing headers.
-        -> (per-input results keyed by task, encoded rows, response headers)."""
+        -> (per-input results keyed by task, the job (its rows, the module versions that answered),
+        response headers)."""
         with metrics.requests_in_flight.track_inprogress():
             return await answer_inference(texts, text_pairs, modules, truncate, request)
 
@@ -190,21 +175,14 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         started = time.perf_counter()
         try:
             rows = await loop.run_in_executor(
-                runtime.tokenize_executor, runtime.backbone.encode, texts, text_pairs, truncate, settings.max_tokens
+                runtime.tokenize_executor, runtime.encode, texts, text_pairs, truncate, settings.max_tokens
             )
         except InputTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
         job = Job(rows=rows, modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
                   is_disconnected=request.is_disconnected)
         job.timings.tokenize = time.perf_counter() - started
-        try:
-            results = await runtime.batcher.submit(job)
-        except QueueFull as exc:
-            raise ApiError(429, "overloaded", f"server overloaded: {exc}; retry later") from exc
-        except DeadlineExceeded as exc:
-            raise ApiError(503, "deadline_exceeded", f"{exc} ({settings.request_timeout_s}s)") from exc
-        except ClientGone as exc:
-            raise ApiError(499, "client_closed_request", str(exc)) from exc
+        results = await runtime.submit(job)
         timings = job.timings
         total = time.perf_counter() - received
         queue = timings.extra.get("queue", 0.0)
@@ -214,7 +192,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             "x-queue-time": queue, "x-tokenization-time": timings.tokenize, "x-backbone-time": timings.backbone,
             "x-heads-time": timings.heads, "x-inference-time": timings.backbone + timings.heads, "x-total-time": total,
         }
-        return results, rows, {name: f"{seconds * 1000:.3f}" for name, seconds in headers.items()}
+        return results, job, {name: f"{seconds * 1000:.3f}" for name, seconds in headers.items()}
 
     @app.post("/v1/infer", response_model=InferResponse, tags=["inference"],
               responses={400: {}, 413: {}, 422: {}, 429: {}, 503: {}})
@@ -225,11 +203,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         pairs = not isinstance(body.inputs[0], str)
         texts = [item.text if pairs else item for item in body.inputs]
         text_pairs = [item.text_pair for item in body.inputs] if pairs else None
-        results, rows, headers = await run_inference(texts, text_pairs, modules, body.truncate, request)
+        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request)
         response.headers.update(headers)
         return InferResponse(
-            results=results, model=model_info(), tasks={t: m.version for t, m in modules.items()},
-            truncated=[i for i, row in enumerate(rows) if row.truncated],
+            results=results, model=model_info(), tasks={t: m.version for t, m in job.modules.items()},
+            truncated=[i for i, row in enumerate(job.rows) if row.truncated],
         )
 
     # ---- admin: hot module management --------------------------------------------------------
@@ -240,14 +218,6 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.admin_token.encode()):
             raise ApiError(401, "unauthorized", "admin endpoints need 'Authorization: Bearer <admin token>'")
 
-    async def in_compute_thread(fn, *args):
-        # between batches, never during one: a pass sees one consistent set of modules
-        try:
-            return await asyncio.get_running_loop().run_in_executor(runtime.executor, fn, *args)
-        except ArtifactError as exc:
-            status = 404 if exc.reason == "not_found" else 409
-            raise ApiError(status, f"artifact_{exc.reason}", exc.message) from exc
-
     @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
               responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
     async def manage_module(task: str, action: str, request: Request, body: ModuleAction | None = None):
@@ -256,26 +226,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
         require_admin(request)
         require_ready()
-        version = body.version if body else None
-        current = runtime.modules.get(task)
-        if action not in ("load", "reload", "unload"):
-            raise ApiError(404, "not_found", f"unknown action {action!r}: use load, reload or unload")
-        if action in ("reload", "unload") and current is None:
-            raise ApiError(404, "unknown_task", f"task {task!r} is not loaded; loaded tasks: {sorted(runtime.modules)}",
-                           loaded_tasks=sorted(runtime.modules))
+        module, previous = await runtime.manage(task, action, body.version if body else None)
         if action == "unload":
-            removed = await in_compute_thread(runtime.unload_task, task)
-            return ModuleActionResult(task=task, action=action, version=removed.version)
-        if action == "reload":
-            version = version or current.version
-        module = await in_compute_thread(runtime.load_task, task, version)
-        return ModuleActionResult(task=task, action=action, version=module.version,
-                                  previous_version=current.version if current else None)
+            return ModuleActionResult(task=task, action=action, version=module.version)
+        return ModuleActionResult(task=task, action=action, version=module.version, previous_version=previous)
 
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks():
         require_ready()
-        return {"tasks": [_task_info(m, runtime.bridges) for _, m in sorted(runtime.modules.items())], "backbone": model_info()}
+        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info()}
 
     @app.get("/v1/tasks/{name}", response_model=TaskDetail, tags=["tasks"], responses={404: {}})
     async def get_task(name: str):
@@ -284,7 +243,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if module is None:
             raise ApiError(404, "unknown_task", f"no task {name!r}; loaded tasks: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
-        return {**_task_info(module, runtime.bridges), "manifest": module.manifest.model_dump(mode="json")}
+        return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json")}
 
     # ---- Open Inference Protocol v2 (KServe / Triton clients) --------------------------------
     def oip_module(task: str, version: str | None = None) -> LoadedModule:
@@ -332,7 +291,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         body = await request.body()
         parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
         truncate = bool((parsed.get("parameters") or {}).get("truncate", False))
-        results, _, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request)
+        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request)
+        module = job.modules[task]  # the version that answered
         content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
@@ -348,11 +308,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 content=json.dumps(error_body("not_ready", f"not ready: {detail}")),
                 status_code=503, media_type="application/json",
             )
-        return {"status": "ready", "backbone": runtime.backbone.name, "tasks": sorted(runtime.modules),
+        return {"status": "ready", "backbone": runtime.model_info()[0], "tasks": sorted(runtime.modules),
                 "refused": runtime.load_errors}
 
     @app.get("/metrics", tags=["health"])
     async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app

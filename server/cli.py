@@ -6,6 +6,9 @@ defaults cannot drift apart. Flags override environment variables, which overrid
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
 import typing
 
 import uvicorn
@@ -44,6 +47,19 @@ def main(argv=None) -> None:
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
+    if settings.workers > 1:
+        # N HTTP worker processes and this one as the engine (server/workers.py). Metrics of every
+        # process go through files here; prometheus_client reads this when first imported, so set it first
+        made = None
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            made = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tmod-metrics-")
+        from server.workers import serve
+
+        try:
+            return serve(settings)
+        finally:
+            if made:
+                shutil.rmtree(made, ignore_errors=True)
     from server.app import create_app  # imported late so --help stays fast
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,

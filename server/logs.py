@@ -20,6 +20,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
+            "pid": record.process,  # with --workers, which process (engine or which worker) wrote it
         }
         if request_id.get():
             entry["request_id"] = request_id.get()

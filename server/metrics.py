@@ -1,7 +1,15 @@
-"""Prometheus metrics, one registry per app so several apps can live in one process (tests)."""
+"""Prometheus metrics, one registry per app so several apps can live in one process (tests).
+
+With `--workers N` the server is N + 1 processes; prometheus_client's multiprocess mode
+(`PROMETHEUS_MULTIPROC_DIR`, set by `tmod-serve` before any process imports the library) keeps each
+process's values in files there, and any worker's /metrics adds them up: counters and histograms
+summed, gauges as their `multiprocess_mode` says.
+"""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -30,11 +38,13 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64), registry=r,
         )
         self.dropped = Counter("tmod_dropped_requests", "Requests dropped before compute", ["reason"], registry=r)
-        self.queue_depth = Gauge("tmod_queue_depth", "Requests waiting for a backbone pass", registry=r)
+        self.queue_depth = Gauge("tmod_queue_depth", "Requests waiting for a backbone pass", registry=r,
+                                 multiprocess_mode="livesum")
         self.requests_in_flight = Gauge(
-            "tmod_requests_in_flight", "Inference requests received and not yet answered", registry=r
+            "tmod_requests_in_flight", "Inference requests received and not yet answered", registry=r,
+            multiprocess_mode="livesum",
         )
-        self.modules_loaded = Gauge("tmod_modules_loaded", "Task modules loaded", registry=r)
+        self.modules_loaded = Gauge("tmod_modules_loaded", "Task modules loaded", registry=r, multiprocess_mode="livemax")
         self.backbone_layers = Histogram(
             "tmod_backbone_layers_run", "Backbone layers run per pass (early exit)",
             buckets=tuple(range(0, 49, 2)), registry=r,
@@ -43,6 +53,14 @@ class Metrics:
         # request costs more than the update itself (bench/bench_frontend.py). Made on first use, so
         # a series still appears only once something happened.
         self._children: dict = {}
+
+    def exposition(self) -> bytes:
+        """The /metrics page: this registry, or with worker processes every live process's values."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
 
     def child(self, metric, label: str):
         key = (metric, label)  # metric objects hash by identity

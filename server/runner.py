@@ -164,6 +164,23 @@ def unpack_logits(flat: torch.Tensor, layout, rows: int) -> dict[str, torch.Tens
     return out
 
 
+def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
+               lengths: list[int]) -> dict[str, list]:
+    """Per task, each row's host logits as a numpy array ((tokens, labels) over its own tokens for
+    token tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A foreign
+    task's logits lie on its bridge's tokenization, which only this process has: decoded here."""
+    out = {}
+    for task, module in modules.items():
+        if module.bridge:
+            out[task] = decode_all({task: module}, logits, batches)[task]
+        elif logits[task].dim() == 3:
+            host = logits[task].numpy()
+            out[task] = [host[r, :n] for r, n in enumerate(lengths)]
+        else:
+            out[task] = list(logits[task].numpy())
+    return out
+
+
 def to_host(flat: torch.Tensor) -> torch.Tensor:
     """One copy of a pass's packed logits to the host (pinned, asynchronous, then one wait)."""
     if flat.device.type != "cuda":
@@ -363,6 +380,9 @@ class ModelRunner:
         self.shapes = BatchShapes.for_settings(settings, self.device, engine.backbone.max_tokens)
         self.head_precision = head_precision(settings, self.device)
         self.pinned = self.device.type == "cuda"
+        # with HTTP worker processes (settings.workers > 1) the workers decode: answers leave as each
+        # row's logits, and the engine process spends its CPU on passes (bench/bench_frontend.py)
+        self.decode_here = settings.workers == 1
         if capture is None and self.device.type == "cuda" and settings.cuda_graphs:
             self._pool = torch.cuda.graph_pool_handle()  # one pool for every capture of a module set
 
@@ -374,9 +394,10 @@ class ModelRunner:
             from prometheus_client import Counter, Gauge
 
             r = metrics.registry
-            self._graph_count = Gauge("tmod_cuda_graphs", "Captured CUDA graphs (plan x bucket shape)", registry=r)
+            self._graph_count = Gauge("tmod_cuda_graphs", "Captured CUDA graphs (plan x bucket shape)", registry=r,
+                                      multiprocess_mode="livemax")
             self._graph_memory = Gauge("tmod_cuda_graph_memory_bytes", "GPU memory held by captured graphs",
-                                       registry=r)
+                                       registry=r, multiprocess_mode="livemax")
             self._oom = Counter("tmod_out_of_memory", "Passes that ran out of memory, by what followed",
                                 ["outcome"], registry=r)
 
@@ -462,7 +483,9 @@ class ModelRunner:
     def _answer(self, item: PreparedPass, rows: list[EncodedInput], modules, timings) -> dict[str, list]:
         try:
             logits, batches = self.logits(item.batch, item.bucket, modules, timings)
-            return decode_all(modules, logits, batches)
+            if self.decode_here:
+                return decode_all(modules, logits, batches)
+            return row_logits(modules, logits, batches, [len(row) for row in rows])
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

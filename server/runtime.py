@@ -1,6 +1,14 @@
-"""What a running server holds: the backbone, the engine, the loaded modules, the metrics."""
+"""What a running server holds: the backbone, the engine, the loaded modules, the metrics.
+
+`Runtime` is what the HTTP app talks to, through a small interface (`open`, `shutdown`, `encode`,
+`submit`, `manage`, `describe`, `model_info`, and the snapshots `ready`, `startup_error`, `modules`,
+`load_errors`, `metrics`). With `--workers N` the app runs in N processes and talks to
+`server/workers.py`'s `RemoteRuntime`, which has the same interface and forwards to the one Runtime in
+the engine process.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -11,10 +19,11 @@ import torch
 from modules_store import ArtifactError, ModuleStore
 from server.backbone import Backbone, EncodedInput
 from server.config import Settings
-from server.batcher import Batcher, BatchSettings
+from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine, Timings
+from server.errors import ApiError
 from server.metrics import Metrics
-from server.modules import LoadedModule, load_module
+from server.modules import LoadedModule, count_parameters, load_module
 from server.runner import ModelRunner, PreparedBatch, length_runs  # noqa: F401  (length_runs: re-exported)
 
 log = logging.getLogger("tmod")
@@ -50,6 +59,71 @@ class Runtime:
             ),
             self.metrics, prepare=self.prepare_batch if on_gpu else None, prepare_executor=self.tokenize_executor,
         )
+
+    # ---- the interface the HTTP app uses -------------------------------------------------------
+    async def open(self) -> None:
+        """Start loading (in the compute thread, so /healthz answers at once and /readyz tells when
+        loading ends) and start batching."""
+        asyncio.get_running_loop().run_in_executor(self.executor, self.start)
+        self.batcher.start()
+
+    async def shutdown(self) -> None:
+        await self.batcher.drain_and_stop()  # answer what was queued before exiting
+        self.close()
+
+    def model_info(self) -> tuple[str, str]:
+        """(backbone name, fingerprint short form)."""
+        return self.backbone.name, self.backbone.fingerprint.short
+
+    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
+        return self.backbone.encode(texts, text_pairs, truncate, max_tokens)
+
+    async def submit(self, job: Job) -> list[dict]:
+        """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""
+        try:
+            return await self.batcher.submit(job)
+        except QueueFull as exc:
+            raise ApiError(429, "overloaded", f"server overloaded: {exc}; retry later") from exc
+        except DeadlineExceeded as exc:
+            raise ApiError(503, "deadline_exceeded", f"{exc} ({self.settings.request_timeout_s}s)") from exc
+        except ClientGone as exc:
+            raise ApiError(499, "client_closed_request", str(exc)) from exc
+
+    async def manage(self, task: str, action: str, version: str | None) -> tuple[LoadedModule, str | None]:
+        """Admin: load (default: the store's latest for this backbone), reload (the loaded version or
+        the one named) or unload a task, in the compute thread between batches. -> (the module loaded
+        or removed, the version it replaced). A refused artifact answers 404/409 and changes nothing."""
+        current = self.modules.get(task)
+        if action not in ("load", "reload", "unload"):
+            raise ApiError(404, "not_found", f"unknown action {action!r}: use load, reload or unload")
+        if action in ("reload", "unload") and current is None:
+            raise ApiError(404, "unknown_task", f"task {task!r} is not loaded; loaded tasks: {sorted(self.modules)}",
+                           loaded_tasks=sorted(self.modules))
+        if action == "reload":
+            version = version or current.version
+        work = (self.unload_task, task) if action == "unload" else (self.load_task, task, version)
+        try:
+            module = await asyncio.get_running_loop().run_in_executor(self.executor, *work)
+        except ArtifactError as exc:
+            status = 404 if exc.reason == "not_found" else 409
+            raise ApiError(status, f"artifact_{exc.reason}", exc.message) from exc
+        return module, current.version if current else None
+
+    def describe(self, module: LoadedModule) -> dict:
+        """What /v1/tasks says of a loaded module."""
+        m = module.manifest
+        via = None
+        if module.bridge is not None:  # a foreign module: the chain backbone -> bridge -> module's backbone
+            b = self.bridges[module.bridge].manifest
+            via = {"bridge": b.name, "version": b.version, "kind": b.kind, "objective": b.training.get("objective"),
+                   "chain": [b.source.name or b.source.short, f"bridge {b.name}/{b.version}",
+                             b.target.name or b.target.short]}
+        return {
+            "task": module.task, "version": module.version, "kind": m.kind, "task_type": m.task_type.value,
+            "labels": m.labels, "layers": module.head.layers_read(), "parameters": count_parameters(module.head),
+            "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
+            "served_through": via,
+        }
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from modules_store import DEFAULT_STORE, ModuleStore, TaskType
 from server.backbone.tokens import TokenBatch
 from server.engine import Engine
-from server.heads.decode import decode
+from server.heads.decode import decode, decode_rows
 from server.modules import load_module
 from training.data import CONLL_TAGS, default_data_dir, read_conll
 
@@ -249,3 +249,33 @@ def test_conll_pairs_decode_as_before(minilm, conll_validation):
     logits = random_logits(random.Random(7), (batch.size, batch.seq_len, len(BIO)))
     answers = assert_same(TaskType.token_classification, BIO, logits, batch)
     assert {e["segment"] for a in answers for e in a["entities"]} == {0, 1}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_worker_decoding_its_rows_answers_as_the_batch_decoder(minilm, seed):
+    """With --workers the engine hands each request back its rows' logits cut to their lengths
+    (`row_logits`) and the worker decodes them over its own rows (`decode_rows`): the answers are
+    those of decoding the whole batch in the engine."""
+    rng = random.Random(seed)
+    requests = []
+    with_pairs = rng.random() < 0.5  # a batch holds requests of one signature (the batcher's rule)
+    for _ in range(rng.randint(1, 3)):
+        n = rng.randint(1, 4)
+        pairs = [random_text(rng) for _ in range(n)] if with_pairs else None
+        requests.append(minilm.text.encode([random_text(rng) for _ in range(n)], pairs))
+    rows = [row for request in requests for row in request]
+    batch = minilm.text.collate(rows)
+    for task_type, labels in ((TaskType.token_classification, rng.choice(LABEL_SETS)),
+                              (TaskType.sequence_classification, ["a", "b", "c"])):
+        shape = (batch.size, batch.seq_len, len(labels)) if task_type == TaskType.token_classification \
+            else (batch.size, len(labels))
+        logits = random_logits(rng, shape)
+        whole = decode(task_type, labels, logits, batch)
+        per_row = [logits[r, :len(row)].numpy() if logits.dim() == 3 else logits[r].numpy() for r, row in enumerate(rows)]
+        answered, start = [], 0
+        for request in requests:
+            mine = per_row[start:start + len(request)]
+            answered += decode_rows(task_type, labels, mine, minilm.text.collate(request, device="cpu"))
+            start += len(request)
+        assert answered == whole

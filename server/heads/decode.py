@@ -27,6 +27,18 @@ def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: 
     raise ValueError(f"no decoder for task type {task_type}")
 
 
+def decode_rows(task_type: TaskType, labels: list[str], row_logits: list[np.ndarray], batch: TokenBatch
+                ) -> list[dict[str, Any]]:
+    """`decode` over rows' logits handed back one array per row (by an engine in another process:
+    `server/runner.py`, `row_logits`), on `batch`, those rows collated."""
+    if task_type != TaskType.token_classification:
+        return decode(task_type, labels, torch.from_numpy(np.stack(row_logits)), batch)
+    logits = np.zeros((len(row_logits), batch.seq_len, len(labels)), dtype=np.float32)
+    for r, row in enumerate(row_logits):  # padding positions are never read (no word there)
+        logits[r, :len(row)] = row
+    return decode(task_type, labels, torch.from_numpy(logits), batch)
+
+
 def _classifications(labels: list[str], logits: torch.Tensor) -> list[dict[str, Any]]:
     probs = torch.softmax(logits.float(), dim=-1).cpu()
     best = probs.argmax(dim=-1).tolist()  # the first of equal maxima, as max() over the list would

@@ -1,0 +1,419 @@
+"""`tmod-serve --workers N`: N HTTP worker processes feed one engine process that owns the device.
+
+The split is vLLM's (API server / engine core). Each worker runs the whole HTTP app (`server/app.py`:
+FastAPI, JSON, validation, tokenization, decode) over a `RemoteRuntime`; the engine process (the
+one `tmod-serve` started) runs the `Runtime` (backbone, modules, batcher, model runner) and an
+`EngineService` that takes every worker's requests, so one batch forms across workers. The workers
+share one listening socket (the kernel hands each connection to one of them); the engine process
+starts another worker when one dies, and on SIGTERM stops the workers (each finishes its requests)
+before it drains its queue and exits.
+
+Measured why (bench/bench_frontend.py): one process spends ~1 ms of CPU per 1-input request on HTTP,
+JSON, tokenization and decode, which caps it near 1,000 requests/s whatever the device computes.
+
+Between the processes of one server, over a Unix socket in a folder only this user can open,
+messages are pickled tuples, each framed by its length (4 bytes):
+  engine -> worker  ("state", EngineState) on connect and after every change (ready, modules);
+                    ("ok", id, value) or ("error", id, status, type, message, details) per request
+  worker -> engine  ("infer", id, rows, tasks, seconds left) or ("manage", id, task, action, version)
+An answer to "infer" holds, per input and task, the row's logits (numpy) for the worker to decode
+(`server/runner.py`, `row_logits`; `server/heads/decode.py`, `decode_rows`), or a decoded answer
+for a task served through a bridge (its logits lie on a tokenization only the engine has).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import socket
+import struct
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from modules_store import Manifest
+from server.backbone import EncodedInput
+from server.backbone.tokens import TextEncoder
+from server.batcher import Job
+from server.config import Settings
+from server.errors import ApiError
+from server.heads.decode import decode_rows
+from server.logs import configure_logging
+from server.metrics import Metrics
+from server.runtime import Runtime
+
+log = logging.getLogger("tmod.workers")
+
+FRAME = struct.Struct("!I")
+
+
+async def read_message(reader: asyncio.StreamReader):
+    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    return pickle.loads(await reader.readexactly(size))
+
+
+def write_message(writer: asyncio.StreamWriter, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    writer.write(FRAME.pack(len(data)) + data)
+
+
+@dataclass
+class ModuleView:
+    """What a worker knows of a loaded module: enough to check a request, decode and describe it."""
+
+    task: str
+    version: str
+    manifest: Manifest
+    bridge: str | None
+    info: dict  # what /v1/tasks says of it (Runtime.describe)
+
+
+@dataclass
+class EngineState:
+    ready: bool
+    startup_error: str | None
+    model: tuple[str, str] | None  # (backbone name, fingerprint short form), once loaded
+    modules: dict[str, ModuleView] = field(default_factory=dict)
+    load_errors: dict[str, str] = field(default_factory=dict)
+    text: TextEncoder | None = None  # the tokenizer: sent once per worker, in its first ready state
+
+
+# ---- the engine process ------------------------------------------------------------------------------
+class EngineService:
+    """Serves one Runtime to the worker processes' connections."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.peers: dict[asyncio.StreamWriter, bool] = {}  # connection -> tokenizer sent
+        self.server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, path: Path) -> None:
+        await self.runtime.open()
+        self.server = await asyncio.start_unix_server(self._serve_peer, path=str(path))
+        self._keep(self._announce_when_loaded())
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for writer in list(self.peers):
+            writer.close()
+
+    def _keep(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _announce_when_loaded(self) -> None:
+        while not (self.runtime.ready.is_set() or self.runtime.startup_error):
+            await asyncio.sleep(0.05)
+        self.broadcast()
+
+    def state(self) -> EngineState:
+        rt = self.runtime
+        ready = rt.ready.is_set()
+        return EngineState(
+            ready=ready, startup_error=rt.startup_error, model=rt.model_info() if ready else None,
+            modules={task: self.view(m) for task, m in rt.modules.items()}, load_errors=dict(rt.load_errors),
+        )
+
+    def view(self, module) -> ModuleView:
+        return ModuleView(module.task, module.version, module.manifest, module.bridge, self.runtime.describe(module))
+
+    def broadcast(self) -> None:
+        state = self.state()
+        for writer in list(self.peers):
+            self._send_state(writer, state)
+
+    def _send_state(self, writer: asyncio.StreamWriter, state: EngineState) -> None:
+        if writer.is_closing():
+            return
+        if state.ready and not self.peers.get(writer):
+            state = replace(state, text=self.runtime.backbone.text)
+            self.peers[writer] = True
+        write_message(writer, ("state", state))
+
+    async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.peers[writer] = False
+        self._send_state(writer, self.state())
+        try:
+            while True:
+                try:
+                    message = await read_message(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break  # the worker exited; answers still being computed for it are dropped
+                self._keep(self._answer(writer, message))
+        finally:
+            self.peers.pop(writer, None)
+            writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, message) -> None:
+        kind, ident, *args = message
+        try:
+            if kind == "infer":
+                reply = ("ok", ident, await self._infer(*args))
+            elif kind == "manage":
+                reply = ("ok", ident, await self._manage(*args))
+            else:
+                raise ApiError(500, "internal_error", f"the engine got an unknown message {kind!r}")
+        except ApiError as exc:
+            reply = ("error", ident, exc.status, exc.type, exc.message, exc.details)
+        except Exception as exc:  # the engine stays up; the request gets what went wrong
+            log.exception("engine: %s failed", kind)
+            reply = ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
+        if not writer.is_closing():
+            write_message(writer, reply)
+
+    async def _infer(self, rows: list[EncodedInput], tasks: list[str], seconds_left: float):
+        loaded = self.runtime.modules  # one snapshot: the worker's view may be a change behind
+        unknown = [t for t in tasks if t not in loaded]
+        if unknown:
+            raise ApiError(400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
+                           loaded_tasks=sorted(loaded))
+        job = Job(rows=rows, modules={t: loaded[t] for t in tasks}, deadline=time.perf_counter() + seconds_left)
+        results = await self.runtime.submit(job)
+        t = job.timings
+        versions = {task: m.version for task, m in job.modules.items()}
+        return results, versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)
+
+    async def _manage(self, task: str, action: str, version: str | None):
+        module, previous = await self.runtime.manage(task, action, version)
+        self.broadcast()  # every worker has the new set before this answer reaches the one that asked
+        return self.view(module), previous
+
+
+# ---- a worker process ---------------------------------------------------------------------------------
+class RemoteRuntime:
+    """The Runtime interface the app uses (`server/runtime.py`), in a worker process: tokenization
+    and decode here, everything else by asking the engine process."""
+
+    def __init__(self, settings: Settings, path: str | Path):
+        self.settings = settings
+        self.path = str(path)
+        self.metrics = Metrics()
+        self.ready = threading.Event()
+        self.startup_error: str | None = None
+        self.modules: dict[str, ModuleView] = {}
+        self.load_errors: dict[str, str] = {}
+        self.text: TextEncoder | None = None
+        self._model: tuple[str, str] | None = None
+        self._seen: dict[tuple[str, str], ModuleView] = {}  # (task, version) -> view, for answers of a replaced version
+        self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize")
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._writer: asyncio.StreamWriter | None = None
+        self._listener: asyncio.Task | None = None
+        self._gone: ApiError | None = None
+
+    async def open(self) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(self.path)
+        self._informed = asyncio.Event()
+        self._listener = asyncio.get_running_loop().create_task(self._listen(reader))
+        await self._informed.wait()  # the engine's state arrives first: /readyz never answers from a blank view
+
+    async def shutdown(self) -> None:
+        # uvicorn has answered this worker's requests by now
+        if self._listener is not None:
+            self._listener.cancel()
+        if self._writer is not None:
+            self._writer.close()
+        self.tokenize_executor.shutdown(wait=True)
+
+    async def _listen(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await read_message(reader)
+                if message[0] == "state":
+                    self._apply(message[1])
+                    continue
+                future = self._pending.pop(message[1], None)
+                if future is None or future.done():
+                    continue
+                if message[0] == "ok":
+                    future.set_result(message[2])
+                else:
+                    _, _, status, type_, text, details = message
+                    future.set_exception(ApiError(status, type_, text, **details))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._gone = ApiError(503, "engine_unavailable", "the engine process is gone; retry later")
+            self.ready.clear()
+            self.startup_error = "the engine process is gone"
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(self._gone)
+            self._pending.clear()
+            log.error("worker %d: the engine process closed its connection; stopping", os.getpid())
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop: nothing is left to serve
+
+    def _apply(self, state: EngineState) -> None:
+        if state.text is not None:
+            self.text = state.text
+        self._model = state.model
+        self.startup_error = state.startup_error
+        self.load_errors = state.load_errors
+        self.modules = state.modules  # replaced whole: requests keep the snapshot they took
+        self._seen.update({(v.task, v.version): v for v in state.modules.values()})
+        self.metrics.modules_loaded.set(len(state.modules))
+        if state.ready and self.text is not None:
+            self.ready.set()
+        else:
+            self.ready.clear()
+        self._informed.set()
+
+    async def _ask(self, kind: str, *args):
+        if self._gone is not None:
+            raise self._gone
+        ident = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[ident] = future
+        write_message(self._writer, (kind, ident, *args))
+        await self._writer.drain()
+        return await future
+
+    # ---- the interface the app uses (as Runtime's) ------------------------------------------------
+    def model_info(self) -> tuple[str, str]:
+        return self._model
+
+    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
+        return self.text.encode(texts, text_pairs, truncate, max_tokens)
+
+    def describe(self, module: ModuleView) -> dict:
+        return module.info
+
+    async def submit(self, job: Job) -> list[dict]:
+        results, versions, (queue, backbone, heads) = await self._ask(
+            "infer", job.rows, list(job.modules), job.deadline - time.perf_counter())
+        job.modules = {task: self._seen.get((task, v), job.modules[task]) for task, v in versions.items()}
+        job.timings.extra["queue"], job.timings.backbone, job.timings.heads = queue, backbone, heads
+        self._decode(job, results)
+        return results
+
+    def _decode(self, job: Job, results: list[dict]) -> None:
+        """Each task's row logits -> answers, over the job's rows collated (answers already decoded
+        by the engine, those of bridged tasks, are left as they are)."""
+        batch = None
+        for task, module in job.modules.items():
+            if not isinstance(results[0][task], np.ndarray):
+                continue
+            batch = batch or self.text.collate(job.rows, device="cpu")
+            answers = decode_rows(module.manifest.task_type, module.manifest.labels, [r[task] for r in results], batch)
+            for row, answer in zip(results, answers):
+                row[task] = answer
+
+    async def manage(self, task: str, action: str, version: str | None) -> tuple[ModuleView, str | None]:
+        return await self._ask("manage", task, action, version)
+
+
+def run_worker(settings: Settings, engine_path: str, listener: socket.socket, index: int) -> None:
+    """A worker process: the HTTP app over a RemoteRuntime, on the shared listening socket."""
+    import torch
+    import uvicorn
+
+    from server.app import create_app
+
+    configure_logging(settings.log_level)
+    torch.set_num_threads(1)  # decode's small tensors; the cores belong to the other workers and the engine
+    app = create_app(settings, runtime=RemoteRuntime(settings, engine_path))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            log_config=None, access_log=False)
+    log.info("worker %d (pid %d) serving", index, os.getpid())
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+# ---- the process that starts it all (and becomes the engine) ------------------------------------------
+class WorkerPool:
+    RESTART_AFTER_S = 1.0  # a worker that keeps dying is restarted at most this often
+
+    def __init__(self, settings: Settings, engine_path: Path, listener: socket.socket):
+        self.settings, self.engine_path, self.listener = settings, str(engine_path), listener
+        self.context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
+        self.processes: list = [None] * settings.workers
+        self.started: list[float] = [0.0] * settings.workers
+
+    def start(self, index: int) -> None:
+        process = self.context.Process(target=run_worker, name=f"tmod-worker-{index}",
+                                       args=(self.settings, self.engine_path, self.listener, index))
+        process.start()
+        self.processes[index], self.started[index] = process, time.monotonic()
+
+    def start_all(self) -> None:
+        for index in range(len(self.processes)):
+            self.start(index)
+
+    def replace_dead(self) -> None:
+        for index, process in enumerate(self.processes):
+            if process.is_alive() or time.monotonic() - self.started[index] < self.RESTART_AFTER_S:
+                continue
+            log.error("worker %d (pid %d) exited with code %s; starting another", index, process.pid, process.exitcode)
+            _forget_process(process.pid)
+            self.start(index)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM every worker (each stops taking connections and finishes its requests), then wait."""
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                log.error("worker pid %d did not stop in %.0fs; killing it", process.pid, timeout)
+                process.kill()
+                process.join()
+            _forget_process(process.pid)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.is_alive()]
+
+
+def _forget_process(pid: int) -> None:
+    """A gone process's live gauges leave the /metrics sums (its counters stay counted)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+
+
+def serve(settings: Settings) -> None:
+    """`tmod-serve` with workers > 1, in the process that becomes the engine process."""
+    asyncio.run(_serve(settings))
+
+
+async def _serve(settings: Settings) -> None:
+    loop = asyncio.get_running_loop()
+    folder = Path(tempfile.mkdtemp(prefix="tmod-engine-"))  # mode 0700: only this user reaches the engine
+    engine_path = folder / "engine.sock"
+    listener = socket.create_server((settings.host, settings.port), backlog=2048)
+    runtime = Runtime(settings)
+    service = EngineService(runtime)
+    await service.start(engine_path)
+    pool = WorkerPool(settings, engine_path, listener)
+    pool.start_all()
+    host, port = listener.getsockname()[:2]
+    log.info("tmod-serve: engine process %d, %d HTTP workers (pids %s) on http://%s:%d", os.getpid(),
+             settings.workers, pool.pids(), host, port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pool.replace_dead()
+    log.info("tmod-serve: stopping; the workers finish their requests first")
+    await loop.run_in_executor(None, pool.stop, settings.request_timeout_s + 5)
+    listener.close()
+    await service.stop()
+    await runtime.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
+    log.info("tmod-serve: stopped")

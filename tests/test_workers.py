@@ -1,0 +1,215 @@
+"""`tmod-serve --workers N`: HTTP worker processes feed one engine process (server/workers.py).
+
+Real processes on loopback: the `tmod-serve` process (the engine) and its spawned workers."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from modules_store import ModuleStore
+from server.config import Settings
+from server.app import create_app
+from server.modules import save_module
+from tests.helpers import (LiveServer, metric_sample, populate_store, random_head, start_tmod_serve,
+                           wait_until)
+
+TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beautifully acted film.",
+         "John lives in New York and works for the United Nations.", "Him be went store."]
+
+
+def worker_pids(engine_pid: int) -> list[int]:
+    """The engine's live worker processes (its spawned children, less multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    pids = []
+    for pid in children:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline and alive(int(pid)):
+            pids.append(int(pid))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def log_records(process) -> list[dict]:
+    return [json.loads(line) for line in process.stdout.read().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_backbone):
+    return populate_store(tmp_path_factory.mktemp("workers-store"), tiny_backbone)
+
+
+def serve(store: ModuleStore, backbone_dir, *extra: str, wait_ms: str = "2"):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_WAIT_MS": wait_ms, "TMOD_ADMIN_TOKEN": "secret"}
+    return start_tmod_serve(["--workers", "2", "--backbone", str(backbone_dir), "--store", str(store.root),
+                             "--tasks", "sentiment,ner,acceptability", "--log-level", "info", *extra], env)
+
+
+@pytest.fixture(scope="module")
+def served(store, tiny_backbone_dir):
+    # a 300 ms batch window: requests sent together, through both workers, share one pass
+    url, process = serve(store, tiny_backbone_dir, wait_ms="300")
+    yield url, process
+    if process.poll() is None:
+        process.kill()
+
+
+def test_two_workers_and_the_engine_are_up(served):
+    _, process = served
+    wait_until(lambda: len(worker_pids(process.pid)) == 2, "two worker processes")
+
+
+def test_answers_equal_a_single_process_server(served, store, tiny_backbone):
+    url, _ = served
+    single = create_app(Settings(store=store.root, tasks="sentiment,ner,acceptability"), backbone=tiny_backbone)
+    with LiveServer(single) as one:
+        for body in ({"inputs": TEXTS}, {"inputs": [{"text": t, "text_pair": TEXTS[0]} for t in TEXTS[1:]]}):
+            got = httpx.post(url + "/v1/infer", json=body, timeout=60)
+            want = httpx.post(one.url + "/v1/infer", json=body, timeout=60)
+            assert got.status_code == want.status_code == 200, got.text
+            got, want = got.json(), want.json()
+            assert got["tasks"] == want["tasks"] and got["model"] == want["model"]
+            for g, w in zip(got["results"], want["results"]):
+                assert g["sentiment"]["label"] == w["sentiment"]["label"]
+                assert g["sentiment"]["score"] == pytest.approx(w["sentiment"]["score"], abs=1e-5)
+                assert g["acceptability"]["label"] == w["acceptability"]["label"]
+                assert [(e["text"], e["label"], e["start"], e["end"], e.get("segment")) for e in g["ner"]["entities"]] == \
+                       [(e["text"], e["label"], e["start"], e["end"], e.get("segment")) for e in w["ner"]["entities"]]
+        assert httpx.get(url + "/v1/tasks").json() == httpx.get(one.url + "/v1/tasks").json()
+        assert httpx.get(url + "/v2/models/ner").json() == httpx.get(one.url + "/v2/models/ner").json()
+        oip = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": TEXTS[:2]}]}
+        got = httpx.post(url + "/v2/models/sentiment/infer", json=oip).json()
+        want = httpx.post(one.url + "/v2/models/sentiment/infer", json=oip).json()
+        assert got["outputs"][0]["data"] == want["outputs"][0]["data"]
+
+
+def test_refusals_are_the_same_precise_answers(served):
+    url, _ = served
+    unknown = httpx.post(url + "/v1/infer", params={"tasks": "nope"}, json={"inputs": ["a"]})
+    assert unknown.status_code == 400 and unknown.json()["error"]["type"] == "unknown_task"
+    assert httpx.post(url + "/v1/infer", content=b"{not json", headers={"content-type": "application/json"}
+                      ).status_code == 422
+    too_long = httpx.post(url + "/v1/infer", json={"inputs": [" ".join(["word"] * 400)]})
+    assert too_long.status_code == 413 and too_long.json()["error"]["type"] == "input_too_long"
+    assert httpx.post(url + "/admin/modules/sentiment/reload").status_code == 401
+    missing = httpx.post(url + "/admin/modules/sentiment/load", json={"version": "9"},
+                         headers={"authorization": "Bearer secret"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "artifact_not_found"
+
+
+def test_requests_from_both_workers_share_passes_and_metrics_add_up(served):
+    url, process = served
+    page = httpx.get(url + "/metrics").text
+    before = metric_sample(page, 'tmod_requests_total{outcome="success"}')
+    batches_before = metric_sample(page, "tmod_batch_requests_count")
+
+    def one(i):  # a new connection each: the kernel hands each to one of the workers
+        with httpx.Client() as client:
+            return client.post(url + "/v1/infer", json={"inputs": [TEXTS[i % 4]]}, timeout=60).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(one, range(32))) == [200] * 32
+    page = httpx.get(url + "/metrics").text
+    assert metric_sample(page, 'tmod_requests_total{outcome="success"}') - before == 32  # both workers counted
+    batches = metric_sample(page, "tmod_batch_requests_count") - batches_before
+    assert batches < 32  # the engine batched requests together (a 300 ms window)
+
+
+def test_a_reload_reaches_every_worker(served, store, tiny_backbone):
+    url, _ = served
+    # a second sentiment version with other weights, written while the server runs
+    save_module(store, "sentiment", "2", random_head(tiny_backbone, "sequence_classification",
+                                                     ["negative", "positive"], 11), tiny_backbone)
+    admin = {"authorization": "Bearer secret"}
+    text = TEXTS[1]
+    before = httpx.post(url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": [text]}).json()
+    loaded = httpx.post(url + "/admin/modules/sentiment/load", json={"version": "2"}, headers=admin)
+    assert loaded.status_code == 200 and loaded.json()["previous_version"] == "1"
+    try:
+        def ask(_):
+            with httpx.Client() as client:  # fresh connections: whichever worker takes them
+                return client.post(url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": [text]}).json()
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(24)))
+        assert {a["tasks"]["sentiment"] for a in answers} == {"2"}
+        assert {a["results"][0]["sentiment"]["score"] for a in answers} != {before["results"][0]["sentiment"]["score"]}
+        tasks = {t["task"]: t["version"] for t in httpx.get(url + "/v1/tasks").json()["tasks"]}
+        assert tasks["sentiment"] == "2"
+    finally:
+        httpx.post(url + "/admin/modules/sentiment/load", json={"version": "1"}, headers=admin)
+
+
+def test_a_dead_worker_is_replaced_and_nothing_is_refused(served):
+    url, process = served
+    wait_until(lambda: len(worker_pids(process.pid)) == 2, "two worker processes")
+    victim, survivor = worker_pids(process.pid)
+    os.kill(victim, signal.SIGKILL)
+    statuses = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with httpx.Client() as client:
+            statuses.append(client.post(url + "/v1/infer", json={"inputs": [TEXTS[0]]}, timeout=60).status_code)
+        pids = worker_pids(process.pid)
+        if len(pids) == 2 and victim not in pids:
+            break
+    assert survivor in worker_pids(process.pid) and victim not in worker_pids(process.pid)
+    assert len(worker_pids(process.pid)) == 2
+    assert statuses and set(statuses) == {200}
+    wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, "readiness")
+
+
+def test_sigterm_answers_in_flight_requests_through_workers_then_exits(served):
+    url, process = served
+    workers = worker_pids(process.pid)
+    long_inputs = [" ".join(["The European Commission said on Thursday it disagreed."] * 2)] * 4
+
+    def slow_request(_):
+        with httpx.Client() as client:
+            return client.post(url + "/v1/infer", json={"inputs": long_inputs}, timeout=120).status_code
+
+    answered = 'tmod_requests_total{outcome="success"}'
+    answered_before = metric_sample(httpx.get(url + "/metrics").text, answered)
+
+    def reached_the_server():
+        page = httpx.get(url + "/metrics").text
+        return metric_sample(page, "tmod_requests_in_flight") + metric_sample(page, answered) - answered_before >= 6
+
+    with ThreadPoolExecutor(6) as pool:
+        pending = pool.map(slow_request, range(6))
+        wait_until(reached_the_server, "the six requests to reach the workers")
+        process.send_signal(signal.SIGTERM)
+        assert list(pending) == [200] * 6
+    assert process.wait(timeout=60) == 0
+    assert not [pid for pid in workers if alive(pid)]
+    records = log_records(process)
+    assert not [r for r in records if "exception" in r]
+    serving = {r["pid"] for r in records if r["logger"] == "tmod.access" and r["path"] == "/v1/infer"}
+    assert len(serving) >= 2 and process.pid not in serving  # the workers answered, not the engine
+
+
+def test_workers_stop_when_the_engine_process_dies(store, tiny_backbone_dir):
+    url, process = serve(store, tiny_backbone_dir)
+    wait_until(lambda: len(worker_pids(process.pid)) == 2, "two worker processes")
+    workers = worker_pids(process.pid)
+    process.kill()  # SIGKILL: no chance to stop its workers
+    process.wait(timeout=30)
+
+    wait_until(lambda: not [pid for pid in workers if alive(pid)], "the orphaned workers to stop", timeout=60)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/healthz", timeout=5)
