@@ -25,9 +25,13 @@ BIO spans). The sleep releases the GIL, as a device wait does.
 5. A further server (httptools + uvloop) is run under cProfile (event-loop thread and every other thread via
    threading.setprofile) for one 1-input and one 32-input level; top functions by own time.
 
-Outputs: bench/results/frontend-cpu.{json,md}.
+6. `--workers`: the same levels on `tmod-serve --workers 1` and `--workers 2` (server/workers.py), with
+   the CPU of the engine process (the one that cannot be multiplied) and of the workers per request.
+
+Outputs: bench/results/frontend-cpu.{json,md}; with --workers, bench/results/frontend-workers-cpu.{json,md}.
 
     .venv/bin/python bench/bench_frontend.py             # ~3 min
+    .venv/bin/python bench/bench_frontend.py --workers   # ~2 min
     .venv/bin/python bench/bench_frontend.py --quick     # smoke run
 """
 from __future__ import annotations
@@ -214,9 +218,12 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     time.sleep(max(0.0, record_from - time.time()))
     if signal_window:
         os.kill(server.proc.pid, signal.SIGUSR1)
+    workers = worker_pids(server.proc.pid)  # with --workers: the HTTP worker processes
     cpu0, threads0, t0 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
+    workers0 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
     time.sleep(max(0.0, stop_at - time.time()))
     cpu1, threads1, t1 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
+    workers1 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
     parts = [queue.get(timeout=120) for _ in procs]
     for p in procs:
         p.join()
@@ -227,7 +234,9 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
             errors[k] = errors.get(k, 0) + v
     ok = sum(part["ok_in_window"] for part in parts)
     window = t1 - t0
-    server_cpu = cpu1 - cpu0
+    engine_cpu = cpu1 - cpu0  # the process tmod-serve started: everything, or with workers the engine
+    workers_cpu = workers1 - workers0
+    server_cpu = engine_cpu + workers_cpu
     main_thread = threads1.get(server.proc.pid, 0.0) - threads0.get(server.proc.pid, 0.0)
     return {
         "inputs_per_request": inputs, "concurrency": concurrency, "window_s": round(window, 2),
@@ -238,7 +247,28 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
         "server_cpu_us_per_request": round(server_cpu / ok * 1e6, 1) if ok else None,
         "server_cpu_us_per_input": round(server_cpu / (ok * inputs) * 1e6, 1) if ok else None,
         "event_loop_cpu_us_per_request": round(main_thread / ok * 1e6, 1) if ok else None,
+        "worker_processes": len(workers),
+        "engine_process_cpu_us_per_request": round(engine_cpu / ok * 1e6, 1) if ok else None,
+        "engine_process_cpu_us_per_input": round(engine_cpu / (ok * inputs) * 1e6, 1) if ok else None,
+        "workers_cpu_us_per_request": round(workers_cpu / ok * 1e6, 1) if ok and workers else None,
     }
+
+
+def worker_pids(pid: int) -> list[int]:
+    """A `tmod-serve --workers N` process's worker processes (its spawned children but the resource tracker)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    out = []
+    for child in children:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+            out.append(int(child))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,6 +409,62 @@ def metric_updates(repeats: int = 20_000) -> dict:
     return out
 
 
+def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[dict]:
+    """The same levels on `tmod-serve --workers N` for each N (uvicorn picks httptools + uvloop)."""
+    runs = []
+    servers = {}
+    try:
+        for n in counts:  # all up for the whole run; the idle ones cost nothing
+            servers[n] = start_server(workdir, workdir / "store", f"workers{n}", args, {"TMOD_WORKERS": str(n)})
+        for i, (inputs, c) in enumerate(LEVELS):
+            order = list(counts) if i % 2 == 0 else list(reversed(counts))
+            for n in order:
+                run = {"workers": n, **measure(servers[n], bodies[inputs], inputs, c, args.clients,
+                                                args.warmup, args.duration)}
+                print(json.dumps(run), flush=True)
+                runs.append(run)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return runs
+
+
+def write_workers_markdown(path: Path, result: dict) -> None:
+    lines = [f"# Frontend with worker processes (CPU, constant-time stand-in for the device pass: {result['pass_ms']} ms)",
+             "", f"{result['date']} · {result['machine'].get('cpu_model', '')} · "
+             f"{result['machine'].get('logical_cpus', '')} cores (shared with the load generator) · `{result['command']}`",
+             "", "`tmod-serve --workers N`: N HTTP processes (HTTP, JSON, tokenization, decode) and one engine process "
+             "(batching, collation, the pass). Requests/s on this 2-core box is capped by the cores; the CPU each "
+             "process spends per request is what carries to a bigger machine.", "",
+             "| workers | inputs/request | c | req/s | seq/s | p50 ms | p99 ms | errors | CPU us/request (all) "
+             "| engine process us/request | us/input | workers us/request |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["levels"]:
+        lat = r["latency_ms"]
+        lines.append(f"| {r['workers']} | {r['inputs_per_request']} | {r['concurrency']} | {r['requests_per_s']:,} | "
+                     f"{r['sequences_per_s']:,} | {lat['p50'] or 0:.1f} | {lat['p99'] or 0:.1f} | {r['errors']} | "
+                     f"{r['server_cpu_us_per_request']} | {r['engine_process_cpu_us_per_request']} | "
+                     f"{r['engine_process_cpu_us_per_input']} | {r['workers_cpu_us_per_request'] or '-'} |")
+    lines += ["", "Ceilings (labelled, not measured: CPU per request as measured here, every process on a core of "
+              "its own):", ""] + [f"- {line}" for line in result["ceilings"]] + [""]
+    path.write_text("\n".join(lines))
+
+
+def workers_ceilings(levels: list[dict]) -> list[str]:
+    out = []
+    for inputs, c in LEVELS:
+        pair = {r["workers"]: r for r in levels if (r["inputs_per_request"], r["concurrency"]) == (inputs, c)}
+        one, split = pair.get(1), pair.get(2)
+        if not (one and split and one["requests"] and split["requests"]):
+            continue
+        engine = split["engine_process_cpu_us_per_request"]
+        worker = split["workers_cpu_us_per_request"]
+        out.append(f"{inputs} input(s), c={c}: one process ~{1e6 / one['server_cpu_us_per_request'] * inputs:,.0f} "
+                   f"seq/s; with workers the engine process caps at ~{1e6 / engine * inputs:,.0f} seq/s "
+                   f"(~{1e6 / engine:,.0f} req/s), reached with ~{worker / engine:.1f} worker cores per engine core")
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pass-ms", type=float, default=1.0, help="stand-in device pass time")
@@ -388,6 +474,8 @@ def parse_args(argv=None):
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--workers", action="store_true",
+                   help="compare tmod-serve --workers 1 and 2 instead (bench/results/frontend-workers-cpu.{json,md})")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "frontend-cpu.json")
     return p.parse_args(argv)
 
@@ -416,6 +504,15 @@ def main(argv=None) -> int:
         result["store"] = build_store(workdir / "store", None, 0)
         bodies = {n: [json.dumps({"inputs": sentences[i * n:(i + 1) * n]}).encode() for i in range(len(sentences) // n)]
                   for n in {n for n, _ in LEVELS}}
+        if args.workers:
+            result["levels"] = compare_workers(args, bodies, workdir)
+            result["ceilings"] = workers_ceilings(result["levels"])
+            out = args.out.with_name("frontend-workers-cpu.json") if args.out.name == "frontend-cpu.json" else args.out
+            out.write_text(json.dumps(result, indent=2) + "\n")
+            write_workers_markdown(out.with_suffix(".md"), result)
+            print("\n".join(result["ceilings"]))
+            print("wrote", out, out.with_suffix(".md"))
+            return 0
         servers = {}
         try:
             for name, stack in STACKS.items():  # both up for the whole run; the idle one costs nothing

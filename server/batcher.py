@@ -13,6 +13,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Awaitable, Callable
 
 from server.backbone import EncodedInput
@@ -50,7 +51,11 @@ class Job:
 
     @property
     def tokens(self) -> int:
-        return sum(len(row) for row in self.rows)
+        return sum(len(row.ids) for row in self.rows)
+
+    @cached_property
+    def longest(self) -> int:
+        return max(len(row.ids) for row in self.rows)
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Batcher:
     async def _next(self, timeout: float | None) -> Job | None:
         if self._held:
             return self._held.popleft()
+        if not self._queue.empty():  # no wait to set up (wait_for costs a task per call)
+            return self._queue.get_nowait()
         if timeout is None:
             return await self._queue.get()
         try:
@@ -125,15 +132,16 @@ class Batcher:
         except asyncio.TimeoutError:
             return None
 
-    def _fits(self, batch: list[Job], job: Job) -> bool:
+    def _fits(self, batch: list[Job], job: Job, rows: int, longest: int) -> bool:
+        """Whether `job` may join `batch`, which holds `rows` rows, the longest `longest` tokens."""
         if not self.settings.enabled or job.pairs != batch[0].pairs:
             return False
         for other in batch:  # a task answered by two versions (mid-reload) cannot share a pass
             for task, module in job.modules.items():
                 if task in other.modules and other.modules[task] is not module:
                     return False
-        rows = sum(len(j.rows) for j in batch) + len(job.rows)
-        longest = max(max(len(r) for r in j.rows) for j in batch + [job])
+        rows += len(job.rows)
+        longest = max(longest, job.longest)
         return rows <= self.settings.max_batch_size and rows * longest <= self.settings.max_batch_tokens
 
     async def _loop(self) -> None:
@@ -141,14 +149,15 @@ class Batcher:
         while True:
             await slots.acquire()  # taken before the first job: with one slot a batch forms after the last ran
             first = await self._next(None)
-            batch = [first]
+            batch, rows, longest = [first], len(first.rows), first.longest
             window_end = time.perf_counter() + self.settings.max_wait
             while self.settings.enabled:
                 job = await self._next(max(0.0, window_end - time.perf_counter()))
                 if job is None:
                     break
-                if self._fits(batch, job):
+                if self._fits(batch, job, rows, longest):
                     batch.append(job)
+                    rows, longest = rows + len(job.rows), max(longest, job.longest)
                 else:
                     self._held.appendleft(job)  # first in line for the next batch
                     break
@@ -189,7 +198,7 @@ class Batcher:
         started = time.perf_counter()
         # sort rows by length so similar lengths share padding; remember where each came from
         order = sorted(((j, r) for j in range(len(batch)) for r in range(len(batch[j].rows))),
-                       key=lambda jr: len(batch[jr[0]].rows[jr[1]]))
+                       key=lambda jr: len(batch[jr[0]].rows[jr[1]].ids))
         rows = [batch[j].rows[r] for j, r in order]
         modules: dict[str, LoadedModule] = {}
         for job in batch:

@@ -9,6 +9,7 @@ the engine process.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -163,6 +164,10 @@ class Runtime:
             self.modules = loaded
             self.metrics.modules_loaded.set(len(loaded))
             self.runner.warm_up(loaded)  # CUDA graphs of the common buckets (nothing on the CPU)
+            # what start-up made (model, libraries: ~400k objects) lives as long as the server: kept out
+            # of the collector's full passes, which per-request garbage triggers (a 32-input request's
+            # rows unpickled in half the CPU: bench/results/frontend-workers-cpu.md)
+            gc.freeze()
             self.ready.set()
         except Exception as exc:  # the server stays up (live, not ready) and says why
             self.startup_error = f"{type(exc).__name__}: {exc}"

@@ -23,6 +23,7 @@ for a task served through a bridge (its logits lie on a tokenization only the en
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -220,6 +221,7 @@ class RemoteRuntime:
         self._informed = asyncio.Event()
         self._listener = asyncio.get_running_loop().create_task(self._listen(reader))
         await self._informed.wait()  # the engine's state arrives first: /readyz never answers from a blank view
+        gc.freeze()  # start-up's objects (libraries, app) out of the collector's passes, as in Runtime.start
 
     async def shutdown(self) -> None:
         # uvicorn has answered this worker's requests by now
