@@ -19,8 +19,8 @@ class Settings(BaseSettings):
         1, ge=1, le=64, description="HTTP worker processes. 1: one process does everything. N > 1: N processes "
         "share the port and do HTTP, JSON, validation, tokenization and decode; one engine process owns the "
         "backbone and the device and batches every worker's requests (as vLLM splits API server and engine). "
-        "Size it by CPU: one worker per ~1,000 1-input requests/s or ~5,000 inputs/s in 32-input requests "
-        "(bench/results/frontend-cpu.md), leaving cores for the engine process")
+        "Size it by CPU: ~1,000 1-input requests/s or ~5,000 inputs/s in 32-input requests "
+        "per worker core (bench/results/frontend-workers-cpu.md), plus a core for the engine process")
     store: Path = Field(DEFAULT_STORE, description="module store directory")
     backbone: Path | None = Field(None, description="local Hugging Face model directory, or a named offline backbone: "
                                   "minilm (all-MiniLM-L6-v2, the default) or smollm2 (SmolLM2-135M-Instruct)")

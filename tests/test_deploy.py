@@ -272,9 +272,11 @@ def test_ports_store_threads_security_and_writable_paths(rel):
     for name in ("HOME", "HF_HOME", "XDG_CACHE_HOME"):
         assert any(env[name] == w or env[name].startswith(w.rstrip("/") + "/") for w in writable), name
 
-    # torch threads = the CPU the pod is given (more would oversubscribe it)
+    # torch threads, plus a core per HTTP worker process when there are workers, = the CPU the pod is
+    # given (more would oversubscribe it)
     resources = c["resources"]
-    assert settings.threads == cpu_cores(resources["requests"]["cpu"])
+    workers = settings.workers if settings.workers > 1 else 0
+    assert settings.threads + workers == cpu_cores(resources["requests"]["cpu"])
     assert "memory" in resources["requests"] and "memory" in resources["limits"]
 
 
