@@ -336,6 +336,13 @@ def profile_table(path: Path, top: int = 25) -> list[dict]:
             for (f, line, fn), v in rows]
 
 
+def level_cells(r: dict) -> str:
+    """The table cells every level has: inputs, c, req/s, seq/s, p50, p99, errors."""
+    lat = r["latency_ms"]
+    return (f"{r['inputs_per_request']} | {r['concurrency']} | {r['requests_per_s']:,} | {r['sequences_per_s']:,} | "
+            f"{lat['p50'] or 0:.1f} | {lat['p99'] or 0:.1f} | {r['errors']}")
+
+
 def write_markdown(path: Path, result: dict) -> None:
     lines = [f"# Frontend ceiling (CPU, constant-time stand-in for the device pass: {result['pass_ms']} ms)", "",
              f"{result['date']} · {result['machine'].get('cpu_model', '')} · {result['machine'].get('logical_cpus', '')} "
@@ -344,11 +351,8 @@ def write_markdown(path: Path, result: dict) -> None:
              "| us/input | event-loop us/request |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["levels"]:
-        lat = r["latency_ms"]
-        lines.append(f"| {r['stack']} | {r['inputs_per_request']} | {r['concurrency']} | {r['requests_per_s']:,} | "
-                     f"{r['sequences_per_s']:,} | {lat['p50'] or 0:.1f} | {lat['p99'] or 0:.1f} | {r['errors']} | "
-                     f"{r['server_cores']} | {r['server_cpu_us_per_request']} | {r['server_cpu_us_per_input']} | "
-                     f"{r['event_loop_cpu_us_per_request']} |")
+        lines.append(f"| {r['stack']} | {level_cells(r)} | {r['server_cores']} | {r['server_cpu_us_per_request']} | "
+                     f"{r['server_cpu_us_per_input']} | {r['event_loop_cpu_us_per_request']} |")
     lines += ["", "Before / after in this run (httptools+uvloop over h11+asyncio, same level):", ""]
     for inputs, c in LEVELS:
         pair = {r["stack"]: r for r in result["levels"] if (r["inputs_per_request"], r["concurrency"]) == (inputs, c)}
@@ -440,11 +444,9 @@ def write_workers_markdown(path: Path, result: dict) -> None:
              "| engine process us/request | us/input | workers us/request |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["levels"]:
-        lat = r["latency_ms"]
-        lines.append(f"| {r['workers']} | {r['inputs_per_request']} | {r['concurrency']} | {r['requests_per_s']:,} | "
-                     f"{r['sequences_per_s']:,} | {lat['p50'] or 0:.1f} | {lat['p99'] or 0:.1f} | {r['errors']} | "
-                     f"{r['server_cpu_us_per_request']} | {r['engine_process_cpu_us_per_request']} | "
-                     f"{r['engine_process_cpu_us_per_input']} | {r['workers_cpu_us_per_request'] or '-'} |")
+        lines.append(f"| {r['workers']} | {level_cells(r)} | {r['server_cpu_us_per_request']} | "
+                     f"{r['engine_process_cpu_us_per_request']} | {r['engine_process_cpu_us_per_input']} | "
+                     f"{r['workers_cpu_us_per_request'] or '-'} |")
     lines += ["", "Ceilings (labelled, not measured: CPU per request as measured here, every process on a core of "
               "its own):", ""] + [f"- {line}" for line in result["ceilings"]] + [""]
     path.write_text("\n".join(lines))

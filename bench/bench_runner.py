@@ -7,7 +7,9 @@ set through `Engine.logits` under `ModelRunner.precision()` in these configurati
   fp32          backbone fp32, heads fp32 (the reference)
   bf16-backbone backbone bf16, heads fp32 (what `precision bf16` served before heads followed it)
   bf16          backbone bf16, heads bf16 (matrix products under torch.autocast)
-  fp16-backbone, fp16  the same in float16 (cuda only: the torch backend runs fp16 on cuda only)
+  fp16-backbone, fp16  the same in float16 (on cuda; on the CPU with --emulate-fp16: float16
+                arithmetic on the CPU, which tmod refuses to serve (slow) but which rounds as a GPU's
+                float16 does, so its predictions measure the rule; the bench bypasses the refusal)
 The rule (bench/bench_backends.py's, used for every lossy default): on every module >= 99% of
 predictions equal to fp32's and a metric drop < 0.3 points. Its outcome is what
 `server.runner.HEAD_PRECISIONS_WITHIN_RULE` lists (auto picks 16-bit heads only for those).
@@ -18,12 +20,14 @@ runner runs it eagerly, replayed from its manual CUDA graph capture, and as
 largest logit difference from eager, capture / compile time, graph memory. This decides manual
 capture vs torch.compile; bench/bench_gpu.py can call `capture_section`.
 
-    .venv/bin/python bench/bench_runner.py heads      # -> bench/results/head-precision-cpu.{json,md}
+    .venv/bin/python bench/bench_runner.py heads --emulate-fp16   # -> bench/results/head-precision-cpu.{json,md}
+    .venv/bin/python bench/bench_runner.py heads --emulate-fp16 --backbone mpnet   # -> head-precision-cpu-mpnet.*
     .venv/bin/python bench/bench_runner.py capture --device cuda   # -> bench/results/capture-cuda.json
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -43,37 +47,58 @@ import torch  # noqa: E402
 REFERENCE = "fp32"
 
 
-def head_variants(device: str) -> dict[str, tuple[str, str]]:
+def head_variants(device: str, emulate_fp16: bool = False) -> dict[str, tuple[str, str]]:
     """name -> (backbone precision, head precision)"""
     out = {"fp32": ("fp32", "fp32"), "bf16-backbone": ("bf16", "fp32"), "bf16": ("bf16", "bf16")}
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or emulate_fp16:
         out.update({"fp16-backbone": ("fp16", "fp32"), "fp16": ("fp16", "fp16")})
     return out
 
 
-def heads_section(args) -> dict:
-    from bench.quality import TASKS
-    from modules_store import ModuleStore
-    from server.backbone import Backbone
+def variant_runner(base, device: str, precision: str, heads: str):
+    """A ModelRunner for one variant. fp16 on the CPU (--emulate-fp16) is refused by the torch backend
+    and by Settings (too slow to serve); the benchmark goes round both, nothing else does."""
+    from unittest import mock
+
     from server.config import Settings
     from server.engine import Engine
-    from server.modules import load_module
     from server.runner import ModelRunner
+
+    if precision == "fp16" and not device.startswith("cuda"):
+        from server.backbone.backends import TorchBackend
+
+        with mock.patch("server.backbone.backends.torch_backend.check_low_precision", lambda *_: None):
+            bb = copy.copy(base)  # as Backbone.use_backend makes it, less its checks
+            bb.backend = TorchBackend(base.adapter, precision=precision)
+        settings = Settings.model_construct(device=device, precision=precision, head_precision=heads)
+    else:
+        bb = base if precision == "fp32" else base.use_backend("torch", precision)
+        settings = Settings(device=device, precision=precision, head_precision=heads)
+    return ModelRunner(Engine(bb), settings)
+
+
+def heads_section(args) -> dict:
+    from bench.quality import TASKS
+    from modules_store import ArtifactError, ModuleStore
+    from server.backbone import Backbone
+    from server.modules import load_module
     from training.data import PRESETS, preset_spec
     from training.evaluate import collect, score
     from training.states import Split
 
-    base = Backbone.load(device=args.device)
+    base = Backbone.load(args.backbone, device=args.device)
     store = ModuleStore(args.store)
-    variants = head_variants(args.device)
-    runners = {}
-    for name, (precision, heads) in variants.items():
-        bb = base if precision == "fp32" else base.use_backend("torch", precision)
-        runners[name] = ModelRunner(Engine(bb), Settings(device=args.device, precision=precision,
-                                                         head_precision=heads))
+    variants = head_variants(args.device, args.emulate_fp16)
+    runners = {name: variant_runner(base, args.device, precision, heads)
+               for name, (precision, heads) in variants.items()}
     out = {}
     for task in store.tasks():
         if task not in TASKS:
+            continue
+        try:
+            load_module(store, task, None, base, args.device)
+        except ArtifactError as exc:  # a task shipped for another backbone only
+            print(f"  {task}: skipped ({exc.message})", flush=True)
             continue
         dataset, metric, title = TASKS[task]
         data = preset_spec(PRESETS[dataset], "validation", args.data_dir).read()
@@ -117,7 +142,8 @@ def heads_section(args) -> dict:
 def heads_markdown(result: dict) -> str:
     section = result["heads"]
     names = list(next(iter(section["tasks"].values()))["variants"])
-    lines = [f"# Head precision ({result['machine']['device']}, {result['machine']['date']})", "",
+    lines = [f"# Head precision ({result['machine']['device']}, {result['machine']['date']}, "
+             f"backbone {result.get('backbone') or 'minilm'})", "",
              "Validation metric (x100) of every shipped module; agreement = share of predictions equal to "
              "fp32's (labels; NER: data-word tags). Backbone / heads precision per column.", "",
              "| task | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
@@ -230,6 +256,9 @@ def main(argv=None) -> None:
     p.add_argument("section", choices=["heads", "capture"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--store", type=Path, default=REPO / "modules_store")
+    p.add_argument("--backbone", default=None, help="heads: the tier (default minilm; mpnet: its shipped modules)")
+    p.add_argument("--emulate-fp16", action="store_true",
+                   help="heads on the CPU: add the fp16 variants, computed in float16 on the CPU")
     p.add_argument("--data-dir", type=Path, default=default_data_dir())
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--precision", default="fp16", help="capture: backbone (and head) precision")
@@ -241,8 +270,10 @@ def main(argv=None) -> None:
               "command": "python bench/bench_runner.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch_threads": args.threads}
     if args.section == "heads":
+        result["backbone"] = args.backbone or "minilm"
         result["heads"] = heads_section(args)
-        out = args.out or REPO / "bench" / "results" / f"head-precision-{kind}"
+        tier = "" if result["backbone"] == "minilm" else f"-{result['backbone']}"
+        out = args.out or REPO / "bench" / "results" / f"head-precision-{kind}{tier}"
         out.with_suffix(".md").write_text(heads_markdown(result) + "\n")
         print(heads_markdown(result))
     else:
