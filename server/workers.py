@@ -12,7 +12,9 @@ Measured why (bench/bench_frontend.py): one process spends ~1 ms of CPU per 1-in
 JSON, tokenization and decode, which caps it near 1,000 requests/s whatever the device computes.
 
 Between the processes of one server, over a Unix socket in a folder only this user can open,
-messages are pickled tuples, each framed by its length (4 bytes):
+messages are tuples; the messages one side has ready in one event-loop iteration go as one frame
+(`Outbox`: a pickled list, prefixed by its length in 4 bytes), so under load one frame carries many
+requests or answers:
   engine -> worker  ("state", EngineState) on connect and after every change (ready, modules);
                     ("ok", id, value) or ("error", id, status, type, message, details) per request
   worker -> engine  ("infer", id, rows, tasks, seconds left) or ("manage", id, task, action, version)
@@ -58,14 +60,30 @@ log = logging.getLogger("tmod.workers")
 FRAME = struct.Struct("!I")
 
 
-async def read_message(reader: asyncio.StreamReader):
+async def read_frame(reader: asyncio.StreamReader) -> list:
     (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
     return pickle.loads(await reader.readexactly(size))
 
 
-def write_message(writer: asyncio.StreamWriter, message) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(FRAME.pack(len(data)) + data)
+class Outbox:
+    """Messages to one peer. The first message of an event-loop iteration schedules a flush at its
+    end, so what is ready together goes as one frame: one pickle and one write for all of it
+    (each frame cost the engine process a read, an unpickle and a write: bench/bench_frontend.py)."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.pending: list = []
+
+    def send(self, message) -> None:
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.pending.append(message)
+
+    def flush(self) -> None:
+        messages, self.pending = self.pending, []
+        if messages and not self.writer.is_closing():
+            data = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+            self.writer.write(FRAME.pack(len(data)) + data)
 
 
 @dataclass
@@ -95,7 +113,7 @@ class EngineService:
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-        self.peers: dict[asyncio.StreamWriter, bool] = {}  # connection -> tokenizer sent
+        self.peers: dict[Outbox, bool] = {}  # a worker's connection -> its tokenizer was sent
         self.server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -107,8 +125,8 @@ class EngineService:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        for writer in list(self.peers):
-            writer.close()
+        for peer in list(self.peers):
+            peer.writer.close()
 
     def _keep(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -133,32 +151,33 @@ class EngineService:
 
     def broadcast(self) -> None:
         state = self.state()
-        for writer in list(self.peers):
-            self._send_state(writer, state)
+        for peer in list(self.peers):
+            self._send_state(peer, state)
 
-    def _send_state(self, writer: asyncio.StreamWriter, state: EngineState) -> None:
-        if writer.is_closing():
-            return
-        if state.ready and not self.peers.get(writer):
+    def _send_state(self, peer: Outbox, state: EngineState) -> None:
+        if state.ready and not self.peers.get(peer):
             state = replace(state, text=self.runtime.backbone.text)
-            self.peers[writer] = True
-        write_message(writer, ("state", state))
+            self.peers[peer] = True
+        peer.send(("state", state))
+        peer.flush()  # at once: an answer sent after it must not overtake it
 
     async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.peers[writer] = False
-        self._send_state(writer, self.state())
+        peer = Outbox(writer)
+        self.peers[peer] = False
+        self._send_state(peer, self.state())
         try:
             while True:
                 try:
-                    message = await read_message(reader)
+                    messages = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     break  # the worker exited; answers still being computed for it are dropped
-                self._keep(self._answer(writer, message))
+                for message in messages:
+                    self._keep(self._answer(peer, message))
         finally:
-            self.peers.pop(writer, None)
+            self.peers.pop(peer, None)
             writer.close()
 
-    async def _answer(self, writer: asyncio.StreamWriter, message) -> None:
+    async def _answer(self, peer: Outbox, message) -> None:
         kind, ident, *args = message
         try:
             if kind == "infer":
@@ -172,8 +191,7 @@ class EngineService:
         except Exception as exc:  # the engine stays up; the request gets what went wrong
             log.exception("engine: %s failed", kind)
             reply = ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
-        if not writer.is_closing():
-            write_message(writer, reply)
+        peer.send(reply)
 
     async def _infer(self, rows: list[EncodedInput], tasks: list[str], seconds_left: float):
         loaded = self.runtime.modules  # one snapshot: the worker's view may be a change behind
@@ -218,6 +236,7 @@ class RemoteRuntime:
 
     async def open(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(self.path)
+        self._outbox = Outbox(self._writer)
         self._informed = asyncio.Event()
         self._listener = asyncio.get_running_loop().create_task(self._listen(reader))
         await self._informed.wait()  # the engine's state arrives first: /readyz never answers from a blank view
@@ -234,18 +253,8 @@ class RemoteRuntime:
     async def _listen(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                message = await read_message(reader)
-                if message[0] == "state":
-                    self._apply(message[1])
-                    continue
-                future = self._pending.pop(message[1], None)
-                if future is None or future.done():
-                    continue
-                if message[0] == "ok":
-                    future.set_result(message[2])
-                else:
-                    _, _, status, type_, text, details = message
-                    future.set_exception(ApiError(status, type_, text, **details))
+                for message in await read_frame(reader):
+                    self._receive(message)
         except (asyncio.IncompleteReadError, ConnectionError):
             self._gone = ApiError(503, "engine_unavailable", "the engine process is gone; retry later")
             self.ready.clear()
@@ -256,6 +265,19 @@ class RemoteRuntime:
             self._pending.clear()
             log.error("worker %d: the engine process closed its connection; stopping", os.getpid())
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop: nothing is left to serve
+
+    def _receive(self, message) -> None:
+        if message[0] == "state":
+            self._apply(message[1])
+            return
+        future = self._pending.pop(message[1], None)
+        if future is None or future.done():
+            return
+        if message[0] == "ok":
+            future.set_result(message[2])
+        else:
+            _, _, status, type_, text, details = message
+            future.set_exception(ApiError(status, type_, text, **details))
 
     def _apply(self, state: EngineState) -> None:
         if state.text is not None:
@@ -278,8 +300,7 @@ class RemoteRuntime:
         ident = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[ident] = future
-        write_message(self._writer, (kind, ident, *args))
-        await self._writer.drain()
+        self._outbox.send((kind, ident, *args))
         return await future
 
     # ---- the interface the app uses (as Runtime's) ------------------------------------------------
