@@ -22,6 +22,7 @@ from server.runner import (
     CapturedPass,
     ModelRunner,
     bounded,
+    head_precision,
     pack_logits,
     static_batch,
     unpack_logits,
@@ -293,6 +294,16 @@ def test_bf16_heads_run_under_autocast_and_stay_close(tiny_backbone, tiny_store)
         assert a["score"] == pytest.approx(b["score"], abs=0.02)
     # auto: fp32 heads on the CPU (16-bit heads are a GPU setting)
     assert ModelRunner(Engine(bb16), Settings(precision="bf16")).head_precision == "fp32"
+
+
+@pytest.mark.parametrize("precision, device, want", [
+    ("fp16", "cuda", "fp16"), ("bf16", "cuda", "bf16"), ("fp32", "cuda", "fp32"), ("bf16", "cpu", "fp32")])
+def test_auto_head_precision_follows_the_backbone_on_cuda_only(precision, device, want):
+    """Both 16-bit precisions met the accuracy rule on every shipped module (bench/results/head-precision-*)."""
+    settings = Settings.model_construct(precision=precision, head_precision="auto")  # no cuda here to check
+    assert head_precision(settings, torch.device(device)) == want
+    assert head_precision(Settings.model_construct(precision=precision, head_precision="fp32"),
+                          torch.device(device)) == "fp32"
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------
