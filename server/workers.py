@@ -240,6 +240,8 @@ class RemoteRuntime:
         self._informed = asyncio.Event()
         self._listener = asyncio.get_running_loop().create_task(self._listen(reader))
         await self._informed.wait()  # the engine's state arrives first: /readyz never answers from a blank view
+        if self._gone is not None:  # the engine died before it said anything: this worker cannot start
+            raise RuntimeError("the engine process closed its connection during start-up")
         gc.freeze()  # start-up's objects (libraries, app) out of the collector's passes, as in Runtime.start
 
     async def shutdown(self) -> None:
@@ -263,6 +265,7 @@ class RemoteRuntime:
                 if not future.done():
                     future.set_exception(self._gone)
             self._pending.clear()
+            self._informed.set()  # an `open` still waiting for the first state gives up
             log.error("worker %d: the engine process closed its connection; stopping", os.getpid())
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop: nothing is left to serve
 

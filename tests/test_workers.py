@@ -213,3 +213,28 @@ def test_workers_stop_when_the_engine_process_dies(store, tiny_backbone_dir):
     wait_until(lambda: not [pid for pid in workers if alive(pid)], "the orphaned workers to stop", timeout=60)
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/healthz", timeout=5)
+
+
+def test_a_worker_whose_engine_closes_during_start_up_gives_up(tmp_path):
+    """A worker that connects while the engine dies gets EOF before any state: `open` must fail (its
+    app then fails start-up and the process exits), never wait for a state that cannot come."""
+    import asyncio
+
+    from server.workers import RemoteRuntime
+
+    async def scenario():
+        async def close_at_once(reader, writer):
+            writer.close()
+
+        server = await asyncio.start_unix_server(close_at_once, path=str(tmp_path / "engine.sock"))
+        runtime = RemoteRuntime(Settings(), tmp_path / "engine.sock")
+        try:
+            with pytest.raises(RuntimeError, match="closed its connection during start-up"):
+                await asyncio.wait_for(runtime.open(), timeout=30)
+        finally:
+            server.close()
+            runtime.tokenize_executor.shutdown()
+
+    with pytest.MonkeyPatch.context() as patch:  # the worker signals itself to stop; not this test process
+        patch.setattr(os, "kill", lambda pid, sig: None)
+        asyncio.run(scenario())
