@@ -129,13 +129,42 @@ def test_fp16_on_the_cpu_is_refused(tiny_mpnet):
         tiny_mpnet.use_backend("torch", "fp16")
 
 
-def test_mtb_heads_are_refused_with_the_reason(tiny_mpnet):
+def test_mtb_and_lora_mtb_heads_reproduce_the_last_block(tiny_mpnet, tmp_path):
+    """MTB heads on MPNet hold a frozen copy of the encoder's relative position table: copied from
+    the last block they give the backbone's last state (pairs, padding), also after a round trip
+    through the store (MTB stores the table; LoRA-MTB copies it from the backbone at load), and two
+    of them grouped in one plan answer as each alone."""
+    from modules_store import ModuleStore, TaskType
     from server.heads.mtb import MTBHead
-    from modules_store import TaskType
+    from server.modules import load_module, save_module
+    from training.lora import TrainableLoraMTB
 
-    head = MTBHead.from_backbone(tiny_mpnet, TaskType.sequence_classification, ["a", "b"])
-    with pytest.raises(ValueError, match="relative position bias"):
-        Engine(tiny_mpnet).logits(tiny_mpnet.tokenize(TEXTS), as_modules(mtb=head))
+    mtb = MTBHead.from_backbone(tiny_mpnet, TaskType.sequence_classification, ["a", "b"]).eval()
+    lora = TrainableLoraMTB.from_backbone(tiny_mpnet, TaskType.token_classification, NER_LABELS, rank=4).eval()
+    table = tiny_mpnet.model.encoder.relative_attention_bias.weight
+    for head in (mtb, lora):
+        assert not any(p.requires_grad for p in head.positions.parameters())  # never trained
+        torch.testing.assert_close(head.positions.table.weight, table, atol=0, rtol=0)
+    store = ModuleStore(tmp_path)
+    save_module(store, "mood", "1", mtb, tiny_mpnet)
+    save_module(store, "ner", "1", lora, tiny_mpnet)
+    loaded = {task: load_module(store, task, "1", tiny_mpnet) for task in ("mood", "ner")}
+
+    batch = tiny_mpnet.tokenize(TEXTS, PAIRS)
+    states = tiny_mpnet.all_states(batch)
+    real = batch.attention_mask.bool()
+    last = tiny_mpnet.num_layers - 1
+    for head in (mtb, lora, loaded["mood"].head, loaded["ner"].head):
+        assert head.layers_read() == [last]
+        with torch.inference_mode():
+            state = head.consume(head.start(batch), last, states[-2])
+        torch.testing.assert_close(state["hidden"][real], states[-1][real], atol=1e-5, rtol=0)
+
+    engine = Engine(tiny_mpnet)
+    together = engine.logits(batch, loaded)
+    for task, module in loaded.items():
+        alone = engine.logits(batch, {task: module})[task]
+        torch.testing.assert_close(together[task], alone, atol=1e-5, rtol=0)
 
 
 def test_token_head_answers_in_input_coordinates(tiny_mpnet):

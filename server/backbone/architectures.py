@@ -6,7 +6,8 @@ decoder, the relative position bias for MPNet), and call one layer. Encoders (BE
 DistilBERT, MiniLM, ...) share `EncoderAdapter`; MPNet uses `MPNetAdapter` (its layers take a
 relative position bias that the model computes once per forward: here once per batch); Llama-style
 decoders (SmolLM2) use `DecoderAdapter` with a causal mask. The MTB head rebuilds blocks from a
-config alone and runs them through the same `block_context` / `run_block` pair.
+config alone and runs them through the same `block_context` / `run_block` pair, with the position
+module of `positions_for` (rotary embeddings; MPNet's relative position table, copied from the backbone).
 """
 from __future__ import annotations
 
@@ -17,10 +18,6 @@ from torch import nn
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
 DECODER_TYPES = ("llama",)
-# Architectures whose per-batch block context needs weights that live outside the blocks, so a
-# block copied into a head (MTB) cannot be run from the config alone.
-OWN_CONTEXT_TYPES = {"mpnet": "MPNet's relative position bias is a table of the encoder, not of its layers "
-                              "(MTB / LoRA-MTB heads are not supported on MPNet; use layer-mix)"}
 
 
 def is_decoder(config) -> bool:
@@ -45,27 +42,73 @@ class BlockContext:
         return out[0] if isinstance(out, tuple) else out
 
 
-def rotary_for(config) -> nn.Module | None:
-    """The rotary position embedding module of a decoder config (no weights, only buffers)."""
-    if not is_decoder(config):
-        return None
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+class RelativePositionBias(nn.Module):
+    """MPNet's relative position bias: (T, T) bucket ids of key - query positions (made once per
+    length and device: HF makes them per forward and, in some versions, on the CPU, a copy a captured
+    CUDA graph cannot hold), looked up in a (buckets, heads) table that the encoder owns, not its
+    layers. The backbone's adapter wraps the encoder's own table; an MTB head holds a frozen copy."""
 
-    return LlamaRotaryEmbedding(config=config)
+    def __init__(self, table: nn.Embedding, num_buckets: int):
+        super().__init__()
+        self.table, self.num_buckets = table, num_buckets
+        self._buckets: dict[tuple[int, str], torch.Tensor] = {}
+
+    def buckets(self, length: int, device: torch.device) -> torch.Tensor:
+        from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+        key = (length, str(device))
+        if key not in self._buckets:
+            positions = torch.arange(length, dtype=torch.long)
+            relative = positions[None, :] - positions[:, None]  # memory - context, as HF
+            self._buckets[key] = MPNetEncoder.relative_position_bucket(relative, num_buckets=self.num_buckets).to(device)
+        return self._buckets[key]
+
+    def context(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> BlockContext:
+        """The bias summed with the additive padding mask, so each layer adds one tensor instead of
+        two (exact where a key is real: mask 0; where it is padding both are ~float32 min)."""
+        bias = self.table(self.buckets(hidden.shape[1], hidden.device)).permute(2, 0, 1).unsqueeze(0)  # (1, heads, T, T)
+        # the additive padding mask of HF's eager attention (MPNet has no SDPA path): 0 / float32 min
+        padding = (1.0 - attention_mask[:, None, None, :].to(bias.dtype)) * torch.finfo(bias.dtype).min
+        return BlockContext(None, position_bias=bias + padding)
 
 
-def block_context(config, hidden: torch.Tensor, attention_mask: torch.Tensor, rotary: nn.Module | None = None) -> BlockContext:
-    """Bidirectional mask for encoders; causal mask and rotary embeddings for decoders (padding is
-    on the right, so positions are 0..T-1 for every row)."""
-    if config.model_type in OWN_CONTEXT_TYPES:
-        raise ValueError(f"blocks of model_type {config.model_type!r} cannot run from a config alone: "
-                         f"{OWN_CONTEXT_TYPES[config.model_type]}")
+def positions_for(config) -> nn.Module | None:
+    """What blocks of this architecture need besides their own weights to run: a decoder's rotary
+    embeddings (buffers only), MPNet's relative position table (zeros here: `copy_positions` fills it
+    from the backbone, an artifact's weights load it; it never trains), or nothing."""
+    if is_decoder(config):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        return LlamaRotaryEmbedding(config=config)
+    if config.model_type == "mpnet":
+        table = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+        table.weight.requires_grad_(False)
+        return RelativePositionBias(table, config.relative_attention_num_buckets)
+    return None
+
+
+def copy_positions(positions: nn.Module | None, adapter) -> None:
+    """Fill a head's position module from the backbone's (MPNet's table; rotary has no weights)."""
+    if isinstance(positions, RelativePositionBias):
+        with torch.no_grad():
+            positions.table.weight.copy_(adapter.positions.table.weight)
+
+
+def block_context(config, hidden: torch.Tensor, attention_mask: torch.Tensor,
+                  positions: nn.Module | None = None) -> BlockContext:
+    """Bidirectional mask for encoders; MPNet's relative position bias with the padding mask folded
+    in; causal mask and rotary embeddings for decoders (padding is on the right, so positions are
+    0..T-1 for every row). `positions` is the module `positions_for(config)` makes."""
+    if config.model_type == "mpnet":
+        if not isinstance(positions, RelativePositionBias):
+            raise ValueError("MPNet blocks need the encoder's relative position table (positions_for / copy_positions)")
+        return positions.context(hidden, attention_mask)
     if not is_decoder(config):
         return BlockContext(create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask))
-    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
     mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=positions)
-    return BlockContext(mask, rotary(hidden, position_ids=positions), positions)
+                              past_key_values=None, position_ids=position_ids)
+    return BlockContext(mask, positions(hidden, position_ids=position_ids), position_ids)
 
 
 class EncoderAdapter:
@@ -99,11 +142,10 @@ class EncoderAdapter:
 class MPNetAdapter:
     """MPNet (all-mpnet-base-v2): BERT-like post-LN layers whose attention scores get a relative
     position bias. The Hugging Face encoder computes that bias (a bucketed table lookup, the same for
-    every layer) once per forward; here it is computed once per batch into the `BlockContext`,
-    already summed with the additive padding mask, so each layer adds one tensor instead of two
-    (the sum is exact where a key is real: mask 0; where it is padding both are ~float32 min).
-    Positions are counted from the left (0..T-1 for every row, padding on the right), as in HF.
-    MPNet has no token types; its embeddings number positions from the token ids (pad id 1)."""
+    every layer) once per forward; here `RelativePositionBias` computes it once per batch into the
+    `BlockContext`, already summed with the additive padding mask. Positions are counted from the
+    left (0..T-1 for every row, padding on the right), as in HF. MPNet has no token types; its
+    embeddings number positions from the token ids (pad id 1)."""
 
     uses_token_types = False
 
@@ -111,29 +153,14 @@ class MPNetAdapter:
         self.model = model
         self.config = model.config
         self.layers = model.encoder.layer
-        self._buckets: dict[tuple[int, str], torch.Tensor] = {}  # (T, device) -> (T, T) bucket ids
+        self.positions = RelativePositionBias(model.encoder.relative_attention_bias,
+                                              self.config.relative_attention_num_buckets)
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         return self.model.embeddings(input_ids=input_ids)
 
-    def relative_buckets(self, length: int, device: torch.device) -> torch.Tensor:
-        """(T, T) relative-position bucket ids, made once per length and device: HF computes them
-        per forward and (some versions) on the CPU, a copy a captured CUDA graph cannot hold."""
-        key = (length, str(device))
-        if key not in self._buckets:
-            positions = torch.arange(length, dtype=torch.long)
-            relative = positions[None, :] - positions[:, None]  # memory - context, as HF
-            buckets = self.model.encoder.relative_position_bucket(
-                relative, num_buckets=self.config.relative_attention_num_buckets)
-            self._buckets[key] = buckets.to(device)
-        return self._buckets[key]
-
     def mask(self, embedded: torch.Tensor, attention_mask: torch.Tensor) -> BlockContext:
-        buckets = self.relative_buckets(embedded.shape[1], embedded.device)
-        bias = self.model.encoder.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, heads, T, T)
-        # the additive padding mask of HF's eager attention (MPNet has no SDPA path): 0 / float32 min
-        padding = (1.0 - attention_mask[:, None, None, :].to(bias.dtype)) * torch.finfo(bias.dtype).min
-        return BlockContext(None, position_bias=bias + padding)
+        return block_context(self.config, embedded, attention_mask, self.positions)
 
     def run_layer(self, index: int, hidden: torch.Tensor, context: BlockContext) -> torch.Tensor:
         return context.run(self.layers[index], hidden)
@@ -150,13 +177,13 @@ class DecoderAdapter:
         self.model = model
         self.config = model.config
         self.layers = model.layers
-        self.rotary = model.rotary_emb
+        self.positions = model.rotary_emb
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
     def mask(self, embedded: torch.Tensor, attention_mask: torch.Tensor) -> BlockContext:
-        return block_context(self.config, embedded, attention_mask, self.rotary)
+        return block_context(self.config, embedded, attention_mask, self.positions)
 
     def run_layer(self, index: int, hidden: torch.Tensor, context: BlockContext) -> torch.Tensor:
         return context.run(self.layers[index], hidden)
@@ -186,6 +213,7 @@ LAYER_CLASSES = {
     "roberta": ("transformers.models.roberta.modeling_roberta", "RobertaLayer"),
     "xlm-roberta": ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaLayer"),
     "distilbert": ("transformers.models.distilbert.modeling_distilbert", "TransformerBlock"),
+    "mpnet": ("transformers.models.mpnet.modeling_mpnet", "MPNetLayer"),
     "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"),
 }
 

@@ -8,6 +8,7 @@ import copy
 import torch
 
 from modules_store import ArtifactError, Manifest
+from server.backbone.architectures import copy_positions
 from server.heads.lora_mtb.config import LoraMTBConfig
 from server.heads.lora_mtb.layer import merge_factors
 from server.heads.mtb.model import MTBHead
@@ -25,6 +26,7 @@ class LoraMTBHead(MTBHead):
         blocks = [copy.deepcopy(backbone.adapter.layers[i]) for i in config.copied_from]
         head = cls(config, manifest.labels or None, blocks)
         head.hf_config._attn_implementation = backbone.config._attn_implementation
+        copy_positions(head.positions, backbone.adapter)
         return head
 
     def load_weights(self, weights: dict[str, torch.Tensor], where: str = "module") -> None:

@@ -1,7 +1,7 @@
 """MTB heads (merged LoRA-MTBs included: they are plain blocks) that read the same state with blocks
 of one architecture, run as one group (serving only: eval mode).
 
-The block context (attention mask, rotary positions) is built once for the group, and the task
+The block context (attention mask, rotary positions or MPNet's position bias) is built once for the group, and the task
 layers run stacked: heads with the same task type and pooling form a `TaskLayerStack` whose
 classifiers carry a leading head dimension (padded to the largest label count) and run as one
 batched matrix product. The blocks themselves run one head after another: with stacked block
@@ -25,10 +25,12 @@ from server.heads.stacking import batched_linear, padded_classifiers
 
 def block_shape(head: MTBHead) -> tuple:
     """Heads with equal keys share a group: same state read, same block architecture and weights'
-    names and shapes (a LoRA-MTB still in training form, with its adapters, differs)."""
+    names and shapes (a LoRA-MTB still in training form, with its adapters, differs), and the same
+    position weights (MPNet's table: the group builds one context for all its heads)."""
     names = tuple((name, tuple(p.shape)) for name, p in head.blocks.named_parameters())
+    positions = tuple(v for p in head.positions.parameters() for v in p.detach().cpu().flatten().tolist()) if head.positions is not None else ()
     return (head.config.source_layer, json.dumps(head.config.backbone_config, sort_keys=True, default=str),
-            head.hf_config._attn_implementation, names)
+            head.hf_config._attn_implementation, names, positions)
 
 
 def task_layer_shape(head: MTBHead) -> tuple:
@@ -68,7 +70,7 @@ class BlockGroup:
         order = sorted(range(len(heads)), key=lambda j: task_layer_shape(heads[j]))
         self.tasks, self.heads = [tasks[j] for j in order], [heads[j] for j in order]
         heads = self.heads
-        self.hf_config, self.rotary = heads[0].hf_config, heads[0].rotary
+        self.hf_config, self.positions = heads[0].hf_config, heads[0].positions
         self.layers = [heads[0].config.source_layer]
         self.stacks: list[TaskLayerStack] = []
         for _, members in groupby(range(len(heads)), key=lambda j: task_layer_shape(heads[j])):
@@ -79,7 +81,7 @@ class BlockGroup:
         return {"mask": batch.attention_mask, "hidden": None}
 
     def consume(self, state: dict, index: int, hidden: torch.Tensor) -> dict:
-        context = block_context(self.hf_config, hidden, state["mask"], self.rotary)
+        context = block_context(self.hf_config, hidden, state["mask"], self.positions)
         outputs = []
         for head in self.heads:
             out = hidden

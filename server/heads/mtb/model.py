@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from modules_store import Manifest, TaskType
-from server.backbone.architectures import block_config, block_context, build_block, rotary_for, run_block
+from server.backbone.architectures import block_config, block_context, build_block, copy_positions, positions_for, run_block
 from server.backbone.tokens import TokenBatch
 from server.heads.base import Head
 from server.heads.mtb.config import MTBConfig
@@ -28,7 +28,9 @@ class MTBHead(Head):
         if blocks is None:
             blocks = [build_block(self.hf_config) for _ in config.copied_from]
         self.blocks = nn.ModuleList(blocks)
-        self.rotary = rotary_for(self.hf_config)  # decoders: rotary position embeddings (buffers only)
+        # what the blocks need besides their weights: rotary embeddings (decoders), MPNet's
+        # relative position table (frozen, a copy of the backbone's), or None
+        self.positions = positions_for(self.hf_config)
         if config.task_type == TaskType.token_classification:
             self.task_layer = TokenLinear(config.hidden_size, config.num_labels, config.dropout)
         else:
@@ -51,6 +53,7 @@ class MTBHead(Head):
             param.requires_grad_(True)  # the backbone's originals are frozen; the copies train
         head = cls(config, labels, blocks)
         head.hf_config._attn_implementation = backbone.config._attn_implementation
+        copy_positions(head.positions, backbone.adapter)
         return head
 
     # ---- streaming -------------------------------------------------------------------------
@@ -61,7 +64,7 @@ class MTBHead(Head):
         return {"mask": batch.attention_mask, "hidden": None}
 
     def consume(self, state: dict[str, Any], index: int, hidden: torch.Tensor) -> dict[str, Any]:
-        mask = block_context(self.hf_config, hidden, state["mask"], self.rotary)
+        mask = block_context(self.hf_config, hidden, state["mask"], self.positions)
         for block in self.blocks:
             hidden = run_block(block, hidden, mask)
         state["hidden"] = hidden
