@@ -24,7 +24,7 @@ knows how one pass of a plan runs; the runner decides the passes a batch needs a
 - **Host and device**: batches are collated on the host into pinned memory (`prepare`, which the
   batcher can run on another thread while the device runs the previous batch) and copied
   non-blocking; all logits of a pass come back in one device-to-host copy (`pack_logits`); nothing
-  in the pass reads a device value on the host (casing classes are made at collate time).
+  in the pass reads a device value on the host (per-token classes, casing and segment, are made at collate time).
 - **Out of memory is an answer**: a pass that does not fit (torch.OutOfMemoryError, or the CPU
   allocator's error) is split in halves and retried down to one row; a row that does not fit alone
   is refused with 503 (`OutOfMemory`), and every other row is still answered.
@@ -212,12 +212,12 @@ class CapturedPass:
         self.inputs.attention_mask.copy_(batch.attention_mask, non_blocking=True)
         if self.inputs.token_type_ids is not None:
             self.inputs.token_type_ids.copy_(batch.token_type_ids, non_blocking=True)
-        if self.inputs.casing is not None:
-            self.inputs.casing.copy_(batch.casing_ids(), non_blocking=True)
+        for name, static in self.inputs.classes.items():
+            static.copy_(batch.token_classes(name), non_blocking=True)
         return self.replay()
 
 
-def static_batch(bucket: Bucket, device: torch.device, token_types: bool, casing: bool) -> TokenBatch:
+def static_batch(bucket: Bucket, device: torch.device, token_types: bool, classes: set[str]) -> TokenBatch:
     """Input tensors of a bucket's shape on `device`, holding a valid batch (every row one token)."""
     shape = (bucket.size, bucket.seq_len)
     mask = torch.zeros(shape, dtype=torch.long, device=device)
@@ -228,13 +228,14 @@ def static_batch(bucket: Bucket, device: torch.device, token_types: bool, casing
         token_type_ids=torch.zeros(shape, dtype=torch.long, device=device) if token_types else None,
         offsets=empty, sequence_ids=empty, word_ids=empty, texts=[""] * bucket.size, text_pairs=None,
         truncated=[False] * bucket.size,
-        casing=torch.zeros(shape, dtype=torch.long, device=device) if casing else None,
+        classes={name: torch.zeros(shape, dtype=torch.long, device=device) for name in sorted(classes)},
     )
 
 
-def reads_casing(modules: dict[str, LoadedModule]) -> bool:
-    """Whether a native head of these modules reads the casing classes (layer-mix with `casing`)."""
-    return any(m.bridge is None and getattr(m.head, "casing", None) is not None for m in modules.values())
+def token_classes_read(modules: dict[str, LoadedModule]) -> set[str]:
+    """The per-token classes the native heads of these modules read (casing, segment): made at
+    collate time, and static inputs of a captured pass."""
+    return {name for m in modules.values() if m.bridge is None for name in m.head.token_classes_read()}
 
 
 def capture_cuda_graph(engine: Engine, modules: dict[str, LoadedModule], bucket: Bucket,
@@ -242,7 +243,7 @@ def capture_cuda_graph(engine: Engine, modules: dict[str, LoadedModule], bucket:
     """Capture `modules`' whole pass at `bucket` as one CUDA graph (warm-up on a side stream first,
     as torch.cuda.graph asks: lazy initialisation and autotuning must not happen inside capture)."""
     device = engine.backbone.device
-    inputs = static_batch(bucket, device, engine.backbone.text.uses_token_types, reads_casing(modules))
+    inputs = static_batch(bucket, device, engine.backbone.text.uses_token_types, token_classes_read(modules))
 
     def run() -> tuple[torch.Tensor, list]:
         with precision():
@@ -454,13 +455,13 @@ class ModelRunner:
         """Cut rows (sorted by length) into passes and collate each on the host (host work only:
         safe on another thread while the device runs the previous batch)."""
         foreign = any(m.bridge for m in modules.values())  # a bridge tokenizes per real row: no filler rows
-        casing = reads_casing(modules)
+        classes = token_classes_read(modules)
         passes = []
         for run, bucket in self.shapes.passes([len(row.ids) for row in rows]):
             if foreign:
                 bucket = None
             batch = self.engine.backbone.text.collate(
-                rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", casing=casing)
+                rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", classes=classes)
             passes.append(PreparedPass(run, bucket, batch.pin_memory() if self.pinned else batch))
         return PreparedBatch(rows, passes)
 

@@ -60,6 +60,8 @@ def layermix_heads(backbone) -> dict:
         "tok_deep2": mix_head(backbone, tok, list("pqr"), 10, encoder_layers=2, cutoff=0.3, alpha=40.0),
         "k8_seq": mix_head(backbone, seq, ["a", "b"], 11, layers=[1, 2], project_dim=8),
         "k8_tok": mix_head(backbone, tok, NER_LABELS, 12, project_dim=8, positional=True),
+        "pair2": mix_head(backbone, seq, ["a", "b"], 13, pooling="pair"),
+        "pair3_casing": mix_head(backbone, seq, list("abc"), 14, pooling="pair", casing=True),
     }
 
 
@@ -98,6 +100,7 @@ def test_plan_groups_heads_by_kind_and_shape(tiny_backbone):
     assert stacks == {
         ("seq2", "seq3_pos", "seq5", "seq_cut"): SequenceStack,  # 2 attention heads, labels 2..5
         ("seq_heads4",): SequenceStack,  # 4 attention heads: a shape of its own
+        ("pair2", "pair3_casing"): SequenceStack,  # pair pooling: a shape of its own
         ("ner", "tok4", "tok_pos"): TokenStack,
         ("tok_deep", "tok_deep2"): TokenStack,  # 2 encoder layers
     }

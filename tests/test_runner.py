@@ -15,7 +15,7 @@ from modules_store import ModuleStore
 from server.backbone import Backbone
 from server.config import Settings
 from server.engine import Engine, Timings
-from server.modules import load_module, save_module
+from server.modules import LoadedModule, load_module, save_module
 from server.runner import (
     Bucket,
     BatchShapes,
@@ -25,6 +25,7 @@ from server.runner import (
     head_precision,
     pack_logits,
     static_batch,
+    token_classes_read,
     unpack_logits,
 )
 from server.runtime import Runtime
@@ -152,7 +153,7 @@ def record_eager(engine: Engine, runner_ref: list):
 
     def capture(modules, bucket):
         inputs = static_batch(bucket, engine.backbone.device, engine.backbone.text.uses_token_types,
-                              any(getattr(m.head, "casing", None) is not None for m in modules.values()))
+                              token_classes_read(modules))
 
         def replay():
             with runner_ref[0].precision():
@@ -446,3 +447,24 @@ def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(t
             overlapped = True  # a batch was being prepared while another ran
     assert overlapped
     assert sum(1 for e in events if e == ("run", "start")) >= 6  # 24 rows, at most 4 per batch
+
+
+def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone):
+    """The segment classes a pair-pooling head reads are a static input of the captured pass: a
+    replay for a batch with other texts and pairs answers as an eager pass does."""
+    head = random_head(tiny_backbone, "sequence_classification", ["entailment", "not_entailment"], 31, pooling="pair")
+    modules = {"entailment": LoadedModule("entailment", "1", None, head)}
+    engine, ref = Engine(tiny_backbone), []
+    capture, made = record_eager(engine, ref)
+    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="8", graph_seq_lens="64"),
+                         capture=capture)
+    ref.append(runner)
+    eager = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000)
+    answers = []
+    pairs = ["He met her.", "It was dull.", "fine", "They agreed.", "Mixed reviews.", "A meeting."]
+    for texts, pairs in ((TEXTS, pairs), (pairs, TEXTS)):
+        rows = sorted_rows(tiny_backbone, texts, pairs)
+        answers.append(runner.run(rows, modules))
+        assert_same_answers(answers[-1], eager.run(rows, modules))
+    assert runner.graphs.captures == 1 and len(made) == 1  # one bucket, captured once, replayed
+    assert answers[0] != answers[1]

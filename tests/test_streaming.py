@@ -30,7 +30,31 @@ def reference_logits(head, backbone, batch):
     if head.casing is not None:
         from server.heads.layermix.layer import casing_ids
         mixed = mixed + head.casing(casing_ids(batch))
+    if head.config.pooling == "pair":
+        return head.classifier(mixed, batch.attention_mask, batch.token_classes("segment"))
     return head.classifier(mixed, batch.attention_mask)
+
+
+def test_pair_pooling_pools_the_text_and_the_pair_apart(tiny_backbone):
+    """u = mean over the text's tokens, v = over the pair's (special tokens, padding and filler rows
+    in neither), features [u, v, |u - v|, u * v]; a row without a pair has v = 0."""
+    from server.heads.layermix.layer import pool
+
+    encoded = tiny_backbone.encode(TEXTS, PAIRS) + tiny_backbone.encode(["no pair here"])
+    batch = tiny_backbone.text.collate(encoded, shape=(len(encoded) + 1, 40), classes=["segment"])
+    segments = batch.token_classes("segment")
+    assert (segments[-1] == 2).all()  # the filler row
+    torch.manual_seed(0)
+    attended = torch.randn(batch.size, batch.seq_len, 6)
+    got = pool(attended, batch.attention_mask, segments)
+    assert got.shape == (batch.size, 24)
+    for row in range(batch.real_rows):
+        ids = batch.sequence_ids[row]
+        u = attended[row, [t for t, s in enumerate(ids) if s == 0]].mean(0)
+        pair_tokens = [t for t, s in enumerate(ids) if s == 1]
+        v = attended[row, pair_tokens].mean(0) if pair_tokens else torch.zeros(6)
+        torch.testing.assert_close(got[row], torch.cat([u, v, (u - v).abs(), u * v]), atol=1e-6, rtol=0)
+    assert not pair_tokens  # the last real row had no pair
 
 
 def as_modules(**heads):

@@ -129,7 +129,8 @@ def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train
     assert module.manifest.training["settings"]["lambda_entropy"] == 1e-3  # token-task default
 
 
-def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train_backbone, train_backbone_dir):
+@pytest.mark.parametrize("pooling", ["mean", "pair"])
+def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train_backbone, train_backbone_dir, pooling):
     rows = ["index\tsentence1\tsentence2\tlabel"] + [
         f"{i}\tthe cat sat on the mat {i}\t{'a cat sat' if i % 2 else 'no dog ran'}\t"
         f"{'entailment' if i % 2 else 'not_entailment'}" for i in range(24)
@@ -139,10 +140,11 @@ def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train
     settings = TrainSettings(train=str(path), validation=str(path), text_column="sentence1", pair_column="sentence2",
                              label_column="label", layers="2", backbone=str(train_backbone_dir), task="rte",
                              run_dir=str(tmp_path / "run"), project_dim=16, epochs=2, states="recompute",
-                             progress=False)
+                             pooling=pooling, progress=False)
     result = train(settings, backbone=train_backbone)
     manifest = ModuleStore(tmp_path / "run" / "store").read_manifest("rte")
     assert manifest.layers == [2] and manifest.config["layers"] == [2]
+    assert manifest.config["pooling"] == pooling
     assert result.layer_weights == {2: 1.0}
     assert (tmp_path / "run" / "report" / "metrics.json").is_file()
 

@@ -95,7 +95,8 @@ class TrainSettings(BaseModel):
     # ---- MTB / LoRA-MTB heads
     blocks: int = Field(1, ge=1, description="MTB: backbone blocks copied and trained")
     source_layer: int | None = Field(None, ge=0, description="MTB: state the blocks read (default: before the copied last blocks)")
-    pooling: Literal["mean", "cls"] = Field("mean", description="MTB sequence tasks: pooling before the classifier")
+    pooling: Literal["mean", "cls", "pair"] = Field(
+        "mean", description="sequence tasks: pooling before the classifier (layer-mix: mean, pair; MTB: mean, cls)")
     rank: int = Field(8, ge=1, description="LoRA-MTB: rank of the updates")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA-MTB: updates are scaled by lora_alpha / rank")
     targets: list[str] | None = Field(None, description="LoRA-MTB: block linears to adapt (default: all six)")

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -41,7 +42,9 @@ class TokenBatch:
     # rows added at the end to fill a bucket shape (server/runner.py); each attends to its first
     # token only, so no attention row is fully masked; their outputs are dropped (`real`)
     filler_rows: int = 0
-    casing: torch.Tensor | None = None  # (B, T) casing classes, made once on first use (`casing_ids`)
+    # per-token classes some heads read (TOKEN_CLASSES: casing, segment), (B, T) each, made once
+    # on the host (at collate time or on first use, `token_classes`)
+    classes: dict[str, torch.Tensor] = field(default_factory=dict)
     arrays: TokenArrays | None = None  # the per-token lists as arrays, made once on first use (`token_arrays`)
 
     @property
@@ -59,16 +62,16 @@ class TokenBatch:
         n = self.real_rows
         return replace(self, input_ids=self.input_ids[:n], attention_mask=self.attention_mask[:n],
                        token_type_ids=None if self.token_type_ids is None else self.token_type_ids[:n],
-                       filler_rows=0, casing=None if self.casing is None else self.casing[:n])
+                       filler_rows=0, classes={name: t[:n] for name, t in self.classes.items()})
 
-    def casing_ids(self) -> torch.Tensor:
-        """(B, T) casing class of each token, read from the raw text through its offsets, on the
-        batch's device. Made once per batch, on the host, and kept: a head that reads it (layer-mix
-        with `casing`) then does no per-token Python inside the pass, and the model runner copies
-        it into a captured graph's static input like the token ids."""
-        if self.casing is None:
-            self.casing = casing_classes(self).to(self.input_ids.device)
-        return self.casing
+    def token_classes(self, name: str) -> torch.Tensor:
+        """(B, T) classes `name` of each token (TOKEN_CLASSES), on the batch's device. Made once per
+        batch, on the host, and kept: a head that reads them then does no per-token Python inside
+        the pass, and the model runner copies them into a captured graph's static inputs like the
+        token ids."""
+        if name not in self.classes:
+            self.classes[name] = TOKEN_CLASSES[name](self).to(self.input_ids.device)
+        return self.classes[name]
 
     def token_arrays(self) -> "TokenArrays":
         """`sequence_ids`, `word_ids` and `offsets` as numpy arrays (real rows), made once per batch
@@ -90,8 +93,7 @@ class TokenBatch:
         self.attention_mask = self.attention_mask.to(device, non_blocking=non_blocking)
         if self.token_type_ids is not None:
             self.token_type_ids = self.token_type_ids.to(device, non_blocking=non_blocking)
-        if self.casing is not None:
-            self.casing = self.casing.to(device, non_blocking=non_blocking)
+        self.classes = {name: t.to(device, non_blocking=non_blocking) for name, t in self.classes.items()}
         return self
 
     def pin_memory(self) -> "TokenBatch":
@@ -100,8 +102,7 @@ class TokenBatch:
         self.attention_mask = self.attention_mask.pin_memory()
         if self.token_type_ids is not None:
             self.token_type_ids = self.token_type_ids.pin_memory()
-        if self.casing is not None:
-            self.casing = self.casing.pin_memory()
+        self.classes = {name: t.pin_memory() for name, t in self.classes.items()}
         return self
 
 
@@ -151,6 +152,23 @@ def casing_classes(batch: TokenBatch) -> torch.Tensor:
         rows.append(ids + [0] * (width - len(ids)))
     rows += [[0] * width] * (height - len(rows))
     return torch.tensor(rows, dtype=torch.long)
+
+
+SEGMENT_CLASSES = 3  # 0 = a token of the text, 1 = of the text pair, 2 = special token, padding, filler row
+
+
+def segment_classes(batch: TokenBatch) -> torch.Tensor:
+    """(B, T) host tensor: which text each token belongs to (SEGMENT_CLASSES), from the tokenizer's
+    sequence ids. Pair heads pool the text and the pair separately with it."""
+    segments = np.full(tuple(batch.input_ids.shape), 2, dtype=np.int64)
+    arrays = batch.token_arrays().segment  # real rows; -1 = special or padding
+    segments[:arrays.shape[0]] = np.where(arrays < 0, 2, arrays)
+    return torch.from_numpy(segments)
+
+
+# Per-token classes a head may read (`Head.token_classes_read`), by name: made on the host from the
+# raw inputs, never inside the pass.
+TOKEN_CLASSES = {"casing": casing_classes, "segment": segment_classes}
 
 
 def trimmed_offsets(offsets, sequence_ids, text: str, pair: str | None) -> list[tuple[int, int]]:
@@ -219,14 +237,14 @@ class TextEncoder:
         return rows
 
     def collate(self, rows, shape: tuple[int, int] | None = None, device: torch.device | str | None = None,
-                casing: bool = False) -> TokenBatch:
+                classes: Iterable[str] = ()) -> TokenBatch:
         """Pad encoded inputs (possibly from several requests) into one batch; padding goes on
         the right for every model (a causal decoder's real tokens never attend to it).
 
         `shape` (rows, tokens): pad to that bucket shape instead of the smallest one; rows past
         the real ones are filler rows (`TokenBatch.filler_rows`). `device`: where the tensors go
         (default this encoder's device; "cpu" keeps them on the host for the caller to pin and
-        copy). `casing`: make the casing classes now (a loaded head reads them)."""
+        copy). `classes`: the per-token classes to make now (TOKEN_CLASSES that loaded heads read)."""
         lengths = [len(row.ids) for row in rows]
         width = max(lengths)
         height = len(rows)
@@ -257,6 +275,6 @@ class TextEncoder:
             truncated=[row.truncated for row in rows],
             filler_rows=height - len(rows),
         )
-        if casing:
-            batch.casing = casing_classes(batch)
+        for name in classes:
+            batch.token_classes(name)
         return batch.to(self.device if device is None else device)

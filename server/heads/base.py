@@ -33,6 +33,10 @@ class Head(nn.Module):
         """Backbone state indices (0 = embeddings) this head needs, ascending."""
         raise NotImplementedError
 
+    def token_classes_read(self) -> set[str]:
+        """Per-token classes (server/backbone/tokens.py TOKEN_CLASSES) this head reads from the batch."""
+        return set()
+
     def start(self, batch: TokenBatch) -> Any:
         """A fresh running state for this batch."""
         raise NotImplementedError

@@ -1,6 +1,8 @@
 """Hyper-parameters of a layer-mix head (Dremov: layer-weighted sum of projected hidden states)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from modules_store import TaskType
@@ -23,11 +25,16 @@ class LayerMixConfig(BaseModel):
     positional: bool = Field(False, description="add learned positional embeddings to the mix")
     max_positions: int = Field(512, ge=1)
     casing: bool = Field(False, description="add a learned embedding of each token's raw-text casing")
+    pooling: Literal["mean", "pair"] = Field(
+        "mean", description="sequence tasks: 'mean' over every token, or 'pair': the text's and the pair's "
+                            "tokens pooled apart (u, v) and classified from [u, v, |u - v|, u * v]")
 
     @model_validator(mode="after")
     def _check(self) -> "LayerMixConfig":
         if sorted(set(self.layers)) != self.layers:
             raise ValueError(f"layers must be ascending and unique, got {self.layers}")
+        if self.pooling == "pair" and self.task_type != TaskType.sequence_classification:
+            raise ValueError("pooling 'pair' is for sequence tasks")
         if self.project_dim % self.attention_heads:
             raise ValueError(f"project_dim {self.project_dim} not divisible by attention_heads {self.attention_heads}")
         return self

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from modules_store import TaskType
 from server.backbone.tokens import TokenBatch
-from server.heads.layermix.layer import CASING_CLASSES, casing_ids
+from server.heads.layermix.layer import CASING_CLASSES, casing_ids, pool
 from server.heads.layermix.model import LayerMixHead
 from server.heads.stacking import batched_linear, linear_stack, padded_classifiers, stack
 
@@ -32,7 +32,7 @@ def classifier_shape(head: LayerMixHead) -> tuple:
     c = head.config
     if c.task_type == TaskType.token_classification:
         return ("token", c.attention_heads, c.encoder_layers, c.ffn_dim, head.classifier.encoder[0].norm1.eps)
-    return ("sequence", c.attention_heads)
+    return ("sequence", c.attention_heads, c.pooling)
 
 
 class StackedAttention:
@@ -107,18 +107,19 @@ class ClassifierStack:
 
 
 class SequenceStack(ClassifierStack):
-    """K `SequenceClassifier`s: self-attention, GELU, masked mean, linear."""
+    """K `SequenceClassifier`s of one pooling: self-attention, GELU, masked mean (or pair pooling), linear."""
 
     def __init__(self, tasks: list[str], heads: list[LayerMixHead], start: int):
         super().__init__(tasks, heads, start)
         self.attention = StackedAttention([head.classifier.attention for head in heads])
         self.weight, self.bias = padded_classifiers([head.classifier.classifier for head in heads])
+        self.pair = heads[0].config.pooling == "pair"
 
-    def __call__(self, mix: torch.Tensor, mask: torch.Tensor, casing: torch.Tensor | None) -> dict:
+    def __call__(self, mix: torch.Tensor, batch: TokenBatch, casing: torch.Tensor | None) -> dict:
         K, B, T, k = mix.shape
+        mask = batch.attention_mask
         attended = F.gelu(self.attention(self.inputs(mix, casing), mask.bool())).view(K, B, T, k)
-        weights = mask.to(attended.dtype).unsqueeze(-1)  # (B, T, 1)
-        pooled = (attended * weights).sum(2) / weights.sum(1).clamp(min=1)  # (K, B, k)
+        pooled = pool(attended, mask, batch.token_classes("segment") if self.pair else None)  # (K, B, k or 4k)
         return self.split(batched_linear(pooled, self.weight, self.bias))
 
 
@@ -137,9 +138,9 @@ class TokenStack(ClassifierStack):
             ))
         self.weight, self.bias = padded_classifiers([head.classifier.classifier for head in heads])
 
-    def __call__(self, mix: torch.Tensor, mask: torch.Tensor, casing: torch.Tensor | None) -> dict:
+    def __call__(self, mix: torch.Tensor, batch: TokenBatch, casing: torch.Tensor | None) -> dict:
         K, B, T, k = mix.shape
-        attend = mask.bool()
+        attend = batch.attention_mask.bool()
         x = self.inputs(mix, casing)
         for norm1, attention, norm2, (w1, b1), (w2, b2) in self.layers:
             x = x.view(K, B * T, k)
@@ -194,5 +195,5 @@ class MixGroup:
         stacked = buffer.permute(2, 0, 1, 3).contiguous()  # (K, B, T, k): one head after another
         out = {}
         for s in self.stacks:
-            out.update(s(stacked[s.start:s.stop], batch.attention_mask, casing))
+            out.update(s(stacked[s.start:s.stop], batch, casing))
         return out

@@ -22,26 +22,42 @@ def cutoff_weights(weights: torch.Tensor, cutoff: float) -> torch.Tensor:
 
 def casing_ids(batch: TokenBatch) -> torch.Tensor:
     """(B, T) casing class of each token (CASING_CLASSES), read from the raw text through its
-    offsets. Made once per batch on the host and kept on it (`TokenBatch.casing_ids`), so the pass
-    itself does no per-token Python (and a captured CUDA graph reads it as a static input)."""
-    return batch.casing_ids()
+    offsets. Made once per batch on the host and kept on it (`TokenBatch.token_classes`), so the
+    pass itself does no per-token Python (and a captured CUDA graph reads it as a static input)."""
+    return batch.token_classes("casing")
+
+
+def pool(attended: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    """(..., B, T, k) -> (..., B, k): masked mean over the real tokens; with `segments` (pair
+    pooling) the text's and the pair's tokens are pooled apart, u and v, and the result is
+    [u, v, |u - v|, u * v] (..., B, 4k), the classic sentence-pair features. A row without a pair
+    has v = 0."""
+    if segments is None:
+        weights = mask.unsqueeze(-1).to(attended.dtype)
+        return (attended * weights).sum(-2) / weights.sum(-2).clamp(min=1)
+    real = mask.bool()
+    pooled = []
+    for segment in (0, 1):
+        weights = ((segments == segment) & real).unsqueeze(-1).to(attended.dtype)
+        pooled.append((attended * weights).sum(-2) / weights.sum(-2).clamp(min=1))
+    u, v = pooled
+    return torch.cat([u, v, (u - v).abs(), u * v], dim=-1)
 
 
 class SequenceClassifier(nn.Module):
-    """One self-attention layer over the mix, masked mean pooling, a linear classifier."""
+    """One self-attention layer over the mix, masked mean pooling (or pair pooling: `pool`), a
+    linear classifier."""
 
-    def __init__(self, dim: int, heads: int, num_labels: int, dropout: float):
+    def __init__(self, dim: int, heads: int, num_labels: int, dropout: float, pair: bool = False):
         super().__init__()
         self.attention = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
         self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(dim, num_labels)
+        self.classifier = nn.Linear(4 * dim if pair else dim, num_labels)
 
-    def forward(self, mixed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, mixed: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         attended, _ = self.attention(mixed, mixed, mixed, key_padding_mask=mask == 0, need_weights=False)
         attended = self.dropout(F.gelu(attended))
-        weights = mask.unsqueeze(-1).to(attended.dtype)
-        pooled = (attended * weights).sum(1) / weights.sum(1).clamp(min=1)
-        return self.classifier(pooled)
+        return self.classifier(pool(attended, mask, segments))
 
 
 class TokenClassifier(nn.Module):

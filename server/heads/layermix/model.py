@@ -42,7 +42,8 @@ class LayerMixHead(Head):
                 k, config.attention_heads, config.num_labels, config.dropout, config.encoder_layers, config.ffn_dim
             )
         else:
-            self.classifier = SequenceClassifier(k, config.attention_heads, config.num_labels, config.dropout)
+            self.classifier = SequenceClassifier(k, config.attention_heads, config.num_labels, config.dropout,
+                                                 pair=config.pooling == "pair")
         self._slot = {layer: i for i, layer in enumerate(config.layers)}
 
     # ---- the layer distribution ------------------------------------------------------------
@@ -53,6 +54,10 @@ class LayerMixHead(Head):
     def layers_read(self) -> list[int]:
         weights = self.mix_weights().detach()
         return [layer for layer, w in zip(self.config.layers, weights.tolist()) if w > 0]
+
+    def token_classes_read(self) -> set[str]:
+        return {name for name, used in (("casing", self.config.casing), ("segment", self.config.pooling == "pair"))
+                if used}
 
     # ---- streaming -------------------------------------------------------------------------
     def start(self, batch: TokenBatch) -> dict[str, Any]:
@@ -80,6 +85,8 @@ class LayerMixHead(Head):
             mixed = mixed + self.positions(positions)
         if self.casing is not None:
             mixed = mixed + self.casing(casing_ids(batch))
+        if self.config.pooling == "pair":
+            return self.classifier(mixed, batch.attention_mask, batch.token_classes("segment"))
         return self.classifier(mixed, batch.attention_mask)
 
     # ---- artifacts -------------------------------------------------------------------------
