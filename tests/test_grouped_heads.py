@@ -62,6 +62,8 @@ def layermix_heads(backbone) -> dict:
         "k8_tok": mix_head(backbone, tok, NER_LABELS, 12, project_dim=8, positional=True),
         "pair2": mix_head(backbone, seq, ["a", "b"], 13, pooling="pair"),
         "pair3_casing": mix_head(backbone, seq, list("abc"), 14, pooling="pair", casing=True),
+        "pair_plain": mix_head(backbone, seq, ["a", "b"], 15, pooling="pair", attention=False),
+        "mean_plain": mix_head(backbone, seq, list("abc"), 16, attention=False, casing=True),
     }
 
 
@@ -101,6 +103,8 @@ def test_plan_groups_heads_by_kind_and_shape(tiny_backbone):
         ("seq2", "seq3_pos", "seq5", "seq_cut"): SequenceStack,  # 2 attention heads, labels 2..5
         ("seq_heads4",): SequenceStack,  # 4 attention heads: a shape of its own
         ("pair2", "pair3_casing"): SequenceStack,  # pair pooling: a shape of its own
+        ("pair_plain",): SequenceStack,  # no attention layer
+        ("mean_plain",): SequenceStack,
         ("ner", "tok4", "tok_pos"): TokenStack,
         ("tok_deep", "tok_deep2"): TokenStack,  # 2 encoder layers
     }

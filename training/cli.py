@@ -110,6 +110,9 @@ def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
                        help="learned positional embeddings on the mix")
         g.add_argument("--casing", action=argparse.BooleanOptionalAction, default=S,
                        help="casing embedding read from the raw text (the tokenizer lowercases)")
+        g.add_argument("--attention", action=argparse.BooleanOptionalAction, default=S,
+                       help="sequence tasks: a self-attention layer over the mix before pooling "
+                            "(--no-attention: pool the mix itself; fewer weights, for small datasets)")
         g.add_argument("--pooling", choices=["mean", "pair"], default=S,
                        help="sequence tasks: mean over every token, or pair: text and text pair pooled apart, "
                             "classified from [u, v, |u - v|, u * v] (pair tasks)")

@@ -92,6 +92,7 @@ class TrainSettings(BaseModel):
     ffn_dim: int | None = Field(None, ge=1)
     positional: bool = False
     casing: bool = False
+    attention: bool = True
     # ---- MTB / LoRA-MTB heads
     blocks: int = Field(1, ge=1, description="MTB: backbone blocks copied and trained")
     source_layer: int | None = Field(None, ge=0, description="MTB: state the blocks read (default: before the copied last blocks)")

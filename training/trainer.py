@@ -119,6 +119,7 @@ def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbon
             project_dim=s.project_dim, alpha=s.alpha, cutoff=s.cutoff, attention_heads=s.attention_heads,
             dropout=s.dropout, encoder_layers=s.encoder_layers, ffn_dim=s.ffn_dim, positional=s.positional,
             max_positions=backbone.max_tokens, casing=s.casing, pooling=s.pooling,
+            attention=s.attention,
         )
         return LayerMixHead(config, labels)
     options = dict(num_blocks=s.blocks, source_layer=s.source_layer, pooling=s.pooling, dropout=s.dropout)

@@ -25,6 +25,9 @@ class LayerMixConfig(BaseModel):
     positional: bool = Field(False, description="add learned positional embeddings to the mix")
     max_positions: int = Field(512, ge=1)
     casing: bool = Field(False, description="add a learned embedding of each token's raw-text casing")
+    attention: bool = Field(
+        True, description="sequence tasks: a self-attention layer over the mix before pooling (off: the mix "
+                          "itself is pooled: fewer weights, for small datasets)")
     pooling: Literal["mean", "pair"] = Field(
         "mean", description="sequence tasks: 'mean' over every token, or 'pair': the text's and the pair's "
                             "tokens pooled apart (u, v) and classified from [u, v, |u - v|, u * v]")
@@ -33,8 +36,8 @@ class LayerMixConfig(BaseModel):
     def _check(self) -> "LayerMixConfig":
         if sorted(set(self.layers)) != self.layers:
             raise ValueError(f"layers must be ascending and unique, got {self.layers}")
-        if self.pooling == "pair" and self.task_type != TaskType.sequence_classification:
-            raise ValueError("pooling 'pair' is for sequence tasks")
+        if self.task_type != TaskType.sequence_classification and (self.pooling == "pair" or not self.attention):
+            raise ValueError("pooling 'pair' and attention off are for sequence tasks")
         if self.project_dim % self.attention_heads:
             raise ValueError(f"project_dim {self.project_dim} not divisible by attention_heads {self.attention_heads}")
         return self

@@ -32,7 +32,7 @@ def classifier_shape(head: LayerMixHead) -> tuple:
     c = head.config
     if c.task_type == TaskType.token_classification:
         return ("token", c.attention_heads, c.encoder_layers, c.ffn_dim, head.classifier.encoder[0].norm1.eps)
-    return ("sequence", c.attention_heads, c.pooling)
+    return ("sequence", c.attention_heads if c.attention else 0, c.pooling)
 
 
 class StackedAttention:
@@ -107,18 +107,22 @@ class ClassifierStack:
 
 
 class SequenceStack(ClassifierStack):
-    """K `SequenceClassifier`s of one pooling: self-attention, GELU, masked mean (or pair pooling), linear."""
+    """K `SequenceClassifier`s of one shape: self-attention and GELU (unless off), masked mean (or
+    pair pooling), linear."""
 
     def __init__(self, tasks: list[str], heads: list[LayerMixHead], start: int):
         super().__init__(tasks, heads, start)
-        self.attention = StackedAttention([head.classifier.attention for head in heads])
+        attention = heads[0].classifier.attention is not None
+        self.attention = StackedAttention([head.classifier.attention for head in heads]) if attention else None
         self.weight, self.bias = padded_classifiers([head.classifier.classifier for head in heads])
         self.pair = heads[0].config.pooling == "pair"
 
     def __call__(self, mix: torch.Tensor, batch: TokenBatch, casing: torch.Tensor | None) -> dict:
         K, B, T, k = mix.shape
         mask = batch.attention_mask
-        attended = F.gelu(self.attention(self.inputs(mix, casing), mask.bool())).view(K, B, T, k)
+        attended = self.inputs(mix, casing)
+        if self.attention is not None:
+            attended = F.gelu(self.attention(attended, mask.bool())).view(K, B, T, k)
         pooled = pool(attended, mask, batch.token_classes("segment") if self.pair else None)  # (K, B, k or 4k)
         return self.split(batched_linear(pooled, self.weight, self.bias))
 

@@ -45,19 +45,21 @@ def pool(attended: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | No
 
 
 class SequenceClassifier(nn.Module):
-    """One self-attention layer over the mix, masked mean pooling (or pair pooling: `pool`), a
-    linear classifier."""
+    """One self-attention layer over the mix (optional), masked mean pooling (or pair pooling:
+    `pool`), a linear classifier."""
 
-    def __init__(self, dim: int, heads: int, num_labels: int, dropout: float, pair: bool = False):
+    def __init__(self, dim: int, heads: int, num_labels: int, dropout: float, pair: bool = False,
+                 attention: bool = True):
         super().__init__()
-        self.attention = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.attention = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True) if attention else None
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(4 * dim if pair else dim, num_labels)
 
     def forward(self, mixed: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        attended, _ = self.attention(mixed, mixed, mixed, key_padding_mask=mask == 0, need_weights=False)
-        attended = self.dropout(F.gelu(attended))
-        return self.classifier(pool(attended, mask, segments))
+        if self.attention is not None:
+            mixed, _ = self.attention(mixed, mixed, mixed, key_padding_mask=mask == 0, need_weights=False)
+            mixed = F.gelu(mixed)
+        return self.classifier(pool(self.dropout(mixed), mask, segments))
 
 
 class TokenClassifier(nn.Module):

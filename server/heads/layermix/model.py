@@ -43,7 +43,7 @@ class LayerMixHead(Head):
             )
         else:
             self.classifier = SequenceClassifier(k, config.attention_heads, config.num_labels, config.dropout,
-                                                 pair=config.pooling == "pair")
+                                                 pair=config.pooling == "pair", attention=config.attention)
         self._slot = {layer: i for i, layer in enumerate(config.layers)}
 
     # ---- the layer distribution ------------------------------------------------------------
