@@ -145,6 +145,23 @@ def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train
     manifest = ModuleStore(tmp_path / "run" / "store").read_manifest("rte")
     assert manifest.layers == [2] and manifest.config["layers"] == [2]
     assert manifest.config["pooling"] == pooling
+
+
+def test_select_last_trains_every_epoch_and_keeps_the_last(tmp_path, train_backbone, train_backbone_dir):
+    """--select last: no early stop (patience 1 would stop a flat run), no learning-rate cut, the
+    last epoch's weights: validation decides nothing."""
+    rows = ["index\tsentence1\tsentence2\tlabel"] + [
+        f"{i}\tthe cat sat {i}\t{'a cat' if i % 2 else 'no dog'}\t{'entailment' if i % 2 else 'not_entailment'}"
+        for i in range(16)]
+    path = tmp_path / "pairs.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    settings = TrainSettings(train=str(path), validation=str(path), text_column="sentence1", pair_column="sentence2",
+                             label_column="label", layers="2", backbone=str(train_backbone_dir), task="rte",
+                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=4, patience=1, lr=1e-3,
+                             lr_patience=0, select="last", states="recompute", progress=False)
+    result = train(settings, backbone=train_backbone)
+    assert len(result.history) == 4 and result.training["best_epoch"] == 4
+    assert {h["lr"] for h in result.history} == {1e-3}
     assert result.layer_weights == {2: 1.0}
     assert (tmp_path / "run" / "report" / "metrics.json").is_file()
 

@@ -62,6 +62,9 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--eval-batch-size", type=int, default=S, help="batch size of backbone passes and scoring")
     g.add_argument("--epochs", type=int, default=S)
     g.add_argument("--patience", type=int, default=S, help="early stopping patience (epochs)")
+    g.add_argument("--select", choices=["best", "last"], default=S,
+                   help="best: keep the best epoch by validation (early stopping, lr cut on plateaus); last: train "
+                        "exactly --epochs epochs, keep the last, validation only reported")
     g.add_argument("--lr-patience", type=int, default=S, help="ReduceLROnPlateau patience (epochs)")
     g.add_argument("--lr-factor", type=float, default=S, help="ReduceLROnPlateau factor")
     g.add_argument("--min-lr", type=float, default=S)

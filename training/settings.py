@@ -109,6 +109,10 @@ class TrainSettings(BaseModel):
     eval_batch_size: int = Field(128, ge=1, description="batch size of backbone passes and evaluation")
     epochs: int = Field(10, ge=1)
     patience: int = Field(3, ge=1, description="early stopping: epochs without a better validation metric")
+    select: Literal["best", "last"] = Field(
+        "best", description="best: keep the epoch with the best validation metric (early stopping, learning rate "
+                            "cut on plateaus); last: train exactly --epochs epochs and keep the last (validation "
+                            "is only reported: for an epoch count chosen beforehand, e.g. on a held-out split)")
     lr_patience: int = Field(1, ge=0, description="ReduceLROnPlateau patience (epochs)")
     lr_factor: float = Field(0.5, gt=0, lt=1)
     min_lr: float = Field(1e-6, ge=0)

@@ -257,7 +257,8 @@ class Fit:
 
 def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, device, amp: bool) -> Fit:
     """Train until the epochs run out or the validation metric stops improving; the head ends
-    holding the weights of its best epoch."""
+    holding the weights of its best epoch (`select` best), or of its last (`select` last: no early
+    stop and no learning-rate cut, so validation decides nothing)."""
     layers = training_states(head)
     t0 = time.perf_counter()
     if s.states == "cache":
@@ -292,7 +293,7 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
             "lr": optimizer.param_groups[0]["lr"], "layer_weights": list(layer_distribution(head).values()),
             "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2),
         })
-        improved = value > best
+        improved = value > best if s.select == "best" else epoch == s.epochs
         if improved:
             best, best_epoch, stale = value, epoch, 0
             best_state = copy.deepcopy(head.state_dict())
@@ -301,9 +302,10 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
         if s.progress:
             tqdm.write(f"epoch {epoch}: train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
                        f"{s.metric} {value:.4f}{'  (best)' if improved else ''}  [{train_seconds:.1f}s]")
-        scheduler.step(value)
-        if stale >= s.patience:
-            break
+        if s.select == "best":
+            scheduler.step(value)
+            if stale >= s.patience:
+                break
     head.load_state_dict(best_state)
     return Fit(history, best_epoch, best, states_seconds, cache_bytes)
 
