@@ -5,9 +5,10 @@ Every layer-mix and last-layer number is re-scored here from the artifact throug
 (`tmod-train eval` on the tier's backbone, at the precision the module was trained at), never copied
 from a manifest; full fine-tuning numbers come from `bench/finetune_full.py`'s JSON
 (bench/results/finetune-<dataset>.json, MiniLM only). One store holds both tiers: each backbone
-scores the version it serves. `--tiers mpnet` re-scores one tier and keeps the other's entry.
+scores the version it serves. `--tiers mpnet` re-scores one tier and keeps the other's entry;
+`--tasks entailment` re-scores those rows and keeps the tier's others.
 
-    .venv/bin/python bench/quality.py [--tiers minilm,mpnet] [--store modules_store]
+    .venv/bin/python bench/quality.py [--tiers minilm,mpnet] [--tasks ...] [--store modules_store]
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", default=str(REPO / "modules_store"), help="shipped store (layer-mix modules)")
     parser.add_argument("--tiers", default=",".join(TIERS), help=f"backbone tiers to re-score: {', '.join(TIERS)}")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"rows to re-score: {', '.join(TASKS)} "
+                        "(the others keep their earlier entry)")
     parser.add_argument("--results", default=str(REPO / "bench" / "results"), help="where finetune-*.json are and output goes")
     args = parser.parse_args()
     results = Path(args.results)
@@ -89,8 +92,14 @@ def main() -> None:
     for tier in [t.strip() for t in args.tiers.split(",") if t.strip()]:
         if tier not in TIERS:
             raise SystemExit(f"unknown tier {tier!r}; choose from {sorted(TIERS)}")
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = sorted(set(tasks) - set(TASKS))
+        if unknown:
+            raise SystemExit(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
+        rows = dict(tiers.get(tier, {}).get("tasks", {}))
+        rows.update(score_tier(tier, Path(args.store), results, tasks))
         tiers[tier] = {"backbone": TIERS[tier]["backbone"], "machine": machine_info(),
-                       "tasks": score_tier(tier, Path(args.store), results)}
+                       "tasks": {task: rows[task] for task in TASKS if task in rows}}
     out = {"split": "validation", "tiers": tiers}
     (results / "quality.json").write_text(json.dumps(out, indent=2) + "\n")
     text = "\n\n".join(f"**{name}**\n\n" + markdown(tier["tasks"]) for name, tier in tiers.items())
@@ -98,11 +107,12 @@ def main() -> None:
     print(text)
 
 
-def score_tier(tier: str, store: Path, results: Path) -> dict:
+def score_tier(tier: str, store: Path, results: Path, tasks: list[str]) -> dict:
     config = TIERS[tier]
     baselines = REPO / config["baselines"]
     rows = {}
-    for task, (dataset, metric, title) in TASKS.items():
+    for task in tasks:
+        dataset, metric, title = TASKS[task]
         layermix = rescore(store, task, None, dataset, config["backbone"], config["precision"])
         last_layer = rescore(baselines, task, config["last_layer"], dataset, config["backbone"], config["precision"])
         target = config["targets"].get(task)

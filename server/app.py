@@ -26,7 +26,7 @@ from server.errors import (
     validation_error_handler,
 )
 from server.logs import RequestLog
-from server.modules import LoadedModule
+from server.modules import LoadedModule, compares_pairs
 from server.runtime import Runtime
 from server.schemas import (
     InferRequest,
@@ -141,6 +141,18 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             )
         return {n: loaded[n] for n in names}
 
+    def fit_to_inputs(modules: dict[str, LoadedModule], has_pairs: bool, named: bool) -> dict[str, LoadedModule]:
+        """Pair tasks (entailment) compare a text with a text pair: asked for by name with single
+        texts they are refused; among all loaded tasks they are left out of a single-text request."""
+        if has_pairs:
+            return modules
+        pair_tasks = sorted(t for t, m in modules.items() if compares_pairs(m.manifest))
+        rest = {t: m for t, m in modules.items() if t not in pair_tasks}
+        if pair_tasks and (named or not rest):
+            raise ApiError(422, "pair_task", f"task(s) {pair_tasks} compare a text with a text pair: send inputs "
+                                             'as {"text": ..., "text_pair": ...} objects')
+        return rest
+
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
                             truncate: bool, request: Request) -> tuple[list[dict], Job, dict[str, str]]:
         """Shared by every protocol: limits, tokenization, the batcher, metrics, timing headers.
@@ -199,8 +211,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def infer(body: InferRequest, request: Request, response: Response,
                     tasks: str | None = Query(None, description="comma-separated task names; none = all loaded")):
         require_ready()
-        modules = select_modules(tasks)
         pairs = not isinstance(body.inputs[0], str)
+        modules = fit_to_inputs(select_modules(tasks), pairs, named=tasks is not None)
         texts = [item.text if pairs else item for item in body.inputs]
         text_pairs = [item.text_pair for item in body.inputs] if pairs else None
         results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request)
@@ -290,6 +302,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         module = oip_module(task, version)
         body = await request.body()
         parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
+        fit_to_inputs({task: module}, text_pairs is not None, named=True)
         truncate = bool((parsed.get("parameters") or {}).get("truncate", False))
         results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request)
         module = job.modules[task]  # the version that answered

@@ -73,6 +73,12 @@ def servable_version(store: ModuleStore, task: str, backbone, bridges: dict | No
                         f"to the backbone of one; its versions are {owners}")
 
 
+def compares_pairs(manifest: Manifest | None) -> bool:
+    """Whether a module classifies a text together with a text pair (a layer-mix head with pair
+    pooling): single texts mean nothing to it."""
+    return manifest is not None and (manifest.config or {}).get("pooling") == "pair"
+
+
 def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) -> list[str]:
     """The store's tasks that have a version `backbone` serves (see `servable_version`)."""
     out = []

@@ -24,7 +24,7 @@ from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded,
 from server.engine import Engine, Timings
 from server.errors import ApiError
 from server.metrics import Metrics
-from server.modules import LoadedModule, count_parameters, load_module
+from server.modules import LoadedModule, compares_pairs, count_parameters, load_module
 from server.runner import ModelRunner, PreparedBatch, length_runs  # noqa: F401  (length_runs: re-exported)
 
 log = logging.getLogger("tmod")
@@ -123,7 +123,7 @@ class Runtime:
             "task": module.task, "version": module.version, "kind": m.kind, "task_type": m.task_type.value,
             "labels": m.labels, "layers": module.head.layers_read(), "parameters": count_parameters(module.head),
             "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
-            "served_through": via,
+            "inputs": "text_pair" if compares_pairs(m) else "text", "served_through": via,
         }
 
     # ---- start-up ----------------------------------------------------------------------------

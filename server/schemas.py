@@ -55,6 +55,8 @@ class TaskInfo(BaseModel):
     metrics: dict[str, Any]
     backbone: dict[str, Any]
     description: str = ""
+    inputs: str = Field("text", description="'text_pair': the task compares a text with a text pair (send "
+                                            "{text, text_pair} objects); 'text': either form")
     served_through: dict[str, Any] | None = None  # a foreign module: the bridge and the chain of backbones
 
 

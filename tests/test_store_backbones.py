@@ -32,7 +32,8 @@ def store(tmp_path_factory, backbones):
     save_module(store, "sentiment", "1", random_head(bert, "sequence_classification", SENTIMENT, 1), bert)
     save_module(store, "ner", "1", random_head(bert, "token_classification", NER_LABELS, 2, casing=True), bert)
     save_module(store, "sentiment", "mpnet-1", random_head(mpnet, "sequence_classification", SENTIMENT, 3), mpnet)
-    save_module(store, "entailment", "mpnet-1", random_head(mpnet, "sequence_classification", ENTAILMENT, 4), mpnet)
+    save_module(store, "entailment", "mpnet-1", random_head(mpnet, "sequence_classification", ENTAILMENT, 4,
+                                                            pooling="pair"), mpnet)
     return store
 
 
@@ -65,3 +66,22 @@ def test_asking_for_another_backbones_module_is_a_refusal_that_says_why(backbone
         assert ready["tasks"] == ["sentiment"]
         assert "no version for backbone tiny-mpnet" in ready["refused"]["ner"]
         assert "1 (tiny-bert)" in ready["refused"]["ner"]
+
+
+def test_a_pair_task_asks_for_pairs(backbones, store):
+    """entailment compares a text with a text pair: /v1/tasks says so; named with single texts it is
+    a 422 that says what to send; among all tasks a single-text request leaves it out; pairs get it."""
+    with LiveServer(create_app(Settings(store=store.root), backbone=backbones["mpnet"])) as server:
+        listed = {t["task"]: t["inputs"] for t in httpx.get(server.url + "/v1/tasks").json()["tasks"]}
+        assert listed == {"sentiment": "text", "entailment": "text_pair"}
+        refused = httpx.post(server.url + "/v1/infer", params={"tasks": "entailment,sentiment"}, json={"inputs": ["x"]})
+        assert refused.status_code == 422 and refused.json()["error"]["type"] == "pair_task"
+        assert "text_pair" in refused.json()["error"]["message"]
+        single = httpx.post(server.url + "/v1/infer", json={"inputs": ["A fine film."]})
+        assert single.status_code == 200 and set(single.json()["results"][0]) == {"sentiment"}
+        pair = [{"text": "A man plays a guitar.", "text_pair": "Someone makes music."}]
+        both = httpx.post(server.url + "/v1/infer", json={"inputs": pair})
+        assert both.status_code == 200 and both.json()["results"][0]["entailment"]["label"] in ENTAILMENT
+        oip = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
+        v2 = httpx.post(server.url + "/v2/models/entailment/infer", json=oip)
+        assert v2.status_code == 422 and "text_pair" in v2.json()["error"]  # OIP errors are one string
