@@ -89,6 +89,12 @@ def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
         assert httpx.get(server.url + "/readyz").json()["refused"] == {}
         body = httpx.post(server.url + "/v1/infer", params={"tasks": "ner,sentiment,acceptability"},
                           json={"inputs": [text, "The cat sat the on mat."]}, timeout=60).json()
+        tasks = {t["task"]: t["inputs"] for t in httpx.get(server.url + "/v1/tasks").json()["tasks"]}
+        pair = {"text": "Angela Merkel visited Munich in May.", "text_pair": "Merkel was in Munich."}
+        paired = httpx.post(server.url + "/v1/infer", params={"tasks": "entailment"}, json={"inputs": [pair]},
+                            timeout=60).json()
+    assert tasks == {"ner": "text", "sentiment": "text", "acceptability": "text", "entailment": "text_pair"}
+    assert paired["results"][0]["entailment"]["label"] in ("entailment", "not_entailment")
     first, second = body["results"]
     assert {(e["text"], e["label"]) for e in first["ner"]["entities"]} == {
         ("Angela Merkel", "PER"), ("Siemens", "ORG"), ("Munich", "LOC")}
