@@ -77,7 +77,9 @@ def variant_runner(base, device: str, precision: str, heads: str):
     return ModelRunner(Engine(bb), settings)
 
 
-def heads_section(args) -> dict:
+def heads_section(args, earlier: dict | None = None) -> dict:
+    """Every shipped module of the tier in every variant; with `--tasks`, those modules only, the
+    others' rows kept from `earlier` (the previous result) and the decision taken over all of them."""
     from bench.quality import TASKS
     from modules_store import ArtifactError, ModuleStore
     from server.backbone import Backbone
@@ -91,9 +93,12 @@ def heads_section(args) -> dict:
     variants = head_variants(args.device, args.emulate_fp16)
     runners = {name: variant_runner(base, args.device, precision, heads)
                for name, (precision, heads) in variants.items()}
+    wanted = set(args.tasks.split(",")) if args.tasks else None
     out = {}
     for task in store.tasks():
-        if task not in TASKS:
+        if task not in TASKS or (wanted is not None and task not in wanted):
+            if wanted is not None and earlier and task in earlier.get("tasks", {}):
+                out[task] = earlier["tasks"][task]
             continue
         try:
             load_module(store, task, None, base, args.device)
@@ -150,6 +155,9 @@ def heads_markdown(result: dict) -> str:
     for task, e in section["tasks"].items():
         cells = [f"{100 * v['value']:.2f} ({100 * v['agreement_with_fp32']:.2f}%)" for v in e["variants"].values()]
         lines.append(f"| {task} ({e['metric']}, {e['examples']} examples) | " + " | ".join(cells) + " |")
+    if result.get("earlier_rows_from"):
+        lines += ["", f"Measured in this run: {result['measured_tasks']}; the other rows are kept from the run of "
+                      f"{result['earlier_rows_from']}."]
     lines += ["", f"Rule: {section['decision']['rule']}.", ""]
     for name, d in section["decision"].items():
         if name != "rule":
@@ -262,6 +270,8 @@ def main(argv=None) -> None:
     p.add_argument("--data-dir", type=Path, default=default_data_dir())
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--precision", default="fp16", help="capture: backbone (and head) precision")
+    p.add_argument("--tasks", default=None,
+                   help="heads: re-measure these shipped tasks only (comma-separated), keep the others' rows")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -271,9 +281,13 @@ def main(argv=None) -> None:
               "torch_threads": args.threads}
     if args.section == "heads":
         result["backbone"] = args.backbone or "minilm"
-        result["heads"] = heads_section(args)
         tier = "" if result["backbone"] == "minilm" else f"-{result['backbone']}"
         out = args.out or REPO / "bench" / "results" / f"head-precision-{kind}{tier}"
+        earlier = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
+        result["heads"] = heads_section(args, earlier.get("heads"))
+        if args.tasks:
+            result["measured_tasks"] = args.tasks
+            result["earlier_rows_from"] = earlier.get("earlier_rows_from") or earlier.get("machine", {}).get("date")
         out.with_suffix(".md").write_text(heads_markdown(result) + "\n")
         print(heads_markdown(result))
     else:
