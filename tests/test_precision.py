@@ -32,7 +32,7 @@ from server.backbone import Backbone
 from server.backbone.backends import make_backend
 from server.config import Settings, auto_precision, cpu_has_native_bf16, device_problem, precision_problem
 from server.engine import Engine
-from server.modules import LoadedModule, load_module, servable_tasks
+from server.modules import LoadedModule, compares_pairs, load_module, servable_tasks
 from tests.helpers import LiveServer, NER_LABELS, make_tiny_backbone_dir, random_head
 from tests.test_backends import PAIRS, SAMPLE
 
@@ -96,6 +96,9 @@ def test_bf16_minilm_shipped_modules_same_labels(minilm):
     """The real backbone and the shipped modules (or random heads where the store lacks one)."""
     bf16 = minilm.use_backend("torch", "bf16")
     modules = {t: load_module(SHIPPED, t, None, minilm) for t in servable_tasks(SHIPPED, minilm)}
+    # SAMPLE holds single texts: a pair task (entailment) has no answer for them (bench_runner heads
+    # checks it in bf16 on its own validation pairs)
+    modules = {t: m for t, m in modules.items() if not compares_pairs(m.manifest)}
     if "ner" not in modules:
         modules["ner"] = LoadedModule("ner", "1", None, random_head(minilm, "token_classification", NER_LABELS, 12))
     if "sentiment" not in modules:
