@@ -228,6 +228,7 @@ def test_grouped_heads_on_cuda_match_and_capture_as_a_graph(tiny_backbone, monke
     batch = tiny_backbone.tokenize(TEXTS, PAIRS).to("cuda")
     casing = grouped_module.casing_ids(batch)  # per batch, before the graph (built from the raw text)
     monkeypatch.setattr(grouped_module, "casing_ids", lambda _: casing)
+    batch.token_classes("segment")  # the pair heads' segment classes: made (host work) before the graph too
     plan = Engine(tiny_backbone).plan(as_modules(**heads))
     assert plan.single == []
     states = [torch.randn(batch.size, batch.seq_len, tiny_backbone.hidden_size, device="cuda")
