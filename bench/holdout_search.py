@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import random
 import subprocess
 import sys
@@ -26,6 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.environment import machine_info  # noqa: E402
+from training.data import default_data_dir  # noqa: E402
 
 SPLIT = REPO / "runs" / "rte-split"
 # name -> tmod-train layermix options searched (mean pooling with attention is the first recipe's shape)
@@ -45,7 +45,8 @@ BACKBONE_OPTIONS = {"minilm": ["--state-cache"],
                     "mpnet": ["--precision", "bf16", "--state-cache", "--layers", "0,2,4,6,8,10,12"]}
 
 
-def make_split(data_dir: Path, holdout: float = 0.2, seed: int = 0) -> None:
+def make_split(data_dir: Path, holdout: float = 0.2, seed: int = 0) -> dict:
+    """Write the split; -> its sizes and seed, for the results."""
     with open(data_dir / "rte" / "train.tsv", newline="") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     header, body = rows[0], rows[1:]
@@ -57,6 +58,7 @@ def make_split(data_dir: Path, holdout: float = 0.2, seed: int = 0) -> None:
             writer = csv.writer(f, delimiter="\t", quoting=csv.QUOTE_NONE, escapechar="\\", lineterminator="\n")
             writer.writerow(header)
             writer.writerows(part)
+    return {"train": len(body) - n, "holdout": n, "seed": seed, "source": "rte/train.tsv"}
 
 
 def run_setting(backbone: str, name: str, options: str) -> dict:
@@ -82,19 +84,18 @@ def main() -> None:
     p.add_argument("--backbone", choices=sorted(BACKBONE_OPTIONS), required=True)
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names of SETTINGS")
     args = p.parse_args()
-    data_dir = Path(os.environ.get("TMOD_DATA_DIR", REPO.parent / "shared" / "data"))
-    make_split(data_dir)
+    split = make_split(default_data_dir())
     rows = [run_setting(args.backbone, name, SETTINGS[name]) for name in args.settings.split(",")]
     chosen = max(rows, key=lambda r: r["best_holdout_accuracy"])
     result = {"benchmark": "holdout_search", "backbone": args.backbone, "machine": machine_info(),
-              "split": {"train": 1992, "holdout": 498, "seed": 0, "source": "rte/train.tsv"},
+              "split": split,
               "command": " ".join(["python", "bench/holdout_search.py", *sys.argv[1:]]),
               "settings": rows, "chosen": chosen}
     out = REPO / "bench" / "results" / f"holdout-search-{args.backbone}"
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Held-out search: entailment (RTE) on {args.backbone}", "",
-             "Trained on 1,992 of RTE's training pairs, scored on the other 498 (seed 0) after every epoch; "
-             "RTE's validation split is not used here.", "",
+             f"Trained on {split['train']:,} of RTE's training pairs, scored on the other {split['holdout']:,} "
+             f"(seed {split['seed']}) after every epoch; RTE's validation split is not used here.", "",
              "| setting | options | held-out accuracy per epoch | best (epoch) |", "| --- | --- | --- | ---: |"]
     for r in rows:
         curve = ", ".join(f"{a * 100:.1f}" for a in r["holdout_accuracy_per_epoch"])

@@ -154,12 +154,10 @@ def casing_classes(batch: TokenBatch) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-SEGMENT_CLASSES = 3  # 0 = a token of the text, 1 = of the text pair, 2 = special token, padding, filler row
-
-
 def segment_classes(batch: TokenBatch) -> torch.Tensor:
-    """(B, T) host tensor: which text each token belongs to (SEGMENT_CLASSES), from the tokenizer's
-    sequence ids. Pair heads pool the text and the pair separately with it."""
+    """(B, T) host tensor: which text each token belongs to, from the tokenizer's sequence ids: 0 =
+    the text, 1 = the text pair, 2 = a special token, padding or a filler row. Pair heads pool the
+    text and the pair separately with it."""
     segments = np.full(tuple(batch.input_ids.shape), 2, dtype=np.int64)
     arrays = batch.token_arrays().segment  # real rows; -1 = special or padding
     segments[:arrays.shape[0]] = np.where(arrays < 0, 2, arrays)

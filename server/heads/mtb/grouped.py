@@ -28,7 +28,8 @@ def block_shape(head: MTBHead) -> tuple:
     names and shapes (a LoRA-MTB still in training form, with its adapters, differs), and the same
     position weights (MPNet's table: the group builds one context for all its heads)."""
     names = tuple((name, tuple(p.shape)) for name, p in head.blocks.named_parameters())
-    positions = tuple(v for p in head.positions.parameters() for v in p.detach().cpu().flatten().tolist()) if head.positions is not None else ()
+    positions = b"" if head.positions is None else b"".join(
+        p.detach().cpu().numpy().tobytes() for p in head.positions.parameters())
     return (head.config.source_layer, json.dumps(head.config.backbone_config, sort_keys=True, default=str),
             head.hf_config._attn_implementation, names, positions)
 
