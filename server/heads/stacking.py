@@ -34,5 +34,7 @@ def padded_classifiers(linears) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """x (K, N, in) through K linear layers: (K, N, out)."""
-    return torch.bmm(x, weight.transpose(1, 2)).add_(bias)
+    """x (K, N, in) through K linear layers: (K, N, out). The bias enters the product (baddbmm), not
+    a separate add: under bf16 autocast a bf16 product plus an fp32 bias is a cast and an add over
+    the whole output (10x the product itself on the CPU, 8 heads x 1504 tokens x 64 -> 256)."""
+    return torch.baddbmm(bias, x, weight.transpose(1, 2))

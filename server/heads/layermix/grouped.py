@@ -1,8 +1,8 @@
 """Layer-mix heads of one width k run as one computation (serving only: eval mode, no dropout).
 
 `MixGroup` keeps one stacked running buffer (B, T, K, k) for its K heads: per state one GELU, one
-matmul against the heads' concatenated projections, one layer norm and one weighted add, whatever K
-is. At the end its heads' classifiers run stacked too: heads whose classifiers have the same shape
+matmul against the heads' concatenated projections (centred, so that the layer norm's mean is
+already subtracted), one norm per token and head and one weighted add, whatever K is. At the end its heads' classifiers run stacked too: heads whose classifiers have the same shape
 (`classifier_shape`) form a `SequenceStack` or a `TokenStack`, whose weights carry a leading head
 dimension and run as batched matrix products (bmm) and one attention call over all of them. Label
 counts may differ: classifier rows are padded with zeros (server/heads/stacking.py) and each head's
@@ -48,11 +48,29 @@ class StackedAttention:
         """x (K, B, T, k), attend (B, T) bool (True = a real token) -> (K, B*T, k)."""
         K, B, T, k = x.shape
         qkv = batched_linear(x.view(K, B * T, k), self.in_weight, self.in_bias)
-        # (K*B, heads, T, d) views: 4-D, so SDPA takes its fused CPU kernel, not the math fallback
+        # (K*B, heads, T, d) views
         q, keys, values = qkv.view(K * B, T, 3, self.heads, k // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        mask = attend.view(1, B, 1, T).expand(K, B, 1, T).reshape(K * B, 1, 1, T)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (K*B, heads, T, d)
+        if x.device.type == "cuda":
+            mask = attend.view(1, B, 1, T).expand(K, B, 1, T).reshape(K * B, 1, 1, T)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (K*B, heads, T, d)
+        else:
+            attended = small_attention(q, keys, values, attend, K)
         return batched_linear(attended.transpose(1, 2).reshape(K, B * T, k), self.out_weight, self.out_bias)
+
+
+def small_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor,
+                    K: int) -> torch.Tensor:
+    """Self-attention for the CPU, (K*B, heads, T, d) -> same, as three batched products (scores with
+    the padding mask added, softmax, values), in float32. Heads' attention is tiny (d = 16, T ~ 50):
+    there SDPA's fused CPU kernel took 1.7x this, and bfloat16 products 1.8x (scratch measurement,
+    8 heads x 32 rows x 47 tokens, one thread)."""
+    KB, heads, T, d = q.shape
+    with torch.autocast("cpu", enabled=False):
+        q, keys, values = (t.float().reshape(KB * heads, T, d) for t in (q, keys, values))
+        blocked = torch.zeros(attend.shape, dtype=q.dtype, device=q.device).masked_fill_(~attend, float("-inf"))
+        blocked = blocked.view(1, -1, 1, 1, T).expand(K, -1, heads, 1, T).reshape(KB * heads, 1, T)
+        scores = torch.baddbmm(blocked, q, keys.transpose(1, 2), alpha=d ** -0.5)
+        return torch.bmm(scores.softmax(-1), values).view(KB, heads, T, d)
 
 
 class StackedLayerNorm:
@@ -153,6 +171,14 @@ class TokenStack(ClassifierStack):
         return self.split(batched_linear(x, self.weight, self.bias).view(K, B, T, -1))
 
 
+LAYER_NORM_EPS = 1e-5  # F.layer_norm's default, which LayerMixHead.accumulate uses
+
+
+def centred(projection: torch.Tensor) -> torch.Tensor:
+    """W (k, H) minus the mean of its k rows."""
+    return projection - projection.mean(0, keepdim=True)
+
+
 class MixGroup:
     """Layer-mix heads sharing k, run as one: the mix, then their classifiers stacked."""
 
@@ -166,7 +192,9 @@ class MixGroup:
         weights = [head.mix_weights().detach() for head in heads]
         for index in sorted({i for head in heads for i in head.layers_read()}):
             members = [j for j, head in enumerate(heads) if index in head.layers_read()]
-            projection = torch.cat([heads[j].projection(index).detach() for j in members], dim=0)
+            # each head's rows centred: x W^T minus its mean over k is x (W - mean_rows W)^T, so the
+            # layer norm's mean is folded into the weights and only its scale is left per batch
+            projection = torch.cat([centred(heads[j].projection(index).detach()) for j in members], dim=0)
             layer_weight = torch.stack([weights[j][heads[j]._slot[index]] for j in members])
             rows = None if len(members) == len(heads) else torch.tensor(members, device=projection.device)
             self.steps[index] = (rows, projection, layer_weight.view(-1, 1))
@@ -184,14 +212,19 @@ class MixGroup:
     def consume(self, buffer: torch.Tensor | None, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """Add this state's weighted terms to the (B, T, K, k) buffer (made on the first state)."""
         rows, projection, layer_weight = self.steps[index]
-        projected = (F.gelu(hidden) @ projection.T).unflatten(-1, (-1, self.k))  # (B, T, K_index, k)
-        normed = F.layer_norm(projected, (self.k,))
+        projected = (F.gelu(hidden) @ projection.T).unflatten(-1, (-1, self.k))  # (B, T, K_index, k), centred
+        projected = projected.float()  # a 16-bit product (autocast) cast once, not by each op below
+        # LN of a centred vector is x / sqrt(mean(x^2) + eps): one norm per (token, head), then one
+        # multiply-add into the buffer, instead of F.layer_norm's passes over the whole tensor
+        # (layer norm at width 64 cost more than the GELU, the norm and the add together on the CPU)
+        norm = torch.linalg.vector_norm(projected, dim=-1, keepdim=True)
+        scale = torch.rsqrt(norm.square_().div_(self.k).add_(LAYER_NORM_EPS)).mul_(layer_weight)
         if buffer is None:
             buffer = hidden.new_zeros(*hidden.shape[:2], len(self.heads), self.k)
         if rows is None:
-            buffer.addcmul_(normed, layer_weight)  # one pass: buffer += w * LN(projected)
+            buffer.addcmul_(projected, scale)  # buffer += w * LN(projected)
         else:
-            buffer.index_add_(2, rows, normed * layer_weight)
+            buffer.index_add_(2, rows, projected * scale)
         return buffer
 
     def finish(self, buffer: torch.Tensor, batch: TokenBatch) -> dict[str, torch.Tensor]:
