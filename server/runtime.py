@@ -23,6 +23,7 @@ from server.config import Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine, Timings
 from server.errors import ApiError
+from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module
 from server.runner import ModelRunner, PreparedBatch, length_runs  # noqa: F401  (length_runs: re-exported)
@@ -132,6 +133,8 @@ class Runtime:
         try:
             if self.settings.threads:
                 torch.set_num_threads(self.settings.threads)
+            if torch.device(self.settings.device).type == "cpu":
+                keep_freed_memory()  # passes on the CPU reuse their activations' memory (server/host_memory.py)
             if self.backbone is None:
                 t0 = time.perf_counter()
                 self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device)
