@@ -76,8 +76,9 @@ class Settings(BaseSettings):
         "when it is reached and further shapes run eager (0: capture nothing)")
     head_precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="precision the task heads compute in: fp32, or the backbone's 16-bit precision "
-        "(bf16 / fp16, matrix products under torch.autocast); auto: the backbone's bf16 or fp16 on cuda (16-bit "
-        "heads measured within the accuracy rule on every shipped module of both tiers, see README), fp32 otherwise")
+        "(bf16 / fp16, matrix products under torch.autocast); auto: the backbone's bf16 or fp16 on any device "
+        "(16-bit heads measured within the accuracy rule on every shipped module of both tiers, and faster on the "
+        "CPU too, see README), fp32 otherwise")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
     log_level: str = Field("info", description="uvicorn log level")
 

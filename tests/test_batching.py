@@ -17,6 +17,7 @@ TASK_SETS = ["sentiment", "ner", "sentiment,ner", "acceptability", "ner,acceptab
 
 
 def serve(store, backbone, **overrides):
+    overrides.setdefault("head_precision", "fp32")  # answers compared across paths: fp32 heads (16-bit heads round differently when grouped)
     return LiveServer(create_app(Settings(store=store.root, **overrides), backbone=backbone))
 
 

@@ -17,7 +17,8 @@ TEXTS = ["Peter Blackburn met Angela Merkel in Brussels.", "A dull film."]
 
 @pytest.fixture(scope="module")
 def live(tiny_store, tiny_backbone):
-    with LiveServer(create_app(Settings(store=tiny_store.root, max_inputs=8), backbone=tiny_backbone)) as server:
+    settings = Settings(store=tiny_store.root, max_inputs=8, head_precision="fp32")  # answers compared across paths: fp32 heads (16-bit heads round differently when grouped)
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
         yield server
 
 
