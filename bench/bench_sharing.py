@@ -62,6 +62,7 @@ TARGET_K = 4
 # issue 14 (many tasks per pass), batch 32, every head reading all states: K -> least throughput ratio
 TARGETS_MANY = {8: 0.88, 16: 0.8}
 UNFUSED_KS = (4, 8, 16)
+FP32_HEADS_KS = (1, 4, 16)  # --precision bf16: also timed with the heads in fp32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +108,18 @@ def interleaved_rounds(configs: dict, rounds: int, repeats: int, rng: random.Ran
     return times
 
 
+def under(precision: str, fn):
+    """fn run under the heads' precision as ModelRunner runs a pass: autocast for bf16, nothing for
+    fp32 (a bf16 backbone casts its own layers either way)."""
+    if precision == "fp32":
+        return fn
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            return fn()
+    return run
+
+
 def summarise(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
@@ -117,8 +130,10 @@ def paired_ratio(num: list[float], den: list[float]) -> dict:
 
 
 def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, separate, batches, ks, rounds,
-                       repeats, rng, label, clock) -> dict:
-    """seq/s of every configuration for one batch size, and the ratios between them."""
+                       repeats, rng, label, clock, precision: str = "fp32") -> dict:
+    """seq/s of every configuration for one batch size, and the ratios between them. Every timed
+    run is under the precision's autocast, as ModelRunner runs a pass; the Hugging Face references
+    run in fp32 only."""
     n_seq = sum(b.size for b in batches)
     L = bb.num_layers
     timings = {}  # Engine's own backbone/heads split, summed over the timed runs
@@ -160,7 +175,9 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
                     eng.logits(batch, mods)
         return run
 
-    configs = {"backbone_stream": run_stream, "hf_forward": run_hf, "hf_forward_all_states": run_hf_all}
+    configs = {"backbone_stream": run_stream}
+    if precision == "fp32":
+        configs.update(hf_forward=run_hf, hf_forward_all_states=run_hf_all)
     for k in ks:
         configs[f"shared_K{k}"] = shared(k, engine, f"shared_K{k}")
     for k in ks:
@@ -171,8 +188,12 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
     for k in ks:
         if k <= len(separate):
             configs[f"separate_K{k}"] = separate_run(k)
+    timed = {name: under(precision, fn) for name, fn in configs.items()}
+    if precision != "fp32":  # what auto head precision chooses between: the same heads in fp32
+        for k in (k for k in ks if k in FP32_HEADS_KS):
+            timed[f"shared_K{k}_fp32heads"] = shared(k, engine, f"shared_K{k}_fp32heads")
 
-    both = interleaved_rounds(configs, rounds, repeats, rng, label)
+    both = interleaved_rounds(timed, rounds, repeats, rng, label)
 
     def analyse(times: dict) -> dict:
         res = {"configs": {}, "ratios": {}}
@@ -191,11 +212,12 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
             if f"separate_K{k}" in times:
                 ratios[f"shared_K{k}_vs_separate_K{k}"] = paired_ratio(times[f"separate_K{k}"], sk)
                 ratios[f"separate_K{k}_vs_backbone"] = paired_ratio(base, times[f"separate_K{k}"])
-            for variant in ("unfused", "sparse"):
+            for variant in ("unfused", "sparse", "fp32heads"):
                 if f"shared_K{k}_{variant}" in times:
                     ratios[f"shared_K{k}_{variant}_vs_backbone"] = paired_ratio(base, times[f"shared_K{k}_{variant}"])
-        ratios["hf_forward_vs_backbone_stream"] = paired_ratio(base, times["hf_forward"])
-        ratios["hf_forward_all_states_vs_backbone_stream"] = paired_ratio(base, times["hf_forward_all_states"])
+        for name in ("hf_forward", "hf_forward_all_states"):
+            if name in times:
+                ratios[f"{name}_vs_backbone_stream"] = paired_ratio(base, times[name])
         return res
 
     out = {"sequences_per_run": n_seq, "clock": clock}
@@ -206,7 +228,7 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
 
 
 def early_exit_section(bb, engine, store, batches, k, project_dim, seed, rounds, repeats, rng, label,
-                       clock) -> dict:
+                       clock, precision: str = "fp32") -> dict:
     L = bb.num_layers
     configs, mods_by_m = {}, {}
     for m in range(L + 1):
@@ -225,7 +247,8 @@ def early_exit_section(bb, engine, store, batches, k, project_dim, seed, rounds,
                     pass
         configs[f"heads_upto{m}"] = heads_run
         configs[f"stream_upto{m}"] = stream_run
-    times = interleaved_rounds(configs, rounds, repeats, rng, label)[clock]
+    times = interleaved_rounds({name: under(precision, fn) for name, fn in configs.items()}, rounds, repeats, rng,
+                               label)[clock]
     n_seq = sum(b.size for b in batches)
     rows = []
     for m in range(L + 1):
@@ -260,7 +283,7 @@ def run_plan(plan, batch, states) -> dict:
     return out
 
 
-def profile_section(bb, engine, mods, batch, k: int, calls: int = 3) -> dict:
+def profile_section(bb, engine, mods, batch, k: int, calls: int = 3, precision: str = "fp32") -> dict:
     """Where the heads' time goes, K heads on one batch: the heads' own work (the plan's groups and
     heads fed the streamed states, as Engine.run feeds them) profiled with torch.profiler, per op;
     and its CPU time against the backbone stream alone (fastest of `calls`, unprofiled)."""
@@ -278,6 +301,7 @@ def profile_section(bb, engine, mods, batch, k: int, calls: int = 3) -> dict:
     @torch.inference_mode()
     def heads():
         return run_plan(plan, batch, states)
+    stream, heads = under(precision, stream), under(precision, heads)
 
     def fastest(fn) -> float:
         fn()
@@ -483,7 +507,8 @@ def markdown(result: dict) -> str:
         f"Measured {result['date_utc']} on {result['machine']['cpu_model']} "
         f"({result['machine']['logical_cpus']} logical CPUs, torch threads {s['torch_threads']}, "
         f"load average at start {', '.join(f'{x:.2f}' for x in result['machine']['load_average_at_start_1_5_15min'])}), "
-        f"torch {result['machine']['versions']['torch']}, backbone {s['backbone']} "
+        f"torch {result['machine']['versions']['torch']}, precision {s.get('precision', 'fp32')}"
+        f"{' (glibc keeps freed memory, as tmod-serve on a CPU)' if s.get('host_memory_kept') else ''}, backbone {s['backbone']} "
         f"(L={s['num_layers']}, H={s['hidden_size']}), heads: layer-mix k={s['project_dim']}, all states "
         f"0..{s['num_layers']}, alternating sequence / token classifiers, random weights. "
         f"Median over {s['rounds']} interleaved rounds (each: fastest of {s['repeats_per_round_min_taken']} "
@@ -504,11 +529,12 @@ def markdown(result: dict) -> str:
             "| --- | ---: | ---: | ---: | ---: |",
             f"| backbone alone (stream to layer {s['num_layers']}) | "
             f"{c['backbone_stream']['sequences_per_s']['median']:.1f} | 1.00 | | |",
-            f"| HF forward (reference) | {c['hf_forward']['sequences_per_s']['median']:.1f} | "
-            f"{fmt_ratio(r['hf_forward_vs_backbone_stream'])} | | |",
-            f"| HF forward, output_hidden_states | {c['hf_forward_all_states']['sequences_per_s']['median']:.1f} | "
-            f"{fmt_ratio(r['hf_forward_all_states_vs_backbone_stream'])} | | |",
         ]
+        for name, title in (("hf_forward", "HF forward (reference)"),
+                            ("hf_forward_all_states", "HF forward, output_hidden_states")):
+            if name in c:
+                lines.append(f"| {title} | {c[name]['sequences_per_s']['median']:.1f} | "
+                             f"{fmt_ratio(r[f'{name}_vs_backbone_stream'])} | | |")
         for k in s["ks"]:
             split = c[f"shared_K{k}"].get("engine_split", {}).get("heads_fraction_of_engine_time")
             vs_separate = r.get(f"shared_K{k}_vs_separate_K{k}")
@@ -521,6 +547,11 @@ def markdown(result: dict) -> str:
                 lines.append(
                     f"| shared, K={k}, unfused | {c[f'shared_K{k}_unfused']['sequences_per_s']['median']:.1f} | "
                     f"{fmt_ratio(r[f'shared_K{k}_unfused_vs_backbone'])} | | {split_u:.0%} |")
+            if f"shared_K{k}_fp32heads" in c:
+                split_f = c[f"shared_K{k}_fp32heads"]["engine_split"]["heads_fraction_of_engine_time"]
+                lines.append(
+                    f"| shared, K={k}, heads in fp32 | {c[f'shared_K{k}_fp32heads']['sequences_per_s']['median']:.1f} | "
+                    f"{fmt_ratio(r[f'shared_K{k}_fp32heads_vs_backbone'])} | | {split_f:.0%} |")
             if f"shared_K{k}_sparse" in c:
                 split_s = c[f"shared_K{k}_sparse"]["engine_split"]["heads_fraction_of_engine_time"]
                 lines.append(
@@ -685,6 +716,10 @@ def parse_args(argv=None):
                    help="clock for the reported numbers: cpu = CPU time of this process (time.process_time), "
                         "wall = elapsed time; auto = cpu with 1 thread (immune to other jobs taking turns on "
                         "the core), wall otherwise. Both are recorded in the JSON.")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="backbone and heads precision: fp32, or bf16 (the backbone's bf16 layers and the heads "
+                        "under bf16 autocast: what tmod-serve runs by default on a CPU with native bfloat16); "
+                        "the sanity check and the Hugging Face references stay fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--early-exit-batch", type=int, default=32)
     p.add_argument("--memory-batch", type=int, default=None, help="B for the memory comparison (default 64, quick 16)")
@@ -718,6 +753,8 @@ def main(argv=None) -> None:
     machine = machine_info()  # load average first, before we add to it
     if args.threads:
         torch.set_num_threads(args.threads)
+    from server.host_memory import keep_freed_memory
+    keeps_memory = keep_freed_memory()  # as tmod-serve does on a CPU (timing only; the memory workers do not)
     from modules_store import ModuleStore
     from server.backbone import Backbone
     from server.engine import Engine
@@ -738,14 +775,16 @@ def main(argv=None) -> None:
         "settings": {
             "quick": args.quick, "rounds": args.rounds, "repeats_per_round_min_taken": args.repeats, "ks": ks, "batch_sizes": args.batch_sizes,
             "batches_per_run": args.batches_per_run, "project_dim": args.project_dim, "seed": args.seed,
-            "torch_threads": torch.get_num_threads(), "clock": args.clock, "backbone": bb.name, "num_layers": L, "hidden_size": H,
+            "torch_threads": torch.get_num_threads(), "clock": args.clock, "precision": args.precision,
+            "host_memory_kept": keeps_memory, "backbone": bb.name, "num_layers": L, "hidden_size": H,
             "data": str(args.data_dir / "sst2" / "validation.tsv"),
             "heads": "layer-mix, random weights (seeded), k=project_dim, states 0..L all mixed (cutoff 0); "
                      "even i: sequence classification, 2 labels (1 self-attention layer, masked mean, linear); "
                      "odd i: token classification, 9 CoNLL BIO labels (1 pre-LN encoder layer, FFN 256, linear); "
                      "saved to a temp ModuleStore and loaded with load_module",
             "timed_work": "Engine.logits (backbone + heads to logits); tokenization (once up front) and decoding "
-                          "excluded; inference_mode; fp32",
+                          "excluded; inference_mode; precision as in settings.precision (fp32, or bf16: the backbone's bf16 "
+                          "layers and the heads under bf16 autocast)",
             "separate_models": "K deep copies of the backbone, each a Backbone + Engine serving one head; run one "
                                "after the other on each batch",
             "shared_fusion": "Engine(fuse=True): heads of one kind grouped (server/plan.py): the layer-mix "
@@ -782,6 +821,10 @@ def main(argv=None) -> None:
                    for t in ref)
         result["sanity_max_abs_logit_diff_shared_vs_unfused_vs_separate"] = diff
         assert diff < 1e-4, diff
+        if args.precision != "fp32":  # timed from here on as served: the backbone's bf16 layers
+            bb = bb.use_backend("torch", args.precision)
+            engine, engine_unfused = Engine(bb), Engine(bb, fuse=False)
+            separate = [(Engine(eng.backbone.use_backend("torch", args.precision)), mods) for eng, mods in separate]
 
         result["throughput"] = {}
         for bs in args.batch_sizes:
@@ -789,7 +832,7 @@ def main(argv=None) -> None:
             batches = [bb.tokenize(texts[i:i + bs]) for i in range(0, len(texts), bs)]
             print(f"throughput, batch size {bs}: {len(batches)} batches per run", flush=True)
             sec = throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, separate, batches, ks,
-                                     args.rounds, args.repeats, rng, f"B={bs}", args.clock)
+                                     args.rounds, args.repeats, rng, f"B={bs}", args.clock, args.precision)
             sec["mean_padded_tokens"] = statistics.mean(b.seq_len for b in batches)
             result["throughput"][str(bs)] = sec
         del separate
@@ -798,7 +841,8 @@ def main(argv=None) -> None:
             bs = args.early_exit_batch
             batch = bb.tokenize(sentences[:bs])
             print(f"profile, K={args.profile_k}, batch size {bs}", flush=True)
-            result["profile"] = profile_section(bb, engine, shared_mods, batch, args.profile_k)
+            result["profile"] = profile_section(bb, engine, shared_mods, batch, args.profile_k,
+                                               precision=args.precision)
 
         if not args.skip_early_exit:
             bs = args.early_exit_batch
@@ -807,7 +851,7 @@ def main(argv=None) -> None:
             print(f"early exit, batch size {bs}", flush=True)
             result["early_exit"] = early_exit_section(bb, engine, store, batches, TARGET_K, args.project_dim,
                                                       args.seed, args.rounds, args.repeats, rng, "early exit",
-                                                      args.clock)
+                                                      args.clock, args.precision)
             result["early_exit"]["batch_size"] = bs
     if not args.skip_memory:
         print("memory", flush=True)
