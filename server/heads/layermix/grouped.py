@@ -2,9 +2,10 @@
 
 `MixGroup` keeps one stacked running buffer (B, T, K, k) for its K heads: per state one GELU, one
 matmul against the heads' concatenated projections (centred, so that the layer norm's mean is
-already subtracted), one norm per token and head and one weighted add, whatever K is. At the end its heads' classifiers run stacked too: heads whose classifiers have the same shape
+already subtracted), one norm per token and head and one weighted add, whatever K is. At the end
+its heads' classifiers run stacked too: heads whose classifiers have the same shape
 (`classifier_shape`) form a `SequenceStack` or a `TokenStack`, whose weights carry a leading head
-dimension and run as batched matrix products (bmm) and one attention call over all of them. Label
+dimension and run as batched matrix products (baddbmm) and one attention call over all of them. Label
 counts may differ: classifier rows are padded with zeros (server/heads/stacking.py) and each head's
 logits are sliced back. Positional and casing embeddings are stacked with zero rows for heads without them
 (adding 0 changes nothing).
