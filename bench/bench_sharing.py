@@ -109,13 +109,11 @@ def interleaved_rounds(configs: dict, rounds: int, repeats: int, rng: random.Ran
 
 
 def under(precision: str, fn):
-    """fn run under the heads' precision as ModelRunner runs a pass: autocast for bf16, nothing for
-    fp32 (a bf16 backbone casts its own layers either way)."""
-    if precision == "fp32":
-        return fn
+    """fn run under the heads' precision as ModelRunner runs a pass (`heads_autocast`)."""
+    from server.runner import heads_autocast
 
     def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with heads_autocast(precision, "cpu"):
             return fn()
     return run
 

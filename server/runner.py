@@ -371,6 +371,14 @@ def head_precision(settings: Settings) -> str:
     return "fp32"
 
 
+def heads_autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The context a pass runs in for heads of `precision`: autocast to that 16-bit dtype, or nothing
+    for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=DTYPES[precision], cache_enabled=False)
+
+
 class ModelRunner:
     """Runs batches of encoded rows for a set of modules on the engine's device (see the module
     docstring). One compute thread calls `run` / `execute`; `prepare` is host-only and may run on
@@ -409,9 +417,7 @@ class ModelRunner:
     def precision(self) -> contextlib.AbstractContextManager:
         """Heads (and the whole pass) under autocast in the head precision, else nothing. The torch
         backend's own 16-bit layers run under the same dtype, so the backbone is unchanged."""
-        if self.head_precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.head_precision], cache_enabled=False)
+        return heads_autocast(self.head_precision, self.device.type)
 
     # ---- plans and graphs -----------------------------------------------------------------------
     def forget_plans(self) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from modules_store import TaskType
 from server.backbone.tokens import TokenBatch
-from server.heads.layermix.layer import CASING_CLASSES, casing_ids, pool
+from server.heads.layermix.layer import CASING_CLASSES, MIX_NORM_EPS, casing_ids, pool
 from server.heads.layermix.model import LayerMixHead
 from server.heads.stacking import batched_linear, linear_stack, padded_classifiers, stack
 
@@ -172,9 +172,6 @@ class TokenStack(ClassifierStack):
         return self.split(batched_linear(x, self.weight, self.bias).view(K, B, T, -1))
 
 
-LAYER_NORM_EPS = 1e-5  # F.layer_norm's default, which LayerMixHead.accumulate uses
-
-
 def centred(projection: torch.Tensor) -> torch.Tensor:
     """W (k, H) minus the mean of its k rows."""
     return projection - projection.mean(0, keepdim=True)
@@ -219,7 +216,7 @@ class MixGroup:
         # multiply-add into the buffer, instead of F.layer_norm's passes over the whole tensor
         # (layer norm at width 64 cost more than the GELU, the norm and the add together on the CPU)
         norm = torch.linalg.vector_norm(projected, dim=-1, keepdim=True)
-        scale = torch.rsqrt(norm.square_().div_(self.k).add_(LAYER_NORM_EPS)).mul_(layer_weight)
+        scale = torch.rsqrt(norm.square_().div_(self.k).add_(MIX_NORM_EPS)).mul_(layer_weight)
         if buffer is None:
             buffer = hidden.new_zeros(*hidden.shape[:2], len(self.heads), self.k)
         if rows is None:

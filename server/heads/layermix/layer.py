@@ -7,6 +7,8 @@ from torch import nn
 
 from server.backbone.tokens import CASING_CLASSES, TokenBatch  # noqa: F401  (re-exported)
 
+MIX_NORM_EPS = 1e-5  # eps of the layer norm on each projected state (the head's and its grouped form's)
+
 
 def cutoff_weights(weights: torch.Tensor, cutoff: float) -> torch.Tensor:
     """Zero the layer weights under `cutoff` and renormalise the rest to sum 1.

@@ -19,6 +19,7 @@ from server.heads.base import Head
 from server.heads.layermix.config import LayerMixConfig
 from server.heads.layermix.layer import (
     CASING_CLASSES,
+    MIX_NORM_EPS,
     SequenceClassifier,
     TokenClassifier,
     casing_ids,
@@ -74,7 +75,7 @@ class LayerMixHead(Head):
     def accumulate(self, state: dict[str, Any], index: int, projected: torch.Tensor) -> dict[str, Any]:
         """Add w_i * LN(projected) to the running mix (the engine may compute `projected` fused)."""
         weight = state["weights"][self._slot[index]]
-        term = weight * self.dropout(F.layer_norm(projected, projected.shape[-1:]))
+        term = weight * self.dropout(F.layer_norm(projected, projected.shape[-1:], eps=MIX_NORM_EPS))
         state["mix"] = term if state["mix"] is None else state["mix"] + term
         return state
 
