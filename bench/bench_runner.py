@@ -10,9 +10,12 @@ set through `Engine.logits` under `ModelRunner.precision()` in these configurati
   fp16-backbone, fp16  the same in float16 (on cuda; on the CPU with --emulate-fp16: float16
                 arithmetic on the CPU, which tmod refuses to serve (slow) but which rounds as a GPU's
                 float16 does, so its predictions measure the rule; the bench bypasses the refusal)
+  int8, bf16-int8  (CPU) backbone fp32 / bf16, heads int8: the layer-mix projections as int8
+                products, the rest of the heads in the backbone's precision (`head_precision int8`)
 The rule (bench/bench_backends.py's, used for every lossy default): on every module >= 99% of
 predictions equal to fp32's and a metric drop < 0.3 points. Its outcome is what
-`server.runner.HEAD_PRECISIONS_WITHIN_RULE` lists (auto picks 16-bit heads only for those).
+`server.runner.HEAD_PRECISIONS_WITHIN_RULE` lists (auto picks 16-bit heads only for those; int8 heads
+passed too but stay opt-in, as they are no faster than bf16 heads beside a bf16 backbone: README).
 
 `capture` (cuda only): one pass of the shipped modules at B = 1, 32, 128 x 32 tokens, as the
 runner runs it eagerly, replayed from its manual CUDA graph capture, and as
@@ -22,6 +25,7 @@ capture vs torch.compile; bench/bench_gpu.py can call `capture_section`.
 
     .venv/bin/python bench/bench_runner.py heads --emulate-fp16   # -> bench/results/head-precision-cpu.{json,md}
     .venv/bin/python bench/bench_runner.py heads --emulate-fp16 --backbone mpnet   # -> head-precision-cpu-mpnet.*
+    .venv/bin/python bench/bench_runner.py heads --backbone mpnet --out bench/results/head-precision-cpu-mpnet-int8
     .venv/bin/python bench/bench_runner.py capture --device cuda   # -> bench/results/capture-cuda.json
 """
 from __future__ import annotations
@@ -52,6 +56,8 @@ def head_variants(device: str, emulate_fp16: bool = False) -> dict[str, tuple[st
     out = {"fp32": ("fp32", "fp32"), "bf16-backbone": ("bf16", "fp32"), "bf16": ("bf16", "bf16")}
     if device.startswith("cuda") or emulate_fp16:
         out.update({"fp16-backbone": ("fp16", "fp32"), "fp16": ("fp16", "fp16")})
+    if not device.startswith("cuda"):
+        out.update({"int8": ("fp32", "int8"), "bf16-int8": ("bf16", "int8")})
     return out
 
 
@@ -74,7 +80,7 @@ def variant_runner(base, device: str, precision: str, heads: str):
     else:
         bb = base if precision == "fp32" else base.use_backend("torch", precision)
         settings = Settings(device=device, precision=precision, head_precision=heads)
-    return ModelRunner(Engine(bb), settings)
+    return ModelRunner(Engine(bb, int8=heads == "int8"), settings)
 
 
 def heads_section(args, earlier: dict | None = None) -> dict:

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ TARGET_K = 4
 # issue 14 (many tasks per pass), batch 32, every head reading all states: K -> least throughput ratio
 TARGETS_MANY = {8: 0.88, 16: 0.8}
 UNFUSED_KS = (4, 8, 16)
-FP32_HEADS_KS = (1, 4, 16)  # --precision bf16: also timed with the heads in fp32
+OTHER_HEADS_KS = (1, 4, 16)  # heads in another precision than --head-precision: also timed with these K
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,14 +109,25 @@ def interleaved_rounds(configs: dict, rounds: int, repeats: int, rng: random.Ran
     return times
 
 
-def under(precision: str, fn):
-    """fn run under the heads' precision as ModelRunner runs a pass (`heads_autocast`)."""
+def under(precision, fn):
+    """fn run under the heads' precision as ModelRunner runs a pass (`heads_autocast`); `precision`
+    is a `Precision`."""
     from server.runner import heads_autocast
 
     def run():
-        with heads_autocast(precision, "cpu"):
+        with heads_autocast(precision.heads, "cpu", precision.backbone):
             return fn()
     return run
+
+
+@dataclass(frozen=True)
+class Precision:
+    backbone: str = "fp32"
+    heads: str = "fp32"
+
+    def other_heads(self) -> list[str]:
+        """Head precisions timed beside these heads for comparison: fp32, and the backbone's own."""
+        return [p for p in dict.fromkeys(("fp32", self.backbone)) if p != self.heads]
 
 
 def summarise(values: list[float]) -> dict:
@@ -128,10 +140,10 @@ def paired_ratio(num: list[float], den: list[float]) -> dict:
 
 
 def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, separate, batches, ks, rounds,
-                       repeats, rng, label, clock, precision: str = "fp32") -> dict:
+                       repeats, rng, label, clock, precision: Precision = Precision(), other_engine=None) -> dict:
     """seq/s of every configuration for one batch size, and the ratios between them. Every timed
-    run is under the precision's autocast, as ModelRunner runs a pass; the Hugging Face references
-    run in fp32 only."""
+    run is under the heads' autocast, as ModelRunner runs a pass; the Hugging Face references
+    run in fp32 only. `other_engine` (fp32 projections) times K heads in `precision.other_heads()`."""
     n_seq = sum(b.size for b in batches)
     L = bb.num_layers
     timings = {}  # Engine's own backbone/heads split, summed over the timed runs
@@ -174,7 +186,7 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
         return run
 
     configs = {"backbone_stream": run_stream}
-    if precision == "fp32":
+    if precision.backbone == "fp32":
         configs.update(hf_forward=run_hf, hf_forward_all_states=run_hf_all)
     for k in ks:
         configs[f"shared_K{k}"] = shared(k, engine, f"shared_K{k}")
@@ -187,9 +199,10 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
         if k <= len(separate):
             configs[f"separate_K{k}"] = separate_run(k)
     timed = {name: under(precision, fn) for name, fn in configs.items()}
-    if precision != "fp32":  # what auto head precision chooses between: the same heads in fp32
-        for k in (k for k in ks if k in FP32_HEADS_KS):
-            timed[f"shared_K{k}_fp32heads"] = shared(k, engine, f"shared_K{k}_fp32heads")
+    for heads in precision.other_heads():  # the same heads in the precisions one could choose instead
+        for k in (k for k in ks if k in OTHER_HEADS_KS):
+            name = f"shared_K{k}_{heads}heads"
+            timed[name] = under(replace(precision, heads=heads), shared(k, other_engine, name))
 
     both = interleaved_rounds(timed, rounds, repeats, rng, label)
 
@@ -210,7 +223,7 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
             if f"separate_K{k}" in times:
                 ratios[f"shared_K{k}_vs_separate_K{k}"] = paired_ratio(times[f"separate_K{k}"], sk)
                 ratios[f"separate_K{k}_vs_backbone"] = paired_ratio(base, times[f"separate_K{k}"])
-            for variant in ("unfused", "sparse", "fp32heads"):
+            for variant in ("unfused", "sparse", *(f"{p}heads" for p in ("fp32", "bf16", "int8"))):
                 if f"shared_K{k}_{variant}" in times:
                     ratios[f"shared_K{k}_{variant}_vs_backbone"] = paired_ratio(base, times[f"shared_K{k}_{variant}"])
         for name in ("hf_forward", "hf_forward_all_states"):
@@ -226,7 +239,7 @@ def throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, sep
 
 
 def early_exit_section(bb, engine, store, batches, k, project_dim, seed, rounds, repeats, rng, label,
-                       clock, precision: str = "fp32") -> dict:
+                       clock, precision: Precision = Precision()) -> dict:
     L = bb.num_layers
     configs, mods_by_m = {}, {}
     for m in range(L + 1):
@@ -281,7 +294,7 @@ def run_plan(plan, batch, states) -> dict:
     return out
 
 
-def profile_section(bb, engine, mods, batch, k: int, calls: int = 3, precision: str = "fp32") -> dict:
+def profile_section(bb, engine, mods, batch, k: int, calls: int = 3, precision: Precision = Precision()) -> dict:
     """Where the heads' time goes, K heads on one batch: the heads' own work (the plan's groups and
     heads fed the streamed states, as Engine.run feeds them) profiled with torch.profiler, per op;
     and its CPU time against the backbone stream alone (fastest of `calls`, unprofiled)."""
@@ -320,9 +333,9 @@ def profile_section(bb, engine, mods, batch, k: int, calls: int = 3, precision: 
         "backbone_stream_cpu_seconds": backbone_s, "heads_cpu_seconds": heads_s,
         "heads_vs_backbone": heads_s / backbone_s,
         "ops": [{"op": op, "share_of_heads": t / total} for op, t in ops[:12]],
-        "note": "self CPU time per op of the heads' work under torch.profiler; aten::mm is the fused per-state "
-                "projection of the layer-mix heads (GELU(hidden) @ their concatenated projections), aten::bmm the "
-                "stacked classifiers' matrix products",
+        "note": "self CPU time per op of the heads' work under torch.profiler; aten::mm (aten::_int_mm with int8 "
+                "heads) is the fused per-state projection of the layer-mix heads (GELU(hidden) @ their concatenated "
+                "projections), aten::bmm and aten::baddbmm the stacked classifiers' matrix products",
     }
 
 
@@ -505,7 +518,8 @@ def markdown(result: dict) -> str:
         f"Measured {result['date_utc']} on {result['machine']['cpu_model']} "
         f"({result['machine']['logical_cpus']} logical CPUs, torch threads {s['torch_threads']}, "
         f"load average at start {', '.join(f'{x:.2f}' for x in result['machine']['load_average_at_start_1_5_15min'])}), "
-        f"torch {result['machine']['versions']['torch']}, precision {s.get('precision', 'fp32')}"
+        f"torch {result['machine']['versions']['torch']}, precision {s.get('precision', 'fp32')}, "
+        f"heads {s.get('head_precision', s.get('precision', 'fp32'))}"
         f"{' (glibc keeps freed memory, as tmod-serve on a CPU)' if s.get('host_memory_kept') else ''}, backbone {s['backbone']} "
         f"(L={s['num_layers']}, H={s['hidden_size']}), heads: layer-mix k={s['project_dim']}, all states "
         f"0..{s['num_layers']}, alternating sequence / token classifiers, random weights. "
@@ -545,11 +559,12 @@ def markdown(result: dict) -> str:
                 lines.append(
                     f"| shared, K={k}, unfused | {c[f'shared_K{k}_unfused']['sequences_per_s']['median']:.1f} | "
                     f"{fmt_ratio(r[f'shared_K{k}_unfused_vs_backbone'])} | | {split_u:.0%} |")
-            if f"shared_K{k}_fp32heads" in c:
-                split_f = c[f"shared_K{k}_fp32heads"]["engine_split"]["heads_fraction_of_engine_time"]
-                lines.append(
-                    f"| shared, K={k}, heads in fp32 | {c[f'shared_K{k}_fp32heads']['sequences_per_s']['median']:.1f} | "
-                    f"{fmt_ratio(r[f'shared_K{k}_fp32heads_vs_backbone'])} | | {split_f:.0%} |")
+            for heads in ("fp32", "bf16", "int8"):
+                if f"shared_K{k}_{heads}heads" in c:
+                    name = f"shared_K{k}_{heads}heads"
+                    split_f = c[name]["engine_split"]["heads_fraction_of_engine_time"]
+                    lines.append(f"| shared, K={k}, heads in {heads} | {c[name]['sequences_per_s']['median']:.1f} | "
+                                 f"{fmt_ratio(r[f'{name}_vs_backbone'])} | | {split_f:.0%} |")
             if f"shared_K{k}_sparse" in c:
                 split_s = c[f"shared_K{k}_sparse"]["engine_split"]["heads_fraction_of_engine_time"]
                 lines.append(
@@ -643,12 +658,18 @@ def plot(result: dict, path: Path) -> None:
                        s=70, zorder=3, color=color, label=f"shared, 3 states/head, B={bs}")
     ax.plot(ks, [1 / k for k in ks], color="grey", linestyle=":", label="1/K")
     ax.axhline(TARGET_SHARED_VS_BACKBONE, color="red", linewidth=0.8, label="target 0.9 (K=4)")
+    many = [k for k in TARGETS_MANY if k in ks]
+    ax.scatter(many, [TARGETS_MANY[k] for k in many], marker="_", s=300, color="red", zorder=4,
+               label="issue-14 targets (B=32)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("tasks K")
     ax.set_ylabel("throughput / backbone-only throughput")
-    ax.set_title("Sharing one backbone pass")
+    settings = result["settings"]
+    precision = settings.get("precision", "fp32")
+    ax.set_title(f"Sharing one backbone pass (backbone {precision}, heads {settings.get('head_precision') or precision})",
+                 fontsize=10)
     ax.legend(fontsize=7)
     i = 1
     if result.get("early_exit"):
@@ -718,6 +739,10 @@ def parse_args(argv=None):
                    help="backbone and heads precision: fp32, or bf16 (the backbone's bf16 layers and the heads "
                         "under bf16 autocast: what tmod-serve runs by default on a CPU with native bfloat16); "
                         "the sanity check and the Hugging Face references stay fp32")
+    p.add_argument("--head-precision", choices=["fp32", "bf16", "int8"], default=None,
+                   help="the heads' precision as tmod-serve's head_precision (default: --precision); int8: "
+                        "layer-mix projections as int8 products. Heads in fp32 and in the backbone's precision "
+                        "are timed beside them for K in (1, 4, 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--early-exit-batch", type=int, default=32)
     p.add_argument("--memory-batch", type=int, default=None, help="B for the memory comparison (default 64, quick 16)")
@@ -735,6 +760,7 @@ def parse_args(argv=None):
     args.batches_per_run = args.batches_per_run or 1
     args.memory_batch = args.memory_batch or (16 if q else 64)
     args.memory_tokens = args.memory_tokens or (64 if q else 128)
+    args.head_precision = args.head_precision or args.precision
     if args.clock == "auto":
         args.clock = "cpu" if args.threads == 1 else "wall"
     if q and args.stem == "sharing-cpu":
@@ -774,6 +800,7 @@ def main(argv=None) -> None:
             "quick": args.quick, "rounds": args.rounds, "repeats_per_round_min_taken": args.repeats, "ks": ks, "batch_sizes": args.batch_sizes,
             "batches_per_run": args.batches_per_run, "project_dim": args.project_dim, "seed": args.seed,
             "torch_threads": torch.get_num_threads(), "clock": args.clock, "precision": args.precision,
+            "head_precision": args.head_precision,
             "host_memory_kept": keeps_memory, "backbone": bb.name, "num_layers": L, "hidden_size": H,
             "data": str(args.data_dir / "sst2" / "validation.tsv"),
             "heads": "layer-mix, random weights (seeded), k=project_dim, states 0..L all mixed (cutoff 0); "
@@ -806,7 +833,7 @@ def main(argv=None) -> None:
             from server.modules import load_module
             name = task_name(i)
             separate.append((Engine(copy_bb), {name: load_module(store, name, None, copy_bb)}))
-        engine, engine_unfused = Engine(bb), Engine(bb, fuse=False)
+        engine, engine_unfused = Engine(bb), Engine(bb, fuse=False)  # fp32, for the sanity check
 
         # sanity: shared, unfused and separate serving give the same logits
         check = bb.tokenize(sentences[:8])
@@ -819,10 +846,13 @@ def main(argv=None) -> None:
                    for t in ref)
         result["sanity_max_abs_logit_diff_shared_vs_unfused_vs_separate"] = diff
         assert diff < 1e-4, diff
+        int8 = args.head_precision == "int8"
         if args.precision != "fp32":  # timed from here on as served: the backbone's bf16 layers
             bb = bb.use_backend("torch", args.precision)
-            engine, engine_unfused = Engine(bb), Engine(bb, fuse=False)
-            separate = [(Engine(eng.backbone.use_backend("torch", args.precision)), mods) for eng, mods in separate]
+        separate = [(Engine(eng.backbone.use_backend("torch", args.precision), int8=int8), mods)
+                    for eng, mods in separate]
+        engine, engine_unfused, other_engine = Engine(bb, int8=int8), Engine(bb, fuse=False, int8=int8), Engine(bb)
+        precision = Precision(args.precision, args.head_precision)
 
         result["throughput"] = {}
         for bs in args.batch_sizes:
@@ -830,7 +860,7 @@ def main(argv=None) -> None:
             batches = [bb.tokenize(texts[i:i + bs]) for i in range(0, len(texts), bs)]
             print(f"throughput, batch size {bs}: {len(batches)} batches per run", flush=True)
             sec = throughput_section(bb, engine, engine_unfused, shared_mods, sparse_mods, separate, batches, ks,
-                                     args.rounds, args.repeats, rng, f"B={bs}", args.clock, args.precision)
+                                     args.rounds, args.repeats, rng, f"B={bs}", args.clock, precision, other_engine)
             sec["mean_padded_tokens"] = statistics.mean(b.seq_len for b in batches)
             result["throughput"][str(bs)] = sec
         del separate
@@ -840,7 +870,7 @@ def main(argv=None) -> None:
             batch = bb.tokenize(sentences[:bs])
             print(f"profile, K={args.profile_k}, batch size {bs}", flush=True)
             result["profile"] = profile_section(bb, engine, shared_mods, batch, args.profile_k,
-                                               precision=args.precision)
+                                               precision=precision)
 
         if not args.skip_early_exit:
             bs = args.early_exit_batch
@@ -849,7 +879,7 @@ def main(argv=None) -> None:
             print(f"early exit, batch size {bs}", flush=True)
             result["early_exit"] = early_exit_section(bb, engine, store, batches, TARGET_K, args.project_dim,
                                                       args.seed, args.rounds, args.repeats, rng, "early exit",
-                                                      args.clock, args.precision)
+                                                      args.clock, precision)
             result["early_exit"]["batch_size"] = bs
     if not args.skip_memory:
         print("memory", flush=True)

@@ -22,9 +22,11 @@ class Timings:
 
 
 class Engine:
-    def __init__(self, backbone: Backbone, plan_cache_size: int = 64, fuse: bool = True, bridges: dict | None = None):
+    def __init__(self, backbone: Backbone, plan_cache_size: int = 64, fuse: bool = True, bridges: dict | None = None,
+                 int8: bool = False):
         self.backbone = backbone
         self.fuse = fuse
+        self.int8 = int8  # layer-mix projections as int8 products (head_precision int8; ExecutionPlan)
         self.bridges = bridges or {}  # name -> LoadedBridge (replaced whole, with forget_plans)
         self._plans: OrderedDict[tuple, ExecutionPlan] = OrderedDict()
         self._plan_cache_size = plan_cache_size
@@ -35,7 +37,7 @@ class Engine:
                            for task, m in modules.items()))
         plan = self._plans.get(key)
         if plan is None:
-            plan = ExecutionPlan(modules, fuse=self.fuse, bridges=self.bridges)
+            plan = ExecutionPlan(modules, fuse=self.fuse, bridges=self.bridges, int8=self.int8)
             self._plans[key] = plan
             if len(self._plans) > self._plan_cache_size:
                 self._plans.popitem(last=False)

@@ -10,11 +10,13 @@ reloaded module never meets stale stacks): layer-mix heads of one width k form a
 (server/heads/layermix/grouped.py), MTB and merged LoRA-MTB heads reading one state with blocks of
 one architecture a `BlockGroup` (server/heads/mtb/grouped.py). A group follows the head contract
 (start / consume / finish) for all its heads at once; its finish returns every head's logits. A
-kind with a single head in the plan runs as that head.
+kind with a single head in the plan runs as that head, except that with int8 projections
+(`head_precision int8`, which only `MixGroup` computes) a lone layer-mix head forms a group of one.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 
 from server.heads.layermix import LayerMixHead
 from server.heads.layermix.grouped import MixGroup
@@ -34,7 +36,6 @@ def group_key(head) -> tuple | None:
     return None
 
 
-GROUPS = {"layermix": MixGroup, "mtb": BlockGroup}
 
 
 class LayerStep:
@@ -46,7 +47,8 @@ class LayerStep:
 
 
 class ExecutionPlan:
-    def __init__(self, modules: dict[str, LoadedModule], fuse: bool = True, bridges: dict | None = None):
+    def __init__(self, modules: dict[str, LoadedModule], fuse: bool = True, bridges: dict | None = None,
+                 int8: bool = False):
         if not modules:
             raise ValueError("an execution plan needs at least one module")
         self.modules = modules
@@ -61,13 +63,13 @@ class ExecutionPlan:
         self.layers = sorted({i for layers in self.reads.values() for i in layers})
         self.deepest = self.layers[-1]
         by_key = defaultdict(list)
-        if fuse:
-            for task in self.native:
-                key = group_key(modules[task].head)
-                if key is not None:
-                    by_key[key].append(task)
-        self.groups = [GROUPS[key[0]](tasks, [modules[t].head for t in tasks])
-                       for key, tasks in by_key.items() if len(tasks) >= 2]
+        for task in self.native:
+            key = group_key(modules[task].head)
+            if key is not None:
+                by_key[key if fuse else (*key, task)].append(task)  # unfused: every head on its own
+        kinds = {"layermix": partial(MixGroup, int8=int8), "mtb": BlockGroup}
+        self.groups = [kinds[key[0]](tasks, [modules[t].head for t in tasks])
+                       for key, tasks in by_key.items() if len(tasks) >= 2 or (int8 and key[0] == "layermix")]
         grouped = {t for g in self.groups for t in g.tasks}
         self.single = [t for t in self.native if t not in grouped]  # native tasks whose heads run alone
         self.steps: dict[int, LayerStep] = {}

@@ -371,9 +371,13 @@ def head_precision(settings: Settings) -> str:
     return "fp32"
 
 
-def heads_autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+def heads_autocast(precision: str, device_type: str, backbone_precision: str = "fp32") -> contextlib.AbstractContextManager:
     """The context a pass runs in for heads of `precision`: autocast to that 16-bit dtype, or nothing
-    for fp32."""
+    for fp32. int8 heads compute their projections in int8 whatever the context (the engine's
+    `int8`) and the rest in the backbone's precision: beside a bf16 backbone, 16 heads' classifiers
+    in bf16 left 0.74x the backbone's throughput, in fp32 0.67x (scratch measurement, one thread)."""
+    if precision == "int8":
+        precision = backbone_precision if backbone_precision in DTYPES else "fp32"
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=DTYPES[precision], cache_enabled=False)
@@ -417,7 +421,7 @@ class ModelRunner:
     def precision(self) -> contextlib.AbstractContextManager:
         """Heads (and the whole pass) under autocast in the head precision, else nothing. The torch
         backend's own 16-bit layers run under the same dtype, so the backbone is unchanged."""
-        return heads_autocast(self.head_precision, self.device.type)
+        return heads_autocast(self.head_precision, self.device.type, self.settings.precision)
 
     # ---- plans and graphs -----------------------------------------------------------------------
     def forget_plans(self) -> None:

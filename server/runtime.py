@@ -26,7 +26,7 @@ from server.errors import ApiError
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module
-from server.runner import ModelRunner, PreparedBatch, length_runs  # noqa: F401  (length_runs: re-exported)
+from server.runner import ModelRunner, PreparedBatch, head_precision, length_runs  # noqa: F401  (length_runs: re-exported)
 
 log = logging.getLogger("tmod")
 
@@ -146,7 +146,7 @@ class Runtime:
                 log.info("backend %s %s ready in %.1fs (%s)", self.settings.backend, self.settings.precision,
                          time.perf_counter() - t0, self.backbone.backend.describe())
             self.bridges = self.load_bridges()
-            self.engine = Engine(self.backbone, bridges=self.bridges)
+            self.engine = Engine(self.backbone, bridges=self.bridges, int8=head_precision(self.settings) == "int8")
             self.runner = ModelRunner(self.engine, self.settings, self.metrics)
             asked = self.settings.tasks is not None
             wanted = self.settings.task_list() if asked else self.store.tasks()

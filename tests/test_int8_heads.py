@@ -1,0 +1,110 @@
+"""head_precision int8: layer-mix projections as int8 products (server/heads/layermix/grouped.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from modules_store import ModuleStore
+from server.config import Settings
+from server.engine import Engine
+from server.heads.layermix.grouped import Int8Projection, MixGroup
+from server.modules import load_module, servable_tasks
+from server.runner import ModelRunner
+from tests.test_grouped_heads import PAIRS, TEXTS, alone, as_modules, assert_equal, layermix_heads, mtb_heads
+
+
+def test_int8_projection_is_the_quantised_product():
+    """The int8 path computes exactly s * (q W_q^T * row scales + (128 + lo / s) * row sums), with q
+    each token quantised onto its own [lo, hi] range, and that is close to the float product; a
+    constant token (all zeros here) comes out exactly."""
+    torch.manual_seed(0)
+    x, weight = torch.nn.functional.gelu(torch.randn(3, 5, 48) * 2), torch.randn(40, 48) * 0.1
+    x[0, 0] = 0.0
+    projection = Int8Projection(weight)
+    product, token_scale = projection(x)
+    assert product.shape == (15, 40) and token_scale.shape == (15, 1)
+    assert projection.weight.dtype == torch.int8 and projection.weight.abs().max() == 127
+    tokens = x.reshape(15, 48).double()
+    low, high = tokens.amin(-1, keepdim=True), tokens.amax(-1, keepdim=True)
+    scale = ((high - low) / 255).clamp(min=1e-12)
+    q = torch.round((tokens - low) / scale) - 128
+    assert q.min() >= -128 and q.max() <= 127
+    row_scale = (weight.abs().amax(1) / 127).double()
+    w_q = torch.round(weight.double() / row_scale[:, None])
+    exact = (q @ w_q.T) * row_scale + (128 + low / scale) * (w_q.sum(1) * row_scale)
+    torch.testing.assert_close(token_scale.double(), scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(product.double(), exact, rtol=1e-5, atol=1e-3)
+    assert torch.equal(product[0], torch.zeros(40))
+    approx, float_product = product * token_scale, tokens.float() @ weight.T
+    assert ((approx - float_product).norm() / float_product.norm()) < 0.01
+
+
+def test_int8_groups_every_layermix_head_and_grouped_equals_alone(tiny_backbone):
+    """With int8 a lone layer-mix head forms a group of one (only MixGroup computes int8); integer
+    products are exact, so a head answers the same whichever heads share its pass. MTB heads keep
+    fp32 and their usual grouping."""
+    modules = as_modules(**layermix_heads(tiny_backbone), **mtb_heads(tiny_backbone))
+    engine = Engine(tiny_backbone, int8=True)
+    assert [type(g) for g in engine.plan({"seq2": modules["seq2"]}).groups] == [MixGroup]
+    assert engine.plan({"mtb_mean": modules["mtb_mean"]}).groups == []
+    unfused = Engine(tiny_backbone, fuse=False, int8=True)
+    assert sorted(len(g.tasks) for g in unfused.plan(modules).groups) == [1] * len(layermix_heads(tiny_backbone))
+    for pairs in (None, PAIRS):
+        batch = tiny_backbone.tokenize(TEXTS, pairs)
+        int8 = engine.logits(batch, modules)
+        assert_equal(int8, alone(engine, batch, modules))
+        assert_equal(int8, unfused.logits(batch, modules))
+        fp32 = Engine(tiny_backbone).logits(batch, modules)
+        for task in modules:
+            assert (int8[task] - fp32[task]).abs().max() < 0.1, task
+            if task.startswith("mtb"):
+                torch.testing.assert_close(int8[task], fp32[task], atol=1e-5, rtol=0)
+        assert any((int8[t] - fp32[t]).abs().max() > 1e-4 for t in modules)  # the int8 path did run
+
+
+def test_int8_head_precision_settings_and_autocast():
+    assert Settings(head_precision="int8").head_precision == "int8"
+    assert Settings(head_precision="int8", precision="bf16").head_precision == "int8"
+    with pytest.raises(ValueError, match="head_precision int8 runs on the CPU only"):
+        Settings(head_precision="int8", device="cuda", precision="fp16")
+    runner = ModelRunner.__new__(ModelRunner)  # precision() reads only these
+    runner.device, runner.head_precision = torch.device("cpu"), "int8"
+    for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        runner.settings = Settings(head_precision="int8", precision=precision)
+        with runner.precision():
+            assert torch.is_autocast_enabled("cpu") == (dtype is not None)
+            if dtype is not None:
+                assert torch.get_autocast_dtype("cpu") == dtype
+
+
+def test_a_server_with_int8_heads_answers_as_fp32_on_the_real_backbone(minilm):
+    """The runtime builds an int8 engine for head_precision int8, and the shipped modules' answers on
+    real sentences match fp32 heads' (its accuracy on their validation sets:
+    bench/results/head-precision-cpu.md)."""
+    from server.runtime import Runtime
+
+    store = Path(__file__).resolve().parents[1] / "modules_store"
+    runtime = Runtime(Settings(store=store, head_precision="int8", precision="fp32"), backbone=minilm)
+    runtime.start()
+    try:
+        assert runtime.engine.int8 and runtime.runner.head_precision == "int8"
+        modules = {t: load_module(ModuleStore(store), t, None, minilm) for t in servable_tasks(ModuleStore(store), minilm)}
+        assert {"sentiment", "ner"} <= set(modules)
+        texts = ["John Smith flew from Paris to New York on Monday.", "A gorgeous, witty, seductive movie.",
+                 "The plot is a mess and the acting is worse.", "Angela Merkel met Emmanuel Macron in Berlin."]
+        batch = minilm.tokenize(texts)
+        int8 = runtime.engine.predict(batch, modules)
+        fp32 = Engine(minilm).predict(batch, modules)
+        assert sum(len(r["entities"]) for r in fp32["ner"]) >= 6  # the sample has entities to find
+        for task in modules:
+            for got, want in zip(int8[task], fp32[task]):
+                if task == "ner":
+                    spans = [[(e["text"], e["label"], e["start"], e["end"]) for e in r["entities"]] for r in (got, want)]
+                    assert spans[0] == spans[1]
+                    assert all(abs(a["score"] - b["score"]) < 0.05 for a, b in zip(got["entities"], want["entities"]))
+                else:
+                    assert max(abs(got["scores"][c] - want["scores"][c]) for c in want["scores"]) < 0.05, task
+    finally:
+        runtime.close()
