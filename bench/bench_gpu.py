@@ -1,18 +1,33 @@
-"""GPU engine benchmark (issue 13 item 8, engine part; issue 14's K sweep): seq/s of one pass.
+"""GPU benchmark (issue 13 item 8; issue 14's K sweep). Four sections, each on by default:
 
-For each batch shape (B x T tokens), precision and number of random layer-mix heads K (k=64, every
-state), a pass through `ModelRunner.logits` (the served path's device part: logits to the host in
-one copy) with CUDA graphs off (eager) and on (one graph per plan x bucket), beside the backbone
-alone (`Backbone.stream` to the last state, eager and captured by hand as one CUDA graph). Ratios
-against the backbone alone are taken in the same run and mode. Writes
-bench/results/gpu-<device name>.json. The served path over HTTP is not measured here yet.
+* engine: one pass through `ModelRunner.logits` (the served path's device part: logits to the host
+  in one copy) with K random layer-mix heads (k=64, every state) for each batch shape (B x T tokens)
+  and precision, CUDA graphs off (eager) and on (one graph per plan x bucket), beside the backbone
+  alone (`Backbone.stream` to the last state, eager and captured by hand as one CUDA graph). Ratios
+  against the backbone alone are taken in the same run and mode.
+* separate: K separate models (deep copies of the backbone, one head each, one pass each) against
+  the same K heads sharing one pass, per shape, precision and mode.
+* pipelines: what a user does today, 4 Hugging Face text-classification pipelines (one model each,
+  batch --pipeline-batch) over raw SST-2 sentences, against tmod in process on the same sentences
+  (tokenize, one pass for 4 heads, decode: `ModelRunner.run`).
+* served: a real `tmod-serve` with the shipped sentiment, ner and acceptability modules on the
+  device, under HTTP load from --clients load-generator processes (bench_frontend's raw HTTP/1.1
+  clients): 1-input and 32-input requests at c = 64 and 256, for each --workers count; seq/s,
+  req/s, p50/p99, errors, and the achieved batch size from /metrics.
 
-    python bench/bench_gpu.py                       # on a cuda machine
-    python bench/bench_gpu.py --ks 1 4 --shapes 8x16 --precisions fp32 --device cpu --smoke   # CPU check
+Writes bench/results/gpu-<device name>.json.
+
+    python bench/bench_gpu.py                       # on a cuda machine, every section
+    python bench/bench_gpu.py --sections served --workers 1 4
+    python bench/bench_gpu.py --device cpu --smoke  # CPU check of the script: tiny sizes, nothing recorded
+
+SST-2 is read from --data-dir ($TMOD_DATA_DIR, default ../shared/data); on a device host without
+../shared, carry a copy in an ignored folder (bench/README.md).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import sys
@@ -25,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.environment import machine_info  # noqa: E402
+from bench.environment import machine_info, read_sst2_sentences  # noqa: E402
 from bench.random_heads import build_modules  # noqa: E402
 from modules_store import ModuleStore  # noqa: E402
 from server.backbone import Backbone  # noqa: E402
@@ -72,68 +87,254 @@ def backbone_graph(bb: Backbone, batch, device: str):
     return graph.replay
 
 
+def engine_section(args, base: Backbone, cuda: bool, tmp: Path) -> list[dict]:
+    shapes = [parse_shape(s) for s in args.shapes]
+    results = []
+    for precision in args.precisions:
+        bb = with_precision(base, precision)
+        store = ModuleStore(tmp / f"engine-{precision}")
+        all_heads = build_modules(store, bb, max(args.ks))
+        names = sorted(all_heads)
+        for size, tokens in shapes:
+            rows = sample_rows(bb, size, tokens)
+            for mode, graphs in modes(args, cuda):
+                runner = shape_runner(bb, args.device, precision, size, tokens, graphs)
+                prepared = runner.prepare(rows, {names[0]: all_heads[names[0]]}).passes[0]
+                batch, bucket = prepared.batch, prepared.bucket
+                device_batch = runner.prepare(rows, {names[0]: all_heads[names[0]]}).passes[0].batch.to(args.device)
+                with torch.inference_mode(), runner.precision():
+                    alone = (backbone_graph(bb, device_batch, args.device) if graphs
+                             else (lambda: backbone_pass(bb, device_batch)))
+                    t_backbone = seconds_per_call(alone, args.device, args.repeats)
+                row = {"precision": precision, "batch": size, "tokens": tokens, "mode": mode,
+                       "backbone_seq_per_s": size / t_backbone, "k": {}}
+                print(f"{precision} {size}x{tokens} {mode}: backbone {size / t_backbone:,.0f} seq/s", flush=True)
+                for k in args.ks:
+                    modules = {n: all_heads[n] for n in names[:k]}
+                    try:
+                        t = seconds_per_call(lambda: runner.logits(batch, bucket, modules, Timings()),
+                                             args.device, args.repeats)
+                    except Exception as exc:  # noqa: BLE001  (record, e.g. out of memory at K=64 x 512)
+                        row["k"][str(k)] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                        continue
+                    row["k"][str(k)] = {"seq_per_s": size / t, "ms_per_pass": 1000 * t,
+                                        "vs_backbone": t_backbone / t,
+                                        "graphs_captured": runner.graphs.captures if graphs else 0}
+                    print(f"  K={k}: {size / t:,.0f} seq/s ({t_backbone / t:.2f}x backbone, "
+                          f"{1000 * t:.2f} ms)", flush=True)
+                results.append(row)
+                if graphs:
+                    runner.forget_plans()
+    return results
+
+
+def separate_section(args, base: Backbone, cuda: bool, tmp: Path) -> list[dict]:
+    """K models of one head each, every one a deep copy of the backbone with its own runner (and,
+    with graphs, its own captured pass), run one after the other, against one shared pass."""
+    from server.modules import load_module
+
+    results = []
+    most = max(args.separate_ks)
+    for precision in args.precisions:
+        bb = with_precision(base, precision)
+        store = ModuleStore(tmp / f"separate-{precision}")
+        heads = build_modules(store, bb, most)
+        names = sorted(heads)
+        copies = [with_precision(Backbone(copy.deepcopy(base.model), base.tokenizer, name=base.name), precision)
+                  for _ in range(most)]
+        own = [{name: load_module(store, name, None, copy_bb, args.device)} for name, copy_bb in zip(names, copies)]
+        for size, tokens in (parse_shape(s) for s in args.separate_shapes):
+            rows = sample_rows(bb, size, tokens)
+            for mode, graphs in modes(args, cuda):
+                shared = shape_runner(bb, args.device, precision, size, tokens, graphs)
+                runners = [shape_runner(copy_bb, args.device, precision, size, tokens, graphs) for copy_bb in copies]
+                prepared = shared.prepare(rows, own[0]).passes[0]
+                row = {"precision": precision, "batch": size, "tokens": tokens, "mode": mode, "k": {}}
+                for k in args.separate_ks:
+                    modules = {n: heads[n] for n in names[:k]}
+
+                    def apart(k=k):
+                        for runner, mods in zip(runners[:k], own[:k]):
+                            runner.logits(prepared.batch, prepared.bucket, mods, Timings())
+                    t_shared = seconds_per_call(lambda: shared.logits(prepared.batch, prepared.bucket, modules,
+                                                                      Timings()), args.device, args.repeats)
+                    t_apart = seconds_per_call(apart, args.device, args.repeats)
+                    row["k"][str(k)] = {"shared_seq_per_s": size / t_shared, "separate_seq_per_s": size / t_apart,
+                                        "shared_vs_separate": t_apart / t_shared}
+                    print(f"{precision} {size}x{tokens} {mode} K={k}: shared {size / t_shared:,.0f} seq/s, "
+                          f"{k} separate {size / t_apart:,.0f} seq/s ({t_apart / t_shared:.2f}x)", flush=True)
+                results.append(row)
+                for runner in (shared, *runners):
+                    runner.forget_plans()
+        del copies
+    return results
+
+
+def pipelines_section(args, base: Backbone, cuda: bool, tmp: Path, sentences: list[str]) -> dict:
+    """4 Hugging Face text-classification pipelines (one model each) over raw sentences, against
+    tmod serving 4 heads from one pass on the same sentences, both in the served precision."""
+    import transformers
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    from server.backbone.sources import resolve_backbone
+
+    precision = "fp16" if cuda else "fp32"
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}[precision]
+    texts = (sentences * (args.pipeline_sentences // len(sentences) + 1))[:args.pipeline_sentences]
+    path, _ = resolve_backbone(args.backbone)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pipes = []
+    transformers.logging.set_verbosity_error()  # each load reports its new (random) classifier
+    for _ in range(4):  # a model per task, as each task is a fine-tuned model of its own today
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2).to(args.device, dtype).eval()
+        pipes.append(pipeline("text-classification", model=model, tokenizer=tokenizer, device=torch.device(args.device),
+                              batch_size=args.pipeline_batch))
+
+    def run_pipelines(texts):
+        for pipe in pipes:
+            pipe(texts)
+
+    bb = with_precision(base, precision)
+    modules = build_modules(ModuleStore(tmp / "pipelines"), bb, 4)
+    runner = ModelRunner(Engine(bb), Settings(device=args.device, precision=precision,
+                                              max_batch_size=args.pipeline_batch))
+
+    def run_tmod(texts):
+        for i in range(0, len(texts), args.pipeline_batch):
+            runner.run(bb.encode(texts[i:i + args.pipeline_batch], truncate=True), modules)
+
+    out = {"precision": precision, "sentences": len(texts), "batch": args.pipeline_batch, "tasks": 4}
+    for name, run in (("hf_pipelines_4", run_pipelines), ("tmod_in_process_4_heads", run_tmod)):
+        run(texts[:2 * args.pipeline_batch])  # warm-up: allocator, kernels, captured graphs
+        sync(args.device)
+        t0 = time.perf_counter()
+        run(texts)
+        sync(args.device)
+        seconds = time.perf_counter() - t0
+        out[name] = {"seconds": seconds, "seq_per_s": len(texts) / seconds}
+        print(f"{name}: {len(texts) / seconds:,.0f} seq/s", flush=True)
+    out["tmod_vs_pipelines"] = out["hf_pipelines_4"]["seconds"] / out["tmod_in_process_4_heads"]["seconds"]
+    return out
+
+
+def served_section(args, sentences: list[str], tmp: Path) -> list[dict]:
+    """A real tmod-serve per --workers count, under HTTP load at each level (inputs x concurrency)."""
+    import httpx
+
+    from bench.bench_frontend import TASKS, measure
+    from bench.bench_load import ServerProcess, metrics_delta, parse_metrics, serve_command
+
+    levels = [parse_shape(level) for level in args.levels]
+    bodies = {n: [json.dumps({"inputs": sentences[i * n:(i + 1) * n]}).encode() for i in range(len(sentences) // n)]
+              for n in {n for n, _ in levels}}
+    results = []
+    for workers in args.workers:
+        env = {"TMOD_STORE": str(REPO / "modules_store"), "TMOD_TASKS": ",".join(TASKS), "TMOD_DEVICE": args.device,
+               "TMOD_WORKERS": str(workers), "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
+               "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
+               **({"TMOD_BACKBONE": str(args.backbone)} if args.backbone else {})}
+        server = ServerProcess(f"served-w{workers}", env, tmp / f"served-w{workers}.log", serve_command())
+        server.start()
+        try:
+            server.wait_ready(900)
+            for inputs, concurrency in levels:
+                before = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
+                run = measure(server, bodies[inputs], inputs, concurrency, args.clients, args.warmup, args.duration)
+                after = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
+                run = {"workers": workers, **run, "batches": metrics_delta(before, after)}
+                lat = run["latency_ms"]
+                print(f"served workers={workers} {inputs} input(s) x c={concurrency}: {run['requests_per_s']:,} req/s, "
+                      f"{run['sequences_per_s']:,} seq/s, p50 {lat['p50'] or 0:.1f} ms, p99 {lat['p99'] or 0:.1f} ms, "
+                      f"errors {run['errors']}, mean batch {run['batches']['mean_batch_inputs']}", flush=True)
+                results.append(run)
+        except BaseException:
+            print(server.log_tail(), flush=True)
+            raise
+        finally:
+            server.stop()
+    return results
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def parse_shape(text: str) -> tuple[int, int]:
+    """'128x32' -> (128, 32)"""
+    first, second = text.lower().split("x")
+    return int(first), int(second)
+
+
+def with_precision(bb: Backbone, precision: str) -> Backbone:
+    return bb if precision == "fp32" else bb.use_backend("torch", precision)
+
+
+def sample_rows(bb: Backbone, size: int, tokens: int):
+    """`size` rows of exactly `tokens` tokens."""
+    return bb.encode([" ".join(["word"] * (tokens * 2))] * size, truncate=True, max_tokens=tokens)
+
+
+def modes(args, cuda: bool) -> list[tuple[str, bool]]:
+    return [("eager", False)] + ([("graphs", True)] if cuda and not args.smoke else [])
+
+
+def shape_runner(bb: Backbone, device: str, precision: str, size: int, tokens: int, graphs: bool) -> ModelRunner:
+    """A runner whose one bucket is this shape (graphs captured on first use when on)."""
+    settings = Settings(device=device, precision=precision, graph_seq_lens=str(tokens), graph_batch_sizes=str(size),
+                        max_batch_size=size, max_batch_tokens=size * tokens, graph_memory_mb=60_000,
+                        cuda_graphs=graphs)
+    return ModelRunner(Engine(bb), settings)
+
+
+SECTIONS = ("engine", "separate", "pipelines", "served")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--backbone", default=None, help="model folder or name (default: minilm)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     p.add_argument("--shapes", nargs="+", default=["1x32", "32x32", "128x32", "512x32", "128x128"])
     p.add_argument("--precisions", nargs="+", default=["fp16", "bf16", "fp32"])
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--smoke", action="store_true", help="CPU check of the script: no graphs, nothing recorded")
+    p.add_argument("--separate-ks", type=int, nargs="+", default=[1, 4, 8], help="separate: numbers of models")
+    p.add_argument("--separate-shapes", nargs="+", default=["1x32", "128x32"])
+    p.add_argument("--pipeline-sentences", type=int, default=4096, help="pipelines: SST-2 sentences (repeated)")
+    p.add_argument("--pipeline-batch", type=int, default=128)
+    p.add_argument("--levels", nargs="+", default=["1x64", "1x256", "32x64", "32x256"],
+                   help="served: inputs per request x concurrency")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 4], help="served: tmod-serve --workers counts")
+    p.add_argument("--clients", type=int, default=8, help="served: load-generator processes")
+    p.add_argument("--warmup", type=float, default=3.0, help="served: unrecorded seconds per level")
+    p.add_argument("--duration", type=float, default=10.0, help="served: recorded seconds per level")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="served: TMOD_MAX_WAIT_MS")
+    p.add_argument("--data-dir", type=Path, default=None, help="where sst2/validation.tsv is")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU check of the script: small sizes, no graphs, nothing recorded")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: torch sees no CUDA device (use --device cpu --smoke to check the script)")
+    if args.smoke:  # sizes a 2-core CPU runs in a minute or two
+        args.ks, args.shapes, args.precisions, args.repeats = [1, 4], ["8x16"], ["fp32"], 2
+        args.separate_ks, args.separate_shapes = [1, 2], ["4x16"]
+        args.pipeline_sentences, args.pipeline_batch = 64, 32
+        args.levels, args.workers, args.clients, args.warmup, args.duration = ["1x4", "4x4"], [1, 2], 2, 1.0, 2.0
     base = Backbone.load(args.backbone, device=args.device)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for precision in args.precisions:
-            bb = base if precision == "fp32" else base.use_backend("torch", precision)
-            store = ModuleStore(Path(tmp) / "store")
-            all_heads = build_modules(store, bb, max(args.ks))
-            names = sorted(all_heads)
-            for size, tokens in shapes:
-                settings = Settings(device=args.device, precision=precision, graph_seq_lens=str(tokens),
-                                    graph_batch_sizes=str(size), max_batch_size=size,
-                                    max_batch_tokens=size * tokens, graph_memory_mb=60_000)
-                text = " ".join(["word"] * (tokens * 2))
-                rows = bb.encode([text] * size, truncate=True, max_tokens=tokens)
-                modes = [("eager", False)] + ([("graphs", True)] if cuda and not args.smoke else [])
-                for mode, graphs in modes:
-                    runner = ModelRunner(Engine(bb), settings.model_copy(update={"cuda_graphs": graphs}))
-                    prepared = runner.prepare(rows, {names[0]: all_heads[names[0]]}).passes[0]
-                    batch, bucket = prepared.batch, prepared.bucket
-                    device_batch = runner.prepare(rows, {names[0]: all_heads[names[0]]}).passes[0].batch.to(args.device)
-                    with torch.inference_mode(), runner.precision():
-                        alone = (backbone_graph(bb, device_batch, args.device) if graphs
-                                 else (lambda: backbone_pass(bb, device_batch)))
-                        t_backbone = seconds_per_call(alone, args.device, args.repeats)
-                    row = {"precision": precision, "batch": size, "tokens": tokens, "mode": mode,
-                           "backbone_seq_per_s": size / t_backbone, "k": {}}
-                    print(f"{precision} {size}x{tokens} {mode}: backbone {size / t_backbone:,.0f} seq/s", flush=True)
-                    for k in args.ks:
-                        modules = {n: all_heads[n] for n in names[:k]}
-                        try:
-                            t = seconds_per_call(lambda: runner.logits(batch, bucket, modules, Timings()),
-                                                 args.device, args.repeats)
-                        except Exception as exc:  # noqa: BLE001  (record, e.g. out of memory at K=64 x 512)
-                            row["k"][str(k)] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                            continue
-                        row["k"][str(k)] = {"seq_per_s": size / t, "ms_per_pass": 1000 * t,
-                                            "vs_backbone": t_backbone / t,
-                                            "graphs_captured": runner.graphs.captures if graphs else 0}
-                        print(f"  K={k}: {size / t:,.0f} seq/s ({t_backbone / t:.2f}x backbone, "
-                              f"{1000 * t:.2f} ms)", flush=True)
-                    results.append(row)
-                    if graphs:
-                        runner.forget_plans()
     device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
-    out = {"benchmark": "bench_gpu (engine)", "device": device_name, "machine": machine_info(args.device),
-           "command": " ".join(["python", "bench/bench_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
-           "results": results}
+    out = {"benchmark": "bench_gpu", "device": device_name, "machine": machine_info(args.device),
+           "command": " ".join(["python", "bench/bench_gpu.py", *(argv if argv is not None else sys.argv[1:])])}
+    needs_text = {"pipelines", "served"} & set(args.sections)
+    sentences = read_sst2_sentences(args.data_dir) if needs_text else []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if "engine" in args.sections:
+            out["results"] = engine_section(args, base, cuda, tmp)
+        if "separate" in args.sections:
+            out["separate"] = separate_section(args, base, cuda, tmp)
+        if "pipelines" in args.sections:
+            out["pipelines"] = pipelines_section(args, base, cuda, tmp, sentences)
+        if "served" in args.sections:
+            out["served"] = served_section(args, sentences, tmp)
     if args.smoke:
         print("smoke run: nothing recorded")
         return
