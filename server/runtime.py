@@ -148,6 +148,8 @@ class Runtime:
             self.bridges = self.load_bridges()
             self.engine = Engine(self.backbone, bridges=self.bridges, int8=head_precision(self.settings) == "int8")
             self.runner = ModelRunner(self.engine, self.settings, self.metrics)
+            log.info("passes on %s: backbone %s %s, heads %s", self.settings.device, self.backbone.backend.name,
+                     self.backbone.backend.precision, self.runner.head_precision)
             asked = self.settings.tasks is not None
             wanted = self.settings.task_list() if asked else self.store.tasks()
             loaded = {}
