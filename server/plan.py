@@ -36,8 +36,6 @@ def group_key(head) -> tuple | None:
     return None
 
 
-
-
 class LayerStep:
     def __init__(self, index: int, groups: list[int], single: list[str], bridges: list[str]):
         self.index = index

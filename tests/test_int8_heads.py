@@ -24,7 +24,7 @@ def test_int8_projection_is_the_quantised_product():
     x[0, 0] = 0.0
     projection = Int8Projection(weight)
     product, token_scale = projection(x)
-    assert product.shape == (15, 40) and token_scale.shape == (15, 1)
+    assert product.shape == (3, 5, 40) and token_scale.shape == (3, 5, 1)
     assert projection.weight.dtype == torch.int8 and projection.weight.abs().max() == 127
     tokens = x.reshape(15, 48).double()
     low, high = tokens.amin(-1, keepdim=True), tokens.amax(-1, keepdim=True)
@@ -34,6 +34,7 @@ def test_int8_projection_is_the_quantised_product():
     row_scale = (weight.abs().amax(1) / 127).double()
     w_q = torch.round(weight.double() / row_scale[:, None])
     exact = (q @ w_q.T) * row_scale + (128 + low / scale) * (w_q.sum(1) * row_scale)
+    product, token_scale = product.reshape(15, 40), token_scale.reshape(15, 1)
     torch.testing.assert_close(token_scale.double(), scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(product.double(), exact, rtol=1e-5, atol=1e-3)
     assert torch.equal(product[0], torch.zeros(40))
@@ -64,15 +65,14 @@ def test_int8_groups_every_layermix_head_and_grouped_equals_alone(tiny_backbone)
         assert any((int8[t] - fp32[t]).abs().max() > 1e-4 for t in modules)  # the int8 path did run
 
 
-def test_int8_head_precision_settings_and_autocast():
+def test_int8_head_precision_settings_and_autocast(tiny_backbone):
     assert Settings(head_precision="int8").head_precision == "int8"
     assert Settings(head_precision="int8", precision="bf16").head_precision == "int8"
     with pytest.raises(ValueError, match="head_precision int8 runs on the CPU only"):
         Settings(head_precision="int8", device="cuda", precision="fp16")
-    runner = ModelRunner.__new__(ModelRunner)  # precision() reads only these
-    runner.device, runner.head_precision = torch.device("cpu"), "int8"
     for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        runner.settings = Settings(head_precision="int8", precision=precision)
+        runner = ModelRunner(Engine(tiny_backbone, int8=True), Settings(head_precision="int8", precision=precision))
+        assert runner.head_precision == "int8"
         with runner.precision():
             assert torch.is_autocast_enabled("cpu") == (dtype is not None)
             if dtype is not None:

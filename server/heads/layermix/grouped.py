@@ -205,13 +205,13 @@ class Int8Projection:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (..., H) -> (x W^T / s (..., N), the token scales s (..., 1))."""
-        x = x.float().flatten(0, -2)
+        shape, x = x.shape[:-1], x.float().flatten(0, -2)  # (tokens, H): _int_mm takes 2-D operands
         low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)  # (torch.aminmax ran 9x slower)
         token_scale = ((high - low) / 255).clamp_(min=1e-12)  # a constant token: q = -128, all in the correction
         quantised = (x - low).div_(token_scale).round_().sub_(128).to(torch.int8)
         product = torch._int_mm(quantised, self.weight) * self.scale  # (tokens, N)
         product.addr_((low / token_scale).add_(128).squeeze(-1), self.row_sums)
-        return product, token_scale
+        return product.view(*shape, -1), token_scale.view(*shape, 1)
 
 
 class MixGroup:
@@ -252,8 +252,7 @@ class MixGroup:
         if isinstance(projection, Int8Projection):
             # LN(s * x) = x / sqrt(mean(x^2) + eps / s^2) for the token's scale s
             projected, token_scale = projection(F.gelu(hidden))
-            projected = projected.view(*hidden.shape[:-1], -1)
-            eps = MIX_NORM_EPS / token_scale.square().view(*hidden.shape[:-1], 1, 1)  # (B, T, 1, 1)
+            eps = MIX_NORM_EPS / token_scale.square().unsqueeze(-1)  # (B, T, 1, 1)
         else:
             projected = (F.gelu(hidden) @ projection.T).float()  # a 16-bit product (autocast) cast once
             eps = MIX_NORM_EPS
