@@ -58,7 +58,6 @@ import copy
 import datetime as dt
 import gc
 import json
-import math
 import os
 import random
 import resource
@@ -278,7 +277,7 @@ def adapter_settings(spec: dict):
                          max_validation=spec.get("max_validation"), epochs=spec["epochs"],
                          patience=spec["patience"], batch_size=spec["batch_size"], seed=spec["seed"],
                          threads=spec["threads"], lr=spec["adapter_lr"], rank=spec["rank"],
-                         lora_alpha=spec["lora_alpha"], progress=False, device="cpu")
+                         lora_alpha=spec["lora_alpha"], progress=True, device="cpu")
 
 
 def build_adapter_model(s, task_type, labels, backbone, copy_model: bool = True) -> AdapterModel:
@@ -289,16 +288,17 @@ def build_adapter_model(s, task_type, labels, backbone, copy_model: bool = True)
 
 
 def child_train_adapters(spec: dict) -> dict:
-    """The baseline's training run: tmod-train's own data, batching, step (run_epoch) and validation
-    (validate), with the model above; the epoch loop mirrors training.trainer.fit (early stopping on the
-    validation metric, ReduceLROnPlateau, best epoch kept)."""
+    """The baseline's training run: tmod-train's own data, batching, step (run_epoch), validation
+    (validate) and epoch loop (train_epochs: early stopping on the validation metric,
+    ReduceLROnPlateau, best epoch kept), with the model above."""
     from safetensors.torch import save_file
 
     from server.backbone import Backbone
     from training.evaluate import collect, score
     from training.settings import TASK_DEFAULTS
     from training.states import Split
-    from training.trainer import make_optimizer, resolve_data, run_epoch, seed_everything, validate
+    import training.trainer as trainer
+    from training.trainer import resolve_data, run_epoch, seed_everything, validate
 
     rec = Recorder()
     s = adapter_settings(spec)
@@ -315,34 +315,12 @@ def child_train_adapters(spec: dict) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
 
+    # tmod-train's own epoch loop, timed as child_train_head times it
+    trainer.run_epoch = lambda *a, **k: rec.timed("epochs", run_epoch, *a, **k)
+    trainer.validate = lambda *a, **k: rec.timed("validations", validate, *a, **k)
     rec.fit_started()
-    source = NoStates()
-    optimizer = make_optimizer(s, model)
-    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-        optimizer, mode="max", factor=s.lr_factor, patience=s.lr_patience, min_lr=s.min_lr)
-    rng = random.Random(s.seed)
-    history, best, best_epoch, stale = [], -math.inf, 0, 0
-    best_state = copy.deepcopy(model.trainable_state())
-    for epoch in range(1, s.epochs + 1):
-        train_loss = rec.timed("epochs", run_epoch, model, train_split, source, optimizer, s, rng, device, False,
-                               f"epoch {epoch}")
-        val_loss, val_metrics = rec.timed("validations", validate, model, val_split, source, s, device, False)
-        value = val_metrics[metric]
-        history.append({"epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, metric: value,
-                        "lr": optimizer.param_groups[0]["lr"],
-                        "train_seconds": round(rec.data["epochs"][-1]["wall_seconds"], 2),
-                        "validation_seconds": round(rec.data["validations"][-1]["wall_seconds"], 2)})
-        print(f"epoch {epoch}: train loss {train_loss:.4f} validation {metric} {value:.4f} "
-              f"[{rec.data['epochs'][-1]['wall_seconds']:.1f}s]", flush=True)
-        if value > best:
-            best, best_epoch, stale = value, epoch, 0
-            best_state = copy.deepcopy(model.trainable_state())
-        else:
-            stale += 1
-        scheduler.step(value)
-        if stale >= s.patience:
-            break
-    model.load_state_dict(best_state, strict=False)
+    history, best_epoch, _ = trainer.train_epochs(model, train_split, val_split, NoStates(), NoStates(), s, device,
+                                                  False, state=model.trainable_state)
     rec.fit_done()
 
     # the number reported: the best model run the way it would be served (eval, inference mode, no cache)
@@ -356,7 +334,7 @@ def child_train_adapters(spec: dict) -> dict:
     lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
     return {
         "method": "lora-adapters", "task": spec["task"],
-        "command": "bench/compare_heads.py child train-adapters (training.trainer.run_epoch/validate loop)",
+        "command": "bench/compare_heads.py child train-adapters (training.trainer.train_epochs)",
         "artifact": str(weights_path), "metrics": metrics, "metric": metric,
         "trainable_parameters": trainable, "artifact_parameters": trainable,
         "served_parameters": sum(p.numel() for p in model.parameters()),
@@ -396,7 +374,7 @@ def child_probe(spec: dict) -> dict:
     else:
         s = TrainSettings(kind=TRAIN_KIND[method][0], dataset=spec["dataset"], max_train=spec["max_train"],
                           batch_size=spec["batch_size"], seed=spec["seed"], threads=spec["threads"],
-                          rank=spec["rank"], lora_alpha=spec["lora_alpha"], progress=False, device="cpu")
+                          rank=spec["rank"], lora_alpha=spec["lora_alpha"], progress=True, device="cpu")
     seed_everything(s.seed)
     train_data, _, labels, preset_metric, _ = resolve_data(s)
     task_type = train_data.task_type

@@ -256,9 +256,7 @@ class Fit:
 
 
 def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, device, amp: bool) -> Fit:
-    """Train until the epochs run out or the validation metric stops improving; the head ends
-    holding the weights of its best epoch (`select` best), or of its last (`select` last: no early
-    stop and no learning-rate cut, so validation decides nothing)."""
+    """The states the head learns from (cached or recomputed per batch), then `train_epochs`."""
     layers = training_states(head)
     t0 = time.perf_counter()
     if s.states == "cache":
@@ -274,29 +272,42 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
         cache_bytes = 0
     states_seconds = time.perf_counter() - t0
 
-    optimizer = make_optimizer(s, head)
+    history, best_epoch, best = train_epochs(head, train_split, val_split, train_source, val_source, s, device, amp)
+    return Fit(history, best_epoch, best, states_seconds, cache_bytes)
+
+
+def train_epochs(model, train_split: Split, val_split: Split, train_source, val_source, s: TrainSettings, device,
+                 amp: bool, state=None) -> tuple[list[dict], int, float]:
+    """The epoch loop: train, validate, keep the best epoch's weights (`select` best: early stop
+    after `patience` epochs without improvement, learning rate cut on a plateau) or the last
+    (`select` last: validation decides nothing). `state` says what to keep of a model with frozen
+    parts (default: its whole state dict). The model ends holding the kept weights; returns
+    (history, best epoch, its value)."""
+    keep = state or model.state_dict
+    optimizer = make_optimizer(s, model)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
         optimizer, mode="max", factor=s.lr_factor, patience=s.lr_patience, min_lr=s.min_lr)
     rng = random.Random(s.seed)
     history, best, best_epoch, stale = [], -math.inf, 0, 0
-    best_state = copy.deepcopy(head.state_dict())
+    best_state = copy.deepcopy(keep())
     for epoch in range(1, s.epochs + 1):
         t0 = time.perf_counter()
-        train_loss = run_epoch(head, train_split, train_source, optimizer, s, rng, device, amp,
+        train_loss = run_epoch(model, train_split, train_source, optimizer, s, rng, device, amp,
                                desc=f"epoch {epoch}/{s.epochs}")
         train_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
-        val_loss, val_metrics = validate(head, val_split, val_source, s, device, amp)
+        val_loss, val_metrics = validate(model, val_split, val_source, s, device, amp)
         value = val_metrics[s.metric]
         history.append({
             "epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, s.metric: value,
-            "lr": optimizer.param_groups[0]["lr"], "layer_weights": list(layer_distribution(head).values()),
+            "lr": optimizer.param_groups[0]["lr"],
+            **({"layer_weights": list(layer_distribution(model).values())} if isinstance(model, Head) else {}),
             "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2),
         })
         improved = value > best if s.select == "best" else epoch == s.epochs
         if improved:
             best, best_epoch, stale = value, epoch, 0
-            best_state = copy.deepcopy(head.state_dict())
+            best_state = copy.deepcopy(keep())
         else:
             stale += 1
         if s.progress:
@@ -306,8 +317,8 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
             scheduler.step(value)
             if stale >= s.patience:
                 break
-    head.load_state_dict(best_state)
-    return Fit(history, best_epoch, best, states_seconds, cache_bytes)
+    model.load_state_dict(best_state, strict=state is None)
+    return history, best_epoch, best
 
 
 def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = "",
