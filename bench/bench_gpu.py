@@ -15,7 +15,8 @@
   clients): 1-input and 32-input requests at c = 64 and 256, for each --workers count; seq/s,
   req/s, p50/p99, errors, and the achieved batch size from /metrics.
 
-Writes bench/results/gpu-<device name>.json.
+Writes bench/results/gpu-<device name>.json, rewritten after every row (with each section's seconds),
+so a run stopped at a time limit keeps what it measured.
 
     python bench/bench_gpu.py                       # on a cuda machine, every section
     python bench/bench_gpu.py --sections served --workers 1 4
@@ -87,9 +88,9 @@ def backbone_graph(bb: Backbone, batch, device: str):
     return graph.replay
 
 
-def engine_section(args, base: Backbone, cuda: bool, tmp: Path) -> list[dict]:
+def engine_section(args, base: Backbone, cuda: bool, tmp: Path):
+    """Yields a row per precision x shape x mode."""
     shapes = [parse_shape(s) for s in args.shapes]
-    results = []
     for precision in args.precisions:
         bb = with_precision(base, precision)
         store = ModuleStore(tmp / f"engine-{precision}")
@@ -122,18 +123,17 @@ def engine_section(args, base: Backbone, cuda: bool, tmp: Path) -> list[dict]:
                                         "graphs_captured": runner.graphs.captures if graphs else 0}
                     print(f"  K={k}: {size / t:,.0f} seq/s ({t_backbone / t:.2f}x backbone, "
                           f"{1000 * t:.2f} ms)", flush=True)
-                results.append(row)
+                yield row
                 if graphs:
                     runner.forget_plans()
-    return results
 
 
-def separate_section(args, base: Backbone, cuda: bool, tmp: Path) -> list[dict]:
+def separate_section(args, base: Backbone, cuda: bool, tmp: Path):
     """K models of one head each, every one a deep copy of the backbone with its own runner (and,
-    with graphs, its own captured pass), run one after the other, against one shared pass."""
+    with graphs, its own captured pass), run one after the other, against one shared pass. Yields a
+    row per precision x shape x mode."""
     from server.modules import load_module
 
-    results = []
     most = max(args.separate_ks)
     for precision in args.precisions:
         bb = with_precision(base, precision)
@@ -163,16 +163,16 @@ def separate_section(args, base: Backbone, cuda: bool, tmp: Path) -> list[dict]:
                                         "shared_vs_separate": t_apart / t_shared}
                     print(f"{precision} {size}x{tokens} {mode} K={k}: shared {size / t_shared:,.0f} seq/s, "
                           f"{k} separate {size / t_apart:,.0f} seq/s ({t_apart / t_shared:.2f}x)", flush=True)
-                results.append(row)
+                yield row
                 for runner in (shared, *runners):
                     runner.forget_plans()
         del copies
-    return results
 
 
-def pipelines_section(args, base: Backbone, cuda: bool, tmp: Path, sentences: list[str]) -> dict:
+def pipelines_section(args, base: Backbone, cuda: bool, tmp: Path, sentences: list[str]):
     """4 Hugging Face text-classification pipelines (one model each) over raw sentences, against
-    tmod serving 4 heads from one pass on the same sentences, both in the served precision."""
+    tmod serving 4 heads from one pass on the same sentences, both in the served precision. Yields
+    one row."""
     import transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
@@ -214,11 +214,12 @@ def pipelines_section(args, base: Backbone, cuda: bool, tmp: Path, sentences: li
         out[name] = {"seconds": seconds, "seq_per_s": len(texts) / seconds}
         print(f"{name}: {len(texts) / seconds:,.0f} seq/s", flush=True)
     out["tmod_vs_pipelines"] = out["hf_pipelines_4"]["seconds"] / out["tmod_in_process_4_heads"]["seconds"]
-    return out
+    yield out
 
 
-def served_section(args, sentences: list[str], tmp: Path) -> list[dict]:
-    """A real tmod-serve per --workers count, under HTTP load at each level (inputs x concurrency)."""
+def served_section(args, sentences: list[str], tmp: Path):
+    """A real tmod-serve per --workers count, under HTTP load at each level (inputs x concurrency).
+    Yields a row per workers x level."""
     import httpx
 
     from bench.bench_frontend import TASKS, measure
@@ -227,7 +228,6 @@ def served_section(args, sentences: list[str], tmp: Path) -> list[dict]:
     levels = [parse_shape(level) for level in args.levels]
     bodies = {n: [json.dumps({"inputs": sentences[i * n:(i + 1) * n]}).encode() for i in range(len(sentences) // n)]
               for n in {n for n, _ in levels}}
-    results = []
     for workers in args.workers:
         env = {"TMOD_STORE": str(REPO / "modules_store"), "TMOD_TASKS": ",".join(TASKS), "TMOD_DEVICE": args.device,
                "TMOD_WORKERS": str(workers), "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
@@ -246,13 +246,12 @@ def served_section(args, sentences: list[str], tmp: Path) -> list[dict]:
                 print(f"served workers={workers} {inputs} input(s) x c={concurrency}: {run['requests_per_s']:,} req/s, "
                       f"{run['sequences_per_s']:,} seq/s, p50 {lat['p50'] or 0:.1f} ms, p99 {lat['p99'] or 0:.1f} ms, "
                       f"errors {run['errors']}, mean batch {run['batches']['mean_batch_inputs']}", flush=True)
-                results.append(run)
+                yield run
         except BaseException:
             print(server.log_tail(), flush=True)
             raise
         finally:
             server.stop()
-    return results
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -284,6 +283,7 @@ def shape_runner(bb: Backbone, device: str, precision: str, size: int, tokens: i
 
 
 SECTIONS = ("engine", "separate", "pipelines", "served")
+SECTION_KEYS = {"engine": "results", "separate": "separate", "pipelines": "pipelines", "served": "served"}  # in the JSON
 
 
 def main(argv=None) -> None:
@@ -308,8 +308,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="served: TMOD_MAX_WAIT_MS")
     p.add_argument("--data-dir", type=Path, default=None, help="where sst2/validation.tsv is")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU check of the script: small sizes, no graphs, nothing recorded")
-    p.add_argument("--out", type=Path, default=None)
+                   help="CPU check of the script: small sizes, no graphs, nothing recorded unless --out is given")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default bench/results/gpu-<device name>.json); rewritten after every row")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -325,23 +326,34 @@ def main(argv=None) -> None:
            "command": " ".join(["python", "bench/bench_gpu.py", *(argv if argv is not None else sys.argv[1:])])}
     needs_text = {"pipelines", "served"} & set(args.sections)
     sentences = read_sst2_sentences(args.data_dir) if needs_text else []
+    path = None if args.smoke and not args.out else (
+        args.out or REPO / "bench" / "results" / f"gpu-{re.sub(r'[^A-Za-z0-9]+', '-', device_name).strip('-')}.json")
+
+    def save() -> None:
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            partial.write_text(json.dumps(out, indent=2))
+            partial.replace(path)  # never a half-written file, even if the run is killed here
+
+    # every row is saved as it comes: a run stopped at a time limit (a lent GPU's call) keeps what it measured
+    out["seconds"] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        if "engine" in args.sections:
-            out["results"] = engine_section(args, base, cuda, tmp)
-        if "separate" in args.sections:
-            out["separate"] = separate_section(args, base, cuda, tmp)
-        if "pipelines" in args.sections:
-            out["pipelines"] = pipelines_section(args, base, cuda, tmp, sentences)
-        if "served" in args.sections:
-            out["served"] = served_section(args, sentences, tmp)
-    if args.smoke:
-        print("smoke run: nothing recorded")
-        return
-    path = args.out or REPO / "bench" / "results" / f"gpu-{re.sub(r'[^A-Za-z0-9]+', '-', device_name).strip('-')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+        sections = {"engine": lambda: engine_section(args, base, cuda, tmp),
+                    "separate": lambda: separate_section(args, base, cuda, tmp),
+                    "pipelines": lambda: pipelines_section(args, base, cuda, tmp, sentences),
+                    "served": lambda: served_section(args, sentences, tmp)}
+        for name in (name for name in SECTIONS if name in args.sections):
+            t0 = time.perf_counter()
+            rows = out[SECTION_KEYS[name]] = []
+            for row in sections[name]():
+                rows.append(row)
+                save()
+            out["seconds"][name] = round(time.perf_counter() - t0, 1)
+            print(f"[{name}: {out['seconds'][name]:.0f} s]", flush=True)
+            save()
+    print(f"wrote {path}" if path else "smoke run: nothing recorded")
 
 
 if __name__ == "__main__":
