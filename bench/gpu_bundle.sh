@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# A lent GPU's offline install in three transfers of ~30-55 MB each.
+#
+# ../shared/gpu/bundle.sh cuts the default backbone's weights into two halves of ~45 MB (.gpu-a, with
+# the wheels, and .gpu-b). The device takes at most 64 MiB per call, this repo's files included, and
+# with the MPNet modules shipped the repo's ~21 MB plus .gpu-a's ~50 MB no longer fit. This script
+# runs bundle.sh, then moves each half's tail past its first 30 MB into .gpu-c, and copies SST-2's
+# validation file (bench_gpu.py's text) into .gpu-data. All four folders are git-ignored.
+#
+#   bash bench/gpu_bundle.sh            # here, in the project root, after the README's install
+#   bash bench/gpu_bundle.sh install    # there, in every one of three runs, back to back (a lent
+#                                       # machine goes back ~30 s after a call):
+#       run 1: carry .gpu-a      run 2: carry .gpu-c      run 3: carry .gpu-b .gpu-data
+#   then in run 3 and later: export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=$PWD/.gpu-data
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+keep=/root/tmod-keep        # where ../shared/gpu/install.sh keeps the halves between calls
+head_bytes=$((30 * 1000 * 1000))
+limit=$((64 * 1024 * 1024))
+
+if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders allow
+  mkdir -p "$keep"
+  if [ -d .gpu-a ]; then
+    bash .gpu-a/install.sh
+    cp .gpu-a/part-a "$keep/part-a.head"
+  fi
+  if [ -d .gpu-c ]; then
+    cp .gpu-c/part-a.tail .gpu-c/part-b.tail "$keep/"
+    echo "tails kept: bring .gpu-b next"
+  fi
+  if [ -d .gpu-b ]; then
+    for f in part-a.head part-a.tail part-b.tail; do
+      [ -f "$keep/$f" ] || { echo "$f is missing: run 1 (.gpu-a) and run 2 (.gpu-c) come first"; exit 1; }
+    done
+    cat "$keep/part-a.head" "$keep/part-a.tail" > "$keep/part-a"
+    cat .gpu-b/part-b "$keep/part-b.tail" > .gpu-b/part-b.whole && mv .gpu-b/part-b.whole .gpu-b/part-b
+    bash .gpu-b/install.sh  # assembles the weights and checks their sha256
+  fi
+  exit 0
+fi
+
+shared=${TMOD_SHARED:-../shared}
+mkdir -p .git/info  # bundle.sh lists its folders in .git/info/exclude
+bash "$shared/gpu/bundle.sh"
+rm -rf .gpu-c .gpu-data
+mkdir -p .gpu-c .gpu-data/sst2
+for part in a b; do
+  tail -c +$((head_bytes + 1)) ".gpu-$part/part-$part" > ".gpu-c/part-$part.tail"
+  truncate -s "$head_bytes" ".gpu-$part/part-$part"
+done
+cp "$shared/data/sst2/validation.tsv" .gpu-data/sst2/
+
+# what each run sends: the repo's tracked and not-ignored files plus its carried folders
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
+for carry in ".gpu-a" ".gpu-c" ".gpu-b .gpu-data"; do
+  bytes=$(( tree + $(du -cb $carry | tail -1 | cut -f1) ))
+  verdict=$([ "$bytes" -le "$limit" ] && echo ok || echo "OVER the 64 MiB limit")
+  echo "run with carry [$carry]: $((bytes / 1024 / 1024)) MiB ($verdict)"
+done
