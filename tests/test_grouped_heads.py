@@ -127,6 +127,27 @@ def test_grouped_equals_each_head_alone(tiny_backbone, pairs):
     assert_equal(grouped, Engine(tiny_backbone, fuse=False).logits(batch, modules))
 
 
+@pytest.mark.parametrize("pairs", [None, PAIRS], ids=["single texts", "text pairs"])
+def test_the_gpu_attention_gives_each_head_s_answers(tiny_backbone, pairs, monkeypatch):
+    """Stacked attention's GPU form (fused SDPA with a boolean padding mask), run here on the CPU in
+    place of the CPU form: the grouped heads still equal each head alone (nn.MultiheadAttention)."""
+    import server.heads.layermix.grouped as grouped
+
+    calls = []
+
+    def gpu_form(*args):
+        calls.append(args[0].shape)
+        return grouped.fused_attention(*args)
+
+    modules = as_modules(**layermix_heads(tiny_backbone))
+    engine = Engine(tiny_backbone)
+    batch = tiny_backbone.tokenize(TEXTS, pairs)
+    expected = alone(engine, batch, modules)
+    monkeypatch.setattr(grouped, "small_attention", gpu_form)
+    assert_equal(engine.logits(batch, modules), expected)
+    assert calls  # the stacks' attention ran in its GPU form
+
+
 def test_grouped_equals_alone_on_minilm(minilm):
     """The real backbone (12 attention heads, H=384) and the default head sizes (k=64, 4 heads)."""
     modules = as_modules(**layermix_heads(minilm), **mtb_heads(minilm))

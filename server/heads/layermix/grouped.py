@@ -51,12 +51,18 @@ class StackedAttention:
         qkv = batched_linear(x.view(K, B * T, k), self.in_weight, self.in_bias)
         # (K*B, heads, T, d) views
         q, keys, values = qkv.view(K * B, T, 3, self.heads, k // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        if x.device.type == "cuda":
-            mask = attend.view(1, B, 1, T).expand(K, B, 1, T).reshape(K * B, 1, 1, T)
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (K*B, heads, T, d)
-        else:
-            attended = small_attention(q, keys, values, attend, K)
+        attention = fused_attention if x.device.type == "cuda" else small_attention
+        attended = attention(q, keys, values, attend, K)  # (K*B, heads, T, d)
         return batched_linear(attended.transpose(1, 2).reshape(K, B * T, k), self.out_weight, self.out_bias)
+
+
+def fused_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor,
+                    K: int) -> torch.Tensor:
+    """Self-attention on a GPU, (K*B, heads, T, d) -> same: PyTorch's fused kernel (SDPA), the padding
+    mask as booleans (True = a real key) shared by the K heads."""
+    B, T = attend.shape
+    mask = attend.view(1, B, 1, T).expand(K, B, 1, T).reshape(K * B, 1, 1, T)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 def small_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor,
