@@ -21,6 +21,8 @@ so a run stopped at a time limit keeps what it measured.
     python bench/bench_gpu.py                       # on a cuda machine, every section
     python bench/bench_gpu.py --sections served --workers 1 4
     python bench/bench_gpu.py --device cpu --smoke  # CPU check of the script: tiny sizes, nothing recorded
+    timeout 540 python bench/bench_gpu.py --sections served --out $OUT/gpu-served.json   # on a lent GPU:
+                                                    # SIGTERM stops the server, rows so far are kept
 
 SST-2 is read from --data-dir ($TMOD_DATA_DIR, default ../shared/data); on a device host without
 ../shared, carry a copy in an ignored folder (bench/README.md).
@@ -30,7 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -235,6 +239,7 @@ def served_section(args, sentences: list[str], tmp: Path):
                **({"TMOD_BACKBONE": str(args.backbone)} if args.backbone else {})}
         server = ServerProcess(f"served-w{workers}", env, tmp / f"served-w{workers}.log", serve_command())
         server.start()
+        LIVE_SERVERS.append(server)
         try:
             server.wait_ready(900)
             for inputs, concurrency in levels:
@@ -252,9 +257,30 @@ def served_section(args, sentences: list[str], tmp: Path):
             raise
         finally:
             server.stop()
+            LIVE_SERVERS.remove(server)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+LIVE_SERVERS: list = []  # the served section's running tmod-serve, for stop_on_sigterm
+
+
+def stop_on_sigterm() -> None:
+    """A call's time limit (`timeout`) ends the run with SIGTERM. tmod-serve runs in a session of its
+    own, so the signal does not reach it: stop it here, then exit (every finished row is saved).
+    The handler does the work itself rather than raising: an exception raised where Python ignores
+    them (a fork hook of the load generators' processes) would let the run go on."""
+    main = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() == main:  # not in a forked load-generator process
+            for server in list(LIVE_SERVERS):
+                server.stop()
+            sys.stdout.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """'128x32' -> (128, 32)"""
     first, second = text.lower().split("x")
@@ -312,6 +338,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default bench/results/gpu-<device name>.json); rewritten after every row")
     args = p.parse_args(argv)
+    stop_on_sigterm()
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: torch sees no CUDA device (use --device cpu --smoke to check the script)")

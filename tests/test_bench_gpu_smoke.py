@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,3 +53,50 @@ def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path):
     recorded = json.loads(path.read_text())
     assert recorded["results"] and set(recorded["results"][0]["k"]) == {"1", "4"}
     assert "pipelines" not in recorded["seconds"]  # stopped during the next section (~4 s here)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_run_ended_by_sigterm_stops_its_server(tmp_path):
+    """`timeout` ends a call with SIGTERM: the served section's tmod-serve (its own session, so not
+    in the killed group) is stopped, not left holding the device for the next call."""
+    path = tmp_path / "gpu.json"
+    process = subprocess.Popen([sys.executable, "bench/bench_gpu.py", "--device", "cpu", "--smoke", "--out", str(path),
+                                "--sections", "served"], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    servers = []
+    try:
+        deadline = time.monotonic() + 600
+        while not path.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)  # the first served row: its server is up
+        servers = children_of(process.pid)
+        assert servers and process.poll() is None
+        process.terminate()
+        assert process.wait(timeout=60) != 0
+        stopped = time.monotonic() + 30
+        while any(alive(pid) for pid in servers) and time.monotonic() < stopped:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in servers)
+    finally:
+        process.kill()
+        for pid in filter(alive, servers):
+            os.kill(pid, signal.SIGKILL)
