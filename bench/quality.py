@@ -89,13 +89,16 @@ def main() -> None:
     tiers = earlier.get("tiers", {})
     if "tasks" in earlier:  # a file from before the tiers: its rows are the MiniLM tier's
         tiers = {"minilm": {"backbone": "minilm", "machine": earlier.get("machine"), "tasks": earlier["tasks"]}}
-    for tier in [t.strip() for t in args.tiers.split(",") if t.strip()]:
+    chosen_tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    # both lists checked before any scoring (minutes per tier)
+    for tier in chosen_tiers:
         if tier not in TIERS:
             raise SystemExit(f"unknown tier {tier!r}; choose from {sorted(TIERS)}")
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        unknown = sorted(set(tasks) - set(TASKS))
-        if unknown:
-            raise SystemExit(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise SystemExit(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
+    for tier in chosen_tiers:
         rows = dict(tiers.get(tier, {}).get("tasks", {}))
         rows.update(score_tier(tier, Path(args.store), results, tasks))
         tiers[tier] = {"backbone": TIERS[tier]["backbone"], "machine": machine_info(),
