@@ -232,12 +232,10 @@ def test_reload_never_serves_stale_stacks(tmp_path, tiny_backbone):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_grouped_heads_on_cuda_match_and_capture_as_a_graph(tiny_backbone, monkeypatch, request):
+def test_grouped_heads_on_cuda_match_and_capture_as_a_graph(tiny_backbone, request):
     """On a GPU the grouped pass equals each head's own computation and captures as one CUDA graph
     (no host syncs, no tensors made from Python values). The reference is PyTorch's exact path for
     its encoder layers: their CUDA fast path alone drifts by ~1e-4 (measured on an H100)."""
-    import server.heads.layermix.grouped as grouped_module
-
     # exact fp32 matmuls for the comparison (set and restored by hand: these flags are properties
     # that monkeypatch cannot delete-and-restore on torch 2.11)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -247,9 +245,10 @@ def test_grouped_heads_on_cuda_match_and_capture_as_a_graph(tiny_backbone, monke
     torch.backends.cudnn.allow_tf32 = False
     heads = {task: head.cuda() for task, head in layermix_heads(tiny_backbone).items()}
     batch = tiny_backbone.tokenize(TEXTS, PAIRS).to("cuda")
-    casing = grouped_module.casing_ids(batch)  # per batch, before the graph (built from the raw text)
-    monkeypatch.setattr(grouped_module, "casing_ids", lambda _: casing)
-    batch.token_classes("segment")  # the pair heads' segment classes: made (host work) before the graph too
+    # the token classes the heads read are made from the raw text (host work) and kept on the batch:
+    # made here, before the graph, as the model runner does before a capture
+    batch.token_classes("casing")
+    batch.token_classes("segment")
     plan = Engine(tiny_backbone).plan(as_modules(**heads))
     assert plan.single == []
     states = [torch.randn(batch.size, batch.seq_len, tiny_backbone.hidden_size, device="cuda")

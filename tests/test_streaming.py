@@ -28,8 +28,7 @@ def reference_logits(head, backbone, batch):
     weights = cutoff_weights(torch.softmax(cfg.alpha * head.layer_logits, 0), cfg.cutoff)
     mixed = F.gelu((weights[:, None, None, None] * projected).sum(0))
     if head.casing is not None:
-        from server.heads.layermix.layer import casing_ids
-        mixed = mixed + head.casing(casing_ids(batch))
+        mixed = mixed + head.casing(batch.token_classes("casing"))
     if head.config.pooling == "pair":
         return head.classifier(mixed, batch.attention_mask, batch.token_classes("segment"))
     return head.classifier(mixed, batch.attention_mask)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from modules_store import TaskType
 from server.backbone.tokens import TokenBatch
-from server.heads.layermix.layer import CASING_CLASSES, MIX_NORM_EPS, casing_ids, pool
+from server.heads.layermix.layer import CASING_CLASSES, MIX_NORM_EPS, pool
 from server.heads.layermix.model import LayerMixHead
 from server.heads.stacking import batched_linear, linear_stack, padded_classifiers, stack
 
@@ -277,7 +277,7 @@ class MixGroup:
         return buffer
 
     def finish(self, buffer: torch.Tensor, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        casing = casing_ids(batch) if self.reads_casing else None
+        casing = batch.token_classes("casing") if self.reads_casing else None
         stacked = buffer.permute(2, 0, 1, 3).contiguous()  # (K, B, T, k): one head after another
         out = {}
         for s in self.stacks:

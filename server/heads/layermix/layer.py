@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.backbone.tokens import CASING_CLASSES, TokenBatch  # noqa: F401  (re-exported)
+from server.backbone.tokens import CASING_CLASSES  # noqa: F401  (re-exported)
 
 MIX_NORM_EPS = 1e-5  # eps of the layer norm on each projected state (the head's and its grouped form's)
 
@@ -20,13 +20,6 @@ def cutoff_weights(weights: torch.Tensor, cutoff: float) -> torch.Tensor:
     keep = (weights >= cutoff) | (weights == weights.max())
     kept = weights * keep
     return kept / kept.sum()
-
-
-def casing_ids(batch: TokenBatch) -> torch.Tensor:
-    """(B, T) casing class of each token (CASING_CLASSES), read from the raw text through its
-    offsets. Made once per batch on the host and kept on it (`TokenBatch.token_classes`), so the
-    pass itself does no per-token Python (and a captured CUDA graph reads it as a static input)."""
-    return batch.token_classes("casing")
 
 
 def pool(attended: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:

@@ -22,7 +22,6 @@ from server.heads.layermix.layer import (
     MIX_NORM_EPS,
     SequenceClassifier,
     TokenClassifier,
-    casing_ids,
     cutoff_weights,
 )
 
@@ -85,7 +84,7 @@ class LayerMixHead(Head):
             positions = torch.arange(mixed.shape[1], device=mixed.device).clamp(max=self.config.max_positions - 1)
             mixed = mixed + self.positions(positions)
         if self.casing is not None:
-            mixed = mixed + self.casing(casing_ids(batch))
+            mixed = mixed + self.casing(batch.token_classes("casing"))
         if self.config.pooling == "pair":
             return self.classifier(mixed, batch.attention_mask, batch.token_classes("segment"))
         return self.classifier(mixed, batch.attention_mask)
