@@ -224,7 +224,7 @@ def markdown(result: dict) -> str:
                              f"{r['batch_ms']['p99']:.1f} | {r['p50_vs_reference']:.2f}, {r['p99_vs_reference']:.2f} |")
                 label = ""
             if not e["same_labels_across_ratios_first_4_batches"]:
-                lines.append(f"| | | | | | | | | | labels differ between ratios |")
+                lines.append("| | | | | | | | | | labels differ between ratios |")
     return "\n".join(lines)
 
 

@@ -281,7 +281,7 @@ TITLE = {"smollm2-modules-on-minilm": "SmolLM2 modules served on MiniLM",
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Foreign modules: bridges and alignment transfer", "",
+    lines = ["# Foreign modules: bridges and alignment transfer", "",
              f"Measured {result['date']} on {result['machine']['cpu_model']} ({result['machine']['device']}), "
              f"torch {result['machine']['versions']['torch']}. Command: `{result['command']}`.", ""]
     costs = {(c["direction"], c["method"], c["what"], c["batch"]): c for c in result["costs"]}

@@ -12,7 +12,7 @@ import uvicorn
 from transformers import (AutoTokenizer, BertConfig, BertModel, DistilBertConfig, DistilBertModel, LlamaConfig, LlamaModel,
                           MPNetConfig, MPNetModel, RobertaConfig, RobertaModel)
 
-from modules_store import ModuleStore, TaskType
+from modules_store import ModuleStore
 from server.backbone import Backbone, default_backbone_path
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.modules import save_module

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx

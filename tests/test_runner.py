@@ -364,14 +364,14 @@ def test_cuda_reload_under_load_switches_answers_and_drops_no_request(tiny_backb
 
             reference = {}
             for version in ("1", "2"):
-                await client.post(f"/admin/modules/sentiment/load", json={"version": version},
+                await client.post("/admin/modules/sentiment/load", json={"version": version},
                                   headers={"authorization": f"Bearer {token}"})
                 reference[version] = (await ask()).json()["results"]
             answers, switches = [], []
             for round_ in range(6):
                 version = "12"[round_ % 2]
                 burst = [asyncio.create_task(ask()) for _ in range(24)]
-                switches.append(await client.post(f"/admin/modules/sentiment/load", json={"version": version},
+                switches.append(await client.post("/admin/modules/sentiment/load", json={"version": version},
                                                   headers={"authorization": f"Bearer {token}"}))
                 answers += await asyncio.gather(*burst, *[ask() for _ in range(8)])
             return reference, answers, switches

@@ -141,7 +141,7 @@ def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train
                              label_column="label", layers="2", backbone=str(train_backbone_dir), task="rte",
                              run_dir=str(tmp_path / "run"), project_dim=16, epochs=2, states="recompute",
                              pooling=pooling, progress=False)
-    result = train(settings, backbone=train_backbone)
+    train(settings, backbone=train_backbone)
     manifest = ModuleStore(tmp_path / "run" / "store").read_manifest("rte")
     assert manifest.layers == [2] and manifest.config["layers"] == [2]
     assert manifest.config["pooling"] == pooling

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shlex
 import time
 from pathlib import Path
 from typing import Sequence

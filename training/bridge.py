@@ -37,7 +37,7 @@ from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType
