@@ -211,6 +211,12 @@ class Recorder:
         self.data[key].append({"wall_seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0})
         return out
 
+    def time_epochs(self, trainer) -> None:
+        """Time every training epoch and validation of tmod-train's epoch loop (training.trainer)."""
+        run_epoch, validate = trainer.run_epoch, trainer.validate
+        trainer.run_epoch = lambda *a, **k: self.timed("epochs", run_epoch, *a, **k)
+        trainer.validate = lambda *a, **k: self.timed("validations", validate, *a, **k)
+
     def finish(self) -> dict:
         self.data["hwm_at_end_bytes"] = _vm("VmHWM")
         self.data["total_wall_seconds"] = time.perf_counter() - self.t0
@@ -234,7 +240,7 @@ def child_train_head(spec: dict) -> dict:
         return backbone
 
     Backbone.load = classmethod(timed_load)
-    fit, run_epoch, validate, cached = trainer.fit, trainer.run_epoch, trainer.validate, trainer.CachedStates
+    fit, cached = trainer.fit, trainer.CachedStates
 
     def timed_fit(*args, **kwargs):
         rec.fit_started()
@@ -250,8 +256,7 @@ def child_train_head(spec: dict) -> dict:
                                         "cpu_seconds": time.process_time() - c0, "bytes": self.nbytes()})
 
     trainer.fit = timed_fit
-    trainer.run_epoch = lambda *a, **k: rec.timed("epochs", run_epoch, *a, **k)
-    trainer.validate = lambda *a, **k: rec.timed("validations", validate, *a, **k)
+    rec.time_epochs(trainer)
     trainer.CachedStates = TimedCache
     rc = cli.main(spec["argv"])
     if rc:
@@ -298,7 +303,7 @@ def child_train_adapters(spec: dict) -> dict:
     from training.settings import TASK_DEFAULTS
     from training.states import Split
     import training.trainer as trainer
-    from training.trainer import resolve_data, run_epoch, seed_everything, validate
+    from training.trainer import resolve_data, seed_everything
 
     rec = Recorder()
     s = adapter_settings(spec)
@@ -315,9 +320,7 @@ def child_train_adapters(spec: dict) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
 
-    # tmod-train's own epoch loop, timed as child_train_head times it
-    trainer.run_epoch = lambda *a, **k: rec.timed("epochs", run_epoch, *a, **k)
-    trainer.validate = lambda *a, **k: rec.timed("validations", validate, *a, **k)
+    rec.time_epochs(trainer)  # tmod-train's own epoch loop, timed as child_train_head times it
     rec.fit_started()
     history, best_epoch, _ = trainer.train_epochs(model, train_split, val_split, NoStates(), NoStates(), s, device,
                                                   False, state=model.trainable_state)
