@@ -106,7 +106,9 @@ def engine_section(args, base: Backbone, cuda: bool, tmp: Path):
                 runner = shape_runner(bb, args.device, precision, size, tokens, graphs)
                 prepared = runner.prepare(rows, {names[0]: all_heads[names[0]]}).passes[0]
                 batch, bucket = prepared.batch, prepared.bucket
-                device_batch = runner.prepare(rows, {names[0]: all_heads[names[0]]}).passes[0].batch.to(args.device)
+                # the backbone alone reads a device copy: `to` moves a batch's tensors in place, and the
+                # runner takes the host batch (pinned, copied into its inputs)
+                device_batch = copy.copy(batch).to(args.device)
                 with torch.inference_mode(), runner.precision():
                     alone = (backbone_graph(bb, device_batch, args.device) if graphs
                              else (lambda: backbone_pass(bb, device_batch)))
