@@ -5,7 +5,11 @@ import math
 import random
 
 import pytest
+import torch
 
+from modules_store import TaskType
+from server.backbone.tokens import TokenBatch
+from server.heads.decode import decode
 from training.metrics import (
     accuracy,
     classification_scores,
@@ -79,6 +83,33 @@ def test_entity_scores_by_hand():
     assert scores["per_type"]["ORG"]["precision"] == 0.0 and scores["per_type"]["ORG"]["support"] == 1
     assert scores["entities"] == 4
     assert scores["word_accuracy"] == pytest.approx(5 / 7)
+
+
+# B-/I-/O tags, bare types, E- and S- prefixes, an empty type: every way a label set can read
+LABEL_SETS = [["O", "B-PER", "I-PER", "B-LOC", "I-LOC"], ["O", "PER", "LOC"],
+              ["O", "B-X", "I-X", "E-X", "S-X", "X", "I-Y", "B-", "I", ""]]
+
+
+def served_entities(labels: list[str], tags: list[str]) -> list[tuple[str, int, int]]:
+    """What tmod-serve answers for one text of one-token words tagged `tags`, as (type, first, last) words."""
+    text = " ".join(["w"] * len(tags))  # word i is text[2i]
+    ids = torch.zeros((1, len(tags)), dtype=torch.long)
+    batch = TokenBatch(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=None,
+                       offsets=[[(2 * i, 2 * i + 1) for i in range(len(tags))]], sequence_ids=[[0] * len(tags)],
+                       word_ids=[list(range(len(tags)))], texts=[text], text_pairs=None, truncated=[False])
+    logits = torch.nn.functional.one_hot(torch.tensor([[labels.index(t) for t in tags]]), len(labels)).float() * 9
+    answer = decode(TaskType.token_classification, labels, logits, batch)[0]["entities"]
+    return [(e["label"], e["start"] // 2, (e["end"] - 1) // 2) for e in answer]
+
+
+def test_reported_f1_counts_the_entities_the_server_answers():
+    """One reading of a tag sequence: a module's entity F1 (tmod-train) scores the spans that
+    tmod-serve answers for the same tags, for every kind of label set."""
+    rng = random.Random(0)
+    for _ in range(500):
+        labels = rng.choice(LABEL_SETS)
+        tags = [rng.choice(labels) for _ in range(rng.randint(1, 10))]
+        assert entities(tags) == served_entities(labels, tags), tags
 
 
 def _random_tags(rng: random.Random, n: int) -> list[str]:

@@ -2,13 +2,17 @@
 
 Entity extraction follows conlleval (and seqeval's default mode): an entity starts at a B- tag,
 or at an I- tag whose type differs from the entity before it (IOB1 and ill-formed BIO); it ends
-at O, at a B- tag, or where the type changes. Scores count exact (type, start, end) matches.
+at O, at a B- tag, or where the type changes. Scores count exact (type, start, end) matches. Tags
+are read as tmod-serve reads them (`split_tag`; an E- tag starts an entity there), so the score
+describes the spans that are served.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
 from typing import Sequence
+
+from server.heads.decode import split_tag
 
 
 # ---- classification ---------------------------------------------------------------------------
@@ -70,22 +74,15 @@ def classification_scores(gold: Sequence[str], pred: Sequence[str], labels: Sequ
 
 
 # ---- entities ---------------------------------------------------------------------------------
-def split_tag(tag: str) -> tuple[str, str]:
-    """'B-PER' -> ('B', 'PER'); 'O' -> ('O', ''); a bare type 'PER' -> ('I', 'PER')."""
-    if tag == "O":
-        return "O", ""
-    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BI":
-        return tag[0], tag[2:]
-    return "I", tag
-
-
 def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
-    """(type, first, last) word indices of each entity in one sentence's tags (last inclusive)."""
+    """(type, first, last) word indices of each entity in one sentence's tags (last inclusive): the
+    spans tmod-serve answers for those tags (server/heads/decode.py). A word continues the open
+    entity only as an I- of its type; any other tag but O starts one (B-, and E- as the server reads it)."""
     found = []
     current = None  # [type, first]
     for i, tag in enumerate(tags):
         prefix, kind = split_tag(tag)
-        if current is not None and (prefix in ("O", "B") or kind != current[0]):
+        if current is not None and (prefix != "I" or kind != current[0]):
             found.append((current[0], current[1], i - 1))
             current = None
         if prefix != "O" and current is None:

@@ -55,8 +55,10 @@ def best_labels(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- token classification ---------------------------------------------------------------------------
-def _split_tag(tag: str) -> tuple[str, str]:
-    """BIO tag -> (prefix, type): 'B-PER' -> ('B', 'PER'), 'O' -> ('O', ''), 'PER' -> ('I', 'PER')."""
+def split_tag(tag: str) -> tuple[str, str]:
+    """BIO tag -> (prefix, type): 'B-PER' -> ('B', 'PER'), 'O' -> ('O', ''), 'PER' -> ('I', 'PER').
+    The one reading of a tag: the served entities and the entity F1 that tmod-train reports for them
+    (training/metrics.py) both use it."""
     if tag == "O":
         return "O", ""
     if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIE":
@@ -102,7 +104,7 @@ def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch) -> lis
     rows = len(batch.texts)
     scores, best = best_labels(logits[:rows])
     words = word_predictions(scores, best, batch)
-    tags = [_split_tag(tag) for tag in labels]
+    tags = [split_tag(tag) for tag in labels]
     kinds = sorted({kind for _, kind in tags})
     prefix = np.array(["OIBE".index(p) for p, _ in tags])[words.label]
     kind = np.array([kinds.index(k) for _, k in tags])[words.label]
