@@ -23,7 +23,8 @@ class Settings(BaseSettings):
         "per worker core (bench/results/frontend-workers-cpu.md), plus a core for the engine process")
     store: Path = Field(DEFAULT_STORE, description="module store directory")
     backbone: Path | None = Field(None, description="local Hugging Face model directory, or a named offline backbone: "
-                                  "minilm (all-MiniLM-L6-v2, the default) or smollm2 (SmolLM2-135M-Instruct)")
+                                  "minilm (all-MiniLM-L6-v2, the default), mpnet (all-mpnet-base-v2, the quality "
+                                  "tier) or smollm2 (SmolLM2-135M-Instruct)")
     bridges: Path | None = Field(None, description="bridge store: bridges from this backbone let modules trained on "
                                  "another backbone serve here (default: <store>/_bridges)")
     device: str = Field("cpu", description="torch device for backbone and heads: cpu, cuda or cuda:N "

@@ -136,7 +136,7 @@ def add_align_command(commands) -> None:
     """`tmod-train align` (training/align.py): an alignment bridge, fitted without training."""
     p = commands.add_parser("align", help="alignment bridge: serve TARGET's modules on SOURCE by matching "
                                           "hidden dimensions (Pearson + linear assignment; no training)")
-    p.add_argument("--source", default="minilm", help="backbone the bridge is served on: minilm, smollm2, a folder")
+    p.add_argument("--source", default="minilm", help="backbone the bridge is served on: minilm, smollm2, mpnet, a folder")
     p.add_argument("--target", default="smollm2", help="backbone the foreign modules were trained on")
     p.add_argument("--target-layers", default=None, help="target states to produce: 'all' (default), '0,5,10', '0-6'")
     p.add_argument("--mapping", choices=["skip", "avg"], default="skip",
@@ -168,7 +168,7 @@ def add_bridge_command(commands) -> None:
     """`tmod-train bridge` (training/bridge.py): a transformer bridge, trained (MSE or distillation)."""
     p = commands.add_parser("bridge", help="transformer bridge: serve TARGET's modules on SOURCE; trained on "
                                            "paired states (MSE) or through a frozen target module (distill)")
-    p.add_argument("--source", default=None, help="backbone the bridge is served on: minilm (default), smollm2, a folder")
+    p.add_argument("--source", default=None, help="backbone the bridge is served on: minilm (default), smollm2, mpnet, a folder")
     p.add_argument("--target", default=None, help="backbone the foreign modules were trained on (default: smollm2)")
     p.add_argument("--source-layers", default=None, help="source states mixed: 'all' (default), '0-6', '2,4,6'")
     p.add_argument("--target-layers", default=None,
