@@ -44,6 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.bench_sharing import build_modules, default_data_dir, paired_ratio, read_sentences, summarise  # noqa: E402
+from bench.bench_load import percentile  # noqa: E402
 from bench.environment import machine_info  # noqa: E402
 
 import torch  # noqa: E402
@@ -91,16 +92,6 @@ def long_batches(bb, sentences: list[str], batch_size: int, count: int, tokens: 
 # ---------------------------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = q / 100 * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def time_configs(configs: dict, batches: list, rounds: int, rng: random.Random, label: str) -> dict:
     """Per config: per-call times (wall and cpu) over all rounds, and per-round totals."""
     for fn in configs.values():  # warm-up: plan cache, allocator, kernels

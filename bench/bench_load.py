@@ -330,6 +330,7 @@ def metrics_delta(before: dict, after: dict) -> dict:
 # the load generator
 # ---------------------------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile, linear between order statistics (numpy's default); None for no values."""
     if not values:
         return None
     import numpy as np

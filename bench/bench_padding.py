@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.bench_backends import percentile  # noqa: E402
+from bench.bench_load import percentile  # noqa: E402
 from bench.environment import machine_info, read_sst2_sentences  # noqa: E402
 from training.data import default_data_dir  # noqa: E402
 
