@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.bench_load import percentile  # noqa: E402
+from bench.bench_sharing import paired_ratio  # noqa: E402
 from bench.environment import machine_info, read_sst2_sentences  # noqa: E402
 from training.data import default_data_dir  # noqa: E402
 
@@ -58,10 +59,6 @@ def padding_stats(lengths: list[int], ratio: float) -> dict:
     runs = length_runs(lengths, ratio)
     return {"passes": len(runs), "real_tokens": sum(lengths),
             "padded_tokens": sum((r.stop - r.start) * lengths[r.stop - 1] for r in runs)}
-
-
-def summarise(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def labels_of(outputs: dict) -> list:
@@ -173,7 +170,7 @@ def main(argv=None) -> None:
                     "real_tokens": real, "padded_tokens": padded, "padded_over_real": padded / real,
                     "sequences_per_cpu_s": n_seq / statistics.median(totals[ratio]),
                     "batch_ms": {"p50": 1000 * percentile(calls[ratio], 50), "p99": 1000 * percentile(calls[ratio], 99)},
-                    "throughput_vs_reference": summarise([a / b for a, b in zip(totals[ref], totals[ratio])]),
+                    "throughput_vs_reference": paired_ratio(totals[ref], totals[ratio]),
                     "cpu_seconds_per_round": totals[ratio],
                 }
             for ratio in ratios:
