@@ -15,7 +15,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import io
+import re
 import gzip
 import json
 import os
@@ -35,7 +38,7 @@ from kserve.protocol.infer_type import InferInput, InferRequest, RequestedOutput
 from modules_store import DEFAULT_STORE
 from server.config import Settings
 from tests.helpers import start_tmod_serve
-from tests.test_deploy import (K8S, SETTINGS_ENV, app_routes, container, container_env, cpu_cores, kubectl, one,
+from tests.test_deploy import (DEPLOY, K8S, SETTINGS_ENV, app_routes, container, container_env, cpu_cores, kubectl, one,
                                render as render_k8s, validate as validate_k8s)
 
 KSERVE = Path(__file__).resolve().parents[1] / "deploy" / "kserve"
@@ -268,6 +271,16 @@ def test_predictor_matches_the_plain_deployment(flavour):
     assert p["autoScaling"]["metrics"] == hpa["metrics"]
     # the plain HPA's only behaviour setting is the Kubernetes default, which KServe's HPA keeps
     assert hpa["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": 300}}
+    # the disruption budget: the plain one's, on the pods KServe makes (it labels them with the
+    # InferenceService's name and adds the predictor's labels)
+    budget = one(objects, "PodDisruptionBudget")
+    pod_labels = {**p["labels"], "serving.kserve.io/inferenceservice": isvc(objects)["metadata"]["name"]}
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert budget["spec"]["maxUnavailable"] == one(k8s, "PodDisruptionBudget")["spec"]["maxUnavailable"]
+    # and the plain Deployment's Services and budget do not select them (both can share a namespace)
+    for selector in [s["spec"]["selector"] for s in k8s if s["kind"] == "Service"] + \
+            [one(k8s, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]]:
+        assert not selector.items() <= pod_labels.items()
 
 
 # ---- the kserve client against a real tmod-serve ---------------------------------------------------
@@ -385,3 +398,43 @@ def test_through_kserves_host_routing_and_errors(served):
         infer(served, "telepathy", {"text": ["x"]}, False)
     with pytest.raises(httpx.HTTPStatusError, match="text_pair"):
         infer(served, "sentiment", {"text": ["a", "b"], "text_pair": ["c"]}, True)
+
+
+# ---- deploy/README.md's KServe examples, as written ----------------------------------------------------
+def readme_kserve_block(language: str) -> str:
+    section = (DEPLOY / "README.md").read_text().split("\n## KServe\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(rf"```{language}\n(.*?)```", section, re.S)
+    return block
+
+
+def test_readme_store_patch_sets_the_storage_uri(tmp_path):
+    overlay = tmp_path / "my-overlay"
+    overlay.mkdir()
+    patch = yaml.safe_load(readme_kserve_block("yaml"))
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(KSERVE / "overlays" / "cpu", overlay)], **patch}))
+    objects = render_dir(overlay)
+    validate(isvc(objects))
+    uri = json.dumps(patch).split("s3://", 1)[1].split('"', 1)[0]
+    assert predictor_env(objects)["STORAGE_URI"] == "s3://" + uri
+
+
+def test_readme_python_client_example_runs(served):
+    """The README's client example, run as written against the real server (the ingress stands here)."""
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        exec(readme_kserve_block("python"), {"INGRESS": served.removeprefix("http://"),  # noqa: S102
+                                            "HOST": "tmod-tmod.example.com"})
+    assert "'label': ['positive']" in output.getvalue(), output.getvalue()
+
+
+def test_readme_curl_example_body_is_answered(served):
+    calls = [b for b in re.findall(r"```bash\n(.*?)```", (DEPLOY / "README.md").read_text(), re.S) if "$HOST" in b]
+    (block,) = calls
+    path = re.search(r"/v2/models/\w+/infer", block).group(0)
+    body = re.search(r"-d '(.*?)'", block, re.S).group(1)
+    response = httpx.post(served + path, content=body, timeout=60,
+                          headers={"Host": "tmod-tmod.example.com", "content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert [o["name"] for o in response.json()["outputs"]] == ["label", "score", "scores"]
+    assert httpx.get(served + re.search(r"/v2/models/\w+/ready", block).group(0), timeout=10).status_code == 200
