@@ -63,9 +63,10 @@ class Settings(BaseSettings):
         "graph_batch_sizes: right on a GPU, where a pass costs launches, not padding); auto: buckets on cuda, "
         "length_runs on the CPU")
     cuda_graphs: bool = Field(
-        True, description="on a cuda device, capture each plan's whole pass (backbone and heads) as one CUDA graph "
-        "per bucket shape and replay it (shapes outside the buckets, and plans with foreign modules, run eager); "
-        "no effect on the CPU")
+        True, description="on a cuda device with backend torch, capture the whole pass (backbone and heads) of the "
+        "task sets default requests run as one CUDA graph per reachable bucket shape, at start and after each module "
+        "change, and replay it (for those sets and their subsets; foreign modules and shapes outside the buckets run "
+        "eager); no effect on the CPU")
     graph_batch_sizes: str = Field(
         "1,2,4,8,16,32,64,128,256,512", description="bucket batch sizes (comma-separated); those above "
         "max_batch_size are dropped, except the smallest one that covers it")

@@ -339,3 +339,20 @@ def test_task_list_uses_the_layers_read_at_load(tiny_backbone, tiny_store, monke
         assert {t["task"]: t["layers"] for t in listed} == want
         assert httpx.get(server.url + "/v1/tasks/ner").json()["layers"] == want["ner"]
         assert calls == []  # read at load, in the compute thread; never on the event loop
+
+
+def test_a_cuda_device_is_made_current_and_fp32_products_use_tf32(monkeypatch):
+    from server.runner import use_device
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)  # no GPU here: recorded
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        use_device(torch.device("cpu"))
+        assert made_current == [] and not torch.backends.cuda.matmul.allow_tf32
+        use_device(torch.device("cuda:1"))
+        assert made_current == [torch.device("cuda:1")]  # capture streams and pools on device 1, not 0
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
