@@ -255,12 +255,15 @@ class StagingBuffers:
         return sum(len(v) for v in self._free.values())
 
     def allocate(self, buckets: list[Bucket], token_types: bool, classes: set[str]) -> None:
-        """Sets for every bucket not held yet (what exists stays: in-flight batches may use it)."""
+        """Sets for every bucket not held yet, or held without a tensor now needed (a module that
+        reads another class was loaded); sets that are fine stay. A replaced set still taken by an
+        in-flight batch is only dropped when that batch gives it back."""
+        names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else []) + \
+            [f"class:{name}" for name in sorted(classes)]
         for bucket in buckets:
-            if bucket in self._free:
+            held = self._free.get(bucket)
+            if held and set(names) <= set(held[0].tensors):
                 continue
-            names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else []) + \
-                [f"class:{name}" for name in sorted(classes)]
             shape = (bucket.size, bucket.seq_len)
             made = [StagingSet(bucket, {name: torch.zeros(shape, dtype=torch.long, pin_memory=self.pin)
                                         for name in names}) for _ in range(self.sets)]

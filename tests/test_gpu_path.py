@@ -110,6 +110,10 @@ def test_staging_sets_are_taken_filled_and_given_back(tiny_backbone, tiny_store)
     made = [s.tensors["input_ids"] for s in staging._free[bucket]]
     staging.allocate([bucket], token_types=True, classes={"casing"})  # a second warm-up keeps what exists
     assert [s.tensors["input_ids"] for s in staging._free[bucket]] == made
+    wider = StagingBuffers(pin=False)
+    wider.allocate([bucket], token_types=True, classes={"casing"})
+    wider.allocate([bucket], token_types=True, classes={"casing", "segment"})  # a pair head loaded: new sets
+    assert all("class:segment" in s.tensors for s in wider._free[bucket]) and len(wider) == 2
 
     def collate(texts):
         return tiny_backbone.text.collate(sorted_rows(tiny_backbone, texts), shape=(8, 64), device="cpu",
