@@ -311,6 +311,7 @@ class CapturedPass:
     layout: list
     memory_bytes: int = 0
     graph: object = None  # the torch.cuda.CUDAGraph (kept alive with its pool blocks)
+    deepest: int | None = None  # the last backbone state the captured plan computes (set by GraphCache)
 
     def __call__(self, batch: TokenBatch) -> torch.Tensor:
         if tuple(batch.input_ids.shape) != tuple(self.inputs.input_ids.shape):
@@ -494,6 +495,7 @@ class GraphCache:
                 torch.cuda.empty_cache()
             log.warning("graph %s for tasks %s not captured, it runs eager: %s", bucket, sorted(plan.modules), reason)
             return None
+        captured.deepest = plan.deepest
         entry.graphs[bucket] = captured
         self.memory_bytes += captured.memory_bytes
         self.captures += 1
@@ -525,6 +527,7 @@ class PreparedPass:
     bucket: Bucket | None
     batch: TokenBatch  # collated on the host (in a staging set on cuda), padded to the bucket if any
     staging: StagingSet | None = None  # given back once the pass has run
+    deepest: int | None = None  # the last backbone state the pass computed, once it has run
 
 
 @dataclass
@@ -705,11 +708,11 @@ class ModelRunner:
                 self.staging.give_back(item.staging)
                 item.staging = None
         if self.metrics is not None:
-            deepest = self.engine.plan(modules).deepest
             for item in prepared.passes:
                 self.metrics.batch_size.observe(item.batch.real_rows)
                 self.metrics.batch_tokens.observe(item.batch.size * item.batch.seq_len)
-                self.metrics.backbone_layers.observe(deepest)
+                # a pass split for memory ran as halves: their plan's depth
+                self.metrics.backbone_layers.observe(item.deepest or self.engine.plan(modules).deepest)
         return outputs
 
     def _execute(self, prepared: PreparedBatch, modules: dict[str, LoadedModule], timings: Timings
@@ -754,20 +757,23 @@ class ModelRunner:
         when one covers them, the rest eager; foreign tasks beside a bucket-padded batch on the
         rows collated unpadded (a bridge tokenizes each real row for its target)."""
         rest = modules
-        host, batches = {}, {}
+        host, batches, deepest = {}, {}, 0
         if item.bucket is not None:
             native = native_part(modules)
             captured = self.graphs.find(native, item.bucket) if native else None
             if captured is not None:
                 host, batches = self._replay(captured, item.batch, native, timings)
                 rest = {task: m for task, m in modules.items() if task not in native}
+                deepest = captured.deepest or 0
         if rest:
             batch = item.batch
             if item.bucket is not None and len(native_part(rest)) < len(rest):
                 batch = self.engine.backbone.text.collate(rows, device="cpu", classes=token_classes_read(rest))
-            more_host, more_batches = self._eager(batch, rest, timings)
+            more_host, more_batches, eager_deepest = self._eager(batch, rest, timings)
             host.update(more_host)
             batches.update(more_batches)
+            deepest = max(deepest, eager_deepest)
+        item.deepest = deepest
         return host, batches
 
     def _replay(self, captured: CapturedPass, batch: TokenBatch, tasks, timings: Timings):
@@ -789,7 +795,7 @@ class ModelRunner:
         flat, layout = pack_logits(out)
         host = unpack_logits(to_host(flat), layout, real.size)
         timings.backbone += time.perf_counter() - start
-        return host, {task: real if b is device_batch else b for task, b in batches.items()}
+        return host, {task: real if b is device_batch else b for task, b in batches.items()}, plan.deepest
 
     @torch.inference_mode()
     def logits(self, batch: TokenBatch, bucket: Bucket | None, modules: dict[str, LoadedModule],

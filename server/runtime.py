@@ -130,6 +130,11 @@ class Runtime:
         except ArtifactError as exc:
             status = 404 if exc.reason == "not_found" else 409
             raise ApiError(status, f"artifact_{exc.reason}", exc.message) from exc
+        except RuntimeError as exc:  # a capture at warm-up can meet a dead device too
+            if not is_device_failure(exc):
+                raise
+            self.fail(error_text(exc))
+            raise ApiError(503, "device_failed", f"the device failed and the server is stopping: {self.failure}") from None
         return module, current.version if current else None
 
     def describe(self, module: LoadedModule) -> dict:

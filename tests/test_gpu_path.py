@@ -212,6 +212,8 @@ def test_warm_up_captures_what_default_requests_run_at_every_reachable_bucket(ti
         ({"sentiment", "ner", "acceptability"}, True), ({"sentiment", "ner", "acceptability", "entailment"}, True),
         ({"ner"}, True)]
     assert runner.graphs.replays == 3
+    # the subset built no plan of its own (stacks of its heads): the replayed plan serves it
+    assert sorted(len(key) for key in runtime.engine._plans) == [3, 4]
     assert set(single.json()["results"][0]) == {"sentiment", "ner", "acceptability"}
     assert set(named.json()["results"][0]) == {"ner"}
     # the answers are those of eager passes of the requests' own sets
