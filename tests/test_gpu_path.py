@@ -362,3 +362,39 @@ def test_a_cuda_device_is_made_current_and_fp32_products_use_tf32(monkeypatch):
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["minilm", "mpnet"])
+def test_cuda_captures_the_shipped_plans_and_replays_them_as_eager_passes_answer(tier):
+    """Both tiers' shipped modules (NER's k=128 head, the pair task): warm-up captures the single-text
+    and pair sets at every reachable bucket; requests of either kind replay them, nothing is captured
+    on their path, and the answers are those of eager passes (default precision: fp16 on cuda)."""
+    from modules_store import DEFAULT_STORE
+    from server.backbone import Backbone
+    from server.backbone.sources import mpnet_parts
+    from server.modules import servable_tasks
+
+    if tier == "mpnet":
+        try:
+            mpnet_parts()
+        except FileNotFoundError as exc:
+            pytest.skip(str(exc))
+    backbone = Backbone.load(tier, device="cuda")
+    store = ModuleStore(DEFAULT_STORE)
+    modules = {t: load_module(store, t, None, backbone, "cuda") for t in servable_tasks(store, backbone)}
+    shapes = dict(graph_batch_sizes="8,32", graph_seq_lens="32,64", max_inputs=8, max_batch_tokens=512)
+    runner = ModelRunner(Engine(backbone), Settings(device="cuda", **shapes))
+    runner.warm_up(modules)
+    sets = served_task_sets(modules)
+    assert len(sets) == 2 and len(runner.graphs) == 2 * len(runner.reachable_buckets()), runner.graphs.describe()
+    assert 0 < runner.graphs.memory_bytes <= runner.graphs.memory_cap
+    captures = runner.graphs.captures
+    eager = ModelRunner(Engine(backbone), Settings(device="cuda", cuda_graphs=False, **shapes))
+    for task_set, pairs in ((sets[1], None), (sets[0], PAIRS)):
+        rows = sorted_rows(backbone, TEXTS, pairs)
+        got, want = runner.run(rows, task_set), eager.run(rows, task_set)
+        assert_same_answers(got, want, abs_tol=2e-3)
+    assert runner.graphs.captures == captures and runner.graphs.replays >= 2
