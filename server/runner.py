@@ -45,6 +45,7 @@ from server.config import Settings, parse_sizes
 from server.engine import Engine, Timings, decode_all
 from server.errors import ApiError
 from server.modules import LoadedModule
+from server.windows import pass_answers
 
 log = logging.getLogger("tmod")
 
@@ -497,8 +498,8 @@ class ModelRunner:
     def _answer(self, item: PreparedPass, rows: list[EncodedInput], modules, timings) -> dict[str, list]:
         try:
             logits, batches = self.logits(item.batch, item.bucket, modules, timings)
-            if self.decode_here:
-                return decode_all(modules, logits, batches)
+            if self.decode_here:  # windows of a longer text keep their logits, merged per text (server/windows.py)
+                return pass_answers(modules, logits, batches, rows)
             return row_logits(modules, logits, batches, [len(row) for row in rows])
         except Exception as exc:
             if not is_out_of_memory(exc):

@@ -27,6 +27,7 @@ from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module
 from server.runner import ModelRunner, PreparedBatch, head_precision, length_runs  # noqa: F401  (length_runs: re-exported)
+from server.windows import rule_for
 
 log = logging.getLogger("tmod")
 
@@ -80,6 +81,11 @@ class Runtime:
     def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
         return self.backbone.encode(texts, text_pairs, truncate, max_tokens)
 
+    @property
+    def text(self):
+        """The backbone's TextEncoder (windows are cut from what it reads: server/windows.py)."""
+        return self.backbone.text
+
     async def submit(self, job: Job) -> list[dict]:
         """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""
         try:
@@ -125,6 +131,7 @@ class Runtime:
             "labels": m.labels, "layers": module.head.layers_read(), "parameters": count_parameters(module.head),
             "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
             "inputs": "text_pair" if compares_pairs(m) else "text", "served_through": via,
+            "windows": None if module.bridge else getattr(rule_for(m.task_type), "name", None),
         }
 
     # ---- start-up ----------------------------------------------------------------------------
