@@ -272,3 +272,36 @@ def test_a_request_of_many_windows_takes_turns_with_short_requests(tiny_store, t
             thread.join(timeout=300)
     assert all(status == 200 for _, status in finished), finished
     assert finished[-1][0] == "long", finished
+
+
+def test_an_entity_across_a_window_cut_comes_back_once_with_exact_offsets(minilm):
+    """The shipped MiniLM ner module: an organisation name placed so that the first window's cut falls
+    inside it, or the second window starts inside it, is answered once, whole, as in a short text."""
+    name = "United Nations Security Council"
+    filler = "The talks went on for hours and nobody said much about the weather that day ."
+    settings = Settings(store=DEFAULT_STORE, tasks="ner", head_precision="fp32")
+    window = WindowSettings(32, 24, minilm.max_tokens)
+    with LiveServer(create_app(settings, backbone=minilm)) as server, httpx.Client(base_url=server.url) as client:
+        alone = infer(client, [f"He spoke to the {name} on Monday ."], "ner").json()["results"][0]["ner"]["entities"]
+        assert [e["text"] for e in alone if e["label"] == "ORG"] == [name]
+        placed = {"cut": 0, "start": 0}
+        for words in range(1, 40):
+            text = " ".join((filler + " " + filler).split()[:words]) + f" he spoke to the {name} on Monday . " + filler + " " + filler
+            begin = text.index(name)
+            reading = split(minilm.text.encode([text], whole=True)[0], window)
+            offsets = reading.whole.offsets[reading.first:reading.first + reading.count]
+            (_, end0), (start1, _) = reading.spans[:2]
+            # where does it fall: the first window's last piece, or the second's first, inside the name
+            cut_inside = begin < offsets[end0 - 1][1] < begin + len(name)
+            start_inside = begin < offsets[start1][0] < begin + len(name)
+            if not (cut_inside or start_inside):
+                continue
+            placed["cut" if cut_inside else "start"] += 1
+            body = infer(client, [text], "ner", window=32, stride=24).json()
+            assert body["windows"] == [len(reading.rows)] and len(reading.rows) >= 2
+            entities = body["results"][0]["ner"]["entities"]
+            for e in entities:
+                assert text[e["start"]:e["end"]] == e["text"]
+            touching = [e for e in entities if e["start"] < begin + len(name) and begin < e["end"]]
+            assert [(e["text"], e["label"], e["start"]) for e in touching] == [(name, "ORG", begin)], (words, touching)
+        assert placed["cut"] >= 2 and placed["start"] >= 2, placed
