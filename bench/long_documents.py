@@ -174,6 +174,36 @@ def speed(client: httpx.Client, documents, window: int, sizes: list[int], repeat
     return out
 
 
+def host_cost(backbone: str, repeats: int = 7) -> dict:
+    """Host work per short request (an SST-2 sentence), in this process: what the server did before
+    windows (tokenize with the token limit) against what it does now (tokenize whole, choose the
+    window, cut, count, plan parts), alternating, median microseconds over 500 sentences."""
+    from bench.environment import read_sst2_sentences
+    from server import windows
+    from server.backbone import Backbone
+
+    text = Backbone.load(backbone).text
+    sentences = read_sst2_sentences()[:500]
+
+    def before(sentence):
+        text.encode([sentence], None, False, None)
+
+    def after(sentence):
+        reading = windows.read(text, [sentence], None, windows.settings_for(text, None), False)
+        windows.parts(reading.rows, 128, 16384)
+        return reading.tokens, reading.windows, reading.windowed
+
+    runs = {"before": [], "after": []}
+    for rep in range(repeats):
+        for name, work in ((("before", before), ("after", after)) if rep % 2 == 0 else (("after", after), ("before", before))):
+            start = time.perf_counter()
+            for sentence in sentences:
+                work(sentence)
+            runs[name].append(1e6 * (time.perf_counter() - start) / len(sentences))
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    return {"us_per_request": medians, "extra_us_per_request": medians["after"] - medians["before"], "runs_us": runs}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backbone", default="minilm", help="minilm or mpnet (served with the shipped ner module)")
@@ -184,9 +214,21 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timings per size (median)")
     p.add_argument("--limit", type=int, default=None, help="first N documents only (a quick check)")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-ner", action="store_true")
+    p.add_argument("--host-cost", action="store_true", help="only the host work per short request, before and "
+                   "after windows, in this process (no server)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     windows = [int(w) for w in args.window.split(",")]
+    if args.host_cost:
+        record = {"benchmark": "host work per short request, before and after windows", "backbone": args.backbone,
+                  "machine": {**machine_info("cpu"), "cpu_flags": cpu_flags()},
+                  "command": "python bench/long_documents.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  **host_cost(args.backbone)}
+        out = args.out or REPO / "bench" / "results" / f"long-documents-host-cost-{args.backbone}.json"
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps(record["us_per_request"]), f"wrote {out}")
+        return
     path = Path(default_data_dir()) / "conll2003" / "validation.txt"
     documents = read_conll_documents(path)[:args.limit]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_THREADS": str(args.threads), "TMOD_LOG_LEVEL": "warning"}
@@ -205,13 +247,15 @@ def main(argv=None) -> None:
                          "sentences": sum(len(d) for d in documents)},
             }
             started = time.perf_counter()
-            record["ner"] = ner_scores(client, documents, windows)
-            for mode, scores in record["ner"].items():
-                print(f"{mode:10s} F1 {100 * scores['f1']:.2f} (P {100 * scores['precision']:.2f}, "
-                      f"R {100 * scores['recall']:.2f}) {scores['seconds']:.0f}s", flush=True)
-            record["f1_documents_minus_sentences_points"] = {
-                w: 100 * (record["ner"][f"documents_window_{w}"]["f1"] - record["ner"]["sentences"]["f1"]) for w in windows}
-            record["ner_seconds"] = time.perf_counter() - started
+            if not args.skip_ner:
+                record["ner"] = ner_scores(client, documents, windows)
+                for mode, scores in record["ner"].items():
+                    print(f"{mode:10s} F1 {100 * scores['f1']:.2f} (P {100 * scores['precision']:.2f}, "
+                          f"R {100 * scores['recall']:.2f}) {scores['seconds']:.0f}s", flush=True)
+                record["f1_documents_minus_sentences_points"] = {
+                    w: 100 * (record["ner"][f"documents_window_{w}"]["f1"] - record["ner"]["sentences"]["f1"])
+                    for w in windows}
+                record["ner_seconds"] = time.perf_counter() - started
             if not args.skip_speed:
                 record["speed"] = speed(client, documents, windows[0], [int(x) for x in args.sizes.split(",")],
                                         args.repeats)

@@ -203,7 +203,6 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None):
         received = time.perf_counter()
-        started = time.perf_counter()
         reading = await read_inputs(texts, text_pairs, truncate, window, stride)
         if reading.tokens > settings.max_request_tokens:
             raise ApiError(413, "too_many_tokens",
@@ -213,7 +212,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         windows.check_windowable(reading, modules)
         job = windows.AnsweredJob(rows=[text.whole for text in reading.texts], modules=modules, deadline=0.0,
                                   windows=reading.windows)
-        job.timings.tokenize = time.perf_counter() - started
+        job.timings.tokenize = time.perf_counter() - received
         rows, answers, versions = reading.rows, [], None
         # a request over one batch's budget goes in parts, each to the back of the queue (fair turns)
         for part in windows.parts(rows, settings.max_batch_size, settings.max_batch_tokens):
@@ -225,8 +224,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(503, "module_changed", "a task's module was replaced while this request was read "
                                f"(versions {versions} then {answered}); retry")
             versions, job.modules = answered, piece.modules
-            for name in ("queue",):
-                job.timings.extra[name] = job.timings.extra.get(name, 0.0) + piece.timings.extra.get(name, 0.0)
+            job.timings.extra["queue"] = job.timings.extra.get("queue", 0.0) + piece.timings.extra.get("queue", 0.0)
             job.timings.backbone += piece.timings.backbone
             job.timings.heads += piece.timings.heads
         results = answers

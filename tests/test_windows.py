@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 from modules_store import DEFAULT_STORE
 from server.app import create_app
 from server.config import Settings
-from server.windows import (AnsweredJob, TextWindows, WindowSettings, cut, furthest_from_edge, mean_by_tokens,
+from server.windows import (TextWindows, WindowSettings, cut, furthest_from_edge, mean_by_tokens,
                             mean_normalised, parts, split)
 from tests.helpers import LiveServer, wait_until
 
