@@ -1,6 +1,7 @@
 """Long texts read in overlapping windows and answered as one (server/windows.py), over real servers."""
 from __future__ import annotations
 
+import json
 import random
 import threading
 
@@ -304,3 +305,19 @@ def test_an_entity_across_a_window_cut_comes_back_once_with_exact_offsets(minilm
             touching = [e for e in entities if e["start"] < begin + len(name) and begin < e["end"]]
             assert [(e["text"], e["label"], e["start"]) for e in touching] == [(name, "ORG", begin)], (words, touching)
         assert placed["cut"] >= 2 and placed["start"] >= 2, placed
+
+
+def test_oip_requests_take_window_parameters(live):
+    text = long_text(200, 8)
+
+    def oip(parameters):
+        return live.post("/v2/models/ner/infer", json={
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}], "parameters": parameters})
+
+    body = oip({"window": 32, "stride": 24})
+    assert body.status_code == 200, body.text
+    entities = json.loads(body.json()["outputs"][0]["data"][0])
+    assert entities and all(text[e["start"]:e["end"]] == e["text"] for e in entities)
+    assert entities == infer(live, [text], "ner", window=32, stride=24).json()["results"][0]["ner"]["entities"]
+    for bad in ({"window": "32"}, {"window": 8}, {"stride": True}):
+        assert oip(bad).status_code == 422, bad
