@@ -29,7 +29,6 @@ import numpy as np
 
 from server.backbone.tokens import EncodedInput, TextEncoder
 from server.batcher import Job
-from server.engine import decode_all
 from server.errors import ApiError
 from server.heads.decode import decode_rows
 
@@ -246,22 +245,9 @@ def rule_for(task_type) -> Rule | None:
     return RULES.get(getattr(task_type, "value", task_type))
 
 
-def pass_answers(modules: dict, logits: dict, batches: dict, rows: list[EncodedInput]) -> dict[str, list]:
-    """A pass's answers per task, in row order, when this process decodes: decoded answers, except
-    for rows that are windows of a longer text, which keep their row logits for `Reading.answers`."""
-    from server.runner import row_logits  # the runner imports this module
-
-    windows = [r for r, row in enumerate(rows) if isinstance(row, WindowRow)]
-    if not windows:
-        return decode_all(modules, logits, batches)
-    raw = row_logits(modules, logits, batches, [len(row) for row in rows])
-    if len(windows) == len(rows):
-        return raw
-    answers = decode_all(modules, logits, batches)
-    for task in answers:
-        for r in windows:
-            answers[task][r] = raw[task][r]
-    return answers
+def window_rows(rows: list[EncodedInput]) -> list[int]:
+    """Indices of the rows that are windows of a longer text (they keep their logits: server/answers.py)."""
+    return [r for r, row in enumerate(rows) if isinstance(row, WindowRow)]
 
 
 def plain_rows(rows: list[EncodedInput]) -> list[int]:
