@@ -41,8 +41,16 @@ def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor]
 
 
 def answers(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
-            lengths: list[int], decode_here: bool) -> dict[str, list]:
-    """Per task, each row's answer: decoded (`decode_here`), or its logits for a worker to decode."""
-    if decode_here:
-        return decode_all(modules, logits, batches)
-    return row_logits(modules, logits, batches, lengths)
+            lengths: list[int], decode_here: bool, raw_rows: list[int] = ()) -> dict[str, list]:
+    """Per task, each row's answer: decoded (`decode_here`), or its logits for a worker to decode.
+    `raw_rows` keep their logits either way: windows of a longer text, which the request combines
+    per text and decodes whole (server/windows.py)."""
+    if not decode_here or len(raw_rows) == len(lengths):
+        return row_logits(modules, logits, batches, lengths)
+    decoded = decode_all(modules, logits, batches)
+    if raw_rows:
+        raw = row_logits(modules, logits, batches, lengths)
+        for task in decoded:
+            for r in raw_rows:
+                decoded[task][r] = raw[task][r]
+    return decoded
