@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import oip
+from server.embeddings_api import embeddings_routers
 from server.backbone import Backbone, InputTooLong
 from server.batcher import Job
 from server.config import Settings
@@ -26,7 +27,7 @@ from server.errors import (
     validation_error_handler,
 )
 from server.logs import RequestLog
-from server.modules import LoadedModule, compares_pairs
+from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (
     InferRequest,
@@ -145,7 +146,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """Pair tasks (entailment) compare a text with a text pair: asked for by name with single
         texts they are refused; among all loaded tasks they are left out of a single-text request."""
         if has_pairs:
-            return modules
+            single = sorted(t for t, m in modules.items() if reads_single_texts(m.manifest))
+            if single and (named or len(single) == len(modules)):
+                raise ApiError(422, "single_text_task", f"task(s) {single} read single texts: send inputs as texts")
+            return {t: m for t, m in modules.items() if t not in single} if single else modules
         pair_tasks = sorted(t for t, m in modules.items() if compares_pairs(m.manifest))
         rest = {t: m for t, m in modules.items() if t not in pair_tasks}
         if pair_tasks and (named or not rest):
@@ -187,8 +191,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         started = time.perf_counter()
         try:
             rows = await loop.run_in_executor(
-                runtime.tokenize_executor, runtime.encode, texts, text_pairs, truncate, settings.max_tokens
-            )
+                runtime.tokenize_executor, runtime.encode, texts, text_pairs, truncate,
+                token_limit(modules, settings.max_tokens))
         except InputTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
         job = Job(rows=rows, modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
@@ -308,6 +312,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         module = job.modules[task]  # the version that answered
         content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
+
+    for router in embeddings_routers(runtime, require_ready, run_inference):  # OpenAI and TEI embeddings
+        app.include_router(router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz():
