@@ -90,8 +90,8 @@ def main(argv=None) -> None:
         st_encode()
         with torch.inference_mode():
             for task, module in extra.items():
-                for group in groups:
-                    engine.logits(backbone.tokenize(group), {task: module})
+                for group in groups:  # sorted by length within the batch, as encode and the server do
+                    engine.logits(backbone.tokenize(sorted(group, key=len)), {task: module})
 
     def http_embeddings():
         for group in groups:

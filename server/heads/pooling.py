@@ -21,8 +21,8 @@ def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_max(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(..., B, T, H) -> (..., B, H): the largest value of each feature over real tokens (padding
     counts as -1e9, as sentence-transformers fills it)."""
-    real = mask.unsqueeze(-1).bool()
-    return torch.where(real, hidden, torch.full((), -1e9, dtype=hidden.dtype, device=hidden.device)).amax(-2)
+    padding = mask.unsqueeze(-1) == 0
+    return hidden.masked_fill(padding, -1e9).amax(-2)
 
 
 def first_token(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
