@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from modules_store import TaskType
 from server.errors import ApiError
+from server.heads.embedding import vector_size
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ def vectors_of(results: list[dict], task: str, normalize: bool | None, dimension
 
 def check_dimensions(dimensions: int | None, module) -> None:
     config = module.manifest.config
-    full = config["hidden_size"] * len(config["pooling"])
+    full = vector_size(config)
     if dimensions is None or dimensions == full or dimensions in config.get("shortened", []):
         return
     offered = sorted(config.get("shortened", []))

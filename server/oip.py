@@ -20,6 +20,7 @@ import numpy as np
 
 from modules_store import TaskType
 from server.errors import ApiError
+from server.heads.embedding import vector_size
 from server.modules import LoadedModule
 
 HEADER = "inference-header-content-length"
@@ -48,8 +49,7 @@ def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
     if task_type == TaskType.token_classification:
         return [{"name": "entities", "datatype": "BYTES", "shape": [-1]}]
     if task_type == TaskType.embedding:
-        config = module.manifest.config
-        return [{"name": "embedding", "datatype": "FP32", "shape": [-1, config["hidden_size"] * len(config["pooling"])]}]
+        return [{"name": "embedding", "datatype": "FP32", "shape": [-1, vector_size(module.manifest.config)]}]
     return [{"name": "value", "datatype": "FP32", "shape": [-1]}]
 
 

@@ -55,6 +55,11 @@ class EmbeddingConfig(BaseModel):
         return self
 
 
+def vector_size(config: dict) -> int:
+    """The size of the vectors a manifest's embedding config makes."""
+    return EmbeddingConfig(**config).dimensions
+
+
 def sentence_transformers_settings(folder: str | Path, name: str | None = None) -> dict:
     """The pooling, normalisation and length of the sentence-transformers model in `folder`, as
     EmbeddingConfig fields. A folder without `modules.json` gets the stated default (mean over real
