@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import oip
-from server.embeddings_api import embeddings_routers
+from server.embeddings_api import add_embeddings_routes
 from server.backbone import Backbone, InputTooLong
 from server.batcher import Job
 from server.config import Settings
@@ -313,8 +313,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
-    for router in embeddings_routers(runtime, require_ready, run_inference):  # OpenAI and TEI embeddings
-        app.include_router(router)
+    add_embeddings_routes(app, runtime, require_ready, run_inference)  # OpenAI's /v1/embeddings, TEI's /embed
 
     @app.get("/healthz", tags=["health"])
     async def healthz():

@@ -18,7 +18,7 @@ import json
 from typing import Any, Callable, Literal, Union
 
 import numpy as np
-from fastapi import APIRouter, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -138,10 +138,9 @@ def as_texts(inputs) -> list[str]:
     return list(inputs)
 
 
-def embeddings_routers(runtime, require_ready: Callable[[], None], run_inference) -> list[APIRouter]:
-    """The OpenAI and TEI routers over the app's runtime and its shared `run_inference`."""
-    openai = APIRouter(route_class=protocol_route(openai_error, 400), tags=["embeddings"])
-    tei = APIRouter(route_class=protocol_route(tei_error, 422), tags=["embeddings"])
+def add_embeddings_routes(app: FastAPI, runtime, require_ready: Callable[[], None], run_inference) -> None:
+    """The OpenAI and TEI routes on `app`, over its runtime and its shared `run_inference` (added as
+    plain routes of the app, each with its protocol's route class)."""
 
     def module_for(model: str | None):
         """An embedding task by name; the backbone's name (or None) means the backbone's own embedding."""
@@ -158,7 +157,6 @@ def embeddings_routers(runtime, require_ready: Callable[[], None], run_inference
         results, job, headers = await run_inference(texts, None, {module.task: module}, truncate, request)
         return results, job.modules[module.task], sum(len(row) for row in job.rows), headers
 
-    @openai.post("/v1/embeddings", responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}, 503: {}})
     async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
         """OpenAI's embeddings API: `data[i].embedding` as floats or base64 (little-endian float32)."""
         require_ready()
@@ -176,7 +174,6 @@ def embeddings_routers(runtime, require_ready: Callable[[], None], run_inference
                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         return Response(json.dumps(answer), media_type="application/json", headers=headers)
 
-    @tei.post("/embed", responses={413: {}, 422: {}, 424: {}, 429: {}, 503: {}})
     async def tei_embed(body: TEIEmbedRequest, request: Request) -> Response:
         """Text Embeddings Inference's /embed: one vector per input, `[[floats]]`."""
         require_ready()
@@ -189,4 +186,9 @@ def embeddings_routers(runtime, require_ready: Callable[[], None], run_inference
         vectors = vectors_of(results, module.task, body.normalize, body.dimensions, module)
         return Response(json.dumps(vectors.tolist()), media_type="application/json", headers=headers)
 
-    return [openai, tei]
+    app.router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags=["embeddings"],
+                              responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}, 503: {}},
+                              route_class_override=protocol_route(openai_error, 400))
+    app.router.add_api_route("/embed", tei_embed, methods=["POST"], tags=["embeddings"],
+                              responses={413: {}, 422: {}, 424: {}, 429: {}, 503: {}},
+                              route_class_override=protocol_route(tei_error, 422))
