@@ -14,6 +14,7 @@ class TaskType(str, Enum):
     sequence_classification = "sequence_classification"
     token_classification = "token_classification"
     regression = "regression"
+    embedding = "embedding"  # a sentence vector (server/heads/embedding/): no labels, nothing trained
 
 
 class BackboneFingerprint(BaseModel):

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import oip, tokenize_api, windows
 from server.backbone import Backbone
+from server.embeddings_api import add_embeddings_routes
 from server.batcher import Job
 from server.config import Settings
 from server.errors import (
@@ -26,7 +27,7 @@ from server.errors import (
     validation_error_handler,
 )
 from server.logs import RequestLog
-from server.modules import LoadedModule, compares_pairs
+from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (
     InferRequest,
@@ -147,7 +148,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """Pair tasks (entailment) compare a text with a text pair: asked for by name with single
         texts they are refused; among all loaded tasks they are left out of a single-text request."""
         if has_pairs:
-            return modules
+            single = sorted(t for t, m in modules.items() if reads_single_texts(m.manifest))
+            if single and (named or len(single) == len(modules)):
+                raise ApiError(422, "single_text_task", f"task(s) {single} read single texts: send inputs as texts")
+            return {t: m for t, m in modules.items() if t not in single} if single else modules
         pair_tasks = sorted(t for t, m in modules.items() if compares_pairs(m.manifest))
         rest = {t: m for t, m in modules.items() if t not in pair_tasks}
         if pair_tasks and (named or not rest):
@@ -187,14 +191,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request",
                                f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
 
-    def window_settings(window: int | None, stride: int | None) -> windows.WindowSettings:
-        return windows.settings_for(runtime.text, settings.max_tokens, window, stride,
+    def window_settings(window: int | None, stride: int | None, max_tokens: int | None = None) -> windows.WindowSettings:
+        return windows.settings_for(runtime.text, max_tokens or settings.max_tokens, window, stride,
                                     settings.window_tokens, settings.window_stride)
 
-    async def read_inputs(texts, text_pairs, truncate, window, stride) -> windows.Reading:
-        """Tokenize (in a tokenizer thread) and cut long texts into windows (server/windows.py)."""
+    async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None) -> windows.Reading:
+        """Tokenize (in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
+        most `max_tokens` word pieces (default: the server's limit)."""
         check_inputs(texts, text_pairs)
-        chosen = window_settings(window, stride)
+        chosen = window_settings(window, stride, max_tokens)
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 runtime.tokenize_executor, windows.read, runtime.text, texts, text_pairs, chosen, truncate)
@@ -203,7 +208,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None):
         received = time.perf_counter()
-        reading = await read_inputs(texts, text_pairs, truncate, window, stride)
+        reading = await read_inputs(texts, text_pairs, truncate, window, stride,
+                                    token_limit(modules, settings.max_tokens))
         if reading.tokens > settings.max_request_tokens:
             raise ApiError(413, "too_many_tokens",
                            f"the request is {reading.tokens} word pieces in {len(reading.rows)} windows; at most "
@@ -374,6 +380,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         reading = await read_inputs(texts, None, False, None, None)
         return [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens) for text in reading.texts]
+
+    add_embeddings_routes(app, runtime, require_ready, run_inference)  # OpenAI's /v1/embeddings, TEI's /embed
 
     def device_failed() -> Response | None:
         """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""

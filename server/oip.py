@@ -3,7 +3,8 @@
 Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, same shape). Outputs per
 task type: sequence tasks `label` (BYTES [N]), `score` (FP32 [N]), `scores` (FP32 [N, C], columns in
 the order of the model's `labels` parameter); token tasks `entities` (BYTES [N], each a JSON list
-of {text, label, start, end, score}); regression `value` (FP32 [N]).
+of {text, label, start, end, score}); regression `value` (FP32 [N]); embeddings `embedding` (FP32
+[N, D]).
 
 The binary data extension (what `tritonclient` uses by default): the body is a JSON header of
 `Inference-Header-Content-Length` bytes followed by raw tensors; BYTES elements are each a 4-byte
@@ -19,6 +20,7 @@ import numpy as np
 
 from modules_store import TaskType
 from server.errors import ApiError
+from server.heads.embedding import vector_size
 from server.modules import LoadedModule
 
 HEADER = "inference-header-content-length"
@@ -46,6 +48,8 @@ def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
                 {"name": "scores", "datatype": "FP32", "shape": [-1, len(module.manifest.labels)]}]
     if task_type == TaskType.token_classification:
         return [{"name": "entities", "datatype": "BYTES", "shape": [-1]}]
+    if task_type == TaskType.embedding:
+        return [{"name": "embedding", "datatype": "FP32", "shape": [-1, vector_size(module.manifest.config)]}]
     return [{"name": "value", "datatype": "FP32", "shape": [-1]}]
 
 
@@ -131,6 +135,8 @@ def _output_arrays(module: LoadedModule, results: list[dict]) -> dict[str, tuple
         }
     if task_type == TaskType.token_classification:
         return {"entities": ("BYTES", np.array([json.dumps(r["entities"]).encode() for r in results], dtype=object))}
+    if task_type == TaskType.embedding:
+        return {"embedding": ("FP32", np.array([r["embedding"] for r in results], dtype=np.float32))}
     return {"value": ("FP32", np.array([r["value"] for r in results], dtype=np.float32))}
 
 

@@ -202,11 +202,21 @@ def mean_by_tokens(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
     return (np.tensordot(weights, stacked, axes=1) / weights.sum()).astype(np.float32)
 
 
-def mean_normalised(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
-    """Embeddings: the windows' pooled vectors averaged weighted by `span_weights`, then scaled to length 1."""
-    mean = mean_by_tokens(text, outputs).astype(np.float64)
+def mean_of_pooled_vectors(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
+    """Embeddings: each window's output is its vector and, last, the norm the pooled vector had before
+    any normalisation (server/heads/embedding/layer.py, `with_norm`). The windows' pooled vectors are
+    averaged weighted by `span_weights`, then given back in the same form: normalised when the
+    windows' vectors were (unit length), with the mean's own norm last."""
+    stacked = np.stack([np.asarray(o, dtype=np.float64) for o in outputs])
+    vectors, norms = stacked[:, :-1], stacked[:, -1]
+    lengths = np.linalg.norm(vectors, axis=1)
+    pooled = vectors * (norms / np.maximum(lengths, 1e-12))[:, None]  # exact for both forms
+    weights = span_weights(text)
+    mean = np.tensordot(weights, pooled, axes=1) / weights.sum()
     norm = np.linalg.norm(mean)
-    return (mean / norm if norm > 0 else mean).astype(np.float32)
+    normalised = bool(np.all(np.abs(lengths - 1.0) < 1e-3))
+    vector = mean / max(norm, 1e-12) if normalised else mean
+    return np.append(vector, norm).astype(np.float32)
 
 
 def furthest_from_edge(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
@@ -231,13 +241,12 @@ def furthest_from_edge(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarr
     return merged.astype(np.float32)
 
 
-# How the windows of one text become its answer, per task type (a TaskType value). An embedding task
-# type (issue 27) answers with the pooled vector of each window: `mean_normalised` is its rule.
+# How the windows of one text become its answer, per task type (a TaskType value).
 RULES: dict[str, Rule] = {
     "token_classification": Rule("token_logits_from_the_window_furthest_from_an_edge", furthest_from_edge),
     "sequence_classification": Rule("mean_of_logits_weighted_by_tokens", mean_by_tokens),
     "regression": Rule("mean_of_values_weighted_by_tokens", mean_by_tokens),
-    "embedding": Rule("mean_of_vectors_weighted_by_tokens_then_normalised", mean_normalised),
+    "embedding": Rule("mean_of_pooled_vectors_weighted_by_tokens_then_normalised", mean_of_pooled_vectors),
 }
 
 
@@ -303,11 +312,12 @@ class Reading:
 
 
 def read(encoder: TextEncoder, texts: list[str], text_pairs: list[str] | None, settings: WindowSettings,
-         truncate: bool) -> Reading:
+         truncate: bool | str) -> Reading:
     """Tokenize a request's inputs and cut each into the rows it is read in. With `truncate` each
-    input is one row cut at the window's length (the first window), as `truncate` always meant."""
+    input is one row cut at the window's length (the first window), as `truncate` always meant;
+    "left" keeps the last window's worth instead (TextEncoder.encode)."""
     if truncate:
-        rows = encoder.encode(texts, text_pairs, truncate=True, max_tokens=settings.window)
+        rows = encoder.encode(texts, text_pairs, truncate=truncate, max_tokens=settings.window)
         return Reading([TextWindows(row, 0, 0, [(0, 0)], [row]) for row in rows])
     wholes = encoder.encode(texts, text_pairs, whole=True)
     return Reading([split(whole, settings, i) for i, whole in enumerate(wholes)])

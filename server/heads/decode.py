@@ -24,6 +24,8 @@ def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: 
         return [{"value": value} for value in logits.float().flatten(1)[:, 0].tolist()]
     if task_type == TaskType.token_classification:
         return _entities(labels, logits, batch)
+    if task_type == TaskType.embedding:
+        return embeddings(logits)
     raise ValueError(f"no decoder for task type {task_type}")
 
 
@@ -44,6 +46,13 @@ def _classifications(labels: list[str], logits: torch.Tensor) -> list[dict[str, 
     best = probs.argmax(dim=-1).tolist()  # the first of equal maxima, as max() over the list would
     return [{"label": labels[b], "score": row[b], "scores": dict(zip(labels, row))}
             for b, row in zip(best, probs.tolist())]
+
+
+def embeddings(logits: torch.Tensor) -> list[dict[str, Any]]:
+    """An embedding head's (B, D + 1) output: each row's vector and the norm it had before
+    normalisation (server/heads/embedding/layer.py, `with_norm`)."""
+    rows = logits.float().cpu().tolist()
+    return [{"embedding": row[:-1], "norm": row[-1]} for row in rows]
 
 
 def best_labels(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
