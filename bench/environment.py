@@ -30,6 +30,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (/proc/cpuinfo): which vector instructions the timings had."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
+
+
 def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -47,6 +58,7 @@ def machine_info(device: str = "cpu", **extra_versions: str) -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "logical_cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_at_start_1_5_15min": loadavg(),
