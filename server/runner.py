@@ -469,7 +469,7 @@ class ModelRunner:
         foreign = any(m.bridge for m in modules.values())  # a bridge tokenizes per real row: no filler rows
         classes = token_classes_read(modules)
         passes = []
-        for run, bucket in self.shapes.passes([len(row.ids) for row in rows]):
+        for run, bucket in self.shapes.passes([len(row) for row in rows]):
             if foreign:
                 bucket = None
             batch = self.engine.backbone.text.collate(

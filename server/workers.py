@@ -105,10 +105,12 @@ def pack_answers(results: list[dict]) -> PackedAnswers:
         if not isinstance(answers[0], np.ndarray):
             decoded[task] = answers
             continue
-        labels = answers[0].shape[-1]
-        rows = sum(a.shape[0] for a in answers) if answers[0].ndim == 2 else len(answers)
-        layout.append((task, (rows, labels)))
-        parts += [a.astype(np.float32, copy=False).tobytes() for a in answers]
+        if len(answers) == 1:
+            array = answers[0] if answers[0].ndim == 2 else answers[0][None]
+        else:  # a token task's rows are (tokens, labels) each; a sequence task's (labels,)
+            array = np.concatenate(answers) if answers[0].ndim == 2 else np.stack(answers)
+        layout.append((task, array.shape))
+        parts.append(array.astype(np.float32, copy=False).tobytes())
     return PackedAnswers(layout, b"".join(parts), decoded)
 
 
