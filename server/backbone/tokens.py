@@ -246,13 +246,6 @@ def char_flags(text: str) -> np.ndarray:
     return flags
 
 
-def _counts(flags: np.ndarray, bit: int) -> np.ndarray:
-    """Cumulative count of characters with `bit`: count in [a, b) = c[b] - c[a]."""
-    out = np.zeros(len(flags) + 1, dtype=np.int64)
-    np.cumsum((flags & bit) != 0, out=out[1:])
-    return out
-
-
 def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segment: np.ndarray,
                 start: np.ndarray, end: np.ndarray, trim: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Flat per-token arrays (row, segment (-1 special), start, end in its own text) ->
@@ -262,31 +255,30 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     (CASING_CLASSES; 0 for special tokens and empty spans). Lowercasing tokenizers lose the case cue
     NER leans on; this gives it back. All texts of the batch are classified at once."""
     sources = texts + (pairs or [])
-    bases = np.zeros(len(sources) + 1, dtype=np.int64)
-    np.cumsum([len(t) for t in sources], out=bases[1:])
+    bases = np.array([0, *itertools.accumulate(len(t) for t in sources)], dtype=np.int64)
     flags = char_flags("".join(sources))
     real = segment >= 0
-    source = np.where(segment == 1, row + len(texts), row)
-    a = np.where(real, bases[source] + start, 0)
-    z = np.where(real, bases[source] + end, 0)
-    if trim:  # first non-space at or after a, last non-space before z
+    base = np.where(real, bases[np.where(segment == 1, row + len(texts), row)], 0)
+    a, z = np.where(real, base + start, 0), np.where(real, base + end, 0)
+    spans = real & (z > a)
+    if trim and (flags[a[spans]] | flags[z[spans] - 1]).any() & _SPACE:  # some span starts or ends on a space
         positions = np.arange(len(flags))
         text_char = (flags & _SPACE) == 0
         following = np.minimum.accumulate(np.where(text_char, positions, len(flags) - 1)[::-1])[::-1]
         preceding = np.maximum.accumulate(np.where(text_char, positions, -1))
-        spans = real & (z > a)
         a = np.where(spans, np.minimum(following[a], z), a)
         z = np.where(spans & (z > a), np.maximum(preceding[np.maximum(z - 1, 0)] + 1, a), z)
-        base = np.where(real, bases[source], 0)
         start, end = np.where(real, a - base, start), np.where(real, z - base, end)
-    lower, upper, title = (_counts(flags, bit) for bit in (_LOWER, _UPPER, _TITLE))
-    n_lower, n_upper, n_title = lower[z] - lower[a], upper[z] - upper[a], title[z] - title[a]
-    b = np.minimum(a + 1, z)  # the span without its first character
-    rest_lower = (upper[z] - upper[b] + title[z] - title[b] == 0) & (lower[z] - lower[b] > 0)
-    is_lower = (n_upper + n_title == 0) & (n_lower > 0)
-    capitalised = ((flags[a] & _UPPER) != 0) & ((z - a == 1) | rest_lower)
-    is_upper = (n_lower + n_title == 0) & (n_upper > 0)
-    casing = np.select([~real | (z <= a), is_lower, capitalised, is_upper], [0, 1, 2, 3], default=4)
+    # cumulative counts of lower, upper and title-case characters: count in [a, b) = c[b] - c[a]
+    counts = np.zeros((len(flags) + 1, 3), dtype=np.int32)
+    np.cumsum((flags[:, None] & np.array([_LOWER, _UPPER, _TITLE], dtype=np.uint8)) != 0, axis=0, out=counts[1:])
+    lower, upper, title = (counts[z] - counts[a]).T
+    rest = counts[z] - counts[np.minimum(a + 1, z)]  # the span without its first character
+    casing = np.full(len(a), 4, dtype=np.int32)  # other; the classes below in increasing priority
+    casing[(lower + title == 0) & (upper > 0)] = 3  # UPPER
+    casing[((flags[a] & _UPPER) != 0) & ((z - a == 1) | ((rest[:, 1] + rest[:, 2] == 0) & (rest[:, 0] > 0)))] = 2
+    casing[(upper + title == 0) & (lower > 0)] = 1  # lower
+    casing[~real | (z <= a)] = 0
     return start, end, casing
 
 
@@ -384,9 +376,9 @@ class TextEncoder:
         out = np.empty((n, FIELDS), dtype=np.int32)
         out[:, IDS] = np.fromiter(chain(e.ids for e in encodings), dtype=np.int32, count=n)
         out[:, TYPES] = np.fromiter(chain(e.type_ids for e in encodings), dtype=np.int32, count=n)
-        for column, name in ((SEGMENT, "sequence_ids"), (WORD, "word_ids")):  # None -> nan -> -1
-            values = np.array(list(chain(getattr(e, name) for e in encodings)), dtype=np.float64)
-            out[:, column] = np.nan_to_num(values, nan=-1.0)
+        for column, name in ((SEGMENT, "sequence_ids"), (WORD, "word_ids")):  # None -> -1
+            values = chain(getattr(e, name) for e in encodings)
+            out[:, column] = np.fromiter((-1 if v is None else v for v in values), dtype=np.int32, count=n)
         offsets = np.fromiter(chain(chain(e.offsets for e in encodings)), dtype=np.int64, count=2 * n).reshape(n, 2)
         row = np.repeat(np.arange(len(encodings)), [len(e) for e in encodings])
         out[:, START], out[:, END], out[:, CASING] = token_spans(texts, pairs, row, out[:, SEGMENT].astype(np.int64),
