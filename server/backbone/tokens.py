@@ -261,7 +261,7 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     base = np.where(real, bases[np.where(segment == 1, row + len(texts), row)], 0)
     a, z = np.where(real, base + start, 0), np.where(real, base + end, 0)
     spans = real & (z > a)
-    if trim and (flags[a[spans]] | flags[z[spans] - 1]).any() & _SPACE:  # some span starts or ends on a space
+    if trim and ((flags[a[spans]] | flags[z[spans] - 1]) & _SPACE).any():  # some span starts or ends on a space
         positions = np.arange(len(flags))
         text_char = (flags & _SPACE) == 0
         following = np.minimum.accumulate(np.where(text_char, positions, len(flags) - 1)[::-1])[::-1]
