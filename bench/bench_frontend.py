@@ -448,7 +448,7 @@ def write_workers_markdown(path: Path, result: dict) -> None:
              "", "`tmod-serve --workers N`: N HTTP processes (HTTP, JSON, tokenization, decode) and one engine process "
              "(batching, collation, the pass). Requests/s on this 2-core box is capped by the cores; the CPU each "
              "process spends per request is what carries to a bigger machine."
-             + (f" `before`: the code at {result['before']}; `after`: this tree ({result['machine']['versions']['tmod_git']})."
+             + (f" `before`: the code at {result['before']}; `after`: this tree ({result['machine']['versions']['tmod_git']['commit']})."
                 if result.get("before") else ""), "",
              "| code | workers | inputs/request | c | req/s | seq/s | p50 ms | p99 ms | errors | CPU us/request (all) "
              "| engine process us/request | us/input | workers us/request |",
