@@ -88,7 +88,7 @@ class PackedAnswers:
 
     def arrays(self) -> dict[str, object]:
         out, offset = dict(self.decoded), 0
-        flat = np.frombuffer(self.data, dtype=np.float32)
+        flat = np.frombuffer(self.data, dtype=np.float32).copy()  # writable: torch.from_numpy reads it in decode
         for task, shape in self.layout:
             count = int(np.prod(shape))
             out[task] = flat[offset:offset + count].reshape(shape)
