@@ -684,7 +684,7 @@ class ModelRunner:
         staging set of its bucket."""
         classes = token_classes_read(modules)
         passes = []
-        for run, bucket in self.shapes.passes([len(row.ids) for row in rows]):
+        for run, bucket in self.shapes.passes([len(row) for row in rows]):
             batch = self.engine.backbone.text.collate(
                 rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", classes=classes)
             taken = self.staging.take(batch, bucket) if staged and self.staged and bucket is not None else None

@@ -175,12 +175,8 @@ def window_row(whole: EncodedInput, first: int, count: int, start: int, end: int
     start..end, and everything after the text (special tokens, the text pair), in order."""
     positions = [*range(first), *range(first + start, first + end), *range(first + count, len(whole))]
 
-    def pick(values):
-        return [values[i] for i in positions]
-
-    return WindowRow(text=whole.text, text_pair=whole.text_pair, ids=pick(whole.ids), type_ids=pick(whole.type_ids),
-                     offsets=pick(whole.offsets), sequence_ids=pick(whole.sequence_ids), word_ids=pick(whole.word_ids),
-                     truncated=False, part=part)
+    return WindowRow(text=whole.text, text_pair=whole.text_pair, tokens=whole.tokens[positions], truncated=False,
+                     part=part)
 
 
 # ---- combining the windows' answers -----------------------------------------------------------------
@@ -305,7 +301,9 @@ class Reading:
             for i in windowed:
                 outputs = [row_answers[r][task] for r in range(firsts[i], firsts[i + 1])]
                 merged.append(rule.combine(self.texts[i], [np.asarray(o) for o in outputs]))
-            decoded = decode_rows(module.manifest.task_type, module.manifest.labels, merged, batch)
+            token_task = merged[0].ndim == 2  # (tokens, labels) per text: packed one after the other
+            packed = np.concatenate(merged) if token_task else np.stack(merged)
+            decoded = decode_rows(module.manifest.task_type, module.manifest.labels, packed, batch)
             for i, answer in zip(windowed, decoded):
                 out[i][task] = answer
         return out

@@ -29,15 +29,15 @@ def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: 
     raise ValueError(f"no decoder for task type {task_type}")
 
 
-def decode_rows(task_type: TaskType, labels: list[str], row_logits: list[np.ndarray], batch: TokenBatch
+def decode_rows(task_type: TaskType, labels: list[str], packed: np.ndarray, batch: TokenBatch
                 ) -> list[dict[str, Any]]:
-    """`decode` over rows' logits handed back one array per row (by an engine in another process:
-    `server/runner.py`, `row_logits`), on `batch`, those rows collated."""
+    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`,
+    `pack_answers`): (rows, labels), or for token tasks every row's own tokens one after the other
+    (tokens, labels); on `batch`, those rows collated."""
     if task_type != TaskType.token_classification:
-        return decode(task_type, labels, torch.from_numpy(np.stack(row_logits)), batch)
-    logits = np.zeros((len(row_logits), batch.seq_len, len(labels)), dtype=np.float32)
-    for r, row in enumerate(row_logits):  # padding positions are never read (no word there)
-        logits[r, :len(row)] = row
+        return decode(task_type, labels, torch.from_numpy(packed), batch)
+    logits = np.zeros((batch.size, batch.seq_len, len(labels)), dtype=np.float32)
+    logits[batch.attention_mask.numpy().astype(bool)] = packed  # padding positions are never read (no word there)
     return decode(task_type, labels, torch.from_numpy(logits), batch)
 
 
