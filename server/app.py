@@ -29,6 +29,7 @@ from server.logs import RequestLog
 from server.modules import LoadedModule, compares_pairs
 from server.runtime import Runtime
 from server.schemas import (
+    AnswerControls,
     InferRequest,
     InferResponse,
     ModelInfo,
@@ -154,14 +155,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return rest
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
-                            truncate: bool, request: Request) -> tuple[list[dict], Job, dict[str, str]]:
+                            truncate: bool, request: Request, controls: AnswerControls | None = None
+                            ) -> tuple[list[dict], Job, dict[str, str]]:
         """Shared by every protocol: limits, tokenization, the batcher, metrics, timing headers.
-        -> (per-input results keyed by task, the job (its rows, the module versions that answered),
-        response headers)."""
+        `controls`: the request's answer controls. -> (per-input results keyed by task, the job (its
+        rows, the module versions that answered), response headers)."""
         with metrics.requests_in_flight.track_inprogress():
-            return await answer_inference(texts, text_pairs, modules, truncate, request)
+            return await answer_inference(texts, text_pairs, modules, truncate, request, controls or AnswerControls())
 
-    async def answer_inference(texts, text_pairs, modules, truncate, request):
+    async def answer_inference(texts, text_pairs, modules, truncate, request, controls: AnswerControls):
         received = time.perf_counter()
         if not texts:
             raise ApiError(422, "invalid_request", "no inputs: send at least one text")
@@ -187,10 +189,14 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         started = time.perf_counter()
         try:
             rows = await loop.run_in_executor(
-                runtime.tokenize_executor, runtime.encode, texts, text_pairs, truncate, settings.max_tokens
+                runtime.tokenize_executor, runtime.encode, texts, text_pairs, truncate, settings.max_tokens,
+                controls.truncation_direction,
             )
         except InputTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
+        options = controls.options()
+        for row in rows:
+            row.answer = options
         job = Job(rows=rows, modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
                   is_disconnected=request.is_disconnected)
         job.timings.tokenize = time.perf_counter() - started
@@ -215,7 +221,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         modules = fit_to_inputs(select_modules(tasks), pairs, named=tasks is not None)
         texts = [item.text if pairs else item for item in body.inputs]
         text_pairs = [item.text_pair for item in body.inputs] if pairs else None
-        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request)
+        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request, body)
         response.headers.update(headers)
         return InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in job.modules.items()},
@@ -269,7 +275,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     @app.get("/v2", tags=["oip-v2"])
     async def oip_server_metadata():
-        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data"]}
+        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data", "classification"]}
 
     @app.get("/v2/health/live", tags=["oip-v2"])
     async def oip_live():
@@ -304,9 +310,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
         truncate = bool((parsed.get("parameters") or {}).get("truncate", False))
-        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request)
+        controls = oip.answer_controls(parsed)
+        # top_k reaches OIP clients as the classification extension on `scores`: decode every label
+        decoded = controls.model_copy(update={"top_k": None})
+        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, decoded)
         module = job.modules[task]  # the version that answered
-        content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
+        content, extra = oip.encode_response(module, parsed, [r[task] for r in results], top_k=controls.top_k)
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
     @app.get("/healthz", tags=["health"])

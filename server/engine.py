@@ -101,10 +101,13 @@ class Engine:
 
 
 def decode_all(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor],
-               batches: dict[str, TokenBatch]) -> dict[str, list[dict]]:
-    """Decoded answers per task from a pass's logits, each on the batch its logits are laid out on."""
+               batches: dict[str, TokenBatch], rows: list | None = None) -> dict[str, list[dict]]:
+    """Decoded answers per task from a pass's logits, each on the batch its logits are laid out on;
+    with `rows` (the pass's EncodedInputs), each row's answer controls apply to its answers."""
+    options = [row.answer for row in rows] if rows is not None else None
     return {
-        task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task])
+        task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task], options,
+                     modules[task].manifest.decoding if modules[task].manifest is not None else None)
         for task in modules
     }
 

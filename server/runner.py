@@ -166,14 +166,14 @@ def unpack_logits(flat: torch.Tensor, layout, rows: int) -> dict[str, torch.Tens
 
 
 def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
-               lengths: list[int]) -> dict[str, list]:
+               lengths: list[int], rows: list[EncodedInput] | None = None) -> dict[str, list]:
     """Per task, each row's host logits as a numpy array ((tokens, labels) over its own tokens for
     token tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A foreign
     task's logits lie on its bridge's tokenization, which only this process has: decoded here."""
     out = {}
     for task, module in modules.items():
         if module.bridge:
-            out[task] = decode_all({task: module}, logits, batches)[task]
+            out[task] = decode_all({task: module}, logits, batches, rows)[task]
         elif logits[task].dim() == 3:
             host = logits[task].numpy()
             out[task] = [host[r, :n] for r, n in enumerate(lengths)]
@@ -498,8 +498,8 @@ class ModelRunner:
         try:
             logits, batches = self.logits(item.batch, item.bucket, modules, timings)
             if self.decode_here:
-                return decode_all(modules, logits, batches)
-            return row_logits(modules, logits, batches, [len(row) for row in rows])
+                return decode_all(modules, logits, batches, rows)
+            return row_logits(modules, logits, batches, [len(row) for row in rows], rows)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

@@ -77,8 +77,9 @@ class Runtime:
         """(backbone name, fingerprint short form)."""
         return self.backbone.name, self.backbone.fingerprint.short
 
-    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
-        return self.backbone.encode(texts, text_pairs, truncate, max_tokens)
+    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None,
+               truncation_direction: str = "right") -> list[EncodedInput]:
+        return self.backbone.encode(texts, text_pairs, truncate, max_tokens, truncation_direction)
 
     async def submit(self, job: Job) -> list[dict]:
         """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""

@@ -310,8 +310,9 @@ class RemoteRuntime:
     def model_info(self) -> tuple[str, str]:
         return self._model
 
-    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
-        return self.text.encode(texts, text_pairs, truncate, max_tokens)
+    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None,
+               truncation_direction: str = "right") -> list[EncodedInput]:
+        return self.text.encode(texts, text_pairs, truncate, max_tokens, truncation_direction)
 
     def describe(self, module: ModuleView) -> dict:
         return module.info
@@ -332,7 +333,8 @@ class RemoteRuntime:
             if not isinstance(results[0][task], np.ndarray):
                 continue
             batch = batch or self.text.collate(job.rows, device="cpu")
-            answers = decode_rows(module.manifest.task_type, module.manifest.labels, [r[task] for r in results], batch)
+            answers = decode_rows(module.manifest.task_type, module.manifest.labels, [r[task] for r in results], batch,
+                                  [row.answer for row in job.rows], module.manifest.decoding)
             for row, answer in zip(results, answers):
                 row[task] = answer
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ class EncodedInput:
     sequence_ids: list[int | None]
     word_ids: list[int | None]
     truncated: bool
+    # the request's answer controls (server.heads.decode.AnswerOptions; None: default answers),
+    # carried with the row through batching to wherever it is decoded
+    answer: Any = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -210,9 +215,13 @@ class TextEncoder:
         """encode() then collate(): a padded batch in input order."""
         return self.collate(self.encode(texts, text_pairs, truncate, max_tokens))
 
-    def encode(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None) -> list[EncodedInput]:
+    _truncation_lock = threading.Lock()  # the tokenizer's truncation side is shared state
+
+    def encode(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None,
+               truncation_direction: str = "right") -> list[EncodedInput]:
         """Tokenize with offsets. Inputs over the token limit (the model's, or a lower
-        `max_tokens`) raise InputTooLong unless `truncate`."""
+        `max_tokens`) raise InputTooLong unless `truncate`; `truncation_direction` "left" cuts
+        their start instead of their end (the text's end is kept)."""
         texts = list(texts)
         pairs = list(text_pairs) if text_pairs is not None else None
         limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
@@ -222,7 +231,12 @@ class TextEncoder:
         if too_long and not truncate:
             raise InputTooLong(too_long, [lengths[i] for i in too_long], limit)
         if too_long:
-            enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
+            with self._truncation_lock:
+                side, self.tokenizer.truncation_side = self.tokenizer.truncation_side, truncation_direction
+                try:
+                    enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
+                finally:
+                    self.tokenizer.truncation_side = side
         cut = set(too_long)
         rows = []
         for r, encoding in enumerate(enc.encodings):
