@@ -318,12 +318,23 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         content, extra = oip.encode_response(module, parsed, [r[task] for r in results], top_k=controls.top_k)
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
-    @app.get("/healthz", tags=["health"])
+    def device_failed() -> Response | None:
+        """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""
+        failure = getattr(runtime, "failure", None)  # a worker's RemoteRuntime has none: its engine exits
+        if failure is None:
+            return None
+        return Response(content=json.dumps(error_body("device_failed", f"the device failed: {failure}")),
+                        status_code=503, media_type="application/json")
+
+    @app.get("/healthz", tags=["health"], responses={503: {}})
     async def healthz():
-        return {"status": "ok"}
+        return device_failed() or {"status": "ok"}
 
     @app.get("/readyz", tags=["health"], responses={503: {}})
     async def readyz():
+        failed = device_failed()
+        if failed is not None:
+            return failed
         if not runtime.ready.is_set():
             detail = runtime.startup_error or "loading"
             return Response(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import typing
 
@@ -47,6 +49,13 @@ def main(argv=None) -> None:
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
+    try:
+        serve_settings(settings)
+    finally:
+        exit_status()
+
+
+def serve_settings(settings: Settings) -> None:
     if settings.workers > 1:
         # N HTTP worker processes and this one as the engine (server/workers.py). Metrics of every
         # process go through files here; prometheus_client reads this when first imported, so set it first
@@ -55,6 +64,7 @@ def main(argv=None) -> None:
             made = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tmod-metrics-")
         from server.workers import serve
 
+        stop_on_device_failure()
         try:
             return serve(settings)
         finally:
@@ -62,8 +72,27 @@ def main(argv=None) -> None:
                 shutil.rmtree(made, ignore_errors=True)
     from server.app import create_app  # imported late so --help stays fast
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                log_config=None, access_log=False)  # our JSON lines replace uvicorn's access log
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+        log_config=None, access_log=False))  # our JSON lines replace uvicorn's access log
+    stop_on_device_failure(lambda: setattr(server, "should_exit", True))
+    server.run()
+
+
+def stop_on_device_failure(stop=None) -> None:
+    """A sticky device error stops this process as SIGTERM does (requests drain, answered 503;
+    `stop`, default a SIGTERM to this process), and `main` then exits non-zero, so that Kubernetes
+    (or any supervisor) starts a fresh one."""
+    from server import runtime
+
+    runtime.on_device_failure = stop or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+
+def exit_status() -> None:
+    runtime = sys.modules.get("server.runtime")  # not imported: nothing ran, nothing failed
+    failure = runtime.device_failure() if runtime is not None else None
+    if failure is not None:
+        raise SystemExit(f"tmod-serve: stopped after a device failure: {failure}")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ class Settings(BaseSettings):
         "torch", description="what runs the backbone's layers: torch (PyTorch eager) or onnx (ONNX Runtime, "
         "one exported graph per layer, cached under cache_dir)")
     precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = Field(
-        "auto", description="backbone precision: auto (bf16 with backend torch on a CPU with native bfloat16, "
-        "avx512_bf16 or AMX; fp32 everywhere else); fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
+        "auto", description="backbone precision: auto (fp16 with backend torch on cuda, its fp32 products in TF32; "
+        "bf16 with backend torch on a CPU with native bfloat16, avx512_bf16 or AMX; fp32 everywhere else); fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
         "fp32 layer norms and residual stream; such a CPU, or cuda); fp16 (backend torch on a cuda device); "
         "int8 (backend onnx on the CPU: dynamic quantisation)")
     cache_dir: Path | None = Field(None, description="where exported backbone graphs are cached "
@@ -63,9 +63,10 @@ class Settings(BaseSettings):
         "graph_batch_sizes: right on a GPU, where a pass costs launches, not padding); auto: buckets on cuda, "
         "length_runs on the CPU")
     cuda_graphs: bool = Field(
-        True, description="on a cuda device, capture each plan's whole pass (backbone and heads) as one CUDA graph "
-        "per bucket shape and replay it (shapes outside the buckets, and plans with foreign modules, run eager); "
-        "no effect on the CPU")
+        True, description="on a cuda device with backend torch, capture the whole pass (backbone and heads) of the "
+        "task sets default requests run as one CUDA graph per reachable bucket shape, at start and after each module "
+        "change, and replay it (for those sets and their subsets; foreign modules and shapes outside the buckets run "
+        "eager); no effect on the CPU")
     graph_batch_sizes: str = Field(
         "1,2,4,8,16,32,64,128,256,512", description="bucket batch sizes (comma-separated); those above "
         "max_batch_size are dropped, except the smallest one that covers it")
@@ -193,10 +194,15 @@ def cpu_has_native_bf16() -> bool:
 
 
 def auto_precision(backend: str, device: str) -> str:
-    """What precision "auto" means: bf16 where it was measured to pay for a negligible accuracy
-    cost (backend torch on a CPU with native bfloat16: bench/bench_backends.py, 1.7-1.9x fp32 at
-    batch 32, shipped modules' metrics within 0.04 points), fp32 everywhere else (onnx; cuda, where
-    fp16 / bf16 are wired but not measured; a CPU that would emulate bfloat16)."""
+    """What precision "auto" means: the 16-bit type where it was measured to pay for a negligible
+    accuracy cost. Backend torch on cuda: fp16 (within the accuracy rule on every shipped module, an
+    fp16 backbone and fp16 heads alike: bench/results/head-precision-cpu.md, fp16 computed on the
+    CPU; tensor-core products several times fp32's rate); fp32 matrix products that remain there use TF32
+    (server/runner.py, `use_device`). Backend torch on a CPU with native bfloat16: bf16
+    (bench/bench_backends.py, 1.7-1.9x fp32 at batch 32, shipped modules' metrics within 0.04
+    points). fp32 everywhere else (onnx; a CPU that would emulate bfloat16)."""
+    if backend == "torch" and _device_type(device) == "cuda":
+        return "fp16"
     if backend == "torch" and _device_type(device) == "cpu" and cpu_has_native_bf16():
         return "bf16"
     return "fp32"
