@@ -15,6 +15,7 @@ class TaskType(str, Enum):
     multi_label_classification = "multi_label_classification"  # independent labels: one sigmoid each
     token_classification = "token_classification"
     regression = "regression"
+    embedding = "embedding"  # a sentence vector (server/heads/embedding/): no labels, nothing trained
 
 
 class BackboneFingerprint(BaseModel):

@@ -45,9 +45,18 @@ def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor]
 
 
 def answers(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
-            lengths: list[int], decode_here: bool, rows: list | None = None) -> dict[str, list]:
+            lengths: list[int], decode_here: bool, raw_rows: list[int] = (), rows: list | None = None
+            ) -> dict[str, list]:
     """Per task, each row's answer: decoded (`decode_here`), or its logits for a worker to decode.
-    `rows`: the pass's EncodedInputs, whose answer controls apply where decoding happens here."""
-    if decode_here:
-        return decode_all(modules, logits, batches, rows)
-    return row_logits(modules, logits, batches, lengths, rows)
+    `raw_rows` keep their logits either way: windows of a longer text, which the request combines
+    per text and decodes whole (server/windows.py). `rows`: the pass's EncodedInputs, whose answer
+    controls apply where decoding happens here."""
+    if not decode_here or len(raw_rows) == len(lengths):
+        return row_logits(modules, logits, batches, lengths, rows)
+    decoded = decode_all(modules, logits, batches, rows)
+    if raw_rows:
+        raw = row_logits(modules, logits, batches, lengths, rows)
+        for task in decoded:
+            for r in raw_rows:
+                decoded[task][r] = raw[task][r]
+    return decoded

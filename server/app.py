@@ -13,8 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import oip
-from server.backbone import Backbone, InputTooLong
+from server import oip, tokenize_api, windows
+from server.backbone import Backbone
+from server.embeddings_api import add_embeddings_routes
 from server.batcher import Job
 from server.config import Settings
 from server.errors import (
@@ -26,7 +27,7 @@ from server.errors import (
     validation_error_handler,
 )
 from server.logs import RequestLog
-from server.modules import LoadedModule, compares_pairs
+from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (
     AnswerControls,
@@ -37,6 +38,8 @@ from server.schemas import (
     ModuleActionResult,
     TaskDetail,
     TaskList,
+    TeiTokenizeRequest,
+    TokenizeRequest,
 )
 
 
@@ -146,7 +149,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """Pair tasks (entailment) compare a text with a text pair: asked for by name with single
         texts they are refused; among all loaded tasks they are left out of a single-text request."""
         if has_pairs:
-            return modules
+            single = sorted(t for t, m in modules.items() if reads_single_texts(m.manifest))
+            if single and (named or len(single) == len(modules)):
+                raise ApiError(422, "single_text_task", f"task(s) {single} read single texts: send inputs as texts")
+            return {t: m for t, m in modules.items() if t not in single} if single else modules
         pair_tasks = sorted(t for t, m in modules.items() if compares_pairs(m.manifest))
         rest = {t: m for t, m in modules.items() if t not in pair_tasks}
         if pair_tasks and (named or not rest):
@@ -155,16 +161,18 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return rest
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
-                            truncate: bool, request: Request, controls: AnswerControls | None = None
-                            ) -> tuple[list[dict], Job, dict[str, str]]:
-        """Shared by every protocol: limits, tokenization, the batcher, metrics, timing headers.
-        `controls`: the request's answer controls. -> (per-input results keyed by task, the job (its
-        rows, the module versions that answered), response headers)."""
+                            truncate: bool, request: Request, window: int | None = None, stride: int | None = None,
+                            controls: AnswerControls | None = None) -> tuple[list[dict], Job, dict[str, str]]:
+        """Shared by every protocol: limits, tokenization (long texts in windows), the batcher, metrics,
+        timing headers. `controls`: the request's answer controls (docs/answer-controls.md). -> (per-input
+        results keyed by task, the job (one row per input, the module versions that answered, per input
+        its `windows`), response headers)."""
         with metrics.requests_in_flight.track_inprogress():
-            return await answer_inference(texts, text_pairs, modules, truncate, request, controls or AnswerControls())
+            return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride,
+                                          controls or AnswerControls())
 
-    async def answer_inference(texts, text_pairs, modules, truncate, request, controls: AnswerControls):
-        received = time.perf_counter()
+    def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
+        """The limits and checks every text meets before it is tokenized (413 / 422)."""
         if not texts:
             raise ApiError(422, "invalid_request", "no inputs: send at least one text")
         if len(texts) > settings.max_inputs:
@@ -185,22 +193,62 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             except UnicodeEncodeError as exc:
                 raise ApiError(422, "invalid_request",
                                f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
+
+    def window_settings(window: int | None, stride: int | None, max_tokens: int | None = None) -> windows.WindowSettings:
+        return windows.settings_for(runtime.text, max_tokens or settings.max_tokens, window, stride,
+                                    settings.window_tokens, settings.window_stride)
+
+    async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None) -> windows.Reading:
+        """Tokenize (in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
+        most `max_tokens` word pieces (default: the server's limit)."""
+        check_inputs(texts, text_pairs)
+        chosen = window_settings(window, stride, max_tokens)
         try:
-            rows = await loop.run_in_executor(
-                runtime.tokenize_executor, runtime.encode, texts, text_pairs, truncate, settings.max_tokens,
-                controls.truncation_direction,
-            )
-        except InputTooLong as exc:
-            raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
+            return await asyncio.get_running_loop().run_in_executor(
+                runtime.tokenize_executor, windows.read, runtime.text, texts, text_pairs, chosen, truncate)
+        except windows.PairTooLong as exc:
+            raise ApiError(413, "input_too_long", str(exc)) from exc
+
+    async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None,
+                               controls: AnswerControls | None = None):
+        received = time.perf_counter()
+        controls = controls or AnswerControls()
+        if truncate and controls.truncation_direction == "left":
+            if text_pairs is not None:
+                raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
+            truncate = "left"  # the tokenizer keeps the end of the text (server/backbone/tokens.py)
+        reading = await read_inputs(texts, text_pairs, truncate, window, stride,
+                                    token_limit(modules, settings.max_tokens))
         options = controls.options()
-        for row in rows:
+        for row in reading.rows + [text.whole for text in reading.texts]:
             row.answer = options
-        job = Job(rows=rows, modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
-                  is_disconnected=request.is_disconnected)
-        job.timings.tokenize = time.perf_counter() - started
-        results = await runtime.submit(job)
+        if reading.tokens > settings.max_request_tokens:
+            raise ApiError(413, "too_many_tokens",
+                           f"the request is {reading.tokens} word pieces in {len(reading.rows)} windows; at most "
+                           f"{settings.max_request_tokens} per request (send fewer or shorter texts)",
+                           tokens=reading.tokens, token_budget=settings.max_request_tokens)
+        windows.check_windowable(reading, modules)
+        job = windows.AnsweredJob(rows=[text.whole for text in reading.texts], modules=modules, deadline=0.0,
+                                  windows=reading.windows)
+        job.timings.tokenize = time.perf_counter() - received
+        rows, answers, versions = reading.rows, [], None
+        # a request over one batch's budget goes in parts, each to the back of the queue (fair turns)
+        for part in windows.parts(rows, settings.max_batch_size, settings.max_batch_tokens):
+            piece = Job(rows=rows[part], modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
+                        is_disconnected=request.is_disconnected)
+            answers += await runtime.submit(piece)
+            answered = {t: m.version for t, m in piece.modules.items()}
+            if versions is not None and answered != versions:
+                raise ApiError(503, "module_changed", "a task's module was replaced while this request was read "
+                               f"(versions {versions} then {answered}); retry")
+            versions, job.modules = answered, piece.modules
+            job.timings.extra["queue"] = job.timings.extra.get("queue", 0.0) + piece.timings.extra.get("queue", 0.0)
+            job.timings.backbone += piece.timings.backbone
+            job.timings.heads += piece.timings.heads
+        results = answers
+        if reading.windowed:  # decode each long text once, whole (host work, in a tokenizer thread)
+            results = await asyncio.get_running_loop().run_in_executor(
+                runtime.tokenize_executor, reading.answers, job.modules, answers, runtime.text)
         timings = job.timings
         total = time.perf_counter() - received
         queue = timings.extra.get("queue", 0.0)
@@ -221,11 +269,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         modules = fit_to_inputs(select_modules(tasks), pairs, named=tasks is not None)
         texts = [item.text if pairs else item for item in body.inputs]
         text_pairs = [item.text_pair for item in body.inputs] if pairs else None
-        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request, body)
+        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request,
+                                                    body.window, body.stride, body)
         response.headers.update(headers)
         return InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in job.modules.items()},
-            truncated=[i for i, row in enumerate(job.rows) if row.truncated],
+            truncated=[i for i, row in enumerate(job.rows) if row.truncated], windows=job.windows,
         )
 
     # ---- admin: hot module management --------------------------------------------------------
@@ -252,7 +301,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks():
         require_ready()
-        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info()}
+        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info(),
+                "windows": window_settings(None, None).describe()}
 
     @app.get("/v1/tasks/{name}", response_model=TaskDetail, tags=["tasks"], responses={404: {}})
     async def get_task(name: str):
@@ -309,14 +359,45 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         body = await request.body()
         parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
-        truncate = bool((parsed.get("parameters") or {}).get("truncate", False))
+        parameters = parsed.get("parameters") or {}
+        truncate = bool(parameters.get("truncate", False))
+        window, stride = (windows.whole_number(parameters, name) for name in ("window", "stride"))
         controls = oip.answer_controls(parsed)
         # top_k reaches OIP clients as the classification extension on `scores`: decode every label
         decoded = controls.model_copy(update={"top_k": None})
-        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, decoded)
+        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride,
+                                                    decoded)
         module = job.modules[task]  # the version that answered
         content, extra = oip.encode_response(module, parsed, [r[task] for r in results], top_k=controls.top_k)
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
+
+    # ---- tokenization: what the server reads (server/windows.py) --------------------------------
+    @app.post("/v1/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
+    async def tokenize(body: TokenizeRequest):
+        """The word pieces of each input with their character offsets, and the windows the server would
+        read it in (with this request's `window` / `stride`, or the defaults)."""
+        require_ready()
+        items = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        if items and len({isinstance(item, str) for item in items}) > 1:
+            raise ApiError(422, "invalid_request", "inputs must be all texts or all {text, text_pair} objects")
+        pairs = bool(items) and not isinstance(items[0], str)
+        texts = [item.text if pairs else item for item in items]
+        text_pairs = [item.text_pair for item in items] if pairs else None
+        reading = await read_inputs(texts, text_pairs, False, body.window, body.stride)
+        chosen = window_settings(body.window, body.stride)
+        return {"results": [tokenize_api.describe(runtime.text, text, body.add_special_tokens)
+                            for text in reading.texts], **{k: v for k, v in chosen.describe().items() if k != "rules"}}
+
+    @app.post("/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
+    async def tei_tokenize(body: TeiTokenizeRequest):
+        """Text Embeddings Inference's route: `[[{id, text, special, start, stop}]]` per input (character
+        offsets; special tokens have no offsets)."""
+        require_ready()
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        reading = await read_inputs(texts, None, False, None, None)
+        return [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens) for text in reading.texts]
+
+    add_embeddings_routes(app, runtime, require_ready, run_inference)  # OpenAI's /v1/embeddings, TEI's /embed
 
     def device_failed() -> Response | None:
         """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""

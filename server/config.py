@@ -43,7 +43,18 @@ class Settings(BaseSettings):
                                    "(default: $XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
     max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
-    max_tokens: int | None = Field(None, ge=8, description="most tokens per input (default: the backbone's limit)")
+    max_tokens: int | None = Field(None, ge=8, description="most word pieces in one backbone row: the longest window "
+                                   "a request may ask for (default: the backbone's limit)")
+    window_tokens: int | None = Field(
+        None, ge=16, description="word pieces per window (special tokens and a text pair included): a longer text is "
+        "read in overlapping windows and answered as one (docs/windows.md); truncate cuts a text at one window. "
+        "Default: the backbone's trained length where its sentence-transformers config states one (MiniLM 256, "
+        "MPNet 384), else its limit")
+    window_stride: int | None = Field(
+        None, ge=1, description="how far each window starts after the one before (neighbours share window - stride "
+        "word pieces; default: three quarters of the window)")
+    max_request_tokens: int = Field(
+        131072, ge=1, description="most word pieces one request may have read, all its windows counted (413 above)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
     batching: bool = Field(True, description="batch concurrent requests into one backbone pass")
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per backbone pass (rows x longest)")
@@ -98,6 +109,8 @@ class Settings(BaseSettings):
         problem = problem or head_precision_problem(self.head_precision, self.precision, self.device)
         problem = problem or sizes_problem("graph_batch_sizes", self.graph_batch_sizes)
         problem = problem or sizes_problem("graph_seq_lens", self.graph_seq_lens)
+        if not problem and self.window_tokens and self.window_stride and self.window_stride > self.window_tokens:
+            problem = f"window_stride={self.window_stride} is over window_tokens={self.window_tokens}: windows would skip text"
         if problem:
             raise ValueError(problem)
         return self

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modules_store import ArtifactError, Manifest, ModuleStore
+from modules_store import ArtifactError, Manifest, ModuleStore, TaskType
 from server.heads import Head, build_head
 
 
@@ -77,6 +77,22 @@ def compares_pairs(manifest: Manifest | None) -> bool:
     """Whether a module classifies a text together with a text pair (a layer-mix head with pair
     pooling): single texts mean nothing to it."""
     return manifest is not None and (manifest.config or {}).get("pooling") == "pair"
+
+
+def reads_single_texts(manifest: Manifest | None) -> bool:
+    """Whether a module reads single texts only (an embedding: a sentence vector of one text)."""
+    return manifest is not None and manifest.task_type == TaskType.embedding
+
+
+def token_limit(modules: dict, limit: int | None) -> int | None:
+    """The token limit of a request for `modules` (LoadedModule or a worker's view of one): the
+    server's `limit`, lowered to the trained length an embedding module records (its vectors equal
+    the reference only within it; past it the request is refused, or cut with truncation)."""
+    for module in modules.values():
+        trained = (module.manifest.config or {}).get("max_tokens") if reads_single_texts(module.manifest) else None
+        if trained:
+            limit = min(limit, trained) if limit else trained
+    return limit
 
 
 def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) -> list[str]:

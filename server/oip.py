@@ -5,7 +5,7 @@ task type: sequence tasks `label` (BYTES [N]), `score` (FP32 [N]), `scores` (FP3
 the order of the model's `labels` parameter); token tasks `entities` (BYTES [N], each a JSON list
 of {text, label, start, end, score}; with aggregation "none" the list of word pieces); multi-label
 tasks `labels` (BYTES [N], each a JSON list of the labels at or over their threshold) and `scores`;
-regression `value` (FP32 [N]).
+regression `value` (FP32 [N]); embeddings `embedding` (FP32 [N, D]).
 
 Request parameters: `truncate` and the answer controls of /v1/infer (`top_k`, `raw_scores`,
 `threshold`, `aggregation`, `truncation_direction`; server/schemas.py AnswerControls). The
@@ -30,6 +30,7 @@ from modules_store import TaskType
 from pydantic import ValidationError
 
 from server.errors import ApiError
+from server.heads.embedding import vector_size
 from server.modules import LoadedModule
 from server.schemas import AnswerControls
 
@@ -61,6 +62,8 @@ def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
                 {"name": "scores", "datatype": "FP32", "shape": [-1, len(module.manifest.labels)]}]
     if task_type == TaskType.token_classification:
         return [{"name": "entities", "datatype": "BYTES", "shape": [-1]}]
+    if task_type == TaskType.embedding:
+        return [{"name": "embedding", "datatype": "FP32", "shape": [-1, vector_size(module.manifest.config)]}]
     return [{"name": "value", "datatype": "FP32", "shape": [-1]}]
 
 
@@ -164,6 +167,8 @@ def _output_arrays(module: LoadedModule, results: list[dict]) -> dict[str, tuple
     if task_type == TaskType.token_classification:
         return {"entities": ("BYTES", np.array([json.dumps(r["entities"] if "entities" in r else r["tokens"]).encode()
                                                 for r in results], dtype=object))}
+    if task_type == TaskType.embedding:
+        return {"embedding": ("FP32", np.array([r["embedding"] for r in results], dtype=np.float32))}
     return {"value": ("FP32", np.array([r["value"] for r in results], dtype=np.float32))}
 
 

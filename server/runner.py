@@ -60,6 +60,7 @@ from server.config import Settings, parse_sizes
 from server.engine import Engine, Timings
 from server.errors import ApiError
 from server.modules import LoadedModule, compares_pairs
+from server.windows import window_rows
 
 log = logging.getLogger("tmod")
 
@@ -727,7 +728,8 @@ class ModelRunner:
         failure = None
         try:
             logits, batches = self._pass(item, rows, modules, timings)
-            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, rows)
+            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows),
+                           rows)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

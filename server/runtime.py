@@ -35,6 +35,7 @@ from server.runner import (  # noqa: F401  (length_runs: re-exported)
     is_device_failure,
     length_runs,
 )
+from server.windows import rule_for
 
 log = logging.getLogger("tmod")
 
@@ -98,9 +99,13 @@ class Runtime:
         """(backbone name, fingerprint short form)."""
         return self.backbone.name, self.backbone.fingerprint.short
 
-    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None,
-               truncation_direction: str = "right") -> list[EncodedInput]:
-        return self.backbone.encode(texts, text_pairs, truncate, max_tokens, truncation_direction)
+    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
+        return self.backbone.encode(texts, text_pairs, truncate, max_tokens)
+
+    @property
+    def text(self):
+        """The backbone's TextEncoder (windows are cut from what it reads: server/windows.py)."""
+        return self.backbone.text
 
     async def submit(self, job: Job) -> list[dict]:
         """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""
@@ -152,6 +157,7 @@ class Runtime:
             "labels": m.labels, "layers": self.layers_read(module), "parameters": count_parameters(module.head),
             "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
             "inputs": "text_pair" if compares_pairs(m) else "text", "served_through": via,
+            "windows": None if module.bridge else getattr(rule_for(m.task_type), "name", None),
         }
 
     def layers_read(self, module: LoadedModule) -> list[int]:

@@ -54,6 +54,7 @@ from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics
 from server.runtime import Runtime
+from server.windows import plain_rows
 
 log = logging.getLogger("tmod.workers")
 
@@ -310,9 +311,8 @@ class RemoteRuntime:
     def model_info(self) -> tuple[str, str]:
         return self._model
 
-    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None,
-               truncation_direction: str = "right") -> list[EncodedInput]:
-        return self.text.encode(texts, text_pairs, truncate, max_tokens, truncation_direction)
+    def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
+        return self.text.encode(texts, text_pairs, truncate, max_tokens)
 
     def describe(self, module: ModuleView) -> dict:
         return module.info
@@ -329,14 +329,16 @@ class RemoteRuntime:
         """Each task's row logits -> answers, over the job's rows collated (answers already decoded
         by the engine, those of bridged tasks, are left as they are)."""
         batch = None
+        plain = plain_rows(job.rows)  # windows of a longer text keep their logits (server/windows.py)
         for task, module in job.modules.items():
-            if not isinstance(results[0][task], np.ndarray):
+            if not plain or not isinstance(results[plain[0]][task], np.ndarray):
                 continue
-            batch = batch or self.text.collate(job.rows, device="cpu")
-            answers = decode_rows(module.manifest.task_type, module.manifest.labels, [r[task] for r in results], batch,
-                                  [row.answer for row in job.rows], module.manifest.decoding)
-            for row, answer in zip(results, answers):
-                row[task] = answer
+            batch = batch or self.text.collate([job.rows[r] for r in plain], device="cpu")
+            answers = decode_rows(module.manifest.task_type, module.manifest.labels,
+                                  [results[r][task] for r in plain], batch,
+                                  [job.rows[r].answer for r in plain], module.manifest.decoding)
+            for r, answer in zip(plain, answers):
+                results[r][task] = answer
 
     async def manage(self, task: str, action: str, version: str | None) -> tuple[ModuleView, str | None]:
         return await self._ask("manage", task, action, version)

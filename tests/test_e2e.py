@@ -95,7 +95,7 @@ def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
         thanks = httpx.post(server.url + "/v1/infer", params={"tasks": "emotion"}, timeout=60,
                             json={"inputs": ["Thank you so much, this made my day!"]}).json()
     assert tasks == {"ner": "text", "sentiment": "text", "acceptability": "text", "entailment": "text_pair",
-                     "emotion": "text"}
+                     "embedding": "text", "emotion": "text"}
     assert "gratitude" in thanks["results"][0]["emotion"]["labels"]
     assert paired["results"][0]["entailment"]["label"] in ("entailment", "not_entailment")
     first, second = body["results"]

@@ -9,6 +9,7 @@
     tmod-train align --source minilm --target smollm2 --mapping avg --dataset sst2   # alignment bridge
     tmod-train bridge --source minilm --target smollm2 --target-layers 0,5,10,15,20,25,30 --objective mse
     tmod-train bridge --objective distill --module STORE/TASK/VERSION --dataset sst2   # transformer bridge
+    tmod-train embedding --backbone mpnet --version mpnet-1   # the backbone's own sentence embedding
 """
 from __future__ import annotations
 
@@ -212,6 +213,20 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
 
 
+def add_embedding_command(commands) -> None:
+    p = commands.add_parser("embedding", help="write a backbone's embedding module (its sentence-transformers "
+                            "pooling and normalisation; nothing is trained) and check it against the reference")
+    p.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm (default), mpnet, smollm2")
+    p.add_argument("--task", default="embedding")
+    p.add_argument("--version", default="1")
+    p.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--check", type=int, default=872, help="SST-2 validation sentences compared with "
+                   "sentence-transformers (0: no check; default: all 872)")
+    p.add_argument("--data-dir", default=None, help="folder of the datasets (default: $TMOD_DATA_DIR)")
+    p.add_argument("--threads", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -238,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     add_align_command(commands)
     add_bridge_command(commands)
+    add_embedding_command(commands)
     return parser
 
 
@@ -335,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         from training.bridge import cmd_bridge
 
         return cmd_bridge(args, shlex.join(["tmod-train", *argv]))
+    if args.command == "embedding":
+        from training.embedding import cmd_embedding
+
+        return cmd_embedding(args, shlex.join(["tmod-train", *argv]))
     if args.command in ("layermix", "mtb", "lora-mtb"):
         return cmd_train(args, shlex.join(["tmod-train", *argv]))
     return cmd_eval(args)

@@ -84,9 +84,8 @@ class Backbone:
         return self.text.tokenize(texts, text_pairs, truncate, max_tokens)
 
     def encode(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None,
-               truncate: bool = False, max_tokens: int | None = None,
-               truncation_direction: str = "right") -> list[EncodedInput]:
-        return self.text.encode(texts, text_pairs, truncate, max_tokens, truncation_direction)
+               truncate: bool = False, max_tokens: int | None = None) -> list[EncodedInput]:
+        return self.text.encode(texts, text_pairs, truncate, max_tokens)
 
     def collate(self, rows: Sequence[EncodedInput]) -> TokenBatch:
         return self.text.collate(rows)

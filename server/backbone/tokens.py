@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -197,6 +196,17 @@ class InputTooLong(ValueError):
         super().__init__(f"{detail}; the limit is {limit} (ask for truncation to cut them)")
 
 
+def keep_last_tokens(row: EncodedInput, limit: int) -> EncodedInput:
+    """A single text cut from the left to `limit` tokens: its leading and trailing special tokens
+    and the last text tokens that fit (what a tokenizer truncating on the left gives)."""
+    text = [i for i, seq in enumerate(row.sequence_ids) if seq is not None]
+    specials = len(row) - len(text)
+    keep = list(range(text[0])) + text[len(text) - (limit - specials):] + list(range(text[-1] + 1, len(row)))
+    return replace(row, ids=[row.ids[i] for i in keep], type_ids=[row.type_ids[i] for i in keep],
+                   offsets=[row.offsets[i] for i in keep], sequence_ids=[row.sequence_ids[i] for i in keep],
+                   word_ids=[row.word_ids[i] for i in keep])
+
+
 class TextEncoder:
     """A fast tokenizer with its model's limits: text -> EncodedInput (with character offsets) ->
     padded TokenBatch. The backbone has one; a bridge has one for its target backbone."""
@@ -215,37 +225,34 @@ class TextEncoder:
         """encode() then collate(): a padded batch in input order."""
         return self.collate(self.encode(texts, text_pairs, truncate, max_tokens))
 
-    _truncation_lock = threading.Lock()  # the tokenizer's truncation side is shared state
-
-    def encode(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None,
-               truncation_direction: str = "right") -> list[EncodedInput]:
+    def encode(self, texts, text_pairs=None, truncate: bool | str = False, max_tokens: int | None = None,
+               whole: bool = False) -> list[EncodedInput]:
         """Tokenize with offsets. Inputs over the token limit (the model's, or a lower
-        `max_tokens`) raise InputTooLong unless `truncate`; `truncation_direction` "left" cuts
-        their start instead of their end (the text's end is kept)."""
+        `max_tokens`) raise InputTooLong unless `truncate`: True or "right" cuts their end, "left"
+        their start (single texts only; the special tokens stay); `whole`: no limit
+        (server/windows.py cuts such inputs into windows)."""
         texts = list(texts)
         pairs = list(text_pairs) if text_pairs is not None else None
         limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
         enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=False, verbose=False)
         lengths = [len(ids) for ids in enc["input_ids"]]
-        too_long = [i for i, n in enumerate(lengths) if n > limit]
+        too_long = [] if whole else [i for i, n in enumerate(lengths) if n > limit]
         if too_long and not truncate:
             raise InputTooLong(too_long, [lengths[i] for i in too_long], limit)
-        if too_long:
-            with self._truncation_lock:
-                side, self.tokenizer.truncation_side = self.tokenizer.truncation_side, truncation_direction
-                try:
-                    enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
-                finally:
-                    self.tokenizer.truncation_side = side
+        if truncate == "left" and pairs is not None:
+            raise ValueError("truncation from the left is for single texts")
+        if too_long and truncate != "left":
+            enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
         cut = set(too_long)
         rows = []
         for r, encoding in enumerate(enc.encodings):
             pair = pairs[r] if pairs is not None else None
-            rows.append(EncodedInput(
+            row = EncodedInput(
                 text=texts[r], text_pair=pair, ids=list(encoding.ids), type_ids=list(encoding.type_ids),
                 offsets=trimmed_offsets(encoding.offsets, encoding.sequence_ids, texts[r], pair),
                 sequence_ids=list(encoding.sequence_ids), word_ids=list(encoding.word_ids), truncated=r in cut,
-            ))
+            )
+            rows.append(keep_last_tokens(row, limit) if r in cut and truncate == "left" else row)
         return rows
 
     def collate(self, rows, shape: tuple[int, int] | None = None, device: torch.device | str | None = None,

@@ -65,6 +65,8 @@ def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: 
                 if s == strategy:
                     out[r] = answers[r]
         return out
+    if task_type == TaskType.embedding:
+        return embeddings(logits)
     raise ValueError(f"no decoder for task type {task_type}")
 
 
@@ -119,6 +121,13 @@ def _multi_labels(labels: list[str], logits: torch.Tensor, options: list[AnswerO
         answer["scores"] = ranked(labels, values, o.top_k) if o.top_k is not None else dict(zip(labels, values))
         out.append(answer)
     return out
+
+
+def embeddings(logits: torch.Tensor) -> list[dict[str, Any]]:
+    """An embedding head's (B, D + 1) output: each row's vector and the norm it had before
+    normalisation (server/heads/embedding/layer.py, `with_norm`)."""
+    rows = logits.float().cpu().tolist()
+    return [{"embedding": row[:-1], "norm": row[-1]} for row in rows]
 
 
 def best_labels(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
