@@ -201,7 +201,6 @@ def test_left_truncation_keeps_the_end_of_the_text(live, minilm):
     text = " ".join(f"word{i}" for i in range(400)) + " Angela Merkel visited Paris."
     full = minilm.text.tokenizer(text, return_offsets_mapping=True)  # the whole text, by the tokenizer itself
     assert len(full["input_ids"]) > minilm.max_tokens
-    kept = minilm.max_tokens - 2  # [CLS] and [SEP]
     body = {"inputs": [text], "truncate": True, "aggregation": "none"}
     left = httpx.post(live.url + "/v1/infer", params={"tasks": "ner"}, json={**body, "truncation_direction": "left"},
                       timeout=120).json()
@@ -209,6 +208,8 @@ def test_left_truncation_keeps_the_end_of_the_text(live, minilm):
     assert left["truncated"] == right["truncated"] == [0]
     real = [t for t, s in enumerate(full.sequence_ids()) if s == 0]
     offsets = lambda answer: [(p["start"], p["end"]) for p in answer["results"][0]["ner"]["tokens"]]  # noqa: E731
+    kept = len(offsets(right))  # the text's pieces in one window (the server's window, less [CLS] and [SEP])
+    assert 100 <= kept < len(real)
     assert offsets(left) == [tuple(full["offset_mapping"][t]) for t in real[-kept:]]
     assert offsets(left)[-1][1] == len(text)
     assert offsets(right) == [tuple(full["offset_mapping"][t]) for t in real[:kept]]
@@ -363,3 +364,10 @@ def test_manifest_names_the_default_aggregation(minilm, modules):
     per_row = decode(TaskType.token_classification, labels, logits, batch,
                      [AnswerOptions(aggregation="first"), None], {"aggregation": "max"})
     assert per_row == [decode(TaskType.token_classification, labels, logits, batch)[0], by_manifest[1]]
+
+
+def test_left_truncation_of_pairs_answers_422(live):
+    pair = {"text": "A cat sat on the mat.", "text_pair": "A cat was on a mat."}
+    response = httpx.post(live.url + "/v1/infer", params={"tasks": "entailment"}, timeout=60,
+                          json={"inputs": [pair], "truncate": True, "truncation_direction": "left"})
+    assert response.status_code == 422 and "single texts" in response.json()["error"]["message"]
