@@ -30,6 +30,7 @@ from server.logs import RequestLog
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (
+    AnswerControls,
     InferRequest,
     InferResponse,
     ModelInfo,
@@ -160,13 +161,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return rest
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
-                            truncate: bool, request: Request, window: int | None = None, stride: int | None = None
-                            ) -> tuple[list[dict], Job, dict[str, str]]:
+                            truncate: bool, request: Request, window: int | None = None, stride: int | None = None,
+                            controls: AnswerControls | None = None) -> tuple[list[dict], Job, dict[str, str]]:
         """Shared by every protocol: limits, tokenization (long texts in windows), the batcher, metrics,
-        timing headers. -> (per-input results keyed by task, the job (one row per input, the module
-        versions that answered, per input its `windows`), response headers)."""
+        timing headers. `controls`: the request's answer controls (docs/answer-controls.md). -> (per-input
+        results keyed by task, the job (one row per input, the module versions that answered, per input
+        its `windows`), response headers)."""
         with metrics.requests_in_flight.track_inprogress():
-            return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride)
+            return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride,
+                                          controls or AnswerControls())
 
     def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
         """The limits and checks every text meets before it is tokenized (413 / 422)."""
@@ -206,10 +209,19 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         except windows.PairTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc)) from exc
 
-    async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None):
+    async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None,
+                               controls: AnswerControls | None = None):
         received = time.perf_counter()
+        controls = controls or AnswerControls()
+        if truncate and controls.truncation_direction == "left":
+            if text_pairs is not None:
+                raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
+            truncate = "left"  # the tokenizer keeps the end of the text (server/backbone/tokens.py)
         reading = await read_inputs(texts, text_pairs, truncate, window, stride,
                                     token_limit(modules, settings.max_tokens))
+        options = controls.options()
+        for row in reading.rows + [text.whole for text in reading.texts]:
+            row.answer = options
         if reading.tokens > settings.max_request_tokens:
             raise ApiError(413, "too_many_tokens",
                            f"the request is {reading.tokens} word pieces in {len(reading.rows)} windows; at most "
@@ -258,7 +270,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         texts = [item.text if pairs else item for item in body.inputs]
         text_pairs = [item.text_pair for item in body.inputs] if pairs else None
         results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request,
-                                                    body.window, body.stride)
+                                                    body.window, body.stride, body)
         response.headers.update(headers)
         return InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in job.modules.items()},
@@ -313,7 +325,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     @app.get("/v2", tags=["oip-v2"])
     async def oip_server_metadata():
-        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data"]}
+        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data", "classification"]}
 
     @app.get("/v2/health/live", tags=["oip-v2"])
     async def oip_live():
@@ -350,9 +362,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         parameters = parsed.get("parameters") or {}
         truncate = bool(parameters.get("truncate", False))
         window, stride = (windows.whole_number(parameters, name) for name in ("window", "stride"))
-        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride)
+        controls = oip.answer_controls(parsed)
+        # top_k reaches OIP clients as the classification extension on `scores`: decode every label
+        decoded = controls.model_copy(update={"top_k": None})
+        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride,
+                                                    decoded)
         module = job.modules[task]  # the version that answered
-        content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
+        content, extra = oip.encode_response(module, parsed, [r[task] for r in results], top_k=controls.top_k)
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
     # ---- tokenization: what the server reads (server/windows.py) --------------------------------

@@ -129,11 +129,11 @@ def count_parameters(module: torch.nn.Module) -> int:
 
 def save_module(store: ModuleStore, task: str, version: str, head: Head, backbone, *,
                 training: dict | None = None, metrics: dict | None = None, description: str = "",
-                overwrite: bool = False):
+                overwrite: bool = False, decoding: dict | None = None):
     """Write a head as an artifact for `backbone` (the inverse of load_module)."""
     manifest = Manifest(
         task=task, version=version, backbone=backbone.fingerprint,
-        training=training or {}, metrics=metrics or {}, description=description,
+        training=training or {}, metrics=metrics or {}, description=description, decoding=decoding or {},
         weights_sha256="", **head.manifest_fields(),
     )
     return store.save(manifest, head.artifact_weights(), overwrite=overwrite)

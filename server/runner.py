@@ -728,7 +728,8 @@ class ModelRunner:
         failure = None
         try:
             logits, batches = self._pass(item, rows, modules, timings)
-            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows))
+            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows),
+                           rows)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

@@ -241,6 +241,7 @@ def furthest_from_edge(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarr
 RULES: dict[str, Rule] = {
     "token_classification": Rule("token_logits_from_the_window_furthest_from_an_edge", furthest_from_edge),
     "sequence_classification": Rule("mean_of_logits_weighted_by_tokens", mean_by_tokens),
+    "multi_label_classification": Rule("mean_of_logits_weighted_by_tokens", mean_by_tokens),
     "regression": Rule("mean_of_values_weighted_by_tokens", mean_by_tokens),
     "embedding": Rule("mean_of_pooled_vectors_weighted_by_tokens_then_normalised", mean_of_pooled_vectors),
 }
@@ -303,7 +304,8 @@ class Reading:
                 merged.append(rule.combine(self.texts[i], [np.asarray(o) for o in outputs]))
             token_task = merged[0].ndim == 2  # (tokens, labels) per text: packed one after the other
             packed = np.concatenate(merged) if token_task else np.stack(merged)
-            decoded = decode_rows(module.manifest.task_type, module.manifest.labels, packed, batch)
+            decoded = decode_rows(module.manifest.task_type, module.manifest.labels, packed, batch,
+                                  [self.texts[i].whole.answer for i in windowed], module.manifest.decoding)
             for i, answer in zip(windowed, decoded):
                 out[i][task] = answer
         return out

@@ -455,7 +455,9 @@ class RemoteRuntime:
                     continue
                 answers = np.concatenate([rows[r] for r in plain]) if token_task else np.stack([rows[r] for r in plain])
             batch = batch or self.text.collate([job.rows[r] for r in plain], device="cpu")
-            for r, answer in zip(plain, decode_rows(module.manifest.task_type, module.manifest.labels, answers, batch)):
+            answers = decode_rows(module.manifest.task_type, module.manifest.labels, answers, batch,
+                                  [job.rows[r].answer for r in plain], module.manifest.decoding)
+            for r, answer in zip(plain, answers):
                 results[r][task] = answer
         return results
 

@@ -45,10 +45,14 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     p.set_defaults(kind=kind)
     p.add_argument("--config", help="YAML or JSON file of settings (same names as the options, '_' or '-')")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003")
+    g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003, goemotions")
     g.add_argument("--train", default=S, help="training file (TSV/CSV/JSONL/CoNLL)")
     g.add_argument("--validation", default=S, help="validation file")
     g.add_argument("--labels", type=_csv_list, default=S, help="label order, comma-separated")
+    g.add_argument("--multi-label", action="store_true", default=S,
+                   help="independent labels, one sigmoid each (binary cross-entropy); a label cell holds "
+                        "comma-separated labels; per-label or global decision threshold chosen on validation "
+                        "(whichever scores better there) and recorded in the manifest (the goemotions preset is multi-label)")
     g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
     g.add_argument("--max-validation", type=int, default=S)
     add_data_options(p)
@@ -255,9 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _document_defaults(parser: argparse.ArgumentParser) -> None:
     """Append each knob's default (from TrainSettings, or per task type) to its help text."""
+    from modules_store import TaskType
     from training.settings import TASK_DEFAULTS, TrainSettings
 
-    sequence, token = TASK_DEFAULTS.values()
+    sequence, token = TASK_DEFAULTS[TaskType.sequence_classification], TASK_DEFAULTS[TaskType.token_classification]
     for action in parser._actions:
         field = TrainSettings.model_fields.get(action.dest)
         if field is None or "default" in (action.help or ""):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ class EncodedInput:
     text_pair: str | None
     tokens: np.ndarray  # (tokens, FIELDS) int32, columns IDS..CASING
     truncated: bool = False
+    # the request's answer controls (server.heads.decode.AnswerOptions; None: default answers),
+    # carried with the row through batching to wherever it is decoded
+    answer: Any = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
