@@ -188,6 +188,7 @@ def test_the_first_requests_route_and_tasks_exist_and_it_gets_the_answer_shown(s
     response = send(server, command)
     assert response.status_code == 200, response.text
     got = response.json()
+    assert got.keys() == shown.keys() and got["truncated"] == shown["truncated"] and got["windows"] == shown["windows"]
     assert got["tasks"] == shown["tasks"] and got["model"]["backbone"] == shown["model"]["backbone"]
     assert len(got["results"]) == len(shown["results"])
     for got_row, shown_row in zip(got["results"], shown["results"]):
