@@ -62,8 +62,27 @@ def main(argv=None) -> None:
                 shutil.rmtree(made, ignore_errors=True)
     from server.app import create_app  # imported late so --help stays fast
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                log_config=None, access_log=False)  # our JSON lines replace uvicorn's access log
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    runtime = app.state.runtime
+
+    def stop(reason: str) -> None:  # start-up failed: this process cannot serve, so it stops (and exits 1 below)
+        server.should_exit = True
+
+    runtime.on_fatal = stop
+    server.run()
+    if runtime.startup_error:
+        raise SystemExit(f"tmod-serve: cannot serve: {runtime.startup_error}")
+
+
+def uvicorn_config(app, settings: Settings, **extra) -> uvicorn.Config:
+    """uvicorn for tmod: our JSON lines replace its access log; request heads have a deadline
+    (`header_timeout_s`, server/http_limits.py)."""
+    from server.http_limits import header_timeout_protocol
+
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          log_config=None, access_log=False, http=header_timeout_protocol(settings.header_timeout_s),
+                          **extra)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,15 @@ class OutOfMemory(ApiError):
                          "send a shorter input, or ask for truncation with a lower token limit")
 
 
+class HeadFailed(ApiError):
+    """A task's head raised during a pass: its answers for the pass's rows (500); the other tasks
+    of the batch are answered."""
+
+    def __init__(self, task: str, cause: BaseException):
+        super().__init__(500, "head_failed", f"task {task!r} failed on this input: {type(cause).__name__}: "
+                                             f"{str(cause)[:200]}", task=task)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """A failed allocation: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's
     RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
@@ -502,7 +511,7 @@ class ModelRunner:
             return row_logits(modules, logits, batches, [len(row) for row in rows])
         except Exception as exc:
             if not is_out_of_memory(exc):
-                raise
+                return self._answer_apart(item, rows, modules, timings, exc)
             cause = exc
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -519,6 +528,23 @@ class ModelRunner:
         for part in (rows[:half], rows[half:]):
             for task, answers in self.execute(self.prepare(part, modules), modules, timings).items():
                 outputs[task].extend(answers)
+        return outputs
+
+    def _answer_apart(self, item: PreparedPass, rows: list[EncodedInput], modules, timings,
+                      error: Exception) -> dict[str, list]:
+        """A pass that raised (not for memory): a failing head fails its own task's answers, never
+        another task's. Each task runs again in a pass of its own; a task whose pass raises too is
+        answered 500 (`HeadFailed`) for these rows, the others as usual."""
+        if len(modules) == 1:
+            (task, module), = modules.items()
+            log.error("task %s/%s failed a pass of %d rows: %s: %s", task, module.version, len(rows),
+                      type(error).__name__, error, exc_info=error)
+            return {task: [HeadFailed(task, error)] * len(rows)}
+        log.warning("a pass for tasks %s failed (%s: %s); running each task alone", sorted(modules),
+                    type(error).__name__, error)
+        outputs = {}
+        for task, module in modules.items():
+            outputs.update(self._answer(item, rows, {task: module}, timings))
         return outputs
 
     @torch.inference_mode()

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -22,10 +23,10 @@ from server.backbone import Backbone, EncodedInput
 from server.config import Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine, Timings
-from server.errors import ApiError
+from server.errors import ApiError, clip
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
-from server.modules import LoadedModule, compares_pairs, count_parameters, load_module
+from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
 from server.runner import ModelRunner, PreparedBatch, head_precision, length_runs  # noqa: F401  (length_runs: re-exported)
 
 log = logging.getLogger("tmod")
@@ -44,6 +45,9 @@ class Runtime:
         self.load_errors: dict[str, str] = {}
         self.ready = threading.Event()
         self.startup_error: str | None = None
+        # called (from the compute thread) when start-up fails: a process that cannot serve exits
+        # (tmod-serve sets it; an app made in a test keeps running, live and not ready)
+        self.on_fatal: Callable[[str], None] | None = None
         # torch work runs on one thread of its own, off the event loop; torch itself uses the cores
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmod-compute")
         # tokenization (Rust, releases the GIL) runs beside compute so the next batch is ready
@@ -97,7 +101,7 @@ class Runtime:
         or removed, the version it replaced). A refused artifact answers 404/409 and changes nothing."""
         current = self.modules.get(task)
         if action not in ("load", "reload", "unload"):
-            raise ApiError(404, "not_found", f"unknown action {action!r}: use load, reload or unload")
+            raise ApiError(404, "not_found", f"unknown action {clip(action)}: use load, reload or unload")
         if action in ("reload", "unload") and current is None:
             raise ApiError(404, "unknown_task", f"task {task!r} is not loaded; loaded tasks: {sorted(self.modules)}",
                            loaded_tasks=sorted(self.modules))
@@ -107,7 +111,8 @@ class Runtime:
         try:
             module = await asyncio.get_running_loop().run_in_executor(self.executor, *work)
         except ArtifactError as exc:
-            status = 404 if exc.reason == "not_found" else 409
+            self.metrics.child(self.metrics.module_refusals, exc.reason).inc()
+            status = {"not_found": 404, "invalid_name": 400}.get(exc.reason, 409)
             raise ApiError(status, f"artifact_{exc.reason}", exc.message) from exc
         return module, current.version if current else None
 
@@ -137,7 +142,8 @@ class Runtime:
                 keep_freed_memory()  # passes on the CPU reuse their activations' memory (server/host_memory.py)
             if self.backbone is None:
                 t0 = time.perf_counter()
-                self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device)
+                self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device,
+                                              cache_dir=self.settings.cache_dir)
                 log.info("backbone %s loaded in %.1fs", self.backbone.name, time.perf_counter() - t0)
             if (self.settings.backend, self.settings.precision) != (self.backbone.backend.name, self.backbone.backend.precision):
                 t0 = time.perf_counter()
@@ -155,17 +161,21 @@ class Runtime:
             loaded = {}
             for task in wanted:
                 try:
-                    loaded[task] = load_module(self.store, task, None, self.backbone, self.settings.device, self.bridges)
+                    # the newest version that passes its checks; each newer one refused is reported
+                    loaded[task], refused = load_servable(self.store, task, self.backbone, self.settings.device,
+                                                          self.bridges)
                     via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
                     log.info("module %s/%s loaded%s", task, loaded[task].version, via)
+                    if refused:
+                        self.refuse(task, "; ".join(f"{err.message}" for err in refused)
+                                    + f" (serving {task}/{loaded[task].version})", *refused)
                 except ArtifactError as exc:
                     if exc.reason == "other_backbone" and not asked:
                         # one store serves several backbones: another backbone's module is not a refusal
                         log.info("module %s skipped: %s", task, exc.message)
                         continue
                     # one broken artifact must not keep the others from serving
-                    self.load_errors[task] = exc.message
-                    log.error("module %s refused: %s", task, exc.message)
+                    self.refuse(task, exc.message, exc)
             self.modules = loaded
             self.metrics.modules_loaded.set(len(loaded))
             self.runner.warm_up(loaded)  # CUDA graphs of the common buckets (nothing on the CPU)
@@ -174,9 +184,19 @@ class Runtime:
             # rows unpickled in half the CPU: bench/results/frontend-workers-cpu.md)
             gc.freeze()
             self.ready.set()
-        except Exception as exc:  # the server stays up (live, not ready) and says why
+        except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")
+            if self.on_fatal is not None:
+                self.on_fatal(self.startup_error)
+
+    def refuse(self, task: str, message: str, *errors: ArtifactError) -> None:
+        """An artifact not served: on /readyz ("refused"), in the log and in the metrics."""
+        self.load_errors[task] = message
+        for error in errors:
+            self.metrics.child(self.metrics.module_refusals, error.reason).inc()
+        self.metrics.modules_refused.set(len(self.load_errors))
+        log.error("module %s refused: %s", task, message)
 
     def load_bridges(self) -> dict:
         """Every bridge in the bridge store that runs on this backbone (latest version of each);
@@ -195,8 +215,7 @@ class Runtime:
                 log.info("bridge %s/%s loaded: %s -> %s", name, loaded[name].version, manifest.source.name,
                          manifest.target.name)
             except ArtifactError as exc:
-                self.load_errors[f"bridge:{name}"] = exc.message
-                log.error("bridge %s refused: %s", name, exc.message)
+                self.refuse(f"bridge:{name}", exc.message, exc)
         return loaded
 
     # ---- hot modules (run in the compute thread, between batches) ----------------------------
@@ -208,6 +227,7 @@ class Runtime:
         self.runner.forget_plans()  # plans and graphs: none may serve the replaced head
         self.runner.warm_up(self.modules)
         self.load_errors.pop(task, None)
+        self.metrics.modules_refused.set(len(self.load_errors))
         self.metrics.modules_loaded.set(len(self.modules))
         log.info("module %s/%s loaded", task, module.version)
         return module
