@@ -82,7 +82,7 @@ def uvicorn_config(app, settings: Settings, **extra) -> uvicorn.Config:
 
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           log_config=None, access_log=False, http=header_timeout_protocol(settings.header_timeout_s),
-                          **extra)
+                          h11_max_incomplete_event_size=settings.max_header_bytes, **extra)
 
 
 if __name__ == "__main__":

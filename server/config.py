@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
     max_tokens: int | None = Field(None, ge=8, description="most tokens per input (default: the backbone's limit)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
+    max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes, with "
+                                  "uvicorn's h11 parser (400 above; httptools sets its own)")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection that has not sent a whole request head "
                                     "this long after connecting (or after its previous answer) gets 408 and is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body still arriving this long after it began: 408")

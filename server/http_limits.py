@@ -2,20 +2,23 @@
 
 - `BodyLimits` (ASGI middleware): a body over `max_body_bytes` (declared or streamed, chunked
   included) answers 413; a body still arriving `body_timeout_s` after it began answers 408.
-- `header_timeout_protocol` (uvicorn's h11 protocol, subclassed): a connection that has not sent a
-  whole request head within `header_timeout_s` (from connecting, or from the end of its previous
-  response) is answered 408 and closed; a client trickling headers a byte at a time holds nothing
-  for long. uvicorn's own `timeout_keep_alive` covers idle connections between requests only once
-  a first request was answered, and no timer at all covers a request head still arriving.
+- `header_timeout_protocol` (uvicorn's HTTP protocol, the one it would pick itself: httptools when
+  installed, else h11, subclassed): a connection that has not sent a whole request head within
+  `header_timeout_s` (from connecting, or from the end of its previous response) is answered 408
+  and closed; a client trickling headers a byte at a time holds nothing for long. uvicorn's own
+  `timeout_keep_alive` covers idle connections between requests only once a first request was
+  answered, and no timer at all covers a request head still arriving. A request the parser
+  refuses (malformed, a head over `max_header_bytes` with h11) gets its 400 as JSON, in tmod's shape.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from server.errors import BodyRefused
+from server.errors import BodyRefused, error_body
 
 DIGITS = re.compile(rb"[0-9]{1,18}")  # str.isdigit() is true for '²', which int() refuses
 
@@ -58,13 +61,20 @@ class BodyLimits:
         return BodyRefused(413, "payload_too_large", f"request body exceeds {self.limit} bytes")
 
 
-TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+def raw_response(status: str, type_: str, message: str) -> bytes:
+    """A whole HTTP/1.1 answer that closes the connection, written below the parser (no request id:
+    no request was read)."""
+    body = json.dumps(error_body(type_, message)).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline on each request head (see the module docstring)."""
+def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol with a deadline on each request head (see the module docstring)."""
+    timeout_response = raw_response("408 Request Timeout", "request_timeout",
+                                     f"request head not received within {header_timeout_s:g} s")
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):
         _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
@@ -97,7 +107,12 @@ def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
         def _expire(self) -> None:
             self._head_timer = None
             if self._waiting_for_head() and not self.transport.is_closing():
-                self.transport.write(TIMEOUT_RESPONSE)
+                self.transport.write(timeout_response)
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            if not self.transport.is_closing():
+                self.transport.write(raw_response("400 Bad Request", "invalid_http", msg))
                 self.transport.close()
 
     return HeaderTimeoutProtocol
