@@ -20,6 +20,9 @@ def probe_module(module, backbone, bridges: dict | None = None) -> None:
 
     manifest = module.manifest
     where = f"{manifest.task}/{manifest.version}"
+    if not module.head.layers_read():
+        raise ArtifactError("probe_failed", f"{where}: the head reads no backbone state (its layer weights "
+                            "are all zero or not finite)")
     pairs = PROBE_PAIRS if (manifest.config or {}).get("pooling") == "pair" else None
     rows = backbone.encode(PROBE_TEXTS, pairs, truncate=True)
     modules = {manifest.task: module}
