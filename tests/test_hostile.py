@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 from urllib.parse import urlsplit
 
 import httpx
@@ -22,6 +23,7 @@ from tests.helpers import random_head, start_tmod_serve
 
 ADMIN = {"authorization": "Bearer hostile-admin-token"}
 MAX_BODY = 65536
+SLOW_CLIENT_S = 2  # the server's header and body read timeouts
 BIG = "x" * 100_000  # an attacker-sized value: no error body may echo it
 
 OIP_TEXT = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a fine film"]}
@@ -272,7 +274,8 @@ def server(hostile_store, tiny_backbone_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         url, process = start_tmod_serve(
             ["--backbone", str(tiny_backbone_dir), "--store", str(hostile_store), "--max-body-bytes", str(MAX_BODY),
-             "--max-inputs", "8", "--max-chars", "2000", "--max-tokens", "256", "--threads", "1"], env, output=log)
+             "--max-inputs", "8", "--max-chars", "2000", "--max-tokens", "256", "--threads", "1",
+             "--header-timeout-s", str(SLOW_CLIENT_S), "--body-timeout-s", str(SLOW_CLIENT_S)], env, output=log)
         try:
             yield url
         finally:
@@ -365,6 +368,92 @@ def test_server_still_serves_after_the_hostile_cases(client):
     assert response.status_code == 200
     assert set(response.json()["results"][0]) == {"sentiment", "ner"}
     assert client.get("/readyz").json()["refused"] == {}
+
+
+def test_20000_duplicate_names_answer_400_while_healthz_answers(server):
+    """The duplicate check is linear: three such requests at once leave /healthz answering (it waited
+    8.7 s per request when the check was quadratic). The 1 s bound is a liveness probe's, not a timing."""
+    url = server + "/v1/infer?tasks=" + ",".join(["sentiment"] * 1000 + ["a"] * 19_000)  # 20,000 names, 48 KB
+    answers = []
+
+    def ask():
+        try:
+            answers.append(httpx.post(url, json={"inputs": ["a"]}, timeout=60))
+        except httpx.HTTPError as exc:
+            answers.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    health = [httpx.get(server + "/healthz", timeout=1.0).status_code for _ in range(5)]
+    for thread in threads:
+        thread.join()
+    assert health == [200] * 5
+    assert [getattr(a, "status_code", a) for a in answers] == [400] * 3
+    error = answers[0].json()["error"]
+    assert error["type"] == "duplicate_tasks" and len(error["message"]) < 400
+
+
+def test_tritonclient_reads_every_kind_of_v2_error(server):
+    from tritonclient.http import InferenceServerClient, InferInput
+    from tritonclient.utils import InferenceServerException
+
+    client = InferenceServerClient(url=server.removeprefix("http://"))
+    text = InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(__import__("numpy").array([b"a fine film"], dtype=object))
+    calls = {
+        "unknown model": lambda: client.infer("nope", [text]),
+        "unknown version": lambda: client.infer("sentiment", [text], model_version="99"),
+        "metadata of an unknown model": lambda: client.get_model_metadata("nope"),
+        "bad parameter": lambda: client.infer("sentiment", [text], parameters={"truncate": "false"}),
+        "unknown output": lambda: client.infer("sentiment", [text], outputs=[
+            __import__("tritonclient.http", fromlist=["InferRequestedOutput"]).InferRequestedOutput("nope")]),
+    }
+    for what, call in calls.items():
+        with pytest.raises(InferenceServerException) as caught:
+            call()
+        message = str(caught.value)  # raised TypeError when "error" held an object
+        assert message.startswith("[4") and "an exception occurred in the client" not in message, (what, message)
+
+
+def test_oip_metadata_lists_text_pair_only_for_pair_tasks(client):
+    single = client.get("/v2/models/sentiment").json()
+    pair = client.get("/v2/models/pairs").json()
+    assert [i["name"] for i in single["inputs"]] == ["text"]
+    assert [i["name"] for i in pair["inputs"]] == ["text", "text_pair"]
+
+
+def slow_exchange(server: str, parts: list[bytes]) -> bytes:
+    """Send `parts` with pauses as a slow client would, then read what the server says (it must close)."""
+    address = urlsplit(server)
+    with socket.create_connection((address.hostname, address.port), timeout=SLOW_CLIENT_S * 15) as sock:
+        for part in parts:
+            sock.sendall(part)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+        return received
+
+
+def test_a_request_head_sent_too_slowly_is_answered_408_and_closed(server):
+    received = slow_exchange(server, [b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-slow: a"])
+    assert received.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(received.partition(b"\r\n\r\n")[2])["error"]["type"] == "request_timeout"
+
+
+def test_a_connection_that_sends_nothing_is_closed(server):
+    assert slow_exchange(server, []).startswith(b"HTTP/1.1 408 ")
+
+
+@pytest.mark.parametrize("path, shape", [("/v1/infer", "v1"), ("/v2/models/sentiment/infer", "oip")])
+def test_a_body_sent_too_slowly_is_answered_408_in_the_protocol_shape(server, path, shape):
+    head = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            "content-length: 100\r\n\r\n").encode()
+    received = slow_exchange(server, [head, b'{"inputs": '])
+    status_line, _, rest = received.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408 "), received[:300]
+    body = json.loads(rest.partition(b"\r\n\r\n")[2])
+    check_shape(408, body, shape, 0)
 
 
 def test_enough_cases():
