@@ -25,7 +25,6 @@ from server.engine import Timings
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.logs import JsonFormatter
 from server.modules import load_module, save_module
-from server.runner import HeadFailed
 from tests.helpers import LiveServer, metric_sample, populate_store, random_head, wait_until
 
 TOKEN = "hardening-token"
@@ -133,6 +132,8 @@ def test_a_head_that_raises_fails_only_its_own_task_in_a_shared_batch(tmp_path, 
         break_head(runtime, "fragile")
         rows = runtime.encode(TEXTS * 2, None, False, None)
         outputs = runtime.run_batch(rows, dict(runtime.modules), Timings())  # one batch, all three tasks
+        from server.runner import HeadFailed  # (imported here: the module's other tests run without it)
+
         assert all(isinstance(answer, HeadFailed) for answer in outputs["fragile"])
         assert all(isinstance(answer, dict) and "entities" in answer for answer in outputs["ner"])
         assert all(isinstance(answer, dict) and "label" in answer for answer in outputs["sentiment"])
@@ -177,11 +178,13 @@ def test_a_queued_request_is_answered_503_at_its_deadline_while_compute_is_busy(
         thread = threading.Thread(target=lambda: first.append(
             httpx.post(server.url + "/v1/infer", json={"inputs": TEXTS}, timeout=60)))
         thread.start()
-        wait_until(lambda: runtime.batcher._running, "the first request taken into a batch")
-        queued = httpx.post(server.url + "/v1/infer", json={"inputs": TEXTS}, timeout=60)
-        held = not release.is_set()  # compute is still held: the answer came from the deadline, not a dequeue
-        release.set()
-        thread.join()
+        try:
+            wait_until(lambda: runtime.batcher._running, "the first request taken into a batch")
+            queued = httpx.post(server.url + "/v1/infer", json={"inputs": TEXTS}, timeout=30)
+            held = not release.is_set()  # compute is still held: the answer came from the deadline, not a dequeue
+        finally:
+            release.set()
+            thread.join()
         assert held and queued.status_code == 503, queued.text
         assert queued.json()["error"]["type"] == "deadline_exceeded" and queued.headers["x-request-id"]
         assert first[0].status_code == 200  # taken into a batch before its deadline: answered
@@ -200,15 +203,18 @@ def test_429_says_when_to_retry(tmp_path, tiny_backbone):
         second = threading.Thread(target=lambda: results.append(
             httpx.post(server.url + "/v1/infer", json={"inputs": TEXTS}, timeout=60)))
         first.start()
-        wait_until(lambda: runtime.batcher._running, "the first request taken into a batch")
-        second.start()
-        wait_until(lambda: runtime.batcher.depth() == 1, "the second request queued")
-        refused = httpx.post(server.url + "/v1/infer", json={"inputs": TEXTS}, timeout=60)
-        oip_refused = httpx.post(server.url + "/v2/models/sentiment/infer", timeout=60, json={
-            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]})
-        release.set()
-        first.join()
-        second.join()
+        try:
+            wait_until(lambda: runtime.batcher._running, "the first request taken into a batch")
+            second.start()
+            wait_until(lambda: runtime.batcher.depth() == 1, "the second request queued")
+            refused = httpx.post(server.url + "/v1/infer", json={"inputs": TEXTS}, timeout=30)
+            oip_refused = httpx.post(server.url + "/v2/models/sentiment/infer", timeout=30, json={
+                "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]})
+        finally:
+            release.set()
+            first.join()
+            if second.is_alive() or second.ident:
+                second.join()
         assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
         assert oip_refused.status_code == 429 and oip_refused.headers["retry-after"] == "3"
         assert isinstance(oip_refused.json()["error"], str)
