@@ -66,9 +66,11 @@ def minilm_onnx(minilm, onnx_cache):
 #   max |diff|/|h|, |h|>0.01  6.2e-6 9.1e-5 1.1e-4 1.5e-4 2.5e-4 4.0e-4 4.1e-4
 #   every element within 1e-5 + r |h| for r = 0, 0, 3.2e-6, 1.5e-5, 3.5e-5, 4.2e-5, 3.2e-5
 # Another CPU (issue 12) measured 1.03e-4 in state 3, 2.2x ours there: rtol 2e-4 is ~5x our worst
-# r (4.2e-5), and atol 1e-5 covers values near zero. A real fault (a wrong layer, mask or weight)
-# moves states by O(|h|), thousands of times this.
-ORT_VS_TORCH = dict(atol=1e-5, rtol=2e-4)
+# r (4.2e-5), and atol covers values near zero: 1e-5 was exceeded on a CPU with AVX-512 and AMX
+# (2026-11-23: 2 of 56,832 elements of state 6 outside 1e-5 + 2e-4 |h|, the largest difference
+# 1.42e-5), so 3e-5.
+# A real fault (a wrong layer, mask or weight) moves states by O(|h|), thousands of times this.
+ORT_VS_TORCH = dict(atol=3e-5, rtol=2e-4)
 
 
 def assert_states_close(reference: Backbone, other: Backbone, batch, atol: float, rtol: float = 0.0):

@@ -160,9 +160,10 @@ def container(objects: list[dict]) -> dict:
     return c
 
 
-def container_env(objects: list[dict]) -> dict[str, str]:
-    """The environment the container gets: ConfigMaps from envFrom, then env (Secret refs resolved)."""
-    c = container(objects)
+def container_env(objects: list[dict], c: dict | None = None) -> dict[str, str]:
+    """The environment a container (default: the Deployment's) gets: ConfigMaps from envFrom, then env
+    (Secret refs resolved)."""
+    c = container(objects) if c is None else c
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
         env.update(one(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
