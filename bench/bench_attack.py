@@ -277,10 +277,27 @@ def clients(url: str) -> dict:
     except ImportError:
         out["tritonclient"] = "not installed"
     try:
-        import kserve  # noqa: F401
-        out["kserve"] = "installed, not exercised by this script"
+        from kserve.inference_client import InferenceRESTClient, RESTConfig
+        from kserve.protocol.infer_type import InferInput, InferRequest
     except ImportError:
         out["kserve"] = "not installed"
+        return out
+
+    async def kserve_calls():
+        tensor = InferInput("text", [2], "BYTES")
+        tensor.set_data_from_numpy(np.array([s.encode() for s in SENTENCES[:2]], dtype=np.object_), binary_data=True)
+        ok, refused = 0, 0
+        async with InferenceRESTClient(RESTConfig(protocol="v2", timeout=60)) as client:
+            for task in ("sentiment", "ner"):
+                response = await client.infer(url, InferRequest(task, [tensor]), model_name=task)
+                ok += len(response.outputs) > 0
+            try:
+                await client.infer(url, InferRequest("nope", [tensor]), model_name="nope")
+            except httpx.HTTPStatusError as exc:
+                refused += exc.response.status_code == 404 and isinstance(exc.response.json()["error"], str)
+        return {"infer_ok": ok, "of": 2, "unknown_model_404_in_oip_shape": refused}
+
+    out["kserve"] = asyncio.run(kserve_calls())
     return out
 
 
