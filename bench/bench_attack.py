@@ -276,12 +276,15 @@ def clients(url: str) -> dict:
         out["tritonclient"] = {"infer_ok": ok, "of": 2, "errors_formatted": formatted, "errors_of": 3}
     except ImportError:
         out["tritonclient"] = "not installed"
+    argv, sys.argv = sys.argv, sys.argv[:1]  # kserve parses the command line when imported (its --workers is an int)
     try:
         from kserve.inference_client import InferenceRESTClient, RESTConfig
         from kserve.protocol.infer_type import InferInput, InferRequest
     except ImportError:
         out["kserve"] = "not installed"
         return out
+    finally:
+        sys.argv = argv
 
     async def kserve_calls():
         tensor = InferInput("text", [2], "BYTES")

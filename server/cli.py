@@ -75,14 +75,14 @@ def main(argv=None) -> None:
         raise SystemExit(f"tmod-serve: cannot serve: {runtime.startup_error}")
 
 
-def uvicorn_config(app, settings: Settings, **extra) -> uvicorn.Config:
+def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
     """uvicorn for tmod: our JSON lines replace its access log; request heads have a deadline
     (`header_timeout_s`, server/http_limits.py)."""
     from server.http_limits import header_timeout_protocol
 
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           log_config=None, access_log=False, http=header_timeout_protocol(settings.header_timeout_s),
-                          h11_max_incomplete_event_size=settings.max_header_bytes, **extra)
+                          h11_max_incomplete_event_size=settings.max_header_bytes)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 
     class HeaderTimeoutProtocol(AutoHTTPProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _graced = False
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -95,8 +96,9 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
         def _waiting_for_head(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
-        def _arm(self) -> None:
+        def _arm(self, graced: bool = False) -> None:
             if self._head_timer is None:
+                self._graced = graced
                 self._head_timer = self.loop.call_later(header_timeout_s, self._expire)
 
         def _disarm(self) -> None:
@@ -105,7 +107,14 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
                 self._head_timer = None
 
         def _expire(self) -> None:
+            late = self.loop.time() - self._head_timer.when()
             self._head_timer = None
+            if late > min(1.0, header_timeout_s / 2) and not self._graced:
+                # the timer fired late: the event loop was busy (a burst), so this connection's head
+                # may be waiting unread too. Overload is answered by the queue (429), not here: one
+                # more period before it counts as slow
+                self._arm(graced=True)
+                return
             if self._waiting_for_head() and not self.transport.is_closing():
                 self.transport.write(timeout_response)
                 self.transport.close()
