@@ -295,7 +295,7 @@ AREAS = {
     "response model -> JSON (FastAPI)": [("routing.py", "serialize_response")],
     "tokenize (Backbone.encode)": [("tokens.py", "encode")],
     "collate": [("tokens.py", "collate")],
-    "decode (decode_all)": [("engine.py", "decode_all")],
+    "decode (decode_all)": [("answers.py", "decode_all")],
     "stand-in device pass (random logits)": [("bench_frontend.py", "standin_logits")],
     "metrics (prometheus_client)": [("metrics.py", "labels"), ("metrics.py", "inc"), ("metrics.py", "observe"),
                                     ("values.py", "inc")],

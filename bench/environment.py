@@ -30,6 +30,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512_bf16, amx_tile, ...)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
 def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]

@@ -14,9 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import oip
 from modules_store.manifest import NAME_PATTERN
-from server.backbone import Backbone, InputTooLong
+from server import oip, tokenize_api, windows
+from server.backbone import Backbone
 from server.batcher import Job
 from server.config import Settings
 from server.errors import (
@@ -41,6 +41,8 @@ from server.schemas import (
     ModuleActionResult,
     TaskDetail,
     TaskList,
+    TeiTokenizeRequest,
+    TokenizeRequest,
 )
 
 
@@ -121,15 +123,16 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return rest
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
-                            truncate: bool, request: Request) -> tuple[list[dict], Job, dict[str, str]]:
-        """Shared by every protocol: limits, tokenization, the batcher, metrics, timing headers.
-        -> (per-input results keyed by task, the job (its rows, the module versions that answered),
-        response headers)."""
+                            truncate: bool, request: Request, window: int | None = None, stride: int | None = None
+                            ) -> tuple[list[dict], Job, dict[str, str]]:
+        """Shared by every protocol: limits, tokenization (long texts in windows), the batcher, metrics,
+        timing headers. -> (per-input results keyed by task, the job (one row per input, the module
+        versions that answered, per input its `windows`), response headers)."""
         with metrics.requests_in_flight.track_inprogress():
-            return await answer_inference(texts, text_pairs, modules, truncate, request)
+            return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride)
 
-    async def answer_inference(texts, text_pairs, modules, truncate, request):
-        received = time.perf_counter()
+    def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
+        """The limits and checks every text meets before it is tokenized (413 / 422)."""
         if not texts:
             raise ApiError(422, "invalid_request", "no inputs: send at least one text")
         if len(texts) > settings.max_inputs:
@@ -150,18 +153,51 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             except UnicodeEncodeError as exc:
                 raise ApiError(422, "invalid_request",
                                f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
+
+    def window_settings(window: int | None, stride: int | None) -> windows.WindowSettings:
+        return windows.settings_for(runtime.text, settings.max_tokens, window, stride,
+                                    settings.window_tokens, settings.window_stride)
+
+    async def read_inputs(texts, text_pairs, truncate, window, stride) -> windows.Reading:
+        """Tokenize (in a tokenizer thread) and cut long texts into windows (server/windows.py)."""
+        check_inputs(texts, text_pairs)
+        chosen = window_settings(window, stride)
         try:
-            rows = await loop.run_in_executor(
-                runtime.tokenize_executor, runtime.encode, texts, text_pairs, truncate, settings.max_tokens
-            )
-        except InputTooLong as exc:
-            raise ApiError(413, "input_too_long", str(exc), inputs=exc.rows, token_limit=exc.limit) from exc
-        job = Job(rows=rows, modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
-                  is_disconnected=request.is_disconnected)
-        job.timings.tokenize = time.perf_counter() - started
-        results = await runtime.submit(job)
+            return await asyncio.get_running_loop().run_in_executor(
+                runtime.tokenize_executor, windows.read, runtime.text, texts, text_pairs, chosen, truncate)
+        except windows.PairTooLong as exc:
+            raise ApiError(413, "input_too_long", str(exc)) from exc
+
+    async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None):
+        received = time.perf_counter()
+        reading = await read_inputs(texts, text_pairs, truncate, window, stride)
+        if reading.tokens > settings.max_request_tokens:
+            raise ApiError(413, "too_many_tokens",
+                           f"the request is {reading.tokens} word pieces in {len(reading.rows)} windows; at most "
+                           f"{settings.max_request_tokens} per request (send fewer or shorter texts)",
+                           tokens=reading.tokens, token_budget=settings.max_request_tokens)
+        windows.check_windowable(reading, modules)
+        job = windows.AnsweredJob(rows=[text.whole for text in reading.texts], modules=modules, deadline=0.0,
+                                  windows=reading.windows)
+        job.timings.tokenize = time.perf_counter() - received
+        rows, answers, versions = reading.rows, [], None
+        # a request over one batch's budget goes in parts, each to the back of the queue (fair turns)
+        for part in windows.parts(rows, settings.max_batch_size, settings.max_batch_tokens):
+            piece = Job(rows=rows[part], modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
+                        is_disconnected=request.is_disconnected)
+            answers += await runtime.submit(piece)
+            answered = {t: m.version for t, m in piece.modules.items()}
+            if versions is not None and answered != versions:
+                raise ApiError(503, "module_changed", "a task's module was replaced while this request was read "
+                               f"(versions {versions} then {answered}); retry")
+            versions, job.modules = answered, piece.modules
+            job.timings.extra["queue"] = job.timings.extra.get("queue", 0.0) + piece.timings.extra.get("queue", 0.0)
+            job.timings.backbone += piece.timings.backbone
+            job.timings.heads += piece.timings.heads
+        results = answers
+        if reading.windowed:  # decode each long text once, whole (host work, in a tokenizer thread)
+            results = await asyncio.get_running_loop().run_in_executor(
+                runtime.tokenize_executor, reading.answers, job.modules, answers, runtime.text)
         timings = job.timings
         total = time.perf_counter() - received
         queue = timings.extra.get("queue", 0.0)
@@ -182,11 +218,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         modules = fit_to_inputs(select_modules(tasks), pairs, named=tasks is not None)
         texts = [item.text if pairs else item for item in body.inputs]
         text_pairs = [item.text_pair for item in body.inputs] if pairs else None
-        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request)
+        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request,
+                                                    body.window, body.stride)
         response.headers.update(headers)
         return InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in job.modules.items()},
-            truncated=[i for i, row in enumerate(job.rows) if row.truncated],
+            truncated=[i for i, row in enumerate(job.rows) if row.truncated], windows=job.windows,
         )
 
     # ---- admin: hot module management --------------------------------------------------------
@@ -216,7 +253,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks():
         require_ready()
-        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info()}
+        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info(),
+                "windows": window_settings(None, None).describe()}
 
     @app.get("/v1/tasks/{name}", response_model=TaskDetail, tags=["tasks"], responses={404: {}})
     async def get_task(name: str):
@@ -273,18 +311,57 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         body = await request.body()
         parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
-        truncate = oip.bool_parameter(parsed.get("parameters") or {}, "truncate")
-        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request)
+        parameters = parsed.get("parameters") or {}
+        truncate = oip.bool_parameter(parameters, "truncate")
+        window, stride = (windows.whole_number(parameters, name) for name in ("window", "stride"))
+        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride)
         module = job.modules[task]  # the version that answered
         content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
-    @app.get("/healthz", tags=["health"])
+    # ---- tokenization: what the server reads (server/windows.py) --------------------------------
+    @app.post("/v1/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
+    async def tokenize(body: TokenizeRequest):
+        """The word pieces of each input with their character offsets, and the windows the server would
+        read it in (with this request's `window` / `stride`, or the defaults)."""
+        require_ready()
+        items = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        if items and len({isinstance(item, str) for item in items}) > 1:
+            raise ApiError(422, "invalid_request", "inputs must be all texts or all {text, text_pair} objects")
+        pairs = bool(items) and not isinstance(items[0], str)
+        texts = [item.text if pairs else item for item in items]
+        text_pairs = [item.text_pair for item in items] if pairs else None
+        reading = await read_inputs(texts, text_pairs, False, body.window, body.stride)
+        chosen = window_settings(body.window, body.stride)
+        return {"results": [tokenize_api.describe(runtime.text, text, body.add_special_tokens)
+                            for text in reading.texts], **{k: v for k, v in chosen.describe().items() if k != "rules"}}
+
+    @app.post("/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
+    async def tei_tokenize(body: TeiTokenizeRequest):
+        """Text Embeddings Inference's route: `[[{id, text, special, start, stop}]]` per input (character
+        offsets; special tokens have no offsets)."""
+        require_ready()
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        reading = await read_inputs(texts, None, False, None, None)
+        return [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens) for text in reading.texts]
+
+    def device_failed() -> Response | None:
+        """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""
+        failure = getattr(runtime, "failure", None)  # a worker's RemoteRuntime has none: its engine exits
+        if failure is None:
+            return None
+        return Response(content=json.dumps(error_body("device_failed", f"the device failed: {failure}")),
+                        status_code=503, media_type="application/json")
+
+    @app.get("/healthz", tags=["health"], responses={503: {}})
     async def healthz():
-        return {"status": "ok"}
+        return device_failed() or {"status": "ok"}
 
     @app.get("/readyz", tags=["health"], responses={503: {}})
     async def readyz():
+        failed = device_failed()
+        if failed is not None:
+            return failed
         if not runtime.ready.is_set():
             detail = runtime.startup_error or "loading"
             return Response(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import typing
 
@@ -47,6 +49,13 @@ def main(argv=None) -> None:
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
+    try:
+        serve_settings(settings)
+    finally:
+        exit_status()
+
+
+def serve_settings(settings: Settings) -> None:
     if settings.workers > 1:
         # N HTTP worker processes and this one as the engine (server/workers.py). Metrics of every
         # process go through files here; prometheus_client reads this when first imported, so set it first
@@ -55,6 +64,7 @@ def main(argv=None) -> None:
             made = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tmod-metrics-")
         from server.workers import serve
 
+        stop_on_device_failure()
         try:
             return serve(settings)
         finally:
@@ -62,17 +72,9 @@ def main(argv=None) -> None:
                 shutil.rmtree(made, ignore_errors=True)
     from server.app import create_app  # imported late so --help stays fast
 
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    runtime = app.state.runtime
-
-    def stop(reason: str) -> None:  # start-up failed: this process cannot serve, so it stops (and exits 1 below)
-        server.should_exit = True
-
-    runtime.on_fatal = stop
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    stop_on_device_failure(lambda: setattr(server, "should_exit", True))
     server.run()
-    if runtime.startup_error:
-        raise SystemExit(f"tmod-serve: cannot serve: {runtime.startup_error}")
 
 
 def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
@@ -83,6 +85,24 @@ def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           log_config=None, access_log=False, http=header_timeout_protocol(settings.header_timeout_s),
                           h11_max_incomplete_event_size=settings.max_header_bytes)
+
+
+def stop_on_device_failure(stop=None) -> None:
+    """A sticky device error, or a start-up that failed, stops this process as SIGTERM does
+    (requests drain, answered 503; `stop`, default a SIGTERM to this process), and `main` then exits
+    non-zero, so that Kubernetes (or any supervisor) starts a fresh one."""
+    from server import runtime
+
+    runtime.on_device_failure = stop or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+
+def exit_status() -> None:
+    runtime = sys.modules.get("server.runtime")  # not imported: nothing ran, nothing failed
+    if runtime is not None and runtime.startup_failure() is not None:
+        raise SystemExit(f"tmod-serve: cannot serve: {runtime.startup_failure()}")
+    failure = runtime.device_failure() if runtime is not None else None
+    if failure is not None:
+        raise SystemExit(f"tmod-serve: stopped after a device failure: {failure}")
 
 
 if __name__ == "__main__":

@@ -35,15 +35,26 @@ class Settings(BaseSettings):
         "torch", description="what runs the backbone's layers: torch (PyTorch eager) or onnx (ONNX Runtime, "
         "one exported graph per layer, cached under cache_dir)")
     precision: Literal["auto", "fp32", "bf16", "fp16", "int8"] = Field(
-        "auto", description="backbone precision: auto (bf16 with backend torch on a CPU with native bfloat16, "
-        "avx512_bf16 or AMX; fp32 everywhere else); fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
+        "auto", description="backbone precision: auto (fp16 with backend torch on cuda, its fp32 products in TF32; "
+        "bf16 with backend torch on a CPU with native bfloat16, avx512_bf16 or AMX; fp32 everywhere else); fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
         "fp32 layer norms and residual stream; such a CPU, or cuda); fp16 (backend torch on a cuda device); "
         "int8 (backend onnx on the CPU: dynamic quantisation)")
     cache_dir: Path | None = Field(None, description="where exported backbone graphs are cached "
                                    "(default: $XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
     max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
-    max_tokens: int | None = Field(None, ge=8, description="most tokens per input (default: the backbone's limit)")
+    max_tokens: int | None = Field(None, ge=8, description="most word pieces in one backbone row: the longest window "
+                                   "a request may ask for (default: the backbone's limit)")
+    window_tokens: int | None = Field(
+        None, ge=16, description="word pieces per window (special tokens and a text pair included): a longer text is "
+        "read in overlapping windows and answered as one (docs/windows.md); truncate cuts a text at one window. "
+        "Default: the backbone's trained length where its sentence-transformers config states one (MiniLM 256, "
+        "MPNet 384), else its limit")
+    window_stride: int | None = Field(
+        None, ge=1, description="how far each window starts after the one before (neighbours share window - stride "
+        "word pieces; default: three quarters of the window)")
+    max_request_tokens: int = Field(
+        131072, ge=1, description="most word pieces one request may have read, all its windows counted (413 above)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
     max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes, with "
                                   "uvicorn's h11 parser (400 above; httptools sets its own)")
@@ -69,9 +80,10 @@ class Settings(BaseSettings):
         "graph_batch_sizes: right on a GPU, where a pass costs launches, not padding); auto: buckets on cuda, "
         "length_runs on the CPU")
     cuda_graphs: bool = Field(
-        True, description="on a cuda device, capture each plan's whole pass (backbone and heads) as one CUDA graph "
-        "per bucket shape and replay it (shapes outside the buckets, and plans with foreign modules, run eager); "
-        "no effect on the CPU")
+        True, description="on a cuda device with backend torch, capture the whole pass (backbone and heads) of the "
+        "task sets default requests run as one CUDA graph per reachable bucket shape, at start and after each module "
+        "change, and replay it (for those sets and their subsets; foreign modules and shapes outside the buckets run "
+        "eager); no effect on the CPU")
     graph_batch_sizes: str = Field(
         "1,2,4,8,16,32,64,128,256,512", description="bucket batch sizes (comma-separated); those above "
         "max_batch_size are dropped, except the smallest one that covers it")
@@ -103,6 +115,8 @@ class Settings(BaseSettings):
         problem = problem or head_precision_problem(self.head_precision, self.precision, self.device)
         problem = problem or sizes_problem("graph_batch_sizes", self.graph_batch_sizes)
         problem = problem or sizes_problem("graph_seq_lens", self.graph_seq_lens)
+        if not problem and self.window_tokens and self.window_stride and self.window_stride > self.window_tokens:
+            problem = f"window_stride={self.window_stride} is over window_tokens={self.window_tokens}: windows would skip text"
         if problem:
             raise ValueError(problem)
         return self
@@ -199,10 +213,15 @@ def cpu_has_native_bf16() -> bool:
 
 
 def auto_precision(backend: str, device: str) -> str:
-    """What precision "auto" means: bf16 where it was measured to pay for a negligible accuracy
-    cost (backend torch on a CPU with native bfloat16: bench/bench_backends.py, 1.7-1.9x fp32 at
-    batch 32, shipped modules' metrics within 0.04 points), fp32 everywhere else (onnx; cuda, where
-    fp16 / bf16 are wired but not measured; a CPU that would emulate bfloat16)."""
+    """What precision "auto" means: the 16-bit type where it was measured to pay for a negligible
+    accuracy cost. Backend torch on cuda: fp16 (within the accuracy rule on every shipped module, an
+    fp16 backbone and fp16 heads alike: bench/results/head-precision-cpu.md, fp16 computed on the
+    CPU; tensor-core products several times fp32's rate); fp32 matrix products that remain there use TF32
+    (server/runner.py, `use_device`). Backend torch on a CPU with native bfloat16: bf16
+    (bench/bench_backends.py, 1.7-1.9x fp32 at batch 32, shipped modules' metrics within 0.04
+    points). fp32 everywhere else (onnx; a CPU that would emulate bfloat16)."""
+    if backend == "torch" and _device_type(device) == "cuda":
+        return "fp16"
     if backend == "torch" and _device_type(device) == "cpu" and cpu_has_native_bf16():
         return "bf16"
     return "fp32"

@@ -1,4 +1,9 @@
-"""The engine: one backbone pass per batch, states streamed into the heads of a plan."""
+"""The engine: one backbone pass per batch, states streamed into the heads of a plan.
+
+Layers call downwards only: runtime -> runner (server/runner.py) -> engine -> plan (server/plan.py).
+The runner asks for a plan once per pass (`plan`) and runs it (`run_plan`); the engine knows
+nothing of batch shapes, graphs or answers (logits become answers in server/answers.py, which the
+runner calls)."""
 from __future__ import annotations
 
 import time
@@ -8,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.backbone import Backbone, TokenBatch
-from server.heads.decode import decode
+from server.answers import decode_all  # noqa: F401  (re-exported: `predict`, and callers of engine.decode_all)
 from server.modules import LoadedModule
 from server.plan import ExecutionPlan
 
@@ -60,7 +65,13 @@ class Engine:
             timings: Timings | None = None) -> tuple[dict[str, torch.Tensor], dict[str, TokenBatch]]:
         """(logits per task, the batch each task's logits are laid out on). Native tasks answer on
         `batch`; foreign tasks on the batch their bridge hands back (the target tokenization)."""
-        plan = self.plan(modules)
+        return self.run_plan(self.plan(modules), batch, timings)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: ExecutionPlan, batch: TokenBatch,
+                 timings: Timings | None = None) -> tuple[dict[str, torch.Tensor], dict[str, TokenBatch]]:
+        """`run` for a plan already at hand (the runner gets it once per pass)."""
+        modules = plan.modules
         timings = timings or Timings()
         start = time.perf_counter()
         head_time = 0.0
@@ -96,17 +107,9 @@ class Engine:
 
     def predict(self, batch: TokenBatch, modules: dict[str, LoadedModule],
                 timings: Timings | None = None) -> dict[str, list[dict]]:
-        """Decoded answers per task, each a list in batch row order."""
+        """Decoded answers per task, each a list in batch row order (for tests and tools: the
+        served path decodes in the runner, through server/answers.py)."""
         return decode_all(modules, *self.run(batch, modules, timings))
-
-
-def decode_all(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor],
-               batches: dict[str, TokenBatch]) -> dict[str, list[dict]]:
-    """Decoded answers per task from a pass's logits, each on the batch its logits are laid out on."""
-    return {
-        task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task])
-        for task in modules
-    }
 
 
 def run_head(head, batch: TokenBatch, states: dict[int, torch.Tensor]) -> torch.Tensor:

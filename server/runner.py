@@ -1,50 +1,66 @@
 """The model runner: how a batch of encoded rows becomes passes on the device, and answers.
 
-engine -> runner -> graphs, in the manner of vLLM's model runner. The engine (server/engine.py)
-knows how one pass of a plan runs; the runner decides the passes a batch needs and how each runs:
+Layers call downwards only: runtime -> runner -> engine -> plan, in the manner of vLLM's engine ->
+model runner -> graphs. The runtime hands the runner a batch; the runner decides the passes it
+needs and how each runs, asks the engine for the plan once per pass and runs it (eager, or a
+captured graph of it), and turns the logits into answers (server/answers.py, the one place that
+decodes). The engine knows how one pass of a plan runs and nothing of shapes, graphs or answers.
 
 - **Batch shapes** (`BatchShapes`, the one place where a CPU and a GPU differ). On a CPU compute
   scales with padded tokens, so rows (sorted by length) are cut into length runs, one pass each
   (`length_runs`). On a GPU a small pass costs its kernel launches, not its padding, so a batch is
   one pass with its rows padded up to a bucket length and the batch up to a bucket size, filler rows
   added (each sees one token; their outputs are dropped). Both lists of bucket sizes come from
-  the settings, bounded by `max_batch_size` and the backbone's token limit; the token budget
-  (`max_batch_tokens`) picks the buckets captured at start.
+  the settings, bounded by `max_batch_size` and the backbone's token limit; `reachable` lists every
+  bucket a pass can land in (the ones captured at start).
 - **Graphs** (`GraphCache`, `capture_cuda_graph`). On a cuda device the whole pass of a plan
-  (backbone stream, every head, group and bridge it runs) at one bucket shape is captured once as a
-  CUDA graph and replayed: inputs are copied into the graph's static input tensors, the replay
-  writes every logit of the pass into one static output. Graphs belong to their plan: the cache is
-  keyed by the plan object (and holds it, so its heads stay alive while a graph may read them) and
-  is emptied by `forget_plans`, which every module load, unload and reload calls, so a replay never
-  serves a stale head. All graphs share one memory pool (captured largest first, so smaller ones
-  reuse its blocks; replays run one at a time on the compute thread and each output is copied out
-  before the next replay, which is what makes sharing safe). Capture stops at `graph_memory_mb`.
-  Plans with foreign modules (a bridge tokenizes for its target inside the pass) and shapes outside
-  the buckets run eager.
-- **Host and device**: batches are collated on the host into pinned memory (`prepare`, which the
-  batcher can run on another thread while the device runs the previous batch) and copied
-  non-blocking; all logits of a pass come back in one device-to-host copy (`pack_logits`); nothing
-  in the pass reads a device value on the host (per-token classes, casing and segment, are made at collate time).
+  (backbone stream, every native head and group) at one bucket shape is captured once as a CUDA
+  graph and replayed: inputs are copied into the graph's static input tensors, the replay writes
+  every logit of the pass into one static output. Graphs are captured only between batches, never
+  on a request's path: at start and after every module load, unload and reload (`warm_up`, on the
+  compute thread), for the task sets requests that name no tasks run (single texts; text pairs:
+  `served_task_sets`) at every reachable bucket. A request for a subset of a captured set replays
+  the smallest captured superset and drops the other tasks' outputs; anything else runs eager. A
+  plan with foreign modules replays the graph of its native part; its foreign tasks (a bridge
+  tokenizes for its target inside the pass) run eager on the unpadded rows. Graphs belong to their
+  plan (the cache holds it, so its heads stay alive while a graph may read them) and all of them
+  share one memory pool, which is only ever dropped whole (`forget_plans`, then a fresh pool): no
+  graph's blocks are freed while another may still replay over them. Capture stops at
+  `graph_memory_mb`, counted from the pool's own segments. Capture runs in thread-local capture
+  mode (the tokenizer threads may touch CUDA meanwhile), on the device's own stream, and the
+  thread's stream is restored whatever the capture does (`capture_on`).
+- **Host and device**: batches are collated on the host (`prepare`, which the batcher runs on a
+  tokenizer thread while the device runs the previous batch) and, on cuda, copied into page-locked
+  staging buffers made at warm-up (`StagingBuffers`: two sets per bucket, one per batch in flight),
+  so nothing page-locks memory while serving; copies to the device are non-blocking; all logits of
+  a pass come back in one device-to-host copy (`pack_logits`); nothing in the pass reads a device
+  value on the host (per-token classes, casing and segment, are made at collate time).
 - **Out of memory is an answer**: a pass that does not fit (torch.OutOfMemoryError, or the CPU
-  allocator's error) is split in halves and retried down to one row; a row that does not fit alone
-  is refused with 503 (`OutOfMemory`), and every other row is still answered.
+  allocator's error) is split in halves and retried down to one row, after the failed pass is gone
+  (only its error's text is kept: the exception's traceback would keep its states alive); a row that
+  does not fit alone is refused with 503 (`OutOfMemory`), and every other row is still answered.
+- **A dead device is not an answer**: a sticky CUDA error (`is_device_failure`) leaves the context
+  unusable; the runtime then stops being ready and the process exits (server/runtime.py).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
+from server.answers import answers, decode_all, row_logits  # noqa: F401  (row_logits, decode_all: re-exported)
 from server.backbone import EncodedInput, TokenBatch
 from server.config import Settings, parse_sizes
-from server.engine import Engine, Timings, decode_all
+from server.engine import Engine, Timings
 from server.errors import ApiError
-from server.modules import LoadedModule
+from server.modules import LoadedModule, compares_pairs
+from server.windows import window_rows
 
 log = logging.getLogger("tmod")
 
@@ -53,16 +69,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # < 0.3 points) on every shipped module of both tiers: `bench/bench_runner.py heads --emulate-fp16`,
 # bench/results/head-precision-cpu.json and head-precision-cpu-mpnet.json (fp16 computed on the CPU)
 HEAD_PRECISIONS_WITHIN_RULE = ("bf16", "fp16")
-MAX_GRAPH_PLANS = 8  # plans whose graphs are kept (least recently used dropped first)
+STAGING_SETS = 2  # page-locked input sets per bucket: one batch running, the next one prepared
 
 
 class OutOfMemory(ApiError):
     """A row that does not fit in device memory even in a pass of its own (503)."""
 
-    def __init__(self, tokens: int, device: torch.device, cause: BaseException):
+    def __init__(self, tokens: int, device: torch.device, cause: BaseException | str):
         super().__init__(503, "out_of_memory",
                          f"an input of {tokens} tokens does not fit in {device} memory even in a pass of its own "
-                         f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else 'no detail'}); "
+                         f"({cause if isinstance(cause, str) else error_text(cause)}); "
                          "send a shorter input, or ask for truncation with a lower token limit")
 
 
@@ -70,9 +86,13 @@ class HeadFailed(ApiError):
     """A task's head raised during a pass: its answers for the pass's rows (500); the other tasks
     of the batch are answered."""
 
-    def __init__(self, task: str, cause: BaseException):
-        super().__init__(500, "head_failed", f"task {task!r} failed on this input: {type(cause).__name__}: "
-                                             f"{str(cause)[:200]}", task=task)
+    def __init__(self, task: str, cause: str):
+        super().__init__(500, "head_failed", f"task {task!r} failed on this input: {cause[:200]}", task=task)
+
+
+def error_text(exc: BaseException) -> str:
+    """'Type: first line' of an exception (what is kept of it once it is dropped)."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}"
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -82,6 +102,26 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+# CUDA errors that leave the context unusable ("sticky"): every later call in the process fails, so
+# the only recovery is a new process (cudaErrorIllegalAddress, cudaErrorAssert, cudaErrorLaunchFailure,
+# cudaErrorIllegalInstruction, cudaErrorMisalignedAddress, cudaErrorInvalidPc, cudaErrorHardwareStackError,
+# cudaErrorECCUncorrectable, and cuBLAS's report of a kernel that failed to run)
+STICKY_DEVICE_ERRORS = (
+    "an illegal memory access was encountered", "device-side assert triggered", "unspecified launch failure",
+    "an illegal instruction was encountered", "misaligned address", "invalid program counter",
+    "hardware stack error", "uncorrectable ECC error", "CUBLAS_STATUS_EXECUTION_FAILED",
+)
+
+
+def is_device_failure(exc: BaseException) -> bool:
+    """A sticky CUDA error (see STICKY_DEVICE_ERRORS): torch raises them as RuntimeError (or its
+    subclass torch.AcceleratorError) with the CUDA runtime's message in the text."""
+    if not isinstance(exc, RuntimeError) or is_out_of_memory(exc):
+        return False
+    text = str(exc)
+    return any(marker in text for marker in STICKY_DEVICE_ERRORS)
 
 
 def length_runs(lengths: list[int], max_padding_ratio: float) -> list[slice]:
@@ -149,10 +189,22 @@ class BatchShapes:
             out.append((run, self.bucket(run.stop - run.start, max(lengths[run]))))
         return out
 
-    def common(self, max_batch_tokens: int) -> list[Bucket]:
-        """The buckets a batch within the token budget can need, largest first (captured at start)."""
-        buckets = [Bucket(s, n) for s in self.batch_sizes for n in self.seq_lens if s * n <= max_batch_tokens]
-        return sorted(buckets, reverse=True)
+    def reachable(self, max_batch_tokens: int, max_request_rows: int, max_row_tokens: int) -> list[Bucket]:
+        """Every bucket a pass can land in, largest first (captured at start). The batcher adds a
+        request to a batch while rows x longest stays within `max_batch_tokens`, but a batch's first
+        request is taken whatever its size (up to `max_request_rows` rows), and no row is longer than
+        `max_row_tokens`. A bucket is reachable when the smallest pass that lands in it (one row more
+        than the next smaller size, one token more than the next shorter length) can be formed."""
+        out, smaller_size = [], 0
+        for size in self.batch_sizes:
+            shorter = 0
+            for seq_len in self.seq_lens:
+                rows, longest = smaller_size + 1, shorter + 1
+                if longest <= max_row_tokens and (rows * longest <= max_batch_tokens or rows <= max_request_rows):
+                    out.append(Bucket(size, seq_len))
+                shorter = seq_len
+            smaller_size = size
+        return sorted(out, reverse=True)
 
 
 # ---- one pass's logits, packed for one copy --------------------------------------------------------
@@ -162,43 +214,99 @@ def pack_logits(logits: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tup
     return torch.cat([value.float().reshape(-1) for value in logits.values()]), layout
 
 
-def unpack_logits(flat: torch.Tensor, layout, rows: int) -> dict[str, torch.Tensor]:
-    """Views of `flat` per task, the first `rows` rows of each (filler rows dropped)."""
+def unpack_logits(flat: torch.Tensor, layout, rows: int, tasks=None) -> dict[str, torch.Tensor]:
+    """Views of `flat` per task (those in `tasks`, default all), the first `rows` rows of each
+    (filler rows dropped)."""
     out, offset = {}, 0
     for task, shape in layout:
         count = 1
         for n in shape:
             count *= n
-        out[task] = flat[offset:offset + count].view(shape)[:rows]
+        if tasks is None or task in tasks:
+            out[task] = flat[offset:offset + count].view(shape)[:rows]
         offset += count
     return out
 
 
-def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
-               lengths: list[int]) -> dict[str, list]:
-    """Per task, each row's host logits as a numpy array ((tokens, labels) over its own tokens for
-    token tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A foreign
-    task's logits lie on its bridge's tokenization, which only this process has: decoded here."""
-    out = {}
-    for task, module in modules.items():
-        if module.bridge:
-            out[task] = decode_all({task: module}, logits, batches)[task]
-        elif logits[task].dim() == 3:
-            host = logits[task].numpy()
-            out[task] = [host[r, :n] for r, n in enumerate(lengths)]
-        else:
-            out[task] = list(logits[task].numpy())
-    return out
-
-
 def to_host(flat: torch.Tensor) -> torch.Tensor:
-    """One copy of a pass's packed logits to the host (pinned, asynchronous, then one wait)."""
+    """One copy of a pass's packed logits to the host, into fresh pageable memory (the answers may
+    hold views of it after the next pass; nothing is page-locked while serving)."""
     if flat.device.type != "cuda":
         return flat
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    torch.cuda.current_stream(flat.device).synchronize()
-    return host
+    return flat.to("cpu")  # waits for the pass: the one sync per pass
+
+
+# ---- page-locked staging for inputs ---------------------------------------------------------------
+@dataclass
+class StagingSet:
+    """One set of host input tensors of a bucket's shape (page-locked on cuda)."""
+
+    bucket: Bucket
+    tensors: dict[str, torch.Tensor]  # input_ids, attention_mask, token_type_ids?, class:<name>
+    busy: bool = False
+
+
+class StagingBuffers:
+    """Host input tensors per bucket, `sets` of each, made once (`allocate`, at warm-up) and reused:
+    a prepared batch is copied into a free set (`take`) and the set is given back once the pass that
+    reads it has run (`give_back`). With two batches in flight (one running, the next prepared) two
+    sets suffice; when none is free (or the bucket or a class is not held) `take` answers None and
+    the batch stays in pageable memory. Thread-safe: `take` runs on a tokenizer thread, `give_back`
+    on the compute thread."""
+
+    def __init__(self, pin: bool, sets: int = STAGING_SETS):
+        self.pin, self.sets = pin, sets
+        self._free: dict[Bucket, list[StagingSet]] = {}
+        self._lock = threading.Lock()
+        self.misses = 0  # batches left in pageable memory (no free set)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+    def allocate(self, buckets: list[Bucket], token_types: bool, classes: set[str]) -> None:
+        """Sets for every bucket not held yet, or held without a tensor now needed (a module that
+        reads another class was loaded); sets that are fine stay. A replaced set still taken by an
+        in-flight batch is only dropped when that batch gives it back."""
+        names = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else []) + \
+            [f"class:{name}" for name in sorted(classes)]
+        for bucket in buckets:
+            held = self._free.get(bucket)
+            if held and set(names) <= set(held[0].tensors):
+                continue
+            shape = (bucket.size, bucket.seq_len)
+            made = [StagingSet(bucket, {name: torch.zeros(shape, dtype=torch.long, pin_memory=self.pin)
+                                        for name in names}) for _ in range(self.sets)]
+            with self._lock:
+                self._free[bucket] = made
+
+    def take(self, batch: TokenBatch, bucket: Bucket) -> tuple[TokenBatch, StagingSet] | None:
+        """`batch` copied into a free set of `bucket` -> (the staged batch, its set), or None."""
+        wanted = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                  **({"token_type_ids": batch.token_type_ids} if batch.token_type_ids is not None else {}),
+                  **{f"class:{name}": t for name, t in batch.classes.items()}}
+        with self._lock:
+            sets = self._free.get(bucket, [])
+            chosen = next((s for s in sets if not s.busy and set(wanted) <= set(s.tensors)), None)
+            if chosen is None:
+                self.misses += 1
+                return None
+            chosen.busy = True
+        for name, value in wanted.items():
+            chosen.tensors[name].copy_(value)
+        t = chosen.tensors
+        staged = replace(batch, input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                         token_type_ids=t.get("token_type_ids") if batch.token_type_ids is not None else None,
+                         classes={name: t[f"class:{name}"] for name in batch.classes})
+        return staged, chosen
+
+    def give_back(self, staging: StagingSet | None) -> None:
+        if staging is not None:
+            with self._lock:
+                staging.busy = False
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free = {}
 
 
 # ---- graphs ---------------------------------------------------------------------------------------
@@ -212,6 +320,7 @@ class CapturedPass:
     layout: list
     memory_bytes: int = 0
     graph: object = None  # the torch.cuda.CUDAGraph (kept alive with its pool blocks)
+    deepest: int | None = None  # the last backbone state the captured plan computes (set by GraphCache)
 
     def __call__(self, batch: TokenBatch) -> torch.Tensor:
         if tuple(batch.input_ids.shape) != tuple(self.inputs.input_ids.shape):
@@ -222,7 +331,10 @@ class CapturedPass:
         if self.inputs.token_type_ids is not None:
             self.inputs.token_type_ids.copy_(batch.token_type_ids, non_blocking=True)
         for name, static in self.inputs.classes.items():
-            static.copy_(batch.token_classes(name), non_blocking=True)
+            if name in batch.classes:
+                static.copy_(batch.classes[name], non_blocking=True)
+            else:  # read only by heads of a superset whose outputs this batch drops
+                static.zero_()
         return self.replay()
 
 
@@ -247,36 +359,73 @@ def token_classes_read(modules: dict[str, LoadedModule]) -> set[str]:
     return {name for m in modules.values() if m.bridge is None for name in m.head.token_classes_read()}
 
 
-def capture_cuda_graph(engine: Engine, modules: dict[str, LoadedModule], bucket: Bucket,
+def native_part(modules: dict[str, LoadedModule]) -> dict[str, LoadedModule]:
+    """The modules that read this backbone's states themselves (not through a bridge)."""
+    return {task: m for task, m in modules.items() if m.bridge is None}
+
+
+def served_task_sets(modules: dict[str, LoadedModule]) -> list[dict[str, LoadedModule]]:
+    """The task sets requests that name no tasks run (server/app.py, `fit_to_inputs`): single texts
+    get every task but the pair tasks, text pairs every task. Distinct and non-empty, pairs first."""
+    single = {task: m for task, m in modules.items() if not compares_pairs(m.manifest)}
+    return [s for s in ([modules, single] if len(single) < len(modules) else [modules]) if s]
+
+
+def capture_on(graph, run: Callable, stream_context: contextlib.AbstractContextManager, pool):
+    """`run()` captured into `graph` inside `stream_context` (the capture stream), in thread-local
+    capture mode (other threads may use CUDA meanwhile: the tokenizer threads, a decode). Capture is
+    ended and the thread's stream restored whatever `run` or the capture raises (torch.cuda.graph's
+    own exit ends the capture first and, when that raises, leaves the thread on the capture stream)."""
+    with stream_context:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            return run()
+        finally:
+            graph.capture_end()
+
+
+def pool_bytes(snapshot: list[dict], pool, device_index: int) -> int:
+    """Bytes the caching allocator holds in graph memory pool `pool` on a device, from
+    torch.cuda.memory_snapshot() (segments carry the pool they belong to)."""
+    pool = tuple(pool)
+    return sum(seg["total_size"] for seg in snapshot
+               if seg.get("device", device_index) == device_index and tuple(seg.get("segment_pool_id", ())) == pool)
+
+
+def capture_cuda_graph(engine: Engine, plan, bucket: Bucket,
                        precision: Callable[[], contextlib.AbstractContextManager], pool) -> CapturedPass:
-    """Capture `modules`' whole pass at `bucket` as one CUDA graph (warm-up on a side stream first,
-    as torch.cuda.graph asks: lazy initialisation and autotuning must not happen inside capture)."""
-    device = engine.backbone.device
-    inputs = static_batch(bucket, device, engine.backbone.text.uses_token_types, token_classes_read(modules))
+    """Capture `plan`'s whole pass at `bucket` as one CUDA graph (warm-up on the capture stream
+    first, as torch.cuda.graph asks: lazy initialisation and autotuning must not happen inside
+    capture). `memory_bytes`: what the pool grew by, read from the pool's segments."""
+    device = torch.device(engine.backbone.device)
+    torch.cuda.set_device(device)  # cuda:N: the capture stream, the pool and the graph on device N
+    inputs = static_batch(bucket, device, engine.backbone.text.uses_token_types, token_classes_read(plan.modules))
 
     def run() -> tuple[torch.Tensor, list]:
         with precision():
-            logits, _ = engine.run(inputs, modules)
+            logits, _ = engine.run_plan(plan, inputs)
         return pack_logits(logits)
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
         for _ in range(2):
             run()
-    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    before = torch.cuda.memory_reserved(device)  # the pool's growth is what the graph holds
+    gc.collect()
+    torch.cuda.empty_cache()  # before reading the pool: cached blocks released now are not the graph's
+    before = pool_bytes(torch.cuda.memory_snapshot(), pool, device.index or 0)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output, layout = run()
+    output, layout = capture_on(graph, run, torch.cuda.stream(stream), pool)
     torch.cuda.synchronize(device)
+    grown = pool_bytes(torch.cuda.memory_snapshot(), pool, device.index or 0) - before
 
     def replay() -> torch.Tensor:
         graph.replay()
         return output
 
-    return CapturedPass(inputs, replay, layout, torch.cuda.memory_reserved(device) - before, graph)
+    return CapturedPass(inputs, replay, layout, max(grown, 0), graph)
 
 
 @dataclass
@@ -287,19 +436,20 @@ class _PlanGraphs:
 
 
 class GraphCache:
-    """Captured passes keyed by (plan, bucket). `capture(modules, bucket) -> CapturedPass` is
-    injected (the CUDA capture on a GPU; a test can give any other). Capture is refused once the
-    graphs hold `memory_cap` bytes; a capture that fails (out of memory, an operation a graph cannot
-    hold) is logged once and that shape runs eager."""
+    """Captured passes per (plan, bucket). `capture(plan, bucket) -> CapturedPass` is injected (the
+    CUDA capture on a GPU; a test can give any other). `capture_plan` captures (between batches);
+    `find` looks up (on the serving path: never captures). Capture is refused once the graphs hold
+    `memory_cap` bytes; a capture that fails (out of memory, an operation a graph cannot hold) is
+    logged once and that shape runs eager. Graphs are dropped all at once (`forget`): they share one
+    memory pool, and no part of it may be freed while other graphs replay over it."""
 
-    def __init__(self, capture: Callable[[dict, Bucket], CapturedPass] | None, memory_cap: int,
-                 max_plans: int = MAX_GRAPH_PLANS):
+    def __init__(self, capture: Callable | None, memory_cap: int):
         self.capture = capture
         self.memory_cap = memory_cap
-        self.max_plans = max_plans
         self.memory_bytes = 0
         self.captures = 0  # captures made since start (a test counts recaptures with it)
-        self._plans: OrderedDict[int, _PlanGraphs] = OrderedDict()
+        self.replays = 0
+        self._plans: dict[int, _PlanGraphs] = {}
 
     @property
     def enabled(self) -> bool:
@@ -308,30 +458,53 @@ class GraphCache:
     def __len__(self) -> int:
         return sum(len(entry.graphs) for entry in self._plans.values())
 
+    def plans(self) -> list:
+        return [entry.plan for entry in self._plans.values()]
+
+    def buckets(self, plan) -> list[Bucket]:
+        entry = self._plans.get(id(plan))
+        return sorted(entry.graphs, reverse=True) if entry is not None and entry.plan is plan else []
+
+    def find(self, modules: dict[str, LoadedModule], bucket: Bucket) -> CapturedPass | None:
+        """A captured pass at `bucket` whose plan runs every one of `modules` (the same heads):
+        the smallest such plan; None: run eager."""
+        best, best_size = None, None
+        for entry in self._plans.values():
+            captured = entry.graphs.get(bucket)
+            if captured is None or len(entry.plan.modules) < len(modules):
+                continue
+            if all(entry.plan.modules.get(task) is m for task, m in modules.items()):
+                if best is None or len(entry.plan.modules) < best_size:
+                    best, best_size = captured, len(entry.plan.modules)
+        return best
+
     def get(self, plan, bucket: Bucket) -> CapturedPass | None:
-        """The plan's graph at `bucket`, captured now if need be; None: run eager."""
+        """The plan's graph at `bucket`, captured now if need be (off the serving path only:
+        warm-up, benchmarks); None: run eager."""
         if not self.enabled:
             return None
         entry = self._plans.get(id(plan))
         if entry is None or entry.plan is not plan:
             entry = self._plans[id(plan)] = _PlanGraphs(plan)
-            while len(self._plans) > self.max_plans:
-                self._drop(self._plans.popitem(last=False)[1])
-        self._plans.move_to_end(id(plan))
         if bucket in entry.graphs:
             return entry.graphs[bucket]
         if bucket in entry.refused or self.memory_bytes >= self.memory_cap:
             return None
         t0 = time.perf_counter()
         try:
-            captured = self.capture(plan.modules, bucket)
+            captured = self.capture(plan, bucket)
         except Exception as exc:  # noqa: BLE001  (a shape that cannot be captured still serves, eager)
+            if is_device_failure(exc):
+                raise  # the context is dead: not a shape to skip
             entry.refused.add(bucket)
-            if is_out_of_memory(exc) and torch.cuda.is_available():
+            oom = is_out_of_memory(exc)
+            reason = error_text(exc)
+            del exc  # its traceback holds the failed capture's tensors
+            if oom and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            log.warning("graph %s for tasks %s not captured, it runs eager: %s: %s", bucket,
-                        sorted(plan.modules), type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.warning("graph %s for tasks %s not captured, it runs eager: %s", bucket, sorted(plan.modules), reason)
             return None
+        captured.deepest = plan.deepest
         entry.graphs[bucket] = captured
         self.memory_bytes += captured.memory_bytes
         self.captures += 1
@@ -339,8 +512,12 @@ class GraphCache:
                   len(self), self.memory_bytes / 2**20)
         return captured
 
-    def _drop(self, entry: _PlanGraphs) -> None:
-        self.memory_bytes -= sum(g.memory_bytes for g in entry.graphs.values())
+    def capture_plan(self, plan, buckets: list[Bucket], progress: Callable[[int, Bucket], None] | None = None) -> None:
+        """Capture `plan` at every bucket (largest first: smaller graphs reuse the pool's blocks)."""
+        for i, bucket in enumerate(sorted(buckets, reverse=True), 1):
+            self.get(plan, bucket)
+            if progress is not None:
+                progress(i, bucket)
 
     def forget(self) -> None:
         """Drop every graph (module load / unload / reload: plans change, heads may be freed)."""
@@ -357,7 +534,9 @@ class GraphCache:
 class PreparedPass:
     rows: slice  # which of the batch's rows
     bucket: Bucket | None
-    batch: TokenBatch  # collated on the host (pinned on cuda), padded to the bucket if any
+    batch: TokenBatch  # collated on the host (in a staging set on cuda), padded to the bucket if any
+    staging: StagingSet | None = None  # given back once the pass has run
+    deepest: int | None = None  # the last backbone state the pass computed, once it has run
 
 
 @dataclass
@@ -370,9 +549,9 @@ class PreparedBatch:
 
 def head_precision(settings: Settings) -> str:
     """What `head_precision` means here: auto -> the backbone's 16-bit precision where it passed the
-    accuracy rule (on a CPU that is bf16, which `precision` auto picks where bfloat16 is native),
-    fp32 otherwise. On the CPU, bf16 heads run 16 grouped heads in 0.4x fp32 heads' time
-    (bench/results/sharing-cpu-bf16.md)."""
+    accuracy rule (on a CPU that is bf16, which `precision` auto picks where bfloat16 is native;
+    on cuda fp16, `precision` auto's pick there), fp32 otherwise. On the CPU, bf16 heads run 16
+    grouped heads in 0.4x fp32 heads' time (bench/results/sharing-cpu-bf16.md)."""
     if settings.head_precision != "auto":
         return settings.head_precision
     if settings.precision in HEAD_PRECISIONS_WITHIN_RULE:
@@ -384,7 +563,8 @@ def heads_autocast(precision: str, device_type: str, backbone_precision: str = "
     """The context a pass runs in for heads of `precision`: autocast to that 16-bit dtype, or nothing
     for fp32. int8 heads compute their projections in int8 whatever the context (the engine's
     `int8`) and the rest in the backbone's precision: beside a bf16 backbone, 16 heads' classifiers
-    in bf16 left 0.74x the backbone's throughput, in fp32 0.67x (scratch measurement, one thread)."""
+    in bf16 left 0.74x the backbone's throughput, in fp32 0.67x (scratch measurement, one thread).
+    The autocast cache is off: a captured pass must not keep casts made at capture time."""
     if precision == "int8":
         precision = backbone_precision if backbone_precision in DTYPES else "fp32"
     if precision == "fp32":
@@ -392,27 +572,47 @@ def heads_autocast(precision: str, device_type: str, backbone_precision: str = "
     return torch.autocast(device_type, dtype=DTYPES[precision], cache_enabled=False)
 
 
+def can_capture(settings: Settings, backbone) -> bool:
+    """CUDA graphs need a cuda device, the setting on, and a backend whose pass torch can capture
+    (torch; ONNX Runtime's CUDA provider runs outside torch's streams: no capture is tried)."""
+    return (torch.device(settings.device).type == "cuda" and settings.cuda_graphs
+            and getattr(backbone.backend, "name", "torch") == "torch")
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current cuda device, and let fp32 matrix products use
+    TF32 (fp32 heads and an fp32 backbone on a GPU: ~8x the fp32 rate on an H100, 10-bit mantissa
+    products with fp32 accumulation). Nothing on the CPU."""
+    if device.type != "cuda":
+        return
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 class ModelRunner:
     """Runs batches of encoded rows for a set of modules on the engine's device (see the module
-    docstring). One compute thread calls `run` / `execute`; `prepare` is host-only and may run on
-    another thread."""
+    docstring). One compute thread calls `execute` / `run` / `warm_up` / `forget_plans`; `prepare`
+    is host-only and may run on another thread."""
 
     def __init__(self, engine: Engine, settings: Settings, metrics=None,
-                 capture: Callable[[dict, Bucket], CapturedPass] | None = None):
+                 capture: Callable | None = None):
         self.engine = engine
         self.settings = settings
         self.device = torch.device(engine.backbone.device)
+        use_device(self.device)
         self.shapes = BatchShapes.for_settings(settings, self.device, engine.backbone.max_tokens)
         self.head_precision = head_precision(settings)
-        self.pinned = self.device.type == "cuda"
+        self.staging = StagingBuffers(pin=self.device.type == "cuda")
+        self.staged = self.device.type == "cuda"  # inputs through staging sets (page-locked) on cuda
         # with HTTP worker processes (settings.workers > 1) the workers decode: answers leave as each
         # row's logits, and the engine process spends its CPU on passes (bench/bench_frontend.py)
         self.decode_here = settings.workers == 1
-        if capture is None and self.device.type == "cuda" and settings.cuda_graphs:
+        if capture is None and can_capture(settings, engine.backbone):
             self._pool = torch.cuda.graph_pool_handle()  # one pool for every capture of a module set
 
-            def capture(modules, bucket):
-                return capture_cuda_graph(engine, modules, bucket, self.precision, self._pool)
+            def capture(plan, bucket):
+                return capture_cuda_graph(engine, plan, bucket, self.precision, self._pool)
         self.graphs = GraphCache(capture, settings.graph_memory_mb * 2**20)
         self.metrics = metrics
         if metrics is not None:
@@ -432,13 +632,19 @@ class ModelRunner:
         backend's own 16-bit layers run under the same dtype, so the backbone is unchanged."""
         return heads_autocast(self.head_precision, self.device.type, self.settings.precision)
 
-    # ---- plans and graphs -----------------------------------------------------------------------
+    # ---- plans and graphs (compute thread, between batches) -------------------------------------
+    def reachable_buckets(self) -> list[Bucket]:
+        max_row_tokens = min(self.settings.max_tokens or self.engine.backbone.max_tokens,
+                             self.engine.backbone.max_tokens)
+        return self.shapes.reachable(self.settings.max_batch_tokens, self.settings.max_inputs, max_row_tokens)
+
     def forget_plans(self) -> None:
-        """After a module load, unload or reload: plans and their graphs are dropped (the next pass
-        builds and captures anew; `warm_up` does it at once for the full module set)."""
+        """After a module load, unload or reload: plans and their graphs are dropped (`warm_up`
+        captures anew for the new module set)."""
         self.engine.forget_plans()
         self.graphs.forget()
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # the dropped graphs' pool goes back to the driver: later captures measure theirs
             if hasattr(self, "_pool"):
                 # a fresh pool: capturing into the released one trips the caching allocator's
@@ -447,22 +653,29 @@ class ModelRunner:
         self._observe_graphs()
 
     def warm_up(self, modules: dict[str, LoadedModule]) -> None:
-        """Capture the common buckets (those within the token budget) of the plan for `modules`,
-        largest first, with progress in the log."""
-        if not self.graphs.enabled or not modules or self.shapes.mode != "buckets":
+        """Between batches (start-up, every module change): staging sets for every reachable bucket
+        and, with graphs, the native part of every task set a request naming no tasks runs
+        (`served_task_sets`) captured at every reachable bucket, with progress in the log."""
+        if not modules or self.shapes.mode != "buckets":
             return
-        if any(m.bridge for m in modules.values()):
-            log.info("CUDA graphs: tasks %s include foreign modules; their passes run eager", sorted(modules))
+        buckets = self.reachable_buckets()
+        if self.staged:
+            self.staging.allocate(buckets, self.engine.backbone.text.uses_token_types, token_classes_read(modules))
+        if not self.graphs.enabled:
             return
-        buckets = self.shapes.common(self.settings.max_batch_tokens)
-        plan = self.engine.plan(modules)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for i, bucket in enumerate(buckets, 1):
-                self.graphs.get(plan, bucket)
-                if i == 1 or i == len(buckets) or i % 10 == 0:
-                    log.info("CUDA graphs: %d/%d buckets for %s (last %s), %.1f MiB, %.1fs", i, len(buckets),
-                             sorted(modules), bucket, self.graphs.memory_bytes / 2**20, time.perf_counter() - t0)
+            for task_set in served_task_sets(modules):
+                native = native_part(task_set)
+                if not native:
+                    continue
+                plan = self.engine.plan(native)
+
+                def progress(i, bucket, tasks=sorted(native)):
+                    if i == 1 or i == len(buckets) or i % 10 == 0:
+                        log.info("CUDA graphs: %d/%d buckets for %s (last %s), %.1f MiB, %.1fs", i, len(buckets),
+                                 tasks, bucket, self.graphs.memory_bytes / 2**20, time.perf_counter() - t0)
+                self.graphs.capture_plan(plan, buckets, progress)
         self._observe_graphs()
         log.info("CUDA graphs ready: %s", self.graphs.describe())
 
@@ -472,18 +685,18 @@ class ModelRunner:
             self._graph_memory.set(self.graphs.memory_bytes)
 
     # ---- host side ------------------------------------------------------------------------------
-    def prepare(self, rows: list[EncodedInput], modules: dict[str, LoadedModule]) -> PreparedBatch:
+    def prepare(self, rows: list[EncodedInput], modules: dict[str, LoadedModule], staged: bool = True
+                ) -> PreparedBatch:
         """Cut rows (sorted by length) into passes and collate each on the host (host work only:
-        safe on another thread while the device runs the previous batch)."""
-        foreign = any(m.bridge for m in modules.values())  # a bridge tokenizes per real row: no filler rows
+        safe on another thread while the device runs the previous batch); on cuda, into a free
+        staging set of its bucket."""
         classes = token_classes_read(modules)
         passes = []
         for run, bucket in self.shapes.passes([len(row.ids) for row in rows]):
-            if foreign:
-                bucket = None
             batch = self.engine.backbone.text.collate(
                 rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", classes=classes)
-            passes.append(PreparedPass(run, bucket, batch.pin_memory() if self.pinned else batch))
+            taken = self.staging.take(batch, bucket) if staged and self.staged and bucket is not None else None
+            passes.append(PreparedPass(run, bucket, *taken) if taken else PreparedPass(run, bucket, batch))
         return PreparedBatch(rows, passes)
 
     # ---- device side ----------------------------------------------------------------------------
@@ -497,78 +710,136 @@ class ModelRunner:
                 ) -> dict[str, list]:
         """Answers per task in row order. A row refused for memory holds an `OutOfMemory` in place
         of its answer (for every task); every other row is answered."""
+        try:
+            outputs = self._execute(prepared, modules, timings)
+        finally:
+            for item in prepared.passes:
+                self.staging.give_back(item.staging)
+                item.staging = None
+        if self.metrics is not None:
+            for item in prepared.passes:
+                self.metrics.batch_size.observe(item.batch.real_rows)
+                self.metrics.batch_tokens.observe(item.batch.size * item.batch.seq_len)
+                # a pass split for memory ran as halves: their plan's depth
+                self.metrics.backbone_layers.observe(item.deepest or self.engine.plan(modules).deepest)
+        return outputs
+
+    def _execute(self, prepared: PreparedBatch, modules: dict[str, LoadedModule], timings: Timings
+                 ) -> dict[str, list]:
         outputs: dict[str, list] = {task: [] for task in modules}
         for item in prepared.passes:
-            for task, answers in self._answer(item, prepared.rows[item.rows], modules, timings).items():
-                outputs[task].extend(answers)
+            for task, answered in self._answer(item, prepared.rows[item.rows], modules, timings).items():
+                outputs[task].extend(answered)
         return outputs
 
     def _answer(self, item: PreparedPass, rows: list[EncodedInput], modules, timings) -> dict[str, list]:
+        failure = broken = None
         try:
-            logits, batches = self.logits(item.batch, item.bucket, modules, timings)
-            if self.decode_here:
-                return decode_all(modules, logits, batches)
-            return row_logits(modules, logits, batches, [len(row) for row in rows])
+            logits, batches = self._pass(item, rows, modules, timings)
+            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows))
         except Exception as exc:
-            if not is_out_of_memory(exc):
-                return self._answer_apart(item, rows, modules, timings, exc)
-            cause = exc
+            if is_device_failure(exc):  # the whole device is gone: the runtime stops (not one head's fault)
+                raise
+            # only the text is kept: the exception's traceback holds the failed pass's frames, and
+            # through them its states, which the retry needs the memory of
+            if is_out_of_memory(exc):
+                failure = error_text(exc)
+            else:
+                log.warning("a pass for tasks %s failed", sorted(modules), exc_info=True)
+                broken = error_text(exc)
+        if broken is not None:
+            return self._answer_apart(item, rows, modules, timings, broken)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if len(rows) == 1:
             log.warning("refused: an input of %d tokens does not fit in %s memory alone", len(rows[0]), self.device)
             self._count_oom("refused")
-            refusal = OutOfMemory(len(rows[0]), self.device, cause)
+            refusal = OutOfMemory(len(rows[0]), self.device, failure)
             return {task: [refusal] for task in modules}
         self._count_oom("split")
         half = len(rows) // 2
-        log.warning("out of memory on a pass of %d rows (%s); retrying as two halves", len(rows),
-                    type(cause).__name__)
+        log.warning("out of memory on a pass of %d rows (%s); retrying as two halves", len(rows), failure)
         outputs: dict[str, list] = {task: [] for task in modules}
         for part in (rows[:half], rows[half:]):
-            for task, answers in self.execute(self.prepare(part, modules), modules, timings).items():
-                outputs[task].extend(answers)
+            # pageable inputs: this batch's staging set is still taken, the other may be the next batch's
+            for task, answered in self._execute(self.prepare(part, modules, staged=False), modules, timings).items():
+                outputs[task].extend(answered)
         return outputs
 
     def _answer_apart(self, item: PreparedPass, rows: list[EncodedInput], modules, timings,
-                      error: Exception) -> dict[str, list]:
+                      error: str) -> dict[str, list]:
         """A pass that raised (not for memory): a failing head fails its own task's answers, never
         another task's. Each task runs again in a pass of its own; a task whose pass raises too is
         answered 500 (`HeadFailed`) for these rows, the others as usual."""
         if len(modules) == 1:
             (task, module), = modules.items()
-            log.error("task %s/%s failed a pass of %d rows: %s: %s", task, module.version, len(rows),
-                      type(error).__name__, error, exc_info=error)
+            log.error("task %s/%s failed a pass of %d rows: %s", task, module.version, len(rows), error)
             return {task: [HeadFailed(task, error)] * len(rows)}
-        log.warning("a pass for tasks %s failed (%s: %s); running each task alone", sorted(modules),
-                    type(error).__name__, error)
+        log.warning("a pass for tasks %s failed (%s); running each task alone", sorted(modules), error)
         outputs = {}
         for task, module in modules.items():
             outputs.update(self._answer(item, rows, {task: module}, timings))
         return outputs
 
+    def _pass(self, item: PreparedPass, rows: list[EncodedInput], modules: dict[str, LoadedModule],
+              timings: Timings) -> tuple[dict[str, torch.Tensor], dict[str, TokenBatch]]:
+        """One pass on the serving path (never captures): the native tasks from a captured graph
+        when one covers them, the rest eager; foreign tasks beside a bucket-padded batch on the
+        rows collated unpadded (a bridge tokenizes each real row for its target)."""
+        rest = modules
+        host, batches, deepest = {}, {}, 0
+        if item.bucket is not None:
+            native = native_part(modules)
+            captured = self.graphs.find(native, item.bucket) if native else None
+            if captured is not None:
+                host, batches = self._replay(captured, item.batch, native, timings)
+                rest = {task: m for task, m in modules.items() if task not in native}
+                deepest = captured.deepest or 0
+        if rest:
+            batch = item.batch
+            if item.bucket is not None and len(native_part(rest)) < len(rest):
+                batch = self.engine.backbone.text.collate(rows, device="cpu", classes=token_classes_read(rest))
+            more_host, more_batches, eager_deepest = self._eager(batch, rest, timings)
+            host.update(more_host)
+            batches.update(more_batches)
+            deepest = max(deepest, eager_deepest)
+        item.deepest = deepest
+        return host, batches
+
+    def _replay(self, captured: CapturedPass, batch: TokenBatch, tasks, timings: Timings):
+        real = batch.real()
+        start = time.perf_counter()
+        flat = captured(batch)
+        host = unpack_logits(to_host(flat), captured.layout, real.size, tasks)
+        timings.backbone += time.perf_counter() - start  # a replay: the whole pass (heads included)
+        self.graphs.replays += 1
+        return host, {task: real for task in tasks}
+
+    def _eager(self, batch: TokenBatch, modules: dict[str, LoadedModule], timings: Timings):
+        real = batch.real()
+        plan = self.engine.plan(modules)
+        device_batch = replace(batch).to(self.device, non_blocking=self.staged)  # the host batch stays as it is
+        with self.precision():
+            out, batches = self.engine.run_plan(plan, device_batch, timings)
+        start = time.perf_counter()
+        flat, layout = pack_logits(out)
+        host = unpack_logits(to_host(flat), layout, real.size)
+        timings.backbone += time.perf_counter() - start
+        return host, {task: real if b is device_batch else b for task, b in batches.items()}, plan.deepest
+
     @torch.inference_mode()
     def logits(self, batch: TokenBatch, bucket: Bucket | None, modules: dict[str, LoadedModule],
                timings: Timings) -> tuple[dict[str, torch.Tensor], dict[str, TokenBatch]]:
-        """One pass: host logits per task (filler rows dropped) and the batch each is laid out on."""
-        real = batch.real()
-        plan = self.engine.plan(modules)
-        captured = self.graphs.get(plan, bucket) if bucket is not None and not plan.foreign else None
-        if captured is not None:
-            start = time.perf_counter()
-            flat, layout = captured(batch), captured.layout
-            batches = {task: real for task in modules}
+        """One pass outside serving (benchmarks, tests): host logits per task (filler rows dropped)
+        and the batch each is laid out on. Unlike the serving path it captures the plan's graph at
+        `bucket` first if it has none."""
+        if bucket is not None and not any(m.bridge for m in modules.values()):
+            self.graphs.get(self.engine.plan(modules), bucket)
             self._observe_graphs()
-        else:
-            batch = replace(batch).to(self.device, non_blocking=self.pinned)  # the host batch stays as it is
-            with self.precision():
-                out, batches = self.engine.run(batch, modules, timings)
-            start = time.perf_counter()
-            flat, layout = pack_logits(out)
-            batches = {task: real if b is batch else b for task, b in batches.items()}
-        host = unpack_logits(to_host(flat), layout, real.size)
-        timings.backbone += time.perf_counter() - start  # a replay: the whole pass (heads included)
-        return host, batches
+        rows = None  # a foreign task beside a bucket re-collates from rows: only the serving path has them
+        if bucket is not None and any(m.bridge for m in modules.values()):
+            bucket = None
+        return self._pass(PreparedPass(slice(0, batch.real_rows), bucket, batch), rows, modules, timings)
 
     def _count_oom(self, outcome: str) -> None:
         if self.metrics is not None:

@@ -27,9 +27,34 @@ from server.errors import ApiError, clip
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
-from server.runner import ModelRunner, PreparedBatch, head_precision, length_runs  # noqa: F401  (length_runs: re-exported)
+from server.runner import (  # noqa: F401  (length_runs: re-exported)
+    ModelRunner,
+    PreparedBatch,
+    error_text,
+    head_precision,
+    is_device_failure,
+    length_runs,
+)
+from server.windows import rule_for
 
 log = logging.getLogger("tmod")
+
+# A sticky device error (server/runner.py, `is_device_failure`) leaves the whole process's CUDA
+# context unusable: the first one seen in this process, and what to do then (tmod-serve: stop the
+# process, and exit non-zero once it has stopped; server/cli.py). Tests leave it None.
+_device_failure: str | None = None
+on_device_failure: Callable[[], None] | None = None  # also called when start-up fails (nothing to serve)
+_startup_failure: str | None = None  # start-up failed (the backbone did not load): why
+
+
+def startup_failure() -> str | None:
+    """Why start-up failed in this process, if it did (tmod-serve's exit status reads it)."""
+    return _startup_failure
+
+
+def device_failure() -> str | None:
+    """The sticky device error this process met, if any (tmod-serve's exit status reads it)."""
+    return _device_failure
 
 
 class Runtime:
@@ -45,9 +70,8 @@ class Runtime:
         self.load_errors: dict[str, str] = {}
         self.ready = threading.Event()
         self.startup_error: str | None = None
-        # called (from the compute thread) when start-up fails: a process that cannot serve exits
-        # (tmod-serve sets it; an app made in a test keeps running, live and not ready)
-        self.on_fatal: Callable[[str], None] | None = None
+        self.failure: str | None = None  # a sticky device error: not ready, not live, the process stops
+        self._layers: dict[str, tuple[LoadedModule, list[int]]] = {}  # task -> (module, layers_read()), read at load
         # torch work runs on one thread of its own, off the event loop; torch itself uses the cores
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmod-compute")
         # tokenization (Rust, releases the GIL) runs beside compute so the next batch is ready
@@ -84,6 +108,11 @@ class Runtime:
     def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
         return self.backbone.encode(texts, text_pairs, truncate, max_tokens)
 
+    @property
+    def text(self):
+        """The backbone's TextEncoder (windows are cut from what it reads: server/windows.py)."""
+        return self.backbone.text
+
     async def submit(self, job: Job) -> list[dict]:
         """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""
         try:
@@ -114,6 +143,11 @@ class Runtime:
             self.metrics.child(self.metrics.module_refusals, exc.reason).inc()
             status = {"not_found": 404, "invalid_name": 400}.get(exc.reason, 409)
             raise ApiError(status, f"artifact_{exc.reason}", exc.message) from exc
+        except RuntimeError as exc:  # a capture at warm-up can meet a dead device too
+            if not is_device_failure(exc):
+                raise
+            self.fail(error_text(exc))
+            raise ApiError(503, "device_failed", f"the device failed and the server is stopping: {self.failure}") from None
         return module, current.version if current else None
 
     def describe(self, module: LoadedModule) -> dict:
@@ -127,10 +161,22 @@ class Runtime:
                              b.target.name or b.target.short]}
         return {
             "task": module.task, "version": module.version, "kind": m.kind, "task_type": m.task_type.value,
-            "labels": m.labels, "layers": module.head.layers_read(), "parameters": count_parameters(module.head),
+            "labels": m.labels, "layers": self.layers_read(module), "parameters": count_parameters(module.head),
             "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
             "inputs": "text_pair" if compares_pairs(m) else "text", "served_through": via,
+            "windows": None if module.bridge else getattr(rule_for(m.task_type), "name", None),
         }
+
+    def layers_read(self, module: LoadedModule) -> list[int]:
+        """The states a module's head reads, as read when it was loaded (reading them reads weights
+        back from the device: never on the event loop)."""
+        known = self._layers.get(module.task)
+        if known is not None and known[0] is module:
+            return known[1]
+        return module.head.layers_read()
+
+    def _read_layers(self, modules: dict[str, LoadedModule]) -> None:
+        self._layers = {task: (m, m.head.layers_read()) for task, m in modules.items()}
 
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -176,9 +222,10 @@ class Runtime:
                         continue
                     # one broken artifact must not keep the others from serving
                     self.refuse(task, exc.message, exc)
+            self._read_layers(loaded)
             self.modules = loaded
             self.metrics.modules_loaded.set(len(loaded))
-            self.runner.warm_up(loaded)  # CUDA graphs of the common buckets (nothing on the CPU)
+            self.runner.warm_up(loaded)  # staging sets and CUDA graphs of every reachable bucket (nothing on the CPU)
             # what start-up made (model, libraries: ~400k objects) lives as long as the server: kept out
             # of the collector's full passes, which per-request garbage triggers (a 32-input request's
             # rows unpickled in half the CPU: bench/results/frontend-workers-cpu.md)
@@ -187,8 +234,13 @@ class Runtime:
         except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")
-            if self.on_fatal is not None:
-                self.on_fatal(self.startup_error)
+            if is_device_failure(exc):  # a dead device does not come back in this process
+                self.fail(error_text(exc))
+            else:  # nothing to serve: under tmod-serve the process stops and exits 1 (server/cli.py)
+                global _startup_failure
+                _startup_failure = self.startup_error
+                if on_device_failure is not None:
+                    on_device_failure()
 
     def refuse(self, task: str, message: str, *errors: ArtifactError) -> None:
         """An artifact not served: on /readyz ("refused"), in the log and in the metrics."""
@@ -223,7 +275,9 @@ class Runtime:
         """Load (or replace with) a version, default the store's latest for this backbone. A refused artifact
         raises ArtifactError and leaves the running set untouched."""
         module = load_module(self.store, task, version, self.backbone, self.settings.device, self.bridges)
-        self.modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
+        modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
+        self._read_layers(modules)
+        self.modules = modules
         self.runner.forget_plans()  # plans and graphs: none may serve the replaced head
         self.runner.warm_up(self.modules)
         self.load_errors.pop(task, None)
@@ -235,6 +289,7 @@ class Runtime:
     def unload_task(self, task: str) -> LoadedModule:
         modules = dict(self.modules)
         removed = modules.pop(task)
+        self._read_layers(modules)
         self.modules = modules
         self.runner.forget_plans()
         self.runner.warm_up(modules)
@@ -256,12 +311,29 @@ class Runtime:
         """Backbone passes for rows gathered from one or more requests (compute thread), sorted by
         length, or already prepared. The runner cuts them into passes (length runs on a CPU, one
         bucket-padded pass on a GPU: `server/runner.py`, `BatchShapes`). A row refused for memory
-        holds an `OutOfMemory` (503) in place of its answers."""
+        holds an `OutOfMemory` (503) in place of its answers. A sticky device error fails the
+        runtime (`fail`): this batch and every later one are answered 503."""
+        if self.failure is not None:
+            raise ApiError(503, "device_failed", f"the device failed and the server is stopping: {self.failure}")
         prepared = rows if isinstance(rows, PreparedBatch) else self.runner.prepare(rows, modules)
-        outputs = self.runner.execute(prepared, modules, timings)
-        deepest = self.engine.plan(modules).deepest
-        for item in prepared.passes:
-            self.metrics.batch_size.observe(item.batch.real_rows)
-            self.metrics.batch_tokens.observe(item.batch.size * item.batch.seq_len)
-            self.metrics.backbone_layers.observe(deepest)
-        return outputs
+        try:
+            return self.runner.execute(prepared, modules, timings)
+        except Exception as exc:
+            if not is_device_failure(exc):
+                raise
+            reason = error_text(exc)
+        self.fail(reason)
+        raise ApiError(503, "device_failed", f"the device failed and the server is stopping: {reason}")
+
+    def fail(self, reason: str) -> None:
+        """A sticky device error: the CUDA context of this process is unusable, so the server stops
+        being ready and live (/readyz, /healthz: 503) and, under tmod-serve, the process exits
+        non-zero (`on_device_failure`) so that its supervisor (Kubernetes) starts a fresh one."""
+        global _device_failure
+        if self.failure is not None:
+            return
+        self.failure = _device_failure = reason
+        self.ready.clear()
+        log.critical("device failure, the server stops: %s", reason)
+        if on_device_failure is not None:
+            on_device_failure()

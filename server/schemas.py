@@ -21,8 +21,13 @@ class InferRequest(BaseModel):
         min_length=1, description="texts, or {text, text_pair} objects; not mixed in one request"
     )
     truncate: bool = Field(
-        False, description="cut inputs longer than the backbone's token limit instead of refusing them (413)"
+        False, description="cut inputs longer than one window at the window's length (the first window) instead of "
+                           "reading them whole in overlapping windows"
     )
+    window: int | None = Field(None, ge=16, description="word pieces per window for this request (at most the "
+                                                        "backbone's limit; default: GET /v1/tasks, `window`)")
+    stride: int | None = Field(None, ge=1, description="how far each window starts after the one before, at least "
+                                                       "window/8 (default: three quarters of the window)")
 
     @field_validator("inputs")
     @classmethod
@@ -42,6 +47,8 @@ class InferResponse(BaseModel):
     model: ModelInfo
     tasks: dict[str, str] = Field(description="task -> module version that answered")
     truncated: list[int] = Field(default_factory=list, description="indices of inputs that were cut to fit")
+    windows: list[int] = Field(default_factory=list, description="per input, how many windows it was read in "
+                                                                 "(1: read whole)")
 
 
 class TaskInfo(BaseModel):
@@ -58,6 +65,8 @@ class TaskInfo(BaseModel):
     inputs: str = Field("text", description="'text_pair': the task compares a text with a text pair (send "
                                             "{text, text_pair} objects); 'text': either form")
     served_through: dict[str, Any] | None = None  # a foreign module: the bridge and the chain of backbones
+    windows: str | None = Field(None, description="how the windows of a long text become one answer "
+                                                  "(server/windows.py RULES); null: such texts are refused")
 
 
 class TaskDetail(TaskInfo):
@@ -67,6 +76,24 @@ class TaskDetail(TaskInfo):
 class TaskList(BaseModel):
     tasks: list[TaskInfo]
     backbone: ModelInfo
+    windows: dict[str, Any] = Field(default_factory=dict, description="how long texts are read: window and stride "
+                                    "in word pieces, the overlap, the longest window a request may ask for, and the "
+                                    "rule combining windows per task type")
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: Union[StrictStr, list[Union[StrictStr, TextPair]]] = Field(
+        description="a text, a list of texts, or {text, text_pair} objects")
+    add_special_tokens: bool = True
+    window: int | None = Field(None, ge=16, description="as in /v1/infer")
+    stride: int | None = Field(None, ge=1, description="as in /v1/infer")
+
+
+class TeiTokenizeRequest(BaseModel):
+    """Text Embeddings Inference's /tokenize body."""
+    inputs: Union[StrictStr, list[StrictStr]]
+    add_special_tokens: bool = True
 
 
 class ModuleAction(BaseModel):

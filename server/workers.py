@@ -54,6 +54,7 @@ from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics
 from server.runtime import Runtime
+from server.windows import plain_rows
 
 log = logging.getLogger("tmod.workers")
 
@@ -328,13 +329,15 @@ class RemoteRuntime:
         """Each task's row logits -> answers, over the job's rows collated (answers already decoded
         by the engine, those of bridged tasks, are left as they are)."""
         batch = None
+        plain = plain_rows(job.rows)  # windows of a longer text keep their logits (server/windows.py)
         for task, module in job.modules.items():
-            if not isinstance(results[0][task], np.ndarray):
+            if not plain or not isinstance(results[plain[0]][task], np.ndarray):
                 continue
-            batch = batch or self.text.collate(job.rows, device="cpu")
-            answers = decode_rows(module.manifest.task_type, module.manifest.labels, [r[task] for r in results], batch)
-            for row, answer in zip(results, answers):
-                row[task] = answer
+            batch = batch or self.text.collate([job.rows[r] for r in plain], device="cpu")
+            answers = decode_rows(module.manifest.task_type, module.manifest.labels,
+                                  [results[r][task] for r in plain], batch)
+            for r, answer in zip(plain, answers):
+                results[r][task] = answer
 
     async def manage(self, task: str, action: str, version: str | None) -> tuple[ModuleView, str | None]:
         return await self._ask("manage", task, action, version)
@@ -422,7 +425,8 @@ async def _serve(settings: Settings) -> None:
     listener = socket.create_server((settings.host, settings.port), backlog=2048)
     runtime = Runtime(settings)
     stop = asyncio.Event()
-    runtime.on_fatal = lambda reason: loop.call_soon_threadsafe(stop.set)  # start-up failed: nothing to serve
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start-up runs: a failed start-up stops the process by SIGTERM
+        loop.add_signal_handler(sig, stop.set)
     service = EngineService(runtime)
     await service.start(engine_path)
     pool = WorkerPool(settings, engine_path, listener)
@@ -430,8 +434,6 @@ async def _serve(settings: Settings) -> None:
     host, port = listener.getsockname()[:2]
     log.info("tmod-serve: engine process %d, %d HTTP workers (pids %s) on http://%s:%d", os.getpid(),
              settings.workers, pool.pids(), host, port)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
@@ -444,5 +446,3 @@ async def _serve(settings: Settings) -> None:
     await runtime.shutdown()
     shutil.rmtree(folder, ignore_errors=True)
     log.info("tmod-serve: stopped")
-    if runtime.startup_error:
-        raise SystemExit(f"tmod-serve: cannot serve: {runtime.startup_error}")

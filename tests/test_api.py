@@ -116,12 +116,12 @@ def test_limits_are_413(live):
                            headers={"content-type": "application/json"}), 413, "payload_too_large")
 
 
-def test_token_limit_refuses_or_truncates(live):
-    long_text = " ".join(["word"] * 100)  # 102 tokens > max_tokens=64
-    error = assert_error(infer(live, ["short", long_text], "sentiment"), 413, "input_too_long")
-    assert error["inputs"] == [1] and error["token_limit"] == 64
+def test_over_the_token_limit_reads_windows_or_truncates(live):
+    long_text = " ".join(["word"] * 100)  # 102 tokens > max_tokens=64: two windows (tests/test_windows.py)
+    body = infer(live, ["short", long_text], "sentiment")
+    assert body.status_code == 200 and body.json()["windows"] == [1, 2] and body.json()["truncated"] == []
     body = infer(live, ["short", long_text], "sentiment", truncate=True)
-    assert body.status_code == 200 and body.json()["truncated"] == [1]
+    assert body.status_code == 200 and body.json()["truncated"] == [1] and body.json()["windows"] == [1, 1]
 
 
 def test_server_survives_errors_and_counts_them(live):

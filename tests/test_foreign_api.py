@@ -123,3 +123,30 @@ def test_broken_bridge_is_refused_and_the_rest_serves(setup, tiny_backbone, tmp_
         refused = httpx.post(server.url + "/v1/infer", params={"tasks": "llama-sentiment"}, json={"inputs": ["x y"]})
         assert refused.status_code == 400 and "llama-sentiment" in refused.text
         assert httpx.post(server.url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x y"]}).status_code == 200
+
+
+def test_a_plan_with_foreign_modules_replays_its_native_part(setup, tiny_backbone):
+    """With graphs (the CPU's stand-in capture), warm-up captures the native part of a module set
+    with foreign modules; a batch asking for all of them replays it for the native tasks and runs
+    the bridge eager on the unpadded rows: the answers of one eager pass."""
+    from server.bridges import load_bridge
+    from server.modules import load_module
+    from server.runner import ModelRunner
+    from tests.test_runner import assert_same_answers, record_eager, sorted_rows
+
+    store, bridges, _ = setup
+    loaded = {"bert-to-llama": load_bridge(bridges, "bert-to-llama", None, tiny_backbone)}
+    modules = {t: load_module(store, t, None, tiny_backbone, bridges=loaded)
+               for t in ("ner", "sentiment", "llama-ner", "llama-sentiment")}
+    engine, ref = Engine(tiny_backbone, bridges=loaded), []
+    capture, made = record_eager(engine, ref)
+    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="4", graph_seq_lens="32,64",
+                                          head_precision="fp32"), capture=capture)
+    ref.append(runner)
+    runner.warm_up(modules)
+    assert made and {frozenset(heads) for heads in made} == {frozenset({"ner", "sentiment"})}
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    got = runner.run(rows, modules)
+    assert runner.graphs.replays == 1
+    want = Engine(tiny_backbone, bridges=loaded).predict(tiny_backbone.collate(rows), modules)
+    assert_same_answers(got, want)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
+import weakref
 
 import httpx
 import pytest
@@ -128,3 +130,50 @@ def test_over_http_a_refused_input_gets_503_and_the_server_keeps_serving(tiny_ba
         metrics = httpx.get(server.url + "/metrics").text
         assert 'tmod_out_of_memory_total{outcome="refused"} 1.0' in metrics
         assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+class LeakWatch:
+    """The real backend; a pass over `max_tokens` padded tokens yields its first states, then runs
+    out of memory (as a pass does mid-way). Each state of a failed pass is watched by a weak
+    reference, and every pass that fits counts how many of them are still alive when it starts."""
+
+    def __init__(self, inner, max_tokens: int):
+        self.inner, self.max_tokens = inner, max_tokens
+        self.name, self.precision = inner.name, inner.precision
+        self.failed_states: list = []
+        self.alive_at_retry: list[int] = []
+
+    def stream(self, batch, upto):
+        too_big = batch.size * batch.seq_len > self.max_tokens
+        if not too_big:
+            self.alive_at_retry.append(sum(ref() is not None for ref in self.failed_states))
+        for index, hidden in self.inner.stream(batch, upto):
+            if too_big:
+                self.failed_states.append(weakref.ref(hidden))
+            yield index, hidden
+            if too_big and index >= 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def describe(self):
+        return self.inner.describe()
+
+
+def test_the_retry_runs_after_the_failed_pass_is_freed(tiny_backbone, tiny_store):
+    """Weak references to the failed passes' states (the 8-row pass, then its 4-row halves): all
+    dead when each half that fits starts, with no garbage collection in between. Keeping the
+    exception (its traceback holds the pass's frames) kept them alive, so halves that would fit
+    failed again on a GPU."""
+    modules = {t: load_module(tiny_store, t, None, tiny_backbone) for t in ("sentiment", "ner")}
+    rows = sorted(tiny_backbone.encode(SHORT), key=len)
+    longest = max(len(r) for r in rows)
+    watched = copy.copy(tiny_backbone)
+    watched.backend = LeakWatch(tiny_backbone.backend, max_tokens=2 * longest)
+    settings = Settings(max_padding_ratio=1000)
+    gc.disable()  # only references count: what a collection would free is not freed here
+    try:
+        got = ModelRunner(Engine(watched), settings).run(rows, modules)
+    finally:
+        gc.enable()
+    assert len(watched.backend.failed_states) >= 2 * 2  # the 8-row pass and its 4-row halves, two states each
+    assert watched.backend.alive_at_retry and set(watched.backend.alive_at_retry) == {0}
+    assert_same_answers(got, ModelRunner(Engine(tiny_backbone), settings).run(rows, modules))

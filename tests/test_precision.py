@@ -33,6 +33,7 @@ from server.backbone.backends import make_backend
 from server.config import Settings, auto_precision, cpu_has_native_bf16, device_problem, precision_problem
 from server.engine import Engine
 from server.modules import LoadedModule, compares_pairs, load_module, servable_tasks
+from server.runner import head_precision
 from tests.helpers import LiveServer, NER_LABELS, make_tiny_backbone_dir, random_head
 from tests.test_backends import PAIRS, SAMPLE
 
@@ -200,13 +201,18 @@ def test_cpu_combinations_are_accepted(values, monkeypatch):
     assert precision_problem(settings.backend, settings.precision, settings.device) is None
 
 
-def test_auto_precision_is_bf16_only_where_it_was_measured(monkeypatch, tiny_backbone):
+def test_auto_precision_is_16_bit_only_where_it_was_measured(monkeypatch, tiny_backbone):
     monkeypatch.delenv("TMOD_PRECISION", raising=False)
     native = "bf16" if cpu_has_native_bf16() else "fp32"
     assert Settings().precision == auto_precision("torch", "cpu") == native
     assert Settings(backend="onnx").precision == "fp32"
     assert Settings(precision="fp32").precision == "fp32"  # fp32 stays one setting away
-    assert auto_precision("torch", "cuda") == "fp32"
+    # on cuda: fp16 (within the accuracy rule on every shipped module), heads with it; onnx stays fp32
+    for device in ("cuda", "cuda:1"):
+        assert auto_precision("torch", device) == "fp16"
+        cuda = Settings(device=device)  # resolved without a GPU: the settings of a GPU deployment parse anywhere
+        assert (cuda.precision, head_precision(cuda)) == ("fp16", "fp16")
+    assert Settings(device="cuda", backend="onnx").precision == "fp32"
     assert make_backend(tiny_backbone, "torch", precision="auto").precision == native
 
 
@@ -229,7 +235,8 @@ def test_gpu_settings_parse_anywhere(values):
     """A GPU deployment's settings are checked on CPU machines too (tests/test_deploy.py): only the
     combination is checked when Settings are built; the device itself at start-up."""
     settings = Settings(**values)
-    assert settings.precision == values.get("precision", "fp32")  # auto is fp32 on cuda (not measured)
+    auto = "fp16" if values.get("backend", "torch") == "torch" else "fp32"  # auto on cuda: fp16 for torch
+    assert settings.precision == values.get("precision", auto)
 
 
 @no_gpu

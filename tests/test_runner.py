@@ -91,9 +91,22 @@ def test_bucket_choice_covers_each_pass_and_cuts_batches_over_the_largest_size()
     assert all(b is None for _, b in runs) and len(runs) > 1
 
 
-def test_common_buckets_fit_the_token_budget_largest_first():
-    common = BatchShapes("buckets", [1, 4, 16], [16, 64]).common(max_batch_tokens=256)
-    assert common == [Bucket(16, 16), Bucket(4, 64), Bucket(4, 16), Bucket(1, 64), Bucket(1, 16)]
+def test_reachable_buckets_are_every_bucket_a_pass_can_land_in():
+    """Brute force over every pass the batcher can form (rows x longest within the token budget, or
+    one request of up to max_inputs rows whatever its tokens; rows no longer than the token limit):
+    the buckets they land in are exactly `reachable`. The old rule (bucket size x length within the
+    budget) left out buckets that padding up reaches, e.g. 65 rows of 129 tokens -> 128x256."""
+    for sizes, lens, budget, max_inputs, max_row in (([1, 2, 4, 8, 16, 32, 64, 128], [16, 32, 64, 128, 256, 512],
+                                                      16384, 64, 512),
+                                                     ([1, 4, 16], [16, 64], 256, 1, 64),
+                                                     ([1, 8, 32], [16, 64, 100], 1000, 8, 90)):
+        shapes = BatchShapes("buckets", sizes, lens)
+        landed = {shapes.bucket(rows, longest) for rows in range(1, sizes[-1] + 1)
+                  for longest in range(1, max_row + 1) if rows * longest <= budget or rows <= max_inputs}
+        reachable = shapes.reachable(budget, max_inputs, max_row)
+        assert set(reachable) == landed and reachable == sorted(reachable, reverse=True)
+    served = BatchShapes("buckets", [1, 2, 4, 8, 16, 32, 64, 128], [16, 32, 64, 128, 256, 512]).reachable(16384, 64, 512)
+    assert Bucket(128, 256) in served and Bucket(64, 512) in served and Bucket(128, 512) not in served
 
 
 def test_settings_refuse_bad_bucket_lists_and_mixed_head_precision():
@@ -152,17 +165,17 @@ def record_eager(engine: Engine, runner_ref: list):
     it records the heads each 'graph' was made with."""
     made = []
 
-    def capture(modules, bucket):
+    def capture(plan, bucket):
         inputs = static_batch(bucket, engine.backbone.device, engine.backbone.text.uses_token_types,
-                              token_classes_read(modules))
+                              token_classes_read(plan.modules))
 
         def replay():
             with runner_ref[0].precision():
-                logits, _ = engine.run(inputs, modules)
+                logits, _ = engine.run_plan(plan, inputs)
             return pack_logits(logits)[0]
 
-        made.append({task: m.head for task, m in modules.items()})
-        return CapturedPass(inputs, replay, pack_logits(engine.run(inputs, modules)[0])[1])
+        made.append({task: m.head for task, m in plan.modules.items()})
+        return CapturedPass(inputs, replay, pack_logits(engine.run_plan(plan, inputs)[0])[1])
 
     return capture, made
 
@@ -183,20 +196,21 @@ def test_graphs_are_replayed_per_bucket_and_recaptured_after_every_module_change
     runner = runtime.runner
     capture, made = record_eager(runtime.engine, [runner])
     runner.graphs.capture = capture  # what a GPU gets from capture_cuda_graph
-    runner.warm_up(runtime.modules)  # the common buckets: 2x32 (64 tokens) only
-    assert runner.graphs.captures == 1 and len(runner.graphs) == 1
+    runner.warm_up(runtime.modules)  # every reachable bucket (a request of up to max_inputs rows reaches all)
+    reachable = runner.reachable_buckets()
+    assert runner.graphs.captures == len(reachable) == len(runner.graphs) > 1
 
     rows = sorted_rows(tiny_backbone, TEXTS)
     engine = Engine(tiny_backbone)
     first = runtime.run_batch(rows, runtime.modules, Timings())
     assert_same_answers(first, engine.predict(tiny_backbone.collate(rows), runtime.modules))
-    assert runner.graphs.captures == 2  # 8x64 captured on first use
     runtime.run_batch(rows, runtime.modules, Timings())
     runtime.run_batch(rows[:2], runtime.modules, Timings())
-    assert runner.graphs.captures == 2  # both replayed, nothing recaptured
+    runtime.run_batch(rows[:2], {"ner": runtime.modules["ner"]}, Timings())  # a subset: the set's graph, ner's outputs
+    assert runner.graphs.captures == len(reachable) and runner.graphs.replays == 4  # replayed, nothing captured
 
     runtime.load_task("sentiment", "1")
-    assert len(runner.graphs) == 1 and runner.graphs.captures == 3  # dropped; the start bucket recaptured
+    assert len(runner.graphs) == len(reachable) and runner.graphs.captures == 2 * len(reachable)  # dropped, recaptured
     second = runtime.run_batch(rows, runtime.modules, Timings())
     assert made[-1]["sentiment"] is runtime.modules["sentiment"].head  # captured with the new head
     assert_same_answers(second, engine.predict(tiny_backbone.collate(rows), runtime.modules))
@@ -220,20 +234,25 @@ def test_graph_memory_cap_and_a_failed_capture_fall_back_to_eager(tiny_backbone,
     rows = sorted_rows(tiny_backbone, TEXTS)
     calls = []
 
-    def failing(modules, bucket):
+    def failing(plan, bucket):
         calls.append(bucket)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     runner = runner_for(tiny_backbone, "buckets", capture=failing, graph_batch_sizes="8", graph_seq_lens="64")
+    runner.warm_up(modules)
+    assert calls == runner.reachable_buckets()  # each tried once
     want = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000).run(rows, modules)
     assert_same_answers(runner.run(rows, modules), want)
+    runner.warm_up(modules)
     assert_same_answers(runner.run(rows, modules), want)
-    assert calls == [Bucket(8, 64)]  # tried once, then eager for that shape
+    assert calls == runner.reachable_buckets()  # not tried again: eager for those shapes
 
+    tried = len(calls)
     capped = runner_for(tiny_backbone, "buckets", capture=failing, graph_memory_mb=0)
     assert not capped.graphs.enabled
+    capped.warm_up(modules)
     assert_same_answers(capped.run(rows, modules), want)
-    assert len(calls) == 1
+    assert len(calls) == tried
 
 
 # ---- nothing in the pass waits on the device -----------------------------------------------------
@@ -462,6 +481,7 @@ def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone)
                                            head_precision="fp32"),
                          capture=capture)
     ref.append(runner)
+    runner.warm_up(modules)
     eager = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000)
     answers = []
     pairs = ["He met her.", "It was dull.", "fine", "They agreed.", "Mixed reviews.", "A meeting."]
@@ -469,5 +489,5 @@ def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone)
         rows = sorted_rows(tiny_backbone, texts, pairs)
         answers.append(runner.run(rows, modules))
         assert_same_answers(answers[-1], eager.run(rows, modules))
-    assert runner.graphs.captures == 1 and len(made) == 1  # one bucket, captured once, replayed
+    assert runner.graphs.replays == 2 and runner.graphs.captures == len(made) == len(runner.reachable_buckets())
     assert answers[0] != answers[1]

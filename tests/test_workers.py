@@ -78,12 +78,14 @@ def test_answers_equal_a_single_process_server(served, store, tiny_backbone):
     url, _ = served
     single = create_app(Settings(store=store.root, tasks="sentiment,ner,acceptability"), backbone=tiny_backbone)
     with LiveServer(single) as one:
-        for body in ({"inputs": TEXTS}, {"inputs": [{"text": t, "text_pair": TEXTS[0]} for t in TEXTS[1:]]}):
+        windowed = {"inputs": [" ".join(TEXTS * 8), TEXTS[0]], "window": 32}  # windows keep logits (server/windows.py)
+        for body in ({"inputs": TEXTS}, {"inputs": [{"text": t, "text_pair": TEXTS[0]} for t in TEXTS[1:]]}, windowed):
             got = httpx.post(url + "/v1/infer", json=body, timeout=60)
             want = httpx.post(one.url + "/v1/infer", json=body, timeout=60)
             assert got.status_code == want.status_code == 200, got.text
             got, want = got.json(), want.json()
             assert got["tasks"] == want["tasks"] and got["model"] == want["model"]
+            assert got["windows"] == want["windows"] and got["windows"][0] == (1 if body is not windowed else 13)
             for g, w in zip(got["results"], want["results"]):
                 assert g["sentiment"]["label"] == w["sentiment"]["label"]
                 assert g["sentiment"]["score"] == pytest.approx(w["sentiment"]["score"], abs=1e-5)
@@ -104,7 +106,7 @@ def test_refusals_are_the_same_precise_answers(served):
     assert unknown.status_code == 400 and unknown.json()["error"]["type"] == "unknown_task"
     assert httpx.post(url + "/v1/infer", content=b"{not json", headers={"content-type": "application/json"}
                       ).status_code == 422
-    too_long = httpx.post(url + "/v1/infer", json={"inputs": [" ".join(["word"] * 400)]})
+    too_long = httpx.post(url + "/v1/infer", json={"inputs": [" ".join(["word"] * 4001)]})  # over 20,000 characters
     assert too_long.status_code == 413 and too_long.json()["error"]["type"] == "input_too_long"
     assert httpx.post(url + "/admin/modules/sentiment/reload").status_code == 401
     missing = httpx.post(url + "/admin/modules/sentiment/load", json={"version": "9"},

@@ -187,6 +187,27 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
     return LabelledData(TaskType.token_classification, examples, str(path))
 
 
+def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int = -1) -> list[list[TokenExample]]:
+    """A CoNLL file's documents (the sentences between -DOCSTART- lines), each a list of sentences."""
+    documents: list[list[TokenExample]] = []
+    words, tags = [], []
+    with open(path, encoding="utf-8") as fh:
+        for line in [*fh, ""]:
+            parts = line.split()
+            if parts and parts[0] == "-DOCSTART-":
+                documents.append([])
+            elif parts:
+                words.append(parts[word_column])
+                tags.append(parts[tag_column])
+            elif words:
+                if not documents:  # a file without -DOCSTART- lines is one document
+                    documents.append([])
+                documents[-1].append(TokenExample(words=list(words), tags=list(tags)))
+                words.clear()
+                tags.clear()
+    return [doc for doc in documents if doc]
+
+
 def guess_format(path: Path) -> str:
     suffix = path.suffix.lower().lstrip(".")
     if suffix in ("tsv", "csv", "jsonl"):

@@ -210,15 +210,17 @@ class TextEncoder:
         """encode() then collate(): a padded batch in input order."""
         return self.collate(self.encode(texts, text_pairs, truncate, max_tokens))
 
-    def encode(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None) -> list[EncodedInput]:
+    def encode(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None,
+               whole: bool = False) -> list[EncodedInput]:
         """Tokenize with offsets. Inputs over the token limit (the model's, or a lower
-        `max_tokens`) raise InputTooLong unless `truncate`."""
+        `max_tokens`) raise InputTooLong unless `truncate`; `whole`: no limit (server/windows.py
+        cuts such inputs into windows)."""
         texts = list(texts)
         pairs = list(text_pairs) if text_pairs is not None else None
         limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
         enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=False, verbose=False)
         lengths = [len(ids) for ids in enc["input_ids"]]
-        too_long = [i for i, n in enumerate(lengths) if n > limit]
+        too_long = [] if whole else [i for i, n in enumerate(lengths) if n > limit]
         if too_long and not truncate:
             raise InputTooLong(too_long, [lengths[i] for i in too_long], limit)
         if too_long:

@@ -6,7 +6,8 @@ a backbone that streams through it. The onnx module is imported only when asked 
 Precision by backend (server/config.py's `precision_problem` says why a combination is refused):
 torch runs fp32, bf16 (CPU with native bfloat16, or cuda) and fp16 (cuda); onnx runs fp32 (CPU, or
 cuda through the CUDAExecutionProvider) and int8 (CPU). The device is the backbone's. "auto" is
-bf16 for torch on a CPU with native bfloat16, fp32 otherwise (server/config.py, `auto_precision`).
+fp16 for torch on cuda, bf16 for torch on a CPU with native bfloat16, fp32 otherwise
+(server/config.py, `auto_precision`).
 """
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ class TorchBackend:
             else:
                 # autocast only around the layer call, never across a yield: the heads that run
                 # between two layers must not run under it
-                with torch.autocast(self.device.type, dtype=self.dtype):
+                # no autocast cache: a captured pass must not keep casts made at capture time
+                with torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False):
                     hidden = run_block(self.layers[index], hidden, mask)
                 hidden = hidden.float()  # already float32 in the encoders (fp32 residual); a no-op then
             yield index + 1, hidden

@@ -1,0 +1,42 @@
+"""What the server reads of a text: its word pieces with character offsets, and its windows
+(`/v1/tokenize`, and Text Embeddings Inference's `/tokenize` route shape)."""
+from __future__ import annotations
+
+from server.backbone.tokens import EncodedInput, TextEncoder
+from server.windows import TextWindows
+
+
+def pieces(encoder: TextEncoder, row: EncodedInput, add_special_tokens: bool) -> list[dict]:
+    """Each word piece: id, the piece as the vocabulary spells it (`token`), whether it is a special
+    token, and for the others `segment` (0 text, 1 text pair) and `start`/`end`, character offsets
+    into that text (`text[start:end]` is what the piece covers)."""
+    names = encoder.tokenizer.convert_ids_to_tokens(list(row.ids))
+    out = []
+    for token_id, name, (start, end), segment in zip(row.ids, names, row.offsets, row.sequence_ids):
+        if segment is None:
+            if add_special_tokens:
+                out.append({"id": int(token_id), "token": name, "special": True})
+            continue
+        source = row.text if segment == 0 else row.text_pair
+        out.append({"id": int(token_id), "token": name, "special": False, "segment": segment, "start": start,
+                    "end": end, "text": source[start:end]})
+    return out
+
+
+def describe(encoder: TextEncoder, text: TextWindows, add_special_tokens: bool) -> dict:
+    """One input for /v1/tokenize: its word pieces, and the windows it is read in, each as the
+    stretch of the text it holds (`start`/`end` characters, `tokens`: word pieces of the row,
+    special tokens and text pair included)."""
+    whole = text.whole
+    spans = []
+    for (first, last), row in zip(text.spans, text.rows):
+        offsets = whole.offsets[text.first + first:text.first + last] if last > first else [(0, 0)]
+        spans.append({"start": offsets[0][0], "end": offsets[-1][1], "tokens": len(row)})
+    return {"tokens": pieces(encoder, whole, add_special_tokens), "length": len(whole), "windows": spans}
+
+
+def tei_tokens(encoder: TextEncoder, row: EncodedInput, add_special_tokens: bool) -> list[dict]:
+    """Text Embeddings Inference's SimpleToken list: id, text, special, start, stop (character
+    offsets; null for special tokens, whose text is the token itself)."""
+    return [{"id": p["id"], "text": p["token"] if p["special"] else p["text"], "special": p["special"],
+             "start": p.get("start"), "stop": p.get("end")} for p in pieces(encoder, row, add_special_tokens)]
