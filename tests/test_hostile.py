@@ -81,7 +81,7 @@ CASES = [
                                                   "headers": {"content-type": "application/json"}}, 422, "v1"),
     ("v1-too-many-inputs", "POST", "/v1/infer", {"json": {"inputs": ["a"] * 9}}, 413, "v1"),
     ("v1-too-many-chars", "POST", "/v1/infer", {"json": {"inputs": ["a " * 1001]}}, 413, "v1"),
-    ("v1-too-many-tokens", "POST", "/v1/infer", {"json": {"inputs": ["word " * 399]}}, 413, "v1"),
+    ("v1-too-many-tokens", "POST", "/v1/infer", {"json": {"inputs": ["word " * 399] * 3}}, 413, "v1"),
     ("v1-body-over-limit", "POST", "/v1/infer", {"json": {"inputs": [BIG]}}, 413, "v1"),
     ("v1-chunked-over-limit", "POST", "/v1/infer", {"content": chunks(MAX_BODY * 2),
                                                     "headers": {"content-type": "application/json"}}, 413, "v1"),
@@ -284,7 +284,8 @@ def server(hostile_store, tiny_backbone_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         url, process = start_tmod_serve(
             ["--backbone", str(tiny_backbone_dir), "--store", str(hostile_store), "--max-body-bytes", str(MAX_BODY),
-             "--max-inputs", "8", "--max-chars", "2000", "--max-tokens", "256", "--threads", "1",
+             "--max-inputs", "8", "--max-chars", "2000", "--max-tokens", "256", "--max-request-tokens", "1000",
+             "--threads", "1",
              "--header-timeout-s", str(SLOW_CLIENT_S), "--body-timeout-s", str(SLOW_CLIENT_S)], env, output=log)
         try:
             yield url
