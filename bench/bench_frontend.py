@@ -27,11 +27,14 @@ BIO spans). The sleep releases the GIL, as a device wait does.
 
 6. `--workers`: the same levels on `tmod-serve --workers 1` and `--workers 2` (server/workers.py), with
    the CPU of the engine process (the one that cannot be multiplied) and of the workers per request.
+   `--before DIR` (another checkout, e.g. `git worktree add /tmp/base <commit>`): its servers run
+   beside this tree's, level by level in alternating order, so before and after share one run.
 
 Outputs: bench/results/frontend-cpu.{json,md}; with --workers, bench/results/frontend-workers-cpu.{json,md}.
 
     .venv/bin/python bench/bench_frontend.py             # ~3 min
     .venv/bin/python bench/bench_frontend.py --workers   # ~2 min
+    .venv/bin/python bench/bench_frontend.py --workers --before /tmp/base   # ~4 min
     .venv/bin/python bench/bench_frontend.py --quick     # smoke run
 """
 from __future__ import annotations
@@ -274,13 +277,15 @@ def worker_pids(pid: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # run
 # ---------------------------------------------------------------------------------------------
-def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | None = None):
+def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | None = None, code: Path = REPO):
+    """A stand-in server of the checkout `code` (its own bench_frontend.py installs its own stand-in)."""
     from bench.bench_load import ServerProcess
 
     env = {"TMOD_STORE": str(store), "TMOD_THREADS": "1", "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
            "BENCH_PASS_MS": str(args.pass_ms), **(extra_env or {})}
-    server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(Path(__file__).resolve()), "--serve"])
+    server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(code / "bench" / "bench_frontend.py"),
+                                                                "--serve"])
     server.start()
     server.wait_ready(300)
     return server
@@ -414,17 +419,20 @@ def metric_updates(repeats: int = 20_000) -> dict:
 
 
 def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[dict]:
-    """The same levels on `tmod-serve --workers N` for each N (uvicorn picks httptools + uvloop)."""
+    """The same levels on `tmod-serve --workers N` for each N (uvicorn picks httptools + uvloop), and
+    with --before for the other checkout's code too."""
+    codes = {"after": REPO, "before": Path(args.before).resolve()} if args.before else {"after": REPO}
+    keys = [(code, n) for code in codes for n in counts]
     runs = []
     servers = {}
     try:
-        for n in counts:  # all up for the whole run; the idle ones cost nothing
-            servers[n] = start_server(workdir, workdir / "store", f"workers{n}", args, {"TMOD_WORKERS": str(n)})
+        for code, n in keys:  # all up for the whole run; the idle ones cost nothing
+            servers[code, n] = start_server(workdir, workdir / "store", f"{code}-workers{n}", args,
+                                            {"TMOD_WORKERS": str(n)}, codes[code])
         for i, (inputs, c) in enumerate(LEVELS):
-            order = list(counts) if i % 2 == 0 else list(reversed(counts))
-            for n in order:
-                run = {"workers": n, **measure(servers[n], bodies[inputs], inputs, c, args.clients,
-                                                args.warmup, args.duration)}
+            for code, n in (keys if i % 2 == 0 else list(reversed(keys))):  # drift: alternate who goes first
+                run = {"code": code, "workers": n, **measure(servers[code, n], bodies[inputs], inputs, c,
+                                                               args.clients, args.warmup, args.duration)}
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     finally:
@@ -439,12 +447,14 @@ def write_workers_markdown(path: Path, result: dict) -> None:
              f"{result['machine'].get('logical_cpus', '')} cores (shared with the load generator) · `{result['command']}`",
              "", "`tmod-serve --workers N`: N HTTP processes (HTTP, JSON, tokenization, decode) and one engine process "
              "(batching, collation, the pass). Requests/s on this 2-core box is capped by the cores; the CPU each "
-             "process spends per request is what carries to a bigger machine.", "",
-             "| workers | inputs/request | c | req/s | seq/s | p50 ms | p99 ms | errors | CPU us/request (all) "
+             "process spends per request is what carries to a bigger machine."
+             + (f" `before`: the code at {result['before']}; `after`: this tree ({result['machine']['versions']['tmod_git']['commit']})."
+                if result.get("before") else ""), "",
+             "| code | workers | inputs/request | c | req/s | seq/s | p50 ms | p99 ms | errors | CPU us/request (all) "
              "| engine process us/request | us/input | workers us/request |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["levels"]:
-        lines.append(f"| {r['workers']} | {level_cells(r)} | {r['server_cpu_us_per_request']} | "
+        lines.append(f"| {r.get('code', 'after')} | {r['workers']} | {level_cells(r)} | {r['server_cpu_us_per_request']} | "
                      f"{r['engine_process_cpu_us_per_request']} | {r['engine_process_cpu_us_per_input']} | "
                      f"{r['workers_cpu_us_per_request'] or '-'} |")
     lines += ["", "Ceilings (labelled, not measured: CPU per request as measured here, every process on a core of "
@@ -454,16 +464,18 @@ def write_workers_markdown(path: Path, result: dict) -> None:
 
 def workers_ceilings(levels: list[dict]) -> list[str]:
     out = []
-    for inputs, c in LEVELS:
-        pair = {r["workers"]: r for r in levels if (r["inputs_per_request"], r["concurrency"]) == (inputs, c)}
-        one, split = pair.get(1), pair.get(2)
-        if not (one and split and one["requests"] and split["requests"]):
-            continue
-        engine = split["engine_process_cpu_us_per_request"]
-        worker = split["workers_cpu_us_per_request"]
-        out.append(f"{inputs} input(s), c={c}: one process ~{1e6 / one['server_cpu_us_per_request'] * inputs:,.0f} "
-                   f"seq/s; with workers the engine process caps at ~{1e6 / engine * inputs:,.0f} seq/s "
-                   f"(~{1e6 / engine:,.0f} req/s), reached with ~{worker / engine:.1f} worker cores per engine core")
+    for code in sorted({r.get("code", "after") for r in levels}):
+        for inputs, c in LEVELS:
+            pair = {r["workers"]: r for r in levels
+                    if (r["inputs_per_request"], r["concurrency"]) == (inputs, c) and r.get("code", "after") == code}
+            one, split = pair.get(1), pair.get(2)
+            if not (one and split and one["requests"] and split["requests"]):
+                continue
+            engine = split["engine_process_cpu_us_per_request"]
+            worker = split["workers_cpu_us_per_request"]
+            out.append(f"{code}, {inputs} input(s), c={c}: one process ~{1e6 / one['server_cpu_us_per_request'] * inputs:,.0f} "
+                       f"seq/s; with workers the engine process caps at ~{1e6 / engine * inputs:,.0f} seq/s "
+                       f"(~{1e6 / engine:,.0f} req/s), reached with ~{worker / engine:.1f} worker cores per engine core")
     return out
 
 
@@ -478,6 +490,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workers", action="store_true",
                    help="compare tmod-serve --workers 1 and 2 instead (bench/results/frontend-workers-cpu.{json,md})")
+    p.add_argument("--before", type=Path, default=None,
+                   help="with --workers: another checkout whose servers run beside this tree's (before / after)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "frontend-cpu.json")
     return p.parse_args(argv)
 
@@ -507,6 +521,11 @@ def main(argv=None) -> int:
         bodies = {n: [json.dumps({"inputs": sentences[i * n:(i + 1) * n]}).encode() for i in range(len(sentences) // n)]
                   for n in {n for n, _ in LEVELS}}
         if args.workers:
+            if args.before:
+                import subprocess
+
+                commit = subprocess.run(["git", "-C", str(args.before), "rev-parse", "HEAD"], capture_output=True, text=True)
+                result["before"] = commit.stdout.strip() or str(args.before)
             result["levels"] = compare_workers(args, bodies, workdir)
             result["ceilings"] = workers_ceilings(result["levels"])
             out = args.out.with_name("frontend-workers-cpu.json") if args.out.name == "frontend-cpu.json" else args.out

@@ -58,6 +58,7 @@ def machine_info(device: str = "cpu", **extra_versions: str) -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "logical_cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_at_start_1_5_15min": loadavg(),

@@ -52,6 +52,7 @@ from tqdm import tqdm  # noqa: E402
 from modules_store import TaskType  # noqa: E402
 from bench.environment import machine_info  # noqa: E402
 from server.backbone import Backbone  # noqa: E402
+from server.heads.pooling import pool  # noqa: E402
 from training.data import IGNORE_INDEX, PRESETS, default_data_dir, preset_spec  # noqa: E402
 from training.evaluate import predictions, score  # noqa: E402
 from training.states import Split  # noqa: E402
@@ -88,11 +89,7 @@ class FullModel(nn.Module):
         hidden = self.encoder(**kwargs).last_hidden_state  # (B, T, H)
         if self.token_level:
             return self.classifier(self.dropout(hidden))  # (B, T, C)
-        if self.pooling == "cls":
-            pooled = hidden[:, 0]
-        else:
-            weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+        pooled = pool(hidden, attention_mask, self.pooling)
         return self.classifier(self.dropout(pooled))  # (B, C)
 
 

@@ -12,8 +12,10 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
 
 class TaskType(str, Enum):
     sequence_classification = "sequence_classification"
+    multi_label_classification = "multi_label_classification"  # independent labels: one sigmoid each
     token_classification = "token_classification"
     regression = "regression"
+    embedding = "embedding"  # a sentence vector (server/heads/embedding/): no labels, nothing trained
 
 
 class BackboneFingerprint(BaseModel):
@@ -59,6 +61,9 @@ class Manifest(BaseModel):
     config: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters")
     training: dict[str, Any] = Field(default_factory=dict, description="data, command, settings")
     metrics: dict[str, Any] = Field(default_factory=dict, description="validation metrics")
+    decoding: dict[str, Any] = Field(
+        default_factory=dict, description="answer defaults: multi-label 'thresholds' (label -> probability) and "
+        "the 'threshold_rule' that chose them; token tasks' 'aggregation' (first, average, max, none)")
     weights_sha256: str
     description: str = ""
 

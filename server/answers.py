@@ -15,23 +15,27 @@ from server.modules import LoadedModule
 
 
 def decode_all(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor],
-               batches: dict[str, TokenBatch]) -> dict[str, list[dict]]:
-    """Decoded answers per task from a pass's logits, each on the batch its logits are laid out on."""
+               batches: dict[str, TokenBatch], rows: list | None = None) -> dict[str, list[dict]]:
+    """Decoded answers per task from a pass's logits, each on the batch its logits are laid out on;
+    with `rows` (the pass's EncodedInputs), each row's answer controls (`EncodedInput.answer`) apply
+    to its answers, and each module's manifest `decoding` gives the defaults (multi-label thresholds)."""
+    options = [row.answer for row in rows] if rows is not None else None
     return {
-        task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task])
+        task: decode(modules[task].head.task_type, modules[task].head.labels, logits[task], batches[task], options,
+                     modules[task].manifest.decoding if modules[task].manifest is not None else None)
         for task in modules
     }
 
 
 def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
-               lengths: list[int]) -> dict[str, list]:
+               lengths: list[int], rows: list | None = None) -> dict[str, list]:
     """Per task, each row's host logits as a numpy array ((tokens, labels) over its own tokens for
     token tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A foreign
     task's logits lie on its bridge's tokenization, which only this process has: decoded here."""
     out = {}
     for task, module in modules.items():
         if module.bridge:
-            out[task] = decode_all({task: module}, logits, batches)[task]
+            out[task] = decode_all({task: module}, logits, batches, rows)[task]
         elif logits[task].dim() == 3:
             host = logits[task].numpy()
             out[task] = [host[r, :n] for r, n in enumerate(lengths)]
@@ -41,15 +45,17 @@ def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor]
 
 
 def answers(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
-            lengths: list[int], decode_here: bool, raw_rows: list[int] = ()) -> dict[str, list]:
+            lengths: list[int], decode_here: bool, raw_rows: list[int] = (), rows: list | None = None
+            ) -> dict[str, list]:
     """Per task, each row's answer: decoded (`decode_here`), or its logits for a worker to decode.
     `raw_rows` keep their logits either way: windows of a longer text, which the request combines
-    per text and decodes whole (server/windows.py)."""
+    per text and decodes whole (server/windows.py). `rows`: the pass's EncodedInputs, whose answer
+    controls apply where decoding happens here."""
     if not decode_here or len(raw_rows) == len(lengths):
-        return row_logits(modules, logits, batches, lengths)
-    decoded = decode_all(modules, logits, batches)
+        return row_logits(modules, logits, batches, lengths, rows)
+    decoded = decode_all(modules, logits, batches, rows)
     if raw_rows:
-        raw = row_logits(modules, logits, batches, lengths)
+        raw = row_logits(modules, logits, batches, lengths, rows)
         for task in decoded:
             for r in raw_rows:
                 decoded[task][r] = raw[task][r]

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from modules_store.manifest import NAME_PATTERN
 from server import oip, tokenize_api, windows
 from server.backbone import Backbone
+from server.embeddings_api import add_embeddings_routes
 from server.batcher import Job
 from server.config import Settings
 from server.errors import (
@@ -31,9 +32,10 @@ from server.errors import (
 )
 from server.http_limits import BodyLimits
 from server.logs import RequestLog
-from server.modules import LoadedModule, compares_pairs
+from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (
+    AnswerControls,
     InferRequest,
     InferResponse,
     ModelInfo,
@@ -114,7 +116,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """Pair tasks (entailment) compare a text with a text pair: asked for by name with single
         texts they are refused; among all loaded tasks they are left out of a single-text request."""
         if has_pairs:
-            return modules
+            single = sorted(t for t, m in modules.items() if reads_single_texts(m.manifest))
+            if single and (named or len(single) == len(modules)):
+                raise ApiError(422, "single_text_task", f"task(s) {single} read single texts: send inputs as texts")
+            return {t: m for t, m in modules.items() if t not in single} if single else modules
         pair_tasks = sorted(t for t, m in modules.items() if compares_pairs(m.manifest))
         rest = {t: m for t, m in modules.items() if t not in pair_tasks}
         if pair_tasks and (named or not rest):
@@ -123,13 +128,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return rest
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
-                            truncate: bool, request: Request, window: int | None = None, stride: int | None = None
-                            ) -> tuple[list[dict], Job, dict[str, str]]:
+                            truncate: bool, request: Request, window: int | None = None, stride: int | None = None,
+                            controls: AnswerControls | None = None) -> tuple[list[dict], Job, dict[str, str]]:
         """Shared by every protocol: limits, tokenization (long texts in windows), the batcher, metrics,
-        timing headers. -> (per-input results keyed by task, the job (one row per input, the module
-        versions that answered, per input its `windows`), response headers)."""
+        timing headers. `controls`: the request's answer controls (docs/answer-controls.md). -> (per-input
+        results keyed by task, the job (one row per input, the module versions that answered, per input
+        its `windows`), response headers)."""
         with metrics.requests_in_flight.track_inprogress():
-            return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride)
+            return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride,
+                                          controls or AnswerControls())
 
     def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
         """The limits and checks every text meets before it is tokenized (413 / 422)."""
@@ -154,23 +161,34 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request",
                                f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
 
-    def window_settings(window: int | None, stride: int | None) -> windows.WindowSettings:
-        return windows.settings_for(runtime.text, settings.max_tokens, window, stride,
+    def window_settings(window: int | None, stride: int | None, max_tokens: int | None = None) -> windows.WindowSettings:
+        return windows.settings_for(runtime.text, max_tokens or settings.max_tokens, window, stride,
                                     settings.window_tokens, settings.window_stride)
 
-    async def read_inputs(texts, text_pairs, truncate, window, stride) -> windows.Reading:
-        """Tokenize (in a tokenizer thread) and cut long texts into windows (server/windows.py)."""
+    async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None) -> windows.Reading:
+        """Tokenize (in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
+        most `max_tokens` word pieces (default: the server's limit)."""
         check_inputs(texts, text_pairs)
-        chosen = window_settings(window, stride)
+        chosen = window_settings(window, stride, max_tokens)
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 runtime.tokenize_executor, windows.read, runtime.text, texts, text_pairs, chosen, truncate)
         except windows.PairTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc)) from exc
 
-    async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None):
+    async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None,
+                               controls: AnswerControls | None = None):
         received = time.perf_counter()
-        reading = await read_inputs(texts, text_pairs, truncate, window, stride)
+        controls = controls or AnswerControls()
+        if truncate and controls.truncation_direction == "left":
+            if text_pairs is not None:
+                raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
+            truncate = "left"  # the tokenizer keeps the end of the text (server/backbone/tokens.py)
+        reading = await read_inputs(texts, text_pairs, truncate, window, stride,
+                                    token_limit(modules, settings.max_tokens))
+        options = controls.options()
+        for row in reading.rows + [text.whole for text in reading.texts]:
+            row.answer = options
         if reading.tokens > settings.max_request_tokens:
             raise ApiError(413, "too_many_tokens",
                            f"the request is {reading.tokens} word pieces in {len(reading.rows)} windows; at most "
@@ -219,7 +237,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         texts = [item.text if pairs else item for item in body.inputs]
         text_pairs = [item.text_pair for item in body.inputs] if pairs else None
         results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request,
-                                                    body.window, body.stride)
+                                                    body.window, body.stride, body)
         response.headers.update(headers)
         return InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in job.modules.items()},
@@ -277,7 +295,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     @app.get("/v2", tags=["oip-v2"])
     async def oip_server_metadata():
-        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data"]}
+        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data", "classification"]}
 
     @app.get("/v2/health/live", tags=["oip-v2"])
     async def oip_live():
@@ -314,9 +332,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         parameters = parsed.get("parameters") or {}
         truncate = oip.bool_parameter(parameters, "truncate")
         window, stride = (windows.whole_number(parameters, name) for name in ("window", "stride"))
-        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride)
+        controls = oip.answer_controls(parsed)
+        # top_k reaches OIP clients as the classification extension on `scores`: decode every label
+        decoded = controls.model_copy(update={"top_k": None})
+        results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride,
+                                                    decoded)
         module = job.modules[task]  # the version that answered
-        content, extra = oip.encode_response(module, parsed, [r[task] for r in results])
+        content, extra = oip.encode_response(module, parsed, [r[task] for r in results], top_k=controls.top_k)
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
     # ---- tokenization: what the server reads (server/windows.py) --------------------------------
@@ -344,6 +366,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         reading = await read_inputs(texts, None, False, None, None)
         return [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens) for text in reading.texts]
+
+    add_embeddings_routes(app, runtime, require_ready, run_inference)  # OpenAI's /v1/embeddings, TEI's /embed
 
     def device_failed() -> Response | None:
         """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""

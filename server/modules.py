@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modules_store import ArtifactError, Manifest, ModuleStore
+from modules_store import ArtifactError, Manifest, ModuleStore, TaskType
 from modules_store.store import _version_key
 from server.heads import Head, build_head
 
@@ -116,6 +116,22 @@ def compares_pairs(manifest: Manifest | None) -> bool:
     return manifest is not None and (manifest.config or {}).get("pooling") == "pair"
 
 
+def reads_single_texts(manifest: Manifest | None) -> bool:
+    """Whether a module reads single texts only (an embedding: a sentence vector of one text)."""
+    return manifest is not None and manifest.task_type == TaskType.embedding
+
+
+def token_limit(modules: dict, limit: int | None) -> int | None:
+    """The token limit of a request for `modules` (LoadedModule or a worker's view of one): the
+    server's `limit`, lowered to the trained length an embedding module records (its vectors equal
+    the reference only within it; past it the request is refused, or cut with truncation)."""
+    for module in modules.values():
+        trained = (module.manifest.config or {}).get("max_tokens") if reads_single_texts(module.manifest) else None
+        if trained:
+            limit = min(limit, trained) if limit else trained
+    return limit
+
+
 def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) -> list[str]:
     """The store's tasks that have a version `backbone` serves (see `servable_version`)."""
     out = []
@@ -150,11 +166,11 @@ def count_parameters(module: torch.nn.Module) -> int:
 
 def save_module(store: ModuleStore, task: str, version: str, head: Head, backbone, *,
                 training: dict | None = None, metrics: dict | None = None, description: str = "",
-                overwrite: bool = False):
+                overwrite: bool = False, decoding: dict | None = None):
     """Write a head as an artifact for `backbone` (the inverse of load_module)."""
     manifest = Manifest(
         task=task, version=version, backbone=backbone.fingerprint,
-        training=training or {}, metrics=metrics or {}, description=description,
+        training=training or {}, metrics=metrics or {}, description=description, decoding=decoding or {},
         weights_sha256="", **head.manifest_fields(),
     )
     return store.save(manifest, head.artifact_weights(), overwrite=overwrite)

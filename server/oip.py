@@ -3,7 +3,16 @@
 Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, same shape). Outputs per
 task type: sequence tasks `label` (BYTES [N]), `score` (FP32 [N]), `scores` (FP32 [N, C], columns in
 the order of the model's `labels` parameter); token tasks `entities` (BYTES [N], each a JSON list
-of {text, label, start, end, score}); regression `value` (FP32 [N]).
+of {text, label, start, end, score}; with aggregation "none" the list of word pieces); multi-label
+tasks `labels` (BYTES [N], each a JSON list of the labels at or over their threshold) and `scores`;
+regression `value` (FP32 [N]); embeddings `embedding` (FP32 [N, D]).
+
+Request parameters: `truncate` and the answer controls of /v1/infer (`top_k`, `raw_scores`,
+`threshold`, `aggregation`, `truncation_direction`; server/schemas.py AnswerControls). The
+classification extension (as Triton defines it): an output requested with the parameter
+`"classification": k` (tritonclient's `class_count`) comes back as BYTES [N, k] strings
+"score:index:label", best first; only `scores` can be asked for so. `top_k` asks it of `scores`
+for every request that does not name its outputs.
 
 The binary data extension (what `tritonclient` uses by default): the body is a JSON header of
 `Inference-Header-Content-Length` bytes followed by raw tensors; BYTES elements are each a 4-byte
@@ -20,8 +29,12 @@ from typing import Any
 import numpy as np
 
 from modules_store import TaskType
+from pydantic import ValidationError
+
 from server.errors import ApiError, clip, clip_list
+from server.heads.embedding import vector_size
 from server.modules import LoadedModule, compares_pairs
+from server.schemas import AnswerControls
 
 HEADER = "inference-header-content-length"
 DIGITS = re.compile(r"[0-9]{1,18}")  # not str.isdigit(): it is true for '²', which int() refuses
@@ -53,9 +66,25 @@ def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
         return [{"name": "label", "datatype": "BYTES", "shape": [-1]},
                 {"name": "score", "datatype": "FP32", "shape": [-1]},
                 {"name": "scores", "datatype": "FP32", "shape": [-1, len(module.manifest.labels)]}]
+    if task_type == TaskType.multi_label_classification:
+        return [{"name": "labels", "datatype": "BYTES", "shape": [-1]},
+                {"name": "scores", "datatype": "FP32", "shape": [-1, len(module.manifest.labels)]}]
     if task_type == TaskType.token_classification:
         return [{"name": "entities", "datatype": "BYTES", "shape": [-1]}]
+    if task_type == TaskType.embedding:
+        return [{"name": "embedding", "datatype": "FP32", "shape": [-1, vector_size(module.manifest.config)]}]
     return [{"name": "value", "datatype": "FP32", "shape": [-1]}]
+
+
+def answer_controls(request: dict) -> AnswerControls:
+    """The request parameters that are answer controls, validated as /v1/infer validates them (422)."""
+    parameters = request.get("parameters") or {}
+    given = {name: parameters[name] for name in AnswerControls.model_fields if name in parameters}
+    try:
+        return AnswerControls(**given)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ApiError(422, "invalid_request", f"invalid request parameter(s): {problems}") from None
 
 
 # ---- decoding requests -----------------------------------------------------------------------
@@ -190,8 +219,17 @@ def _output_arrays(module: LoadedModule, results: list[dict]) -> dict[str, tuple
             "score": ("FP32", np.array([r["score"] for r in results], dtype=np.float32)),
             "scores": ("FP32", np.array([[r["scores"][l] for l in labels] for r in results], dtype=np.float32)),
         }
+    if task_type == TaskType.multi_label_classification:
+        labels = module.manifest.labels
+        return {
+            "labels": ("BYTES", np.array([json.dumps(r["labels"]).encode() for r in results], dtype=object)),
+            "scores": ("FP32", np.array([[r["scores"][l] for l in labels] for r in results], dtype=np.float32)),
+        }
     if task_type == TaskType.token_classification:
-        return {"entities": ("BYTES", np.array([json.dumps(r["entities"]).encode() for r in results], dtype=object))}
+        return {"entities": ("BYTES", np.array([json.dumps(r["entities"] if "entities" in r else r["tokens"]).encode()
+                                                for r in results], dtype=object))}
+    if task_type == TaskType.embedding:
+        return {"embedding": ("FP32", np.array([r["embedding"] for r in results], dtype=np.float32))}
     return {"value": ("FP32", np.array([r["value"] for r in results], dtype=np.float32))}
 
 
@@ -211,8 +249,31 @@ def _serialize_bytes(array: np.ndarray) -> bytes:
     return b"".join(struct.pack("<I", len(item)) + item for item in array.reshape(-1))
 
 
-def encode_response(module: LoadedModule, request: dict, results: list[dict]) -> tuple[bytes, dict[str, str]]:
-    """-> (body, extra headers). Binary where the request asked for it, JSON otherwise."""
+def classification(scores: np.ndarray, labels: list[str], k: int) -> np.ndarray:
+    """The classification extension: (N, C) scores -> (N, min(k, C)) BYTES "score:index:label", best
+    first (equal scores in label order); the score printed as Triton prints it (six decimals)."""
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.array([[f"{row[i]:f}:{i}:{labels[i]}".encode() for i in top] for row, top in zip(scores, order)],
+                    dtype=object).reshape(len(scores), -1)
+
+
+def _classification_count(name: str, parameters: dict, arrays: dict) -> int | None:
+    k = parameters.get("classification")
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ApiError(400, "invalid_request", f"output {name!r}: classification must be a whole number >= 1, got {k!r}")
+    if name != "scores" or "scores" not in arrays:
+        raise ApiError(400, "invalid_request", f"output {name!r} holds no class scores: only 'scores' of a sequence or "
+                                               "multi-label task takes the classification parameter")
+    return k
+
+
+def encode_response(module: LoadedModule, request: dict, results: list[dict],
+                    top_k: int | None = None) -> tuple[bytes, dict[str, str]]:
+    """-> (body, extra headers). Binary where the request asked for it, JSON otherwise. Outputs asked
+    for with `"classification": k` (or `scores` when the request's `top_k` is k and it names no
+    outputs) come back in the classification extension's form."""
     arrays = _output_arrays(module, results)
     wanted = _requested_outputs(request)
     binary_default = bool_parameter(_parameters(request, "request"), "binary_data_output")
@@ -220,13 +281,16 @@ def encode_response(module: LoadedModule, request: dict, results: list[dict]) ->
         unknown = [o["name"] for o in wanted if o["name"] not in arrays]
         if unknown:
             raise ApiError(400, "invalid_request", f"unknown output(s) {clip_list(unknown)}; outputs are {sorted(arrays)}")
-        selection = [(o["name"], bool_parameter(_parameters(o, f"output {o['name']!r}"), "binary_data", binary_default))
-                     for o in wanted]
+        selection = [(o["name"], bool_parameter(_parameters(o, f"output {o['name']!r}"), "binary_data", binary_default),
+                      _classification_count(o["name"], _parameters(o, f"output {o['name']!r}"), arrays)
+                      or (top_k if o["name"] == "scores" else None)) for o in wanted]
     else:
-        selection = [(name, binary_default) for name in arrays]
+        selection = [(name, binary_default, top_k if name == "scores" else None) for name in arrays]
     outputs, blobs = [], []
-    for name, binary in selection:
+    for name, binary, count in selection:
         datatype, array = arrays[name]
+        if count is not None:
+            datatype, array = "BYTES", classification(array, module.manifest.labels, count)
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary:
             blob = _serialize_bytes(array) if datatype == "BYTES" else array.astype("<f4").tobytes()

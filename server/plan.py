@@ -8,7 +8,8 @@ Heads of one architecture run as one group, with their weights stacked along a h
 built once per plan (a plan is cached per set of heads and forgotten when a module changes, so a
 reloaded module never meets stale stacks): layer-mix heads of one width k form a `MixGroup`
 (server/heads/layermix/grouped.py), MTB and merged LoRA-MTB heads reading one state with blocks of
-one architecture a `BlockGroup` (server/heads/mtb/grouped.py). A group follows the head contract
+one architecture a `BlockGroup` (server/heads/mtb/grouped.py), embedding heads an `EmbeddingGroup`
+(server/heads/embedding/grouped.py: each state pooled once per pooling setting). A group follows the head contract
 (start / consume / finish) for all its heads at once; its finish returns every head's logits. A
 kind with a single head in the plan runs as that head, except that with int8 projections
 (`head_precision int8`, which only `MixGroup` computes) a lone layer-mix head forms a group of one.
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import partial
 
+from server.heads.embedding import EmbeddingHead
+from server.heads.embedding.grouped import EmbeddingGroup
 from server.heads.layermix import LayerMixHead
 from server.heads.layermix.grouped import MixGroup
 from server.heads.mtb import MTBHead
@@ -33,6 +36,8 @@ def group_key(head) -> tuple | None:
         return ("layermix", head.config.project_dim)
     if isinstance(head, MTBHead):
         return ("mtb", *block_shape(head))
+    if isinstance(head, EmbeddingHead):
+        return ("embedding",)
     return None
 
 
@@ -65,7 +70,7 @@ class ExecutionPlan:
             key = group_key(modules[task].head)
             if key is not None:
                 by_key[key if fuse else (*key, task)].append(task)  # unfused: every head on its own
-        kinds = {"layermix": partial(MixGroup, int8=int8), "mtb": BlockGroup}
+        kinds = {"layermix": partial(MixGroup, int8=int8), "mtb": BlockGroup, "embedding": EmbeddingGroup}
         self.groups = [kinds[key[0]](tasks, [modules[t].head for t in tasks])
                        for key, tasks in by_key.items() if len(tasks) >= 2 or (int8 and key[0] == "layermix")]
         grouped = {t for g in self.groups for t in g.tasks}

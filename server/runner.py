@@ -692,7 +692,7 @@ class ModelRunner:
         staging set of its bucket."""
         classes = token_classes_read(modules)
         passes = []
-        for run, bucket in self.shapes.passes([len(row.ids) for row in rows]):
+        for run, bucket in self.shapes.passes([len(row) for row in rows]):
             batch = self.engine.backbone.text.collate(
                 rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", classes=classes)
             taken = self.staging.take(batch, bucket) if staged and self.staged and bucket is not None else None
@@ -736,7 +736,8 @@ class ModelRunner:
         failure = broken = None
         try:
             logits, batches = self._pass(item, rows, modules, timings)
-            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows))
+            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows),
+                           rows)
         except Exception as exc:
             if is_device_failure(exc):  # the whole device is gone: the runtime stops (not one head's fault)
                 raise

@@ -1,9 +1,9 @@
 """Request and response bodies of the HTTP API (the OpenAPI schema is generated from these)."""
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 
 class TextPair(BaseModel):
@@ -12,7 +12,35 @@ class TextPair(BaseModel):
     text_pair: StrictStr
 
 
-class InferRequest(BaseModel):
+class AnswerControls(BaseModel):
+    """Per-request answer controls (docs/answer-controls.md). Each applies to the task types it
+    concerns and is ignored by the others; left out, answers are the defaults. OIP v2 takes the same
+    names as request parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+    top_k: int | None = Field(None, ge=1, strict=True, description="sequence and multi-label tasks: only the k best labels "
+                              "in `scores`, best first (ties in label order); more than a task has gives all of them")
+    raw_scores: StrictBool = Field(False, description="sequence and multi-label tasks: the head's logits in `score` "
+                                   "and `scores` instead of probabilities (labels are chosen as without it)")
+    threshold: float | None = Field(None, ge=0.0, le=1.0, description="multi-label tasks: a label is answered when its "
+                                    "probability is at least this (default: the module's per-label thresholds)")
+    aggregation: Literal["first", "average", "max", "none"] | None = Field(
+        None, description="token tasks: a word's label from its first piece's, the mean of its pieces' probabilities "
+        "(average) or its most confident piece's (max), as Hugging Face's token-classification pipeline; none: every "
+        "word piece with its own label, score and offsets (`tokens`) instead of entities. Default: the module's, else first")
+    truncation_direction: Literal["right", "left"] = Field(
+        "right", description="with truncate: cut the end (right) or the start (left) of an input that is too long")
+
+    def options(self):
+        """The controls decoding reads (server.heads.decode.AnswerOptions), or None for the defaults."""
+        from server.heads.decode import AnswerOptions
+
+        options = AnswerOptions(top_k=self.top_k, raw_scores=self.raw_scores, threshold=self.threshold,
+                                aggregation=self.aggregation)
+        return None if options.is_default() else options
+
+
+class InferRequest(AnswerControls):
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={"examples": [{"inputs": ["Peter Blackburn flew to Brussels. A fine film."]}]},

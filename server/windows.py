@@ -175,12 +175,8 @@ def window_row(whole: EncodedInput, first: int, count: int, start: int, end: int
     start..end, and everything after the text (special tokens, the text pair), in order."""
     positions = [*range(first), *range(first + start, first + end), *range(first + count, len(whole))]
 
-    def pick(values):
-        return [values[i] for i in positions]
-
-    return WindowRow(text=whole.text, text_pair=whole.text_pair, ids=pick(whole.ids), type_ids=pick(whole.type_ids),
-                     offsets=pick(whole.offsets), sequence_ids=pick(whole.sequence_ids), word_ids=pick(whole.word_ids),
-                     truncated=False, part=part)
+    return WindowRow(text=whole.text, text_pair=whole.text_pair, tokens=whole.tokens[positions], truncated=False,
+                     part=part)
 
 
 # ---- combining the windows' answers -----------------------------------------------------------------
@@ -202,11 +198,21 @@ def mean_by_tokens(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
     return (np.tensordot(weights, stacked, axes=1) / weights.sum()).astype(np.float32)
 
 
-def mean_normalised(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
-    """Embeddings: the windows' pooled vectors averaged weighted by `span_weights`, then scaled to length 1."""
-    mean = mean_by_tokens(text, outputs).astype(np.float64)
+def mean_of_pooled_vectors(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
+    """Embeddings: each window's output is its vector and, last, the norm the pooled vector had before
+    any normalisation (server/heads/embedding/layer.py, `with_norm`). The windows' pooled vectors are
+    averaged weighted by `span_weights`, then given back in the same form: normalised when the
+    windows' vectors were (unit length), with the mean's own norm last."""
+    stacked = np.stack([np.asarray(o, dtype=np.float64) for o in outputs])
+    vectors, norms = stacked[:, :-1], stacked[:, -1]
+    lengths = np.linalg.norm(vectors, axis=1)
+    pooled = vectors * (norms / np.maximum(lengths, 1e-12))[:, None]  # exact for both forms
+    weights = span_weights(text)
+    mean = np.tensordot(weights, pooled, axes=1) / weights.sum()
     norm = np.linalg.norm(mean)
-    return (mean / norm if norm > 0 else mean).astype(np.float32)
+    normalised = bool(np.all(np.abs(lengths - 1.0) < 1e-3))
+    vector = mean / max(norm, 1e-12) if normalised else mean
+    return np.append(vector, norm).astype(np.float32)
 
 
 def furthest_from_edge(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarray:
@@ -231,13 +237,13 @@ def furthest_from_edge(text: TextWindows, outputs: list[np.ndarray]) -> np.ndarr
     return merged.astype(np.float32)
 
 
-# How the windows of one text become its answer, per task type (a TaskType value). An embedding task
-# type (issue 27) answers with the pooled vector of each window: `mean_normalised` is its rule.
+# How the windows of one text become its answer, per task type (a TaskType value).
 RULES: dict[str, Rule] = {
     "token_classification": Rule("token_logits_from_the_window_furthest_from_an_edge", furthest_from_edge),
     "sequence_classification": Rule("mean_of_logits_weighted_by_tokens", mean_by_tokens),
+    "multi_label_classification": Rule("mean_of_logits_weighted_by_tokens", mean_by_tokens),
     "regression": Rule("mean_of_values_weighted_by_tokens", mean_by_tokens),
-    "embedding": Rule("mean_of_vectors_weighted_by_tokens_then_normalised", mean_normalised),
+    "embedding": Rule("mean_of_pooled_vectors_weighted_by_tokens_then_normalised", mean_of_pooled_vectors),
 }
 
 
@@ -296,18 +302,22 @@ class Reading:
             for i in windowed:
                 outputs = [row_answers[r][task] for r in range(firsts[i], firsts[i + 1])]
                 merged.append(rule.combine(self.texts[i], [np.asarray(o) for o in outputs]))
-            decoded = decode_rows(module.manifest.task_type, module.manifest.labels, merged, batch)
+            token_task = merged[0].ndim == 2  # (tokens, labels) per text: packed one after the other
+            packed = np.concatenate(merged) if token_task else np.stack(merged)
+            decoded = decode_rows(module.manifest.task_type, module.manifest.labels, packed, batch,
+                                  [self.texts[i].whole.answer for i in windowed], module.manifest.decoding)
             for i, answer in zip(windowed, decoded):
                 out[i][task] = answer
         return out
 
 
 def read(encoder: TextEncoder, texts: list[str], text_pairs: list[str] | None, settings: WindowSettings,
-         truncate: bool) -> Reading:
+         truncate: bool | str) -> Reading:
     """Tokenize a request's inputs and cut each into the rows it is read in. With `truncate` each
-    input is one row cut at the window's length (the first window), as `truncate` always meant."""
+    input is one row cut at the window's length (the first window), as `truncate` always meant;
+    "left" keeps the last window's worth instead (TextEncoder.encode)."""
     if truncate:
-        rows = encoder.encode(texts, text_pairs, truncate=True, max_tokens=settings.window)
+        rows = encoder.encode(texts, text_pairs, truncate=truncate, max_tokens=settings.window)
         return Reading([TextWindows(row, 0, 0, [(0, 0)], [row]) for row in rows])
     wholes = encoder.encode(texts, text_pairs, whole=True)
     return Reading([split(whole, settings, i) for i, whole in enumerate(wholes)])

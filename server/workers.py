@@ -17,10 +17,20 @@ messages are tuples; the messages one side has ready in one event-loop iteration
 requests or answers:
   engine -> worker  ("state", EngineState) on connect and after every change (ready, modules);
                     ("ok", id, value) or ("error", id, status, type, message, details) per request
-  worker -> engine  ("infer", id, rows, tasks, seconds left) or ("manage", id, task, action, version)
-An answer to "infer" holds, per input and task, the row's logits (numpy) for the worker to decode
-(`server/runner.py`, `row_logits`; `server/heads/decode.py`, `decode_rows`), or a decoded answer
-for a task served through a bridge (its logits lie on a tokenization only the engine has).
+  worker -> engine  ("infer", id, PackedRows, tasks, seconds left), ("cancel", id) or
+                    ("manage", id, task, action, version)
+Requests and answers are arrays, not objects per input: a request's inputs go as one token array
+(ids, type ids, segments, words, offsets, casing classes: `PackedRows`, made by the worker's
+tokenizer) that the engine only slices and collates; an answer to "infer" holds one array per task
+with every input's logits (`pack_answers`; token tasks: each input's own tokens one after the
+other) for the worker to decode (`decode_rows`), or the decoded answers of a task served through a
+bridge (its logits lie on a tokenization only the engine has).
+
+Backpressure and cancellation: a worker keeps at most `in_flight_limit` requests in the engine and
+answers 429 beyond that (the engine refuses the same way a worker that sends more); a request whose
+client left (asked once it has waited `DISCONNECT_CHECK_AFTER`, then every `WATCH_EVERY`) is
+cancelled in the engine ("cancel"), so a batch that has not started yet drops it (no device work).
+A deadline travels with the request and the engine's batcher drops a job past it before compute.
 """
 from __future__ import annotations
 
@@ -44,10 +54,10 @@ from pathlib import Path
 
 import numpy as np
 
-from modules_store import Manifest
+from modules_store import Manifest, TaskType
 from server.backbone import EncodedInput
-from server.backbone.tokens import TextEncoder
-from server.batcher import Job
+from server.backbone.tokens import PackedRows, TextEncoder
+from server.batcher import ClientGone, Job
 from server.config import Settings
 from server.errors import ApiError
 from server.heads.decode import decode_rows
@@ -59,6 +69,58 @@ from server.windows import plain_rows
 log = logging.getLogger("tmod.workers")
 
 FRAME = struct.Struct("!I")
+DISCONNECT_CHECK_AFTER = 0.05  # seconds a request waits before its client is asked whether it is still there
+WATCH_EVERY = 0.1  # seconds between two such questions to a waiting request
+
+
+def in_flight_limit(settings: Settings) -> int:
+    """Requests one worker may have in the engine at once: its share of the engine's queue."""
+    return max(1, -(-settings.max_queue // max(1, settings.workers)))
+
+
+@dataclass
+class PackedAnswers:
+    """A request's answers: per task one float32 array, all of them in one buffer (`layout`: task and
+    shape, in order); tasks the engine decoded itself (served through a bridge) in `decoded`."""
+
+    layout: list[tuple[str, tuple[int, ...]]]
+    data: bytes
+    decoded: dict[str, list]
+
+    def arrays(self) -> dict[str, object]:
+        out, offset = dict(self.decoded), 0
+        flat = np.frombuffer(self.data, dtype=np.float32).copy()  # writable: torch.from_numpy reads it in decode
+        for task, shape in self.layout:
+            count = int(np.prod(shape))
+            out[task] = flat[offset:offset + count].reshape(shape)
+            offset += count
+        return out
+
+
+def pack_answers(results: list[dict]) -> PackedAnswers:
+    """A request's answers (per input, per task: the row's logits from `row_logits`) -> per task one
+    array: (inputs, labels), or for a token task every input's (tokens, labels) one after the other."""
+    layout, parts, decoded = [], [], {}
+    for task in results[0]:
+        answers = [row[task] for row in results]
+        if not isinstance(answers[0], np.ndarray):
+            decoded[task] = answers
+            continue
+        if len(answers) == 1:
+            array = answers[0] if answers[0].ndim == 2 else answers[0][None]
+        else:  # a token task's rows are (tokens, labels) each; a sequence task's (labels,)
+            array = np.concatenate(answers) if answers[0].ndim == 2 else np.stack(answers)
+        layout.append((task, array.shape))
+        parts.append(array.astype(np.float32, copy=False).tobytes())
+    return PackedAnswers(layout, b"".join(parts), decoded)
+
+
+def unpack_rows(packed: np.ndarray, lengths: list[int], token_task: bool) -> list[np.ndarray]:
+    """`pack_answers`' array for one task -> one array per input: (labels,) each, or for a token
+    task (tokens, labels) each, `lengths` the inputs' token counts."""
+    if not token_task:
+        return list(packed)
+    return np.split(packed, np.cumsum(lengths)[:-1])
 
 
 async def read_frame(reader: asyncio.StreamReader) -> list:
@@ -115,6 +177,8 @@ class EngineService:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.peers: dict[Outbox, bool] = {}  # a worker's connection -> its tokenizer was sent
+        self.jobs: dict[Outbox, dict[int, Job]] = {}  # per worker, its requests in the engine by id (for "cancel")
+        self.limit = in_flight_limit(runtime.settings)
         self.server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -165,6 +229,7 @@ class EngineService:
     async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = Outbox(writer)
         self.peers[peer] = False
+        self.jobs[peer] = {}
         self._send_state(peer, self.state())
         try:
             while True:
@@ -173,16 +238,29 @@ class EngineService:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     break  # the worker exited; answers still being computed for it are dropped
                 for message in messages:
-                    self._keep(self._answer(peer, message))
+                    if message[0] == "cancel":
+                        self._cancel(peer, message[1])
+                    else:
+                        self._keep(self._answer(peer, message))
         finally:
             self.peers.pop(peer, None)
+            for ident in list(self.jobs.get(peer, ())):  # the worker is gone: so are its requests
+                self._cancel(peer, ident)
+            self.jobs.pop(peer, None)
             writer.close()
+
+    def _cancel(self, peer: Outbox, ident: int) -> None:
+        """A worker's request whose client left: a batch that has not started drops it."""
+        job = self.jobs.get(peer, {}).pop(ident, None)
+        if job is not None and job.future is not None and not job.future.done():
+            job.future.set_exception(ClientGone("client disconnected"))
+            self.runtime.metrics.dropped.labels("client_gone").inc()
 
     async def _answer(self, peer: Outbox, message) -> None:
         kind, ident, *args = message
         try:
             if kind == "infer":
-                reply = ("ok", ident, await self._infer(*args))
+                reply = ("ok", ident, await self._infer(peer, ident, *args))
             elif kind == "manage":
                 reply = ("ok", ident, await self._manage(*args))
             else:
@@ -194,17 +272,25 @@ class EngineService:
             reply = ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
         peer.send(reply)
 
-    async def _infer(self, rows: list[EncodedInput], tasks: list[str], seconds_left: float):
+    async def _infer(self, peer: Outbox, ident: int, packed: PackedRows, tasks: list[str], seconds_left: float):
         loaded = self.runtime.modules  # one snapshot: the worker's view may be a change behind
         unknown = [t for t in tasks if t not in loaded]
         if unknown:
             raise ApiError(400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
                            loaded_tasks=sorted(loaded))
-        job = Job(rows=rows, modules={t: loaded[t] for t in tasks}, deadline=time.perf_counter() + seconds_left)
-        results = await self.runtime.submit(job)
+        waiting = self.jobs.setdefault(peer, {})
+        if len(waiting) >= self.limit:
+            raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in flight; "
+                                              "retry later")
+        job = Job(rows=packed.rows(), modules={t: loaded[t] for t in tasks}, deadline=time.perf_counter() + seconds_left)
+        waiting[ident] = job
+        try:
+            results = await self.runtime.submit(job)
+        finally:
+            waiting.pop(ident, None)
         t = job.timings
         versions = {task: m.version for task, m in job.modules.items()}
-        return results, versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)
+        return pack_answers(results), versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)
 
     async def _manage(self, task: str, action: str, version: str | None):
         module, previous = await self.runtime.manage(task, action, version)
@@ -230,6 +316,8 @@ class RemoteRuntime:
         self._seen: dict[tuple[str, str], ModuleView] = {}  # (task, version) -> view, for answers of a replaced version
         self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize")
         self._pending: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, Job] = {}  # inference requests in the engine, watched for clients that left
+        self.limit = in_flight_limit(settings)
         self._ids = itertools.count()
         self._writer: asyncio.StreamWriter | None = None
         self._listener: asyncio.Task | None = None
@@ -240,6 +328,7 @@ class RemoteRuntime:
         self._outbox = Outbox(self._writer)
         self._informed = asyncio.Event()
         self._listener = asyncio.get_running_loop().create_task(self._listen(reader))
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
         await self._informed.wait()  # the engine's state arrives first: /readyz never answers from a blank view
         if self._gone is not None:  # the engine died before it said anything: this worker cannot start
             raise RuntimeError("the engine process closed its connection during start-up")
@@ -249,6 +338,7 @@ class RemoteRuntime:
         # uvicorn has answered this worker's requests by now
         if self._listener is not None:
             self._listener.cancel()
+            self._watcher.cancel()
         if self._writer is not None:
             self._writer.close()
         self.tokenize_executor.shutdown(wait=True)
@@ -298,14 +388,31 @@ class RemoteRuntime:
             self.ready.clear()
         self._informed.set()
 
-    async def _ask(self, kind: str, *args):
+    async def _ask(self, kind: str, *args, job: Job | None = None):
         if self._gone is not None:
             raise self._gone
         ident = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[ident] = future
+        if job is not None:
+            self._waiting[ident] = job
         self._outbox.send((kind, ident, *args))
-        return await future
+        try:
+            return await future
+        finally:
+            self._waiting.pop(ident, None)
+
+    async def _watch(self) -> None:
+        """Requests whose client left are cancelled in the engine (and answered 499 here)."""
+        while True:
+            await asyncio.sleep(WATCH_EVERY)
+            ask_before = time.perf_counter() - DISCONNECT_CHECK_AFTER
+            for ident, job in list(self._waiting.items()):
+                if job.enqueued < ask_before and job.is_disconnected is not None and await job.is_disconnected():
+                    future = self._pending.pop(ident, None)
+                    if future is not None and not future.done():
+                        future.set_exception(ApiError(499, "client_closed_request", "client disconnected"))
+                        self._outbox.send(("cancel", ident))
 
     # ---- the interface the app uses (as Runtime's) ------------------------------------------------
     def model_info(self) -> tuple[str, str]:
@@ -318,26 +425,41 @@ class RemoteRuntime:
         return module.info
 
     async def submit(self, job: Job) -> list[dict]:
-        results, versions, (queue, backbone, heads) = await self._ask(
-            "infer", job.rows, list(job.modules), job.deadline - time.perf_counter())
+        if len(self._pending) >= self.limit:
+            raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in flight; "
+                                              "retry later")
+        packed, versions, (queue, backbone, heads) = await self._ask(
+            "infer", PackedRows.of(job.rows), list(job.modules), job.deadline - time.perf_counter(), job=job)
         job.modules = {task: self._seen.get((task, v), job.modules[task]) for task, v in versions.items()}
         job.timings.extra["queue"], job.timings.backbone, job.timings.heads = queue, backbone, heads
-        self._decode(job, results)
-        return results
+        return self._decode(job, packed.arrays())
 
-    def _decode(self, job: Job, results: list[dict]) -> None:
-        """Each task's row logits -> answers, over the job's rows collated (answers already decoded
-        by the engine, those of bridged tasks, are left as they are)."""
+    def _decode(self, job: Job, packed: dict[str, object]) -> list[dict]:
+        """Each task's packed logits -> answers, over the job's rows collated (answers already
+        decoded by the engine, those of bridged tasks, are taken as they are)."""
+        results: list[dict] = [{} for _ in job.rows]
         batch = None
         plain = plain_rows(job.rows)  # windows of a longer text keep their logits (server/windows.py)
         for task, module in job.modules.items():
-            if not plain or not isinstance(results[plain[0]][task], np.ndarray):
+            answers = packed[task]
+            if not isinstance(answers, np.ndarray):
+                for row, answer in zip(results, answers):
+                    row[task] = answer
                 continue
+            if len(plain) < len(job.rows):  # windows of a longer text keep their logits (server/windows.py)
+                token_task = module.manifest.task_type == TaskType.token_classification
+                rows = unpack_rows(answers, [len(row) for row in job.rows], token_task)
+                for r, row in enumerate(rows):
+                    results[r][task] = row
+                if not plain:
+                    continue
+                answers = np.concatenate([rows[r] for r in plain]) if token_task else np.stack([rows[r] for r in plain])
             batch = batch or self.text.collate([job.rows[r] for r in plain], device="cpu")
-            answers = decode_rows(module.manifest.task_type, module.manifest.labels,
-                                  [results[r][task] for r in plain], batch)
+            answers = decode_rows(module.manifest.task_type, module.manifest.labels, answers, batch,
+                                  [job.rows[r].answer for r in plain], module.manifest.decoding)
             for r, answer in zip(plain, answers):
                 results[r][task] = answer
+        return results
 
     async def manage(self, task: str, action: str, version: str | None) -> tuple[ModuleView, str | None]:
         return await self._ask("manage", task, action, version)

@@ -7,6 +7,7 @@ import json
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -255,8 +256,8 @@ def test_conll_pairs_decode_as_before(minilm, conll_validation):
 @given(seed=st.integers(0, 2**32 - 1))
 def test_a_worker_decoding_its_rows_answers_as_the_batch_decoder(minilm, seed):
     """With --workers the engine hands each request back its rows' logits cut to their lengths
-    (`row_logits`) and the worker decodes them over its own rows (`decode_rows`): the answers are
-    those of decoding the whole batch in the engine."""
+    (`row_logits`), packed into one array per task (`pack_answers`), and the worker decodes them over
+    its own rows (`decode_rows`): the answers are those of decoding the whole batch in the engine."""
     rng = random.Random(seed)
     requests = []
     with_pairs = rng.random() < 0.5  # a batch holds requests of one signature (the batcher's rule)
@@ -276,6 +277,7 @@ def test_a_worker_decoding_its_rows_answers_as_the_batch_decoder(minilm, seed):
         answered, start = [], 0
         for request in requests:
             mine = per_row[start:start + len(request)]
-            answered += decode_rows(task_type, labels, mine, minilm.text.collate(request, device="cpu"))
+            packed = np.concatenate(mine) if task_type == TaskType.token_classification else np.stack(mine)
+            answered += decode_rows(task_type, labels, packed, minilm.text.collate(request, device="cpu"))
             start += len(request)
         assert answered == whole

@@ -92,7 +92,11 @@ def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
         pair = {"text": "Angela Merkel visited Munich in May.", "text_pair": "Merkel was in Munich."}
         paired = httpx.post(server.url + "/v1/infer", params={"tasks": "entailment"}, json={"inputs": [pair]},
                             timeout=60).json()
-    assert tasks == {"ner": "text", "sentiment": "text", "acceptability": "text", "entailment": "text_pair"}
+        thanks = httpx.post(server.url + "/v1/infer", params={"tasks": "emotion"}, timeout=60,
+                            json={"inputs": ["Thank you so much, this made my day!"]}).json()
+    assert tasks == {"ner": "text", "sentiment": "text", "acceptability": "text", "entailment": "text_pair",
+                     "embedding": "text", "emotion": "text"}
+    assert "gratitude" in thanks["results"][0]["emotion"]["labels"]
     assert paired["results"][0]["entailment"]["label"] in ("entailment", "not_entailment")
     first, second = body["results"]
     assert {(e["text"], e["label"]) for e in first["ner"]["entities"]} == {

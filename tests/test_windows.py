@@ -14,7 +14,7 @@ from modules_store import DEFAULT_STORE
 from server.app import create_app
 from server.config import Settings
 from server.windows import (TextWindows, WindowSettings, cut, furthest_from_edge, mean_by_tokens,
-                            mean_normalised, parts, split)
+                            mean_of_pooled_vectors, parts, split)
 from tests.helpers import LiveServer, wait_until
 
 ODD = ["Zoë met 東京の友達 in Köln 😀👍🏽 and e\u0301 ñ Ångström", "Ça va ? 北京 🇫🇷 Mañana", "naïve café 你好世界 🙂"]
@@ -102,9 +102,17 @@ def test_sequence_logits_are_averaged_weighted_by_the_texts_pieces_in_each_windo
 
 def test_embeddings_are_averaged_by_tokens_then_normalised():
     text = windows_of([(0, 3), (2, 4)], 4)
-    outputs = [np.array([1.0, 0.0, 0.0]), np.array([0.0, 1.0, 0.0])]
-    # by hand: (3 * e1 + 2 * e2) / 5 = (0.6, 0.4, 0) -> / sqrt(0.52)
-    assert mean_normalised(text, outputs) == pytest.approx(np.array([0.6, 0.4, 0.0]) / np.sqrt(0.52), abs=1e-6)
+    # each output: the unit vector, then the pooled vector's norm before normalisation (2 and 1 here)
+    outputs = [np.array([1.0, 0.0, 0.0, 2.0]), np.array([0.0, 1.0, 0.0, 1.0])]
+    # by hand: pooled vectors (2, 0, 0) and (0, 1, 0), weights 3 and 2 -> (1.2, 0.4, 0); norm sqrt(1.6)
+    mean = np.array([1.2, 0.4, 0.0])
+    expected = np.append(mean / np.sqrt(1.6), np.sqrt(1.6))
+    assert mean_of_pooled_vectors(text, outputs) == pytest.approx(expected, abs=1e-6)
+    # a model that does not normalise: its vectors are the pooled ones, and so is the answer
+    raw = [np.array([2.0, 0.0, 0.0, 2.0]), np.array([0.0, 0.5, 0.0, 0.5])]
+    expected_raw = np.array([1.2, 0.2, 0.0])
+    assert mean_of_pooled_vectors(text, raw) == pytest.approx(np.append(expected_raw, np.linalg.norm(expected_raw)),
+                                                              abs=1e-6)
 
 
 def test_token_logits_come_from_the_window_where_the_token_is_furthest_from_a_cut():

@@ -9,6 +9,7 @@
     tmod-train align --source minilm --target smollm2 --mapping avg --dataset sst2   # alignment bridge
     tmod-train bridge --source minilm --target smollm2 --target-layers 0,5,10,15,20,25,30 --objective mse
     tmod-train bridge --objective distill --module STORE/TASK/VERSION --dataset sst2   # transformer bridge
+    tmod-train embedding --backbone mpnet --version mpnet-1   # the backbone's own sentence embedding
 """
 from __future__ import annotations
 
@@ -44,10 +45,14 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     p.set_defaults(kind=kind)
     p.add_argument("--config", help="YAML or JSON file of settings (same names as the options, '_' or '-')")
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003")
+    g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003, goemotions")
     g.add_argument("--train", default=S, help="training file (TSV/CSV/JSONL/CoNLL)")
     g.add_argument("--validation", default=S, help="validation file")
     g.add_argument("--labels", type=_csv_list, default=S, help="label order, comma-separated")
+    g.add_argument("--multi-label", action="store_true", default=S,
+                   help="independent labels, one sigmoid each (binary cross-entropy); a label cell holds "
+                        "comma-separated labels; per-label or global decision threshold chosen on validation "
+                        "(whichever scores better there) and recorded in the manifest (the goemotions preset is multi-label)")
     g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
     g.add_argument("--max-validation", type=int, default=S)
     add_data_options(p)
@@ -208,6 +213,20 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
 
 
+def add_embedding_command(commands) -> None:
+    p = commands.add_parser("embedding", help="write a backbone's embedding module (its sentence-transformers "
+                            "pooling and normalisation; nothing is trained) and check it against the reference")
+    p.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm (default), mpnet, smollm2")
+    p.add_argument("--task", default="embedding")
+    p.add_argument("--version", default="1")
+    p.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--check", type=int, default=872, help="SST-2 validation sentences compared with "
+                   "sentence-transformers (0: no check; default: all 872)")
+    p.add_argument("--data-dir", default=None, help="folder of the datasets (default: $TMOD_DATA_DIR)")
+    p.add_argument("--threads", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -234,14 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     add_align_command(commands)
     add_bridge_command(commands)
+    add_embedding_command(commands)
     return parser
 
 
 def _document_defaults(parser: argparse.ArgumentParser) -> None:
     """Append each knob's default (from TrainSettings, or per task type) to its help text."""
+    from modules_store import TaskType
     from training.settings import TASK_DEFAULTS, TrainSettings
 
-    sequence, token = TASK_DEFAULTS.values()
+    sequence, token = TASK_DEFAULTS[TaskType.sequence_classification], TASK_DEFAULTS[TaskType.token_classification]
     for action in parser._actions:
         field = TrainSettings.model_fields.get(action.dest)
         if field is None or "default" in (action.help or ""):
@@ -330,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         from training.bridge import cmd_bridge
 
         return cmd_bridge(args, shlex.join(["tmod-train", *argv]))
+    if args.command == "embedding":
+        from training.embedding import cmd_embedding
+
+        return cmd_embedding(args, shlex.join(["tmod-train", *argv]))
     if args.command in ("layermix", "mtb", "lora-mtb"):
         return cmd_train(args, shlex.join(["tmod-train", *argv]))
     return cmd_eval(args)

@@ -35,7 +35,7 @@ def default_data_dir() -> Path:
 @dataclass
 class SequenceExample:
     text: str
-    label: str
+    label: str | tuple[str, ...]  # a tuple of names for multi-label data (any number, none included)
     text_pair: str | None = None
 
 
@@ -73,6 +73,8 @@ class LabelledData:
     def labels_seen(self) -> list[str]:
         if self.task_type == TaskType.token_classification:
             return sorted({tag for ex in self.examples for tag in ex.tags})
+        if self.task_type == TaskType.multi_label_classification:
+            return sorted({label for ex in self.examples for label in ex.label})
         return sorted({ex.label for ex in self.examples})
 
     def texts(self) -> list[str]:
@@ -114,9 +116,11 @@ def _rows(path: Path, fmt: str) -> list[list[str]]:
 
 
 def read_table(path: str | Path, *, text_column: Column, label_column: Column, pair_column: Column | None = None,
-               fmt: str | None = None, header: bool = True, label_map: dict[str, str] | None = None) -> LabelledData:
+               fmt: str | None = None, header: bool = True, label_map: dict[str, str] | None = None,
+               multi_label: bool = False) -> LabelledData:
     """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
-    0-based indices; `label_map` renames raw labels (e.g. {"0": "negative"})."""
+    0-based indices; `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a
+    label cell holds any number of labels, comma-separated (a JSON list in JSONL)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
     examples = []
@@ -131,7 +135,7 @@ def read_table(path: str | Path, *, text_column: Column, label_column: Column, p
                     pair = record[pair_column] if pair_column is not None else None
                 except KeyError as exc:
                     raise ValueError(f"{path}:{line_no}: no key {exc} in {sorted(record)}") from None
-                examples.append(_example(text, label, pair, label_map))
+                examples.append(_example(text, label, pair, label_map, multi_label))
     elif fmt in ("tsv", "csv"):
         rows = _rows(path, fmt)
         names = rows.pop(0) if header and rows else None
@@ -142,19 +146,29 @@ def read_table(path: str | Path, *, text_column: Column, label_column: Column, p
         for row_no, row in enumerate(rows, 2 if names else 1):
             if len(row) <= needed:
                 raise ValueError(f"{path}: row {row_no} has {len(row)} columns, column {needed} is needed")
-            examples.append(_example(row[text_i], row[label_i], row[pair_i] if pair_i is not None else None, label_map))
+            examples.append(_example(row[text_i], row[label_i], row[pair_i] if pair_i is not None else None, label_map,
+                                     multi_label))
     else:
         raise ValueError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
-    return LabelledData(TaskType.sequence_classification, examples, str(path), has_pairs=pair_column is not None)
+    task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
+    return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
 
 
-def _example(text, label, pair, label_map) -> SequenceExample:
-    label = str(label).strip()
+def _example(text, label, pair, label_map, multi_label: bool = False) -> SequenceExample:
+    if multi_label:
+        raw = label if isinstance(label, list) else str(label).split(",")
+        label = tuple(_label_name(str(item).strip(), label_map) for item in raw if str(item).strip())
+    else:
+        label = _label_name(str(label).strip(), label_map)
+    return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
+
+
+def _label_name(label: str, label_map: dict[str, str] | None) -> str:
     if label_map:
         if label not in label_map:
             raise ValueError(f"label {label!r} is not in the label map {label_map}")
         label = label_map[label]
-    return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
+    return label
 
 
 def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> LabelledData:
@@ -235,7 +249,14 @@ class DatasetPreset:
     pair_column: Column | None = None
     header: bool = True
     label_map: dict[str, str] = field(default_factory=dict)
+    multi_label: bool = False
 
+
+GOEMOTIONS_LABELS = (  # goemotions/labels.txt, in its order (the label ids of the data files index it)
+    "admiration", "amusement", "anger", "annoyance", "approval", "caring", "confusion", "curiosity", "desire",
+    "disappointment", "disapproval", "disgust", "embarrassment", "excitement", "fear", "gratitude", "grief", "joy",
+    "love", "nervousness", "optimism", "pride", "realization", "relief", "remorse", "sadness", "surprise", "neutral",
+)
 
 PRESETS = {
     "sst2": DatasetPreset(
@@ -257,6 +278,11 @@ PRESETS = {
         "conll2003", "conll", "conll2003/train.txt", "conll2003/validation.txt", metric="f1",
         labels=tuple(CONLL_TAGS),
     ),
+    "goemotions": DatasetPreset(
+        "goemotions", "tsv", "goemotions/train.tsv", "goemotions/validation.tsv", metric="f1_macro",
+        labels=GOEMOTIONS_LABELS, text_column=0, label_column=1, header=False,
+        label_map={str(i): name for i, name in enumerate(GOEMOTIONS_LABELS)}, multi_label=True,
+    ),
 }
 
 
@@ -271,6 +297,7 @@ class DataSpec:
     pair_column: Column | None = None
     header: bool = True
     label_map: dict[str, str] | None = None
+    multi_label: bool = False
 
     def read(self) -> LabelledData:
         if not self.path.is_file():
@@ -278,14 +305,15 @@ class DataSpec:
         if self.format == "conll":
             return read_conll(self.path)
         return read_table(self.path, text_column=self.text_column, label_column=self.label_column,
-                          pair_column=self.pair_column, fmt=self.format, header=self.header, label_map=self.label_map)
+                          pair_column=self.pair_column, fmt=self.format, header=self.header, label_map=self.label_map,
+                          multi_label=self.multi_label)
 
 
 def preset_spec(preset: DatasetPreset, split: str, data_dir: Path | None = None) -> DataSpec:
     data_dir = Path(data_dir) if data_dir else default_data_dir()
     relative = {"train": preset.train, "validation": preset.validation}[split]
     return DataSpec(data_dir / relative, preset.format, preset.text_column, preset.label_column,
-                    preset.pair_column, preset.header, dict(preset.label_map) or None)
+                    preset.pair_column, preset.header, dict(preset.label_map) or None, preset.multi_label)
 
 
 def label_order(data: LabelledData, given: Sequence[str] | None = None) -> list[str]:

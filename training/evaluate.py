@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -14,12 +15,15 @@ from server.backbone import TokenBatch
 from server.engine import Engine
 from server.modules import LoadedModule
 from training.data import word_label_ids_from_tokens
-from training.metrics import classification_scores, entity_scores
+from training.metrics import classification_scores, entity_scores, multilabel_scores
 from training.states import Split
 
 
 def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
-    """Per row: the predicted label, or for token tasks the predicted tag of every data word."""
+    """Per row: the predicted label, for token tasks the predicted tag of every data word, for
+    multi-label tasks every label's probability (a threshold decides later: `score`)."""
+    if split.is_multi_label:
+        return list(torch.sigmoid(logits.float()).cpu().numpy())
     best = logits.argmax(dim=-1).cpu()
     if not split.is_token_task:
         return [split.labels[int(i)] for i in best]
@@ -31,8 +35,12 @@ def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
     return out
 
 
-def score(split: Split, predicted: list) -> dict:
-    """Metrics of predictions given in split order."""
+def score(split: Split, predicted: list, thresholds=None) -> dict:
+    """Metrics of predictions given in split order. Multi-label: a label is predicted where its
+    probability is at least its threshold (`thresholds`: one number, or one per label)."""
+    if split.is_multi_label:
+        gold = split.multi_hot(range(len(split))).numpy().astype(bool)
+        return multilabel_scores(gold, np.stack(predicted) >= np.asarray(thresholds, dtype=np.float32), split.labels)
     if split.is_token_task:
         return entity_scores([ex.tags for ex in split.data.examples], predicted)
     return classification_scores([ex.label for ex in split.data.examples], predicted, split.labels)
@@ -50,11 +58,13 @@ def collect(split: Split, batches: Iterable[list[int]],
 
 
 def score_module(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
-                 engine: Engine | None = None, answer_split: Split | None = None) -> dict:
+                 engine: Engine | None = None, answer_split: Split | None = None, thresholds=None,
+                 probabilities: list | None = None) -> dict:
     """Validation metrics of a loaded module through the served path (Engine.logits).
 
     A foreign module behind a bridge that re-tokenizes answers on the target backbone's tokens:
-    `answer_split` is the same data encoded by the target backbone, where predictions are read."""
+    `answer_split` is the same data encoded by the target backbone, where predictions are read.
+    Multi-label: `thresholds` (default: the manifest's); `probabilities`, a list, receives each row's."""
     engine = engine or Engine(split.backbone)
     task = module.task
     answers = answer_split or split
@@ -63,4 +73,10 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
         logits = engine.logits(split.token_batch(rows), {task: module})[task]
         for r, p in zip(rows, predictions(answers, rows, logits)):
             predicted[r] = p
-    return score(split, predicted)
+    if not split.is_multi_label:
+        return score(split, predicted)
+    if probabilities is not None:
+        probabilities.extend(predicted)
+    if thresholds is None:
+        thresholds = [module.manifest.decoding["thresholds"][label] for label in split.labels]
+    return score(split, predicted, thresholds)

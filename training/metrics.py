@@ -12,6 +12,8 @@ import math
 from collections import Counter
 from typing import Sequence
 
+import numpy as np
+
 from server.heads.decode import split_tag
 
 
@@ -71,6 +73,68 @@ def classification_scores(gold: Sequence[str], pred: Sequence[str], labels: Sequ
         scores["f1"] = f1_binary(gold, pred, labels[1])
         scores["f1_positive_label"] = labels[1]
     return scores
+
+
+# ---- multi-label ------------------------------------------------------------------------------
+THRESHOLD_GRID = tuple(round(0.02 * i, 2) for i in range(1, 50))  # 0.02 .. 0.98
+
+
+def multilabel_scores(gold: np.ndarray, pred: np.ndarray, labels: Sequence[str]) -> dict:
+    """Macro and micro F1 (and per label) of (N, C) boolean gold and predicted label sets. A label
+    with no gold and no predicted row scores F1 0 (sklearn's zero_division=0)."""
+    gold, pred = np.asarray(gold, dtype=bool), np.asarray(pred, dtype=bool)
+    if gold.shape != pred.shape:
+        raise ValueError(f"gold {gold.shape} vs predicted {pred.shape}")
+    tp, fp, fn = (gold & pred).sum(0), (~gold & pred).sum(0), (gold & ~pred).sum(0)
+    per_label = {}
+    for c, label in enumerate(labels):
+        p, r, f = _prf(int(tp[c]), int(fp[c]), int(fn[c]))
+        per_label[label] = {"precision": p, "recall": r, "f1": f, "support": int(gold[:, c].sum()),
+                            "predicted": int(pred[:, c].sum())}
+    p, r, f = _prf(int(tp.sum()), int(fp.sum()), int(fn.sum()))
+    return {"f1_macro": sum(v["f1"] for v in per_label.values()) / len(labels) if len(labels) else 0.0,
+            "f1_micro": f, "precision_micro": p, "recall_micro": r,
+            "exact_match": float((gold == pred).all(1).mean()) if len(gold) else 0.0,
+            "examples": int(len(gold)), "per_label": per_label}
+
+
+def label_f1_by_threshold(gold: np.ndarray, probs: np.ndarray, grid: Sequence[float] = THRESHOLD_GRID) -> np.ndarray:
+    """(len(grid), C): each label's F1 when predicted at probability >= each threshold."""
+    gold = np.asarray(gold, dtype=bool)
+    out = np.zeros((len(grid), gold.shape[1]))
+    for i, t in enumerate(grid):
+        pred = probs >= t
+        tp, fp, fn = (gold & pred).sum(0), (~gold & pred).sum(0), (gold & ~pred).sum(0)
+        out[i] = np.where(tp > 0, 2 * tp / np.maximum(2 * tp + fp + fn, 1), 0.0)
+    return out
+
+
+def choose_thresholds(gold: np.ndarray, probs: np.ndarray, labels: Sequence[str],
+                      grid: Sequence[float] = THRESHOLD_GRID) -> dict:
+    """Decision thresholds for a multi-label head, chosen on (validation) data: one global threshold
+    (the grid value with the best macro F1) or one per label (each label's best F1 on the grid; macro F1
+    is a mean over labels, so this maximises it too), whichever gives the better macro F1 (ties: global,
+    the simpler rule). Returns the manifest's `decoding` entries and what each rule scored."""
+    table = label_f1_by_threshold(gold, probs, grid)
+    macro = table.mean(1)
+    best_global = int(np.argmax(macro))  # first of equal maxima: the lowest threshold
+    per_label = table.argmax(0)
+    per_label_macro = float(table[per_label, np.arange(len(labels))].mean())
+    global_macro = float(macro[best_global])
+    if per_label_macro > global_macro:
+        rule = "per_label"
+        thresholds = {label: float(grid[i]) for label, i in zip(labels, per_label)}
+    else:
+        rule = "global"
+        thresholds = {label: float(grid[best_global]) for label in labels}
+    return {
+        "thresholds": thresholds,
+        "threshold_rule": f"{rule}: of one global threshold (macro F1 {global_macro:.4f} at {grid[best_global]}) and "
+                          f"one per label (macro F1 {per_label_macro:.4f}), the better on the validation split; "
+                          f"grid {grid[0]}..{grid[-1]} step {round(grid[1] - grid[0], 4)}, predicted at p >= threshold",
+        "rule": rule, "global_threshold": float(grid[best_global]),
+        "global_f1_macro": global_macro, "per_label_f1_macro": per_label_macro,
+    }
 
 
 # ---- entities ---------------------------------------------------------------------------------

@@ -34,11 +34,49 @@ def write_report(report_dir: Path, result) -> dict[str, Path]:
         **{k: result.training[k] for k in ("command", "best_epoch", "epochs_run", "parameters", "timing", "data")
            if k in result.training},
     }
+    if getattr(result, "decoding", None):
+        summary["decoding"] = result.decoding
     paths["metrics"].write_text(json.dumps(summary, indent=2) + "\n")
+    if "per_label" in result.metrics:  # multi-label: the per-label table and plot
+        thresholds = (getattr(result, "decoding", None) or {}).get("thresholds", {})
+        paths["per_label"] = report_dir / "per_label.md"
+        paths["per_label_plot"] = report_dir / "per_label_f1.png"
+        paths["per_label"].write_text(per_label_table(result.metrics, thresholds))
+        plot_per_label(result.metrics["per_label"], thresholds, paths["per_label_plot"],
+                       f"{result.task}: validation F1 per label (macro {result.metrics['f1_macro']:.3f})")
     plot_layer_weights(result.layer_weights, paths["layer_weights"], f"{result.task}: learned layer distribution")
     plot_curves(result.history, sorted(result.layer_weights), result.metrics.get("metric", ""), paths["curves"],
                 result.task, result.training.get("best_epoch"))
     return paths
+
+
+def per_label_table(metrics: dict, thresholds: dict) -> str:
+    """Markdown: each label's threshold, precision, recall, F1 and support on validation."""
+    lines = [f"Validation macro F1 {metrics['f1_macro']:.4f}, micro F1 {metrics['f1_micro']:.4f} "
+             f"({metrics['examples']} examples; rule: {metrics.get('rule', '?')})", "",
+             "| label | threshold | precision | recall | F1 | support | predicted |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for label, row in metrics["per_label"].items():
+        t = thresholds.get(label)
+        lines.append(f"| {label} | {'' if t is None else f'{t:.2f}'} | {row['precision']:.3f} | {row['recall']:.3f} | "
+                     f"{row['f1']:.3f} | {row['support']} | {row['predicted']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_per_label(per_label: dict, thresholds: dict, path: Path, title: str) -> None:
+    labels = list(per_label)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.38 * len(labels) + 2), 3.8))
+    ax.bar(labels, [per_label[k]["f1"] for k in labels], color="#4c72b0", label="F1")
+    if thresholds:
+        ax.plot(labels, [thresholds.get(k, float("nan")) for k in labels], "o", color="#c44e52", markersize=4,
+                label="threshold")
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("validation F1")
+    ax.tick_params(axis="x", rotation=70, labelsize=8)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_layer_weights(weights: dict[int, float], path: Path, title: str) -> None:

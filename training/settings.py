@@ -21,6 +21,9 @@ TASK_DEFAULTS: dict[TaskType, dict] = {
     TaskType.sequence_classification: {
         "project_dim": 64, "alpha": 64.0, "cutoff": 5e-3, "lambda_entropy": 0.0, "ffn_dim": 256, "metric": "accuracy",
     },
+    TaskType.multi_label_classification: {
+        "project_dim": 64, "alpha": 64.0, "cutoff": 5e-3, "lambda_entropy": 0.0, "ffn_dim": 256, "metric": "f1_macro",
+    },
     TaskType.token_classification: {
         "project_dim": 128, "alpha": 128.0, "cutoff": 1e-2, "lambda_entropy": 1e-3, "ffn_dim": 512, "metric": "f1",
     },
@@ -67,7 +70,7 @@ class TrainSettings(BaseModel):
     kind: Literal["layermix", "mtb", "lora-mtb"] = Field("layermix", description="head kind to train")
 
     # ---- data
-    dataset: str | None = Field(None, description="preset: sst2, cola, rte, conll2003")
+    dataset: str | None = Field(None, description="preset: sst2, cola, rte, conll2003, goemotions")
     train: str | None = Field(None, description="training file (instead of a preset)")
     validation: str | None = Field(None, description="validation file (instead of a preset)")
     format: Literal["tsv", "csv", "jsonl", "conll"] | None = None
@@ -77,6 +80,8 @@ class TrainSettings(BaseModel):
     header: bool = True
     label_map: dict[str, str] | None = None
     labels: list[str] | None = Field(None, description="label order of the head (default: preset or sorted)")
+    multi_label: bool = Field(False, description="independent labels (one sigmoid each, binary cross-entropy): a "
+                              "label cell holds comma-separated labels; decision thresholds are chosen on validation")
     data_dir: str | None = None
     max_train: int | None = Field(None, ge=1, description="seeded random subset of the training split")
     max_validation: int | None = Field(None, ge=1)

@@ -42,6 +42,7 @@ class Split:
         if unknown:
             raise ValueError(f"{data.source}: labels {unknown} are not among the head's labels {labels}")
         self.is_token_task = data.task_type == TaskType.token_classification
+        self.is_multi_label = data.task_type == TaskType.multi_label_classification
         self.encoded = backbone.encode(data.texts(), data.text_pairs(), truncate=True)
         self.lengths = [len(e) for e in self.encoded]
         if self.is_token_task:
@@ -50,6 +51,8 @@ class Split:
                 token_labels(enc, spans, [index[t] for t in ex.tags], labels)
                 for enc, spans, ex in zip(self.encoded, self.spans, data.examples)
             ]
+        elif self.is_multi_label:
+            self.label_ids = [[index[label] for label in ex.label] for ex in data.examples]
         else:
             self.label_ids = [index[ex.label] for ex in data.examples]
 
@@ -60,12 +63,22 @@ class Split:
         return self.backbone.collate([self.encoded[r] for r in rows])
 
     def targets(self, rows: list[int], width: int) -> torch.Tensor:
-        """(B,) class ids, or (B, width) token ids with -100 where the loss should not look."""
+        """(B,) class ids, (B, labels) 0/1 floats for multi-label data, or (B, width) token ids with
+        -100 where the loss should not look."""
+        if self.is_multi_label:
+            return self.multi_hot(rows)
         if not self.is_token_task:
             return torch.tensor([self.label_ids[r] for r in rows], dtype=torch.long)
         out = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         for i, r in enumerate(rows):
             out[i, :self.lengths[r]] = torch.tensor(self.label_ids[r], dtype=torch.long)
+        return out
+
+    def multi_hot(self, rows: Sequence[int]) -> torch.Tensor:
+        """(len(rows), labels) float32: 1 where the row carries the label."""
+        out = torch.zeros(len(rows), len(self.labels))
+        for i, r in enumerate(rows):
+            out[i, self.label_ids[r]] = 1.0
         return out
 
     def batches(self, batch_size: int, shuffle: bool = False, rng: random.Random | None = None) -> list[list[int]]:

@@ -39,12 +39,14 @@ from training.data import (
 )
 from training.lora import TrainableLoraMTB
 from training.evaluate import predictions, score, score_module
+from training.metrics import choose_thresholds
 from training.report import write_report
 from training.settings import TASK_DEFAULTS, TrainSettings
 from training.states import CachedStates, RecomputedStates, Split
 
 METRICS = {
     TaskType.sequence_classification: ("accuracy", "f1", "f1_macro", "mcc"),
+    TaskType.multi_label_classification: ("f1_macro", "f1_micro"),
     TaskType.token_classification: ("f1", "precision", "recall", "word_accuracy"),
 }
 
@@ -59,6 +61,7 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     layer_weights: dict[int, float] = field(default_factory=dict)
     training: dict = field(default_factory=dict)
+    decoding: dict = field(default_factory=dict)  # the manifest's answer defaults (multi-label thresholds)
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -71,6 +74,8 @@ def resolve_data(s: TrainSettings) -> tuple[LabelledData, LabelledData, list[str
             raise ValueError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
         preset = PRESETS[s.dataset]
         specs = {split: preset_spec(preset, split, s.data_dir) for split in ("train", "validation")}
+        if s.multi_label and not preset.multi_label:
+            raise ValueError(f"--multi-label: preset {s.dataset!r} has one label per example")
         labels, metric = s.labels or list(preset.labels), preset.metric
     else:
         if not (s.train and s.validation):
@@ -102,7 +107,7 @@ def _file_spec(s: TrainSettings, path: str) -> DataSpec:
         path=path, format=fmt,
         text_column=s.text_column if s.text_column is not None else ("text" if by_key else 0),
         label_column=s.label_column if s.label_column is not None else ("label" if by_key else 1),
-        pair_column=s.pair_column, header=s.header, label_map=s.label_map,
+        pair_column=s.pair_column, header=s.header, label_map=s.label_map, multi_label=s.multi_label,
     )
 
 
@@ -151,6 +156,10 @@ def head_forward(head: Head, batch, states) -> torch.Tensor:
 
 
 def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over one label (class ids), or binary cross-entropy per label (multi-hot
+    float targets: multi-label tasks, one sigmoid each)."""
+    if targets.is_floating_point():
+        return F.binary_cross_entropy_with_logits(logits.float(), targets)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX)
 
@@ -243,6 +252,10 @@ def validate(head, split: Split, source, s: TrainSettings, device, amp: bool) ->
         count += len(rows)
         for r, p in zip(rows, predictions(split, rows, logits.float())):
             predicted[r] = p
+    if split.is_multi_label:  # scored at the best global threshold on this split (the epoch's own)
+        chosen = choose_thresholds(split.multi_hot(range(len(split))).numpy(), np.stack(predicted), split.labels)
+        return total / max(count, 1), {**score(split, predicted, chosen["global_threshold"]),
+                                       "threshold": chosen["global_threshold"]}
     return total / max(count, 1), score(split, predicted)
 
 
@@ -361,7 +374,17 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         param.requires_grad_(False)
     # the number that ships: the best head measured the way the server runs it
     served = LoadedModule(task=task, version=s.version, manifest=None, head=head)
-    metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress)
+    decoding = {}
+    if task_type == TaskType.multi_label_classification:
+        probabilities: list = []
+        score_module(val_split, served, s.eval_batch_size, progress=s.progress, thresholds=0.5,
+                     probabilities=probabilities)
+        chosen = choose_thresholds(val_split.multi_hot(range(len(val_split))).numpy(), np.stack(probabilities), labels)
+        decoding = {k: chosen[k] for k in ("thresholds", "threshold_rule")}
+        metrics = score(val_split, probabilities, [chosen["thresholds"][label] for label in labels])
+        metrics.update({k: chosen[k] for k in ("rule", "global_threshold", "global_f1_macro", "per_label_f1_macro")})
+    else:
+        metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress)
     metrics.update(metric=metric, split="validation")
 
     weights = layer_distribution(head)
@@ -392,9 +415,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     }
     description = s.description or f"{s.kind} head on {backbone.name}, trained on {s.dataset or s.train}"
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
-                           description=description, overwrite=s.overwrite)
+                           description=description, overwrite=s.overwrite, decoding=decoding)
     load_module(store, task, s.version, backbone)  # refuse to report success on an unloadable artifact
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
-                          history=result.history, layer_weights=weights, training=training)
+                          history=result.history, layer_weights=weights, training=training, decoding=decoding)
     write_report(report_dir, outcome)
     return outcome

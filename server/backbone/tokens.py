@@ -1,14 +1,27 @@
-"""Tokenized batches with character offsets, so heads can answer in input coordinates."""
+"""Tokenized batches with character offsets, so heads can answer in input coordinates.
+
+Per token everything is an integer in one (tokens, FIELDS) int32 array, made by `TextEncoder.encode`
+for a whole request at once with numpy (ids, type ids, segment, word, trimmed offsets and the casing
+class): a row is a view of it, a request crosses processes as one array (`PackedRows`), and
+`collate` only concatenates rows into a padded batch. No Python runs per token on the serving path;
+the per-token lists (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays
+only when someone reads them (training, tests, bridges).
+"""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 CASING_CLASSES = 5  # none/special/padding, lower, Capitalized, UPPER, other (digits, punctuation, mixed)
+
+# columns of a token array: -1 in SEGMENT / WORD where the tokenizer says None (special tokens)
+IDS, TYPES, SEGMENT, WORD, START, END, CASING = range(7)
+FIELDS = 7
 
 
 @dataclass
@@ -17,15 +30,95 @@ class EncodedInput:
 
     text: str
     text_pair: str | None
-    ids: list[int]
-    type_ids: list[int]
-    offsets: list[tuple[int, int]]
-    sequence_ids: list[int | None]
-    word_ids: list[int | None]
-    truncated: bool
+    tokens: np.ndarray  # (tokens, FIELDS) int32, columns IDS..CASING
+    truncated: bool = False
+    # the request's answer controls (server.heads.decode.AnswerOptions; None: default answers),
+    # carried with the row through batching to wherever it is decoded
+    answer: Any = None
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.tokens.shape[0]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.tokens[:, IDS].tolist()
+
+    @property
+    def type_ids(self) -> list[int]:
+        return self.tokens[:, TYPES].tolist()
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        return list(zip(self.tokens[:, START].tolist(), self.tokens[:, END].tolist()))
+
+    @property
+    def sequence_ids(self) -> list[int | None]:
+        return _nones(self.tokens[:, SEGMENT])
+
+    @property
+    def word_ids(self) -> list[int | None]:
+        return _nones(self.tokens[:, WORD])
+
+
+def _nones(values: np.ndarray) -> list[int | None]:
+    return [None if v < 0 else v for v in values.tolist()]
+
+
+@dataclass
+class PackedRows:
+    """A request's encoded inputs as one token array and a length per row: what a worker process
+    sends the engine (one buffer, however many inputs: pickled as bytes, which costs a copy where
+    an ndarray's pickle costs several microseconds of numpy's own), and what the engine turns back
+    into rows (views of that array, no copy)."""
+
+    texts: list[str]
+    text_pairs: list[str] | None
+    truncated: list[bool]
+    lengths: list[int]
+    tokens: np.ndarray  # (sum of lengths, FIELDS) int32
+
+    @classmethod
+    def of(cls, rows: Sequence[EncodedInput]) -> "PackedRows":
+        pairs = [row.text_pair for row in rows] if rows[0].text_pair is not None else None
+        tokens = rows[0].tokens if len(rows) == 1 else np.concatenate([row.tokens for row in rows])
+        return cls([row.text for row in rows], pairs, [row.truncated for row in rows], [len(row) for row in rows], tokens)
+
+    def __reduce__(self):
+        return _unpack_rows, (self.texts, self.text_pairs, self.truncated, self.lengths,
+                              np.ascontiguousarray(self.tokens, dtype=np.int32).tobytes())
+
+    def rows(self) -> list[EncodedInput]:
+        bounds = [0, *itertools.accumulate(self.lengths)]
+        pairs = self.text_pairs or [None] * len(self.texts)
+        return [EncodedInput(text, pair, self.tokens[a:b], cut)
+                for text, pair, cut, a, b in zip(self.texts, pairs, self.truncated, bounds, bounds[1:])]
+
+
+def _unpack_rows(texts, text_pairs, truncated, lengths, data: bytes) -> PackedRows:
+    return PackedRows(texts, text_pairs, truncated, lengths, np.frombuffer(data, dtype=np.int32).reshape(-1, FIELDS))
+
+
+class TokenLists(Sequence):
+    """Per row, per token: a list made from (rows, T) arrays when a row is read (None where the
+    array holds -1; with `end`, (start, end) pairs)."""
+
+    def __init__(self, values: np.ndarray, end: np.ndarray | None = None):
+        self.values, self.end = values, end
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def __getitem__(self, row):
+        if isinstance(row, slice):
+            return [self[r] for r in range(*row.indices(len(self)))]
+        if self.end is not None:
+            return list(zip(self.values[row].tolist(), self.end[row].tolist()))
+        return _nones(self.values[row])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None
 
 
 @dataclass
@@ -33,9 +126,10 @@ class TokenBatch:
     input_ids: torch.Tensor  # (B, T) long
     attention_mask: torch.Tensor  # (B, T) long, 1 = real token
     token_type_ids: torch.Tensor | None  # (B, T) long, or None where the model has none
-    offsets: list[list[tuple[int, int]]]  # per row, per token: (start, end) chars in its own text
-    sequence_ids: list[list[int | None]]  # per row, per token: 0 = text, 1 = text_pair, None = special/pad
-    word_ids: list[list[int | None]]  # per row, per token: index of the pre-tokenized word
+    # per real row, per token (lists, or `TokenLists` made from `arrays` when read):
+    offsets: Sequence[list[tuple[int, int]]]  # (start, end) chars in its own text
+    sequence_ids: Sequence[list[int | None]]  # 0 = text, 1 = text_pair, None = special/pad
+    word_ids: Sequence[list[int | None]]  # index of the pre-tokenized word
     texts: list[str]
     text_pairs: list[str] | None
     truncated: list[bool]
@@ -45,7 +139,7 @@ class TokenBatch:
     # per-token classes some heads read (TOKEN_CLASSES: casing, segment), (B, T) each, made once
     # on the host (at collate time or on first use, `token_classes`)
     classes: dict[str, torch.Tensor] = field(default_factory=dict)
-    arrays: TokenArrays | None = None  # the per-token lists as arrays, made once on first use (`token_arrays`)
+    arrays: TokenArrays | None = None  # the per-token lists as arrays (made by collate, or on first use: `token_arrays`)
 
     @property
     def size(self) -> int:
@@ -115,9 +209,11 @@ class TokenArrays:
     word: np.ndarray  # word_ids
     start: np.ndarray  # offsets: first character
     end: np.ndarray  # offsets: one past the last character
+    casing: np.ndarray | None = None  # casing classes (CASING_CLASSES), where collate made them
 
     @classmethod
     def of(cls, batch: TokenBatch) -> "TokenArrays":
+        """From a batch built by hand from lists (collate makes the arrays itself)."""
         rows, width = len(batch.offsets), batch.seq_len
 
         def ids(lists) -> np.ndarray:
@@ -129,29 +225,81 @@ class TokenArrays:
         return cls(ids(batch.sequence_ids), ids(batch.word_ids), offsets[..., 0], offsets[..., 1])
 
 
+# per character: what str.islower / isupper / istitle / isspace see (CPython's per-character
+# properties), looked up in a table so that a whole text is classified by numpy
+_LOWER, _UPPER, _TITLE, _SPACE = 1, 2, 4, 8
+_TABLE: np.ndarray | None = None  # flags of the Basic Multilingual Plane, made on first use (~30 ms)
+
+
+def _flags_of(char: str) -> int:
+    upper = char.isupper()
+    return (char.islower() * _LOWER) | (upper * _UPPER) | ((char.istitle() and not upper) * _TITLE) \
+        | (char.isspace() * _SPACE)
+
+
+def char_flags(text: str) -> np.ndarray:
+    """(len(text) + 1,) uint8: each character's flags, and a 0 after the last one."""
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = np.fromiter((_flags_of(chr(c)) for c in range(0x10000)), dtype=np.uint8, count=0x10000)
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    flags = np.zeros(len(codes) + 1, dtype=np.uint8)
+    flags[:-1] = _TABLE[np.minimum(codes, 0xFFFF)]
+    for i in np.nonzero(codes > 0xFFFF)[0].tolist():  # outside the table (emoji, rare scripts): one by one
+        flags[i] = _flags_of(text[i])
+    return flags
+
+
+def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segment: np.ndarray,
+                start: np.ndarray, end: np.ndarray, trim: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat per-token arrays (row, segment (-1 special), start, end in its own text) ->
+    (start, end, casing class): spans without surrounding whitespace (`trim`: byte-level BPE
+    tokenizers count a word's leading space into its token, "Paris" in "to Paris" is (2, 8); every
+    consumer of offsets wants the word itself), and the casing class of each span
+    (CASING_CLASSES; 0 for special tokens and empty spans). Lowercasing tokenizers lose the case cue
+    NER leans on; this gives it back. All texts of the batch are classified at once."""
+    sources = texts + (pairs or [])
+    bases = np.array([0, *itertools.accumulate(len(t) for t in sources)], dtype=np.int64)
+    flags = char_flags("".join(sources))
+    real = segment >= 0
+    base = np.where(real, bases[np.where(segment == 1, row + len(texts), row)], 0)
+    a, z = np.where(real, base + start, 0), np.where(real, base + end, 0)
+    spans = real & (z > a)
+    if trim and ((flags[a[spans]] | flags[z[spans] - 1]) & _SPACE).any():  # some span starts or ends on a space
+        positions = np.arange(len(flags))
+        text_char = (flags & _SPACE) == 0
+        following = np.minimum.accumulate(np.where(text_char, positions, len(flags) - 1)[::-1])[::-1]
+        preceding = np.maximum.accumulate(np.where(text_char, positions, -1))
+        a = np.where(spans, np.minimum(following[a], z), a)
+        z = np.where(spans & (z > a), np.maximum(preceding[np.maximum(z - 1, 0)] + 1, a), z)
+        start, end = np.where(real, a - base, start), np.where(real, z - base, end)
+    # cumulative counts of lower, upper and title-case characters: count in [a, b) = c[b] - c[a]
+    counts = np.zeros((len(flags) + 1, 3), dtype=np.int32)
+    np.cumsum((flags[:, None] & np.array([_LOWER, _UPPER, _TITLE], dtype=np.uint8)) != 0, axis=0, out=counts[1:])
+    lower, upper, title = (counts[z] - counts[a]).T
+    rest = counts[z] - counts[np.minimum(a + 1, z)]  # the span without its first character
+    casing = np.full(len(a), 4, dtype=np.int32)  # other; the classes below in increasing priority
+    casing[(lower + title == 0) & (upper > 0)] = 3  # UPPER
+    casing[((flags[a] & _UPPER) != 0) & ((z - a == 1) | ((rest[:, 1] + rest[:, 2] == 0) & (rest[:, 0] > 0)))] = 2
+    casing[(upper + title == 0) & (lower > 0)] = 1  # lower
+    casing[~real | (z <= a)] = 0
+    return start, end, casing
+
+
 def casing_classes(batch: TokenBatch) -> torch.Tensor:
     """(B, T) host tensor: the casing class of each token (CASING_CLASSES), 0 for special tokens,
-    padding and filler rows. Lowercasing tokenizers lose the case cue NER leans on; this gives it back."""
-    height, width = batch.input_ids.shape
-    rows = []
-    for r in range(batch.real_rows):
-        ids = []
-        for (start, end), seq in zip(batch.offsets[r], batch.sequence_ids[r]):
-            if seq is None or end <= start:
-                ids.append(0)
-                continue
-            piece = (batch.texts[r] if seq == 0 else batch.text_pairs[r])[start:end]
-            if piece.islower():
-                ids.append(1)
-            elif piece[0].isupper() and (len(piece) == 1 or piece[1:].islower()):
-                ids.append(2)
-            elif piece.isupper():
-                ids.append(3)
-            else:
-                ids.append(4)
-        rows.append(ids + [0] * (width - len(ids)))
-    rows += [[0] * width] * (height - len(rows))
-    return torch.tensor(rows, dtype=torch.long)
+    padding and filler rows."""
+    arrays = batch.token_arrays()
+    casing = np.zeros(tuple(batch.input_ids.shape), dtype=np.int64)
+    if arrays.casing is not None:
+        casing[:arrays.casing.shape[0]] = arrays.casing
+    else:
+        rows, width = arrays.segment.shape
+        row = np.repeat(np.arange(rows), width)
+        _, _, flat = token_spans(batch.texts, batch.text_pairs, row, arrays.segment.reshape(-1),
+                                 arrays.start.reshape(-1), arrays.end.reshape(-1), trim=False)
+        casing[:rows] = flat.reshape(rows, width)
+    return torch.from_numpy(casing)
 
 
 def segment_classes(batch: TokenBatch) -> torch.Tensor:
@@ -170,19 +318,12 @@ TOKEN_CLASSES = {"casing": casing_classes, "segment": segment_classes}
 
 
 def trimmed_offsets(offsets, sequence_ids, text: str, pair: str | None) -> list[tuple[int, int]]:
-    """Token spans without surrounding whitespace. Byte-level BPE tokenizers (SmolLM2, GPT-2
-    style) count a word's leading space into its token ("Paris" in "to Paris" is (2, 8)); every
-    consumer of offsets (entity spans, word tags, casing, token pairing) wants the word itself."""
-    out = []
-    for (start, end), seq in zip(offsets, sequence_ids):
-        source = text if seq == 0 else pair if seq == 1 else None
-        if source is not None:
-            while start < end and source[start].isspace():
-                start += 1
-            while end > start and source[end - 1].isspace():
-                end -= 1
-        out.append((start, end))
-    return out
+    """One input's token spans without surrounding whitespace (`token_spans`)."""
+    segment = np.array([-1 if s is None else s for s in sequence_ids], dtype=np.int64)
+    bounds = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+    start, end, _ = token_spans([text], None if pair is None else [pair], np.zeros(len(segment), dtype=np.int64),
+                                segment, bounds[:, 0], bounds[:, 1])
+    return list(zip(start.tolist(), end.tolist()))
 
 
 class InputTooLong(ValueError):
@@ -190,6 +331,15 @@ class InputTooLong(ValueError):
         self.rows, self.lengths, self.limit = rows, lengths, limit
         detail = ", ".join(f"input {r} has {n} tokens" for r, n in zip(rows, lengths))
         super().__init__(f"{detail}; the limit is {limit} (ask for truncation to cut them)")
+
+
+def keep_last_tokens(row: EncodedInput, limit: int) -> EncodedInput:
+    """A single text cut from the left to `limit` tokens: its leading and trailing special tokens
+    and the last text tokens that fit (what a tokenizer truncating on the left gives)."""
+    text = np.flatnonzero(row.tokens[:, SEGMENT] >= 0)
+    specials = len(row) - len(text)
+    keep = np.r_[0:text[0], text[len(text) - (limit - specials):], text[-1] + 1:len(row)]
+    return replace(row, tokens=row.tokens[keep], truncated=True)
 
 
 class TextEncoder:
@@ -210,11 +360,12 @@ class TextEncoder:
         """encode() then collate(): a padded batch in input order."""
         return self.collate(self.encode(texts, text_pairs, truncate, max_tokens))
 
-    def encode(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None,
+    def encode(self, texts, text_pairs=None, truncate: bool | str = False, max_tokens: int | None = None,
                whole: bool = False) -> list[EncodedInput]:
         """Tokenize with offsets. Inputs over the token limit (the model's, or a lower
-        `max_tokens`) raise InputTooLong unless `truncate`; `whole`: no limit (server/windows.py
-        cuts such inputs into windows)."""
+        `max_tokens`) raise InputTooLong unless `truncate`: True or "right" cuts their end, "left"
+        their start (single texts only; the special tokens stay); `whole`: no limit
+        (server/windows.py cuts such inputs into windows)."""
         texts = list(texts)
         pairs = list(text_pairs) if text_pairs is not None else None
         limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
@@ -223,18 +374,37 @@ class TextEncoder:
         too_long = [] if whole else [i for i, n in enumerate(lengths) if n > limit]
         if too_long and not truncate:
             raise InputTooLong(too_long, [lengths[i] for i in too_long], limit)
-        if too_long:
+        if truncate == "left" and pairs is not None:
+            raise ValueError("truncation from the left is for single texts")
+        if too_long and truncate != "left":
             enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
         cut = set(too_long)
-        rows = []
-        for r, encoding in enumerate(enc.encodings):
-            pair = pairs[r] if pairs is not None else None
-            rows.append(EncodedInput(
-                text=texts[r], text_pair=pair, ids=list(encoding.ids), type_ids=list(encoding.type_ids),
-                offsets=trimmed_offsets(encoding.offsets, encoding.sequence_ids, texts[r], pair),
-                sequence_ids=list(encoding.sequence_ids), word_ids=list(encoding.word_ids), truncated=r in cut,
-            ))
+        encodings = enc.encodings
+        tokens = self.token_array(encodings, texts, pairs)
+        bounds = np.concatenate(([0], np.cumsum([len(e) for e in encodings]))).tolist()
+        rows = [EncodedInput(texts[r], pairs[r] if pairs is not None else None, tokens[bounds[r]:bounds[r + 1]], r in cut)
+                for r in range(len(texts))]
+        if truncate == "left":
+            rows = [keep_last_tokens(row, limit) if r in cut else row for r, row in enumerate(rows)]
         return rows
+
+    @staticmethod
+    def token_array(encodings, texts: list[str], pairs: list[str] | None) -> np.ndarray:
+        """The tokenizer's encodings of a request -> one (tokens, FIELDS) int32 array (rows one
+        after the other), every column made by numpy over the whole request."""
+        chain = itertools.chain.from_iterable
+        n = sum(len(e) for e in encodings)
+        out = np.empty((n, FIELDS), dtype=np.int32)
+        out[:, IDS] = np.fromiter(chain(e.ids for e in encodings), dtype=np.int32, count=n)
+        out[:, TYPES] = np.fromiter(chain(e.type_ids for e in encodings), dtype=np.int32, count=n)
+        for column, name in ((SEGMENT, "sequence_ids"), (WORD, "word_ids")):  # None -> -1
+            values = chain(getattr(e, name) for e in encodings)
+            out[:, column] = np.fromiter((-1 if v is None else v for v in values), dtype=np.int32, count=n)
+        offsets = np.fromiter(chain(chain(e.offsets for e in encodings)), dtype=np.int64, count=2 * n).reshape(n, 2)
+        row = np.repeat(np.arange(len(encodings)), [len(e) for e in encodings])
+        out[:, START], out[:, END], out[:, CASING] = token_spans(texts, pairs, row, out[:, SEGMENT].astype(np.int64),
+                                                                 offsets[:, 0], offsets[:, 1])
+        return out
 
     def collate(self, rows, shape: tuple[int, int] | None = None, device: torch.device | str | None = None,
                 classes: Iterable[str] = ()) -> TokenBatch:
@@ -245,35 +415,32 @@ class TextEncoder:
         the real ones are filler rows (`TokenBatch.filler_rows`). `device`: where the tensors go
         (default this encoder's device; "cpu" keeps them on the host for the caller to pin and
         copy). `classes`: the per-token classes to make now (TOKEN_CLASSES that loaded heads read)."""
-        lengths = [len(row.ids) for row in rows]
-        width = max(lengths)
-        height = len(rows)
+        lengths = np.array([len(row) for row in rows], dtype=np.int64)
+        width = int(lengths.max())
+        height = n = len(rows)
         if shape is not None:
             if shape[0] < height or shape[1] < width:
                 raise ValueError(f"bucket {shape} is smaller than the batch ({height} rows x {width} tokens)")
             height, width = shape
-        # filled in numpy, a slice per row (a tensor per row cost more than the rest of collating)
-        input_ids = np.full((height, width), self.pad_id, dtype=np.int64)
+        # one copy of every row's tokens into the padded block: no Python per row or token
+        padded = np.empty((height, width, FIELDS), dtype=np.int32)
+        padded[...] = (self.pad_id, 0, -1, -1, 0, 0, 0)  # padding: pad id, no segment or word, casing 0
+        real = np.arange(width) < lengths[:, None]
+        padded[:n][real] = np.concatenate([row.tokens for row in rows])
         attention = np.zeros((height, width), dtype=np.int64)
-        attention[:len(rows)] = np.arange(width) < np.array(lengths)[:, None]
-        attention[len(rows):, 0] = 1  # filler rows see one token: no attention row is all masked
-        types = np.zeros((height, width), dtype=np.int64) if self.uses_token_types else None
-        for r, row in enumerate(rows):
-            input_ids[r, :lengths[r]] = row.ids
-            if types is not None:
-                types[r, :lengths[r]] = row.type_ids
-        padding = [width - n for n in lengths]
+        attention[:n] = real
+        attention[n:, 0] = 1  # filler rows see one token: no attention row is all masked
+        columns = padded[:n].transpose(2, 0, 1).astype(np.int64)  # (FIELDS, rows, T) of the real rows
+        arrays = TokenArrays(segment=columns[SEGMENT], word=columns[WORD], start=columns[START], end=columns[END],
+                             casing=columns[CASING])
         has_pairs = any(row.text_pair is not None for row in rows)
         batch = TokenBatch(
-            input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
-            token_type_ids=None if types is None else torch.from_numpy(types),
-            offsets=[row.offsets + [(0, 0)] * p for row, p in zip(rows, padding)],
-            sequence_ids=[row.sequence_ids + [None] * p for row, p in zip(rows, padding)],
-            word_ids=[row.word_ids + [None] * p for row, p in zip(rows, padding)],
-            texts=[row.text for row in rows],
+            input_ids=torch.from_numpy(padded[..., IDS].astype(np.int64)), attention_mask=torch.from_numpy(attention),
+            token_type_ids=torch.from_numpy(padded[..., TYPES].astype(np.int64)) if self.uses_token_types else None,
+            offsets=TokenLists(arrays.start, arrays.end), sequence_ids=TokenLists(arrays.segment),
+            word_ids=TokenLists(arrays.word), texts=[row.text for row in rows],
             text_pairs=[row.text_pair for row in rows] if has_pairs else None,
-            truncated=[row.truncated for row in rows],
-            filler_rows=height - len(rows),
+            truncated=[row.truncated for row in rows], filler_rows=height - n, arrays=arrays,
         )
         for name in classes:
             batch.token_classes(name)

@@ -17,33 +17,117 @@ from modules_store import TaskType
 from server.backbone.tokens import TokenBatch
 
 
-def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: TokenBatch) -> list[dict[str, Any]]:
+AGGREGATIONS = ("first", "average", "max", "none")
+TRUNCATION_DIRECTIONS = ("right", "left")
+
+
+@dataclass(frozen=True)
+class AnswerOptions:
+    """Per-request answer controls (docs/answer-controls.md); None / False leave the default answer.
+    Each applies to the task types it concerns and is ignored by the others."""
+
+    top_k: int | None = None  # sequence and multi-label tasks: the k best labels, best first (default: all)
+    raw_scores: bool = False  # sequence and multi-label tasks: the head's logits instead of probabilities
+    threshold: float | None = None  # multi-label tasks: this probability for every label (default: the manifest's)
+    aggregation: str | None = None  # token tasks: first, average, max, none (default: the manifest's, else first)
+
+    def is_default(self) -> bool:
+        return self == DEFAULT_OPTIONS
+
+
+DEFAULT_OPTIONS = AnswerOptions()
+
+
+def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: TokenBatch,
+           options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
+           decoding: dict | None = None) -> list[dict[str, Any]]:
+    """Answers per row. `options`: answer controls for every row, or one per row (None: default);
+    `decoding`: the manifest's answer defaults (multi-label thresholds, token aggregation)."""
+    rows = len(batch.texts) if task_type == TaskType.token_classification else logits.shape[0]
+    per_row = options if isinstance(options, list) else [options] * rows
+    per_row = [o or DEFAULT_OPTIONS for o in per_row]
+    decoding = decoding or {}
     if task_type == TaskType.sequence_classification:
-        return _classifications(labels, logits)
+        return _classifications(labels, logits, per_row)
+    if task_type == TaskType.multi_label_classification:
+        return _multi_labels(labels, logits, per_row, decoding)
     if task_type == TaskType.regression:
         return [{"value": value} for value in logits.float().flatten(1)[:, 0].tolist()]
     if task_type == TaskType.token_classification:
-        return _entities(labels, logits, batch)
+        default = decoding.get("aggregation", "first")
+        strategies = [o.aggregation or default for o in per_row]
+        if len(set(strategies)) == 1:
+            return _token_answers(labels, logits, batch, strategies[0])
+        out: list = [None] * len(strategies)
+        for strategy in sorted(set(strategies)):  # each strategy over the batch, kept for its own rows
+            answers = _token_answers(labels, logits, batch, strategy)
+            for r, s in enumerate(strategies):
+                if s == strategy:
+                    out[r] = answers[r]
+        return out
+    if task_type == TaskType.embedding:
+        return embeddings(logits)
     raise ValueError(f"no decoder for task type {task_type}")
 
 
-def decode_rows(task_type: TaskType, labels: list[str], row_logits: list[np.ndarray], batch: TokenBatch
-                ) -> list[dict[str, Any]]:
-    """`decode` over rows' logits handed back one array per row (by an engine in another process:
-    `server/runner.py`, `row_logits`), on `batch`, those rows collated."""
+def decode_rows(task_type: TaskType, labels: list[str], packed: np.ndarray, batch: TokenBatch,
+                options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
+                decoding: dict | None = None) -> list[dict[str, Any]]:
+    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`,
+    `pack_answers`): (rows, labels), or for token tasks every row's own tokens one after the other
+    (tokens, labels); on `batch`, those rows collated."""
     if task_type != TaskType.token_classification:
-        return decode(task_type, labels, torch.from_numpy(np.stack(row_logits)), batch)
-    logits = np.zeros((len(row_logits), batch.seq_len, len(labels)), dtype=np.float32)
-    for r, row in enumerate(row_logits):  # padding positions are never read (no word there)
-        logits[r, :len(row)] = row
-    return decode(task_type, labels, torch.from_numpy(logits), batch)
+        return decode(task_type, labels, torch.from_numpy(packed), batch, options, decoding)
+    logits = np.zeros((batch.size, batch.seq_len, len(labels)), dtype=np.float32)
+    logits[batch.attention_mask.numpy().astype(bool)] = packed  # padding positions are never read (no word there)
+    return decode(task_type, labels, torch.from_numpy(logits), batch, options, decoding)
 
 
-def _classifications(labels: list[str], logits: torch.Tensor) -> list[dict[str, Any]]:
+def ranked(labels: list[str], values: list[float], top_k: int | None) -> dict[str, float]:
+    """label -> value, best first, the first `top_k` (all when None); equal values keep label order."""
+    order = sorted(range(len(labels)), key=lambda i: -values[i])  # stable: ties stay in label order
+    return {labels[i]: values[i] for i in order[:top_k]}
+
+
+def _classifications(labels: list[str], logits: torch.Tensor, options: list[AnswerOptions]) -> list[dict[str, Any]]:
     probs = torch.softmax(logits.float(), dim=-1).cpu()
     best = probs.argmax(dim=-1).tolist()  # the first of equal maxima, as max() over the list would
-    return [{"label": labels[b], "score": row[b], "scores": dict(zip(labels, row))}
-            for b, row in zip(best, probs.tolist())]
+    raw = logits.float().cpu().tolist() if any(o.raw_scores for o in options) else None
+    out = []
+    for r, (b, row) in enumerate(zip(best, probs.tolist())):
+        o = options[r]
+        values = raw[r] if o.raw_scores else row
+        if o.top_k is None:
+            out.append({"label": labels[b], "score": values[b], "scores": dict(zip(labels, values))})
+        else:
+            out.append({"label": labels[b], "score": values[b], "scores": ranked(labels, values, o.top_k)})
+    return out
+
+
+def _multi_labels(labels: list[str], logits: torch.Tensor, options: list[AnswerOptions],
+                  decoding: dict) -> list[dict[str, Any]]:
+    """Independent labels (one sigmoid each): every label whose probability is at least its threshold
+    (the manifest's per-label thresholds, 0.5 where it has none, or the request's one threshold)."""
+    probs = torch.sigmoid(logits.float()).cpu().numpy()
+    shipped = decoding.get("thresholds", {})
+    default = np.array([shipped.get(label, 0.5) for label in labels], dtype=np.float32)
+    raw = logits.float().cpu().tolist() if any(o.raw_scores for o in options) else None
+    out = []
+    for r, o in enumerate(options):
+        thresholds = default if o.threshold is None else np.float32(o.threshold)
+        values = raw[r] if o.raw_scores else probs[r].tolist()
+        chosen = np.nonzero(probs[r] >= thresholds)[0]
+        answer = {"labels": [labels[i] for i in chosen]}  # in label order
+        answer["scores"] = ranked(labels, values, o.top_k) if o.top_k is not None else dict(zip(labels, values))
+        out.append(answer)
+    return out
+
+
+def embeddings(logits: torch.Tensor) -> list[dict[str, Any]]:
+    """An embedding head's (B, D + 1) output: each row's vector and the norm it had before
+    normalisation (server/heads/embedding/layer.py, `with_norm`)."""
+    rows = logits.float().cpu().tolist()
+    return [{"embedding": row[:-1], "norm": row[-1]} for row in rows]
 
 
 def best_labels(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -79,31 +163,85 @@ class Words:
     score: np.ndarray  # that prediction's probability
 
 
-def word_predictions(scores: np.ndarray, best: np.ndarray, batch: TokenBatch) -> Words:
-    """A word's tag is the prediction on its first sub-token (the one training labels); its span
-    runs to the end of its last sub-token. `scores`, `best`: (rows, T) from `best_labels`."""
+def word_predictions(scores: np.ndarray, best: np.ndarray, batch: TokenBatch, aggregation: str = "first",
+                     probs: np.ndarray | None = None) -> Words:
+    """A word's span runs from its first sub-token to the end of its last. Its tag, by `aggregation`
+    (as Hugging Face's token-classification pipeline defines them): first, the prediction on its first
+    sub-token (the one training labels); average, the best label of the mean of its sub-tokens'
+    probability vectors (`probs`, (rows, T, C), needed for it); max, the prediction of the sub-token
+    whose best probability is highest (the first of equal ones). `scores`, `best`: (rows, T) from
+    `best_labels`."""
     tokens = batch.token_arrays()
     row, t = np.nonzero((tokens.segment >= 0) & (tokens.word >= 0))  # row-major: token order per row
     segment, word = tokens.segment[row, t], tokens.word[row, t]
     # one integer per (row, segment, word); its first token in the (row, token) order above
     key = (row * (int(segment.max(initial=0)) + 1) + segment) * (int(word.max(initial=0)) + 1) + word
     _, first, which = np.unique(key, return_index=True, return_inverse=True)
+    which = which.reshape(-1)
     end = tokens.end[row, t]
     word_end = end[first]
-    np.maximum.at(word_end, which.reshape(-1), end)
+    np.maximum.at(word_end, which, end)
     order = np.argsort(first)
+    if aggregation == "average":
+        pieces = probs[row, t]
+        mean = np.zeros((len(first), pieces.shape[-1]), dtype=np.float64)
+        np.add.at(mean, which, pieces)
+        mean /= np.bincount(which, minlength=len(first))[:, None]
+        label, score = mean.argmax(1)[order], mean.max(1)[order].astype(np.float32)
+    elif aggregation == "max":
+        piece_scores = scores[row, t]
+        # per word, its pieces by score (highest first, then position): the first of each word wins
+        by_score = np.lexsort((np.arange(len(which)), -piece_scores, which))
+        group_start = np.flatnonzero(np.r_[True, which[by_score][1:] != which[by_score][:-1]])
+        winner = by_score[group_start][order]  # one token per word, words in key order -> first-token order
+        label, score = best[row[winner], t[winner]], piece_scores[winner]
+    elif aggregation == "first":
+        label, score = best[row[first[order]], t[first[order]]], scores[row[first[order]], t[first[order]]]
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}; one of {AGGREGATIONS[:3]}")
     first = first[order]
     return Words(row=row[first], segment=segment[first], start=tokens.start[row[first], t[first]],
-                 end=word_end[order], label=best[row[first], t[first]], score=scores[row[first], t[first]])
+                 end=word_end[order], label=label, score=score)
 
 
 OUTSIDE, INSIDE = 0, 1  # tag prefix codes (B and E are 2 and 3: they only ever start an entity)
 
 
-def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch) -> list[dict[str, Any]]:
+def _token_answers(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggregation: str
+                   ) -> list[dict[str, Any]]:
+    if aggregation == "none":
+        return _pieces(labels, logits, batch)
+    return _entities(labels, logits, batch, aggregation)
+
+
+def _pieces(labels: list[str], logits: torch.Tensor, batch: TokenBatch) -> list[dict[str, Any]]:
+    """Aggregation "none": every word piece of the text (special tokens left out) with its own best
+    label (the full tag), that label's probability and its character offsets."""
     rows = len(batch.texts)
     scores, best = best_labels(logits[:rows])
-    words = word_predictions(scores, best, batch)
+    tokens = batch.token_arrays()
+    pairs = batch.text_pairs
+    out: list[dict[str, Any]] = []
+    for r in range(rows):
+        pieces = []
+        for t in np.nonzero(tokens.segment[r] >= 0)[0].tolist():
+            segment, start, end = int(tokens.segment[r, t]), int(tokens.start[r, t]), int(tokens.end[r, t])
+            source = batch.texts[r] if segment == 0 else pairs[r]
+            piece = {"text": source[start:end], "label": labels[best[r, t]], "score": float(scores[r, t]),
+                     "start": start, "end": end}
+            if pairs is not None:
+                piece["segment"] = segment
+            pieces.append(piece)
+        out.append({"tokens": pieces})
+    return out
+
+
+def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggregation: str = "first"
+              ) -> list[dict[str, Any]]:
+    rows = len(batch.texts)
+    scores, best = best_labels(logits[:rows])
+    probs = torch.softmax(logits[:rows].float(), dim=-1).cpu().numpy() if aggregation == "average" else None
+    words = word_predictions(scores, best, batch, aggregation, probs)
     tags = [split_tag(tag) for tag in labels]
     kinds = sorted({kind for _, kind in tags})
     prefix = np.array(["OIBE".index(p) for p, _ in tags])[words.label]

@@ -36,7 +36,7 @@ class LayerMixConfig(BaseModel):
     def _check(self) -> "LayerMixConfig":
         if sorted(set(self.layers)) != self.layers:
             raise ValueError(f"layers must be ascending and unique, got {self.layers}")
-        if self.task_type != TaskType.sequence_classification and (self.pooling == "pair" or not self.attention):
+        if self.task_type == TaskType.token_classification and (self.pooling == "pair" or not self.attention):
             raise ValueError("pooling 'pair' and attention off are for sequence tasks")
         if self.project_dim % self.attention_heads:
             raise ValueError(f"project_dim {self.project_dim} not divisible by attention_heads {self.attention_heads}")

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.backbone.tokens import CASING_CLASSES  # noqa: F401  (re-exported)
+from server.heads.pooling import masked_mean
 
 MIX_NORM_EPS = 1e-5  # eps of the layer norm on each projected state (the head's and its grouped form's)
 
@@ -28,13 +29,9 @@ def pool(attended: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | No
     [u, v, |u - v|, u * v] (..., B, 4k), the classic sentence-pair features. A row without a pair
     has v = 0."""
     if segments is None:
-        weights = mask.unsqueeze(-1).to(attended.dtype)
-        return (attended * weights).sum(-2) / weights.sum(-2).clamp(min=1)
+        return masked_mean(attended, mask)
     real = mask.bool()
-    pooled = []
-    for segment in (0, 1):
-        weights = ((segments == segment) & real).unsqueeze(-1).to(attended.dtype)
-        pooled.append((attended * weights).sum(-2) / weights.sum(-2).clamp(min=1))
+    pooled = [masked_mean(attended, (segments == segment) & real) for segment in (0, 1)]
     u, v = pooled
     return torch.cat([u, v, (u - v).abs(), u * v], dim=-1)
 

@@ -20,6 +20,7 @@ from modules_store import TaskType
 from server.backbone.architectures import block_context, run_block
 from server.backbone.tokens import TokenBatch
 from server.heads.mtb.model import MTBHead
+from server.heads.pooling import pool
 from server.heads.stacking import batched_linear, padded_classifiers
 
 
@@ -55,11 +56,7 @@ class TaskLayerStack:
         if self.shape[0] == "token":
             logits = batched_linear(hidden.reshape(K, B * T, H), self.weight, self.bias).view(K, B, T, -1)
         else:
-            if self.shape[1] == "cls":
-                pooled = hidden[:, :, 0]
-            else:
-                weights = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-                pooled = (hidden * weights).sum(2) / weights.sum(1).clamp(min=1)
+            pooled = pool(hidden, mask, self.shape[1])  # (K, B, H)
             logits = batched_linear(pooled, self.weight, self.bias)  # (K, B, C_max)
         return {task: logits[j, ..., :labels] for j, (task, labels) in enumerate(zip(self.tasks, self.num_labels))}
 

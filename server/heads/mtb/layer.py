@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from server.heads.pooling import pool
+
 
 class PooledClassifier(nn.Module):
     def __init__(self, hidden: int, num_labels: int, dropout: float, pooling: str):
@@ -13,12 +15,7 @@ class PooledClassifier(nn.Module):
         self.classifier = nn.Linear(hidden, num_labels)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.pooling == "cls":
-            pooled = hidden[:, 0]
-        else:
-            weights = mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
-        return self.classifier(self.dropout(pooled))
+        return self.classifier(self.dropout(pool(hidden, mask, self.pooling)))
 
 
 class TokenLinear(nn.Module):

@@ -1,0 +1,112 @@
+"""Batch formation's cost per job does not grow with the jobs already in the batch (server/batcher.py).
+
+No clock is read: the work is counted. Every job's module set is a dict that counts how often it is
+read (lookups, membership, iteration); forming one batch of n one-input jobs must read O(tasks) per
+job, the same per job for n = 16 and n = 128. The batcher this replaced compared each new job with
+every job already in the batch: its reads per job grew with n (about n/2 x tasks)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from server.batcher import Batcher, BatchSettings, Job
+
+
+class CountingModules(dict):
+    """A job's task -> module dict that counts every read into a shared counter."""
+
+    def __init__(self, items, counter: list[int]):
+        super().__init__(items)
+        self.counter = counter
+
+    def _read(self):
+        self.counter[0] += 1
+
+    def __getitem__(self, key):
+        self._read()
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self._read()
+        return super().__contains__(key)
+
+    def get(self, key, default=None):
+        self._read()
+        return super().get(key, default)
+
+    def items(self):
+        self._read()
+        return super().items()
+
+    def keys(self):
+        self._read()
+        return super().keys()
+
+    def values(self):
+        self._read()
+        return super().values()
+
+    def __iter__(self):
+        self._read()
+        return super().__iter__()
+
+
+class Row:
+    """An encoded input as the batcher sees it: a length and whether it is a pair."""
+
+    text_pair = None
+
+    def __init__(self, tokens: int):
+        self.ids = [0] * tokens
+
+    def __len__(self):
+        return len(self.ids)
+
+
+def form_one_batch(jobs: int, tasks: int, age: float = 0.0) -> tuple[int, int, list[int]]:
+    """Queue `jobs` one-input jobs asking `tasks` tasks (the same module objects), let the batcher form
+    and run them. -> (module-set reads, is_disconnected calls, batch sizes run)."""
+    modules = {f"task{t}": object() for t in range(tasks)}
+    reads, asked, sizes = [0], [0], []
+
+    async def still_there():
+        asked[0] += 1
+        return False
+
+    def run_batch(rows, batch_modules, timings):
+        sizes.append(len(rows))
+        return {task: [{"row": i} for i in range(len(rows))] for task in batch_modules}
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = Batcher(run_batch, executor, BatchSettings(max_batch_size=jobs, max_batch_tokens=10**9,
+                                                             max_wait=0.01, max_queue=10**6))
+        batcher.start()
+        queued = [Job(rows=[Row(8 + i % 5)], modules=CountingModules(modules, reads), deadline=time.perf_counter() + 60,
+                      is_disconnected=still_there, enqueued=time.perf_counter() - age) for i in range(jobs)]
+        answers = await asyncio.gather(*(batcher.submit(job) for job in queued))
+        await batcher.drain_and_stop()
+        executor.shutdown()
+        assert [len(a) for a in answers] == [1] * jobs and set(answers[0][0]) == set(modules)
+
+    asyncio.run(scenario())
+    return reads[0], asked[0], sizes
+
+
+def test_batch_formation_reads_per_job_do_not_grow_with_the_batch():
+    for tasks in (3, 16):
+        small_reads, _, small_sizes = form_one_batch(16, tasks)
+        large_reads, _, large_sizes = form_one_batch(128, tasks)
+        assert small_sizes == [16] and large_sizes == [128]  # one batch each: the whole batch was formed
+        per_job_small, per_job_large = small_reads / 16, large_reads / 128
+        # flat in the number of jobs (the quadratic batcher read ~tasks x n / 2 per job: 8x more at 128)
+        assert per_job_large <= per_job_small * 1.1, (tasks, per_job_small, per_job_large)
+        assert per_job_large <= 4 + 2 * tasks  # O(tasks): a constant number of reads per task
+
+
+def test_clients_are_asked_only_after_waiting():
+    _, asked, _ = form_one_batch(128, 3)
+    assert asked == 0  # fresh jobs: nobody asks Starlette (~50 us a question)
+    _, asked, _ = form_one_batch(16, 3, age=1.0)
+    assert asked == 16  # jobs that waited past disconnect_check_after are asked, once each

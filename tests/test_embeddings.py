@@ -1,0 +1,378 @@
+"""The embedding head (server/heads/embedding/) and its three protocols (server/embeddings_api.py,
+OIP): equal to sentence-transformers' own `encode` on the same model folder, through the real
+clients (`openai`, `huggingface_hub.InferenceClient`) against a real `tmod-serve`."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from modules_store import DEFAULT_STORE, ModuleStore, TaskType
+from server.backbone import default_backbone_path
+from server.engine import Engine
+from server.heads.embedding import EmbeddingHead, sentence_transformers_settings
+from server.heads.pooling import pool_modes
+from server.modules import load_module, save_module
+from tests.helpers import populate_store, start_tmod_serve
+from training.data import PRESETS, preset_spec
+from training.embedding import compare, embed
+
+SERVE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def sst2_validation() -> list[str]:
+    return preset_spec(PRESETS["sst2"], "validation").read().texts()
+
+
+def varied_texts(tokenizer) -> list[str]:
+    """Short texts, non-ASCII ones (accents, CJK, Cyrillic, Arabic, emoji), and texts of 240..256
+    word pieces (the model's trained length): 300 in all."""
+    rng = random.Random(27)
+    sentences = sst2_validation()
+    short = ["a", "ok", "?", "Hi!", "no way", "42", "The end.", "9:30 am", "x" * 30, "Über"]
+    foreign = ["Crème brûlée à la française, très délicieux.", "東京は日本の首都です。", "Москва — столица России.",
+               "مرحبا بالعالم", "Ich möchte ein Bier, bitte!", "😀 great film 🎬🍿", "naïve café jalapeño",
+               "Ελληνικά γράμματα", "한국어 문장입니다", "emoji only 🙂🙃"]
+    texts = short + foreign + [f"{rng.choice(foreign)} {s}" for s in rng.sample(sentences, 20)]
+    long_texts = []
+    while len(long_texts) < 30:
+        text = ""
+        while len(tokenizer(text + " x")["input_ids"]) < 240:
+            text = (text + " " + rng.choice(sentences)).strip()
+        pieces = tokenizer(text, add_special_tokens=False)["input_ids"][:rng.randint(238, 254)]
+        long_texts.append(tokenizer.decode(pieces))
+    texts += long_texts
+    return texts + rng.sample(sentences, 300 - len(texts))
+
+
+def reference(texts: list[str], normalize: bool = True, folder=None, pooled_only: bool = False) -> np.ndarray:
+    """sentence-transformers' vectors; `pooled_only`: its pipeline without the Normalize module (the
+    vector TEI's normalize=false gives: TEI does not run that module, its `normalize` replaces it)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder or default_backbone_path()), device="cpu")
+    if pooled_only:
+        model = SentenceTransformer(modules=[model[0], model[1]], device="cpu")
+    return model.encode(texts, batch_size=32, normalize_embeddings=normalize, convert_to_numpy=True)
+
+
+def assert_equal_vectors(ours: np.ndarray, theirs: np.ndarray, min_cosine: float, max_diff: float | None) -> None:
+    scores = compare(ours, theirs)
+    assert scores["min_cosine"] >= min_cosine, scores
+    if max_diff is not None:
+        assert scores["max_abs_diff"] <= max_diff, scores
+
+
+# ---- the head, unit by unit ---------------------------------------------------------------------------
+@pytest.mark.parametrize("modes", [["mean"], ["cls"], ["max"], ["cls", "max", "mean"], ["max", "mean"]])
+def test_pooling_equals_sentence_transformers_pooling(modes):
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 9, 16)
+    mask = torch.ones(5, 9, dtype=torch.long)
+    for row, length in enumerate([9, 1, 4, 7, 2]):
+        mask[row, length:] = 0
+    theirs = Pooling(16, pooling_mode=modes)
+    expected = theirs({"token_embeddings": hidden.clone(), "attention_mask": mask})["sentence_embedding"]
+    assert torch.allclose(pool_modes(hidden, mask, modes), expected, atol=1e-6)
+
+
+def test_settings_from_sentence_transformers_config_and_default(tmp_path):
+    settings = sentence_transformers_settings(default_backbone_path(), "all-MiniLM-L6-v2")
+    assert (settings["pooling"], settings["normalize"], settings["max_tokens"]) == (["mean"], True, 256)
+    assert "sentence-transformers configuration of all-MiniLM-L6-v2" in settings["settings_from"]
+    bare = sentence_transformers_settings(tmp_path)  # no modules.json: the stated default
+    assert (bare["pooling"], bare["normalize"], bare["max_tokens"]) == (["mean"], True, None)
+    assert bare["settings_from"].startswith("default")
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ValueError, match="Dense"):
+        sentence_transformers_settings(tmp_path)
+
+
+def test_artifact_without_weights_saves_loads_and_is_checked(tmp_path, tiny_backbone, tiny_backbone_dir):
+    store = ModuleStore(tmp_path)
+    head = EmbeddingHead.from_backbone(tiny_backbone, tiny_backbone_dir)
+    folder = save_module(store, "embedding", "1", head, tiny_backbone)
+    manifest = store.read_manifest("embedding", "1")
+    assert manifest.task_type == TaskType.embedding and manifest.labels == []
+    assert manifest.layers == [tiny_backbone.num_layers]
+    assert manifest.config["settings_from"].startswith("default") and manifest.config["normalize"]
+    assert manifest.backbone == tiny_backbone.fingerprint
+    module = load_module(store, "embedding", "1", tiny_backbone)
+    assert module.head.state_dict() == {}
+    (folder / "weights.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")  # not what the manifest hashed
+    with pytest.raises(Exception, match="checksum"):
+        load_module(store, "embedding", "1", tiny_backbone)
+
+
+def test_grouped_embedding_heads_equal_each_alone(tiny_backbone):
+    """Two embedding heads in one plan run as one EmbeddingGroup; each answer equals its head alone."""
+    from server.modules import LoadedModule
+
+    heads = {"plain": EmbeddingHead.from_backbone(tiny_backbone, None),
+             "maxcls": EmbeddingHead.from_backbone(tiny_backbone, None, pooling=["cls", "max"], normalize=False),
+             "shallow": EmbeddingHead.from_backbone(tiny_backbone, None, source_layer=1)}
+    modules = {task: LoadedModule(task, "1", None, head.eval()) for task, head in heads.items()}
+    engine = Engine(tiny_backbone)
+    plan = engine.plan(modules)
+    assert [sorted(g.tasks) for g in plan.groups] == [sorted(heads)]
+    batch = tiny_backbone.tokenize(["A fine film.", "Peter flew to Brussels on Monday with his sister."])
+    together = engine.logits(batch, modules)
+    for task, module in modules.items():
+        alone = Engine(tiny_backbone).logits(batch, {task: module})[task]
+        assert torch.equal(together[task], alone)
+    assert together["maxcls"].shape == (2, 2 * tiny_backbone.hidden_size + 1)
+
+
+def test_left_truncation_keeps_the_end(minilm):
+    text = " ".join(f"word{i}" for i in range(300))
+    right, left = minilm.encode([text], None, True, 32)[0], minilm.encode([text], None, "left", 32)[0]
+    assert len(right) == len(left) == 32 and right.truncated and left.truncated
+    assert left.ids[0] == right.ids[0] and left.ids[-1] == right.ids[-1]  # [CLS] ... [SEP] both
+    full = minilm.tokenizer(text)["input_ids"]
+    assert left.ids[1:-1] == full[-31:-1] and left.offsets[-2][1] == len(text)
+
+
+# ---- a real tmod-serve on MiniLM in fp32 -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served():
+    url, process = start_tmod_serve(["--tasks", "embedding,sentiment,ner", "--precision", "fp32",
+                                     "--log-level", "warning"], SERVE_ENV)
+    yield url
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def texts(minilm):
+    return varied_texts(minilm.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference_vectors(texts):
+    return reference(texts)
+
+
+def openai_client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def openai_vectors(client, texts, **options) -> np.ndarray:
+    out = []
+    for start in range(0, len(texts), 32):
+        response = client.embeddings.create(model="embedding", input=texts[start:start + 32], **options)
+        assert [d.index for d in response.data] == list(range(len(response.data)))
+        # asked for base64, the client hands the text back as it came
+        out += [np.frombuffer(base64.b64decode(d.embedding), "<f4") if isinstance(d.embedding, str) else d.embedding
+                for d in response.data]
+    return np.array(out, dtype=np.float32)
+
+
+def test_openai_client_vectors_equal_sentence_transformers_fp32(served, texts, reference_vectors):
+    client = openai_client(served)
+    float_vectors = openai_vectors(client, texts, encoding_format="float")
+    assert len(texts) == 300 and float_vectors.shape == (300, 384)
+    assert_equal_vectors(float_vectors, reference_vectors, 0.99999, 1e-5)
+    base64_vectors = openai_vectors(client, texts[:64], encoding_format="base64")
+    assert np.array_equal(base64_vectors, float_vectors[:64])  # base64 is float32 exactly
+    decoded_by_client = openai_vectors(client, texts[:32])  # unasked, the client asks for base64 and decodes it
+    assert np.array_equal(decoded_by_client, float_vectors[:32])
+    response = client.embeddings.create(model="all-MiniLM-L6-v2", input="A fine film.")  # the backbone's name
+    tokens = len(served_tokens("A fine film."))
+    assert (response.model, response.usage.prompt_tokens, response.usage.total_tokens) == ("all-MiniLM-L6-v2", tokens, tokens)
+
+
+def served_tokens(text):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_backbone_path())(text)["input_ids"]
+
+
+def test_openai_errors_in_openai_shape(served):
+    import openai
+
+    client = openai_client(served)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model="embedding", input="A fine film.", dimensions=128)
+    assert "not trained to be shortened" in refused.value.message
+    assert refused.value.body["param"] == "dimensions" and refused.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="sentiment", input="A fine film.")
+    raw = httpx.post(served + "/v1/embeddings", json={"model": "embedding", "input": 5})
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    for bad in ["", "   ", "a\x00b"]:  # as /v1/infer answers them
+        assert httpx.post(served + "/v1/embeddings", json={"model": "embedding", "input": bad}).status_code == 422
+
+
+def test_infer_route_gives_the_same_vector_beside_other_tasks(served, texts):
+    sample = texts[:8] + texts[40:44]
+    together = httpx.post(served + "/v1/infer", params={"tasks": "embedding,ner,sentiment"},
+                          json={"inputs": sample}, timeout=60).json()
+    alone = httpx.post(served + "/v1/infer", params={"tasks": "sentiment,ner"}, json={"inputs": sample}, timeout=60).json()
+    vectors = openai_vectors(openai_client(served), sample)
+    for row, other, vector in zip(together["results"], alone["results"], vectors):
+        assert set(row) == {"embedding", "ner", "sentiment"}
+        assert np.abs(np.array(row["embedding"]["embedding"]) - vector).max() <= 1e-6
+        assert row["sentiment"]["label"] == other["sentiment"]["label"]
+        assert [e["label"] for e in row["ner"]["entities"]] == [e["label"] for e in other["ner"]["entities"]]
+    pairs = httpx.post(served + "/v1/infer", params={"tasks": "embedding"},
+                       json={"inputs": [{"text": "a", "text_pair": "b"}]})
+    assert pairs.status_code == 422 and pairs.json()["error"]["type"] == "single_text_task"
+    tasks = {t["task"]: t for t in httpx.get(served + "/v1/tasks").json()["tasks"]}
+    assert tasks["embedding"]["task_type"] == "embedding" and tasks["embedding"]["parameters"] == 0
+
+
+def test_tei_route_with_huggingface_inference_client(served, texts, reference_vectors, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    # HF_HUB_OFFLINE (set for every test) blocks the client's calls even to loopback; this one is local
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    client = InferenceClient(model=served + "/embed")
+    one = client.feature_extraction(texts[12])
+    assert one.shape == (1, 384) and one.dtype == np.float32
+    assert_equal_vectors(one, reference_vectors[12:13], 0.99999, 1e-5)
+    several = client.feature_extraction(texts[:16])
+    assert_equal_vectors(several, reference_vectors[:16], 0.99999, 1e-5)
+    raw = client.feature_extraction(texts[:16], normalize=False)
+    assert_equal_vectors(raw, reference(texts[:16], normalize=False, pooled_only=True), 0.99999, 1e-5)
+    assert np.abs(np.linalg.norm(raw, axis=1) - 1).min() > 0.1  # really not unit length
+    long = " ".join(f"w{i}" for i in range(500))
+    right = client.feature_extraction(long, truncate=True)  # what sentence-transformers does past 256 pieces
+    assert_equal_vectors(right, reference([long]), 0.99999, 1e-5)
+    left = client.feature_extraction(long, truncate=True, truncation_direction="left")
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(default_backbone_path()), device="cpu")
+    ids = model.tokenizer(long)["input_ids"]
+    tail = torch.tensor([ids[:1] + ids[-255:]])  # [CLS], the last 254 pieces, [SEP]
+    with torch.inference_mode():
+        expected = model({"input_ids": tail, "attention_mask": torch.ones_like(tail),
+                          "token_type_ids": torch.zeros_like(tail)})["sentence_embedding"].numpy()
+    assert_equal_vectors(left, expected, 0.99999, 1e-5)
+
+
+def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):
+    """Past the trained length (256 pieces) a text is read in windows (server/windows.py): by hand,
+    each window's pooled vector from the reference library, averaged weighted by the text's pieces
+    in it, then normalised."""
+    from sentence_transformers import SentenceTransformer
+
+    long = " ".join(f"w{i}" for i in range(500))
+    described = httpx.post(served + "/v1/tokenize", json={"inputs": [long]}).json()["results"][0]
+    pieces = [p for p in described["tokens"] if not p["special"]]
+    assert len(described["windows"]) > 1
+    model = SentenceTransformer(str(default_backbone_path()), device="cpu")
+    cls, sep = model.tokenizer.cls_token_id, model.tokenizer.sep_token_id
+    pooled, weights = [], []
+    for window in described["windows"]:
+        ids = [p["id"] for p in pieces if p["start"] >= window["start"] and p["end"] <= window["end"]]
+        row = torch.tensor([[cls, *ids, sep]])
+        with torch.inference_mode():
+            features = model[1](model[0]({"input_ids": row, "attention_mask": torch.ones_like(row),
+                                          "token_type_ids": torch.zeros_like(row)}))
+        pooled.append(features["sentence_embedding"][0].double().numpy())
+        weights.append(len(ids))
+    mean = np.average(np.stack(pooled), axis=0, weights=weights)
+    expected = (mean / np.linalg.norm(mean)).astype(np.float32)[None]
+    answer = httpx.post(served + "/v1/embeddings", json={"model": "embedding", "input": [long]}, timeout=60).json()
+    assert_equal_vectors(np.array([answer["data"][0]["embedding"]], dtype=np.float32), expected, 0.99999, 1e-5)
+    infer = httpx.post(served + "/v1/infer", params={"tasks": "embedding"}, json={"inputs": [long]}, timeout=60).json()
+    assert infer["windows"] == [len(described["windows"])]
+    assert np.abs(np.array(infer["results"][0]["embedding"]["embedding"]) - expected[0]).max() <= 1e-5
+
+
+def test_oip_embedding_model_answers_fp32_n_by_d(served, texts, reference_vectors):
+    meta = httpx.get(served + "/v2/models/embedding").json()
+    assert meta["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}]
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": texts[:3]}]}
+    answer = httpx.post(served + "/v2/models/embedding/infer", json=body).json()
+    (output,) = answer["outputs"]
+    assert (output["datatype"], output["shape"]) == ("FP32", [3, 384])
+    assert_equal_vectors(np.array(output["data"], dtype=np.float32).reshape(3, 384), reference_vectors[:3], 0.99999, 1e-5)
+
+
+@pytest.mark.slow
+def test_nearest_neighbours_on_sst2_validation_agree_with_reference(served):
+    """Each SST-2 validation sentence's nearest neighbour by tmod's vectors is the one by
+    sentence-transformers' vectors for >= 99.9% of the 872 sentences."""
+    sentences = sst2_validation()
+    ours = openai_vectors(openai_client(served), sentences)
+    agreement = compare(ours, reference(sentences))["nearest_neighbour_agreement"]
+    assert len(sentences) == 872 and agreement >= 0.999
+
+
+def test_bf16_vectors_within_cosine_0_999(texts, reference_vectors):
+    url, process = start_tmod_serve(["--tasks", "embedding", "--precision", "bf16", "--log-level", "warning"], SERVE_ENV)
+    try:
+        ours = openai_vectors(openai_client(url), texts[:64])
+    finally:
+        process.kill()
+        process.wait()
+    assert_equal_vectors(ours, reference_vectors[:64], 0.999, None)
+
+
+# ---- hot loading and worker processes (tiny backbone) ----------------------------------------------------
+def test_hot_loaded_embedding_with_two_workers_equals_in_process(tmp_path, tiny_backbone, tiny_backbone_dir):
+    store = populate_store(tmp_path / "store", tiny_backbone)
+    save_module(store, "embedding", "1", EmbeddingHead.from_backbone(tiny_backbone, tiny_backbone_dir), tiny_backbone)
+    env = {**SERVE_ENV, "TMOD_ADMIN_TOKEN": "secret"}
+    url, process = start_tmod_serve(["--workers", "2", "--backbone", str(tiny_backbone_dir), "--store",
+                                     str(store.root), "--tasks", "sentiment", "--precision", "fp32"], env)
+    try:
+        sample = ["A fine film.", "Peter flew to Brussels.", "Über 😀"]
+        missing = httpx.post(url + "/v1/embeddings", json={"model": "embedding", "input": sample})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        loaded = httpx.post(url + "/admin/modules/embedding/load", headers={"authorization": "Bearer secret"})
+        assert loaded.status_code == 200, loaded.text
+        assert "embedding" in {t["task"] for t in httpx.get(url + "/v1/tasks").json()["tasks"]}
+        served = [httpx.post(url + "/v1/embeddings", json={"model": "embedding", "input": sample}).json()
+                  for _ in range(4)]  # answered by either worker
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    module = load_module(store, "embedding", "1", tiny_backbone)
+    expected = embed(Engine(tiny_backbone), module, sample)
+    for answer in served:
+        vectors = np.array([d["embedding"] for d in answer["data"]], dtype=np.float32)
+        assert np.abs(vectors - expected).max() <= 1e-6
+    assert np.allclose(np.linalg.norm(expected, axis=1), 1.0, atol=1e-6)  # the default: normalised
+
+
+def test_shipped_modules_record_their_reference_check():
+    store = ModuleStore(DEFAULT_STORE)
+    for version, name in (("1", "all-MiniLM-L6-v2"), ("mpnet-1", "all-mpnet-base-v2")):
+        manifest = store.read_manifest("embedding", version)
+        assert manifest.backbone.name == name and manifest.kind == "embedding"
+        check = manifest.metrics["reference_check"]
+        assert check["nearest_neighbour_agreement"] >= 0.999 and check["min_cosine"] >= 0.99999
+
+
+@pytest.mark.slow
+def test_mpnet_vectors_equal_sentence_transformers_fp32(tmp_path):
+    from server.backbone.sources import resolve_backbone
+
+    folder, _ = resolve_backbone("mpnet")
+    texts = varied_texts(__import__("transformers").AutoTokenizer.from_pretrained(folder))
+    url, process = start_tmod_serve(["--backbone", "mpnet", "--tasks", "embedding", "--precision", "fp32",
+                                     "--log-level", "warning"], SERVE_ENV, ready_timeout=600)
+    try:
+        ours = openai_vectors(openai_client(url), texts)
+    finally:
+        process.kill()
+        process.wait()
+    assert ours.shape == (300, 768)
+    assert_equal_vectors(ours, reference(texts, folder=folder), 0.99999, 1e-5)

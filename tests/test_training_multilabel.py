@@ -1,0 +1,125 @@
+"""tmod-train --multi-label: reading, the loss, threshold choice, a tiny end-to-end run, served answers."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modules_store import ModuleStore, TaskType
+from server.engine import Engine
+from server.modules import load_module
+from training.cli import main
+from training.data import GOEMOTIONS_LABELS, PRESETS, preset_spec, read_table
+from training.metrics import choose_thresholds, label_f1_by_threshold, multilabel_scores
+from training.trainer import task_loss
+
+COLOURS = {"red": "warm", "orange": "warm", "blue": "cold", "ice": "cold", "loud": "noisy", "drum": "noisy"}
+FILLER = ["the", "thing", "was", "very", "a", "quite", "some", "object"]
+
+
+def write_multilabel(path, n, seed):
+    """Texts whose labels are the kinds of the cue words in them (0 to 3 labels per text)."""
+    rng = random.Random(seed)
+    lines = ["text\tlabels"]
+    for _ in range(n):
+        cues = rng.sample(sorted(COLOURS), rng.randint(0, 3))
+        words = rng.sample(FILLER, 4) + cues
+        rng.shuffle(words)
+        lines.append(" ".join(words) + "\t" + ",".join(sorted({COLOURS[c] for c in cues})))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_goemotions_preset_reads_label_sets(tmp_path):
+    labels_file = preset_spec(PRESETS["goemotions"], "train").path.parent / "labels.txt"
+    if not labels_file.is_file():
+        pytest.skip("the shared GoEmotions data is not here")
+    assert list(GOEMOTIONS_LABELS) == labels_file.read_text(encoding="utf-8").split("\n")
+    data = preset_spec(PRESETS["goemotions"], "validation").read()
+    assert data.task_type == TaskType.multi_label_classification and len(data) == 5426
+    assert sum(len(ex.label) >= 2 for ex in data.examples) == 878  # the dataset README's count
+    first = (tmp_path / "x.tsv")
+    first.write_text("I love it and laugh\t18,1\tid1\n")
+    ex = read_table(first, text_column=0, label_column=1, header=False, multi_label=True,
+                    label_map={str(i): n for i, n in enumerate(GOEMOTIONS_LABELS)}).examples[0]
+    assert ex.label == ("love", "amusement")
+
+
+def test_loss_is_binary_cross_entropy_per_label():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 3.0, -2.0]])
+    targets = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    by_hand = -(targets * torch.log(torch.sigmoid(logits)) + (1 - targets) * torch.log(1 - torch.sigmoid(logits))).mean()
+    assert task_loss(logits, targets).item() == pytest.approx(by_hand.item(), rel=1e-6)
+    assert task_loss(logits, torch.tensor([0, 1])).item() == pytest.approx(F.cross_entropy(logits, torch.tensor([0, 1])).item())
+
+
+def test_scores_and_threshold_choice_by_hand():
+    gold = np.array([[1, 0], [1, 1], [0, 1], [0, 0]], dtype=bool)
+    probs = np.array([[0.9, 0.2], [0.6, 0.35], [0.1, 0.3], [0.2, 0.1]])
+    pred = probs >= 0.5
+    scores = multilabel_scores(gold, pred, ["a", "b"])
+    # a: tp 2, fp 0, fn 0 -> F1 1; b: tp 0, fp 0, fn 2 -> F1 0; micro: tp 2, fp 0, fn 2 -> 2/3
+    assert scores["per_label"]["a"]["f1"] == 1.0 and scores["per_label"]["b"]["f1"] == 0.0
+    assert scores["f1_macro"] == 0.5 and scores["f1_micro"] == pytest.approx(2 / 3)
+    grid = (0.25, 0.5)
+    table = label_f1_by_threshold(gold, probs, grid)
+    # a at 0.25: tp 2, fp 0 -> 1; b at 0.25: tp 2, fp 0 (0.1 < 0.25) -> 1; b at 0.5: 0
+    assert table.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    chosen = choose_thresholds(gold, probs, ["a", "b"], grid)
+    assert chosen["rule"] == "global" and chosen["thresholds"] == {"a": 0.25, "b": 0.25}  # ties: the simpler rule
+    probs[3, 0] = 0.3  # now a needs 0.5 and b needs 0.25: only per-label thresholds reach macro F1 1
+    chosen = choose_thresholds(gold, probs, ["a", "b"], grid)
+    assert chosen["rule"] == "per_label" and chosen["thresholds"] == {"a": 0.5, "b": 0.25}
+    assert chosen["per_label_f1_macro"] == 1.0 > chosen["global_f1_macro"]
+
+
+@pytest.fixture(scope="module")
+def multilabel_run(tmp_path_factory, train_backbone_dir):
+    root = tmp_path_factory.mktemp("multilabel")
+    train_file, validation_file = write_multilabel(root / "train.tsv", 96, 0), write_multilabel(root / "val.tsv", 48, 1)
+    argv = ["layermix", "--multi-label", "--train", str(train_file), "--validation", str(validation_file),
+            "--text-column", "text", "--label-column", "labels", "--backbone", str(train_backbone_dir),
+            "--task", "kinds", "--store", str(root / "store"), "--report-dir", str(root / "report"),
+            "--epochs", "12", "--lr", "0.01", "--alpha", "2", "--batch-size", "8", "--project-dim", "16",
+            "--patience", "12", "--no-progress"]
+    assert main(argv) == 0
+    return root
+
+
+def test_multilabel_training_writes_thresholds_and_reports(multilabel_run, train_backbone):
+    module = load_module(ModuleStore(multilabel_run / "store"), "kinds", "1", train_backbone)
+    manifest = module.manifest
+    assert manifest.task_type == TaskType.multi_label_classification
+    assert manifest.labels == ["cold", "noisy", "warm"]
+    history = manifest.training["history"]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    thresholds = manifest.decoding["thresholds"]
+    assert set(thresholds) == set(manifest.labels) and manifest.decoding["threshold_rule"].startswith(manifest.metrics["rule"])
+    assert manifest.metrics["f1_macro"] == max(manifest.metrics["global_f1_macro"], manifest.metrics["per_label_f1_macro"])
+    assert manifest.metrics["f1_macro"] > 0.5  # the cue words are easy to learn
+    report = multilabel_run / "report"
+    table = (report / "per_label.md").read_text()
+    assert all(f"| {label} | {thresholds[label]:.2f} |" in table for label in manifest.labels)
+    assert (report / "per_label_f1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((report / "metrics.json").read_text())["decoding"]["thresholds"] == thresholds
+
+
+def test_served_answers_use_the_shipped_thresholds(multilabel_run, train_backbone):
+    """The served answer's labels are those whose sigmoid passes the manifest's thresholds, and
+    re-scoring the served answers gives the manifest's macro F1."""
+    from training.data import read_table as read
+
+    module = load_module(ModuleStore(multilabel_run / "store"), "kinds", "1", train_backbone)
+    data = read(multilabel_run / "val.tsv", text_column="text", label_column="labels", multi_label=True)
+    batch = train_backbone.tokenize(data.texts())
+    answers = Engine(train_backbone).predict(batch, {"kinds": module})["kinds"]
+    labels, thresholds = module.head.labels, module.manifest.decoding["thresholds"]
+    gold = np.array([[label in ex.label for label in labels] for ex in data.examples])
+    pred = np.array([[label in a["labels"] for label in labels] for a in answers])
+    for answer in answers:
+        assert answer["labels"] == [l for l in labels if answer["scores"][l] >= thresholds[l]]
+    assert multilabel_scores(gold, pred, labels)["f1_macro"] == pytest.approx(module.manifest.metrics["f1_macro"], abs=0.03)

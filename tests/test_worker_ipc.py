@@ -1,0 +1,151 @@
+"""What crosses the socket between a worker and the engine (server/workers.py), frame by frame.
+
+In one process: a real engine (`Runtime` + `EngineService` on a Unix socket) and a real
+`RemoteRuntime` connected to it; every frame either side reads is recorded. Requests must go as one
+token array per request (`PackedRows`) and answers as one array per task, never as an object per
+input; the answers must equal those of the single-process runtime on the same inputs; a request past
+the worker's in-flight bound is refused 429; a cancelled request never reaches a batch."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+import time
+
+import numpy as np
+import pytest
+
+import server.workers as workers
+from server.workers import PackedAnswers
+from server.backbone.tokens import FIELDS, PackedRows
+from server.batcher import Job
+from server.config import Settings
+from server.errors import ApiError
+from server.runtime import Runtime
+
+TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beautifully acted film.",
+         "John lives in New York and works for the United Nations.", "Him be went store.", "ok"]
+PAIRS = [("The cat sat.", "A cat was sitting."), ("Paris is in France.", "Berlin is in Germany.")]
+TASKS = ["sentiment", "ner", "acceptability"]
+
+
+async def wait_ready(runtime) -> None:
+    deadline = time.monotonic() + 60
+    while not runtime.ready.is_set():
+        assert time.monotonic() < deadline and not runtime.startup_error, runtime.startup_error
+        await asyncio.sleep(0.02)
+
+
+def answer_of(runtime, texts, pairs, tasks, **job):
+    rows = runtime.encode(texts, pairs, False, None)
+    modules = {t: runtime.modules[t] for t in tasks}
+    return Job(rows=rows, modules=modules, deadline=time.perf_counter() + 60, **job)
+
+
+@pytest.fixture
+def frames(monkeypatch):
+    """Every frame read on either side, as (raw bytes, messages)."""
+    seen = []
+
+    async def recording_read_frame(reader):
+        (size,) = workers.FRAME.unpack(await reader.readexactly(workers.FRAME.size))
+        data = await reader.readexactly(size)
+        messages = pickle.loads(data)
+        seen.append((data, messages))
+        return messages
+
+    monkeypatch.setattr(workers, "read_frame", recording_read_frame)
+    return seen
+
+
+def run_pair(tmp_path, tiny_store, tiny_backbone, scenario, **settings):
+    """Start an engine and one worker runtime in this process and run `scenario(single, remote)`."""
+    settings = {"max_wait_ms": 5, **settings}
+
+    async def main():
+        engine = Runtime(Settings(store=tiny_store.root, tasks=",".join(TASKS), workers=2, head_precision="fp32",
+                                  **settings), backbone=tiny_backbone)
+        single = Runtime(Settings(store=tiny_store.root, tasks=",".join(TASKS), head_precision="fp32", max_wait_ms=5),
+                         backbone=tiny_backbone)
+        service = workers.EngineService(engine)
+        await service.start(tmp_path / "engine.sock")
+        await single.open()
+        await wait_ready(engine)
+        await wait_ready(single)
+        remote = workers.RemoteRuntime(Settings(workers=2, **settings), tmp_path / "engine.sock")
+        try:
+            await remote.open()
+            await scenario(single, remote, engine)
+        finally:
+            await remote.shutdown()
+            await service.stop()
+            await engine.shutdown()
+            await single.shutdown()
+
+    asyncio.run(main())
+
+
+def test_requests_and_answers_cross_as_arrays_and_equal_one_process(tmp_path, tiny_store, tiny_backbone, frames):
+    answers = {}
+
+    async def scenario(single, remote, engine):
+        for name, texts, pairs, tasks in (("texts", TEXTS, None, TASKS), ("one", TEXTS[:1], None, ["ner"]),
+                                          ("pairs", [a for a, _ in PAIRS], [b for _, b in PAIRS], ["ner", "sentiment"])):
+            answers[name] = (await remote.submit(answer_of(remote, texts, pairs, tasks)),
+                             await single.submit(answer_of(single, texts, pairs, tasks)))
+
+    run_pair(tmp_path, tiny_store, tiny_backbone, scenario)
+    for name, (got, want) in answers.items():
+        assert got == want, name  # identical answers, floats included
+    requests = [m for _, batch in frames for m in batch if m[0] == "infer"]
+    replies = [m for _, batch in frames for m in batch if m[0] == "ok" and isinstance(m[2], tuple)]
+    assert len(requests) == 3 and len(replies) == 3
+    for message in requests:
+        packed = message[2]
+        assert isinstance(packed, PackedRows) and packed.tokens.dtype == np.int32
+        assert packed.tokens.shape == (sum(packed.lengths), FIELDS)
+    for message in replies:
+        answers = message[2][0]
+        assert isinstance(answers, PackedAnswers) and isinstance(answers.data, bytes) and not answers.decoded
+        assert [task for task, _ in answers.layout] and all(isinstance(v, np.ndarray) for v in answers.arrays().values())
+    texts_reply = dict(replies[0][2][0].layout)
+    assert texts_reply["sentiment"] == (len(TEXTS), 2)  # one array for every input of the request
+    assert texts_reply["ner"][0] == sum(requests[0][2].lengths)  # token task: all inputs' tokens
+    for data, _ in frames:  # no object per input anywhere on the wire, and no ndarray pickles (bytes instead)
+        assert b"EncodedInput" not in data and b"TokenBatch" not in data and b"ndarray" not in data
+
+
+def test_a_worker_past_its_in_flight_bound_answers_429(tmp_path, tiny_store, tiny_backbone, frames):
+    async def scenario(single, remote, engine):
+        assert remote.limit == 1  # max_queue 2 shared by 2 workers
+        first = asyncio.ensure_future(remote.submit(answer_of(remote, TEXTS[:1], None, ["sentiment"])))
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError) as refused:
+            await remote.submit(answer_of(remote, TEXTS[1:2], None, ["sentiment"]))
+        assert refused.value.status == 429 and refused.value.type == "overloaded"
+        assert len(await first) == 1  # the one in flight is answered
+
+    run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_queue=2)
+
+
+def test_a_request_whose_client_left_is_cancelled_in_the_engine(tmp_path, tiny_store, tiny_backbone, frames):
+    ran = []
+
+    async def scenario(single, remote, engine):
+        original = engine.run_batch
+        engine.batcher.run_batch = lambda rows, modules, timings: ran.append(len(rows)) or original(rows, modules, timings)
+
+        async def gone():
+            return True
+
+        job = answer_of(remote, TEXTS[:1], None, ["sentiment"], is_disconnected=gone)
+        with pytest.raises(ApiError) as refused:
+            await remote.submit(job)
+        assert refused.value.status == 499
+        await asyncio.sleep(0.6)  # past the engine's batch window: the cancelled job would have run by now
+        assert ran == []  # no pass ran for it
+        assert engine.metrics.registry.get_sample_value("tmod_dropped_requests_total", {"reason": "client_gone"}) == 1
+        assert [m for _, batch in frames for m in batch if m[0] == "cancel"]  # the cancel crossed the socket
+        # the engine still answers the next request
+        assert len(await remote.submit(answer_of(remote, TEXTS[:1], None, ["sentiment"]))) == 1
+
+    run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_wait_ms=500)
