@@ -29,6 +29,14 @@ class ArtifactError(Exception):
         self.message = message
 
 
+def check_name(name: str) -> None:
+    """Task and version names become folder names: nothing but a plain name (no '..', no '/') may."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:80] + "..."
+        raise ArtifactError("invalid_name", f"{shown} is not a valid task or version name: use 1-64 of a-z, 0-9, "
+                            "'_' and '-', starting with a letter or digit")
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -71,6 +79,7 @@ class ModuleStore:
         )
 
     def versions(self, task: str) -> list[str]:
+        check_name(task)
         task_dir = self.root / task
         if not task_dir.is_dir():
             return []
@@ -84,6 +93,8 @@ class ModuleStore:
         return versions[-1]
 
     def path(self, task: str, version: str) -> Path:
+        for name in (task, version):
+            check_name(name)
         return self.root / task / version
 
     # ---- reading ---------------------------------------------------------------------------
@@ -140,6 +151,11 @@ class ModuleStore:
             weights = load_file(str(weights_path))
         except (SafetensorError, OSError, ValueError) as exc:
             raise ArtifactError("bad_weights", f"{task}/{version}: cannot read {weights_path}: {exc}") from exc
+        for name, tensor in weights.items():  # a NaN or inf weight answers nonsense, or poisons its batch
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise ArtifactError("non_finite", f"{task}/{version}: tensor {name!r} has {bad} non-finite "
+                                    f"value(s) (NaN or inf) of {tensor.numel()}")
         return StoredModule(manifest=manifest, weights=weights, path=folder)
 
     # ---- writing ---------------------------------------------------------------------------

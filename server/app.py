@@ -6,6 +6,7 @@ import hmac
 import json
 import re
 import time
+from collections import Counter
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Query, Request, Response
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modules_store.manifest import NAME_PATTERN
 from server import oip, tokenize_api, windows
 from server.backbone import Backbone
 from server.embeddings_api import add_embeddings_routes
@@ -20,12 +22,15 @@ from server.batcher import Job
 from server.config import Settings
 from server.errors import (
     ApiError,
+    ServerErrors,
     api_error_handler,
+    clip,
+    clip_list,
     error_body,
     http_error_handler,
-    unhandled_error_handler,
     validation_error_handler,
 )
+from server.http_limits import BodyLimits
 from server.logs import RequestLog
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
@@ -47,49 +52,6 @@ from server.schemas import (
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
-class BodySizeLimit:
-    """ASGI middleware: refuse bodies over `limit` bytes with 413, declared or streamed."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send)
-        seen = 0
-
-        async def counting_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await self._refuse(send)
-
-    async def _refuse(self, send):
-        body = Response(
-            content=json.dumps(
-                error_body("payload_too_large", f"request body exceeds {self.limit} bytes")
-            ),
-            status_code=413, media_type="application/json",
-        )
-        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
-        await send({"type": "http.response.body", "body": body.body})
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
 def create_app(settings: Settings | None = None, backbone: Backbone | None = None, runtime=None) -> FastAPI:
     """The app over `runtime`: by default a Runtime in this process (backbone, modules, batcher);
     in an HTTP worker process a `server.workers.RemoteRuntime` (the same interface) that forwards to
@@ -108,12 +70,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         description="Multi-task NLP inference: one frozen backbone pass feeds every requested task head.",
     )
     app.state.runtime = runtime
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.state.retry_after_s = settings.retry_after_s
+    app.add_middleware(BodyLimits, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(ServerErrors)  # a 500 (or a body refusal a route let through) in the protocol's shape
     app.add_middleware(RequestLog)  # outermost: ids and access lines cover refusals too
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.add_exception_handler(Exception, unhandled_error_handler)
     metrics = runtime.metrics
 
     def model_info() -> ModelInfo:
@@ -131,16 +94,20 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             if not loaded:
                 raise ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store})")
             return dict(loaded)
+        # linear in the query's length (it is bounded by the server's header limits, a product of
+        # them would not be): one split, one count
         names = [t.strip() for t in tasks.split(",")]
         if any(not n for n in names):
-            raise ApiError(400, "invalid_tasks", f"empty task name in tasks={tasks!r}")
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+            raise ApiError(400, "invalid_tasks", f"empty task name in tasks={clip(tasks)}")
+        duplicates = sorted(n for n, times in Counter(names).items() if times > 1)
         if duplicates:
-            raise ApiError(400, "duplicate_tasks", f"tasks named more than once: {duplicates}")
+            raise ApiError(400, "duplicate_tasks", f"tasks named more than once: {clip_list(duplicates)}"
+                           + (f" and {len(duplicates) - 10} more" if len(duplicates) > 10 else ""))
         unknown = [n for n in names if n not in loaded]
         if unknown:
             raise ApiError(
-                400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
+                400, "unknown_task", f"unknown task(s) {clip_list(unknown)}"
+                + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "") + f"; loaded tasks: {sorted(loaded)}",
                 loaded_tasks=sorted(loaded),
             )
         return {n: loaded[n] for n in names}
@@ -293,6 +260,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
         require_admin(request)
         require_ready()
+        if not NAME_PATTERN.fullmatch(task):  # it names a folder of the store: nothing else may reach the disk
+            raise ApiError(400, "invalid_name", f"task {clip(task)} is not a module name: use 1-64 of a-z, 0-9, "
+                                                "'_' and '-', starting with a letter or digit")
         module, previous = await runtime.manage(task, action, body.version if body else None)
         if action == "unload":
             return ModuleActionResult(task=task, action=action, version=module.version)
@@ -309,7 +279,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         require_ready()
         module = runtime.modules.get(name)
         if module is None:
-            raise ApiError(404, "unknown_task", f"no task {name!r}; loaded tasks: {sorted(runtime.modules)}",
+            raise ApiError(404, "unknown_task", f"no task {clip(name)}; loaded tasks: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
         return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json")}
 
@@ -317,10 +287,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     def oip_module(task: str, version: str | None = None) -> LoadedModule:
         module = runtime.modules.get(task)
         if module is None:
-            raise ApiError(404, "unknown_task", f"no model {task!r}; loaded: {sorted(runtime.modules)}",
+            raise ApiError(404, "unknown_task", f"no model {clip(task)}; loaded: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
         if version is not None and version != module.version:
-            raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {version!r}")
+            raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {clip(version)}")
         return module
 
     @app.get("/v2", tags=["oip-v2"])
@@ -360,7 +330,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
         parameters = parsed.get("parameters") or {}
-        truncate = bool(parameters.get("truncate", False))
+        truncate = oip.bool_parameter(parameters, "truncate")
         window, stride = (windows.whole_number(parameters, name) for name in ("window", "stride"))
         controls = oip.answer_controls(parsed)
         # top_k reaches OIP clients as the classification extension on `scores`: decode every label

@@ -50,6 +50,7 @@ class Job:
     timings: Timings = field(default_factory=Timings)
     enqueued: float = field(default_factory=time.perf_counter)
     future: asyncio.Future | None = None
+    running: bool = False  # taken into a batch that runs: its deadline no longer applies
 
     @property
     def pairs(self) -> bool:
@@ -149,10 +150,19 @@ class Batcher:
             raise QueueFull("the server is shutting down")
         if self.depth() >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
-        job.future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        job.future = loop.create_future()
+        # the deadline is kept while the job waits, not only when a batch takes it
+        expiry = loop.call_later(max(0.0, job.deadline - time.perf_counter()), self._expire, job)
+        job.future.add_done_callback(lambda _: expiry.cancel())
         self._queue.put_nowait(job)
         self._observe_depth()
         return await job.future
+
+    def _expire(self, job: Job) -> None:
+        if not job.future.done() and not job.running:
+            job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
+            self._count_dropped("deadline")
 
     # ---- the loop ----------------------------------------------------------------------------
     async def _next(self, timeout: float | None) -> Job | None:
@@ -210,6 +220,7 @@ class Batcher:
                 job.future.set_exception(ClientGone("client disconnected"))
                 self._count_dropped("client_gone")
                 continue
+            job.running = True
             live.append(job)
         return live
 

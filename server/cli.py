@@ -72,17 +72,25 @@ def serve_settings(settings: Settings) -> None:
                 shutil.rmtree(made, ignore_errors=True)
     from server.app import create_app  # imported late so --help stays fast
 
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-        log_config=None, access_log=False))  # our JSON lines replace uvicorn's access log
+    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     stop_on_device_failure(lambda: setattr(server, "should_exit", True))
     server.run()
 
 
+def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
+    """uvicorn for tmod: our JSON lines replace its access log; request heads have a deadline
+    (`header_timeout_s`, server/http_limits.py)."""
+    from server.http_limits import header_timeout_protocol
+
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          log_config=None, access_log=False, http=header_timeout_protocol(settings.header_timeout_s),
+                          h11_max_incomplete_event_size=settings.max_header_bytes)
+
+
 def stop_on_device_failure(stop=None) -> None:
-    """A sticky device error stops this process as SIGTERM does (requests drain, answered 503;
-    `stop`, default a SIGTERM to this process), and `main` then exits non-zero, so that Kubernetes
-    (or any supervisor) starts a fresh one."""
+    """A sticky device error, or a start-up that failed, stops this process as SIGTERM does
+    (requests drain, answered 503; `stop`, default a SIGTERM to this process), and `main` then exits
+    non-zero, so that Kubernetes (or any supervisor) starts a fresh one."""
     from server import runtime
 
     runtime.on_device_failure = stop or (lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -90,6 +98,8 @@ def stop_on_device_failure(stop=None) -> None:
 
 def exit_status() -> None:
     runtime = sys.modules.get("server.runtime")  # not imported: nothing ran, nothing failed
+    if runtime is not None and runtime.startup_failure() is not None:
+        raise SystemExit(f"tmod-serve: cannot serve: {runtime.startup_failure()}")
     failure = runtime.device_failure() if runtime is not None else None
     if failure is not None:
         raise SystemExit(f"tmod-serve: stopped after a device failure: {failure}")

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     max_request_tokens: int = Field(
         131072, ge=1, description="most word pieces one request may have read, all its windows counted (413 above)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
+    max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes, with "
+                                  "uvicorn's h11 parser (400 above; httptools sets its own)")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection that has not sent a whole request head "
+                                    "this long after connecting (or after its previous answer) gets 408 and is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body still arriving this long after it began: 408")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After header (seconds) on a 429 (queue full)")
     batching: bool = Field(True, description="batch concurrent requests into one backbone pass")
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per backbone pass (rows x longest)")
     max_batch_size: int = Field(128, ge=1, description="most inputs per backbone pass")

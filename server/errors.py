@@ -1,6 +1,13 @@
-"""One error shape for every failure: {"error": {"type", "message", ...}}."""
+"""One error shape per protocol for every failure, with the request id the access log carries.
+
+tmod's own routes: {"error": {"type", "message", ...}}. The Open Inference Protocol (`/v2`): the
+message string in "error" (its clients, tritonclient among them, format that string), the type
+beside it. Every refusal goes through `error_response`, whoever raises it: a route, FastAPI's
+validation, Starlette's routing (404, 405), the body limits, or an exception nobody caught.
+"""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import Request
@@ -8,57 +15,133 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+log = logging.getLogger("tmod")
+
+CLIP = 80  # characters of a client's value an error message quotes back
+
 
 class ApiError(Exception):
-    def __init__(self, status: int, type_: str, message: str, **details: Any):
+    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None, **details: Any):
         super().__init__(message)
         self.status, self.type, self.message, self.details = status, type_, message, details
+        self.headers = headers or {}
+
+
+class BodyRefused(Exception):
+    """Raised while a request body is read (too large, too slow): answered with its status, never
+    as a parse error."""
+
+    def __init__(self, status: int, type_: str, message: str):
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
+
+
+def clip(value: Any, limit: int = CLIP) -> str:
+    """repr(value), cut to `limit` characters: error messages never echo attacker-sized input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def clip_list(values: list, most: int = 10) -> list:
+    """The first `most` values, each clipped (for the lists an error names)."""
+    return [v if isinstance(v, str) and len(v) <= CLIP else clip(v) for v in values[:most]]
 
 
 def error_body(type_: str, message: str, **details: Any) -> dict:
     return {"error": {"type": type_, "message": message, **details}}
 
 
-def _count(request: Request, type_: str) -> None:
-    runtime = getattr(request.app.state, "runtime", None)
+def is_oip(path: str) -> bool:
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def oip_error_body(type_: str, message: str, **details: Any) -> dict:
+    # the Open Inference Protocol puts the message string in "error"; its clients read it there
+    return {"error": message, "type": type_, **details}
+
+
+def error_response(path: str, status: int, type_: str, message: str, headers: dict[str, str] | None = None,
+                   **details: Any) -> JSONResponse:
+    """The refusal in the shape of the protocol `path` belongs to."""
+    body = oip_error_body(type_, message, **details) if is_oip(path) else error_body(type_, message, **details)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def count_error(app, type_: str) -> None:
+    runtime = getattr(getattr(app, "state", None), "runtime", None)
     if runtime is not None:
         runtime.metrics.requests.labels("error").inc()
         runtime.metrics.errors.labels(type_).inc()
 
 
 async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:
-    _count(request, exc.type)
-    if request.url.path.startswith("/v2/"):
-        # the Open Inference Protocol puts the message string in "error"; its clients read it there
-        return JSONResponse({"error": exc.message, "type": exc.type, **exc.details}, status_code=exc.status)
-    return JSONResponse(error_body(exc.type, exc.message, **exc.details), status_code=exc.status)
+    count_error(request.app, exc.type)
+    headers = dict(exc.headers)
+    if exc.status == 429:  # overloaded: tell the client when to come back (the app's `retry_after_s`)
+        headers.setdefault("retry-after", str(getattr(request.app.state, "retry_after_s", 1)))
+    return error_response(request.url.path, exc.status, exc.type, exc.message, headers, **exc.details)
 
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     problems = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        problems.append({"location": where, "message": err.get("msg", "invalid")})
-    _count(request, "invalid_request")
+    for err in exc.errors()[:20]:
+        where = ".".join(str(p)[:CLIP] for p in err.get("loc", ()) if p != "body") or "body"
+        problems.append({"location": where, "message": str(err.get("msg", "invalid"))[:200]})
+    count_error(request.app, "invalid_request")
     summary = "; ".join(f"{p['location']}: {p['message']}" for p in problems[:5])
-    return JSONResponse(
-        error_body("invalid_request", f"request is malformed: {summary}", problems=problems), status_code=422
-    )
+    return error_response(request.url.path, 422, "invalid_request", f"request is malformed: {summary}",
+                          problems=problems)
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    path = request.url.path
     if exc.status_code == 400 and "parsing the body" in str(exc.detail):
+        cause = exc.__cause__
+        if isinstance(cause, BodyRefused):  # the body limits stopped reading it
+            count_error(request.app, cause.type)
+            return error_response(path, cause.status, cause.type, cause.message)
+        if isinstance(cause, RecursionError):
+            count_error(request.app, "payload_too_large")
+            return error_response(path, 413, "payload_too_large", "request body is JSON nested too deeply")
         # FastAPI's wording for a body that is not UTF-8 at all; say so, with the status of a bad body
-        _count(request, "invalid_request")
-        return JSONResponse(
-            error_body("invalid_request", "request body is not valid UTF-8 encoded JSON"), status_code=422
-        )
+        count_error(request.app, "invalid_request")
+        return error_response(path, 422, "invalid_request", "request body is not valid UTF-8 encoded JSON")
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    _count(request, type_)
-    return JSONResponse(error_body(type_, str(exc.detail)), status_code=exc.status_code)
+    count_error(request.app, type_)
+    return error_response(path, exc.status_code, type_, str(exc.detail)[:200], headers=exc.headers)
 
 
-async def unhandled_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    # The worker stays up; the client gets the shape it expects instead of a bare 500 page.
-    _count(request, "internal_error")
-    return JSONResponse(error_body("internal_error", f"{type(exc).__name__}: {exc}"), status_code=500)
+class ServerErrors:
+    """ASGI middleware, inside the request log: an exception nothing else caught becomes a 500 in
+    the route's protocol shape (so it carries the request id, its traceback is logged with that id,
+    and the connection stays open for the next request). A body refusal that escaped a route
+    (`/v2` reads its body itself) is answered here with its own status."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except BodyRefused as exc:
+            if started:
+                raise
+            count_error(scope.get("app"), exc.type)
+            await error_response(scope["path"], exc.status, exc.type, exc.message)(scope, receive, send)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            count_error(scope.get("app"), "internal_error")
+            await error_response(scope["path"], 500, "internal_error",
+                                 f"{type(exc).__name__}: {str(exc)[:200]}")(scope, receive, send)

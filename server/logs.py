@@ -41,6 +41,12 @@ def configure_logging(level: str = "info") -> None:
         logging.getLogger(name).propagate = True
 
 
+def _clipped(query: bytes, limit: int = 1024) -> str:
+    """A query string for the access log: an attacker-sized one is cut (with its length said)."""
+    text = query[:limit].decode("latin-1")
+    return text if len(query) <= limit else f"{text}... ({len(query)} bytes)"
+
+
 class RequestLog:
     """ASGI middleware: a request id per request (the client's `x-request-id` if sane), echoed in
     the response and on every log line written while serving it, and one access line at the end."""
@@ -71,7 +77,7 @@ class RequestLog:
         finally:
             self.log.info(
                 "request", extra={
-                    "method": scope["method"], "path": scope["path"], "query": scope.get("query_string", b"").decode("latin-1"),
+                    "method": scope["method"], "path": scope["path"], "query": _clipped(scope.get("query_string", b"")),
                     "status": status, "duration_ms": round((time.perf_counter() - started) * 1000, 3),
                 },
             )

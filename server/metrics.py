@@ -45,6 +45,11 @@ class Metrics:
             multiprocess_mode="livesum",
         )
         self.modules_loaded = Gauge("tmod_modules_loaded", "Task modules loaded", registry=r, multiprocess_mode="livemax")
+        self.modules_refused = Gauge("tmod_modules_refused", "Tasks (and bridges) with an artifact refused at its "
+                                     "last load: /readyz 'refused' says which and why", registry=r,
+                                     multiprocess_mode="livemax")
+        self.module_refusals = Counter("tmod_module_refusals", "Artifacts refused at load, by reason", ["reason"],
+                                       registry=r)
         self.backbone_layers = Histogram(
             "tmod_backbone_layers_run", "Backbone layers run per pass (early exit)",
             buckets=tuple(range(0, 49, 2)), registry=r,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from modules_store import ArtifactError, Manifest, ModuleStore, TaskType
+from modules_store.store import _version_key
 from server.heads import Head, build_head
 
 
@@ -47,8 +48,26 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
     head.to(device)
     for param in head.parameters():
         param.requires_grad_(False)
-    return LoadedModule(task=task, version=stored.manifest.version, manifest=stored.manifest, head=head,
-                        bridge=bridge.name if bridge else None)
+    module = LoadedModule(task=task, version=stored.manifest.version, manifest=stored.manifest, head=head,
+                          bridge=bridge.name if bridge else None)
+    from server.probe import probe_module  # the probe runs the engine, which imports this module
+
+    probe_module(module, backbone, bridges)
+    return module
+
+
+def load_servable(store: ModuleStore, task: str, backbone, device="cpu", bridges: dict | None = None
+                  ) -> tuple[LoadedModule, list[ArtifactError]]:
+    """The newest version of `task` this backbone serves that passes every check, and the refusals
+    of the newer ones (a store serves the best artifact it has and says what it refused). Raises
+    the newest version's error when none loads."""
+    refused = []
+    for version in servable_versions(store, task, backbone, bridges):
+        try:
+            return load_module(store, task, version, backbone, device, bridges), refused
+        except ArtifactError as exc:
+            refused.append(exc)
+    raise refused[0]
 
 
 def servable_version(store: ModuleStore, task: str, backbone, bridges: dict | None = None) -> str:
@@ -58,19 +77,37 @@ def servable_version(store: ModuleStore, task: str, backbone, bridges: dict | No
     ArtifactError "other_backbone" when every version belongs to a backbone it cannot serve (a
     start-up over the whole store skips such a task quietly), or the store's own error (a broken
     manifest, no version) as before."""
+    return servable_versions(store, task, backbone, bridges)[0]
+
+
+def servable_versions(store: ModuleStore, task: str, backbone, bridges: dict | None = None) -> list[str]:
+    """Every version `servable_version` could pick, best first: this backbone's, newest first, then
+    those a loaded bridge leads to. A version whose manifest cannot be read is listed where its
+    folder sorts (loading it reports why); errors as `servable_version`'s when none is servable."""
     versions = store.versions(task) or [store.latest(task)]  # latest() raises "no module" when there is none
-    manifests = [store.read_manifest(task, v) for v in reversed(versions)]  # newest first
+    manifests, unreadable = [], []
+    for version in reversed(versions):  # newest first
+        try:
+            manifests.append(store.read_manifest(task, version))
+        except ArtifactError as exc:
+            unreadable.append((version, exc))
     mine = backbone.fingerprint.identity()
-    for manifest in manifests:
-        if manifest.backbone.identity() == mine:
-            return manifest.version
     targets = {bridge.manifest.target.identity() for bridge in (bridges or {}).values()}
-    for manifest in manifests:
-        if manifest.backbone.identity() in targets:
-            return manifest.version
+    native = [m.version for m in manifests if m.backbone.identity() == mine]
+    foreign = [m.version for m in manifests if m.backbone.identity() in targets]
+    if unreadable and (not manifests or _newer(unreadable[0][0], (native or foreign or [None])[0])):
+        if not (native or foreign):
+            raise unreadable[0][1]  # nothing else to serve: the broken manifest is the answer
+        return [unreadable[0][0], *native, *foreign]  # the newest is broken: tried (and refused) first
+    if native or foreign:
+        return native + foreign
     owners = ", ".join(f"{m.version} ({m.backbone.name or m.backbone.short})" for m in manifests)
     raise ArtifactError("other_backbone", f"{task}: no version for backbone {backbone.name} and no loaded bridge "
                         f"to the backbone of one; its versions are {owners}")
+
+
+def _newer(version: str, than: str | None) -> bool:
+    return than is None or _version_key(version) > _version_key(than)
 
 
 def compares_pairs(manifest: Manifest | None) -> bool:

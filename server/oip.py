@@ -21,6 +21,8 @@ little-endian length and the bytes.
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 from typing import Any
 
@@ -29,12 +31,14 @@ import numpy as np
 from modules_store import TaskType
 from pydantic import ValidationError
 
-from server.errors import ApiError
+from server.errors import ApiError, clip, clip_list
 from server.heads.embedding import vector_size
-from server.modules import LoadedModule
+from server.modules import LoadedModule, compares_pairs
 from server.schemas import AnswerControls
 
 HEADER = "inference-header-content-length"
+DIGITS = re.compile(r"[0-9]{1,18}")  # not str.isdigit(): it is true for '²', which int() refuses
+MAX_DATA_DEPTH = 32  # nesting of a tensor's "data" (row-major lists); deeper is refused, never recursed into
 
 
 def model_metadata(module: LoadedModule) -> dict[str, Any]:
@@ -42,13 +46,18 @@ def model_metadata(module: LoadedModule) -> dict[str, Any]:
         "name": module.task,
         "versions": [module.version],
         "platform": f"tmod-{module.manifest.kind}",
-        "inputs": [
-            {"name": "text", "datatype": "BYTES", "shape": [-1]},
-            {"name": "text_pair", "datatype": "BYTES", "shape": [-1], "optional": True},
-        ],
+        "inputs": input_specs(module),
         "outputs": output_specs(module),
         "parameters": {"labels": module.manifest.labels, "task_type": module.manifest.task_type.value},
     }
+
+
+def input_specs(module: LoadedModule) -> list[dict[str, Any]]:
+    """`text`; pair tasks (a text with a text pair) also `text_pair`, which they need."""
+    inputs = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    if compares_pairs(module.manifest):
+        inputs.append({"name": "text_pair", "datatype": "BYTES", "shape": [-1]})
+    return inputs
 
 
 def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
@@ -104,18 +113,65 @@ def _as_text(value: Any, name: str, index: int) -> str:
     return value
 
 
+def bool_parameter(parameters: dict, name: str, default: bool = False) -> bool:
+    """A boolean request parameter, strictly: JSON true or false (the string "false" is not false)."""
+    value = parameters.get(name, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, "invalid_request", f"parameter {name!r} must be true or false, not {clip(value)}")
+    return value
+
+
+def _parameters(owner: dict, where: str) -> dict:
+    value = owner.get("parameters")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, "invalid_request", f"{where} 'parameters' must be an object, not {clip(value)}")
+    return value
+
+
+def _shape(tensor: dict, name: str) -> list[int]:
+    shape = tensor.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_DATA_DEPTH or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ApiError(400, "invalid_request", f"input {name!r}: shape must be a list of non-negative integers, "
+                                               f"not {clip(shape)}")
+    return shape
+
+
+def _flatten(data: Any, name: str) -> list:
+    """A tensor's "data" in row-major order (flat or nested lists), without recursion."""
+    if not isinstance(data, list):
+        raise ApiError(400, "invalid_request", f"input {name!r}: 'data' must be a list")
+    out, stack = [], [(iter(data), 1)]
+    while stack:
+        items, depth = stack[-1]
+        item = next(items, stack)  # the stack itself marks the end
+        if item is stack:
+            stack.pop()
+        elif isinstance(item, list):
+            if depth >= MAX_DATA_DEPTH:
+                raise ApiError(400, "invalid_request", f"input {name!r}: 'data' is nested deeper than {MAX_DATA_DEPTH}")
+            stack.append((iter(item), depth + 1))
+        else:
+            out.append(item)
+    return out
+
+
 def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[str], list[str] | None]:
     """-> (the JSON header, texts, text pairs or None)."""
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
-            raise ApiError(400, "invalid_request", f"bad {HEADER} header {header_length!r}")
+        if not DIGITS.fullmatch(header_length) or int(header_length) > len(body):
+            raise ApiError(400, "invalid_request", f"bad {HEADER} header {clip(header_length)}")
         json_part, binary = body[: int(header_length)], body[int(header_length):]
     else:
         json_part, binary = body, b""
     try:
         request = json.loads(json_part)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(422, "invalid_request", f"request is not valid JSON: {exc}") from exc
+        raise ApiError(422, "invalid_request", f"request is not valid JSON: {str(exc)[:200]}") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "invalid_request", "request JSON is nested too deeply") from exc
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
         raise ApiError(422, "invalid_request", "request needs a non-empty 'inputs' list")
     tensors: dict[str, list[str]] = {}
@@ -125,21 +181,26 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[st
             raise ApiError(422, "invalid_request", "each input needs a 'name'")
         name = tensor["name"]
         if name not in ("text", "text_pair"):
-            raise ApiError(400, "invalid_request", f"unknown input {name!r}; inputs are 'text' and 'text_pair'")
+            raise ApiError(400, "invalid_request", f"unknown input {clip(name)}; inputs are 'text' and 'text_pair'")
+        if name in tensors:
+            raise ApiError(400, "invalid_request", f"input {name!r} is given twice")
         if tensor.get("datatype") != "BYTES":
             raise ApiError(400, "invalid_request", f"input {name!r} must have datatype BYTES")
-        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        shape = _shape(tensor, name)
+        size = _parameters(tensor, f"input {name!r}").get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise ApiError(400, "invalid_request", f"input {name!r}: binary_data_size {size!r} overruns the body")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
+                raise ApiError(400, "invalid_request", f"input {name!r}: binary_data_size {clip(size)} overruns the body")
             values = _bytes_elements(binary[offset:offset + size], name)
             offset += size
         else:
-            values = np.asarray(tensor.get("data", []), dtype=object).reshape(-1).tolist()
+            values = _flatten(tensor.get("data", []), name)
         tensors[name] = [_as_text(v, name, i) for i, v in enumerate(values)]
-        shape = tensor.get("shape")
-        if not isinstance(shape, list) or int(np.prod(shape or [0])) != len(tensors[name]):
-            raise ApiError(400, "invalid_request", f"input {name!r}: shape {shape} does not match {len(tensors[name])} elements")
+        if math.prod(shape) != len(tensors[name]) or not shape:
+            raise ApiError(400, "invalid_request", f"input {name!r}: shape {clip(shape)} does not match "
+                                                   f"{len(tensors[name])} elements")
+    bool_parameter(_parameters(request, "request"), "binary_data_output")  # checked here, before any compute
+    _requested_outputs(request)
     if "text" not in tensors:
         raise ApiError(400, "invalid_request", "input 'text' is required")
     pairs = tensors.get("text_pair")
@@ -172,6 +233,18 @@ def _output_arrays(module: LoadedModule, results: list[dict]) -> dict[str, tuple
     return {"value": ("FP32", np.array([r["value"] for r in results], dtype=np.float32))}
 
 
+def _requested_outputs(request: dict) -> list[dict]:
+    """The request's "outputs" entries, each an object with a string name (checked before compute)."""
+    wanted = request.get("outputs")
+    if wanted is None:
+        return []
+    if not isinstance(wanted, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in wanted):
+        raise ApiError(400, "invalid_request", "'outputs' must be a list of objects, each with a string 'name'")
+    for output in wanted:
+        bool_parameter(_parameters(output, f"output {clip(output['name'])}"), "binary_data")
+    return wanted
+
+
 def _serialize_bytes(array: np.ndarray) -> bytes:
     return b"".join(struct.pack("<I", len(item)) + item for item in array.reshape(-1))
 
@@ -202,14 +275,14 @@ def encode_response(module: LoadedModule, request: dict, results: list[dict],
     for with `"classification": k` (or `scores` when the request's `top_k` is k and it names no
     outputs) come back in the classification extension's form."""
     arrays = _output_arrays(module, results)
-    wanted = request.get("outputs")
-    binary_default = bool((request.get("parameters") or {}).get("binary_data_output", False))
+    wanted = _requested_outputs(request)
+    binary_default = bool_parameter(_parameters(request, "request"), "binary_data_output")
     if wanted:
-        unknown = [o.get("name") for o in wanted if o.get("name") not in arrays]
+        unknown = [o["name"] for o in wanted if o["name"] not in arrays]
         if unknown:
-            raise ApiError(400, "invalid_request", f"unknown output(s) {unknown}; outputs are {sorted(arrays)}")
-        selection = [(o["name"], bool((o.get("parameters") or {}).get("binary_data", binary_default)),
-                      _classification_count(o["name"], o.get("parameters") or {}, arrays)
+            raise ApiError(400, "invalid_request", f"unknown output(s) {clip_list(unknown)}; outputs are {sorted(arrays)}")
+        selection = [(o["name"], bool_parameter(_parameters(o, f"output {o['name']!r}"), "binary_data", binary_default),
+                      _classification_count(o["name"], _parameters(o, f"output {o['name']!r}"), arrays)
                       or (top_k if o["name"] == "scores" else None)) for o in wanted]
     else:
         selection = [(name, binary_default, top_k if name == "scores" else None) for name in arrays]

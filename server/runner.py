@@ -82,6 +82,14 @@ class OutOfMemory(ApiError):
                          "send a shorter input, or ask for truncation with a lower token limit")
 
 
+class HeadFailed(ApiError):
+    """A task's head raised during a pass: its answers for the pass's rows (500); the other tasks
+    of the batch are answered."""
+
+    def __init__(self, task: str, cause: str):
+        super().__init__(500, "head_failed", f"task {task!r} failed on this input: {cause[:200]}", task=task)
+
+
 def error_text(exc: BaseException) -> str:
     """'Type: first line' of an exception (what is kept of it once it is dropped)."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}"
@@ -725,17 +733,23 @@ class ModelRunner:
         return outputs
 
     def _answer(self, item: PreparedPass, rows: list[EncodedInput], modules, timings) -> dict[str, list]:
-        failure = None
+        failure = broken = None
         try:
             logits, batches = self._pass(item, rows, modules, timings)
             return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows),
                            rows)
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            if is_device_failure(exc):  # the whole device is gone: the runtime stops (not one head's fault)
                 raise
             # only the text is kept: the exception's traceback holds the failed pass's frames, and
             # through them its states, which the retry needs the memory of
-            failure = error_text(exc)
+            if is_out_of_memory(exc):
+                failure = error_text(exc)
+            else:
+                log.warning("a pass for tasks %s failed", sorted(modules), exc_info=True)
+                broken = error_text(exc)
+        if broken is not None:
+            return self._answer_apart(item, rows, modules, timings, broken)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if len(rows) == 1:
@@ -751,6 +765,21 @@ class ModelRunner:
             # pageable inputs: this batch's staging set is still taken, the other may be the next batch's
             for task, answered in self._execute(self.prepare(part, modules, staged=False), modules, timings).items():
                 outputs[task].extend(answered)
+        return outputs
+
+    def _answer_apart(self, item: PreparedPass, rows: list[EncodedInput], modules, timings,
+                      error: str) -> dict[str, list]:
+        """A pass that raised (not for memory): a failing head fails its own task's answers, never
+        another task's. Each task runs again in a pass of its own; a task whose pass raises too is
+        answered 500 (`HeadFailed`) for these rows, the others as usual."""
+        if len(modules) == 1:
+            (task, module), = modules.items()
+            log.error("task %s/%s failed a pass of %d rows: %s", task, module.version, len(rows), error)
+            return {task: [HeadFailed(task, error)] * len(rows)}
+        log.warning("a pass for tasks %s failed (%s); running each task alone", sorted(modules), error)
+        outputs = {}
+        for task, module in modules.items():
+            outputs.update(self._answer(item, rows, {task: module}, timings))
         return outputs
 
     def _pass(self, item: PreparedPass, rows: list[EncodedInput], modules: dict[str, LoadedModule],

@@ -23,10 +23,10 @@ from server.backbone import Backbone, EncodedInput
 from server.config import Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine, Timings
-from server.errors import ApiError
+from server.errors import ApiError, clip
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
-from server.modules import LoadedModule, compares_pairs, count_parameters, load_module
+from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
 from server.runner import (  # noqa: F401  (length_runs: re-exported)
     ModelRunner,
     PreparedBatch,
@@ -43,7 +43,13 @@ log = logging.getLogger("tmod")
 # context unusable: the first one seen in this process, and what to do then (tmod-serve: stop the
 # process, and exit non-zero once it has stopped; server/cli.py). Tests leave it None.
 _device_failure: str | None = None
-on_device_failure: Callable[[], None] | None = None
+on_device_failure: Callable[[], None] | None = None  # also called when start-up fails (nothing to serve)
+_startup_failure: str | None = None  # start-up failed (the backbone did not load): why
+
+
+def startup_failure() -> str | None:
+    """Why start-up failed in this process, if it did (tmod-serve's exit status reads it)."""
+    return _startup_failure
 
 
 def device_failure() -> str | None:
@@ -124,7 +130,7 @@ class Runtime:
         or removed, the version it replaced). A refused artifact answers 404/409 and changes nothing."""
         current = self.modules.get(task)
         if action not in ("load", "reload", "unload"):
-            raise ApiError(404, "not_found", f"unknown action {action!r}: use load, reload or unload")
+            raise ApiError(404, "not_found", f"unknown action {clip(action)}: use load, reload or unload")
         if action in ("reload", "unload") and current is None:
             raise ApiError(404, "unknown_task", f"task {task!r} is not loaded; loaded tasks: {sorted(self.modules)}",
                            loaded_tasks=sorted(self.modules))
@@ -134,7 +140,8 @@ class Runtime:
         try:
             module = await asyncio.get_running_loop().run_in_executor(self.executor, *work)
         except ArtifactError as exc:
-            status = 404 if exc.reason == "not_found" else 409
+            self.metrics.child(self.metrics.module_refusals, exc.reason).inc()
+            status = {"not_found": 404, "invalid_name": 400}.get(exc.reason, 409)
             raise ApiError(status, f"artifact_{exc.reason}", exc.message) from exc
         except RuntimeError as exc:  # a capture at warm-up can meet a dead device too
             if not is_device_failure(exc):
@@ -181,7 +188,8 @@ class Runtime:
                 keep_freed_memory()  # passes on the CPU reuse their activations' memory (server/host_memory.py)
             if self.backbone is None:
                 t0 = time.perf_counter()
-                self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device)
+                self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device,
+                                              cache_dir=self.settings.cache_dir)
                 log.info("backbone %s loaded in %.1fs", self.backbone.name, time.perf_counter() - t0)
             if (self.settings.backend, self.settings.precision) != (self.backbone.backend.name, self.backbone.backend.precision):
                 t0 = time.perf_counter()
@@ -199,17 +207,21 @@ class Runtime:
             loaded = {}
             for task in wanted:
                 try:
-                    loaded[task] = load_module(self.store, task, None, self.backbone, self.settings.device, self.bridges)
+                    # the newest version that passes its checks; each newer one refused is reported
+                    loaded[task], refused = load_servable(self.store, task, self.backbone, self.settings.device,
+                                                          self.bridges)
                     via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
                     log.info("module %s/%s loaded%s", task, loaded[task].version, via)
+                    if refused:
+                        self.refuse(task, "; ".join(f"{err.message}" for err in refused)
+                                    + f" (serving {task}/{loaded[task].version})", *refused)
                 except ArtifactError as exc:
                     if exc.reason == "other_backbone" and not asked:
                         # one store serves several backbones: another backbone's module is not a refusal
                         log.info("module %s skipped: %s", task, exc.message)
                         continue
                     # one broken artifact must not keep the others from serving
-                    self.load_errors[task] = exc.message
-                    log.error("module %s refused: %s", task, exc.message)
+                    self.refuse(task, exc.message, exc)
             self._read_layers(loaded)
             self.modules = loaded
             self.metrics.modules_loaded.set(len(loaded))
@@ -219,11 +231,24 @@ class Runtime:
             # rows unpickled in half the CPU: bench/results/frontend-workers-cpu.md)
             gc.freeze()
             self.ready.set()
-        except Exception as exc:  # the server stays up (live, not ready) and says why
+        except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")
             if is_device_failure(exc):  # a dead device does not come back in this process
                 self.fail(error_text(exc))
+            else:  # nothing to serve: under tmod-serve the process stops and exits 1 (server/cli.py)
+                global _startup_failure
+                _startup_failure = self.startup_error
+                if on_device_failure is not None:
+                    on_device_failure()
+
+    def refuse(self, task: str, message: str, *errors: ArtifactError) -> None:
+        """An artifact not served: on /readyz ("refused"), in the log and in the metrics."""
+        self.load_errors[task] = message
+        for error in errors:
+            self.metrics.child(self.metrics.module_refusals, error.reason).inc()
+        self.metrics.modules_refused.set(len(self.load_errors))
+        log.error("module %s refused: %s", task, message)
 
     def load_bridges(self) -> dict:
         """Every bridge in the bridge store that runs on this backbone (latest version of each);
@@ -242,8 +267,7 @@ class Runtime:
                 log.info("bridge %s/%s loaded: %s -> %s", name, loaded[name].version, manifest.source.name,
                          manifest.target.name)
             except ArtifactError as exc:
-                self.load_errors[f"bridge:{name}"] = exc.message
-                log.error("bridge %s refused: %s", name, exc.message)
+                self.refuse(f"bridge:{name}", exc.message, exc)
         return loaded
 
     # ---- hot modules (run in the compute thread, between batches) ----------------------------
@@ -257,6 +281,7 @@ class Runtime:
         self.runner.forget_plans()  # plans and graphs: none may serve the replaced head
         self.runner.warm_up(self.modules)
         self.load_errors.pop(task, None)
+        self.metrics.modules_refused.set(len(self.load_errors))
         self.metrics.modules_loaded.set(len(self.modules))
         log.info("module %s/%s loaded", task, module.version)
         return module

@@ -126,7 +126,8 @@ class TeiTokenizeRequest(BaseModel):
 
 class ModuleAction(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    version: str | None = Field(None, description="store version; default: latest (load) or the loaded one (reload)")
+    version: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$",
+                                description="store version; default: latest (load) or the loaded one (reload)")
 
 
 class ModuleActionResult(BaseModel):

@@ -471,12 +471,12 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
     import uvicorn
 
     from server.app import create_app
+    from server.cli import uvicorn_config
 
     configure_logging(settings.log_level)
     torch.set_num_threads(1)  # decode's small tensors; the cores belong to the other workers and the engine
     app = create_app(settings, runtime=RemoteRuntime(settings, engine_path))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            log_config=None, access_log=False)
+    config = uvicorn_config(app, settings)
     log.info("worker %d (pid %d) serving", index, os.getpid())
     uvicorn.Server(config).run(sockets=[listener])
 
@@ -546,6 +546,9 @@ async def _serve(settings: Settings) -> None:
     engine_path = folder / "engine.sock"
     listener = socket.create_server((settings.host, settings.port), backlog=2048)
     runtime = Runtime(settings)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start-up runs: a failed start-up stops the process by SIGTERM
+        loop.add_signal_handler(sig, stop.set)
     service = EngineService(runtime)
     await service.start(engine_path)
     pool = WorkerPool(settings, engine_path, listener)
@@ -553,9 +556,6 @@ async def _serve(settings: Settings) -> None:
     host, port = listener.getsockname()[:2]
     log.info("tmod-serve: engine process %d, %d HTTP workers (pids %s) on http://%s:%d", os.getpid(),
              settings.workers, pool.pids(), host, port)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), 0.5)

@@ -151,9 +151,11 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
-def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0):
+def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None):
     """The real `tmod-serve` process on a free loopback port, waited for until /readyz answers 200.
-    Returns (url, process); the caller stops it. Fails the test with its output if it never gets ready."""
+    Returns (url, process); the caller stops it. Fails the test with its output if it never gets ready.
+    `output`: a file for its log (default a pipe, which a server that logs much while nobody reads it
+    fills, and then waits on)."""
     import subprocess
     import sys
 
@@ -161,7 +163,7 @@ def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0):
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), *args], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=output or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline and process.poll() is None:

@@ -1,0 +1,375 @@
+"""Attack and fault checks against a real `tmod-serve` (issue 26): counts, not speeds.
+
+For each process layout (`--workers 1`, `--workers 2`), on the shipped modules (MiniLM) copied into a
+scratch store:
+- load: mixed requests (v1 by task set, pairs, OIP JSON and binary, GETs, and hostile bodies) at a
+  concurrency; every answer's status is checked against what that request kind may answer;
+- burst: requests all at once at a high concurrency: only 200, 429 (with Retry-After) or 503;
+- hostile: a 20,000-name `tasks=` list beside /healthz; slow clients (heads and bodies trickled);
+- reloads: corrupted artifacts (NaN weights with a right checksum, finite weights that compute NaN,
+  a checksum mismatch, a broken manifest) loaded through the admin API while load runs: requests
+  that fail, and what each admin call answered;
+- SIGTERM under load: requests answered, refused, or lost (a connection dropped without an answer);
+- clients: tritonclient (and the `kserve` package's v2 client where installed) calling the server.
+
+    python bench/bench_attack.py --requests 2000 --concurrency 64 --burst 512
+
+Writes bench/results/attack-cpu.json (machine, CPU flags, versions, date, every count).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_load import ServerProcess, percentile, serve_command  # noqa: E402
+from bench.environment import machine_info  # noqa: E402
+
+TOKEN = "bench-attack-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+SENTENCES = ["A fine, moving film.", "Peter Blackburn met Angela Merkel in Brussels on Monday.",
+             "The plot is dull and the acting worse.", "Das ist ein Test \U0001F600 in Paris."]
+OK = {200}
+OVERLOAD = {429, 503}
+
+
+def cpu_flags() -> list[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            wanted = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma", "sse4_2")
+            return [f for f in line.split(":", 1)[1].split() if f in wanted]
+    return []
+
+
+def oip_body(texts):
+    return {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [len(texts)], "data": texts}]}
+
+
+def request_kinds():
+    """(kind, method, path, kwargs, allowed statuses): the mix the load check draws from, in turn."""
+    many = ",".join(["sentiment"] * 1000 + ["a"] * 19_000)
+    return [
+        ("v1-all", "POST", "/v1/infer", {"json": {"inputs": SENTENCES[:2]}}, OK | OVERLOAD),
+        ("v1-ner", "POST", "/v1/infer?tasks=ner", {"json": {"inputs": SENTENCES}}, OK | OVERLOAD),
+        ("v1-sentiment", "POST", "/v1/infer?tasks=sentiment,acceptability", {"json": {"inputs": SENTENCES[2:]}},
+         OK | OVERLOAD),
+        ("v1-pairs", "POST", "/v1/infer?tasks=entailment",
+         {"json": {"inputs": [{"text": SENTENCES[0], "text_pair": SENTENCES[2]}]}}, OK | OVERLOAD),
+        ("v2-json", "POST", "/v2/models/sentiment/infer", {"json": oip_body(SENTENCES[:3])}, OK | OVERLOAD),
+        ("v2-ner", "POST", "/v2/models/ner/infer", {"json": oip_body(SENTENCES[1:2])}, OK | OVERLOAD),
+        ("get-tasks", "GET", "/v1/tasks", {}, OK),
+        ("get-healthz", "GET", "/healthz", {}, OK),
+        ("get-metrics", "GET", "/metrics", {}, OK),
+        ("bad-shape", "POST", "/v2/models/sentiment/infer", {"json": {**oip_body(["a"]), "inputs": [
+            {"name": "text", "datatype": "BYTES", "shape": [1e300, 1e300], "data": ["a"]}]}}, {400}),
+        ("bad-truncate", "POST", "/v2/models/sentiment/infer",
+         {"json": {**oip_body(["a"]), "parameters": {"truncate": "false"}}}, {400}),
+        ("bad-deep", "POST", "/v1/infer", {"content": b'{"inputs": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+                                           "headers": {"content-type": "application/json"}}, {413}),
+        ("bad-tasks", "POST", "/v1/infer?tasks=" + many, {"json": {"inputs": ["a"]}}, {400}),
+        ("bad-unknown-route", "GET", "/v2/nope", {}, {404}),
+        ("bad-version", "POST", "/admin/modules/sentiment/load", {"json": {"version": "../ner/1"}, "headers": AUTH},
+         {422}),
+    ]
+
+
+async def run_mix(url: str, total: int, concurrency: int, kinds=None) -> dict:
+    """`total` requests drawn in turn from the kinds, `concurrency` at a time."""
+    kinds = kinds or request_kinds()
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    unexpected, latencies = [], []
+    retry_after_missing = 0
+    queue = asyncio.Queue()
+    for i in range(total):
+        queue.put_nowait(kinds[i % len(kinds)])
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        async def worker():
+            nonlocal retry_after_missing
+            while not queue.empty():
+                kind, method, path, kwargs, allowed = queue.get_nowait()
+                t0 = time.perf_counter()
+                try:
+                    response = await client.request(method, path, **kwargs)
+                except httpx.HTTPError as exc:
+                    counts[kind][type(exc).__name__] += 1
+                    unexpected.append((kind, type(exc).__name__))
+                    continue
+                latencies.append(time.perf_counter() - t0)
+                counts[kind][response.status_code] += 1
+                if response.status_code not in allowed:
+                    unexpected.append((kind, response.status_code, response.text[:200]))
+                if response.status_code == 429 and "retry-after" not in response.headers:
+                    retry_after_missing += 1
+                if response.status_code >= 400 and not response.headers.get("x-request-id"):
+                    unexpected.append((kind, "no x-request-id"))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    by_status = collections.Counter()
+    for c in counts.values():
+        by_status.update(c)
+    return {"requests": total, "concurrency": concurrency, "by_status": dict(sorted((str(k), v) for k, v in by_status.items())),
+            "by_kind": {k: {str(s): n for s, n in v.items()} for k, v in counts.items()},
+            "unexpected": len(unexpected), "unexpected_examples": [list(map(str, u)) for u in unexpected[:10]],
+            "errors_5xx": sum(v for k, v in by_status.items() if isinstance(k, int) and k >= 500 and k not in OVERLOAD),
+            "retry_after_missing_on_429": retry_after_missing,
+            "latency_p50_ms": round(1000 * percentile(latencies, 50), 1) if latencies else None,
+            "latency_p99_ms": round(1000 * percentile(latencies, 99), 1) if latencies else None}
+
+
+async def burst(url: str, size: int) -> dict:
+    kinds = [k for k in request_kinds() if k[0] in ("v1-all", "v1-ner", "v2-json")]
+    return await run_mix(url, size, size, kinds)
+
+
+async def task_list_attack(url: str) -> dict:
+    """Three 20,000-name requests beside /healthz probes: their latencies."""
+    many = "/v1/infer?tasks=" + ",".join(["sentiment"] * 1000 + ["a"] * 19_000)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async def big():
+            t0 = time.perf_counter()
+            r = await client.post(many, json={"inputs": ["a"]})
+            return r.status_code, time.perf_counter() - t0
+
+        async def health():
+            out = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                r = await client.get("/healthz")
+                out.append((r.status_code, time.perf_counter() - t0))
+            return out
+
+        results = await asyncio.gather(big(), big(), big(), health())
+    bigs, probes = results[:3], results[3]
+    return {"statuses": [s for s, _ in bigs], "seconds_max": round(max(t for _, t in bigs), 4),
+            "healthz_statuses": sorted({s for s, _ in probes}), "healthz_seconds_max": round(max(t for _, t in probes), 4)}
+
+
+def slow_clients(url: str, connections: int, timeout_s: float) -> dict:
+    """`connections` sockets that each send part of a request head and stop; /healthz is asked
+    meanwhile; then how each slow connection ended."""
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    for i in range(connections):
+        s = socket.create_connection((host, int(port)), timeout=timeout_s * 10)
+        s.sendall(b"POST /v1/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n" + (b"\r\n{" if i % 2 else b"x-slow: a"))
+        socks.append(s)
+    health = httpx.get(url + "/healthz", timeout=5).status_code
+    endings = collections.Counter()
+    for s in socks:
+        try:
+            data = s.recv(4096)
+            endings[data.split(b"\r\n", 1)[0].decode(errors="replace") or "closed without answer"] += 1
+        except OSError as exc:
+            endings[type(exc).__name__] += 1
+        finally:
+            s.close()
+    return {"connections": connections, "healthz_meanwhile": health, "endings": dict(endings)}
+
+
+def corrupt_versions(store: Path, backbone_path) -> dict[str, str]:
+    """Bad versions of sentiment beside the good one: version -> what is wrong with it."""
+    import torch
+
+    from modules_store import ModuleStore
+    from server.backbone import Backbone
+    from server.modules import load_module, save_module
+
+    backbone = Backbone.load(backbone_path)
+    modules = ModuleStore(store)
+    head = load_module(modules, "sentiment", "1", backbone).head
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    with torch.no_grad():
+        head.projections[0, 0, 0] = float("nan")
+    save_module(modules, "sentiment", "91", head, backbone)
+    head.load_state_dict(state)
+    with torch.no_grad():
+        head.layer_logits.copy_(torch.tensor([3e38, -3e38] * len(head.layer_logits))[: len(head.layer_logits)])
+    save_module(modules, "sentiment", "92", head, backbone)
+    head.load_state_dict(state)
+    folder = save_module(modules, "sentiment", "93", head, backbone)
+    weights = folder / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    folder = save_module(modules, "sentiment", "94", head, backbone)
+    (folder / "manifest.json").write_text("{broken")
+    return {"91": "NaN weight, right checksum", "92": "finite weights computing NaN", "93": "checksum mismatch",
+            "94": "broken manifest"}
+
+
+async def reloads_under_load(url: str, total: int, concurrency: int, bad: dict[str, str], rounds: int) -> dict:
+    admin = collections.Counter()
+
+    async def reloader():
+        async with httpx.AsyncClient(base_url=url, timeout=120, headers=AUTH) as client:
+            for _ in range(rounds):
+                for version in bad:
+                    r = await client.post("/admin/modules/sentiment/load", json={"version": version})
+                    admin[f"{version}:{r.status_code}"] += 1
+                r = await client.post("/admin/modules/sentiment/reload", json={"version": "1"})
+                admin[f"1:{r.status_code}"] += 1
+
+    kinds = [k for k in request_kinds() if k[0].startswith(("v1-", "v2-"))]
+    load, _ = await asyncio.gather(run_mix(url, total, concurrency, kinds), reloader())
+    return {"load": load, "admin": dict(admin), "bad_versions": bad}
+
+
+async def sigterm_under_load(server: ServerProcess, total: int, concurrency: int) -> dict:
+    outcomes = collections.Counter()
+    kinds = [k for k in request_kinds() if k[0] in ("v1-all", "v1-ner", "v2-json")]
+    # one connection per request: a request written onto a keep-alive connection the server is
+    # closing would read as lost when the server never received it
+    async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                 limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)) as client:
+        async def one(i):
+            kind, method, path, kwargs, _ = kinds[i % len(kinds)]
+            try:
+                r = await client.request(method, path, **kwargs)
+                outcomes[str(r.status_code)] += 1
+            except httpx.ConnectError:
+                outcomes["refused (not accepted)"] += 1
+            except httpx.HTTPError as exc:
+                outcomes[f"lost ({type(exc).__name__})"] += 1  # connected, sent, no answer
+
+        async def stop_midway():
+            await asyncio.sleep(0.5)
+            server.proc.send_signal(signal.SIGTERM)
+
+        await asyncio.gather(*(one(i) for i in range(total)), stop_midway())
+    code = await asyncio.get_running_loop().run_in_executor(None, server.proc.wait, 60)
+    return {"requests": total, "outcomes": dict(outcomes), "exit_code": code,
+            "lost": sum(v for k, v in outcomes.items() if k.startswith("lost"))}
+
+
+def clients(url: str) -> dict:
+    import numpy as np
+
+    out = {}
+    try:
+        import tritonclient.http as th
+        from tritonclient.utils import InferenceServerException
+
+        client = th.InferenceServerClient(url=url.removeprefix("http://"))
+        text = th.InferInput("text", [2], "BYTES")
+        text.set_data_from_numpy(np.array([s.encode() for s in SENTENCES[:2]], dtype=object))
+        ok = sum(client.infer(m, [text]).as_numpy(o) is not None for m, o in (("sentiment", "label"), ("ner", "entities")))
+        formatted = 0
+        for call in (lambda: client.infer("nope", [text]), lambda: client.get_model_metadata("nope"),
+                     lambda: client.infer("sentiment", [text], parameters={"truncate": "false"})):
+            try:
+                call()
+            except InferenceServerException as exc:
+                formatted += str(exc).startswith("[4")
+        out["tritonclient"] = {"infer_ok": ok, "of": 2, "errors_formatted": formatted, "errors_of": 3}
+    except ImportError:
+        out["tritonclient"] = "not installed"
+    argv, sys.argv = sys.argv, sys.argv[:1]  # kserve parses the command line when imported (its --workers is an int)
+    try:
+        from kserve.inference_client import InferenceRESTClient, RESTConfig
+        from kserve.protocol.infer_type import InferInput, InferRequest
+    except ImportError:
+        out["kserve"] = "not installed"
+        return out
+    finally:
+        sys.argv = argv
+
+    async def kserve_calls():
+        tensor = InferInput("text", [2], "BYTES")
+        tensor.set_data_from_numpy(np.array([s.encode() for s in SENTENCES[:2]], dtype=np.object_), binary_data=True)
+        ok, refused = 0, 0
+        async with InferenceRESTClient(RESTConfig(protocol="v2", timeout=60)) as client:
+            for task in ("sentiment", "ner"):
+                response = await client.infer(url, InferRequest(task, [tensor]), model_name=task)
+                ok += len(response.outputs) > 0
+            try:
+                await client.infer(url, InferRequest("nope", [tensor]), model_name="nope")
+            except httpx.HTTPStatusError as exc:
+                refused += exc.response.status_code == 404 and isinstance(exc.response.json()["error"], str)
+        return {"infer_ok": ok, "of": 2, "unknown_model_404_in_oip_shape": refused}
+
+    out["kserve"] = asyncio.run(kserve_calls())
+    return out
+
+
+def missing_backbone(tmp: Path) -> dict:
+    import subprocess
+
+    empty = tmp / "empty-backbone"
+    empty.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    p = subprocess.run([*serve_command(), "--port", "0", "--backbone", str(empty), "--store", str(tmp)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in p.stderr.splitlines() if line.startswith("tmod-serve: cannot serve")]
+    return {"exit_code": p.returncode, "seconds": round(time.perf_counter() - t0, 1), "stderr_line": lines[:1]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--burst", type=int, default=512)
+    parser.add_argument("--reload-rounds", type=int, default=5)
+    parser.add_argument("--workers", default="1,2", help="comma list of --workers layouts to check")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server (the machine is shared)")
+    parser.add_argument("--backbone", default=None, help="default: the shipped MiniLM")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "attack-cpu.json"))
+    args = parser.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="tmod-attack-"))
+    result = {"machine": {**machine_info("cpu"), "cpu_flags": cpu_flags()}, "settings": vars(args), "layouts": {}}
+    try:
+        store = tmp / "store"
+        for task in ("sentiment", "ner", "acceptability", "entailment"):
+            shutil.copytree(REPO / "modules_store" / task, store / task)
+        bad = corrupt_versions(store, args.backbone)
+        result["missing_backbone"] = missing_backbone(tmp)
+        for workers in [int(w) for w in args.workers.split(",")]:
+            env = {"TMOD_STORE": str(store), "TMOD_WORKERS": str(workers), "TMOD_THREADS": str(args.threads),
+                   "TMOD_ADMIN_TOKEN": TOKEN, "TMOD_HEADER_TIMEOUT_S": "2", "TMOD_BODY_TIMEOUT_S": "2",
+                   "TMOD_TASKS": "sentiment,ner,acceptability,entailment", "TMOD_LOG_LEVEL": "warning",
+                   "HF_HUB_OFFLINE": "1", **({"TMOD_BACKBONE": args.backbone} if args.backbone else {})}
+            layout = {}
+            server = ServerProcess(f"workers{workers}", env, tmp / f"workers{workers}.log", serve_command())
+            server.start()
+            server.wait_ready(300)
+            try:
+                layout["readyz"] = httpx.get(server.url + "/readyz").json()
+                layout["load"] = asyncio.run(run_mix(server.url, args.requests, args.concurrency))
+                layout["burst"] = asyncio.run(burst(server.url, args.burst))
+                layout["task_list_attack"] = asyncio.run(task_list_attack(server.url))
+                layout["slow_clients"] = slow_clients(server.url, 40, 2)
+                layout["reloads"] = asyncio.run(reloads_under_load(server.url, args.requests // 2, 16, bad,
+                                                                   args.reload_rounds))
+                layout["clients"] = clients(server.url)
+                layout["healthy_after"] = httpx.post(server.url + "/v1/infer", json={"inputs": SENTENCES}).status_code
+                layout["sigterm"] = asyncio.run(sigterm_under_load(server, args.requests // 4, args.concurrency))
+            finally:
+                server.stop()
+            result["layouts"][f"workers={workers}"] = layout
+            print(json.dumps({k: (v if k in ("sigterm", "clients", "slow_clients", "task_list_attack") else
+                                  {kk: vv for kk, vv in v.items() if kk in ("by_status", "unexpected", "errors_5xx")}
+                                  if isinstance(v, dict) and "by_status" in v else None)
+                              for k, v in layout.items()}, indent=1, default=str), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
