@@ -15,7 +15,7 @@ set through `Engine.logits` under `ModelRunner.precision()` in these configurati
 The rule (bench/bench_backends.py's, used for every lossy default): on every module >= 99% of
 predictions equal to fp32's and a metric drop < 0.3 points. Its outcome is what
 `server.runner.HEAD_PRECISIONS_WITHIN_RULE` lists (auto picks 16-bit heads only for those; int8 heads
-passed too but stay opt-in, as they are no faster than bf16 heads beside a bf16 backbone: README).
+passed too but stay opt-in, as they are no faster than bf16 heads beside a bf16 backbone: docs/gpu.md).
 
 `capture` (cuda only): one pass of the shipped modules at B = 1, 32, 128 x 32 tokens, as the
 runner runs it eagerly, replayed from its manual CUDA graph capture, and as

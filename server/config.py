@@ -97,10 +97,10 @@ class Settings(BaseSettings):
         "auto", description="precision the task heads compute in: fp32, or the backbone's 16-bit precision "
         "(bf16 / fp16, matrix products under torch.autocast); auto: the backbone's bf16 or fp16 on any device "
         "(16-bit heads measured within the accuracy rule on every shipped module of both tiers, and faster on the "
-        "CPU too, see README), fp32 otherwise; int8 (CPU only): the layer-mix heads' per-state projections, most "
+        "CPU too, see docs/gpu.md), fp32 otherwise; int8 (CPU only): the layer-mix heads' per-state projections, most "
         "of many heads' multiply-adds, as int8 products and the rest of the heads in the backbone's precision "
         "(with 16 heads beside an fp32 backbone, 0.85x the backbone's throughput against 0.74x for fp32 heads, "
-        "see README)")
+        "see docs/gpu.md)")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
     log_level: str = Field("info", description="uvicorn log level")
 
