@@ -2,8 +2,8 @@
 
 - `BodyLimits` (ASGI middleware): a body over `max_body_bytes` (declared or streamed, chunked
   included) answers 413; a body still arriving `body_timeout_s` after it began answers 408.
-- `header_timeout_protocol` (uvicorn's HTTP protocol, the one it would pick itself: httptools when
-  installed, else h11, subclassed): a connection that has not sent a whole request head within
+- `header_timeout_protocol` (uvicorn's h11 protocol, subclassed; tmod-serve runs h11 on asyncio's loop,
+  `server/cli.py`): a connection that has not sent a whole request head within
   `header_timeout_s` (from connecting, or from the end of its previous response) is answered 408
   and closed; a client trickling headers a byte at a time holds nothing for long. uvicorn's own
   `timeout_keep_alive` covers idle connections between requests only once a first request was
@@ -16,7 +16,7 @@ import asyncio
 import json
 import re
 
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.errors import BodyRefused, error_body
 
@@ -74,7 +74,7 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     timeout_response = raw_response("408 Request Timeout", "request_timeout",
                                      f"request head not received within {header_timeout_s:g} s")
 
-    class HeaderTimeoutProtocol(AutoHTTPProtocol):
+    class HeaderTimeoutProtocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
         _graced = False
 
