@@ -562,8 +562,10 @@ async def _serve(settings: Settings) -> None:
         except asyncio.TimeoutError:
             pool.replace_dead()
     log.info("tmod-serve: stopping; the workers finish their requests first")
-    await loop.run_in_executor(None, pool.stop, settings.request_timeout_s + 5)
+    # this process's copy of the listening socket goes first: held open while the workers stop, the
+    # kernel would go on accepting connections that no one reads, reset (requests lost) at its close
     listener.close()
+    await loop.run_in_executor(None, pool.stop, settings.request_timeout_s + 5)
     await service.stop()
     await runtime.shutdown()
     shutil.rmtree(folder, ignore_errors=True)
