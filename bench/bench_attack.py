@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_load import ServerProcess, percentile, serve_command  # noqa: E402
-from bench.environment import machine_info  # noqa: E402
+from bench.environment import cpu_flags, machine_info  # noqa: E402
 
 TOKEN = "bench-attack-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -47,12 +47,10 @@ OK = {200}
 OVERLOAD = {429, 503}
 
 
-def cpu_flags() -> list[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            wanted = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma", "sse4_2")
-            return [f for f in line.split(":", 1)[1].split() if f in wanted]
-    return []
+def attack_cpu_flags() -> list[str]:
+    """The CPU flags this report names (of bench.environment's full list)."""
+    wanted = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma", "sse4_2")
+    return [f for f in cpu_flags() if f in wanted]
 
 
 def oip_body(texts):
@@ -329,7 +327,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="tmod-attack-"))
-    result = {"machine": {**machine_info("cpu"), "cpu_flags": cpu_flags()}, "settings": vars(args), "layouts": {}}
+    result = {"machine": {**machine_info("cpu"), "cpu_flags": attack_cpu_flags()}, "settings": vars(args), "layouts": {}}
     try:
         store = tmp / "store"
         for task in ("sentiment", "ner", "acceptability", "entailment"):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.environment import machine_info, read_sst2_sentences  # noqa: E402
+from bench.environment import cpu_flags as environment_cpu_flags, machine_info, read_sst2_sentences  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
@@ -35,13 +35,9 @@ FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "av
 
 
 def cpu_flags() -> dict:
-    """The CPU's flags from /proc/cpuinfo: those that decide fp32/bf16 speed, and the full list."""
-    try:
-        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-    except (OSError, StopIteration):
-        return {}
-    flags = line.split(":", 1)[1].split()
-    return {"relevant": [f for f in FLAGS_OF_INTEREST if f in flags], "all": flags}
+    """The CPU's flags: those that decide fp32/bf16 speed, and the full list."""
+    flags = environment_cpu_flags()
+    return {"relevant": [f for f in FLAGS_OF_INTEREST if f in flags], "all": flags} if flags else {}
 
 
 def batches(texts: list[str], size: int) -> list[list[str]]:

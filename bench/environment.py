@@ -20,25 +20,24 @@ def git_commit() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty_tracked_files": bool(status) if status is not None else None}
 
 
-def cpu_model() -> str:
+def cpuinfo_value(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo ("model name", "flags"), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_model() -> str:
+    return cpuinfo_value("model name") or platform.processor() or "unknown"
 
 
 def cpu_flags() -> list[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512_bf16, amx_tile, ...)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return []
+    return (cpuinfo_value("flags") or "").split()
 
 
 def loadavg() -> list[float] | None:

@@ -190,15 +190,6 @@ class TokenBatch:
         self.classes = {name: t.to(device, non_blocking=non_blocking) for name, t in self.classes.items()}
         return self
 
-    def pin_memory(self) -> "TokenBatch":
-        """Page-locked host copies of the tensors, so copies to a GPU can run asynchronously."""
-        self.input_ids = self.input_ids.pin_memory()
-        self.attention_mask = self.attention_mask.pin_memory()
-        if self.token_type_ids is not None:
-            self.token_type_ids = self.token_type_ids.pin_memory()
-        self.classes = {name: t.pin_memory() for name, t in self.classes.items()}
-        return self
-
 
 @dataclass
 class TokenArrays:
