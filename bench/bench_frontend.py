@@ -3,7 +3,7 @@
 
 What is measured is everything but the backbone: HTTP (uvicorn), JSON in and out, request
 validation, tokenization, batching, collation and decode. The stand-in (benchmark-only, installed
-here by `--serve`, never in server/) replaces `ModelRunner.logits`: each pass sleeps `--pass-ms`
+here by `--serve`, never in server/) replaces `ModelRunner._pass`: each pass sleeps `--pass-ms`
 (default 1 ms, about one replayed CUDA-graph pass on an H100) and returns logits of the right shape
 for every task (random, from a seeded generator, so decode does real work: token tasks get real
 BIO spans). The sleep releases the GIL, as a device wait does.
@@ -67,15 +67,16 @@ TASKS = ["sentiment", "ner", "acceptability"]
 # the server side: stand-in device pass (+ optional profile)
 # ---------------------------------------------------------------------------------------------
 def install_standin(pass_s: float) -> None:
-    """Replace the device pass with a fixed sleep returning correctly shaped host logits."""
+    """Replace the serving path's device pass (`ModelRunner._pass`) with a fixed sleep returning
+    correctly shaped host logits."""
     import torch
 
     from server.runner import ModelRunner
 
     generator = torch.Generator().manual_seed(0)
 
-    def standin_logits(self, batch, bucket, modules, timings):
-        real = batch.real()
+    def standin_pass(self, item, rows, modules, timings):
+        real = item.batch.real()
         start = time.perf_counter()
         time.sleep(pass_s)
         host = {}
@@ -85,9 +86,10 @@ def install_standin(pass_s: float) -> None:
                 else (real.size, labels)
             host[task] = torch.randn(shape, generator=generator)
         timings.backbone += time.perf_counter() - start
+        item.deepest = 0
         return host, {task: real for task in modules}
 
-    ModelRunner.logits = standin_logits
+    ModelRunner._pass = standin_pass
 
 
 def serve(argv: list[str]) -> None:
