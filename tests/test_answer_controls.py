@@ -315,9 +315,10 @@ def assert_same(recorded, now, where="answer"):
 
 
 @pytest.mark.parametrize("tier", [pytest.param("minilm"), pytest.param("mpnet", marks=pytest.mark.slow)])
-def test_default_answers_unchanged(tier):
+def test_default_answers_unchanged(tier, tmp_path):
     recorded = json.loads(default_answers.FIXTURE.read_text())[tier]
-    url, process = start_tmod_serve([*default_answers.TIERS[tier], *default_answers.SERVER_ARGS],
+    store = default_answers.recorded_store(tier, tmp_path / "store")
+    url, process = start_tmod_serve([*default_answers.TIERS[tier], *default_answers.SERVER_ARGS, "--store", str(store)],
                                     {**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         now = default_answers.answers(url)
