@@ -183,3 +183,39 @@ def test_offsets_leave_out_the_leading_space_of_byte_level_tokens():
     raw = [(0, 2), (2, 8), (0, 2), (2, 7)]  # as a byte-level tokenizer reports them
     assert trimmed_offsets(raw, [0, 0, 1, 1], text, pair) == [(0, 2), (3, 8), (0, 2), (4, 7)]
     assert trimmed_offsets([(0, 0), (2, 3)], [None, 0], "a  b", None) == [(0, 0), (3, 3)]  # special; all-space token
+
+
+def test_document_windows_read_documents_as_the_server_cuts_long_texts(tmp_path, train_backbone):
+    """`--document-windows`: each document is one example if it fits a window, else overlapping
+    windows of whole words, each within the window's word pieces, together covering the document."""
+    from server.windows import default_stride
+    from training.data import document_windows, read_conll_documents
+
+    sentences = [[("Alice", "B-PER"), ("met", "O"), ("Bob", "B-PER"), ("Smith", "I-PER"), ("in", "O"),
+                  (f"Paris{i}", "B-LOC"), (".", "O")] for i in range(30)]
+    lines = ["-DOCSTART- -X- -X- O", ""]
+    for sentence in sentences:
+        lines += [f"{w} X X {t}" for w, t in sentence] + [""]
+    lines += ["-DOCSTART- -X- -X- O", "", "New X X B-LOC", "York X X I-LOC", ""]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(lines))
+    long_doc, short_doc = read_conll_documents(path)
+    words = [w for s in long_doc for w in s.words]
+    tags = [t for s in long_doc for t in s.tags]
+
+    window = 32
+    examples = document_windows(path, train_backbone.text, window)
+    assert examples[-1] == TokenExample(["New", "York"], ["B-LOC", "I-LOC"])  # fits: the document whole
+    windows = examples[:-1]
+    assert len(windows) > 5
+    starts = []
+    for ex in windows:
+        start = next(i for i in range(len(words)) if words[i:i + len(ex.words)] == ex.words)
+        assert ex.tags == tags[start:start + len(ex.words)]  # a contiguous stretch, tags kept
+        assert len(train_backbone.text.encode([ex.text])[0]) <= window  # special tokens included
+        starts.append((start, start + len(ex.words)))
+    assert starts[0][0] == 0 and starts[-1][1] == len(words)
+    for (a, b), (c, d) in zip(starts, starts[1:]):
+        assert a < c < b < d  # each window starts inside the one before: neighbours overlap
+    overlap = window - default_stride(window)
+    assert all(b - c <= overlap for (a, b), (c, d) in zip(starts, starts[1:]))  # words shared: at most the overlap

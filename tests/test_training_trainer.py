@@ -129,6 +129,25 @@ def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train
     assert module.manifest.training["settings"]["lambda_entropy"] == 1e-3  # token-task default
 
 
+def test_document_windows_add_the_training_documents_in_windows(tmp_path, train_backbone, train_backbone_dir):
+    train_file, validation_file = write_conll(tmp_path / "train.txt", 40, 0), write_conll(tmp_path / "val.txt", 12, 1)
+    settings = TrainSettings(train=str(train_file), validation=str(validation_file), backbone=str(train_backbone_dir),
+                             task="ner", store=str(tmp_path / "store"), report_dir=str(tmp_path / "report"),
+                             casing=True, project_dim=16, ffn_dim=32, epochs=1, batch_size=8, progress=False,
+                             document_windows="64,24")
+    result = train(settings, backbone=train_backbone)
+    data = result.training["data"]
+    added = data["document_window_examples"]
+    assert added["64"] >= 4 and added["24"] > added["64"]  # one 40-sentence document, cut smaller by 24
+    assert data["train_examples"] == 40 + added["64"] + added["24"]
+    assert data["validation_examples"] == 12  # validation stays sentence by sentence
+    table = write_sentiment(tmp_path / "s.tsv", 8, 0)
+    with pytest.raises(ValueError, match="only token tasks"):
+        train(TrainSettings(train=str(table), validation=str(table), text_column="sentence", label_column="label",
+                            backbone=str(train_backbone_dir), document_windows=[64], progress=False,
+                            store=str(tmp_path / "store2")), backbone=train_backbone)
+
+
 @pytest.mark.parametrize("pooling", ["mean", "pair"])
 def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train_backbone, train_backbone_dir, pooling):
     rows = ["index\tsentence1\tsentence2\tlabel"] + [

@@ -55,6 +55,10 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
                         "(whichever scores better there) and recorded in the manifest (the goemotions preset is multi-label)")
     g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
     g.add_argument("--max-validation", type=int, default=S)
+    g.add_argument("--document-windows", default=S,
+                   help="token tasks from a CoNLL file: also train on its documents read in windows of these "
+                        "many word pieces, comma-separated (e.g. 256,128), cut as the server cuts long texts; "
+                        "validation stays sentence by sentence")
     add_data_options(p)
 
     add_head_options(p, kind)

@@ -85,6 +85,11 @@ class TrainSettings(BaseModel):
     data_dir: str | None = None
     max_train: int | None = Field(None, ge=1, description="seeded random subset of the training split")
     max_validation: int | None = Field(None, ge=1)
+    document_windows: list[int] | None = Field(
+        None, description="token tasks from a CoNLL file: also train on its documents (the sentences between "
+        "-DOCSTART- lines, words joined with spaces) read in windows of these many word pieces, cut as the server "
+        "cuts a long text (server/windows.py), so the head learns sentences inside running text; validation stays "
+        "sentence by sentence")
     # ---- head
     layers: list[int] | None = Field(None, description="backbone states to mix (0 = embeddings); default all")
     project_dim: int | None = Field(None, ge=1)
@@ -150,6 +155,11 @@ class TrainSettings(BaseModel):
     @classmethod
     def _layers(cls, value):
         return parse_layers(value)
+
+    @field_validator("document_windows", mode="before")
+    @classmethod
+    def _document_windows(cls, value):
+        return [int(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
     @field_validator("targets", mode="before")
     @classmethod

@@ -28,11 +28,13 @@ from server.heads import Head
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.mtb import MTBHead
 from server.modules import LoadedModule, count_parameters, load_module, save_module
+from server.windows import MIN_WINDOW
 from training.data import (
     IGNORE_INDEX,
     PRESETS,
     DataSpec,
     LabelledData,
+    document_windows,
     guess_format,
     label_order,
     preset_spec,
@@ -97,6 +99,21 @@ def resolve_data(s: TrainSettings) -> tuple[LabelledData, LabelledData, list[str
     validation = validation.subset(s.max_validation, s.seed)
     provenance.update(train_examples=len(train), validation_examples=len(validation))
     return train, validation, labels, metric, provenance
+
+
+def add_document_windows(train: LabelledData, provenance: dict, backbone: Backbone, windows: list[int]) -> LabelledData:
+    """The training sentences plus the training file's documents read in windows of each length in
+    `windows` (training/data.py document_windows), counted in `provenance`."""
+    if train.task_type != TaskType.token_classification:
+        raise ValueError("--document-windows: only token tasks read from a CoNLL file have documents")
+    bad = [w for w in windows if not MIN_WINDOW <= w <= backbone.max_tokens]
+    if bad:
+        raise ValueError(f"--document-windows {bad}: a window holds {MIN_WINDOW} to {backbone.max_tokens} word pieces")
+    added = {w: document_windows(provenance["train_file"], backbone.text, w) for w in windows}
+    provenance["document_window_examples"] = {str(w): len(examples) for w, examples in added.items()}
+    examples = [*train.examples, *(ex for w in windows for ex in added[w])]
+    provenance["train_examples"] = len(examples)
+    return LabelledData(train.task_type, examples, train.source, train.has_pairs)
 
 
 def _file_spec(s: TrainSettings, path: str) -> DataSpec:
@@ -365,6 +382,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         backbone = backbone.use_backend("torch", s.precision)
     head = build_head(s, task_type, labels, backbone).to(device)
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    if s.document_windows:
+        train_data = add_document_windows(train_data, provenance, backbone, s.document_windows)
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
     result = fit(head, train_split, val_split, s, device, amp)
     train_seconds = time.perf_counter() - started
