@@ -329,3 +329,26 @@ def test_oip_requests_take_window_parameters(live):
     assert entities == infer(live, [text], "ner", window=32, stride=24).json()["results"][0]["ner"]["entities"]
     for bad in ({"window": "32"}, {"window": 8}, {"stride": True}):
         assert oip(bad).status_code == 422, bad
+
+
+def test_truncating_and_whole_reads_of_one_tokenizer_do_not_mix_across_threads(minilm):
+    """A request cut with `truncate` and a document read whole, tokenized at once in two threads (the
+    server's tokenizer threads): neither gets the other's truncation. Before the truncating copy,
+    ~1% of whole reads here came back cut and as many cut reads came back whole."""
+    text = minilm.text
+    long = " ".join(f"word{i}" for i in range(200))
+    whole_length = len(text.encode([long], whole=True)[0])
+    seen = {"whole": set(), "cut": set()}
+
+    def read(kind, rounds=400):
+        for _ in range(rounds):
+            row = text.encode([long], whole=True)[0] if kind == "whole" else \
+                text.encode([long], truncate=True, max_tokens=16)[0]
+            seen[kind].add(len(row))
+
+    threads = [threading.Thread(target=read, args=(kind,)) for kind in ("whole", "cut")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"whole": {whole_length}, "cut": {16}}

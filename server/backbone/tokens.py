@@ -9,7 +9,9 @@ only when someone reads them (training, tests, bridges).
 """
 from __future__ import annotations
 
+import copy
 import itertools
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -346,6 +348,14 @@ class TextEncoder:
         self.device = torch.device(device)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        self._cutter = None  # the truncating copy of the tokenizer (`_cut`), made on first use
+        self._cut_lock = threading.Lock()
+
+    def __getstate__(self):  # sent to worker processes: the lock and the copy are made anew there
+        return {k: v for k, v in self.__dict__.items() if k not in ("_cutter", "_cut_lock")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _cutter=None, _cut_lock=threading.Lock())
 
     def tokenize(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None) -> TokenBatch:
         """encode() then collate(): a padded batch in input order."""
@@ -368,7 +378,7 @@ class TextEncoder:
         if truncate == "left" and pairs is not None:
             raise ValueError("truncation from the left is for single texts")
         if too_long and truncate != "left":
-            enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
+            enc = self._cut(texts, pairs, limit)
         cut = set(too_long)
         encodings = enc.encodings
         tokens = self.token_array(encodings, texts, pairs)
@@ -378,6 +388,16 @@ class TextEncoder:
         if truncate == "left":
             rows = [keep_last_tokens(row, limit) if r in cut else row for r, row in enumerate(rows)]
         return rows
+
+    def _cut(self, texts, pairs, limit: int):
+        """Encodings truncated to `limit`. A fast tokenizer keeps its truncation setting as state, set
+        by each call just before it encodes, so a truncating call on the shared tokenizer raced other
+        threads' plain calls (some long texts came back silently cut, some cut ones whole): truncating
+        calls go to a copy of their own, one at a time; the shared one is never set to truncate."""
+        with self._cut_lock:
+            if self._cutter is None:
+                self._cutter = copy.deepcopy(self.tokenizer)
+            return self._cutter(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
 
     @staticmethod
     def token_array(encodings, texts: list[str], pairs: list[str] | None) -> np.ndarray:
