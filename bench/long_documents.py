@@ -209,6 +209,7 @@ def main(argv=None) -> None:
     p.add_argument("--backbone", default="minilm", help="minilm or mpnet (served with the shipped ner module)")
     p.add_argument("--window", default="128", help="word pieces per window (the request's `window`); several "
                    "comma-separated: documents read at each (the first is the one the speed section uses)")
+    p.add_argument("--store", type=Path, default=None, help="module store to serve ner from (default: the shipped one)")
     p.add_argument("--threads", type=int, default=1, help="server torch threads")
     p.add_argument("--sizes", default="2,8,32", help="windows per document in the speed section")
     p.add_argument("--repeats", type=int, default=5, help="timings per size (median)")
@@ -232,7 +233,8 @@ def main(argv=None) -> None:
     path = Path(default_data_dir()) / "conll2003" / "validation.txt"
     documents = read_conll_documents(path)[:args.limit]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_THREADS": str(args.threads), "TMOD_LOG_LEVEL": "warning"}
-    url, process = start_tmod_serve(["--backbone", args.backbone, "--tasks", "ner"], env)
+    url, process = start_tmod_serve(["--backbone", args.backbone, "--tasks", "ner",
+                                     *(["--store", str(args.store)] if args.store else [])], env)
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
             tasks = client.get("/v1/tasks").json()

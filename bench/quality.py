@@ -100,7 +100,7 @@ def main() -> None:
         raise SystemExit(f"unknown tasks {unknown}; choose from {sorted(TASKS)}")
     for tier in chosen_tiers:
         rows = dict(tiers.get(tier, {}).get("tasks", {}))
-        rows.update(score_tier(tier, Path(args.store), results, tasks))
+        rows.update(score_tier(tier, Path(args.store), results, tasks, rows))
         tiers[tier] = {"backbone": TIERS[tier]["backbone"], "machine": machine_info(),
                        "tasks": {task: rows[task] for task in TASKS if task in rows}}
     out = {"split": "validation", "tiers": tiers}
@@ -110,7 +110,10 @@ def main() -> None:
     print(text)
 
 
-def score_tier(tier: str, store: Path, results: Path, tasks: list[str]) -> dict:
+def score_tier(tier: str, store: Path, results: Path, tasks: list[str], earlier: dict | None = None) -> dict:
+    """The tier's rows for `tasks`; a baseline whose store is not on this machine (runs/ is not in
+    the repository) keeps its entry from `earlier` (the previous quality.json's rows), which names
+    the version and the command it was scored from."""
     config = TIERS[tier]
     baselines = REPO / config["baselines"]
     rows = {}
@@ -118,6 +121,8 @@ def score_tier(tier: str, store: Path, results: Path, tasks: list[str]) -> dict:
         dataset, metric, title = TASKS[task]
         layermix = rescore(store, task, None, dataset, config["backbone"], config["precision"])
         last_layer = rescore(baselines, task, config["last_layer"], dataset, config["backbone"], config["precision"])
+        if last_layer is None and not (baselines / task).is_dir():
+            last_layer = (earlier or {}).get(task, {}).get("last_layer")
         target = config["targets"].get(task)
         if tier != "minilm":  # the full fine-tuning anchors were run on MiniLM only
             rows[task] = {"dataset": dataset, "metric": metric, "title": title, "layermix": layermix,
@@ -135,6 +140,8 @@ def score_tier(tier: str, store: Path, results: Path, tasks: list[str]) -> dict:
             same_subset = layermix  # the anchor used every row: the shipped module is the match
         else:
             same_subset = rescore(baselines, task, f"subset-{subset}", dataset) if subset else None
+            if same_subset is None and not (baselines / task).is_dir():
+                same_subset = (earlier or {}).get(task, {}).get("layermix_same_subset_as_finetune")
         rows[task] = {"dataset": dataset, "metric": metric, "title": title, "layermix": layermix,
                       "last_layer": last_layer, "layermix_same_subset_as_finetune": same_subset,
                       "full_finetune": None if finetune is None else {
