@@ -146,11 +146,6 @@ class Batcher:
 
     # ---- submitting --------------------------------------------------------------------------
     async def submit(self, job: Job):
-        return await self.enqueue(job)
-
-    def enqueue(self, job: Job) -> asyncio.Future:
-        """Queue `job` now (QueueFull if the queue is full): its future gets the answers. For callers
-        that would rather not hold a coroutine per job (the engine process: server/workers.py)."""
         if self._closing:
             raise QueueFull("the server is shutting down")
         if self.depth() >= self.settings.max_queue:
@@ -162,7 +157,7 @@ class Batcher:
         job.future.add_done_callback(lambda _: expiry.cancel())
         self._queue.put_nowait(job)
         self._observe_depth()
-        return job.future
+        return await job.future
 
     def _expire(self, job: Job) -> None:
         if not job.future.done() and not job.running:

@@ -115,27 +115,14 @@ class Runtime:
 
     async def submit(self, job: Job) -> list[dict]:
         """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""
-        future = self.enqueue(job)
         try:
-            return await future
-        except (DeadlineExceeded, ClientGone) as exc:
-            raise self.refusal(exc) from exc
-
-    def enqueue(self, job: Job) -> asyncio.Future:
-        """`job` queued now (429 if the queue is full); its future gets the answers, or a batcher
-        exception that `refusal` turns into the request's ApiError."""
-        try:
-            return self.batcher.enqueue(job)
+            return await self.batcher.submit(job)
         except QueueFull as exc:
             raise ApiError(429, "overloaded", f"server overloaded: {exc}; retry later") from exc
-
-    def refusal(self, exc: BaseException) -> BaseException:
-        """The ApiError a job's batcher exception answers with (others are returned as they are)."""
-        if isinstance(exc, DeadlineExceeded):
-            return ApiError(503, "deadline_exceeded", f"{exc} ({self.settings.request_timeout_s}s)")
-        if isinstance(exc, ClientGone):
-            return ApiError(499, "client_closed_request", str(exc))
-        return exc
+        except DeadlineExceeded as exc:
+            raise ApiError(503, "deadline_exceeded", f"{exc} ({self.settings.request_timeout_s}s)") from exc
+        except ClientGone as exc:
+            raise ApiError(499, "client_closed_request", str(exc)) from exc
 
     async def manage(self, task: str, action: str, version: str | None) -> tuple[LoadedModule, str | None]:
         """Admin: load (default: the store's latest for this backbone), reload (the loaded version or

@@ -35,7 +35,6 @@ A deadline travels with the request and the engine's batcher drops a job past it
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import itertools
 import logging
@@ -171,15 +170,6 @@ class EngineState:
     text: TextEncoder | None = None  # the tokenizer: sent once per worker, in its first ready state
 
 
-def error_reply(ident: int, exc: BaseException, kind: str) -> tuple:
-    """What a worker gets for a request that failed: the ApiError's fields, or a 500 (logged here;
-    the engine stays up and the request gets what went wrong)."""
-    if isinstance(exc, ApiError):
-        return ("error", ident, exc.status, exc.type, exc.message, exc.details)
-    log.error("engine: %s failed", kind, exc_info=exc)
-    return ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
-
-
 # ---- the engine process ------------------------------------------------------------------------------
 class EngineService:
     """Serves one Runtime to the worker processes' connections."""
@@ -250,8 +240,6 @@ class EngineService:
                 for message in messages:
                     if message[0] == "cancel":
                         self._cancel(peer, message[1])
-                    elif message[0] == "infer":
-                        self._infer(peer, *message[1:])
                     else:
                         self._keep(self._answer(peer, message))
         finally:
@@ -271,48 +259,38 @@ class EngineService:
     async def _answer(self, peer: Outbox, message) -> None:
         kind, ident, *args = message
         try:
-            if kind == "manage":
+            if kind == "infer":
+                reply = ("ok", ident, await self._infer(peer, ident, *args))
+            elif kind == "manage":
                 reply = ("ok", ident, await self._manage(*args))
             else:
                 raise ApiError(500, "internal_error", f"the engine got an unknown message {kind!r}")
-        except Exception as exc:
-            reply = error_reply(ident, exc, kind)
+        except ApiError as exc:
+            reply = ("error", ident, exc.status, exc.type, exc.message, exc.details)
+        except Exception as exc:  # the engine stays up; the request gets what went wrong
+            log.exception("engine: %s failed", kind)
+            reply = ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
         peer.send(reply)
 
-    def _infer(self, peer: Outbox, ident: int, packed: PackedRows, tasks: list[str], seconds_left: float) -> None:
-        """Queue a worker's request; its answer is sent from the job's done-callback (no task or
-        coroutine per request: they cost the engine process more than the rest of its share)."""
+    async def _infer(self, peer: Outbox, ident: int, packed: PackedRows, tasks: list[str], seconds_left: float):
+        loaded = self.runtime.modules  # one snapshot: the worker's view may be a change behind
+        unknown = [t for t in tasks if t not in loaded]
+        if unknown:
+            raise ApiError(400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
+                           loaded_tasks=sorted(loaded))
+        waiting = self.jobs.setdefault(peer, {})
+        if len(waiting) >= self.limit:
+            raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in flight; "
+                                              "retry later")
+        job = Job(rows=packed.rows(), modules={t: loaded[t] for t in tasks}, deadline=time.perf_counter() + seconds_left)
+        waiting[ident] = job
         try:
-            loaded = self.runtime.modules  # one snapshot: the worker's view may be a change behind
-            unknown = [t for t in tasks if t not in loaded]
-            if unknown:
-                raise ApiError(400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
-                               loaded_tasks=sorted(loaded))
-            waiting = self.jobs.setdefault(peer, {})
-            if len(waiting) >= self.limit:
-                raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in "
-                                                  "flight; retry later")
-            job = Job(rows=packed.rows(), modules={t: loaded[t] for t in tasks},
-                      deadline=time.perf_counter() + seconds_left)
-            self.runtime.enqueue(job).add_done_callback(functools.partial(self._reply, peer, ident, job))
-            waiting[ident] = job
-        except Exception as exc:
-            peer.send(error_reply(ident, exc, "infer"))
-
-    def _reply(self, peer: Outbox, ident: int, job: Job, future: asyncio.Future) -> None:
-        self.jobs.get(peer, {}).pop(ident, None)
-        exc = ApiError(503, "engine_stopping", "the engine stopped before answering") if future.cancelled() \
-            else future.exception()
-        if exc is not None:
-            peer.send(error_reply(ident, self.runtime.refusal(exc), "infer"))
-            return
-        try:
-            t = job.timings
-            versions = {task: m.version for task, m in job.modules.items()}
-            reply = ("ok", ident, (pack_answers(future.result()), versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)))
-        except Exception as exc:
-            reply = error_reply(ident, exc, "infer")
-        peer.send(reply)
+            results = await self.runtime.submit(job)
+        finally:
+            waiting.pop(ident, None)
+        t = job.timings
+        versions = {task: m.version for task, m in job.modules.items()}
+        return pack_answers(results), versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)
 
     async def _manage(self, task: str, action: str, version: str | None):
         module, previous = await self.runtime.manage(task, action, version)
