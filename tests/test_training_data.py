@@ -204,7 +204,7 @@ def test_document_windows_read_documents_as_the_server_cuts_long_texts(tmp_path,
     tags = [t for s in long_doc for t in s.tags]
 
     window = 32
-    examples = document_windows(path, train_backbone.text, window)
+    examples = document_windows(path, train_backbone.text, [window])[window]
     assert examples[-1] == TokenExample(["New", "York"], ["B-LOC", "I-LOC"])  # fits: the document whole
     windows = examples[:-1]
     assert len(windows) > 5

@@ -222,28 +222,34 @@ def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int
     return [doc for doc in documents if doc]
 
 
-def document_windows(path: str | Path, encoder, window: int) -> list[TokenExample]:
-    """A CoNLL file's documents read as the server reads a long text: each document's words joined
-    with spaces and cut by server/windows.py into windows of `window` word pieces (its default
-    stride), each window an example of the words wholly inside it; a document that fits in one
-    window is one example. `encoder`: the backbone's TextEncoder."""
-    from server.windows import WindowSettings, default_stride, split
+def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[int, list[TokenExample]]:
+    """A CoNLL file's documents read as the server reads a long text, for each window length in
+    `windows`: each document's words joined with spaces, tokenized once, and cut by
+    server/windows.py into windows of that many word pieces (its default stride), each window an
+    example of the words wholly inside it; a document that fits in one window is one example.
+    `encoder`: the backbone's TextEncoder. A window the server would refuse raises ValueError."""
+    from server.errors import ApiError
+    from server.windows import settings_for, split
 
-    settings = WindowSettings(window, default_stride(window), encoder.max_tokens)
-    out = []
+    try:
+        settings = {window: settings_for(encoder, None, window) for window in windows}
+    except ApiError as exc:
+        raise ValueError(f"--document-windows: {exc.message}") from None
+    out: dict[int, list[TokenExample]] = {window: [] for window in windows}
     for document in read_conll_documents(path):
         whole = TokenExample([w for s in document for w in s.words], [t for s in document for t in s.tags])
         encoded = encoder.encode([whole.text], whole=True)[0]
-        reading = split(encoded, settings)
-        if not reading.windowed:
-            out.append(whole)
-            continue
         offsets, spans = encoded.offsets, whole.spans
-        for start, end in reading.spans:
-            low, high = offsets[reading.first + start][0], offsets[reading.first + end - 1][1]
-            keep = [i for i, (a, b) in enumerate(spans) if a >= low and b <= high]
-            if keep:
-                out.append(TokenExample([whole.words[i] for i in keep], [whole.tags[i] for i in keep]))
+        for window, setting in settings.items():
+            reading = split(encoded, setting)
+            if not reading.windowed:
+                out[window].append(whole)
+                continue
+            for start, end in reading.spans:
+                low, high = offsets[reading.first + start][0], offsets[reading.first + end - 1][1]
+                keep = [i for i, (a, b) in enumerate(spans) if a >= low and b <= high]
+                if keep:
+                    out[window].append(TokenExample([whole.words[i] for i in keep], [whole.tags[i] for i in keep]))
     return out
 
 

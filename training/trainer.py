@@ -28,7 +28,6 @@ from server.heads import Head
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.mtb import MTBHead
 from server.modules import LoadedModule, count_parameters, load_module, save_module
-from server.windows import MIN_WINDOW
 from training.data import (
     IGNORE_INDEX,
     PRESETS,
@@ -106,10 +105,7 @@ def add_document_windows(train: LabelledData, provenance: dict, backbone: Backbo
     `windows` (training/data.py document_windows), counted in `provenance`."""
     if train.task_type != TaskType.token_classification:
         raise ValueError("--document-windows: only token tasks read from a CoNLL file have documents")
-    bad = [w for w in windows if not MIN_WINDOW <= w <= backbone.max_tokens]
-    if bad:
-        raise ValueError(f"--document-windows {bad}: a window holds {MIN_WINDOW} to {backbone.max_tokens} word pieces")
-    added = {w: document_windows(provenance["train_file"], backbone.text, w) for w in windows}
+    added = document_windows(provenance["train_file"], backbone.text, windows)
     provenance["document_window_examples"] = {str(w): len(examples) for w, examples in added.items()}
     examples = [*train.examples, *(ex for w in windows for ex in added[w])]
     provenance["train_examples"] = len(examples)
