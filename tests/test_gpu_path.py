@@ -398,3 +398,74 @@ def test_cuda_captures_the_shipped_plans_and_replays_them_as_eager_passes_answer
         got, want = runner.run(rows, task_set), eager.run(rows, task_set)
         assert_same_answers(got, want, abs_tol=2e-3)
     assert runner.graphs.captures == captures and runner.graphs.replays >= 2
+
+
+@pytest.mark.cuda
+def test_cuda_soak_over_many_task_subsets_with_reloads_fails_no_request(tiny_backbone_dir, tmp_path):
+    """A real server on cuda with graphs, under concurrent load: requests name every one of the 15
+    subsets of four single-text tasks (more than the 8 plans an LRU once held) while sentiment is
+    reloaded back and forth. Every request is answered 200, each subset with the answers of the full
+    default set at the sentiment version it names (a subset replays its superset's graph), and graphs
+    keep replaying after the reloads."""
+    import asyncio
+    import itertools
+
+    from server.backbone import Backbone
+
+    backbone = Backbone.load(tiny_backbone_dir, device="cuda")
+    store = ModuleStore(tmp_path)
+    from tests.helpers import populate_store
+
+    populate_store(tmp_path, backbone)
+    save_module(store, "sentiment", "2", random_head(backbone, "sequence_classification",
+                                                     ["negative", "positive"], 12), backbone)
+    save_module(store, "topic", "1", random_head(backbone, "sequence_classification",
+                                                 ["world", "sports", "business"], 13), backbone)
+    tasks = ("sentiment", "ner", "acceptability", "topic")
+    subsets = [",".join(c) for n in range(1, 5) for c in itertools.combinations(tasks, n)]
+    assert len(subsets) == 15
+    token = "t0ken"
+    settings = Settings(store=store.root, device="cuda", admin_token=token, precision="fp32", head_precision="fp32",
+                        graph_batch_sizes="1,2,4,8,16,32", graph_seq_lens="32,64")
+    auth = {"authorization": f"Bearer {token}"}
+
+    async def soak(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async def ask(names, i):
+                texts = [TEXTS[(i + k) % len(TEXTS)] for k in range(1 + i % 3)]
+                return texts, await client.post("/v1/infer", params={"tasks": names}, json={"inputs": texts})
+
+            reference = {}
+            for version in ("1", "2"):
+                assert (await client.post("/admin/modules/sentiment/load", json={"version": version},
+                                          headers=auth)).status_code == 200
+                answer = (await client.post("/v1/infer", json={"inputs": TEXTS})).json()
+                reference[version] = dict(zip(TEXTS, answer["results"]))
+            answers, switches = [], []
+            for round_ in range(8):
+                burst = [asyncio.create_task(ask(s, i)) for i, s in enumerate(subsets * 3)]
+                switches.append(await client.post("/admin/modules/sentiment/load",
+                                                  json={"version": "12"[round_ % 2]}, headers=auth))
+                answers += await asyncio.gather(*burst, *[ask(s, i) for i, s in enumerate(subsets)])
+            return reference, answers, switches
+
+    app = create_app(settings, backbone=backbone)
+    with LiveServer(app) as server:
+        replays_before = app.state.runtime.runner.graphs.replays
+        reference, answers, switches = asyncio.run(soak(server.url))
+        metrics = httpx.get(server.url + "/metrics").text
+        replays = app.state.runtime.runner.graphs.replays - replays_before
+    assert all(s.status_code == 200 for s in switches), [s.text for s in switches]
+    failed = [(r.status_code, r.text) for _, r in answers if r.status_code != 200]
+    assert not failed and len(answers) == 8 * 4 * 15
+    assert reference["1"] != reference["2"]
+    for texts, response in answers:
+        body = response.json()
+        version = body["tasks"].get("sentiment", "1")
+        for text, result in zip(texts, body["results"]):
+            assert set(result) == set(body["tasks"])
+            assert_same_answers({t: [a] for t, a in result.items()},
+                                {t: [reference[version][text][t]] for t in result}, abs_tol=1e-3)
+    assert replays > 0  # subsets replayed captured graphs (not silently eager)
+    graphs = [line for line in metrics.splitlines() if line.startswith("tmod_cuda_graphs ")]
+    assert graphs and float(graphs[0].split()[1]) > 0, graphs
