@@ -20,7 +20,9 @@ limit=$((64 * 1024 * 1024))
 
 if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders allow
   mkdir -p "$keep"
-  if [ -d .gpu-a ]; then
+  # a lent machine keeps ignored folders between calls: .gpu-a's install (which assembles whatever
+  # halves it finds, here cut short) runs only before .gpu-b has come
+  if [ -d .gpu-a ] && [ ! -d .gpu-b ]; then
     bash .gpu-a/install.sh
     cp .gpu-a/part-a "$keep/part-a.head"
   fi
@@ -34,6 +36,7 @@ if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders 
     done
     cat "$keep/part-a.head" "$keep/part-a.tail" > "$keep/part-a"
     cat .gpu-b/part-b "$keep/part-b.tail" > .gpu-b/part-b.whole && mv .gpu-b/part-b.whole .gpu-b/part-b
+    rm -rf .gpu-a  # install.sh would take .gpu-a's cut-short half over the whole one
     bash .gpu-b/install.sh  # assembles the weights and checks their sha256
   fi
   exit 0
