@@ -474,7 +474,9 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
     from server.cli import uvicorn_config
 
     configure_logging(settings.log_level)
-    torch.set_num_threads(1)  # decode's small tensors; the cores belong to the other workers and the engine
+    # decode's small tensors and one request's token lists: the cores belong to the other workers and the engine
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app = create_app(settings, runtime=RemoteRuntime(settings, engine_path))
     config = uvicorn_config(app, settings)
     log.info("worker %d (pid %d) serving", index, os.getpid())

@@ -469,3 +469,20 @@ def test_cuda_soak_over_many_task_subsets_with_reloads_fails_no_request(tiny_bac
     assert replays > 0  # subsets replayed captured graphs (not silently eager)
     graphs = [line for line in metrics.splitlines() if line.startswith("tmod_cuda_graphs ")]
     assert graphs and float(graphs[0].split()[1]) > 0, graphs
+
+
+def test_host_threads_on_cuda_default_to_one_and_no_tokenizer_pool(monkeypatch):
+    from server.runtime import set_host_threads
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        set_host_threads(Settings.model_construct(device="cpu", threads=None))  # the CPU keeps torch's choice
+        assert torch.get_num_threads() == 2 and "TOKENIZERS_PARALLELISM" not in os.environ
+        set_host_threads(Settings.model_construct(device="cuda:0", threads=None))
+        assert torch.get_num_threads() == 1 and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+        set_host_threads(Settings.model_construct(device="cuda", threads=3))  # what the operator sets wins
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
