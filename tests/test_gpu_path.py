@@ -374,12 +374,12 @@ def test_cuda_captures_the_shipped_plans_and_replays_them_as_eager_passes_answer
     on their path, and the answers are those of eager passes (default precision: fp16 on cuda)."""
     from modules_store import DEFAULT_STORE
     from server.backbone import Backbone
-    from server.backbone.sources import mpnet_parts
+    from server.backbone.sources import mpnet_path
     from server.modules import servable_tasks
 
     if tier == "mpnet":
         try:
-            mpnet_parts()
+            mpnet_path()  # tmod's cache (a lent GPU gets it from bench/gpu_bundle.sh mpnet), else the parts
         except FileNotFoundError as exc:
             pytest.skip(str(exc))
     backbone = Backbone.load(tier, device="cuda")
