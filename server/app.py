@@ -169,7 +169,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                     settings.window_tokens, settings.window_stride)
 
     async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None) -> windows.Reading:
-        """Tokenize (in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
+        """Tokenize (a long request in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
         most `max_tokens` word pieces (default: the server's limit)."""
         check_inputs(texts, text_pairs)
         chosen = window_settings(window, stride, max_tokens)
