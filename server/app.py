@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import re
@@ -48,10 +49,10 @@ from server.schemas import (
 )
 
 
-# C0/C1 controls other than tab, newline and carriage return never belong in text to analyse
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
 # costs more CPU than its tokenization (bench/bench_frontend.py --workers, issue 25).
 INLINE_TOKENIZE_CHARS = 1000
+# C0/C1 controls other than tab, newline and carriage return never belong in text to analyse
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
@@ -173,11 +174,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         most `max_tokens` word pieces (default: the server's limit)."""
         check_inputs(texts, text_pairs)
         chosen = window_settings(window, stride, max_tokens)
-        work = (windows.read, runtime.text, texts, text_pairs, chosen, truncate)
+        read = functools.partial(windows.read, runtime.text, texts, text_pairs, chosen, truncate)
         try:
             if sum(map(len, texts)) + sum(map(len, text_pairs or ())) <= INLINE_TOKENIZE_CHARS:
-                return work[0](*work[1:])
-            return await asyncio.get_running_loop().run_in_executor(runtime.tokenize_executor, *work)
+                return read()
+            return await asyncio.get_running_loop().run_in_executor(runtime.tokenize_executor, read)
         except windows.PairTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc)) from exc
 

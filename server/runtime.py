@@ -68,8 +68,15 @@ def set_host_threads(settings: Settings) -> None:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     elif torch.device(settings.device).type == "cuda":
-        torch.set_num_threads(1)
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # read by the tokenizers library at each call
+        one_host_thread()
+
+
+def one_host_thread() -> None:
+    """One torch intra-op thread and no tokenizers thread pool (the library reads the variable at
+    each call): for processes whose cores belong to other threads and processes."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 
 class Runtime:
     def __init__(self, settings: Settings, backbone: Backbone | None = None):

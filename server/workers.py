@@ -63,7 +63,7 @@ from server.errors import ApiError
 from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics
-from server.runtime import Runtime
+from server.runtime import Runtime, one_host_thread
 from server.windows import plain_rows
 
 log = logging.getLogger("tmod.workers")
@@ -467,16 +467,13 @@ class RemoteRuntime:
 
 def run_worker(settings: Settings, engine_path: str, listener: socket.socket, index: int) -> None:
     """A worker process: the HTTP app over a RemoteRuntime, on the shared listening socket."""
-    import torch
     import uvicorn
 
     from server.app import create_app
     from server.cli import uvicorn_config
 
     configure_logging(settings.log_level)
-    # decode's small tensors and one request's token lists: the cores belong to the other workers and the engine
-    torch.set_num_threads(1)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    one_host_thread()  # decode's small tensors, one request's token lists: the cores belong to the others
     app = create_app(settings, runtime=RemoteRuntime(settings, engine_path))
     config = uvicorn_config(app, settings)
     log.info("worker %d (pid %d) serving", index, os.getpid())

