@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,8 @@ from server.engine import Timings
 from server.modules import LoadedModule
 
 log = logging.getLogger("tmod.batcher")
+
+DEPTH_EVERY = 0.01  # seconds: the queue-depth gauge is written at most this often on submit (and per batch)
 
 
 class QueueFull(Exception):
@@ -104,6 +108,11 @@ class Forming:
         self.modules.update(job.modules)
 
 
+def _wake(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class Batcher:
     def __init__(self, run_batch: Callable, executor, settings: BatchSettings, metrics=None,
                  prepare: Callable | None = None, prepare_executor=None):
@@ -119,14 +128,21 @@ class Batcher:
         self._running: set[asyncio.Task] = set()  # batches handed on, not yet answered
         self.settings = settings
         self.metrics = metrics
-        self._queue: asyncio.Queue[Job] | None = None
+        self._queue: collections.deque[Job] = collections.deque()
+        self._arrival: asyncio.Future | None = None  # what the loop awaits while the queue is empty
         self._held: collections.deque[Job] = collections.deque()  # taken but not fitting the last batch
         self._task: asyncio.Task | None = None
         self._closing = False
+        # waiting jobs' deadlines, earliest first, kept by one timer for all of them (a timer per job
+        # cost the engine process a handle, a callback and a cancel per request)
+        self._deadlines: list[tuple[float, int, Job]] = []
+        self._order = itertools.count()
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = float("inf")
+        self._depth_seen = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="tmod-batcher")
 
     async def drain_and_stop(self) -> None:
@@ -142,40 +158,77 @@ class Batcher:
                 pass
 
     def depth(self) -> int:
-        return (self._queue.qsize() if self._queue else 0) + len(self._held)
+        return len(self._queue) + len(self._held)
 
     # ---- submitting --------------------------------------------------------------------------
-    async def submit(self, job: Job):
+    def enqueue(self, job: Job) -> asyncio.Future:
+        """Queue `job`; the future returned gets its answers, or the reason it got none
+        (DeadlineExceeded, ClientGone, a refusal). A full queue raises QueueFull at once."""
         if self._closing:
             raise QueueFull("the server is shutting down")
         if self.depth() >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
-        loop = asyncio.get_running_loop()
-        job.future = loop.create_future()
-        # the deadline is kept while the job waits, not only when a batch takes it
-        expiry = loop.call_later(max(0.0, job.deadline - time.perf_counter()), self._expire, job)
-        job.future.add_done_callback(lambda _: expiry.cancel())
-        self._queue.put_nowait(job)
-        self._observe_depth()
-        return await job.future
+        job.future = asyncio.get_running_loop().create_future()
+        self._keep_deadline(job)  # kept while the job waits, not only when a batch takes it
+        self._queue.append(job)
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
+        if job.enqueued - self._depth_seen >= DEPTH_EVERY:  # a gauge write per request is not worth it
+            self._observe_depth()
+        return job.future
 
-    def _expire(self, job: Job) -> None:
-        if not job.future.done() and not job.running:
-            job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
-            self._count_dropped("deadline")
+    async def submit(self, job: Job):
+        return await self.enqueue(job)
+
+    def _keep_deadline(self, job: Job) -> None:
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].future.done():  # answered jobs leave from the front
+            heapq.heappop(deadlines)
+        heapq.heappush(deadlines, (job.deadline, next(self._order), job))
+        if job.deadline < self._expiry_at:
+            self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry, self._expiry_at = None, float("inf")
+        if self._deadlines:
+            self._expiry_at = self._deadlines[0][0]
+            delay = max(0.0, self._expiry_at - time.perf_counter())
+            self._expiry = asyncio.get_running_loop().call_later(delay, self._expire_due)
+
+    def _expire_due(self) -> None:
+        """Fail every waiting job whose deadline has passed; arm the timer for the next one."""
+        self._expiry, self._expiry_at = None, float("inf")
+        now, deadlines = time.perf_counter(), self._deadlines
+        while deadlines and (deadlines[0][0] <= now or deadlines[0][2].future.done()):
+            job = heapq.heappop(deadlines)[2]
+            if not job.future.done() and not job.running:
+                job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
+                self._count_dropped("deadline")
+        self._arm_expiry()
 
     # ---- the loop ----------------------------------------------------------------------------
     async def _next(self, timeout: float | None) -> Job | None:
+        """The next job, waiting up to `timeout` seconds (None: until one comes) for one to be
+        queued. A future and a timer, not `wait_for(queue.get())`: that cost a task per batch."""
         if self._held:
             return self._held.popleft()
-        if not self._queue.empty():  # no wait to set up (wait_for costs a task per call)
-            return self._queue.get_nowait()
-        if timeout is None:
-            return await self._queue.get()
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
+        loop = asyncio.get_running_loop()
+        while not self._queue:
+            if timeout is not None and timeout <= 0:
+                return None
+            self._arrival = loop.create_future()
+            timer = loop.call_later(timeout, _wake, self._arrival) if timeout is not None else None
+            try:
+                await self._arrival
+            finally:
+                self._arrival = None
+                if timer is not None:
+                    timer.cancel()
+            if timeout is not None:
+                timeout = 0.0  # woken by a job, or the time is up
+        return self._queue.popleft()
 
     async def _loop(self) -> None:
         slots = asyncio.Semaphore(self.settings.in_flight)
@@ -272,5 +325,6 @@ class Batcher:
             self.metrics.dropped.labels(reason).inc()
 
     def _observe_depth(self) -> None:
+        self._depth_seen = time.perf_counter()
         if self.metrics is not None:
             self.metrics.queue_depth.set(self.depth())

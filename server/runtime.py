@@ -136,14 +136,29 @@ class Runtime:
 
     async def submit(self, job: Job) -> list[dict]:
         """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""
+        future = self.enqueue(job)
         try:
-            return await self.batcher.submit(job)
+            return await future
+        except (DeadlineExceeded, ClientGone) as exc:
+            raise self.refusal(exc) from exc
+
+    def enqueue(self, job: Job) -> asyncio.Future:
+        """`submit` without the wait (the engine process answers its workers from the future's
+        callback, not from a task per request); what the future fails with goes through `refusal`."""
+        try:
+            return self.batcher.enqueue(job)
         except QueueFull as exc:
-            raise ApiError(429, "overloaded", f"server overloaded: {exc}; retry later") from exc
-        except DeadlineExceeded as exc:
-            raise ApiError(503, "deadline_exceeded", f"{exc} ({self.settings.request_timeout_s}s)") from exc
-        except ClientGone as exc:
-            raise ApiError(499, "client_closed_request", str(exc)) from exc
+            raise self.refusal(exc) from exc
+
+    def refusal(self, exc: Exception) -> Exception:
+        """A batcher's reason for not answering a job -> the request's ApiError (others unchanged)."""
+        if isinstance(exc, QueueFull):
+            return ApiError(429, "overloaded", f"server overloaded: {exc}; retry later")
+        if isinstance(exc, DeadlineExceeded):
+            return ApiError(503, "deadline_exceeded", f"{exc} ({self.settings.request_timeout_s}s)")
+        if isinstance(exc, ClientGone):
+            return ApiError(499, "client_closed_request", str(exc))
+        return exc
 
     async def manage(self, task: str, action: str, version: str | None) -> tuple[LoadedModule, str | None]:
         """Admin: load (default: the store's latest for this backbone), reload (the loaded version or

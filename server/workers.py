@@ -35,6 +35,7 @@ A deadline travels with the request and the engine's batcher drops a job past it
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import itertools
 import logging
@@ -171,6 +172,14 @@ class EngineState:
 
 
 # ---- the engine process ------------------------------------------------------------------------------
+def error_reply(ident: int, exc: Exception, kind: str) -> tuple:
+    """What a worker gets for a request the engine could not answer: its ApiError, or a 500."""
+    if isinstance(exc, ApiError):
+        return ("error", ident, exc.status, exc.type, exc.message, exc.details)
+    log.error("engine: %s failed", kind, exc_info=exc)
+    return ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
+
+
 class EngineService:
     """Serves one Runtime to the worker processes' connections."""
 
@@ -238,7 +247,9 @@ class EngineService:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     break  # the worker exited; answers still being computed for it are dropped
                 for message in messages:
-                    if message[0] == "cancel":
+                    if message[0] == "infer":
+                        self._infer(peer, *message[1:])
+                    elif message[0] == "cancel":
                         self._cancel(peer, message[1])
                     else:
                         self._keep(self._answer(peer, message))
@@ -259,38 +270,46 @@ class EngineService:
     async def _answer(self, peer: Outbox, message) -> None:
         kind, ident, *args = message
         try:
-            if kind == "infer":
-                reply = ("ok", ident, await self._infer(peer, ident, *args))
-            elif kind == "manage":
+            if kind == "manage":
                 reply = ("ok", ident, await self._manage(*args))
             else:
                 raise ApiError(500, "internal_error", f"the engine got an unknown message {kind!r}")
-        except ApiError as exc:
-            reply = ("error", ident, exc.status, exc.type, exc.message, exc.details)
         except Exception as exc:  # the engine stays up; the request gets what went wrong
-            log.exception("engine: %s failed", kind)
-            reply = ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
+            reply = error_reply(ident, exc, kind)
         peer.send(reply)
 
-    async def _infer(self, peer: Outbox, ident: int, packed: PackedRows, tasks: list[str], seconds_left: float):
+    def _infer(self, peer: Outbox, ident: int, packed: PackedRows, tasks: list[str], seconds_left: float) -> None:
+        """Queue a worker's request; `_infer_done` answers it when its batch has run. No task per
+        request: a callback is a fraction of a task's cost, which the engine process pays per request."""
         loaded = self.runtime.modules  # one snapshot: the worker's view may be a change behind
-        unknown = [t for t in tasks if t not in loaded]
-        if unknown:
-            raise ApiError(400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
-                           loaded_tasks=sorted(loaded))
         waiting = self.jobs.setdefault(peer, {})
-        if len(waiting) >= self.limit:
-            raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in flight; "
-                                              "retry later")
-        job = Job(rows=packed.rows(), modules={t: loaded[t] for t in tasks}, deadline=time.perf_counter() + seconds_left)
-        waiting[ident] = job
         try:
-            results = await self.runtime.submit(job)
-        finally:
-            waiting.pop(ident, None)
-        t = job.timings
-        versions = {task: m.version for task, m in job.modules.items()}
-        return pack_answers(results), versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)
+            unknown = [t for t in tasks if t not in loaded]
+            if unknown:
+                raise ApiError(400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
+                               loaded_tasks=sorted(loaded))
+            if len(waiting) >= self.limit:
+                raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in "
+                                                  "flight; retry later")
+            job = Job(rows=packed.rows(), modules={t: loaded[t] for t in tasks},
+                      deadline=time.perf_counter() + seconds_left)
+            future = self.runtime.enqueue(job)
+        except Exception as exc:
+            peer.send(error_reply(ident, exc, "infer"))
+            return
+        waiting[ident] = job
+        future.add_done_callback(functools.partial(self._infer_done, peer, ident, job))
+
+    def _infer_done(self, peer: Outbox, ident: int, job: Job, future: asyncio.Future) -> None:
+        self.jobs.get(peer, {}).pop(ident, None)
+        try:
+            results = future.result()
+            t = job.timings
+            versions = {task: m.version for task, m in job.modules.items()}
+            reply = ("ok", ident, (pack_answers(results), versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)))
+        except Exception as exc:
+            reply = error_reply(ident, self.runtime.refusal(exc), "infer")
+        peer.send(reply)
 
     async def _manage(self, task: str, action: str, version: str | None):
         module, previous = await self.runtime.manage(task, action, version)

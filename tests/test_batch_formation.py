@@ -110,3 +110,56 @@ def test_clients_are_asked_only_after_waiting():
     assert asked == 0  # fresh jobs: nobody asks Starlette (~50 us a question)
     _, asked, _ = form_one_batch(16, 3, age=1.0)
     assert asked == 16  # jobs that waited past disconnect_check_after are asked, once each
+
+
+def test_waiting_jobs_fail_at_their_own_deadlines_while_a_batch_runs():
+    """One timer keeps every waiting job's deadline (server/batcher.py): jobs queued behind a running
+    batch fail in the order of their deadlines, before that batch ends; one queued first with a later
+    deadline does not hold back the timer of those after it, and is answered."""
+    import threading
+
+    from server.batcher import DeadlineExceeded
+
+    modules = {"task0": object()}
+    release = threading.Event()
+
+    def run_batch(rows, batch_modules, timings):
+        release.wait(10)  # the first batch holds the compute thread until the late jobs have failed
+        return {task: [{"row": i} for i in range(len(rows))] for task in batch_modules}
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = Batcher(run_batch, executor, BatchSettings(max_batch_size=1, max_wait=0.0, max_queue=100))
+        batcher.start()
+        now = time.perf_counter()
+
+        def job(seconds):
+            return Job(rows=[Row(8)], modules=modules, deadline=now + seconds)
+
+        first = job(60)
+        running = asyncio.create_task(batcher.submit(first))
+        while not first.running:
+            await asyncio.sleep(0.005)
+        failed = []
+
+        async def wait(name, j):
+            try:
+                return await batcher.submit(j)
+            except DeadlineExceeded:
+                failed.append((name, release.is_set()))
+                raise
+
+        queued = {name: job(seconds) for name, seconds in (("later", 30), ("b", 0.2), ("a", 0.1))}
+        waiting = [asyncio.create_task(wait(name, j)) for name, j in queued.items()]
+        while len(failed) < 2:
+            await asyncio.sleep(0.01)
+        release.set()
+        answers = await asyncio.gather(running, *waiting, return_exceptions=True)
+        await batcher.drain_and_stop()
+        executor.shutdown()
+        return failed, answers
+
+    failed, answers = asyncio.run(scenario())
+    assert failed == [("a", False), ("b", False)]  # deadline order, both while the first batch ran
+    assert answers[0] == [{"task0": {"row": 0}}] and answers[1] == [{"task0": {"row": 0}}]
+    assert all(isinstance(a, DeadlineExceeded) for a in answers[2:])
