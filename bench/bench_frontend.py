@@ -6,7 +6,9 @@ validation, tokenization, batching, collation and decode. The stand-in (benchmar
 here by `--serve`, never in server/) replaces `ModelRunner._pass`: each pass sleeps `--pass-ms`
 (default 1 ms, about one replayed CUDA-graph pass on an H100) and returns logits of the right shape
 for every task (random, from a seeded generator, so decode does real work: token tasks get real
-BIO spans). The sleep releases the GIL, as a device wait does.
+BIO spans). The sleep releases the GIL, as a device wait does. Since it stands for a GPU's pass, the
+server cuts batches as on a GPU (`--batch-shapes buckets`: one pass per batch); `length_runs` gives
+a CPU's several passes per batch, each with its own sleep and per-pass host work.
 
 1. A store of random-weight heads like bench_load's (sentiment, ner, acceptability on the real
    all-MiniLM-L6-v2 tokenizer and config) is written to a temporary folder.
@@ -224,11 +226,13 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     if signal_window:
         os.kill(server.proc.pid, signal.SIGUSR1)
     workers = worker_pids(server.proc.pid)  # with --workers: the HTTP worker processes
+    batches0 = batches_answered(server)
     cpu0, threads0, t0 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
     workers0 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
     time.sleep(max(0.0, stop_at - time.time()))
     cpu1, threads1, t1 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
     workers1 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
+    batches1 = batches_answered(server)
     parts = [queue.get(timeout=120) for _ in procs]
     for p in procs:
         p.join()
@@ -256,7 +260,22 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
         "engine_process_cpu_us_per_request": round(engine_cpu / ok * 1e6, 1) if ok else None,
         "engine_process_cpu_us_per_input": round(engine_cpu / (ok * inputs) * 1e6, 1) if ok else None,
         "workers_cpu_us_per_request": round(workers_cpu / ok * 1e6, 1) if ok and workers else None,
+        # requests per batch over the window (the server's tmod_batch_requests): the engine's per-batch
+        # work is shared by this many requests, so its CPU per request falls as batches fill
+        "requests_per_batch": round((batches1[1] - batches0[1]) / (batches1[0] - batches0[0]), 1)
+        if batches1[0] > batches0[0] else None,
     }
+
+
+def batches_answered(server) -> tuple[float, float]:
+    """(batches, requests in them) so far, from the server's /metrics (every process's, summed)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode()
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return total("tmod_batch_requests_count"), total("tmod_batch_requests_sum")
 
 
 def worker_pids(pid: int) -> list[int]:
@@ -285,7 +304,7 @@ def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | 
 
     env = {"TMOD_STORE": str(store), "TMOD_THREADS": "1", "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
-           "BENCH_PASS_MS": str(args.pass_ms), **(extra_env or {})}
+           "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, **(extra_env or {})}
     server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(code / "bench" / "bench_frontend.py"),
                                                                 "--serve"])
     server.start()
@@ -444,7 +463,8 @@ def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[di
 
 
 def write_workers_markdown(path: Path, result: dict) -> None:
-    lines = [f"# Frontend with worker processes (CPU, constant-time stand-in for the device pass: {result['pass_ms']} ms)",
+    lines = [f"# Frontend with worker processes (CPU, constant-time stand-in for the device pass: {result['pass_ms']} ms, "
+             f"batch shapes {result.get('batch_shapes', 'length_runs')})",
              "", f"{result['date']} · {result['machine'].get('cpu_model', '')} · "
              f"{result['machine'].get('logical_cpus', '')} cores (shared with the load generator) · `{result['command']}`",
              "", "`tmod-serve --workers N`: N HTTP processes (HTTP, JSON, tokenization, decode) and one engine process "
@@ -453,12 +473,12 @@ def write_workers_markdown(path: Path, result: dict) -> None:
              + (f" `before`: the code at {result['before']}; `after`: this tree ({result['machine']['versions']['tmod_git']['commit']})."
                 if result.get("before") else ""), "",
              "| code | workers | inputs/request | c | req/s | seq/s | p50 ms | p99 ms | errors | CPU us/request (all) "
-             "| engine process us/request | us/input | workers us/request |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| engine process us/request | us/input | workers us/request | requests/batch |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["levels"]:
         lines.append(f"| {r.get('code', 'after')} | {r['workers']} | {level_cells(r)} | {r['server_cpu_us_per_request']} | "
                      f"{r['engine_process_cpu_us_per_request']} | {r['engine_process_cpu_us_per_input']} | "
-                     f"{r['workers_cpu_us_per_request'] or '-'} |")
+                     f"{r['workers_cpu_us_per_request'] or '-'} | {r.get('requests_per_batch') or '-'} |")
     lines += ["", "Ceilings (labelled, not measured: CPU per request as measured here, every process on a core of "
               "its own):", ""] + [f"- {line}" for line in result["ceilings"]] + [""]
     path.write_text("\n".join(lines))
@@ -484,6 +504,9 @@ def workers_ceilings(levels: list[dict]) -> list[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pass-ms", type=float, default=1.0, help="stand-in device pass time")
+    p.add_argument("--batch-shapes", choices=["buckets", "length_runs"], default="buckets",
+                   help="how the server cuts a batch into passes (TMOD_BATCH_SHAPES): buckets, one pass per batch as "
+                        "on a GPU, whose pass the stand-in stands for; length_runs, a CPU's several passes per batch")
     p.add_argument("--max-wait-ms", type=float, default=2.0)
     p.add_argument("--clients", type=int, default=4, help="load-generator processes")
     p.add_argument("--warmup", type=float, default=2.0)
@@ -514,7 +537,8 @@ def main(argv=None) -> int:
     random.Random(0).shuffle(sentences)
     result = {"benchmark": "bench_frontend", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "command": "python bench/bench_frontend.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": machine_info("cpu"), "pass_ms": args.pass_ms, "max_wait_ms": args.max_wait_ms,
+              "machine": machine_info("cpu"), "pass_ms": args.pass_ms, "batch_shapes": args.batch_shapes,
+              "max_wait_ms": args.max_wait_ms,
               "clients": args.clients, "warmup_s": args.warmup, "duration_s": args.duration, "tasks": TASKS,
               "levels": [], "profiles": {}}
     with tempfile.TemporaryDirectory(prefix="bench_frontend_") as tmp:
