@@ -207,7 +207,7 @@ def _client_process(args, queue):
 
 def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients: int, warmup: float,
             duration: float, signal_window: bool = False) -> dict:
-    from bench.bench_load import proc_cpu_seconds, summarise_latency, thread_cpu_seconds
+    from bench.bench_load import metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
 
     now = time.time()
     start_at = now + 1.0  # every client connected before load starts
@@ -226,13 +226,13 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     if signal_window:
         os.kill(server.proc.pid, signal.SIGUSR1)
     workers = worker_pids(server.proc.pid)  # with --workers: the HTTP worker processes
-    batches0 = batches_answered(server)
+    metrics0 = server_metrics(server)
     cpu0, threads0, t0 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
     workers0 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
     time.sleep(max(0.0, stop_at - time.time()))
     cpu1, threads1, t1 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
     workers1 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
-    batches1 = batches_answered(server)
+    metrics1 = server_metrics(server)
     parts = [queue.get(timeout=120) for _ in procs]
     for p in procs:
         p.join()
@@ -243,6 +243,7 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
             errors[k] = errors.get(k, 0) + v
     ok = sum(part["ok_in_window"] for part in parts)
     window = t1 - t0
+    per_batch = metrics_delta(metrics0, metrics1)["mean_batch_requests"]
     engine_cpu = cpu1 - cpu0  # the process tmod-serve started: everything, or with workers the engine
     workers_cpu = workers1 - workers0
     server_cpu = engine_cpu + workers_cpu
@@ -262,20 +263,17 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
         "workers_cpu_us_per_request": round(workers_cpu / ok * 1e6, 1) if ok and workers else None,
         # requests per batch over the window (the server's tmod_batch_requests): the engine's per-batch
         # work is shared by this many requests, so its CPU per request falls as batches fill
-        "requests_per_batch": round((batches1[1] - batches0[1]) / (batches1[0] - batches0[0]), 1)
-        if batches1[0] > batches0[0] else None,
+        "requests_per_batch": round(per_batch, 1) if per_batch else None,
     }
 
 
-def batches_answered(server) -> tuple[float, float]:
-    """(batches, requests in them) so far, from the server's /metrics (every process's, summed)."""
-    import re
+def server_metrics(server) -> dict[str, float]:
+    """The server's /metrics (every process's, summed), flat as bench_load reads them."""
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode()
-    def total(name):
-        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-    return total("tmod_batch_requests_count"), total("tmod_batch_requests_sum")
+    from bench.bench_load import parse_metrics
+
+    return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode())
 
 
 def worker_pids(pid: int) -> list[int]:

@@ -199,7 +199,6 @@ class Batcher:
 
     def _expire_due(self) -> None:
         """Fail every waiting job whose deadline has passed; arm the timer for the next one."""
-        self._expiry, self._expiry_at = None, float("inf")
         now, deadlines = time.perf_counter(), self._deadlines
         while deadlines and (deadlines[0][0] <= now or deadlines[0][2].future.done()):
             job = heapq.heappop(deadlines)[2]

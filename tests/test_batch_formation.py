@@ -7,10 +7,11 @@ every job already in the batch: its reads per job grew with n (about n/2 x tasks
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from server.batcher import Batcher, BatchSettings, Job
+from server.batcher import Batcher, BatchSettings, DeadlineExceeded, Job
 
 
 class CountingModules(dict):
@@ -116,10 +117,6 @@ def test_waiting_jobs_fail_at_their_own_deadlines_while_a_batch_runs():
     """One timer keeps every waiting job's deadline (server/batcher.py): jobs queued behind a running
     batch fail in the order of their deadlines, before that batch ends; one queued first with a later
     deadline does not hold back the timer of those after it, and is answered."""
-    import threading
-
-    from server.batcher import DeadlineExceeded
-
     modules = {"task0": object()}
     release = threading.Event()
 
