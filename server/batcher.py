@@ -25,8 +25,8 @@ from operator import itemgetter
 from typing import Awaitable, Callable
 
 from server.backbone import EncodedInput
-from server.engine import Timings
 from server.modules import LoadedModule
+from server.timings import Timings
 
 log = logging.getLogger("tmod.batcher")
 

@@ -71,24 +71,11 @@ def serve_settings(settings: Settings) -> None:
             if made:
                 shutil.rmtree(made, ignore_errors=True)
     from server.app import create_app  # imported late so --help stays fast
+    from server.http_limits import uvicorn_config
 
     server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
     stop_on_device_failure(lambda: setattr(server, "should_exit", True))
     server.run()
-
-
-def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
-    """uvicorn for tmod: our JSON lines replace its access log; request heads have a deadline
-    (`header_timeout_s`, server/http_limits.py). h11 on asyncio's loop, not the httptools / uvloop
-    uvicorn would pick where installed: with httptools, SIGTERM under load dropped 7 to 36 of 500
-    requests without an answer (connections accepted but not yet read are closed), with h11 none
-    (2026-11-23, bench/bench_attack.py's SIGTERM check, on this code and on e33efaf's alike)."""
-    from server.http_limits import header_timeout_protocol
-
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                          log_config=None, access_log=False, loop="asyncio",
-                          http=header_timeout_protocol(settings.header_timeout_s),
-                          h11_max_incomplete_event_size=settings.max_header_bytes)
 
 
 def stop_on_device_failure(stop=None) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,14 +15,7 @@ from server.backbone import Backbone, TokenBatch
 from server.answers import decode_all  # noqa: F401  (re-exported: `predict`, and callers of engine.decode_all)
 from server.modules import LoadedModule
 from server.plan import ExecutionPlan
-
-
-@dataclass
-class Timings:
-    tokenize: float = 0.0
-    backbone: float = 0.0
-    heads: float = 0.0
-    extra: dict = field(default_factory=dict)
+from server.timings import Timings
 
 
 class Engine:

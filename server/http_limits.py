@@ -3,7 +3,7 @@
 - `BodyLimits` (ASGI middleware): a body over `max_body_bytes` (declared or streamed, chunked
   included) answers 413; a body still arriving `body_timeout_s` after it began answers 408.
 - `header_timeout_protocol` (uvicorn's h11 protocol, subclassed; tmod-serve runs h11 on asyncio's loop,
-  `server/cli.py`): a connection that has not sent a whole request head within
+  `uvicorn_config`): a connection that has not sent a whole request head within
   `header_timeout_s` (from connecting, or from the end of its previous response) is answered 408
   and closed; a client trickling headers a byte at a time holds nothing for long. uvicorn's own
   `timeout_keep_alive` covers idle connections between requests only once a first request was
@@ -16,6 +16,7 @@ import asyncio
 import json
 import re
 
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.errors import BodyRefused, error_body
@@ -125,3 +126,15 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
                 self.transport.close()
 
     return HeaderTimeoutProtocol
+
+
+def uvicorn_config(app, settings) -> uvicorn.Config:
+    """uvicorn for tmod: our JSON lines replace its access log; request heads have a deadline
+    (`header_timeout_s`, `header_timeout_protocol`). h11 on asyncio's loop, not the httptools / uvloop
+    uvicorn would pick where installed: with httptools, SIGTERM under load dropped 7 to 36 of 500
+    requests without an answer (connections accepted but not yet read are closed), with h11 none
+    (2026-11-23, bench/bench_attack.py's SIGTERM check, on this code and on e33efaf's alike)."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          log_config=None, access_log=False, loop="asyncio",
+                          http=header_timeout_protocol(settings.header_timeout_s),
+                          h11_max_incomplete_event_size=settings.max_header_bytes)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,9 +21,11 @@ class LoadedModule:
 
 
 def load_module(store: ModuleStore, task: str, version: str | None, backbone, device="cpu",
-                bridges: dict | None = None) -> LoadedModule:
+                bridges: dict | None = None, probe: Callable | None = None) -> LoadedModule:
     """Checksum, backbone fingerprint, head config and tensor shapes are all checked here;
-    any failure raises ArtifactError and nothing is returned.
+    any failure raises ArtifactError and nothing is returned. `probe(module, backbone, bridges)`, when
+    given, must pass too: the probe pass (server/probe.py) runs the engine, which lies above this
+    layer, so whoever loads with an engine at hand (the runtime, training) hands it in.
 
     A module trained on another backbone (a foreign module) is served through the first of
     `bridges` (name -> LoadedBridge, all running on `backbone`) whose target is that backbone and
@@ -50,21 +53,20 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
         param.requires_grad_(False)
     module = LoadedModule(task=task, version=stored.manifest.version, manifest=stored.manifest, head=head,
                           bridge=bridge.name if bridge else None)
-    from server.probe import probe_module  # the probe runs the engine, which imports this module
-
-    probe_module(module, backbone, bridges)
+    if probe is not None:
+        probe(module, backbone, bridges)
     return module
 
 
-def load_servable(store: ModuleStore, task: str, backbone, device="cpu", bridges: dict | None = None
-                  ) -> tuple[LoadedModule, list[ArtifactError]]:
+def load_servable(store: ModuleStore, task: str, backbone, device="cpu", bridges: dict | None = None,
+                  probe: Callable | None = None) -> tuple[LoadedModule, list[ArtifactError]]:
     """The newest version of `task` this backbone serves that passes every check, and the refusals
     of the newer ones (a store serves the best artifact it has and says what it refused). Raises
     the newest version's error when none loads."""
     refused = []
     for version in servable_versions(store, task, backbone, bridges):
         try:
-            return load_module(store, task, version, backbone, device, bridges), refused
+            return load_module(store, task, version, backbone, device, bridges, probe), refused
         except ArtifactError as exc:
             refused.append(exc)
     raise refused[0]

@@ -1,12 +1,17 @@
 """A module proves itself before it serves: one pass over a fixed probe input, whose outputs must
 be finite and shaped as its manifest says. Weights that pass the store's checks (checksum, finite
 values, shapes) can still compute NaN (an overflow, a zeroed norm) or a layer mix that reads no
-layer; such a module is refused at load, never met by the batches of other tasks."""
+layer; such a module is refused at load, never met by the batches of other tasks.
+
+The probe runs the engine, so it lies above it: the module layer (server/modules.py) takes it as
+`load_module(..., probe=probe_module)` from whoever loads with an engine at hand."""
 from __future__ import annotations
 
 import torch
 
 from modules_store import ArtifactError, TaskType
+from server.engine import Engine
+from server.runner import token_classes_read
 
 PROBE_TEXTS = ["The probe checks that Ada Lovelace's module answers in Paris.", "Fine."]
 PROBE_PAIRS = ["A second text for pair tasks.", "Yes."]
@@ -15,9 +20,6 @@ PROBE_PAIRS = ["A second text for pair tasks.", "Yes."]
 def probe_module(module, backbone, bridges: dict | None = None) -> None:
     """Raise ArtifactError("probe_failed") unless `module` answers the probe input with finite
     outputs of its manifest's shape (on `backbone`, through its bridge if it is foreign)."""
-    from server.engine import Engine  # the engine imports this package's modules: imported late
-    from server.runner import token_classes_read
-
     manifest = module.manifest
     where = f"{manifest.task}/{manifest.version}"
     if not module.head.layers_read():

@@ -56,17 +56,18 @@ import torch
 
 from server.answers import answers, decode_all, row_logits  # noqa: F401  (row_logits, decode_all: re-exported)
 from server.backbone import EncodedInput, TokenBatch
+from server.backbone.tokens import window_rows
 from server.config import Settings, parse_sizes
-from server.engine import Engine, Timings
+from server.engine import Engine
 from server.errors import ApiError
 from server.modules import LoadedModule, compares_pairs
-from server.windows import window_rows
+from server.timings import Timings
 
 log = logging.getLogger("tmod")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # 16-bit head precisions that passed the accuracy rule (>= 99% labels equal to fp32, metric change
-# < 0.3 points) on every shipped module of both tiers: `bench/bench_runner.py heads --emulate-fp16`,
+# < 0.3 points) on every shipped module of both tiers (bench/README.md names the command):
 # bench/results/head-precision-cpu.json and head-precision-cpu-mpnet.json (fp16 computed on the CPU)
 HEAD_PRECISIONS_WITHIN_RULE = ("bf16", "fp16")
 STAGING_SETS = 2  # page-locked input sets per bucket: one batch running, the next one prepared

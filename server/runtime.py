@@ -23,11 +23,12 @@ from modules_store import ArtifactError, ModuleStore
 from server.backbone import Backbone, EncodedInput
 from server.config import Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
-from server.engine import Engine, Timings
+from server.engine import Engine
 from server.errors import ApiError, clip
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
+from server.probe import probe_module
 from server.runner import (  # noqa: F401  (length_runs: re-exported)
     ModelRunner,
     PreparedBatch,
@@ -36,6 +37,7 @@ from server.runner import (  # noqa: F401  (length_runs: re-exported)
     is_device_failure,
     length_runs,
 )
+from server.timings import Timings
 from server.windows import rule_for
 
 log = logging.getLogger("tmod")
@@ -244,7 +246,7 @@ class Runtime:
                 try:
                     # the newest version that passes its checks; each newer one refused is reported
                     loaded[task], refused = load_servable(self.store, task, self.backbone, self.settings.device,
-                                                          self.bridges)
+                                                          self.bridges, probe_module)
                     via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
                     log.info("module %s/%s loaded%s", task, loaded[task].version, via)
                     if refused:
@@ -309,7 +311,7 @@ class Runtime:
     def load_task(self, task: str, version: str | None = None) -> LoadedModule:
         """Load (or replace with) a version, default the store's latest for this backbone. A refused artifact
         raises ArtifactError and leaves the running set untouched."""
-        module = load_module(self.store, task, version, self.backbone, self.settings.device, self.bridges)
+        module = load_module(self.store, task, version, self.backbone, self.settings.device, self.bridges, probe_module)
         modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
         self._read_layers(modules)
         self.modules = modules

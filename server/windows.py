@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from server.backbone.tokens import EncodedInput, TextEncoder
+from server.backbone.tokens import EncodedInput, TextEncoder, WindowRow
 from server.batcher import Job
 from server.errors import ApiError
 from server.heads.decode import decode_rows
@@ -99,13 +99,6 @@ def whole_number(parameters: dict, name: str) -> int | None:
 
 
 # ---- cutting a text into windows ------------------------------------------------------------------
-@dataclass
-class WindowRow(EncodedInput):
-    """A row that is one window of a longer text: answered with its logits, merged per text."""
-
-    part: int = 0  # which window of its text
-
-
 class PairTooLong(ValueError):
     pass
 
@@ -249,16 +242,6 @@ RULES: dict[str, Rule] = {
 
 def rule_for(task_type) -> Rule | None:
     return RULES.get(getattr(task_type, "value", task_type))
-
-
-def window_rows(rows: list[EncodedInput]) -> list[int]:
-    """Indices of the rows that are windows of a longer text (they keep their logits: server/answers.py)."""
-    return [r for r, row in enumerate(rows) if isinstance(row, WindowRow)]
-
-
-def plain_rows(rows: list[EncodedInput]) -> list[int]:
-    """Indices of the rows that are not windows (answered decoded, as always)."""
-    return [r for r, row in enumerate(rows) if not isinstance(row, WindowRow)]
 
 
 @dataclass

@@ -57,7 +57,7 @@ import numpy as np
 
 from modules_store import Manifest, TaskType
 from server.backbone import EncodedInput
-from server.backbone.tokens import PackedRows, TextEncoder
+from server.backbone.tokens import PackedRows, TextEncoder, plain_rows
 from server.batcher import ClientGone, Job
 from server.config import Settings
 from server.errors import ApiError
@@ -65,7 +65,6 @@ from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics
 from server.runtime import Runtime, one_host_thread
-from server.windows import plain_rows
 
 log = logging.getLogger("tmod.workers")
 
@@ -489,7 +488,7 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
     import uvicorn
 
     from server.app import create_app
-    from server.cli import uvicorn_config
+    from server.http_limits import uvicorn_config
 
     configure_logging(settings.log_level)
     one_host_thread()  # decode's small tensors, one request's token lists: the cores belong to the others

@@ -19,7 +19,7 @@ import server.runtime as runtime_module
 from modules_store import ModuleStore
 from server.app import create_app
 from server.config import Settings
-from server.engine import Engine, Timings
+from server.engine import Engine
 from server.modules import load_module, save_module
 from server.runner import (
     Bucket,
@@ -33,6 +33,7 @@ from server.runner import (
     pool_bytes,
     served_task_sets,
 )
+from server.timings import Timings
 from tests.device_failure_head import MESSAGE, TRIGGER, DeviceFailureHead
 from tests.helpers import LiveServer, free_port, populate_store, random_head, wait_until
 from tests.test_runner import TEXTS, assert_same_answers, record_eager, sorted_rows

@@ -21,10 +21,11 @@ from modules_store import ArtifactError, ModuleStore
 from modules_store.store import WEIGHTS_FILE
 from server.app import create_app
 from server.config import Settings
-from server.engine import Timings
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.logs import JsonFormatter
 from server.modules import load_module, save_module
+from server.probe import probe_module
+from server.timings import Timings
 from tests.helpers import LiveServer, metric_sample, populate_store, random_head, wait_until
 
 TOKEN = "hardening-token"
@@ -67,14 +68,12 @@ def test_probe_refuses_a_module_whose_outputs_are_not_finite(tmp_path, tiny_back
     store = ModuleStore(tmp_path)
     save_module(store, "sentiment", "1", exploding_module(tiny_backbone), tiny_backbone)
     with pytest.raises(ArtifactError) as caught:
-        load_module(store, "sentiment", None, tiny_backbone)
+        load_module(store, "sentiment", None, tiny_backbone, probe=probe_module)
     assert caught.value.reason == "probe_failed"
 
 
 def test_probe_checks_output_shapes_against_the_manifest(tmp_path, tiny_backbone):
     from dataclasses import replace
-
-    from server.probe import probe_module
 
     store = ModuleStore(tmp_path)
     save_module(store, "sentiment", "1", random_head(tiny_backbone, "sequence_classification",

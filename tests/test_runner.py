@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from modules_store import ModuleStore
 from server.backbone import Backbone
 from server.config import Settings
-from server.engine import Engine, Timings
+from server.engine import Engine
 from server.modules import LoadedModule, load_module, save_module
 from server.runner import (
     Bucket,
@@ -29,6 +29,7 @@ from server.runner import (
     unpack_logits,
 )
 from server.runtime import Runtime
+from server.timings import Timings
 from tests.helpers import random_head
 
 TEXTS = ["Peter Blackburn met Angela Merkel in Brussels.", "A dull film.", "ok",

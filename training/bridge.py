@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from modules_store import ModuleStore, TaskType
 from server.bridges.transformer import BridgeShape, TransformerBridge
 from server.modules import LoadedModule, count_parameters, load_module
+from server.probe import probe_module
 from training.data import IGNORE_INDEX, PRESETS, preset_spec, token_labels
 from training.settings import parse_layers
 
@@ -482,7 +483,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     module = None
     if s.module:
         store, task, version = parse_module_spec(s.module)
-        module = load_module(store, task, version, target, device=str(device))  # checks the TARGET fingerprint
+        module = load_module(store, task, version, target, device=str(device), probe=probe_module)  # checks the TARGET fingerprint
     elif s.objective == "distill":
         raise ValueError("--objective distill needs --module STORE/TASK[/VERSION] (a module of the target backbone)")
 

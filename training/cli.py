@@ -305,6 +305,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from modules_store import DEFAULT_STORE, ModuleStore
     from server.backbone import Backbone
     from server.modules import load_module
+    from server.probe import probe_module
     from training.data import PRESETS, DataSpec, guess_format, preset_spec
     from training.evaluate import score_module
     from training.settings import parse_label_map
@@ -314,7 +315,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     backbone = Backbone.load(args.backbone, device=device)
     if args.precision != "fp32":
         backbone = backbone.use_backend("torch", args.precision)
-    module = load_module(ModuleStore(args.store or DEFAULT_STORE), args.task, args.version, backbone, device=device)
+    module = load_module(ModuleStore(args.store or DEFAULT_STORE), args.task, args.version, backbone, device=device,
+                         probe=probe_module)
     if bool(args.dataset) == bool(args.file):
         raise SystemExit("tmod-train eval: give exactly one of --dataset NAME or --file FILE")
     if args.dataset:

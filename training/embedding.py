@@ -8,7 +8,7 @@ The check embeds SST-2 validation sentences through the served path (the module'
 `Engine` pass) and, where the `sentence-transformers` package is installed, compares them with
 `SentenceTransformer(<the same folder>).encode`: cosine, largest difference, and whether each
 sentence's nearest neighbour is the same. Those figures go into the manifest's metrics.
-`embed` is how any script reads embeddings in process (bench/bench_embeddings.py): through the head.
+`embed` is how any script reads embeddings in process: through the head.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from server.backbone.sources import resolve_backbone
 from server.engine import Engine
 from server.heads.embedding import EmbeddingHead
 from server.modules import LoadedModule, load_module, save_module
+from server.probe import probe_module
 
 
 def embed(engine: Engine, module: LoadedModule, texts: list[str], batch_size: int = 64,
@@ -94,6 +95,6 @@ def cmd_embedding(args: argparse.Namespace, command: str) -> int:
                        training={"command": command, "trained": False, "settings_from": head.config.settings_from},
                        description=f"{name}'s own sentence embedding ({'+'.join(head.config.pooling)} pooling"
                                    f"{', normalised' if head.config.normalize else ''}), computed in the shared pass")
-    loaded = load_module(store, args.task, args.version, backbone)  # what was written loads and checks
+    loaded = load_module(store, args.task, args.version, backbone, probe=probe_module)  # what was written loads and checks
     print(json.dumps({"artifact": str(path), "config": loaded.manifest.config, "metrics": metrics}, indent=2))
     return 0

@@ -28,6 +28,7 @@ from server.heads import Head
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.mtb import MTBHead
 from server.modules import LoadedModule, count_parameters, load_module, save_module
+from server.probe import probe_module
 from training.data import (
     IGNORE_INDEX,
     PRESETS,
@@ -431,7 +432,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     description = s.description or f"{s.kind} head on {backbone.name}, trained on {s.dataset or s.train}"
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite, decoding=decoding)
-    load_module(store, task, s.version, backbone)  # refuse to report success on an unloadable artifact
+    load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
                           history=result.history, layer_weights=weights, training=training, decoding=decoding)
     write_report(report_dir, outcome)

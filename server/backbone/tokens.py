@@ -62,6 +62,25 @@ class EncodedInput:
         return _nones(self.tokens[:, WORD])
 
 
+@dataclass
+class WindowRow(EncodedInput):
+    """A row that is one window of a longer text (server/windows.py cuts them): answered with its
+    logits, merged per text. A row type: it lives here, below the runner and the workers that ask
+    which rows are windows."""
+
+    part: int = 0  # which window of its text
+
+
+def window_rows(rows: list[EncodedInput]) -> list[int]:
+    """Indices of the rows that are windows of a longer text (they keep their logits: server/answers.py)."""
+    return [r for r, row in enumerate(rows) if isinstance(row, WindowRow)]
+
+
+def plain_rows(rows: list[EncodedInput]) -> list[int]:
+    """Indices of the rows that are not windows (answered decoded, as always)."""
+    return [r for r, row in enumerate(rows) if not isinstance(row, WindowRow)]
+
+
 def _nones(values: np.ndarray) -> list[int | None]:
     return [None if v < 0 else v for v in values.tolist()]
 
