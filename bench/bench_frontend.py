@@ -10,7 +10,7 @@ BIO spans). The sleep releases the GIL, as a device wait does. Since it stands f
 server cuts batches as on a GPU (`--batch-shapes buckets`: one pass per batch); `length_runs` gives
 a CPU's several passes per batch, each with its own sleep and per-pass host work.
 
-1. A store of random-weight heads like bench_load's (sentiment, ner, acceptability on the real
+1. A store of random-weight heads (`harness.build_store`: sentiment, ner, acceptability on the real
    all-MiniLM-L6-v2 tokenizer and config) is written to a temporary folder.
 2. One server is started (`python bench/bench_frontend.py --serve`, 127.0.0.1, batching on).
 3. Two such servers, both up for the whole run: uvicorn's pure-Python stack (h11 parser, asyncio
@@ -207,7 +207,7 @@ def _client_process(args, queue):
 
 def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients: int, warmup: float,
             duration: float, signal_window: bool = False) -> dict:
-    from bench.bench_load import metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
+    from bench.harness import metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
 
     now = time.time()
     start_at = now + 1.0  # every client connected before load starts
@@ -268,10 +268,10 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
 
 
 def server_metrics(server) -> dict[str, float]:
-    """The server's /metrics (every process's, summed), flat as bench_load reads them."""
+    """The server's /metrics (every process's, summed), flat as harness.parse_metrics reads them."""
     import urllib.request
 
-    from bench.bench_load import parse_metrics
+    from bench.harness import parse_metrics
 
     return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode())
 
@@ -298,7 +298,7 @@ def worker_pids(pid: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | None = None, code: Path = REPO):
     """A stand-in server of the checkout `code` (its own bench_frontend.py installs its own stand-in)."""
-    from bench.bench_load import ServerProcess
+    from bench.harness import ServerProcess
 
     env = {"TMOD_STORE": str(store), "TMOD_THREADS": "1", "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
@@ -520,8 +520,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from bench.bench_load import build_store
-    from bench.environment import machine_info, read_sst2_sentences
+    from bench.harness import build_store
+    from bench.harness import machine_info, read_sst2_sentences
 
     args = parse_args(argv)
     try:

@@ -45,12 +45,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.environment import machine_info, read_sst2_sentences  # noqa: E402
+from bench.harness import machine_info, read_sst2_sentences  # noqa: E402
 from bench.random_heads import build_modules  # noqa: E402
 from modules_store import ModuleStore  # noqa: E402
 from server.backbone import Backbone  # noqa: E402
 from server.config import Settings  # noqa: E402
-from server.engine import Engine, Timings  # noqa: E402
+from server.engine import Engine  # noqa: E402
+from server.timings import Timings  # noqa: E402
 from server.runner import ModelRunner  # noqa: E402
 
 
@@ -229,7 +230,7 @@ def served_section(args, sentences: list[str], tmp: Path):
     import httpx
 
     from bench.bench_frontend import TASKS, measure
-    from bench.bench_load import ServerProcess, metrics_delta, parse_metrics, serve_command
+    from bench.harness import ServerProcess, metrics_delta, parse_metrics, serve_command
 
     levels = [parse_shape(level) for level in args.levels]
     bodies = {n: [json.dumps({"inputs": sentences[i * n:(i + 1) * n]}).encode() for i in range(len(sentences) // n)]

@@ -23,7 +23,7 @@ from bench_gpu import backbone_graph, build_modules, sample_rows, seconds_per_ca
 
 from modules_store import ModuleStore  # noqa: E402
 from server.backbone import Backbone  # noqa: E402
-from server.engine import Timings  # noqa: E402
+from server.timings import Timings  # noqa: E402
 
 
 def main() -> None:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-CONLL_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
-SST2_LABELS = ["negative", "positive"]
+from bench.harness import CONLL_LABELS, SST2_LABELS
 KINDS = ("layermix", "mtb", "lora-mtb")
 
 

@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.environment import machine_info  # noqa: E402
+from bench.harness import machine_info  # noqa: E402
 
 RUNS = REPO / "runs" / "transfer"
 TRAIN = [str(REPO / ".venv" / "bin" / "tmod-train")]
@@ -201,7 +201,7 @@ def measure_costs(plan: list[dict], backbones: dict, args, directions: list[str]
     from server.bridges import bridge_store, load_bridge
     from server.engine import Engine
     from server.modules import load_module
-    from bench.environment import read_sst2_sentences
+    from bench.harness import read_sst2_sentences
 
     torch.set_num_threads(1)
     sentences = read_sst2_sentences()

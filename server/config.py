@@ -218,7 +218,7 @@ def auto_precision(backend: str, device: str) -> str:
     fp16 backbone and fp16 heads alike: bench/results/head-precision-cpu.md, fp16 computed on the
     CPU; tensor-core products several times fp32's rate); fp32 matrix products that remain there use TF32
     (server/runner.py, `use_device`). Backend torch on a CPU with native bfloat16: bf16
-    (bench/bench_backends.py, 1.7-1.9x fp32 at batch 32, shipped modules' metrics within 0.04
+    (bench/results/backends-cpu.md, 1.7-1.9x fp32 at batch 32, shipped modules' metrics within 0.04
     points). fp32 everywhere else (onnx; a CPU that would emulate bfloat16)."""
     if backend == "torch" and _device_type(device) == "cuda":
         return "fp16"

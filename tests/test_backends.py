@@ -250,8 +250,8 @@ def test_default_cache_dir_honours_environment(monkeypatch, tmp_path):
 def test_int8_loads_and_keeps_shapes(minilm, onnx_cache):
     """int8 (dynamic quantisation) on the real backbone: right shapes, finite, close in direction.
 
-    Its accuracy cost is measured on the shipped modules' validation sets by
-    `bench/bench_backends.py --quality`, not asserted here; this prints the agreement on the sample."""
+    Its accuracy cost on the shipped modules' validation sets is recorded in
+    bench/results/backends-cpu.md, not asserted here; this prints the agreement on the sample."""
     int8 = minilm.use_backend("onnx", precision="int8", cache_dir=onnx_cache)
     assert int8.backend.precision == "int8"
     batch = minilm.tokenize(SAMPLE)

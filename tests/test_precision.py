@@ -15,7 +15,7 @@ SCORE_TOL = 0.05 (probabilities) are about twice those largest differences. (The
 encoders stay within 1e-4: their small random layers barely move the fp32 residual stream.) Labels must be identical wherever
 the fp32 reference's top-1 / top-2 probability margin exceeds 2 * SCORE_TOL (a shift of at most
 SCORE_TOL in each of the two probabilities cannot swap them there); closer calls are counted, not
-asserted, and the validation-set agreement is measured by `bench/bench_backends.py --quality`.
+asserted; the validation-set agreement is recorded in bench/results/backends-cpu.md.
 """
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ def test_bf16_minilm_shipped_modules_same_labels(minilm):
     """The real backbone and the shipped modules (or random heads where the store lacks one)."""
     bf16 = minilm.use_backend("torch", "bf16")
     modules = {t: load_module(SHIPPED, t, None, minilm) for t in servable_tasks(SHIPPED, minilm)}
-    # SAMPLE holds single texts: a pair task (entailment) has no answer for them (bench_runner heads
-    # checks it in bf16 on its own validation pairs)
+    # SAMPLE holds single texts: a pair task (entailment) has no answer for them (bench/results/
+    # head-precision-cpu-mpnet-entailment.md has it in bf16 on its own validation pairs)
     # nor has the embedding labels (its bf16 vectors are checked in tests/test_embeddings.py)
     modules = {t: m for t, m in modules.items() if not compares_pairs(m.manifest) and m.manifest.labels}
     if "ner" not in modules:

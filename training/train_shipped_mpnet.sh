@@ -11,7 +11,7 @@
 # sentiment/mpnet-2 on all 66,477 rows (95.1): ~15 min of states on this shared CPU (9.0 GB of
 # cache) and ~50 s per epoch on them.
 # entailment/mpnet-2: pair pooling, no attention layer, one epoch (--select last), chosen on a held-out
-# 20% of RTE's training rows (bench/holdout_search.py --backbone mpnet); entailment/mpnet-1 (mean
+# 20% of RTE's training rows (bench/results/holdout-search-mpnet.md); entailment/mpnet-1 (mean
 # pooling with attention, best epoch by validation: 59.2) stays in the store as the earlier version.
 # ner/mpnet-2: the CoNLL-2003 training sentences and its training documents read in windows of 384
 # (the server's default for MPNet) and 128 word pieces (--document-windows; docs/windows.md), so the

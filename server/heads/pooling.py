@@ -1,5 +1,5 @@
 """Pooling token states into one vector per row: the one implementation every head (layer-mix and
-MTB classifiers, the embedding head) and every script (bench/finetune_full.py) uses.
+MTB classifiers, the embedding head) and every script uses.
 
 Every function works on (..., B, T, H) states with a (B, T) mask (1 = real token) and makes no host
 sync and no tensor from a Python value, so a pass that pools can be captured as a CUDA graph.

@@ -1,0 +1,102 @@
+"""Every benchmark that README and docs quote for a figure still runs, at a tiny size: each entry
+point in bench/ started as docs say (`.venv/bin/python bench/<script>.py ...`), its results read
+back. Timings are not asserted (they are the benchmarks' business); what is asserted is that the
+script finishes, writes what its figures come from, and that the served answers had no errors.
+bench/bench_gpu.py is covered by tests/test_bench_gpu_smoke.py."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.harness import markdown_table, write_results
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_bench(*argv: str, timeout: int = 900) -> str:
+    done = subprocess.run([sys.executable, *argv], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_write_results_writes_the_json_and_a_table_with_machine_and_command(tmp_path):
+    result = {"rows": [1, 2]}
+    path = write_results(tmp_path / "x", result, "A title", [markdown_table(["a", "b"], [[1, 2]])], "a note")
+    recorded = json.loads(path.read_text())
+    assert recorded["rows"] == [1, 2] and recorded["machine"]["cpu_flags"] and recorded["command"]
+    md = path.with_suffix(".md").read_text()
+    assert md.startswith("# A title") and "| a | b |" in md and "| 1 | 2 |" in md and "Command: `" in md
+
+
+def test_every_bridge_command_of_the_transfer_benchmark_parses():
+    """transfer.py trains its bridges with tmod-train (minutes each, SmolLM2): its printed commands
+    must still be commands tmod-train accepts."""
+    from training.cli import build_parser
+
+    lines = run_bench("bench/transfer.py", "--plan").splitlines()
+    assert len(lines) >= 8
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[0].endswith("tmod-train"), line
+        build_parser().parse_args(argv[1:])  # a refused command exits (SystemExit): the test fails
+
+
+@pytest.mark.slow
+def test_bench_load_runs_both_servers_at_one_level(tmp_path):
+    run_bench("bench/bench_load.py", "--levels", "2", "--rounds", "1", "--warmup", "0.2", "--duration", "1",
+              "--out", str(tmp_path / "load"))
+    recorded = json.loads((tmp_path / "load.json").read_text())
+    level = recorded["levels"][0]
+    assert level["concurrency"] == 2 and level["batching_on"]["requests_per_s"] > 0
+    assert level["batching_on"]["errors"] == level["batching_off"]["errors"] == 0
+
+
+@pytest.mark.slow
+def test_bench_sharing_runs_every_section(tmp_path):
+    run_bench("bench/bench_sharing.py", "--ks", "1", "2", "--max-separate", "2", "--batch-sizes", "2",
+              "--rounds", "1", "--repeats", "1", "--early-exit-batch", "2", "--memory-batch", "2",
+              "--memory-tokens", "32", "--stem", str(tmp_path / "sharing"))
+    recorded = json.loads((tmp_path / "sharing.json").read_text())
+    assert set(recorded["throughput"]["2"]["ratios"]) == {"shared_K1_vs_backbone", "shared_K2_vs_backbone",
+                                                          "shared_K1_vs_separate_K1", "shared_K2_vs_separate_K2"}
+    assert len(recorded["early_exit"]["rows"]) == 7  # MiniLM: states 0..6
+    assert all(p["peak_tensor_bytes"] > 0 for p in recorded["memory"]["paths"].values())
+
+
+@pytest.mark.slow
+def test_bench_frontend_quick_runs(tmp_path):
+    out = tmp_path / "frontend.json"
+    run_bench("bench/bench_frontend.py", "--quick", "--no-profile", "--out", str(out))
+    assert json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_quality_rescores_one_task(tmp_path):
+    for anchor in (REPO / "bench" / "results").glob("finetune-*.json"):
+        shutil.copy(anchor, tmp_path)
+    run_bench("bench/quality.py", "--tiers", "minilm", "--tasks", "sentiment", "--results", str(tmp_path))
+    row = json.loads((tmp_path / "quality.json").read_text())["tiers"]["minilm"]["tasks"]["sentiment"]
+    assert row["layermix"]["metrics"]["accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_long_documents_runs_on_a_few_documents(tmp_path):
+    out = tmp_path / "long.json"
+    run_bench("bench/long_documents.py", "--limit", "3", "--sizes", "2", "--repeats", "1", "--out", str(out))
+    assert json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_bench_attack_runs_small(tmp_path):
+    out = tmp_path / "attack.json"
+    run_bench("bench/bench_attack.py", "--requests", "20", "--concurrency", "4", "--burst", "16", "--reload-rounds", "1",
+              "--workers", "1", "--out", str(out))
+    assert json.loads(out.read_text())
