@@ -1,4 +1,10 @@
-"""The HTTP API (FastAPI). Decode -> validate -> run in the compute thread -> encode."""
+"""The HTTP API (FastAPI). Decode -> validate -> run in the compute thread -> encode.
+
+The body is validated against server/schemas.py's models after `BodyLimits` (server/http_limits.py)
+refused oversized or too slow bodies; `ServerErrors` (server/errors.py) answers anything uncaught in
+the route's protocol shape. Task names are checked against one snapshot of the runtime's modules per
+request, so a module swapped mid-request does not change what the request sees. `read_inputs` says
+where a request is tokenized."""
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,11 @@
-"""Loaded modules: a verified artifact turned into a head on this backbone."""
+"""Loaded modules: a verified artifact turned into a head on this backbone.
+
+This is the only bridge between an artifact (modules_store/) and a head (`load_module`,
+`save_module`). One store holds the modules of several backbones side by side, as versions of one
+task (`sentiment/1` on MiniLM, `sentiment/mpnet-1` on MPNet); without a version asked for,
+`servable_version` picks the latest trained on the server's backbone (else the latest a loaded
+bridge leads to). The probe pass (server/probe.py) runs the engine, a layer above this one: the
+loader that has an engine at hand hands it in (`load_module(..., probe=probe_module)`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -41,6 +41,11 @@ decodes). The engine knows how one pass of a plan runs and nothing of shapes, gr
   does not fit alone is refused with 503 (`OutOfMemory`), and every other row is still answered.
 - **A dead device is not an answer**: a sticky CUDA error (`is_device_failure`) leaves the context
   unusable; the runtime then stops being ready and the process exits (server/runtime.py).
+- **A failing head fails its own task**: a pass that raises otherwise runs again task by task; the
+  task whose head fails is answered 500 (`HeadFailed`) for its rows, every other task as usual.
+- **Precision**: heads run under autocast in `head_precision` (`heads_autocast`; auto: the
+  backbone's 16-bit precision; int8, CPU only and opt-in: the layer-mix projections as int8
+  products), with autocast's cast cache off, since a captured pass must not keep casts.
 """
 from __future__ import annotations
 

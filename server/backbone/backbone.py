@@ -1,4 +1,12 @@
-"""The frozen backbone: tokenize with offsets, then stream hidden states one layer at a time."""
+"""The frozen backbone: tokenize with offsets, then stream hidden states one layer at a time.
+
+`stream(batch, upto)` yields `(index, hidden)` as each state is computed, through the backend the
+backbone was given (server/backbone/backends/: torch, the reference, or ONNX Runtime, as TEI's
+backend trait); `all_states(batch)` is the Hugging Face forward with every hidden state, the
+reference the tests compare against; `fingerprint` identifies weights and tokenizer exactly (every
+module manifest records it). Architectures plug in through architectures.py, models come from
+sources.py, and tokens.py's `TextEncoder` is the one tokenize-with-offsets / collate path.
+"""
 from __future__ import annotations
 
 import copy

@@ -3,6 +3,13 @@
 A head declares which backbone states it reads, keeps its own running state while those states
 stream past, and turns that state into logits at the end. Decoding logits into the response shape
 is shared by task type (see server/heads/decode.py), not per kind.
+
+The contract: `layers_read()`, `start(batch)`, `consume(state, index, hidden)`,
+`finish(state, batch) -> logits`, `from_manifest`, `manifest_fields`, and `load_weights` (strict:
+it names each missing, unexpected or mis-shaped tensor). Kinds register by name
+(`register_head("layermix", LayerMixHead)`, in each kind's folder as PEFT's `tuners/<method>/`
+do), so a manifest's `kind` picks its class. Training uses the same classes and the same
+start / consume / finish path, so what is trained is what is served.
 """
 from __future__ import annotations
 
