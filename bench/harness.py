@@ -19,7 +19,6 @@ import itertools
 import json
 import os
 import platform
-import shlex
 import signal
 import socket
 import subprocess
@@ -238,9 +237,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(custom: str | None = None) -> list[str]:
-    if custom:
-        return shlex.split(custom)
+def serve_command() -> list[str]:
+    """`tmod-serve` beside this Python, or `python -m server.cli` where the script is not installed."""
     script = Path(sys.executable).parent / "tmod-serve"
     return [str(script)] if script.is_file() else [sys.executable, "-m", "server.cli"]
 
