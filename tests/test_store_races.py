@@ -23,7 +23,7 @@ from tests.helpers import random_head, start_tmod_serve
 TOKEN = "race-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 TEXTS = ["A fine film.", "Dreadful, long and loud."]
-RELOADS = 40
+RELOADS = 25
 
 
 def rows_swapped(data: bytes) -> bytes:
@@ -59,7 +59,7 @@ def positive(client) -> list[float]:
     return [r["sentiment"]["scores"]["positive"] for r in body["results"]]
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~1 min each
 @pytest.mark.parametrize("how", ["in_place", "rename"])
 def test_reloads_while_the_weights_file_is_rewritten_never_crash_nor_serve_other_bytes(
         tmp_path, tiny_backbone_dir, tiny_backbone, how, workers):
