@@ -185,6 +185,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None,
                                controls: AnswerControls | None = None):
         received = time.perf_counter()
+        deadline = received + settings.request_timeout_s  # one per request, shared by all its parts
         controls = controls or AnswerControls()
         if truncate and controls.truncation_direction == "left":
             if text_pairs is not None:
@@ -205,10 +206,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                   windows=reading.windows)
         job.timings.tokenize = time.perf_counter() - received
         rows, answers, versions = reading.rows, [], None
-        # a request over one batch's budget goes in parts, each to the back of the queue (fair turns)
+        # a request over one batch's budget goes in parts, each to the back of the queue (fair turns);
+        # a part not yet run when the request's deadline passes is not run
         for part in windows.parts(rows, settings.max_batch_size, settings.max_batch_tokens):
-            piece = Job(rows=rows[part], modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
-                        is_disconnected=request.is_disconnected)
+            if time.perf_counter() >= deadline:
+                raise ApiError(503, "deadline_exceeded", "the request ran past its deadline with parts left to run "
+                               f"({settings.request_timeout_s}s)")
+            piece = Job(rows=rows[part], modules=modules, deadline=deadline, is_disconnected=request.is_disconnected)
             answers += await runtime.submit(piece)
             answered = {t: m.version for t, m in piece.modules.items()}
             if versions is not None and answered != versions:

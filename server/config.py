@@ -71,7 +71,9 @@ class Settings(BaseSettings):
         "one pass per batch)")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests after its first")
     max_queue: int = Field(256, ge=1, description="requests waiting for compute; beyond this, 429 at once")
-    request_timeout_s: float = Field(30.0, gt=0, description="a request still queued after this is answered 503")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="one deadline per request, from when its body has been read: a request (every "
+        "part of a long one) not taken into a batch by then is answered 503 and its parts not yet run are not run")
     # ---- the model runner (server/runner.py): batch shapes, CUDA graphs, head precision ----------
     batch_shapes: Literal["auto", "length_runs", "buckets"] = Field(
         "auto", description="how a batch becomes backbone passes: length_runs (rows cut into runs within "
