@@ -8,14 +8,22 @@ their resident memory from /proc (VmRSS now, VmHWM = peak):
    `sentiment`, `ner`, `acceptability`, sized like the tmod-train defaults), after start, after a
    warm-up of short requests (SST-2 sentences, ner+sentiment), and after the largest requests the
    default limits admit: TMOD_MAX_INPUTS (64) inputs of about TMOD_MAX_TOKENS tokens each
-   (truncated), which fill one backbone pass of max_batch_tokens.
+   (truncated), which fill one backbone pass of max_batch_tokens;
+3. the worst request mix the default limits allow (`--worst-clients`): at once, long-document
+   requests at the limits (inputs of max_chars characters, as many as max_request_tokens word pieces
+   admit, every task), tokenize requests at max_tokenize_chars, and short requests, for
+   `--worst-seconds`, at each number of long-document clients given; RSS is sampled every 50 ms and
+   VmHWM read at the end of each level (one fresh server per level).
 Head sizes are the servers' own `parameters` from GET /v1/tasks (x 4 bytes, fp32).
 
     .venv/bin/python deploy/measure_memory.py --out deploy/results/memory-cpu.json
+    .venv/bin/python deploy/measure_memory.py --worst-only --worst-clients 1,8,32 --out deploy/results/memory-worst-minilm.json
+    .venv/bin/python deploy/measure_memory.py --worst-only --backbone mpnet --out deploy/results/memory-worst-mpnet.json
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -23,6 +31,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,11 +52,12 @@ def proc_memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
-def serve(store: Path, threads: int = 1):
+def serve(store: Path, threads: int = 1, backbone: str | None = None):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TMOD_")}
     env.update({"TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(port), "TMOD_STORE": str(store),
-                "TMOD_THREADS": str(threads), "TMOD_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1"})
+                "TMOD_THREADS": str(threads), "TMOD_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1",
+                **({"TMOD_BACKBONE": backbone} if backbone else {})})
     process = subprocess.Popen([str(Path(sys.executable).parent / "tmod-serve")], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -65,60 +75,162 @@ def serve(store: Path, threads: int = 1):
     raise SystemExit("tmod-serve did not become ready")
 
 
+class PeakSampler:
+    """The largest VmRSS of a process, read every `every` seconds in a thread."""
+
+    def __init__(self, pid: int, every: float = 0.05):
+        self.pid, self.every, self.peak_mib = pid, every, 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.wait(self.every):
+            try:
+                self.peak_mib = max(self.peak_mib, proc_memory_mib(self.pid)["VmRSS"])
+            except (OSError, KeyError):
+                return
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def long_document(sentences: list[str], chars: int) -> str:
+    text, i = "", 0
+    while len(text) < chars:
+        text += sentences[i % len(sentences)] + " "
+        i += 1
+    return text[:chars]
+
+
+async def worst_mix(url: str, sentences: list[str], long_clients: int, tokenize_clients: int, short_clients: int,
+                    seconds: float) -> dict:
+    """The mix of requests at the default limits, `seconds` long: what each kind was answered."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        limits = {"max_inputs": 64, "max_chars": 20_000, "max_request_tokens": 131_072, "max_tokenize_chars": 100_000}
+        document = long_document(sentences, limits["max_chars"])
+        read = (await client.post("/v1/tokenize", json={"inputs": [document]})).raise_for_status().json()
+        per_input = sum(w["tokens"] for w in read["results"][0]["windows"])  # what max_request_tokens counts
+        inputs = min(limits["max_inputs"], limits["max_request_tokens"] // per_input)
+        long_body = {"inputs": [document[i:] + document[:i] for i in range(inputs)]}
+        tokenize_body = {"inputs": [document] * (limits["max_tokenize_chars"] // limits["max_chars"])}
+        kinds = {"long": ("/v1/infer", long_body, long_clients), "tokenize": ("/v1/tokenize", tokenize_body, tokenize_clients),
+                 "short": ("/v1/infer?tasks=ner,sentiment", {"inputs": sentences[:4]}, short_clients)}
+        answered = {kind: {} for kind in kinds}
+        end = time.monotonic() + seconds
+
+        async def one_client(kind):
+            path, body, _ = kinds[kind]
+            while time.monotonic() < end:
+                try:
+                    status = str((await client.post(path, json=body)).status_code)
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                answered[kind][status] = answered[kind].get(status, 0) + 1
+
+        await asyncio.gather(*(one_client(kind) for kind, (_, _, n) in kinds.items() for _ in range(n)))
+    return {"long_request": {"inputs": inputs, "characters_each": len(document), "word_pieces_counted": inputs * per_input},
+            "tokenize_request_characters": sum(map(len, tokenize_body["inputs"])),
+            "clients": {kind: n for kind, (_, _, n) in kinds.items()}, "seconds": seconds, "answered": answered}
+
+
+def measure_worst(report: dict, tmp: Path, sentences: list[str], args) -> None:
+    """Phase 3, one fresh server per number of long-document clients."""
+    store = Path(tmp) / "store"
+    if not store.exists():
+        report["store"] = build_store(store, args.backbone, seed=0)
+    levels = []
+    for long_clients in [int(n) for n in args.worst_clients.split(",")]:
+        process, url = serve(store, backbone=args.backbone)
+        try:
+            time.sleep(1)
+            started = proc_memory_mib(process.pid)
+            with PeakSampler(process.pid) as sampler:
+                mix = asyncio.run(worst_mix(url, sentences, long_clients, args.worst_tokenize_clients,
+                                            args.worst_short_clients, args.worst_seconds))
+            levels.append({**mix, "after_start_mib": started, "peak_rss_sampled_mib": sampler.peak_mib,
+                           "end_mib": proc_memory_mib(process.pid)})
+            print(json.dumps(levels[-1]), flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    report["worst_mix"] = levels
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Memory of one tmod-serve replica (RSS from /proc).")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    parser.add_argument("--backbone", default=None, help="the server's backbone (default: MiniLM; mpnet: the quality tier)")
+    parser.add_argument("--worst-only", action="store_true", help="measure only phase 3, the worst allowed mix")
+    parser.add_argument("--worst-clients", default="1,8,32", help="long-document clients at once, one level each")
+    parser.add_argument("--worst-tokenize-clients", type=int, default=8)
+    parser.add_argument("--worst-short-clients", type=int, default=8)
+    parser.add_argument("--worst-seconds", type=float, default=60.0)
     args = parser.parse_args(argv)
     sentences = read_sentences(default_data_dir())
     import torch
     import transformers
 
     commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    report = {"command": "python deploy/measure_memory.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"command": "python deploy/measure_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "backbone": args.backbone or "minilm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "logical_cpus": os.cpu_count(), "python": platform.python_version(),
               "torch": torch.__version__, "transformers": transformers.__version__, "tmod_git": commit,
               "threads": 1}
     with tempfile.TemporaryDirectory(prefix="tmod-memory-") as tmp:
-        empty = Path(tmp) / "empty"
-        empty.mkdir()
-        process, url = serve(empty)
-        try:
-            time.sleep(1)
-            report["backbone_only_after_start_mib"] = proc_memory_mib(process.pid)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
-
-        store = Path(tmp) / "store"
-        report["store"] = build_store(store, None, seed=0)
-        process, url = serve(store)
-        try:
-            time.sleep(1)
-            report["three_heads_after_start_mib"] = proc_memory_mib(process.pid)
-            tasks = httpx.get(url + "/v1/tasks", timeout=30).json()["tasks"]
-            report["heads"] = {t["task"]: {"parameters": t["parameters"],
-                                           "fp32_mib": round(t["parameters"] * 4 / 2**20, 2)} for t in tasks}
-            with httpx.Client(base_url=url, timeout=120) as client:
-                for text in sentences[:300]:
-                    client.post("/v1/infer", params={"tasks": "ner,sentiment"}, json={"inputs": [text]}).raise_for_status()
-                report["after_300_short_requests_mib"] = proc_memory_mib(process.pid)
-                long_text = " ".join(sentences[:60])  # far beyond the token limit: truncated to it
-                body = {"inputs": [long_text[i:] for i in range(64)], "truncate": True}
-                for _ in range(3):
-                    response = client.post("/v1/infer", json=body)  # every loaded task
-                    response.raise_for_status()
-                report["largest_request"] = {"inputs": 64, "tasks": sorted(response.json()["tasks"]),
-                                             "truncated_inputs": len(response.json()["truncated"])}
-                report["after_3_largest_requests_mib"] = proc_memory_mib(process.pid)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+        if args.worst_only:
+            measure_worst(report, Path(tmp), sentences, args)
+        else:
+            measure_baseline(report, Path(tmp), sentences)
+            measure_worst(report, Path(tmp), sentences, args)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     return 0
+
+
+def measure_baseline(report: dict, tmp: Path, sentences: list[str]) -> None:
+    """Phases 1 and 2."""
+    empty = Path(tmp) / "empty"
+    empty.mkdir()
+    process, url = serve(empty)
+    try:
+        time.sleep(1)
+        report["backbone_only_after_start_mib"] = proc_memory_mib(process.pid)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+    store = Path(tmp) / "store"
+    report["store"] = build_store(store, None, seed=0)
+    process, url = serve(store)
+    try:
+        time.sleep(1)
+        report["three_heads_after_start_mib"] = proc_memory_mib(process.pid)
+        tasks = httpx.get(url + "/v1/tasks", timeout=30).json()["tasks"]
+        report["heads"] = {t["task"]: {"parameters": t["parameters"],
+                                       "fp32_mib": round(t["parameters"] * 4 / 2**20, 2)} for t in tasks}
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for text in sentences[:300]:
+                client.post("/v1/infer", params={"tasks": "ner,sentiment"}, json={"inputs": [text]}).raise_for_status()
+            report["after_300_short_requests_mib"] = proc_memory_mib(process.pid)
+            long_text = " ".join(sentences[:60])  # far beyond the token limit: truncated to it
+            body = {"inputs": [long_text[i:] for i in range(64)], "truncate": True}
+            for _ in range(3):
+                response = client.post("/v1/infer", json=body)  # every loaded task
+                response.raise_for_status()
+            report["largest_request"] = {"inputs": 64, "tasks": sorted(response.json()["tasks"]),
+                                         "truncated_inputs": len(response.json()["truncated"])}
+            report["after_3_largest_requests_mib"] = proc_memory_mib(process.pid)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Save, list and load module artifacts. Only safetensors is ever read: nothing is unpickled."""
+"""Save, list and load module artifacts. Only safetensors is ever read: nothing is unpickled.
+
+An artifact is read once into memory and everything is done with the bytes read: the sha256 is taken
+of them and the tensors are parsed from them. Nothing is memory-mapped and no file is opened twice,
+so a file rewritten in place while it is read (a truncation under a memory map ends the process
+with SIGBUS) or replaced between the check and the load (other bytes served under the checked
+sha256) can only be refused, never served or crash the server."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +18,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_tensors, save_file
 
 from modules_store.manifest import NAME_PATTERN, BackboneFingerprint, Manifest
 
@@ -122,18 +128,22 @@ class ModuleStore:
         task: str,
         version: str | None = None,
         expected_backbone: BackboneFingerprint | None = None,
+        manifest: Manifest | None = None,
     ) -> StoredModule:
-        """Read and verify an artifact: manifest schema, sha256 of the weights, backbone."""
+        """Read and verify an artifact: manifest schema, sha256 of the weights, backbone. The weights
+        file is read once: its sha256 is checked and its tensors parsed from the same bytes.
+        `manifest`: the one the caller already read and acted on (read once, not read again)."""
         version = version or self.latest(task)
-        manifest = self.read_manifest(task, version)
+        manifest = manifest or self.read_manifest(task, version)
         folder = self.path(task, version)
         weights_path = folder / WEIGHTS_FILE
         if not weights_path.is_file():
             raise ArtifactError("missing_weights", f"{task}/{version}: no {WEIGHTS_FILE} in {folder}")
         try:
-            actual = sha256_file(weights_path)
+            data = weights_path.read_bytes()
         except OSError as exc:
             raise ArtifactError("unreadable", f"{task}/{version}: cannot read {weights_path}: {exc}") from exc
+        actual = hashlib.sha256(data).hexdigest()
         if actual != manifest.weights_sha256:
             raise ArtifactError(
                 "checksum_mismatch",
@@ -148,9 +158,10 @@ class ModuleStore:
                     f"{task}/{version}: backbone fingerprint mismatch ({'; '.join(diffs)})",
                 )
         try:
-            weights = load_file(str(weights_path))
-        except (SafetensorError, OSError, ValueError) as exc:
+            weights = load_tensors(data)  # the checked bytes, parsed in memory (no mmap, no second open)
+        except (SafetensorError, ValueError) as exc:
             raise ArtifactError("bad_weights", f"{task}/{version}: cannot read {weights_path}: {exc}") from exc
+        del data
         for name, tensor in weights.items():  # a NaN or inf weight answers nonsense, or poisons its batch
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 bad = int((~torch.isfinite(tensor)).sum())

@@ -191,6 +191,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None,
                                controls: AnswerControls | None = None):
         received = time.perf_counter()
+        deadline = received + settings.request_timeout_s  # one per request, shared by all its parts
         controls = controls or AnswerControls()
         if truncate and controls.truncation_direction == "left":
             if text_pairs is not None:
@@ -211,10 +212,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                   windows=reading.windows)
         job.timings.tokenize = time.perf_counter() - received
         rows, answers, versions = reading.rows, [], None
-        # a request over one batch's budget goes in parts, each to the back of the queue (fair turns)
+        # a request over one batch's budget goes in parts, each to the back of the queue (fair turns);
+        # a part not yet run when the request's deadline passes is not run
         for part in windows.parts(rows, settings.max_batch_size, settings.max_batch_tokens):
-            piece = Job(rows=rows[part], modules=modules, deadline=time.perf_counter() + settings.request_timeout_s,
-                        is_disconnected=request.is_disconnected)
+            if time.perf_counter() >= deadline:
+                raise ApiError(503, "deadline_exceeded", "the request ran past its deadline with parts left to run "
+                               f"({settings.request_timeout_s}s)")
+            piece = Job(rows=rows[part], modules=modules, deadline=deadline, is_disconnected=request.is_disconnected)
             answers += await runtime.submit(piece)
             answered = {t: m.version for t, m in piece.modules.items()}
             if versions is not None and answered != versions:
@@ -354,10 +358,27 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
     # ---- tokenization: what the server reads (server/windows.py) --------------------------------
+    # An answer is ~20 bytes of JSON per character read: its size is capped (max_tokenize_chars) and it
+    # is built and serialised in a tokenizer thread, so the event loop (and /healthz) never waits on it.
+    def check_tokenize_size(texts: list[str], text_pairs: list[str] | None) -> None:
+        characters = sum(map(len, texts)) + sum(map(len, text_pairs or ()))
+        if characters > settings.max_tokenize_chars:
+            raise ApiError(413, "too_many_characters",
+                           f"the request is {characters} characters; at most {settings.max_tokenize_chars} per "
+                           "tokenize request (send fewer or shorter texts)",
+                           characters=characters, limit=settings.max_tokenize_chars)
+
+    async def json_answer(build) -> Response:
+        """`build()`'s answer as JSON bytes, built and serialised in a tokenizer thread."""
+        content = await asyncio.get_running_loop().run_in_executor(
+            runtime.tokenize_executor, lambda: json.dumps(build(), ensure_ascii=False).encode())
+        return Response(content=content, media_type="application/json")
+
     @app.post("/v1/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
     async def tokenize(body: TokenizeRequest):
         """The word pieces of each input with their character offsets, and the windows the server would
-        read it in (with this request's `window` / `stride`, or the defaults)."""
+        read it in (with this request's `window` / `stride`, or the defaults). At most `max_tokenize_chars`
+        characters per request (413 above)."""
         require_ready()
         items = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         if items and len({isinstance(item, str) for item in items}) > 1:
@@ -365,19 +386,23 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         pairs = bool(items) and not isinstance(items[0], str)
         texts = [item.text if pairs else item for item in items]
         text_pairs = [item.text_pair for item in items] if pairs else None
+        check_tokenize_size(texts, text_pairs)
         reading = await read_inputs(texts, text_pairs, False, body.window, body.stride)
-        chosen = window_settings(body.window, body.stride)
-        return {"results": [tokenize_api.describe(runtime.text, text, body.add_special_tokens)
-                            for text in reading.texts], **{k: v for k, v in chosen.describe().items() if k != "rules"}}
+        chosen = {k: v for k, v in window_settings(body.window, body.stride).describe().items() if k != "rules"}
+        return await json_answer(lambda: {
+            "results": [tokenize_api.describe(runtime.text, text, body.add_special_tokens) for text in reading.texts],
+            **chosen})
 
     @app.post("/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
     async def tei_tokenize(body: TeiTokenizeRequest):
         """Text Embeddings Inference's route: `[[{id, text, special, start, stop}]]` per input (character
-        offsets; special tokens have no offsets)."""
+        offsets; special tokens have no offsets). At most `max_tokenize_chars` characters per request."""
         require_ready()
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        check_tokenize_size(texts, None)
         reading = await read_inputs(texts, None, False, None, None)
-        return [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens) for text in reading.texts]
+        return await json_answer(lambda: [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens)
+                                          for text in reading.texts])
 
     add_embeddings_routes(app, runtime, require_ready, run_inference)  # OpenAI's /v1/embeddings, TEI's /embed
 

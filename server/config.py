@@ -55,6 +55,9 @@ class Settings(BaseSettings):
         "word pieces; default: three quarters of the window)")
     max_request_tokens: int = Field(
         131072, ge=1, description="most word pieces one request may have read, all its windows counted (413 above)")
+    max_tokenize_chars: int = Field(
+        100_000, ge=1, description="most characters (texts and text pairs together) one /v1/tokenize or /tokenize "
+        "request may have (413 above): bounds its answer, ~20 bytes of JSON per character (about 2 MB at the default)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
     max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes, with "
                                   "uvicorn's h11 parser (400 above; httptools sets its own)")
@@ -71,7 +74,9 @@ class Settings(BaseSettings):
         "one pass per batch)")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests after its first")
     max_queue: int = Field(256, ge=1, description="requests waiting for compute; beyond this, 429 at once")
-    request_timeout_s: float = Field(30.0, gt=0, description="a request still queued after this is answered 503")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="one deadline per request, from when its body has been read: a request (every "
+        "part of a long one) not taken into a batch by then is answered 503 and its parts not yet run are not run")
     # ---- the model runner (server/runner.py): batch shapes, CUDA graphs, head precision ----------
     batch_shapes: Literal["auto", "length_runs", "buckets"] = Field(
         "auto", description="how a batch becomes backbone passes: length_runs (rows cut into runs within "

@@ -44,7 +44,7 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
     if manifest.backbone.identity() != backbone.fingerprint.identity():
         bridge = find_bridge(manifest, bridges or {}, backbone)
     expected = bridge.manifest.target if bridge else backbone.fingerprint
-    stored = store.load(task, version, expected_backbone=expected)
+    stored = store.load(task, version, expected_backbone=expected, manifest=manifest)
     if bridge is not None and manifest.kind == "lora-mtb":
         raise ArtifactError("fingerprint_mismatch", f"{task}/{version}: a LoRA-MTB module is rebuilt from its own "
                             "backbone's blocks, which a bridge does not provide")

@@ -300,7 +300,7 @@ class Runtime:
                 if manifest.source.identity() != self.backbone.fingerprint.identity():
                     log.info("bridge %s skipped: it runs on %s", name, manifest.source.name or manifest.source.short)
                     continue
-                loaded[name] = load_bridge(store, name, None, self.backbone, self.settings.device)
+                loaded[name] = load_bridge(store, name, None, self.backbone, self.settings.device, manifest)
                 log.info("bridge %s/%s loaded: %s -> %s", name, loaded[name].version, manifest.source.name,
                          manifest.target.name)
             except ArtifactError as exc:

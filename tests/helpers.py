@@ -82,7 +82,7 @@ def random_head(backbone: Backbone, task_type: str, labels: list[str], seed: int
     layers = config.pop("layers", list(range(backbone.num_layers + 1)))
     head = LayerMixHead(
         LayerMixConfig(task_type=task_type, num_labels=len(labels), hidden_size=backbone.hidden_size,
-                       layers=layers, project_dim=16, attention_heads=2, ffn_dim=32, **config),
+                       layers=layers, **{"project_dim": 16, "attention_heads": 2, "ffn_dim": 32, **config}),
         labels,
     )
     with torch.no_grad():  # spread the layer logits so the mix is not uniform

@@ -161,12 +161,16 @@ def test_saved_artifacts_are_readable_by_other_users(store):
 
 
 def test_unreadable_artifact_is_refused_not_crashed(store, tiny_backbone, monkeypatch):
-    import modules_store.store as store_module
+    from pathlib import Path
 
-    def denied(path):
-        raise PermissionError(13, "Permission denied", str(path))
+    read_bytes = Path.read_bytes
 
-    monkeypatch.setattr(store_module, "sha256_file", denied)
+    def denied(path):  # the tests run as root, for whom chmod 000 denies nothing
+        if path.name == "weights.safetensors":
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
     with pytest.raises(ArtifactError, match="cannot read") as info:
         load_module(store, "sentiment", None, tiny_backbone)
     assert info.value.reason == "unreadable"

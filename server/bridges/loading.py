@@ -59,6 +59,9 @@ def save_bridge(store: ModuleStore, name: str, version: str, bridge: Bridge, sou
 
 
 def load_target_text(manifest: BridgeManifest, folder: Path, device) -> TextEncoder | None:
+    """The bridge's target tokenizer, built from the bytes whose sha256 was checked: they are read
+    once and written to a private folder the tokenizer loads from, never read again from the store
+    (a file replaced meanwhile cannot slip in)."""
     if manifest.tokenizer_sha256 is None:
         return None
     where = f"bridge {manifest.name}/{manifest.version}"
@@ -72,18 +75,23 @@ def load_target_text(manifest: BridgeManifest, folder: Path, device) -> TextEnco
                                                  "the manifest's tokenizer_sha256")
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True, use_fast=True)
-    except Exception as exc:  # a tokenizer that does not load is a broken artifact, whatever the cause
-        raise ArtifactError("bad_tokenizer", f"{where}: cannot load its target tokenizer: {exc}") from exc
+    with tempfile.TemporaryDirectory() as private:
+        for name, data in files.items():
+            (Path(private) / Path(name).name).write_bytes(data)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(private, local_files_only=True, use_fast=True)
+        except Exception as exc:  # a tokenizer that does not load is a broken artifact, whatever the cause
+            raise ArtifactError("bad_tokenizer", f"{where}: cannot load its target tokenizer: {exc}") from exc
     config = manifest.config
     return TextEncoder(tokenizer, int(config["target_max_tokens"]), bool(config["target_uses_token_types"]), device)
 
 
-def load_bridge(store: ModuleStore, name: str, version: str | None, backbone, device="cpu") -> LoadedBridge:
+def load_bridge(store: ModuleStore, name: str, version: str | None, backbone, device="cpu",
+                manifest: BridgeManifest | None = None) -> LoadedBridge:
     """Checksums, the source fingerprint (must be `backbone`), config and tensor shapes are all
-    checked; any failure raises ArtifactError."""
-    stored = store.load(name, version, expected_backbone=backbone.fingerprint)
+    checked; any failure raises ArtifactError. `manifest`: the one the caller already read."""
+    stored = store.load(name, version or (manifest.version if manifest else None),
+                        expected_backbone=backbone.fingerprint, manifest=manifest)
     target_text = load_target_text(stored.manifest, stored.path, device)
     bridge = build_bridge(stored.manifest, stored.weights, target_text).to(device)
     for param in bridge.parameters():

@@ -1,0 +1,113 @@
+"""A store that changes under a running server (issue 38, items 1 and 2), against real `tmod-serve`
+processes: reloads while a module's weights file is rewritten in place (as `cp` does: truncate, then
+write) or replaced by rename, alternating between the checked weights and a copy with the classifier
+rows swapped. Every reload answers 200 or 409, the server never dies, and every answer after a 200
+reload is the checked weights' answer: a file is hashed and parsed from the same bytes, never
+memory-mapped (a truncation under a memory map ends the process with SIGBUS)."""
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from modules_store import ModuleStore
+from modules_store.store import WEIGHTS_FILE
+from server.modules import save_module
+from tests.helpers import random_head, start_tmod_serve
+
+TOKEN = "race-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+TEXTS = ["A fine film.", "Dreadful, long and loud."]
+RELOADS = 25
+
+
+def rows_swapped(data: bytes) -> bytes:
+    """The same safetensors file (same names, shapes and size) with the classifier's two rows swapped:
+    another module's answers under the first one's checksum."""
+    tensors = load(data)
+    name = next(n for n, t in tensors.items() if t.dim() == 2 and t.shape[0] == 2 and "classifier" in n)
+    tensors[name] = tensors[name].flip(0).contiguous()
+    swapped = save(tensors)
+    assert len(swapped) == len(data) and swapped != data
+    return swapped
+
+
+def rewrite(target, versions: list[bytes], how: str, stop: threading.Event) -> None:
+    """Until `stop`: write each of `versions` in turn over `target`, in place or by rename, a few
+    milliseconds apart (so that some reloads find the file whole)."""
+    staging = target.with_name(".incoming")
+    turn, pauses = 0, random.Random(0)
+    while not stop.wait(pauses.uniform(0, 0.02)):
+        data = versions[turn % len(versions)]
+        turn += 1
+        if how == "in_place":  # what `cp new weights.safetensors` does: truncate, then write
+            with open(target, "wb") as out:
+                for start in range(0, len(data), 1 << 20):
+                    out.write(data[start:start + (1 << 20)])
+        else:
+            staging.write_bytes(data)
+            os.replace(staging, target)
+
+
+def positive(client) -> list[float]:
+    body = client.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": TEXTS}).raise_for_status().json()
+    return [r["sentiment"]["scores"]["positive"] for r in body["results"]]
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~1 min each
+@pytest.mark.parametrize("how", ["in_place", "rename"])
+def test_reloads_while_the_weights_file_is_rewritten_never_crash_nor_serve_other_bytes(
+        tmp_path, tiny_backbone_dir, tiny_backbone, how, workers):
+    store = ModuleStore(tmp_path / "store")
+    # a 16 MB head (k=1024 attention): big enough that reading it takes as long as the writer's turn
+    head = random_head(tiny_backbone, "sequence_classification", ["negative", "positive"], 1,
+                       project_dim=1024, attention_heads=2)
+    with torch.no_grad():  # answers far from 0.5, so a swapped classifier shows in every score
+        head.classifier.classifier.weight.mul_(50)
+    folder = save_module(store, "sentiment", "1", head, tiny_backbone)
+    target = folder / WEIGHTS_FILE
+    checked = target.read_bytes()
+    versions = [checked, rows_swapped(checked)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_ADMIN_TOKEN": TOKEN}
+    url, process = start_tmod_serve(["--backbone", str(tiny_backbone_dir), "--store", str(store.root),
+                                     "--tasks", "sentiment", "--workers", str(workers),
+                                     "--head-precision", "fp32"], env)
+    stop = threading.Event()
+    writer = threading.Thread(target=rewrite, args=(target, versions, how, stop), daemon=True)
+    statuses, wrong = [], []
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            expected = positive(client)
+            assert all(abs(p - 0.5) > 0.05 for p in expected), expected
+            writer.start()
+            for _ in range(RELOADS):
+                try:
+                    reload = client.post("/admin/modules/sentiment/reload", headers=AUTH)
+                    statuses.append(reload.status_code)
+                    if reload.status_code == 200:
+                        got = positive(client)
+                        if got != pytest.approx(expected, abs=1e-4):
+                            wrong.append(got)
+                    else:
+                        assert reload.json()["error"]["type"].startswith("artifact_"), reload.text
+                except httpx.TransportError as exc:
+                    pytest.fail(f"the server went away after {len(statuses)} reloads ({exc!r}); exit status "
+                                f"{process.wait(timeout=30)} (-7: SIGBUS)")
+            stop.set()
+            writer.join()
+            target.write_bytes(checked)
+            assert client.post("/admin/modules/sentiment/reload", headers=AUTH).status_code == 200
+            assert positive(client) == pytest.approx(expected, abs=1e-4)
+            assert client.get("/healthz").status_code == 200
+    finally:
+        stop.set()
+        process.terminate()
+        process.wait(timeout=60)
+    assert set(statuses) <= {200, 409}, statuses
+    assert statuses.count(200) > 0, statuses  # loads really ran while the file changed
+    assert not wrong, f"{len(wrong)} of {statuses.count(200)} reloads served the swapped rows under the checked sha256"
