@@ -10,9 +10,15 @@ scratch store:
   a checksum mismatch, a broken manifest) loaded through the admin API while load runs: requests
   that fail, and what each admin call answered;
 - SIGTERM under load: requests answered, refused, or lost (a connection dropped without an answer);
-- clients: tritonclient (and the `kserve` package's v2 client where installed) calling the server.
+- clients: tritonclient (and the `kserve` package's v2 client where installed) calling the server;
+- reload race (issue 38): reloads of sentiment while its weights file is rewritten in place (as `cp`
+  does) or replaced by rename, alternating with a copy whose classifier rows are swapped, under
+  traffic: crashes (the server gone) and wrong answers (any answer not the checked weights');
+- tokenize stall (issue 38): the largest tokenize requests the limits allow, many at once, with
+  /healthz asked every 50 ms meanwhile: its latency, and one request over the cap (413).
 
     python bench/bench_attack.py --requests 2000 --concurrency 64 --burst 512
+    python bench/bench_attack.py --checks reload_race,tokenize_stall --out bench/results/attack-cpu-store-tokenize.json
 
 Writes bench/results/attack-cpu.json (machine, CPU flags, versions, date, every count).
 """
@@ -28,6 +34,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -302,6 +309,132 @@ def clients(url: str) -> dict:
     return out
 
 
+def rows_swapped(data: bytes) -> bytes:
+    """A safetensors file of the same size whose classifier tensors (2 labels) have their rows
+    swapped: another module's answers under the checked file's sha256."""
+    from safetensors.torch import load, save
+
+    tensors = load(data)
+    for name, tensor in tensors.items():
+        if "classifier" in name and tensor.shape and tensor.shape[0] == 2:
+            tensors[name] = tensor.flip(0).contiguous()
+    swapped = save(tensors)
+    assert len(swapped) == len(data) and swapped != data
+    return swapped
+
+
+def rewrite_until(target: Path, versions: list[bytes], how: str, stop: threading.Event) -> None:
+    """Write each of `versions` in turn over `target` (in place: truncate then write, as `cp` does;
+    or a new file renamed over it), 0-20 ms apart, until `stop`."""
+    import random
+
+    staging, pauses, turn = target.with_name(".incoming"), random.Random(0), 0
+    while not stop.wait(pauses.uniform(0, 0.02)):
+        data = versions[turn % len(versions)]
+        turn += 1
+        if how == "in_place":
+            with open(target, "wb") as out:
+                for start in range(0, len(data), 1 << 16):
+                    out.write(data[start:start + (1 << 16)])
+        else:
+            staging.write_bytes(data)
+            os.replace(staging, target)
+
+
+async def reload_race(server: ServerProcess, weights: Path, how: str, seconds: float, concurrency: int) -> dict:
+    """Reloads of sentiment back to back while its weights change under the server, and traffic
+    comparing every answer with the checked weights' answer (labels exactly, scores within 0.01:
+    batch composition moves bf16 scores by ~1e-3, swapped rows move them by far more)."""
+    checked = weights.read_bytes()
+    body = {"inputs": SENTENCES[:3]}
+    statuses, admin, wrong, lost = collections.Counter(), collections.Counter(), [], 0
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        expected = (await client.post("/v1/infer?tasks=sentiment", json=body)).raise_for_status().json()["results"]
+        stop = threading.Event()
+        writer = threading.Thread(target=rewrite_until, args=(weights, [checked, rows_swapped(checked)], how, stop))
+        writer.start()
+        end = time.monotonic() + seconds
+
+        async def reloader():
+            nonlocal lost
+            while time.monotonic() < end:
+                try:
+                    r = await client.post("/admin/modules/sentiment/reload", headers=AUTH)
+                    admin[r.status_code if r.status_code != 409 else f"409 {r.json()['error']['type']}"] += 1
+                except httpx.HTTPError as exc:
+                    admin[type(exc).__name__] += 1
+                    lost += 1
+                    await asyncio.sleep(0.5)
+
+        async def traffic():
+            nonlocal lost
+            while time.monotonic() < end:
+                try:
+                    r = await client.post("/v1/infer?tasks=sentiment", json=body)
+                except httpx.HTTPError as exc:
+                    statuses[type(exc).__name__] += 1
+                    lost += 1
+                    await asyncio.sleep(0.5)
+                    continue
+                statuses[r.status_code] += 1
+                if r.status_code == 200:
+                    for got, want in zip(r.json()["results"], expected):
+                        g, w = got["sentiment"], want["sentiment"]
+                        if g["label"] != w["label"] or abs(g["score"] - w["score"]) > 0.01:
+                            wrong.append((g["label"], round(g["score"], 4), w["label"], round(w["score"], 4)))
+
+        try:
+            await asyncio.gather(reloader(), *(traffic() for _ in range(concurrency)))
+        finally:
+            stop.set()
+            writer.join()
+            weights.write_bytes(checked)
+        alive = server.proc.poll() is None
+        after = None
+        if alive:
+            after = (await client.post("/admin/modules/sentiment/reload", headers=AUTH)).status_code
+    return {"how": how, "seconds": seconds, "concurrency": concurrency, "reloads": dict((str(k), v) for k, v in admin.items()),
+            "answers": dict((str(k), v) for k, v in statuses.items()), "wrong_answers": len(wrong),
+            "wrong_examples": wrong[:5], "lost_or_refused_connections": lost, "server_alive": alive,
+            "exit_code": server.proc.poll(), "reload_after": after}
+
+
+async def tokenize_stall(url: str, requests: int, max_chars: int, max_tokenize_chars: int) -> dict:
+    """`requests` tokenize requests at the character cap at once (half /v1/tokenize, half TEI
+    /tokenize), /healthz asked every 50 ms until they are answered; then one over the cap."""
+    text = (" ".join(SENTENCES) + " ") * (max_chars // len(" ".join(SENTENCES)) + 1)
+    inputs = [text[:max_chars]] * (max_tokenize_chars // max_chars)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def tokenize(i):
+            t0 = time.perf_counter()
+            r = await client.post("/v1/tokenize" if i % 2 == 0 else "/tokenize", json={"inputs": inputs})
+            return r.status_code, len(r.content), time.perf_counter() - t0
+
+        async def probe(running):
+            latencies, statuses = [], collections.Counter()
+            while not running.done():
+                t0 = time.perf_counter()
+                r = await client.get("/healthz")
+                latencies.append(time.perf_counter() - t0)
+                statuses[r.status_code] += 1
+                await asyncio.sleep(0.05)
+            return latencies, statuses
+
+        running = asyncio.ensure_future(asyncio.gather(*(tokenize(i) for i in range(requests))))
+        latencies, health = await probe(running)
+        answers = await running
+        over = await client.post("/v1/tokenize", json={"inputs": inputs + ["x" * max_chars]})
+        tei_over = await client.post("/tokenize", json={"inputs": inputs + ["x" * max_chars]})
+    return {"requests": requests, "characters_each": sum(map(len, inputs)),
+            "statuses": dict(collections.Counter(str(s) for s, _, _ in answers)),
+            "answer_mb_max": round(max(b for _, b, _ in answers) / 1e6, 2),
+            "seconds_max": round(max(t for _, _, t in answers), 2),
+            "healthz_probes": len(latencies), "healthz_statuses": {str(k): v for k, v in health.items()},
+            "healthz_seconds_max": round(max(latencies), 4),
+            "healthz_seconds_p99": round(percentile(latencies, 99), 4),
+            "over_cap": {"/v1/tokenize": over.status_code, "/tokenize": tei_over.status_code}}
+
+
 def missing_backbone(tmp: Path) -> dict:
     import subprocess
 
@@ -314,6 +447,10 @@ def missing_backbone(tmp: Path) -> dict:
     return {"exit_code": p.returncode, "seconds": round(time.perf_counter() - t0, 1), "stderr_line": lines[:1]}
 
 
+CHECKS = ("missing_backbone", "load", "burst", "task_list_attack", "slow_clients", "reloads", "tokenize_stall",
+          "reload_race", "clients", "sigterm")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -323,8 +460,14 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", default="1,2", help="comma list of --workers layouts to check")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server (the machine is shared)")
     parser.add_argument("--backbone", default=None, help="default: the shipped MiniLM")
+    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of checks to run (of {','.join(CHECKS)})")
+    parser.add_argument("--race-seconds", type=float, default=30.0, help="each reload race (in place, by rename)")
+    parser.add_argument("--tokenize-requests", type=int, default=8, help="tokenize requests at the cap at once")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "attack-cpu.json"))
     args = parser.parse_args(argv)
+    checks = set(args.checks.split(","))
+    if checks - set(CHECKS):
+        parser.error(f"unknown checks {sorted(checks - set(CHECKS))}; choose from {','.join(CHECKS)}")
 
     tmp = Path(tempfile.mkdtemp(prefix="tmod-attack-"))
     result = {"machine": {**machine_info("cpu"), "cpu_flags": attack_cpu_flags()}, "settings": vars(args), "layouts": {}}
@@ -332,8 +475,9 @@ def main(argv=None) -> int:
         store = tmp / "store"
         for task in ("sentiment", "ner", "acceptability", "entailment"):
             shutil.copytree(REPO / "modules_store" / task, store / task)
-        bad = corrupt_versions(store, args.backbone)
-        result["missing_backbone"] = missing_backbone(tmp)
+        bad = corrupt_versions(store, args.backbone) if "reloads" in checks else {}
+        if "missing_backbone" in checks:
+            result["missing_backbone"] = missing_backbone(tmp)
         for workers in [int(w) for w in args.workers.split(",")]:
             env = {"TMOD_STORE": str(store), "TMOD_WORKERS": str(workers), "TMOD_THREADS": str(args.threads),
                    "TMOD_ADMIN_TOKEN": TOKEN, "TMOD_HEADER_TIMEOUT_S": "2", "TMOD_BODY_TIMEOUT_S": "2",
@@ -345,19 +489,37 @@ def main(argv=None) -> int:
             server.wait_ready(300)
             try:
                 layout["readyz"] = httpx.get(server.url + "/readyz").json()
-                layout["load"] = asyncio.run(run_mix(server.url, args.requests, args.concurrency))
-                layout["burst"] = asyncio.run(burst(server.url, args.burst))
-                layout["task_list_attack"] = asyncio.run(task_list_attack(server.url))
-                layout["slow_clients"] = slow_clients(server.url, 40, 2)
-                layout["reloads"] = asyncio.run(reloads_under_load(server.url, args.requests // 2, 16, bad,
-                                                                   args.reload_rounds))
-                layout["clients"] = clients(server.url)
-                layout["healthy_after"] = httpx.post(server.url + "/v1/infer", json={"inputs": SENTENCES}).status_code
-                layout["sigterm"] = asyncio.run(sigterm_under_load(server, args.requests // 4, args.concurrency))
+                if "load" in checks:
+                    layout["load"] = asyncio.run(run_mix(server.url, args.requests, args.concurrency))
+                if "burst" in checks:
+                    layout["burst"] = asyncio.run(burst(server.url, args.burst))
+                if "task_list_attack" in checks:
+                    layout["task_list_attack"] = asyncio.run(task_list_attack(server.url))
+                if "slow_clients" in checks:
+                    layout["slow_clients"] = slow_clients(server.url, 40, 2)
+                if "reloads" in checks:
+                    layout["reloads"] = asyncio.run(reloads_under_load(server.url, args.requests // 2, 16, bad,
+                                                                       args.reload_rounds))
+                if "tokenize_stall" in checks:
+                    layout["tokenize_stall"] = asyncio.run(tokenize_stall(server.url, args.tokenize_requests,
+                                                                          20_000, 100_000))
+                if "reload_race" in checks:
+                    for how in ("in_place", "rename"):
+                        layout[f"reload_race_{how}"] = asyncio.run(reload_race(
+                            server, store / "sentiment" / "1" / "weights.safetensors", how, args.race_seconds, 8))
+                        if server.proc.poll() is not None:
+                            break
+                if "clients" in checks:
+                    layout["clients"] = clients(server.url)
+                if server.proc.poll() is None:
+                    layout["healthy_after"] = httpx.post(server.url + "/v1/infer", json={"inputs": SENTENCES}).status_code
+                if "sigterm" in checks and server.proc.poll() is None:
+                    layout["sigterm"] = asyncio.run(sigterm_under_load(server, args.requests // 4, args.concurrency))
             finally:
                 server.stop()
             result["layouts"][f"workers={workers}"] = layout
-            print(json.dumps({k: (v if k in ("sigterm", "clients", "slow_clients", "task_list_attack") else
+            print(json.dumps({k: (v if k in ("sigterm", "clients", "slow_clients", "task_list_attack", "tokenize_stall")
+                                  or k.startswith("reload_race") else
                                   {kk: vv for kk, vv in v.items() if kk in ("by_status", "unexpected", "errors_5xx")}
                                   if isinstance(v, dict) and "by_status" in v else None)
                               for k, v in layout.items()}, indent=1, default=str), flush=True)

@@ -358,7 +358,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
 
     # ---- tokenization: what the server reads (server/windows.py) --------------------------------
-    # An answer is ~20 bytes of JSON per character read: its size is capped (max_tokenize_chars) and it
+    # An answer is ~25 bytes of JSON per character read: its size is capped (max_tokenize_chars) and it
     # is built and serialised in a tokenizer thread, so the event loop (and /healthz) never waits on it.
     def check_tokenize_size(texts: list[str], text_pairs: list[str] | None) -> None:
         characters = sum(map(len, texts)) + sum(map(len, text_pairs or ()))

@@ -57,7 +57,8 @@ class Settings(BaseSettings):
         131072, ge=1, description="most word pieces one request may have read, all its windows counted (413 above)")
     max_tokenize_chars: int = Field(
         100_000, ge=1, description="most characters (texts and text pairs together) one /v1/tokenize or /tokenize "
-        "request may have (413 above): bounds its answer, ~20 bytes of JSON per character (about 2 MB at the default)")
+        "request may have (413 above): bounds its answer, ~25 bytes of JSON per character (2.5 MB at the default, "
+        "measured with English text)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
     max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes, with "
                                   "uvicorn's h11 parser (400 above; httptools sets its own)")
