@@ -326,6 +326,7 @@ def assert_same(recorded, now, where="answer"):
         assert recorded == now, f"{where}: {recorded!r} != {now!r}"
 
 
+@pytest.mark.smoke
 def test_assert_same_holds_labels_exactly_and_scores_within_the_tolerance():
     entity = {"text": "Kraków", "label": "LOC", "start": 25, "end": 31, "score": 0.9}
     assert_same([json.dumps([entity])], [json.dumps([{**entity, "score": 0.9 + SCORE_TOLERANCE / 2}])])
@@ -334,7 +335,8 @@ def test_assert_same_holds_labels_exactly_and_scores_within_the_tolerance():
             assert_same([json.dumps([entity])], [json.dumps([{**entity, **changed}])])
 
 
-@pytest.mark.parametrize("tier", [pytest.param("minilm"), pytest.param("mpnet", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tier", [pytest.param("minilm", marks=pytest.mark.smoke),
+                                  pytest.param("mpnet", marks=pytest.mark.slow)])
 def test_default_answers_unchanged(tier, tmp_path):
     recorded = json.loads(default_answers.FIXTURE.read_text())[tier]
     store = default_answers.recorded_store(tier, tmp_path / "store")

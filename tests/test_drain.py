@@ -32,7 +32,6 @@ def store(tmp_path_factory, tiny_backbone):
     return populate_store(tmp_path_factory.mktemp("drain-store"), tiny_backbone)
 
 
-@pytest.mark.smoke
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_answers_keep_alive_clients_with_connection_close_and_loses_none(store, tiny_backbone_dir, workers):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
