@@ -309,13 +309,16 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def oip_live():
         return {"live": True}
 
+    def no_modules() -> ApiError:
+        return ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store}); load one through "
+                                           "/admin", refused=runtime.load_errors)
+
     def require_serving() -> None:
         """Ready to answer inference: the backbone loaded and at least one module (an operator who
         unloaded every module took the server out of service; it is still ready for /admin)."""
         require_ready()
         if not runtime.modules:
-            raise ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store}); "
-                                              "load one through /admin", refused=runtime.load_errors)
+            raise no_modules()
 
     @app.get("/v2/health/ready", tags=["oip-v2"], responses={503: {}})
     async def oip_ready():
@@ -409,7 +412,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 content=json.dumps(error_body("not_ready", f"not ready: {detail}")),
                 status_code=503, media_type="application/json",
             )
-        require_serving()  # 503 no_modules with every module unloaded (or none loaded at start)
+        if not runtime.modules:  # every module unloaded (or none loaded at start): out of service
+            refusal = no_modules()
+            return Response(content=json.dumps(error_body(refusal.type, refusal.message, **refusal.details)),
+                            status_code=503, media_type="application/json")
         return {"status": "ready", "backbone": runtime.model_info()[0], "tasks": sorted(runtime.modules),
                 "refused": runtime.load_errors}
 

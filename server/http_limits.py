@@ -204,13 +204,14 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 def framing_rules(protocol, app):
     """The ASGI app as one connection's protocol runs it: a request with both Content-Length and
     Transfer-Encoding is answered 400 (in its route's protocol shape) and the connection closed, its
-    body never read; a response on a connection that closes after it (uvicorn's `cycle.keep_alive`,
-    false on SIGTERM, or the request's own `Connection: close`) says `Connection: close`."""
+    body never read; a response on a connection that closes after it (uvicorn's `cycle.keep_alive`
+    false: on SIGTERM, or after such a refusal) says `Connection: close` (a request's own
+    `Connection: close` is answered so by uvicorn already)."""
 
     async def framed(scope, receive, send):
-        cycle = protocol.cycle  # the cycle this request runs in (one at a time per connection)
         if scope["type"] != "http":
             return await app(scope, receive, send)
+        cycle = protocol.cycle  # the cycle this request runs in: a connection runs one at a time
 
         async def send_closing(message):
             if message["type"] == "http.response.start" and not cycle.keep_alive \
