@@ -117,8 +117,8 @@ class PairTooLong(ValueError):
 class TooManyTokens(ValueError):
     def __init__(self, tokens: int, windows: int, inputs_read: int, inputs: int, budget: int):
         part = "" if inputs_read == inputs else f" (counted in its first {inputs_read} of {inputs} inputs)"
-        super().__init__(f"the request is {tokens} word pieces in {windows} windows{part}; at most {budget} per request "
-                         "(send fewer or shorter texts)")
+        super().__init__(f"the request is {tokens} word pieces in {windows} windows{part}; at most {budget} per "
+                         "request (send fewer or shorter texts)")
         self.tokens, self.budget = tokens, budget
 
 
