@@ -16,6 +16,10 @@ scratch store:
   traffic: crashes (the server gone) and wrong answers (any answer not the checked weights');
 - tokenize stall (issue 38): the largest tokenize requests the limits allow, many at once, with
   /healthz asked every 50 ms meanwhile: its latency, and one request over the cap (413).
+- framing and drain (issue 38), on a server of their own: requests with both Content-Length and
+  Transfer-Encoding hiding a second request after their last chunk (raw sockets: answers per
+  connection, smuggled requests answered), then keep-alive clients (one connection each, reused
+  until an answer says `Connection: close`) through a SIGTERM: answered, refused, lost.
 
     python bench/bench_attack.py --requests 2000 --concurrency 64 --burst 512
     python bench/bench_attack.py --checks reload_race,tokenize_stall --out bench/results/attack-cpu-store-tokenize.json
@@ -433,6 +437,80 @@ async def tokenize_stall(url: str, requests: int, max_chars: int, max_tokenize_c
             "healthz_seconds_max": round(max(latencies), 4),
             "healthz_seconds_p99": round(percentile(latencies, 99), 4),
             "over_cap": {"/v1/tokenize": over.status_code, "/tokenize": tei_over.status_code}}
+def smuggling(url: str, rounds: int) -> dict:
+    """Raw requests with Content-Length and Transfer-Encoding: chunked, a GET hidden after the last
+    chunk: RFC 9112 6.1 wants one answer (here 400) and the connection closed."""
+    from urllib.parse import urlsplit
+
+    address = urlsplit(url)
+    paths = ["/v1/infer", "/v2/models/sentiment/infer", "/v1/embeddings", "/embed", "/tokenize", "/v1/tokenize"]
+    smuggled = b"GET /v1/tasks HTTP/1.1\r\nhost: x\r\n\r\n"
+    body = b"0\r\n\r\n" + smuggled
+    statuses, answers_per_connection = collections.Counter(), collections.Counter()
+    smuggled_answered = closed = 0
+    for i in range(rounds):
+        path = paths[i % len(paths)]
+        head = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\ntransfer-encoding: chunked\r\n\r\n").encode()
+        received = b""
+        with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            try:
+                while chunk := sock.recv(65536):
+                    received += chunk
+                closed += 1
+            except (socket.timeout, ConnectionResetError):
+                pass
+        answers = received.count(b"HTTP/1.1 ")
+        answers_per_connection[answers] += 1
+        smuggled_answered += max(0, answers - 1)
+        if answers:
+            statuses[int(received.split(b" ", 2)[1])] += 1
+    return {"requests": rounds, "statuses": dict(statuses), "answers_per_connection": dict(answers_per_connection),
+            "smuggled_answered": smuggled_answered, "connections_closed_by_server": closed}
+
+
+def drain_with_keep_alive_clients(server: ServerProcess, clients: int, answers_before: int) -> dict:
+    """`clients` keep-alive clients (tests/helpers.py `keep_alive_client`) until the server stops
+    listening; SIGTERM once `answers_before` requests were answered. Lost: sent on an open connection
+    and never answered."""
+    import threading
+    from urllib.parse import urlsplit
+
+    from tests.helpers import keep_alive_client
+
+    body = json.dumps({"inputs": SENTENCES})
+    request = (f"POST /v1/infer?tasks=sentiment,ner HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n{body}").encode()
+    address = urlsplit(server.url)
+    outcomes = collections.Counter()
+    threads = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request, outcomes))
+               for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 300
+    while outcomes[200] < answers_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answered_before = outcomes[200]
+    server.proc.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(300)
+    code = server.proc.wait(60)
+    return {"clients": clients, "answered_before_sigterm": answered_before, "outcomes": dict(outcomes),
+            "lost": outcomes["lost"], "exit_code": code}
+
+
+def framing_and_drain(name: str, env: dict, log: Path, clients: int, smuggling_rounds: int) -> dict:
+    """The framing and drain checks on a server of their own (the drain stops it)."""
+    server = ServerProcess(name, env, log, serve_command())
+    server.start()
+    try:
+        server.wait_ready(300)
+        out = {"smuggling": smuggling(server.url, smuggling_rounds)}
+        out["drain_keep_alive"] = drain_with_keep_alive_clients(server, clients, answers_before=clients * 5)
+    finally:
+        server.stop()
+    return out
 
 
 def missing_backbone(tmp: Path) -> dict:
@@ -448,7 +526,7 @@ def missing_backbone(tmp: Path) -> dict:
 
 
 CHECKS = ("missing_backbone", "load", "burst", "task_list_attack", "slow_clients", "reloads", "tokenize_stall",
-          "reload_race", "clients", "sigterm")
+          "reload_race", "clients", "sigterm", "framing_and_drain")
 
 
 def main(argv=None) -> int:
@@ -517,9 +595,12 @@ def main(argv=None) -> int:
                     layout["sigterm"] = asyncio.run(sigterm_under_load(server, args.requests // 4, args.concurrency))
             finally:
                 server.stop()
+            if "framing_and_drain" in checks:
+                layout["framing_and_drain"] = framing_and_drain(f"workers{workers}-drain", env, tmp / f"drain{workers}.log",
+                                                                args.concurrency, 60)
             result["layouts"][f"workers={workers}"] = layout
-            print(json.dumps({k: (v if k in ("sigterm", "clients", "slow_clients", "task_list_attack", "tokenize_stall")
-                                  or k.startswith("reload_race") else
+            print(json.dumps({k: (v if k in ("sigterm", "clients", "slow_clients", "task_list_attack", "tokenize_stall",
+                                             "framing_and_drain") or k.startswith("reload_race") else
                                   {kk: vv for kk, vv in v.items() if kk in ("by_status", "unexpected", "errors_5xx")}
                                   if isinstance(v, dict) and "by_status" in v else None)
                               for k, v in layout.items()}, indent=1, default=str), flush=True)

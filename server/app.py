@@ -175,18 +175,22 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return windows.settings_for(runtime.text, max_tokens or settings.max_tokens, window, stride,
                                     settings.window_tokens, settings.window_stride)
 
-    async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None) -> windows.Reading:
+    async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None,
+                          budget: int | None = None) -> windows.Reading:
         """Tokenize (a long request in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
-        most `max_tokens` word pieces (default: the server's limit)."""
+        most `max_tokens` word pieces (default: the server's limit); 413 past `budget` word pieces in all,
+        found before the whole request is tokenized."""
         check_inputs(texts, text_pairs)
         chosen = window_settings(window, stride, max_tokens)
-        read = functools.partial(windows.read, runtime.text, texts, text_pairs, chosen, truncate)
+        read = functools.partial(windows.read, runtime.text, texts, text_pairs, chosen, truncate, budget)
         try:
             if sum(map(len, texts)) + sum(map(len, text_pairs or ())) <= INLINE_TOKENIZE_CHARS:
                 return read()
             return await asyncio.get_running_loop().run_in_executor(runtime.tokenize_executor, read)
         except windows.PairTooLong as exc:
             raise ApiError(413, "input_too_long", str(exc)) from exc
+        except windows.TooManyTokens as exc:
+            raise ApiError(413, "too_many_tokens", str(exc), tokens=exc.tokens, token_budget=exc.budget) from exc
 
     async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None,
                                controls: AnswerControls | None = None):
@@ -198,15 +202,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
             truncate = "left"  # the tokenizer keeps the end of the text (server/backbone/tokens.py)
         reading = await read_inputs(texts, text_pairs, truncate, window, stride,
-                                    token_limit(modules, settings.max_tokens))
+                                    token_limit(modules, settings.max_tokens), settings.max_request_tokens)
         options = controls.options()
         for row in reading.rows + [text.whole for text in reading.texts]:
             row.answer = options
-        if reading.tokens > settings.max_request_tokens:
-            raise ApiError(413, "too_many_tokens",
-                           f"the request is {reading.tokens} word pieces in {len(reading.rows)} windows; at most "
-                           f"{settings.max_request_tokens} per request (send fewer or shorter texts)",
-                           tokens=reading.tokens, token_budget=settings.max_request_tokens)
         windows.check_windowable(reading, modules)
         job = windows.AnsweredJob(rows=[text.whole for text in reading.texts], modules=modules, deadline=0.0,
                                   windows=reading.windows)
@@ -246,8 +245,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.post("/v1/infer", response_model=InferResponse, tags=["inference"],
               responses={400: {}, 413: {}, 422: {}, 429: {}, 503: {}})
     async def infer(body: InferRequest, request: Request, response: Response,
-                    tasks: str | None = Query(None, description="comma-separated task names; none = all loaded")):
+                    tasks: str | None = Query(None, description="comma-separated task names; none = all loaded; "
+                                                                "given more than once, the lists are joined")):
         require_ready()
+        if tasks is not None:  # ?tasks=a&tasks=b asks for both (FastAPI would keep the last)
+            tasks = ",".join(request.query_params.getlist("tasks"))
         pairs = not isinstance(body.inputs[0], str)
         modules = fit_to_inputs(select_modules(tasks), pairs, named=tasks is not None)
         texts = [item.text if pairs else item for item in body.inputs]
@@ -317,9 +319,20 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def oip_live():
         return {"live": True}
 
+    def no_modules() -> ApiError:
+        return ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store}); load one through "
+                                           "/admin", refused=runtime.load_errors)
+
+    def require_serving() -> None:
+        """Ready to answer inference: the backbone loaded and at least one module (an operator who
+        unloaded every module took the server out of service; it is still ready for /admin)."""
+        require_ready()
+        if not runtime.modules:
+            raise no_modules()
+
     @app.get("/v2/health/ready", tags=["oip-v2"], responses={503: {}})
     async def oip_ready():
-        require_ready()
+        require_serving()
         return {"ready": True}
 
     @app.get("/v2/models/{task}", tags=["oip-v2"], responses={404: {}})
@@ -344,6 +357,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         module = oip_module(task, version)
         body = await request.body()
         parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
+        oip.check_declared_inputs(module, text_pairs)
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
         parameters = parsed.get("parameters") or {}
         truncate = oip.bool_parameter(parameters, "truncate")
@@ -429,6 +443,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 content=json.dumps(error_body("not_ready", f"not ready: {detail}")),
                 status_code=503, media_type="application/json",
             )
+        if not runtime.modules:  # every module unloaded (or none loaded at start): out of service
+            refusal = no_modules()
+            return Response(content=json.dumps(error_body(refusal.type, refusal.message, **refusal.details)),
+                            status_code=503, media_type="application/json")
         return {"status": "ready", "backbone": runtime.model_info()[0], "tasks": sorted(runtime.modules),
                 "refused": runtime.load_errors}
 

@@ -3,10 +3,11 @@
 - `POST /v1/embeddings`: OpenAI's embeddings API (the `openai` package's `client.embeddings.create`):
   `input` a string or a list of strings, `model` (an embedding task's name, or the backbone's),
   `encoding_format` float or base64, `dimensions` (refused unless the module declares shortened
-  sizes); errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+  sizes); errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (server/errors.py
+  picks every refusal's shape from its path, those raised before the route included).
 - `POST /embed`: Text Embeddings Inference's route (`huggingface_hub.InferenceClient.feature_extraction`
   pointed at it): `inputs`, `normalize`, `truncate`, `truncation_direction`; answers `[[floats]]`;
-  errors in TEI's shape, `{"error", "error_type"}`.
+  errors in TEI's shape, `{"error", "error_type"}` (as TEI's `/tokenize`).
 
 Both go through the app's `run_inference` (limits, tokenization, the batcher, metrics, timing
 headers), so they batch with `/v1/infer` requests and work the same with `--workers N`.
@@ -19,8 +20,6 @@ from typing import Any, Callable, Literal, Union
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from modules_store import TaskType
@@ -51,47 +50,6 @@ class TEIEmbedRequest(BaseModel):
     truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
     prompt_name: StrictStr | None = Field(None, description="refused: no prompts are configured")
     dimensions: StrictInt | None = Field(None, description="refused unless the module declares shortened sizes")
-
-
-# ---- errors in each protocol's shape --------------------------------------------------------------
-def openai_error(exc: ApiError) -> Response:
-    kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    body = {"error": {"message": exc.message, "type": kind, "param": exc.details.get("param"), "code": exc.type}}
-    return Response(json.dumps(body), status_code=exc.status, media_type="application/json")
-
-
-def tei_error(exc: ApiError) -> Response:
-    kind = {413: "Validation", 422: "Validation", 400: "Validation", 429: "Overloaded", 503: "Unhealthy"}
-    body = {"error": exc.message, "error_type": kind.get(exc.status, "Backend")}
-    return Response(json.dumps(body), status_code=exc.status, media_type="application/json")
-
-
-def protocol_route(shape: Callable[[ApiError], Response], invalid_status: int) -> type[APIRoute]:
-    """A route class whose refusals (ApiError, or a body that fails validation: `invalid_status`)
-    answer in `shape`, the protocol's own error body, instead of tmod's."""
-
-    class ProtocolRoute(APIRoute):
-        def get_route_handler(self):
-            handler = super().get_route_handler()
-
-            async def answer(request: Request) -> Response:
-                try:
-                    return await handler(request)
-                except RequestValidationError as exc:
-                    problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
-                                         f"{e.get('msg', 'invalid')}" for e in exc.errors()[:5])
-                    error = ApiError(invalid_status, "invalid_request", f"request is malformed: {problems}")
-                except ApiError as exc:
-                    error = exc
-                metrics = getattr(request.app.state.runtime, "metrics", None)
-                if metrics is not None:
-                    metrics.requests.labels("error").inc()
-                    metrics.errors.labels(error.type).inc()
-                return shape(error)
-
-            return answer
-
-    return ProtocolRoute
 
 
 # ---- shared ----------------------------------------------------------------------------------------
@@ -139,8 +97,7 @@ def as_texts(inputs) -> list[str]:
 
 
 def add_embeddings_routes(app: FastAPI, runtime, require_ready: Callable[[], None], run_inference) -> None:
-    """The OpenAI and TEI routes on `app`, over its runtime and its shared `run_inference` (added as
-    plain routes of the app, each with its protocol's route class)."""
+    """The OpenAI and TEI routes on `app`, over its runtime and its shared `run_inference`."""
 
     def module_for(model: str | None):
         """An embedding task by name; the backbone's name (or None) means the backbone's own embedding."""
@@ -187,8 +144,6 @@ def add_embeddings_routes(app: FastAPI, runtime, require_ready: Callable[[], Non
         return Response(json.dumps(vectors.tolist()), media_type="application/json", headers=headers)
 
     app.router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags=["embeddings"],
-                              responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}, 503: {}},
-                              route_class_override=protocol_route(openai_error, 400))
+                              responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}, 503: {}})
     app.router.add_api_route("/embed", tei_embed, methods=["POST"], tags=["embeddings"],
-                              responses={413: {}, 422: {}, 424: {}, 429: {}, 503: {}},
-                              route_class_override=protocol_route(tei_error, 422))
+                              responses={413: {}, 422: {}, 424: {}, 429: {}, 503: {}})

@@ -2,12 +2,16 @@
 
 tmod's own routes: {"error": {"type", "message", ...}}. The Open Inference Protocol (`/v2`): the
 message string in "error" (its clients, tritonclient among them, format that string), the type
-beside it. Every refusal goes through `error_response`, whoever raises it: a route, FastAPI's
-validation, Starlette's routing (404, 405), the body limits, or an exception nobody caught.
+beside it. OpenAI's `/v1/embeddings`: {"error": {"message", "type", "param", "code"}}, a malformed
+body 400. Text Embeddings Inference's `/embed` and `/tokenize`: {"error", "error_type"}. Every
+refusal goes through `error_response`, which picks the shape from the path, whoever raises it: a
+route, FastAPI's validation, Starlette's routing (404, 405), the body limits, or an exception nobody
+caught.
 """
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from fastapi import Request
@@ -31,9 +35,9 @@ class BodyRefused(Exception):
     """Raised while a request body is read (too large, too slow): answered with its status, never
     as a parse error."""
 
-    def __init__(self, status: int, type_: str, message: str):
+    def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.type, self.message = status, type_, message
+        self.status, self.type, self.message, self.headers = status, type_, message, headers
 
 
 def clip(value: Any, limit: int = CLIP) -> str:
@@ -55,16 +59,47 @@ def is_oip(path: str) -> bool:
     return path == "/v2" or path.startswith("/v2/")
 
 
-def oip_error_body(type_: str, message: str, **details: Any) -> dict:
+def oip_error_body(status: int, type_: str, message: str, **details: Any) -> dict:
     # the Open Inference Protocol puts the message string in "error"; its clients read it there
     return {"error": message, "type": type_, **details}
+
+
+def openai_error_body(status: int, type_: str, message: str, **details: Any) -> dict:
+    # what the `openai` package reads: message, type (its error class), param, code (tmod's type)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": details.get("param"), "code": type_}}
+
+
+TEI_ERROR_TYPES = {400: "Validation", 408: "Validation", 413: "Validation", 415: "Validation", 422: "Validation",
+                   429: "Overloaded", 503: "Unhealthy"}
+
+
+def tei_error_body(status: int, type_: str, message: str, **details: Any) -> dict:
+    # Text Embeddings Inference's ErrorResponse: the message and its error_type
+    return {"error": message, "error_type": TEI_ERROR_TYPES.get(status, "Backend")}
+
+
+def tmod_error_body(status: int, type_: str, message: str, **details: Any) -> dict:
+    return error_body(type_, message, **details)
+
+
+# path -> (error body, status of a body that fails validation); any other path is tmod's own
+PROTOCOLS = {"/v1/embeddings": (openai_error_body, 400), "/embed": (tei_error_body, 422),
+             "/tokenize": (tei_error_body, 422)}
+
+
+def protocol_of(path: str):
+    """(the error body builder, the status of a malformed body) for the protocol `path` belongs to."""
+    if is_oip(path):
+        return oip_error_body, 422
+    return PROTOCOLS.get(path, (tmod_error_body, 422))
 
 
 def error_response(path: str, status: int, type_: str, message: str, headers: dict[str, str] | None = None,
                    **details: Any) -> JSONResponse:
     """The refusal in the shape of the protocol `path` belongs to."""
-    body = oip_error_body(type_, message, **details) if is_oip(path) else error_body(type_, message, **details)
-    return JSONResponse(body, status_code=status, headers=headers)
+    shape, _ = protocol_of(path)
+    return JSONResponse(shape(status, type_, message, **details), status_code=status, headers=headers)
 
 
 def count_error(app, type_: str) -> None:
@@ -89,7 +124,8 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
         problems.append({"location": where, "message": str(err.get("msg", "invalid"))[:200]})
     count_error(request.app, "invalid_request")
     summary = "; ".join(f"{p['location']}: {p['message']}" for p in problems[:5])
-    return error_response(request.url.path, 422, "invalid_request", f"request is malformed: {summary}",
+    _, status = protocol_of(request.url.path)
+    return error_response(request.url.path, status, "invalid_request", f"request is malformed: {summary}",
                           problems=problems)
 
 
@@ -99,13 +135,17 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> J
         cause = exc.__cause__
         if isinstance(cause, BodyRefused):  # the body limits stopped reading it
             count_error(request.app, cause.type)
-            return error_response(path, cause.status, cause.type, cause.message)
+            return error_response(path, cause.status, cause.type, cause.message, cause.headers)
         if isinstance(cause, RecursionError):
             count_error(request.app, "payload_too_large")
             return error_response(path, 413, "payload_too_large", "request body is JSON nested too deeply")
-        # FastAPI's wording for a body that is not UTF-8 at all; say so, with the status of a bad body
         count_error(request.app, "invalid_request")
-        return error_response(path, 422, "invalid_request", "request body is not valid UTF-8 encoded JSON")
+        _, status = protocol_of(path)
+        if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+            return error_response(path, status, "invalid_request", "request body has an integer of more than "
+                                  f"{sys.get_int_max_str_digits()} digits")
+        # what else reaches here is a body that is not UTF-8 at all
+        return error_response(path, status, "invalid_request", "request body is not valid UTF-8 encoded JSON")
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     count_error(request.app, type_)
     return error_response(path, exc.status_code, type_, str(exc.detail)[:200], headers=exc.headers)
@@ -115,7 +155,8 @@ class ServerErrors:
     """ASGI middleware, inside the request log: an exception nothing else caught becomes a 500 in
     the route's protocol shape (so it carries the request id, its traceback is logged with that id,
     and the connection stays open for the next request). A body refusal that escaped a route
-    (`/v2` reads its body itself) is answered here with its own status."""
+    (`/v2` reads its body itself, the body limits refuse some before the route) is answered here
+    with its own status."""
 
     def __init__(self, app):
         self.app = app
@@ -137,7 +178,7 @@ class ServerErrors:
             if started:
                 raise
             count_error(scope.get("app"), exc.type)
-            await error_response(scope["path"], exc.status, exc.type, exc.message)(scope, receive, send)
+            await error_response(scope["path"], exc.status, exc.type, exc.message, exc.headers)(scope, receive, send)
         except Exception as exc:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:

@@ -87,6 +87,13 @@ def answer_controls(request: dict) -> AnswerControls:
         raise ApiError(422, "invalid_request", f"invalid request parameter(s): {problems}") from None
 
 
+def check_declared_inputs(module: LoadedModule, text_pairs: list[str] | None) -> None:
+    """A model reads the inputs its metadata declares (`input_specs`): `text_pair` only for pair tasks."""
+    if text_pairs is not None and not compares_pairs(module.manifest):
+        raise ApiError(400, "invalid_request", f"model {module.task!r} has one input, 'text' (see GET /v2/models/"
+                                               f"{module.task}): it reads single texts, not 'text_pair'")
+
+
 # ---- decoding requests -----------------------------------------------------------------------
 def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
     items, pos = [], 0

@@ -33,6 +33,10 @@ from server.errors import ApiError
 from server.heads.decode import decode_rows
 
 MIN_WINDOW = 16  # word pieces; below this a window holds little more than its special tokens
+# a request is tokenized in runs of inputs of about this many characters, its word pieces counted
+# after each: one over its token budget is refused after at most one run past the budget, never
+# tokenized whole (64 inputs of 20,000 characters took 5-9 s of CPU before their 413)
+READ_RUN_CHARS = 20_000
 
 
 # ---- settings -------------------------------------------------------------------------------------
@@ -101,6 +105,14 @@ def whole_number(parameters: dict, name: str) -> int | None:
 # ---- cutting a text into windows ------------------------------------------------------------------
 class PairTooLong(ValueError):
     pass
+
+
+class TooManyTokens(ValueError):
+    def __init__(self, tokens: int, windows: int, inputs_read: int, inputs: int, budget: int):
+        part = "" if inputs_read == inputs else f" (counted in its first {inputs_read} of {inputs} inputs)"
+        super().__init__(f"the request is {tokens} word pieces in {windows} windows{part}; at most {budget} per "
+                         "request (send fewer or shorter texts)")
+        self.tokens, self.budget = tokens, budget
 
 
 def word_boundary(words, at: int, low: int) -> int | None:
@@ -295,15 +307,39 @@ class Reading:
 
 
 def read(encoder: TextEncoder, texts: list[str], text_pairs: list[str] | None, settings: WindowSettings,
-         truncate: bool | str) -> Reading:
+         truncate: bool | str, budget: int | None = None) -> Reading:
     """Tokenize a request's inputs and cut each into the rows it is read in. With `truncate` each
     input is one row cut at the window's length (the first window), as `truncate` always meant;
-    "left" keeps the last window's worth instead (TextEncoder.encode)."""
+    "left" keeps the last window's worth instead (TextEncoder.encode). TooManyTokens when its rows
+    hold more than `budget` word pieces, found before the rest of the request is tokenized
+    (`READ_RUN_CHARS`)."""
     if truncate:
         rows = encoder.encode(texts, text_pairs, truncate=truncate, max_tokens=settings.window)
-        return Reading([TextWindows(row, 0, 0, [(0, 0)], [row]) for row in rows])
-    wholes = encoder.encode(texts, text_pairs, whole=True)
-    return Reading([split(whole, settings, i) for i, whole in enumerate(wholes)])
+        reading = Reading([TextWindows(row, 0, 0, [(0, 0)], [row]) for row in rows])
+        if budget is not None and reading.tokens > budget:
+            raise TooManyTokens(reading.tokens, len(reading.rows), len(texts), len(texts), budget)
+        return reading
+    read_texts: list[TextWindows] = []
+    for run in runs(texts, text_pairs):
+        wholes = encoder.encode(texts[run], text_pairs[run] if text_pairs else None, whole=True)
+        read_texts += [split(whole, settings, run.start + i) for i, whole in enumerate(wholes)]
+        reading = Reading(read_texts)
+        if budget is not None and reading.tokens > budget:
+            raise TooManyTokens(reading.tokens, len(reading.rows), run.stop, len(texts), budget)
+    return Reading(read_texts)
+
+
+def runs(texts: list[str], text_pairs: list[str] | None) -> list[slice]:
+    """Consecutive inputs of about READ_RUN_CHARS characters each (at least one input per run)."""
+    out, start, chars = [], 0, 0
+    for i, text in enumerate(texts):
+        chars += len(text) + (len(text_pairs[i]) if text_pairs else 0)
+        if chars >= READ_RUN_CHARS:
+            out.append(slice(start, i + 1))
+            start, chars = i + 1, 0
+    if start < len(texts) or not out:
+        out.append(slice(start, len(texts)))
+    return out
 
 
 def check_windowable(reading: Reading, modules: dict) -> None:

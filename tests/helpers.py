@@ -176,3 +176,52 @@ def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, o
     process.kill()
     pytest.fail(f"tmod-serve {' '.join(args)} did not become ready:\n{process.communicate()[0]}")
 
+
+
+def read_http_response(stream) -> tuple[int, dict[str, str], bytes] | None:
+    """One HTTP/1.1 response from a socket's file (`sock.makefile("rb")`) framed by Content-Length:
+    (status, headers lower-cased, body), or None if the connection ended before a status line."""
+    status_line = stream.readline()
+    if not status_line:
+        return None
+    headers = {}
+    while (line := stream.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(status_line.split()[1]), headers, stream.read(int(headers.get("content-length", 0)))
+
+
+def keep_alive_client(host: str, port: int, request: bytes, outcomes, answered=None) -> None:
+    """A keep-alive client as RFC 9112 allows one to be: `request` again and again on one connection,
+    a new connection only after a response that said `Connection: close`, until a connection is
+    refused (the server stopped listening). Counts into `outcomes` (a Counter): each status,
+    "closing" (answers that said Connection: close), "refused" (connect refused: never sent), "lost"
+    (sent on an open connection and never answered: reset or closed). `answered`: an Event set at
+    the first answer."""
+    sock = stream = None
+    while True:
+        if sock is None:
+            try:
+                sock = socket.create_connection((host, port), timeout=120)
+            except OSError:
+                outcomes["refused"] += 1
+                return
+            stream = sock.makefile("rb")
+        try:
+            sock.sendall(request)
+            response = read_http_response(stream)
+        except OSError:
+            response = None
+        if response is None:
+            outcomes["lost"] += 1
+            sock.close()
+            return
+        status, headers, _ = response
+        outcomes[status] += 1
+        if answered is not None:
+            answered.set()
+        if headers.get("connection", "").lower() == "close":
+            outcomes["closing"] += 1
+            stream.close()
+            sock.close()
+            sock = None

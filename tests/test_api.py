@@ -8,6 +8,8 @@ from server.app import create_app
 from server.config import Settings
 from tests.helpers import LiveServer
 
+pytestmark = pytest.mark.smoke  # the quick tier: every test here
+
 TEXT = "Peter Blackburn met Angela Merkel in Brussels on Monday."
 
 

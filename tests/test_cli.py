@@ -4,8 +4,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from server.cli import build_parser
 from server.config import Settings
+
+pytestmark = pytest.mark.smoke  # the quick tier: every test here
 
 
 def test_every_setting_has_a_flag_named_after_it():

@@ -548,10 +548,10 @@ def test_dockerignore_sends_what_the_dockerfile_copies(flavour):
 
 
 # ---- the scripts shipped in the images --------------------------------------------------------------
-def test_healthcheck_script_against_a_live_server(tiny_backbone, tmp_path):
+def test_healthcheck_script_against_a_live_server(tiny_backbone, tiny_store):
     script = DEPLOY / "docker" / "healthcheck.py"
     env = {**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}  # must not be used
-    with LiveServer(create_app(Settings(store=tmp_path), backbone=tiny_backbone)) as server:
+    with LiveServer(create_app(Settings(store=tiny_store.root), backbone=tiny_backbone)) as server:
         env["TMOD_PORT"] = str(server.port)
         assert subprocess.run([sys.executable, str(script)], env=env, timeout=30).returncode == 0
     env["TMOD_PORT"] = str(free_port())  # nothing listens

@@ -23,6 +23,7 @@ def served(tmp_path_factory, minilm):
         process.kill()
 
 
+@pytest.mark.smoke
 def test_real_backbone_serves_several_tasks_in_one_pass(served, minilm):
     url, _ = served
     text = "Angela Merkel visited the Siemens plant in Munich."
@@ -77,6 +78,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
     assert all(len(r["request_id"]) >= 8 for r in access)
 
 
+@pytest.mark.smoke
 def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
     """The modules that ship in modules_store/ load on the default backbone and do their jobs."""
     from server.app import create_app

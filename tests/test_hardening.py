@@ -189,9 +189,12 @@ def test_a_queued_request_is_answered_503_at_its_deadline_while_compute_is_busy(
         assert first[0].status_code == 200  # taken into a batch before its deadline: answered
 
 
-def test_429_says_when_to_retry(tmp_path, tiny_backbone):
+def test_429_says_when_to_retry(tmp_path, tiny_backbone, tiny_backbone_dir):
+    from server.heads.embedding import EmbeddingHead
+
     store = populate_store(tmp_path / "store", tiny_backbone)
-    app = live_app(store.root, tiny_backbone, tasks="sentiment", max_queue=1, retry_after_s=3)
+    save_module(store, "embedding", "1", EmbeddingHead.from_backbone(tiny_backbone, tiny_backbone_dir), tiny_backbone)
+    app = live_app(store.root, tiny_backbone, tasks="sentiment,embedding", max_queue=1, retry_after_s=3)
     with LiveServer(app) as server:
         runtime = server.server.config.app.state.runtime
         release = threading.Event()
@@ -209,6 +212,8 @@ def test_429_says_when_to_retry(tmp_path, tiny_backbone):
             refused = httpx.post(server.url + "/v1/infer", json={"inputs": TEXTS}, timeout=30)
             oip_refused = httpx.post(server.url + "/v2/models/sentiment/infer", timeout=30, json={
                 "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["a"]}]})
+            openai_refused = httpx.post(server.url + "/v1/embeddings", json={"model": "embedding", "input": "a"})
+            tei_refused = httpx.post(server.url + "/embed", json={"inputs": "a"})
         finally:
             release.set()
             first.join()
@@ -217,6 +222,10 @@ def test_429_says_when_to_retry(tmp_path, tiny_backbone):
         assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
         assert oip_refused.status_code == 429 and oip_refused.headers["retry-after"] == "3"
         assert isinstance(oip_refused.json()["error"], str)
+        assert openai_refused.status_code == 429 and openai_refused.headers["retry-after"] == "3"
+        assert openai_refused.json()["error"]["code"] == "overloaded"  # OpenAI's shape: message, type, param, code
+        assert tei_refused.status_code == 429 and tei_refused.headers["retry-after"] == "3"
+        assert tei_refused.json()["error_type"] == "Overloaded"  # TEI's shape
         assert [r.status_code for r in results] == [200, 200]
 
 

@@ -1,17 +1,21 @@
 """Hostile input against one real `tmod-serve` process: every case answers its documented status in
-its protocol's shape (tmod's `{"error": {"type", "message"}}`, or the Open Inference Protocol's
-`{"error": "<message>", "type"}` on `/v2`), with a request id, without echoing the input back, and
-the server stays up and answers a good request after all of them.
+its protocol's shape (tmod's `{"error": {"type", "message"}}`, the Open Inference Protocol's
+`{"error": "<message>", "type"}` on `/v2`, OpenAI's `{"error": {"message", "type", "param", "code"}}`
+on `/v1/embeddings`, Text Embeddings Inference's `{"error", "error_type"}` on `/embed` and
+`/tokenize`), refusals made before the route included, with a request id, without echoing the input
+back, and the server stays up and answers a good request after all of them.
 
 The cases are data (`CASES`, `RAW_CASES`): one module-scoped server, one parametrised test each.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
 import socket
 import threading
+import zlib
 from urllib.parse import urlsplit
 
 import httpx
@@ -38,6 +42,21 @@ def oip(**changes):
 
 def nested(depth: int, leaf="a") -> str:
     return "[" * depth + json.dumps(leaf) + "]" * depth
+
+
+def gzipped(body: dict | bytes, coding: str = "gzip") -> dict:
+    """Request kwargs for `body` sent compressed (as tritonclient's request compression sends it)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    packed = gzip.compress(data) if coding == "gzip" else zlib.compress(data)
+    return {"content": packed, "headers": {"content-type": "application/json", "content-encoding": coding}}
+
+
+def raw_body(data: bytes) -> dict:
+    return {"content": data, "headers": {"content-type": "application/json"}}
+
+
+HUGE_INTEGER = b'{"inputs": ["a"], "window": ' + b"9" * 5001 + b"}"
+ZIP_BOMB = gzip.compress(b'{"inputs": ["' + b"a" * (MAX_BODY * 40) + b'"]}')  # 2.6 MB inflated, 3 KB sent
 
 
 def chunks(total: int, size: int = 8192):
@@ -189,6 +208,50 @@ CASES = [
     ("v2-body-over-limit", "POST", "/v2/models/sentiment/infer", {"json": oip(text={"data": [BIG]})}, 413, "oip"),
     ("v2-chunked-over-limit", "POST", "/v2/models/sentiment/infer", {"content": chunks(MAX_BODY * 2)}, 413, "oip"),
     ("v2-deep-json", "POST", "/v2/models/sentiment/infer", {"content": nested(30_000).encode()}, 400, "oip"),
+    ("v2-text-pair-undeclared", "POST", "/v2/models/sentiment/infer",
+     {"json": {"inputs": [OIP_TEXT, {**OIP_TEXT, "name": "text_pair"}]}}, 400, "oip"),
+    # ---- compressed bodies (tritonclient's request compression): read, bounded, or 415 --------------
+    ("v1-gzip", "POST", "/v1/infer", gzipped({"inputs": ["a fine film"]}), 200, None),
+    ("v1-deflate", "POST", "/v1/infer", gzipped({"inputs": ["a fine film"]}, "deflate"), 200, None),
+    ("v2-gzip", "POST", "/v2/models/sentiment/infer", gzipped(oip()), 200, None),
+    ("v1-gzip-bomb", "POST", "/v1/infer", {**gzipped(b""), "content": ZIP_BOMB}, 413, "v1"),
+    ("v2-gzip-bomb", "POST", "/v2/models/sentiment/infer", {**gzipped(b""), "content": ZIP_BOMB}, 413, "oip"),
+    ("v1-gzip-broken", "POST", "/v1/infer", {**gzipped(b""), "content": b"\x1f\x8bnot gzip at all"}, 400, "v1"),
+    ("v1-gzip-truncated", "POST", "/v1/infer", {**gzipped(b""), "content": gzip.compress(b'{"inputs": ["a"]}')[:-9]},
+     400, "v1"),
+    ("v1-brotli", "POST", "/v1/infer", {"content": b"x", "headers": {"content-encoding": "br"}}, 415, "v1"),
+    ("v2-brotli", "POST", "/v2/models/sentiment/infer", {"content": b"x", "headers": {"content-encoding": "br"}},
+     415, "oip"),
+    ("v1-huge-integer", "POST", "/v1/infer", raw_body(HUGE_INTEGER), 422, "v1"),
+    # ---- OpenAI's and TEI's routes: refusals made before the route, in their protocol's shape ----------
+    ("openai-body-over-limit", "POST", "/v1/embeddings", {"json": {"model": "embedding", "input": BIG}}, 413, "openai"),
+    ("openai-chunked-over-limit", "POST", "/v1/embeddings",
+     {"headers": {"content-type": "application/json"}, "content": chunks(MAX_BODY * 2)}, 413, "openai"),
+    ("openai-deep-json", "POST", "/v1/embeddings", raw_body(nested(20_000).encode()), 413, "openai"),
+    ("openai-not-utf8", "POST", "/v1/embeddings", raw_body(b'{"input": "\xff\xfe"}'), 400, "openai"),
+    ("openai-huge-integer", "POST", "/v1/embeddings", raw_body(b'{"input": ' + b"9" * 5001 + b"}"), 400, "openai"),
+    ("openai-malformed", "POST", "/v1/embeddings", {"json": {"input": 5}}, 400, "openai"),
+    ("openai-get", "GET", "/v1/embeddings", {}, 405, "openai"),
+    ("openai-brotli", "POST", "/v1/embeddings", {"content": b"x", "headers": {"content-encoding": "br"}}, 415,
+     "openai"),
+    ("openai-gzip-bomb", "POST", "/v1/embeddings", {**gzipped(b""), "content": ZIP_BOMB}, 413, "openai"),
+    ("tei-embed-body-over-limit", "POST", "/embed", {"json": {"inputs": BIG}}, 413, "tei"),
+    ("tei-embed-deep-json", "POST", "/embed", raw_body(nested(20_000).encode()), 413, "tei"),
+    ("tei-embed-not-utf8", "POST", "/embed", raw_body(b'{"inputs": "\xff\xfe"}'), 422, "tei"),
+    ("tei-embed-get", "GET", "/embed", {}, 405, "tei"),
+    ("tei-embed-brotli", "POST", "/embed", {"content": b"x", "headers": {"content-encoding": "br"}}, 415, "tei"),
+    ("tei-tokenize-body-over-limit", "POST", "/tokenize", {"json": {"inputs": BIG}}, 413, "tei"),
+    ("tei-tokenize-chunked-over-limit", "POST", "/tokenize",
+     {"headers": {"content-type": "application/json"}, "content": chunks(MAX_BODY * 2)}, 413, "tei"),
+    ("tei-tokenize-deep-json", "POST", "/tokenize", raw_body(nested(20_000).encode()), 413, "tei"),
+    ("tei-tokenize-not-utf8", "POST", "/tokenize", raw_body(b'{"inputs": "\xff\xfe"}'), 422, "tei"),
+    ("tei-tokenize-huge-integer", "POST", "/tokenize", raw_body(b'{"inputs": ' + b"9" * 5001 + b"}"), 422, "tei"),
+    ("tei-tokenize-malformed", "POST", "/tokenize", {"json": {"inputs": 5}}, 422, "tei"),
+    ("tei-tokenize-empty", "POST", "/tokenize", {"json": {"inputs": "   "}}, 422, "tei"),
+    ("tei-tokenize-control", "POST", "/tokenize", {"json": {"inputs": "a\x00b"}}, 422, "tei"),
+    ("tei-tokenize-too-long", "POST", "/tokenize", {"json": {"inputs": "word " * 1000}}, 413, "tei"),
+    ("tei-tokenize-get", "GET", "/tokenize", {}, 405, "tei"),
+    ("tei-tokenize-gzip-bomb", "POST", "/tokenize", {**gzipped(b""), "content": ZIP_BOMB}, 413, "tei"),
     # ---- /admin --------------------------------------------------------------------------------------
     ("admin-no-token", "POST", "/admin/modules/sentiment/reload", {}, 401, "v1"),
     ("admin-wrong-token", "POST", "/admin/modules/sentiment/reload", {"headers": {"authorization": "Bearer no"}}, 401, "v1"),
@@ -305,6 +368,11 @@ def check_shape(status: int, body: dict, shape: str, sent: int) -> None:
     if shape == "v1":
         assert set(body) == {"error"}, body
         assert isinstance(body["error"]["type"], str) and isinstance(body["error"]["message"], str), body
+    elif shape == "openai":
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["type"] == ("invalid_request_error" if status < 500 else "server_error"), body
+    elif shape == "tei":
+        assert set(body) == {"error", "error_type"} and isinstance(body["error"], str), body
     else:
         assert isinstance(body["error"], str) and isinstance(body["type"], str), body
         from tritonclient.http._utils import _get_error  # tritonclient's own reading of an error answer
@@ -468,3 +536,67 @@ def test_a_body_sent_too_slowly_is_answered_408_in_the_protocol_shape(server, pa
 
 def test_enough_cases():
     assert len(CASES) + len(RAW_CASES) >= 100
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        received += chunk
+    return received
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("path, shape", [("/v1/infer", "v1"), ("/v2/models/sentiment/infer", "oip"),
+                                         ("/embed", "tei"), ("/v1/embeddings", "openai")])
+def test_content_length_with_chunked_is_refused_and_the_request_in_its_body_never_answered(server, path, shape):
+    """RFC 9112 section 6.1: Transfer-Encoding beside Content-Length may be a smuggling attempt; the
+    connection closes after the answer. A second request hidden in the chunked body (after its last
+    chunk) must not be read: before the fix it was answered 200 on the same connection."""
+    smuggled = b"GET /v1/tasks HTTP/1.1\r\nhost: x\r\n\r\n"
+    body = b"0\r\n\r\n" + smuggled
+    head = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "transfer-encoding: chunked\r\n\r\n").encode()
+    address = urlsplit(server)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        received = read_until_closed(sock)  # the server closes: a keep-alive connection would time this out
+    assert received.count(b"HTTP/1.1 ") == 1, received[:600]
+    status_line, _, rest = received.partition(b"\r\n")
+    headers, _, answer = rest.partition(b"\r\n\r\n")
+    assert status_line.startswith(b"HTTP/1.1 400 "), received[:300]
+    assert b"connection: close" in headers.lower()
+    check_shape(400, json.loads(answer), shape, 0)
+    assert "Transfer-Encoding" in str(json.loads(answer))
+
+
+def test_a_repeated_tasks_parameter_asks_for_every_task_named(client):
+    both = client.post("/v1/infer?tasks=sentiment&tasks=ner", json={"inputs": ["A fine film in Paris."]})
+    assert both.status_code == 200 and set(both.json()["results"][0]) == {"sentiment", "ner"}
+    twice = client.post("/v1/infer?tasks=sentiment&tasks=sentiment,ner", json={"inputs": ["a"]})
+    assert twice.status_code == 400 and twice.json()["error"]["type"] == "duplicate_tasks"
+
+
+def test_an_integer_of_5001_digits_is_called_what_it_is(client):
+    for path in ("/v1/infer", "/v1/embeddings", "/tokenize"):
+        response = client.post(path, content=HUGE_INTEGER, headers={"content-type": "application/json"})
+        text = response.text
+        assert "4300 digits" in text and "UTF-8" not in text, (path, text)
+
+
+def test_tritonclient_request_compression_is_read(server):
+    import numpy as np
+    from tritonclient.http import InferenceServerClient, InferInput
+
+    client = InferenceServerClient(url=server.removeprefix("http://"))
+    text = InferInput("text", [2], "BYTES")
+    text.set_data_from_numpy(np.array([b"a fine film", b"Peter flew to Paris."], dtype=object))
+    plain = client.infer("ner", [text]).as_numpy("entities").tolist()
+    for algorithm in ("gzip", "deflate"):
+        compressed = client.infer("ner", [text], request_compression_algorithm=algorithm)
+        assert compressed.as_numpy("entities").tolist() == plain, algorithm

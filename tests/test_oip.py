@@ -51,6 +51,7 @@ def test_tritonclient_sequence_task(live, v1_answers, binary):
         assert row.tolist() == pytest.approx([answer["sentiment"]["scores"][l] for l in labels], abs=1e-5)
 
 
+@pytest.mark.smoke
 def test_tritonclient_token_task_default_outputs(live, v1_answers):
     client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
     result = client.infer("ner", [texts_input(TEXTS, True)])  # no outputs named: all, binary
@@ -62,6 +63,7 @@ def test_tritonclient_token_task_default_outputs(live, v1_answers):
         assert [e["score"] for e in row] == pytest.approx([e["score"] for e in expected_row], abs=1e-5)
 
 
+@pytest.mark.smoke
 def test_v2_errors(live):
     client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
     with pytest.raises(tritonclient_http.InferenceServerException, match="no model 'telepathy'"):

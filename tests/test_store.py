@@ -34,6 +34,7 @@ def rewrite_manifest(store, task, version, **changes):
     path.write_text(json.dumps(data))
 
 
+@pytest.mark.smoke
 def test_round_trip_gives_same_outputs(store, tiny_backbone):
     original = random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 1)
     loaded = load_module(store, "sentiment", None, tiny_backbone)
@@ -64,6 +65,7 @@ def test_refuses_existing_version_without_overwrite(store, tiny_backbone):
                     tiny_backbone)
 
 
+@pytest.mark.smoke
 def test_refuses_checksum_mismatch(store, tiny_backbone):
     weights = store.path("sentiment", "1") / "weights.safetensors"
     data = bytearray(weights.read_bytes())
@@ -74,6 +76,7 @@ def test_refuses_checksum_mismatch(store, tiny_backbone):
     assert info.value.reason == "checksum_mismatch"
 
 
+@pytest.mark.smoke
 def test_refuses_other_backbone(store, tmp_path):
     other = Backbone.load(make_tiny_backbone_dir(tmp_path / "other", "bert", layers=3, seed=99))
     with pytest.raises(ArtifactError, match="fingerprint mismatch.*weights_hash") as info:
@@ -128,6 +131,7 @@ def test_refuses_unknown_kind_and_bad_manifest(store, tiny_backbone):
     assert info.value.reason == "bad_manifest"
 
 
+@pytest.mark.smoke
 def test_never_unpickles(store, tiny_backbone, tmp_path):
     """A pickle in place of the safetensors file is refused as unreadable, never executed."""
     marker = tmp_path / "pwned"

@@ -109,6 +109,7 @@ def check_layermix_equals_reference(backbone, texts, pairs=None):
             torch.testing.assert_close(streamed[task], expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.smoke
 def test_layermix_stream_equals_reference_tiny_bert(tiny_backbone):
     check_layermix_equals_reference(tiny_backbone, TEXTS)
     check_layermix_equals_reference(tiny_backbone, TEXTS, PAIRS)
@@ -131,6 +132,7 @@ def test_cutoff_layers_are_never_projected(tiny_backbone):
     assert seen == read
 
 
+@pytest.mark.smoke
 def test_at_most_two_layer_outputs_alive(tiny_backbone):
     batch = tiny_backbone.tokenize(TEXTS)
     refs, most_alive = [], 0
@@ -150,6 +152,7 @@ def test_stacking_path_keeps_everything_alive(tiny_backbone):
     assert sum(r() is not None for r in refs) == tiny_backbone.num_layers + 1
 
 
+@pytest.mark.smoke
 def test_early_exit_runs_only_needed_layers(tiny_backbone):
     calls = []
     hooks = [layer.register_forward_hook(lambda m, i, o, n=n: calls.append(n))

@@ -230,6 +230,25 @@ def test_limits(live):
         assert bad.status_code == 422 and bad.json()["error"]["type"] == "invalid_request", extra
 
 
+def test_a_request_over_its_token_budget_is_refused_before_it_is_tokenized_whole(tiny_backbone, monkeypatch):
+    """64 inputs of 20,000 characters: the budget is passed within the first run of inputs
+    (READ_RUN_CHARS), so the rest is never tokenized (the whole request took 5-9 s of CPU before its 413)."""
+    from server import windows
+
+    encoder = tiny_backbone.text
+    tokenized = []
+    encode = encoder.encode
+    monkeypatch.setattr(encoder, "encode", lambda texts, *a, **k: tokenized.extend(texts) or encode(texts, *a, **k))
+    texts = ["word " * 4000] * 64  # 20,000 characters each: one run of READ_RUN_CHARS
+    chosen = windows.settings_for(encoder, 128, None, None, None, None)
+    with pytest.raises(windows.TooManyTokens) as refused:
+        windows.read(encoder, texts, None, chosen, False, budget=5_000)
+    assert refused.value.tokens > 5_000 and "first 1 of 64 inputs" in str(refused.value)
+    assert len(tokenized) == 1  # the first input, not 64
+    within = windows.read(encoder, texts[:3], None, chosen, False, budget=100_000)
+    assert within.tokens == windows.read(encoder, texts[:3], None, chosen, False).tokens > 5_000
+
+
 def test_tasks_name_the_window_and_the_rules(live):
     listing = live.get("/v1/tasks").json()
     assert listing["windows"]["window"] == 128 and listing["windows"]["stride"] == 96  # tiny model: its limit

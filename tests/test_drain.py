@@ -1,0 +1,63 @@
+"""SIGTERM with keep-alive clients, against a real `tmod-serve` (`--workers 1` and `--workers 2`).
+
+Each client sends requests one after another on one connection and opens a new one only after an
+answer that said `Connection: close` (`tests/helpers.py`, `keep_alive_client`). While the server
+drains, the requests in flight must be answered with `Connection: close`, so no client sends its
+next request into a connection being closed: 0 lost, every client ends on a refused connection
+(the server no longer listens). Before the fix, 64 of 64 keep-alive connections lost their next
+request (issue 38).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import threading
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.helpers import keep_alive_client, populate_store, start_tmod_serve, wait_until
+
+CLIENTS = 12
+BODY = json.dumps({"inputs": ["The European Commission said on Thursday it disagreed with German advice."] * 4})
+REQUEST = (f"POST /v1/infer?tasks=sentiment,ner HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           f"content-length: {len(BODY)}\r\n\r\n{BODY}").encode()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_backbone):
+    return populate_store(tmp_path_factory.mktemp("drain-store"), tiny_backbone)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_answers_keep_alive_clients_with_connection_close_and_loses_none(store, tiny_backbone_dir, workers):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    url, process = start_tmod_serve(["--workers", str(workers), "--backbone", str(tiny_backbone_dir), "--store",
+                                     str(store.root), "--threads", "1", "--log-level", "warning"], env)
+    address = urlsplit(url)
+    outcomes = collections.Counter()
+    answered = threading.Event()
+    clients = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, REQUEST, outcomes,
+                                                                answered)) for _ in range(CLIENTS)]
+    try:
+        for client in clients:
+            client.start()
+        answered.wait(120)
+        # every client has been answered at least once, so each holds a keep-alive connection
+        wait_until(lambda: outcomes[200] >= 3 * CLIENTS, "the clients to be answered")
+        process.send_signal(signal.SIGTERM)
+        for client in clients:
+            client.join(120)
+        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert outcomes["lost"] == 0, outcomes
+    assert outcomes["refused"] == CLIENTS, outcomes  # each ended on a connection refused: nothing was cut off
+    assert set(outcomes) <= {200, "closing", "refused"}, outcomes
+    assert outcomes["closing"] >= 1, outcomes  # answers given while draining said so
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/healthz", timeout=5)
