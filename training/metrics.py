@@ -75,6 +75,27 @@ def classification_scores(gold: Sequence[str], pred: Sequence[str], labels: Sequ
     return scores
 
 
+def per_class_scores(gold: Sequence[str], pred: Sequence[str], labels: Sequence[str]) -> dict:
+    """Each label's precision, recall, F1, support (gold count) and predicted count."""
+    _same_length(gold, pred)
+    out = {}
+    for label in labels:
+        tp = sum(g == label and p == label for g, p in zip(gold, pred))
+        n_pred, n_gold = sum(p == label for p in pred), sum(g == label for g in gold)
+        precision, recall, f1 = _prf(tp, n_pred - tp, n_gold - tp)
+        out[label] = {"precision": precision, "recall": recall, "f1": f1, "support": n_gold, "predicted": n_pred}
+    return out
+
+
+def confusion_matrix(gold: Sequence[str], pred: Sequence[str], labels: Sequence[str]) -> list[list[int]]:
+    """counts[i][j]: examples of gold label i predicted as label j."""
+    index = {label: i for i, label in enumerate(labels)}
+    counts = [[0] * len(labels) for _ in labels]
+    for g, p in zip(gold, pred):
+        counts[index[g]][index[p]] += 1
+    return counts
+
+
 # ---- multi-label ------------------------------------------------------------------------------
 THRESHOLD_GRID = tuple(round(0.02 * i, 2) for i in range(1, 50))  # 0.02 .. 0.98
 

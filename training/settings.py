@@ -73,6 +73,10 @@ class TrainSettings(BaseModel):
     dataset: str | None = Field(None, description="preset: sst2, cola, rte, conll2003, goemotions")
     train: str | None = Field(None, description="training file (instead of a preset)")
     validation: str | None = Field(None, description="validation file (instead of a preset)")
+    test: str | None = Field(None, description="test file: scored once at the end, never used to choose anything")
+    split: list[float] | None = Field(
+        None, description="validation and test fractions carved from the training file (seeded, stratified by label "
+        "for single-label tasks), for a single labelled file: '0.1,0.1'; one number carves validation only")
     format: Literal["tsv", "csv", "jsonl", "conll"] | None = None
     text_column: str | int | None = None
     pair_column: str | int | None = None
@@ -119,6 +123,10 @@ class TrainSettings(BaseModel):
     eval_batch_size: int = Field(128, ge=1, description="batch size of backbone passes and evaluation")
     epochs: int = Field(10, ge=1)
     patience: int = Field(3, ge=1, description="early stopping: epochs without a better validation metric")
+    min_delta: float = Field(0.002, ge=0, description="an epoch replaces the kept one when its validation metric is "
+                             "higher by at least this, or within this and its validation loss is lower by min_loss_delta")
+    min_loss_delta: float = Field(0.01, ge=0, lt=1, description="relative drop of the validation loss that counts as "
+                                  "better among epochs whose metrics are within min_delta")
     select: Literal["best", "last"] = Field(
         "best", description="best: keep the epoch with the best validation metric (early stopping, learning rate "
                             "cut on plateaus); last: train exactly --epochs epochs and keep the last (validation "
@@ -149,7 +157,9 @@ class TrainSettings(BaseModel):
     backbone: str | None = Field(None, description="backbone folder, or minilm (default) / smollm2 / mpnet")
     description: str = ""
     overwrite: bool = False
-    progress: bool = True
+    progress: bool | None = Field(None, description="progress bars (default: only when stderr is a terminal)")
+    load_into: str | None = Field(None, description="URL of a running tmod-serve whose --store is --store: hot-load "
+                                  "the new module there (admin token from $TMOD_ADMIN_TOKEN)")
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -160,6 +170,14 @@ class TrainSettings(BaseModel):
     @classmethod
     def _document_windows(cls, value):
         return [int(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, value):
+        parts = [float(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if parts is not None and not (1 <= len(parts) <= 2 and all(0 < p < 1 for p in parts) and sum(parts) < 1):
+            raise ValueError("give one or two fractions between 0 and 1 that sum to under 1: VALIDATION[,TEST]")
+        return parts
 
     @field_validator("targets", mode="before")
     @classmethod
