@@ -308,7 +308,9 @@ def child_train_adapters(spec: dict) -> dict:
     rec = Recorder()
     s = adapter_settings(spec)
     seed_everything(s.seed)
-    train_data, val_data, labels, preset_metric, provenance = resolve_data(s)
+    data = resolve_data(s)
+    train_data, val_data, labels, preset_metric, provenance = (data.train, data.validation, data.labels, data.metric,
+                                                               data.provenance)
     task_type = train_data.task_type
     metric = preset_metric or TASK_DEFAULTS[task_type]["metric"]
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric})
@@ -379,7 +381,8 @@ def child_probe(spec: dict) -> dict:
                           batch_size=spec["batch_size"], seed=spec["seed"], threads=spec["threads"],
                           rank=spec["rank"], lora_alpha=spec["lora_alpha"], progress=True, device="cpu")
     seed_everything(s.seed)
-    train_data, _, labels, preset_metric, _ = resolve_data(s)
+    data = resolve_data(s)
+    train_data, labels, preset_metric = data.train, data.labels, data.metric
     task_type = train_data.task_type
     s = s.with_task_defaults(task_type).model_copy(
         update={"metric": preset_metric or TASK_DEFAULTS[task_type]["metric"]})

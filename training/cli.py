@@ -58,6 +58,9 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
                    help="independent labels, one sigmoid each (binary cross-entropy); a label cell holds "
                         "comma-separated labels; per-label or global decision threshold chosen on validation "
                         "(whichever scores better there) and recorded in the manifest (the goemotions preset is multi-label)")
+    g.add_argument("--none-below", default=S, metavar="P|auto",
+                   help="single-label tasks: answer no label ('none of these', label null) when the best probability "
+                        "is under P; auto: chosen on validation. Stored in the manifest; a request's threshold overrides it")
     g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
     g.add_argument("--max-validation", type=int, default=S)
     g.add_argument("--document-windows", default=S,

@@ -158,6 +158,34 @@ def choose_thresholds(gold: np.ndarray, probs: np.ndarray, labels: Sequence[str]
     }
 
 
+# ---- "none of these" (single-label) ----------------------------------------------------------
+def answered_scores(gold: Sequence[str], probs: np.ndarray, labels: Sequence[str], threshold: float) -> dict:
+    """With no label answered where the best probability is under `threshold`: the share of rows
+    answered (coverage) and the accuracy over those."""
+    probs = np.asarray(probs)
+    answered = probs.max(1) >= threshold
+    correct = np.array([labels[i] == g for i, g in zip(probs.argmax(1), gold)])
+    n = int(answered.sum())
+    return {"threshold": float(threshold), "coverage": n / len(gold) if len(gold) else 0.0,
+            "accuracy_answered": float(correct[answered].mean()) if n else 0.0, "answered": n}
+
+
+def choose_none_threshold(gold: Sequence[str], probs: np.ndarray, labels: Sequence[str],
+                          grid: Sequence[float] = THRESHOLD_GRID) -> dict:
+    """The "none of these" threshold of a single-label head, chosen on (validation) data: the grid
+    value where answering gains most, counting +1 per right answer and -1 per wrong one (so a row is
+    left unanswered where, at its confidence, the head is wrong more often than right); ties: the
+    lowest threshold (answer more)."""
+    probs = np.asarray(probs)
+    confidence = probs.max(1)
+    correct = np.array([labels[i] == g for i, g in zip(probs.argmax(1), gold)])
+    gains = [int(np.where(correct, 1, -1)[confidence >= t].sum()) for t in grid]
+    best = grid[int(np.argmax(gains))]
+    return {**answered_scores(gold, probs, labels, best),
+            "threshold_rule": f"none of these under p {best}: of the grid {grid[0]}..{grid[-1]}, the threshold with the "
+                              f"most right minus wrong answers on the validation split"}
+
+
 # ---- entities ---------------------------------------------------------------------------------
 def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
     """(type, first, last) word indices of each entity in one sentence's tags (last inclusive): the

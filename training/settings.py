@@ -94,6 +94,10 @@ class TrainSettings(BaseModel):
         "-DOCSTART- lines, words joined with spaces) read in windows of these many word pieces, cut as the server "
         "cuts a long text (server/windows.py), so the head learns sentences inside running text; validation stays "
         "sentence by sentence")
+    none_below: float | Literal["auto"] | None = Field(
+        None, description="single-label tasks: answer no label (none of these) when the best probability is under "
+        "this; auto: chosen on validation (the threshold with the most right minus wrong answers). Stored in the "
+        "manifest (decoding.threshold); a request's `threshold` overrides it")
     # ---- head
     layers: list[int] | None = Field(None, description="backbone states to mix (0 = embeddings); default all")
     project_dim: int | None = Field(None, ge=1)
@@ -170,6 +174,16 @@ class TrainSettings(BaseModel):
     @classmethod
     def _document_windows(cls, value):
         return [int(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("none_below", mode="before")
+    @classmethod
+    def _none_below(cls, value):
+        if value is None or value == "auto":
+            return value
+        value = float(value)
+        if not 0 < value < 1:
+            raise ValueError("a probability between 0 and 1, or auto")
+        return value
 
     @field_validator("split", mode="before")
     @classmethod

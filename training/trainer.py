@@ -44,7 +44,7 @@ from training.data import (
 from training import serving
 from training.assess import assess
 from training.evaluate import predictions, score, score_module
-from training.metrics import choose_thresholds
+from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
 from training.settings import TASK_DEFAULTS, TrainSettings
 from training.states import CachedStates, RecomputedStates, Split
@@ -460,6 +460,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
                                             and len(labels) != 2):
         raise UsageError(f"--metric {metric!r} is not available for {task_type.value} with {len(labels)} labels; "
                          f"choose from {METRICS[task_type]}")
+    if s.none_below is not None and task_type != TaskType.sequence_classification:
+        raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
+                         "(multi-label tasks have per-label thresholds)")
     if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
         raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
 
@@ -505,13 +508,24 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         metrics.update({k: chosen[k] for k in ("rule", "global_threshold", "global_f1_macro", "per_label_f1_macro")})
     else:
         metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress, probabilities=val_probabilities)
-    metrics.update(metric=metric, split="validation", role="chose the epoch" + (" and thresholds" if thresholds else ""))
+    if s.none_below is not None:
+        gold = [ex.label for ex in val_data.examples]
+        chosen = (choose_none_threshold(gold, np.stack(val_probabilities), labels) if s.none_below == "auto" else
+                  {**answered_scores(gold, np.stack(val_probabilities), labels, s.none_below),
+                   "threshold_rule": f"none of these under p {s.none_below}: set by --none-below"})
+        decoding = {"threshold": chosen.pop("threshold"), "threshold_rule": chosen.pop("threshold_rule")}
+        metrics["none_of_these"] = chosen
+    metrics.update(metric=metric, split="validation",
+                   role="chose the epoch" + (" and thresholds" if decoding else ""))
     evaluated, probabilities = val_split, val_probabilities
     if data.test is not None:
         evaluated, probabilities = Split(data.test, labels, backbone), []
         metrics["test"] = {**score_module(evaluated, served, s.eval_batch_size, progress=s.progress,
                                           thresholds=thresholds, probabilities=probabilities),
                            "split": "test", "role": "scored once at the end; chose nothing"}
+        if "threshold" in decoding and task_type == TaskType.sequence_classification:
+            metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
+                                                               np.stack(probabilities), labels, decoding["threshold"])
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed)
     metrics["baselines"] = assessment["baselines"]
     still_improving = s.select == "best" and result.best_epoch == len(result.history) == s.epochs
