@@ -167,3 +167,16 @@ def test_split_is_stratified_seeded_and_disjoint():
     assert [e.text for e in again[1].examples] == [e.text for e in validation.examples]
     assert [e.text for e in carve(data, [0.1, 0.2], seed=4)[1].examples] != [e.text for e in validation.examples]
     assert carve(data, [0.1], seed=0)[2] is None
+
+
+def test_epoch_selection_needs_a_real_improvement():
+    from training.settings import TrainSettings
+    from training.trainer import better_epoch
+
+    s = TrainSettings(min_delta=0.002, min_loss_delta=0.01)
+    assert better_epoch(0.95, 0.30, -float("inf"), float("inf"), s)  # the first epoch
+    assert better_epoch(0.953, 0.40, 0.95, 0.30, s)  # clearly higher metric, whatever the loss
+    assert not better_epoch(0.951, 0.35, 0.95, 0.30, s)  # a blip while the loss rises: noise
+    assert better_epoch(0.949, 0.25, 0.95, 0.30, s)  # level metric, clearly lower loss: better fitted
+    assert not better_epoch(0.949, 0.299, 0.95, 0.30, s)  # level metric, loss level too
+    assert not better_epoch(0.90, 0.10, 0.95, 0.30, s)  # a lower metric is never better
