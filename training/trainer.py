@@ -371,6 +371,8 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
     """The states the head learns from (cached or recomputed per batch), then `train_epochs`."""
     layers = training_states(head)
     t0 = time.perf_counter()
+    tqdm.write(f"backbone states of {len(train_split)} training and {len(val_split)} validation examples: "
+               f"{'cached once' if s.states == 'cache' else 'recomputed every epoch'}", file=sys.stderr)
     if s.states == "cache":
         where = cache_device(device, [train_split, val_split], layers, train_split.backbone.hidden_size)
         disk = default_cache_dir() / "states" if s.state_cache else None
