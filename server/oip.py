@@ -222,7 +222,7 @@ def _output_arrays(module: LoadedModule, results: list[dict]) -> dict[str, tuple
     if task_type == TaskType.sequence_classification:
         labels = module.manifest.labels
         return {
-            "label": ("BYTES", np.array([r["label"].encode() for r in results], dtype=object)),
+            "label": ("BYTES", np.array([(r["label"] or "").encode() for r in results], dtype=object)),  # "": none
             "score": ("FP32", np.array([r["score"] for r in results], dtype=np.float32)),
             "scores": ("FP32", np.array([[r["scores"][l] for l in labels] for r in results], dtype=np.float32)),
         }

@@ -23,7 +23,9 @@ class AnswerControls(BaseModel):
     raw_scores: StrictBool = Field(False, description="sequence and multi-label tasks: the head's logits in `score` "
                                    "and `scores` instead of probabilities (labels are chosen as without it)")
     threshold: float | None = Field(None, ge=0.0, le=1.0, description="multi-label tasks: a label is answered when its "
-                                    "probability is at least this (default: the module's per-label thresholds)")
+                                    "probability is at least this (default: the module's per-label thresholds); "
+                                    "single-label tasks: label null (none of these) when the best probability is under "
+                                    "this (default: the module's decoding.threshold, if any)")
     aggregation: Literal["first", "average", "max", "none"] | None = Field(
         None, description="token tasks: a word's label from its first piece's, the mean of its pieces' probabilities "
         "(average) or its most confident piece's (max), as Hugging Face's token-classification pipeline; none: every "

@@ -47,12 +47,20 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default=S, help="preset: sst2, cola, rte, conll2003, goemotions")
     g.add_argument("--train", default=S, help="training file (TSV/CSV/JSONL/CoNLL)")
-    g.add_argument("--validation", default=S, help="validation file")
+    g.add_argument("--validation", default=S, help="validation file: chooses the epoch (and thresholds)")
+    g.add_argument("--test", default=S, help="test file: scored once at the end with the baselines, never used to "
+                   "choose anything")
+    g.add_argument("--split", default=S, metavar="VAL[,TEST]",
+                   help="carve validation (and test) fractions out of --train, seeded and stratified by label: "
+                        "'0.1,0.1' (for a single labelled file)")
     g.add_argument("--labels", type=_csv_list, default=S, help="label order, comma-separated")
     g.add_argument("--multi-label", action="store_true", default=S,
                    help="independent labels, one sigmoid each (binary cross-entropy); a label cell holds "
                         "comma-separated labels; per-label or global decision threshold chosen on validation "
                         "(whichever scores better there) and recorded in the manifest (the goemotions preset is multi-label)")
+    g.add_argument("--none-below", default=S, metavar="P|auto",
+                   help="single-label tasks: answer no label ('none of these', label null) when the best probability "
+                        "is under P; auto: chosen on validation. Stored in the manifest; a request's threshold overrides it")
     g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
     g.add_argument("--max-validation", type=int, default=S)
     g.add_argument("--document-windows", default=S,
@@ -74,6 +82,11 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--select", choices=["best", "last"], default=S,
                    help="best: keep the best epoch by validation (early stopping, lr cut on plateaus); last: train "
                         "exactly --epochs epochs, keep the last, validation only reported")
+    g.add_argument("--min-delta", type=float, default=S,
+                   help="an epoch replaces the kept one when its validation metric is higher by at least this, or "
+                        "within this and its validation loss lower by --min-loss-delta (noise on a small validation "
+                        "set is not chased)")
+    g.add_argument("--min-loss-delta", type=float, default=S, help="relative drop of the validation loss that counts")
     g.add_argument("--lr-patience", type=int, default=S, help="ReduceLROnPlateau patience (epochs)")
     g.add_argument("--lr-factor", type=float, default=S, help="ReduceLROnPlateau factor")
     g.add_argument("--min-lr", type=float, default=S)
@@ -100,7 +113,11 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--backbone", default=S, help="backbone folder, or a named one: minilm (default), smollm2, mpnet")
     g.add_argument("--description", default=S)
     g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=S)
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S, help="progress bars")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S,
+                   help="progress bars (default: only when stderr is a terminal; one line per epoch is always written)")
+    g.add_argument("--load-into", default=S, metavar="URL",
+                   help="hot-load the new module into the tmod-serve at URL, whose store is --store (admin token "
+                        "from $TMOD_ADMIN_TOKEN), and print a request that queries it beside the loaded tasks")
 
     _document_defaults(p)
 
@@ -254,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
                    help="backbone precision (backend torch), as the module is served")
     e.add_argument("--output", default=None, help="also write the metrics JSON here")
-    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars (default: only when stderr is a terminal)")
     add_align_command(commands)
     add_bridge_command(commands)
     add_embedding_command(commands)
@@ -293,9 +311,20 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
     from training.trainer import train
 
     result = train(settings_from_args(args), command=command, config_file=args.config)
-    headline = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))}
-    print(json.dumps({"task": result.task, "version": result.version, "artifact": str(result.artifact),
-                      "report": str(result.report_dir), "validation": headline}, indent=2))
+
+    def headline(metrics: dict) -> dict:
+        return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
+
+    baselines = result.metrics["baselines"]
+    summary = {"task": result.task, "version": result.version, "artifact": str(result.artifact),
+               "report": str(result.report_dir), "validation": headline(result.metrics)}
+    if "test" in result.metrics:
+        summary["test"] = headline(result.metrics["test"])
+    summary["baselines"] = {k: (v[baselines["metric"]] if isinstance(v, dict) else v) for k, v in baselines.items()}
+    summary["loaded_into" if result.loaded_into else "query"] = result.loaded_into or result.request
+    if result.loaded_into:
+        summary["query"] = result.request
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -306,22 +335,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from server.backbone import Backbone
     from server.modules import load_module
     from server.probe import probe_module
-    from training.data import PRESETS, DataSpec, guess_format, preset_spec
+    from training.data import PRESETS, DataSpec, UsageError, guess_format, preset_spec
     from training.evaluate import score_module
     from training.settings import parse_label_map
     from training.states import Split
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    backbone = Backbone.load(args.backbone, device=device)
-    if args.precision != "fp32":
-        backbone = backbone.use_backend("torch", args.precision)
-    module = load_module(ModuleStore(args.store or DEFAULT_STORE), args.task, args.version, backbone, device=device,
-                         probe=probe_module)
+    # the user's mistakes first, before a backbone is loaded
     if bool(args.dataset) == bool(args.file):
-        raise SystemExit("tmod-train eval: give exactly one of --dataset NAME or --file FILE")
+        raise UsageError("give exactly one of --dataset NAME or --file FILE")
     if args.dataset:
         if args.dataset not in PRESETS:
-            raise SystemExit(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
+            raise UsageError(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
         spec = preset_spec(PRESETS[args.dataset], args.split, args.data_dir)
     else:
         path = Path(args.file)
@@ -333,6 +357,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
                         pair_column=args.pair_column, header=args.header is not False,
                         label_map=parse_label_map(args.label_map))
     data = spec.read().subset(args.max_examples, seed=0)
+    store = ModuleStore(args.store or DEFAULT_STORE)
+    if args.task not in store.tasks():
+        raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
+    head_labels = store.read_manifest(args.task, args.version).labels
+    unknown = sorted(set(data.labels_seen()) - set(head_labels))
+    if unknown:
+        raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    backbone = Backbone.load(args.backbone, device=device)
+    if args.precision != "fp32":
+        backbone = backbone.use_backend("torch", args.precision)
+    module = load_module(store, args.task, args.version, backbone, device=device, probe=probe_module)
     split = Split(data, module.head.labels, backbone)
     metrics = score_module(split, module, args.batch_size, progress=args.progress)
     result = {"task": module.task, "version": module.version, "file": str(spec.path),
@@ -347,8 +383,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user's mistake (UsageError, a setting out of range) is one line and exit 2."""
+    from pydantic import ValidationError
+
+    from training.data import UsageError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if getattr(args, "progress", S) is None:  # bars only where someone watches them
+        args.progress = sys.stderr.isatty()
+    if not getattr(args, "progress", sys.stderr.isatty()):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Loading weights" bar too
+    try:
+        return run_command(args, argv)
+    except UsageError as exc:
+        print(f"tmod-train {args.command}: error: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "--" + "-".join(str(part) for part in first["loc"]).replace("_", "-") if first["loc"] else "settings"
+        print(f"tmod-train {args.command}: error: {where}: {first['msg']}", file=sys.stderr)
+    return 2
+
+
+def run_command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "align":
         from training.align import cmd_align
 

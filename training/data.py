@@ -25,6 +25,11 @@ CONLL_TAGS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC
 FORMATS = ("tsv", "csv", "jsonl", "conll")
 
 
+class UsageError(ValueError):
+    """A mistake in the user's data or options (a missing file, an unknown column, an empty label...):
+    `tmod-train` answers it with one line naming the file and line, and exit status 2."""
+
+
 def default_data_dir() -> Path:
     """$TMOD_DATA_DIR, else ../shared/data relative to the repository root."""
     env = os.environ.get("TMOD_DATA_DIR")
@@ -101,18 +106,32 @@ def _column_index(column: Column, header: list[str] | None, path: Path) -> int:
     if column.lstrip("-").isdigit():
         return int(column)
     if header is None:
-        raise ValueError(f"{path}: column {column!r} is a name but the file has no header; give its index")
+        raise UsageError(f"{path}: column {column!r} is a name but the file has no header (--no-header); give its 0-based index")
     if column not in header:
-        raise ValueError(f"{path}: no column {column!r}; the header has {header}")
+        raise UsageError(f"{path}: no column {column!r}; the header line has {header}")
     return header.index(column)
 
 
-def _rows(path: Path, fmt: str) -> list[list[str]]:
+def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
+    """(line number, cells) of each non-blank row."""
     with open(path, encoding="utf-8", newline="") as fh:
         if fmt == "csv":
-            return [row for row in csv.reader(fh) if row]
-        # the shared TSVs have no quoting (texts contain '"'): split on tabs only
-        return [line.rstrip("\r\n").split("\t") for line in fh if line.strip()]
+            reader = csv.reader(fh)
+            return [(reader.line_num, row) for row in reader if row]
+        # TSV has no quoting (texts contain '"'): split on tabs only
+        return [(n, line.rstrip("\r\n").split("\t")) for n, line in enumerate(fh, 1) if line.strip()]
+
+
+def _lines(path: Path):
+    """A file's lines, read as UTF-8; a missing or undecodable file is a UsageError."""
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            yield from enumerate(fh, 1)
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); convert it first, "
+                         f"e.g. iconv -f latin1 -t utf-8") from None
 
 
 def read_table(path: str | Path, *, text_column: Column, label_column: Column, pair_column: Column | None = None,
@@ -125,48 +144,59 @@ def read_table(path: str | Path, *, text_column: Column, label_column: Column, p
     fmt = fmt or guess_format(path)
     examples = []
     if fmt == "jsonl":
-        with open(path, encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
+        for line_no, line in _lines(path):
+            if not line.strip():
+                continue
+            try:
                 record = json.loads(line)
-                try:
-                    text, label = record[text_column], record[label_column]
-                    pair = record[pair_column] if pair_column is not None else None
-                except KeyError as exc:
-                    raise ValueError(f"{path}:{line_no}: no key {exc} in {sorted(record)}") from None
-                examples.append(_example(text, label, pair, label_map, multi_label))
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{line_no}: not a JSON record ({exc.msg})") from None
+            try:
+                text, label = record[text_column], record[label_column]
+                pair = record[pair_column] if pair_column is not None else None
+            except (KeyError, TypeError) as exc:
+                raise UsageError(f"{path}:{line_no}: no key {exc} in {sorted(record) if isinstance(record, dict) else record}; "
+                                 f"name it with --text-column / --label-column / --pair-column") from None
+            examples.append(_example(text, label, pair, label_map, multi_label, f"{path}:{line_no}"))
     elif fmt in ("tsv", "csv"):
+        list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
-        names = rows.pop(0) if header and rows else None
+        names = rows.pop(0)[1] if header and rows else None
         text_i = _column_index(text_column, names, path)
         label_i = _column_index(label_column, names, path)
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
         needed = max(i for i in (text_i, label_i, pair_i) if i is not None)
-        for row_no, row in enumerate(rows, 2 if names else 1):
+        for line_no, row in rows:
             if len(row) <= needed:
-                raise ValueError(f"{path}: row {row_no} has {len(row)} columns, column {needed} is needed")
+                hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
+                raise UsageError(f"{path}:{line_no}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
             examples.append(_example(row[text_i], row[label_i], row[pair_i] if pair_i is not None else None, label_map,
-                                     multi_label))
+                                     multi_label, f"{path}:{line_no}"))
     else:
-        raise ValueError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
+        raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
+    if not examples:
+        raise UsageError(f"{path}: no examples")
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
 
 
-def _example(text, label, pair, label_map, multi_label: bool = False) -> SequenceExample:
-    if multi_label:
+def _example(text, label, pair, label_map, multi_label: bool = False, where: str = "") -> SequenceExample:
+    if text is None or not str(text).strip():
+        raise UsageError(f"{where}: empty text")
+    if multi_label:  # an empty cell is an example with no label
         raw = label if isinstance(label, list) else str(label).split(",")
-        label = tuple(_label_name(str(item).strip(), label_map) for item in raw if str(item).strip())
+        label = tuple(_label_name(str(item).strip(), label_map, where) for item in raw if str(item).strip())
     else:
-        label = _label_name(str(label).strip(), label_map)
+        if label is None or not str(label).strip():
+            raise UsageError(f"{where}: empty label")
+        label = _label_name(str(label).strip(), label_map, where)
     return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
 
 
-def _label_name(label: str, label_map: dict[str, str] | None) -> str:
+def _label_name(label: str, label_map: dict[str, str] | None, where: str = "") -> str:
     if label_map:
         if label not in label_map:
-            raise ValueError(f"label {label!r} is not in the label map {label_map}")
+            raise UsageError(f"{where}: label {label!r} is not in the label map {label_map}")
         label = label_map[label]
     return label
 
@@ -183,21 +213,25 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
         words.clear()
         tags.clear()
 
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            parts = line.split()
-            if not parts:
-                end_sentence()
-                continue
-            if parts[0] == "-DOCSTART-":
-                end_sentence()
-                continue
-            try:
-                words.append(parts[word_column])
-                tags.append(parts[tag_column])
-            except IndexError:
-                raise ValueError(f"{path}:{line_no}: expected word and tag columns, got {line.strip()!r}") from None
+    for line_no, line in _lines(path):
+        parts = line.split()
+        if not parts:
+            end_sentence()
+            continue
+        if parts[0] == "-DOCSTART-":
+            end_sentence()
+            continue
+        if len(parts) < 2:
+            raise UsageError(f"{path}:{line_no}: a CoNLL line needs a word and a tag (whitespace-separated), "
+                             f"got {line.strip()!r}")
+        try:
+            words.append(parts[word_column])
+            tags.append(parts[tag_column])
+        except IndexError:
+            raise UsageError(f"{path}:{line_no}: expected word and tag columns, got {line.strip()!r}") from None
     end_sentence()
+    if not examples:
+        raise UsageError(f"{path}: no sentences")
     return LabelledData(TaskType.token_classification, examples, str(path))
 
 
@@ -261,7 +295,7 @@ def guess_format(path: Path) -> str:
         return "jsonl"
     if suffix in ("txt", "conll", "bio", "iob"):
         return "conll"
-    raise ValueError(f"{path}: cannot tell the format from the extension; give --format ({'/'.join(FORMATS)})")
+    raise UsageError(f"{path}: cannot tell the format from the extension; give --format ({'/'.join(FORMATS)})")
 
 
 # ---- presets ----------------------------------------------------------------------------------
@@ -332,7 +366,7 @@ class DataSpec:
 
     def read(self) -> LabelledData:
         if not self.path.is_file():
-            raise FileNotFoundError(f"no data file {self.path} (set --data-dir or TMOD_DATA_DIR)")
+            raise UsageError(f"no such file: {self.path}")
         if self.format == "conll":
             return read_conll(self.path)
         return read_table(self.path, text_column=self.text_column, label_column=self.label_column,

@@ -64,16 +64,23 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
 
     A foreign module behind a bridge that re-tokenizes answers on the target backbone's tokens:
     `answer_split` is the same data encoded by the target backbone, where predictions are read.
-    Multi-label: `thresholds` (default: the manifest's); `probabilities`, a list, receives each row's."""
+    Multi-label: `thresholds` (default: the manifest's). `probabilities`, a list, receives each
+    row's label probabilities (sequence and multi-label tasks)."""
     engine = engine or Engine(split.backbone)
     task = module.task
     answers = answer_split or split
     predicted: list = [None] * len(split)
+    kept: list = [None] * len(split)
     for rows in tqdm(split.batches(batch_size), desc=f"scoring {task}", unit="batch", disable=not progress, leave=False):
         logits = engine.logits(split.token_batch(rows), {task: module})[task]
         for r, p in zip(rows, predictions(answers, rows, logits)):
             predicted[r] = p
+        if probabilities is not None and not split.is_token_task and not split.is_multi_label:
+            for r, p in zip(rows, torch.softmax(logits.float(), dim=-1).cpu().numpy()):
+                kept[r] = p
     if not split.is_multi_label:
+        if probabilities is not None and not split.is_token_task:
+            probabilities.extend(kept)
         return score(split, predicted)
     if probabilities is not None:
         probabilities.extend(predicted)

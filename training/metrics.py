@@ -75,6 +75,27 @@ def classification_scores(gold: Sequence[str], pred: Sequence[str], labels: Sequ
     return scores
 
 
+def per_class_scores(gold: Sequence[str], pred: Sequence[str], labels: Sequence[str]) -> dict:
+    """Each label's precision, recall, F1, support (gold count) and predicted count."""
+    _same_length(gold, pred)
+    out = {}
+    for label in labels:
+        tp = sum(g == label and p == label for g, p in zip(gold, pred))
+        n_pred, n_gold = sum(p == label for p in pred), sum(g == label for g in gold)
+        precision, recall, f1 = _prf(tp, n_pred - tp, n_gold - tp)
+        out[label] = {"precision": precision, "recall": recall, "f1": f1, "support": n_gold, "predicted": n_pred}
+    return out
+
+
+def confusion_matrix(gold: Sequence[str], pred: Sequence[str], labels: Sequence[str]) -> list[list[int]]:
+    """counts[i][j]: examples of gold label i predicted as label j."""
+    index = {label: i for i, label in enumerate(labels)}
+    counts = [[0] * len(labels) for _ in labels]
+    for g, p in zip(gold, pred):
+        counts[index[g]][index[p]] += 1
+    return counts
+
+
 # ---- multi-label ------------------------------------------------------------------------------
 THRESHOLD_GRID = tuple(round(0.02 * i, 2) for i in range(1, 50))  # 0.02 .. 0.98
 
@@ -135,6 +156,34 @@ def choose_thresholds(gold: np.ndarray, probs: np.ndarray, labels: Sequence[str]
         "rule": rule, "global_threshold": float(grid[best_global]),
         "global_f1_macro": global_macro, "per_label_f1_macro": per_label_macro,
     }
+
+
+# ---- "none of these" (single-label) ----------------------------------------------------------
+def answered_scores(gold: Sequence[str], probs: np.ndarray, labels: Sequence[str], threshold: float) -> dict:
+    """With no label answered where the best probability is under `threshold`: the share of rows
+    answered (coverage) and the accuracy over those."""
+    probs = np.asarray(probs)
+    answered = probs.max(1) >= threshold
+    correct = np.array([labels[i] == g for i, g in zip(probs.argmax(1), gold)])
+    n = int(answered.sum())
+    return {"threshold": float(threshold), "coverage": n / len(gold) if len(gold) else 0.0,
+            "accuracy_answered": float(correct[answered].mean()) if n else 0.0, "answered": n}
+
+
+def choose_none_threshold(gold: Sequence[str], probs: np.ndarray, labels: Sequence[str],
+                          grid: Sequence[float] = THRESHOLD_GRID) -> dict:
+    """The "none of these" threshold of a single-label head, chosen on (validation) data: the grid
+    value where answering gains most, counting +1 per right answer and -1 per wrong one (so a row is
+    left unanswered where, at its confidence, the head is wrong more often than right); ties: the
+    lowest threshold (answer more)."""
+    probs = np.asarray(probs)
+    confidence = probs.max(1)
+    correct = np.array([labels[i] == g for i, g in zip(probs.argmax(1), gold)])
+    gains = [int(np.where(correct, 1, -1)[confidence >= t].sum()) for t in grid]
+    best = grid[int(np.argmax(gains))]
+    return {**answered_scores(gold, probs, labels, best),
+            "threshold_rule": f"none of these under p {best}: of the grid {grid[0]}..{grid[-1]}, the threshold with the "
+                              f"most right minus wrong answers on the validation split"}
 
 
 # ---- entities ---------------------------------------------------------------------------------

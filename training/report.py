@@ -24,11 +24,15 @@ def write_report(report_dir: Path, result) -> dict[str, Path]:
         "layer_weights": report_dir / "layer_weights.png",
         "curves": report_dir / "curves.png",
     }
+    metrics = {k: v for k, v in result.metrics.items() if k not in ("test", "baselines")}
     summary = {
         "task": result.task,
         "version": result.version,
         "artifact": str(result.artifact),
-        "validation": result.metrics,
+        "validation": metrics,
+        **({"test": result.metrics["test"]} if "test" in result.metrics else {}),
+        "baselines": result.metrics.get("baselines"),
+        "request": result.request,
         "layer_weights": {str(k): v for k, v in result.layer_weights.items()},
         "history": result.history,
         **{k: result.training[k] for k in ("command", "best_epoch", "epochs_run", "parameters", "timing", "data")
@@ -44,10 +48,79 @@ def write_report(report_dir: Path, result) -> dict[str, Path]:
         paths["per_label"].write_text(per_label_table(result.metrics, thresholds))
         plot_per_label(result.metrics["per_label"], thresholds, paths["per_label_plot"],
                        f"{result.task}: validation F1 per label (macro {result.metrics['f1_macro']:.3f})")
+    if result.assessment.get("confusion"):
+        paths["confusion"] = report_dir / "confusion.png"
+        plot_confusion(result.assessment["confusion"], paths["confusion"],
+                       f"{result.task}: confusion on the {result.assessment['split']} split")
+    paths["report"] = report_dir / "report.md"
+    paths["report"].write_text(report_text(result))
     plot_layer_weights(result.layer_weights, paths["layer_weights"], f"{result.task}: learned layer distribution")
     plot_curves(result.history, sorted(result.layer_weights), result.metrics.get("metric", ""), paths["curves"],
                 result.task, result.training.get("best_epoch"))
     return paths
+
+
+def report_text(result) -> str:
+    """report.md: each number named for what it is, the baselines and the head's margins, where the
+    head fails (per class / per type, the most confidently wrong examples) and how to query it."""
+    a, m = result.assessment, result.metrics
+    metric = m["metric"]
+    lines = [f"# {result.task} {result.version}", "",
+             f"- validation {metric}: **{m[metric]:.4f}** ({m['examples'] if 'examples' in m else m.get('sentences')} "
+             f"examples; this split chose the epoch, so the number is optimistic)"]
+    if "test" in m:
+        t = m["test"]
+        lines.append(f"- test {metric}: **{t[metric]:.4f}** ({t.get('examples', t.get('sentences'))} examples; "
+                     f"never used to choose anything)")
+    else:
+        lines.append("- test: none (give --test FILE, or --split VAL,TEST): only the validation number above exists")
+    best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
+    lines.append(f"- kept epoch {best} of {run} run" + (" (the last: validation was still improving; train longer)"
+                                                       if result.training.get("still_improving") else ""))
+    b = m["baselines"]
+    lines += ["", f"## Baselines on the {b['split']} split ({metric})", "",
+              "| model | " + metric + " | head's margin |", "| --- | ---: | ---: |",
+              f"| this head | {b['head']:.4f} | |"]
+    for name in ("majority", "tfidf_logreg", "window_tagger"):
+        if name in b:
+            lines.append(f"| {name} | {b[name][metric]:.4f} | {b[f'margin_over_{name}']:+.4f} |")
+    rows = a.get("per_class") or a.get("per_type") or a.get("per_label")
+    if rows:
+        what = "class" if "per_class" in a else "type" if "per_type" in a else "label"
+        lines += ["", f"## Per {what} ({a['split']} split)", "", f"| {what} | precision | recall | F1 | support |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {k} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |"
+                  for k, r in rows.items()]
+    if a.get("confusion"):
+        lines += ["", "Confusion matrix: confusion.png (rows: gold, columns: predicted)."]
+    if a.get("worst"):
+        lines += ["", f"## Most confidently wrong ({a['split']} split)", "", "| text | gold | predicted (p) |",
+                  "| --- | --- | --- |"]
+        for w in a["worst"]:
+            text = (w["text"] + (" ||| " + w["text_pair"] if "text_pair" in w else "")).replace("|", "\\|")
+            lines.append(f"| {text} | {w['gold']} ({w['gold_score']:.2f}) | {w['predicted']} ({w['score']:.2f}) |")
+    where = f"loaded into {result.loaded_into}" if result.loaded_into else "once a tmod-serve with this store runs"
+    lines += ["", f"## Query it ({where})", "", "    " + result.request, ""]
+    return "\n".join(lines)
+
+
+def plot_confusion(confusion: dict, path: Path, title: str) -> None:
+    labels, counts = confusion["labels"], confusion["counts"]
+    size = max(4.0, 0.55 * len(labels) + 2)
+    fig, ax = plt.subplots(figsize=(size, size * 0.9))
+    ax.imshow(counts, cmap="Blues")
+    peak = max(max(row) for row in counts) or 1
+    for i, row in enumerate(counts):
+        for j, n in enumerate(row):
+            ax.text(j, i, str(n), ha="center", va="center", fontsize=8, color="white" if n > peak / 2 else "black")
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("gold")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def per_label_table(metrics: dict, thresholds: dict) -> str:

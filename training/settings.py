@@ -20,12 +20,17 @@ from modules_store import TaskType
 TASK_DEFAULTS: dict[TaskType, dict] = {
     TaskType.sequence_classification: {
         "project_dim": 64, "alpha": 64.0, "cutoff": 5e-3, "lambda_entropy": 0.0, "ffn_dim": 256, "metric": "accuracy",
+        "casing": False,
     },
     TaskType.multi_label_classification: {
         "project_dim": 64, "alpha": 64.0, "cutoff": 5e-3, "lambda_entropy": 0.0, "ffn_dim": 256, "metric": "f1_macro",
+        "casing": False,
     },
     TaskType.token_classification: {
         "project_dim": 128, "alpha": 128.0, "cutoff": 1e-2, "lambda_entropy": 1e-3, "ffn_dim": 512, "metric": "f1",
+        # the backbones' tokenizers lowercase; entities are mostly capitalised (WNUT-17, MiniLM: +2.7 validation
+        # and +3.0 test entity F1 with it, docs/training.md)
+        "casing": True,
     },
 }
 
@@ -73,6 +78,10 @@ class TrainSettings(BaseModel):
     dataset: str | None = Field(None, description="preset: sst2, cola, rte, conll2003, goemotions")
     train: str | None = Field(None, description="training file (instead of a preset)")
     validation: str | None = Field(None, description="validation file (instead of a preset)")
+    test: str | None = Field(None, description="test file: scored once at the end, never used to choose anything")
+    split: list[float] | None = Field(
+        None, description="validation and test fractions carved from the training file (seeded, stratified by label "
+        "for single-label tasks), for a single labelled file: '0.1,0.1'; one number carves validation only")
     format: Literal["tsv", "csv", "jsonl", "conll"] | None = None
     text_column: str | int | None = None
     pair_column: str | int | None = None
@@ -90,6 +99,10 @@ class TrainSettings(BaseModel):
         "-DOCSTART- lines, words joined with spaces) read in windows of these many word pieces, cut as the server "
         "cuts a long text (server/windows.py), so the head learns sentences inside running text; validation stays "
         "sentence by sentence")
+    none_below: float | Literal["auto"] | None = Field(
+        None, description="single-label tasks: answer no label (none of these) when the best probability is under "
+        "this; auto: chosen on validation (the threshold with the most right minus wrong answers). Stored in the "
+        "manifest (decoding.threshold); a request's `threshold` overrides it")
     # ---- head
     layers: list[int] | None = Field(None, description="backbone states to mix (0 = embeddings); default all")
     project_dim: int | None = Field(None, ge=1)
@@ -101,7 +114,7 @@ class TrainSettings(BaseModel):
     encoder_layers: int = Field(1, ge=1)
     ffn_dim: int | None = Field(None, ge=1)
     positional: bool = False
-    casing: bool = False
+    casing: bool | None = Field(None, description="casing embedding read from the raw text (default: token tasks)")
     attention: bool = True
     # ---- MTB / LoRA-MTB heads
     blocks: int = Field(1, ge=1, description="MTB: backbone blocks copied and trained")
@@ -119,6 +132,10 @@ class TrainSettings(BaseModel):
     eval_batch_size: int = Field(128, ge=1, description="batch size of backbone passes and evaluation")
     epochs: int = Field(10, ge=1)
     patience: int = Field(3, ge=1, description="early stopping: epochs without a better validation metric")
+    min_delta: float = Field(0.002, ge=0, description="an epoch replaces the kept one when its validation metric is "
+                             "higher by at least this, or within this and its validation loss is lower by min_loss_delta")
+    min_loss_delta: float = Field(0.01, ge=0, lt=1, description="relative drop of the validation loss that counts as "
+                                  "better among epochs whose metrics are within min_delta")
     select: Literal["best", "last"] = Field(
         "best", description="best: keep the epoch with the best validation metric (early stopping, learning rate "
                             "cut on plateaus); last: train exactly --epochs epochs and keep the last (validation "
@@ -149,7 +166,9 @@ class TrainSettings(BaseModel):
     backbone: str | None = Field(None, description="backbone folder, or minilm (default) / smollm2 / mpnet")
     description: str = ""
     overwrite: bool = False
-    progress: bool = True
+    progress: bool | None = Field(None, description="progress bars (default: only when stderr is a terminal)")
+    load_into: str | None = Field(None, description="URL of a running tmod-serve whose --store is --store: hot-load "
+                                  "the new module there (admin token from $TMOD_ADMIN_TOKEN)")
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -160,6 +179,24 @@ class TrainSettings(BaseModel):
     @classmethod
     def _document_windows(cls, value):
         return [int(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("none_below", mode="before")
+    @classmethod
+    def _none_below(cls, value):
+        if value is None or value == "auto":
+            return value
+        value = float(value)
+        if not 0 < value < 1:
+            raise ValueError("a probability between 0 and 1, or auto")
+        return value
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, value):
+        parts = [float(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        if parts is not None and not (1 <= len(parts) <= 2 and all(0 < p < 1 for p in parts) and sum(parts) < 1):
+            raise ValueError("give one or two fractions between 0 and 1 that sum to under 1: VALIDATION[,TEST]")
+        return parts
 
     @field_validator("targets", mode="before")
     @classmethod

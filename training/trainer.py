@@ -7,12 +7,14 @@ metrics are re-measured at the end through the served path (Engine.logits on the
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import platform
 import random
 import re
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,14 +36,16 @@ from training.data import (
     PRESETS,
     DataSpec,
     LabelledData,
+    UsageError,
     document_windows,
     guess_format,
     label_order,
     preset_spec,
 )
-from training.lora import TrainableLoraMTB
+from training import serving
+from training.assess import assess
 from training.evaluate import predictions, score, score_module
-from training.metrics import choose_thresholds
+from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
 from training.settings import TASK_DEFAULTS, TrainSettings
 from training.states import CachedStates, RecomputedStates, Split
@@ -64,41 +68,121 @@ class TrainResult:
     layer_weights: dict[int, float] = field(default_factory=dict)
     training: dict = field(default_factory=dict)
     decoding: dict = field(default_factory=dict)  # the manifest's answer defaults (multi-label thresholds)
+    assessment: dict = field(default_factory=dict)  # baselines and per-class / per-type scores (training/assess.py)
+    request: str = ""  # a request that queries the new task beside the loaded ones
+    loaded_into: str | None = None  # the server it was hot-loaded into
 
 
-# ---- data ------------------------------------------------------------------------------------
-def resolve_data(s: TrainSettings) -> tuple[LabelledData, LabelledData, list[str], str | None, dict]:
-    """Train and validation splits, the head's labels, the preset's metric, and provenance."""
+# ---- data ----------------------------------------------------------------------------------
+@dataclass
+class Splits:
+    """What a run learns from, selects on and is finally scored on, with the head's labels."""
+
+    train: LabelledData
+    validation: LabelledData
+    test: LabelledData | None
+    labels: list[str]
+    metric: str | None  # the preset's selection metric, if any
+    provenance: dict
+
+
+def resolve_data(s: TrainSettings) -> Splits:
+    """Train, validation and (optional) test splits, the head's labels, the preset's metric and
+    provenance. Every user mistake found here is a UsageError: nothing has touched a backbone yet."""
     if s.dataset:
-        if s.train or s.validation:
-            raise ValueError("give either --dataset or --train/--validation, not both")
+        if s.train or s.validation or s.split:
+            raise UsageError("give either --dataset or --train/--validation/--split, not both")
         if s.dataset not in PRESETS:
-            raise ValueError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
+            raise UsageError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
         preset = PRESETS[s.dataset]
         specs = {split: preset_spec(preset, split, s.data_dir) for split in ("train", "validation")}
+        for spec in specs.values():
+            if not spec.path.is_file():
+                raise UsageError(f"no such file: {spec.path} (the {s.dataset} preset; set --data-dir or TMOD_DATA_DIR)")
+        if s.test:
+            specs["test"] = replace(specs["validation"], path=Path(s.test), format=s.format or guess_format(Path(s.test)))
         if s.multi_label and not preset.multi_label:
-            raise ValueError(f"--multi-label: preset {s.dataset!r} has one label per example")
+            raise UsageError(f"--multi-label: preset {s.dataset!r} has one label per example")
         labels, metric = s.labels or list(preset.labels), preset.metric
     else:
-        if not (s.train and s.validation):
-            raise ValueError("give --dataset NAME, or both --train FILE and --validation FILE")
-        specs = {split: _file_spec(s, path) for split, path in (("train", s.train), ("validation", s.validation))}
+        if not s.train:
+            raise UsageError("give --dataset NAME, or --train FILE with --validation FILE or --split VAL[,TEST]")
+        if bool(s.validation) == bool(s.split):
+            raise UsageError("give one of --validation FILE or --split VAL[,TEST] (carved from --train)")
+        if s.split and len(s.split) == 2 and s.test:
+            raise UsageError("--split VAL,TEST carves a test split; give --split VAL with --test FILE")
+        named = {"train": s.train, "validation": s.validation, "test": s.test}
+        specs = {split: _file_spec(s, path) for split, path in named.items() if path}
         labels, metric = s.labels, None
-    train, validation = specs["train"].read(), specs["validation"].read()
-    if train.task_type != validation.task_type:
-        raise ValueError("train and validation files hold different kinds of data")
-    labels = label_order(train, labels)
+    data = {split: spec.read() for split, spec in specs.items()}
+    train = data["train"]
     provenance = {
         "dataset": s.dataset,
         **{f"{split}_file": str(spec.path) for split, spec in specs.items()},
         **{f"{split}_sha256": sha256_file(spec.path) for split, spec in specs.items()},
         "train_examples_in_file": len(train),
-        "validation_examples_in_file": len(validation),
     }
+    if s.split:
+        train, data["validation"], carved_test = carve(train, s.split, s.seed)
+        if carved_test is not None:
+            data["test"] = carved_test
+        provenance["split"] = {"fractions": s.split, "seed": s.seed,
+                               "stratified": train.task_type == TaskType.sequence_classification,
+                               "carved_from": str(specs["train"].path)}
+    for split, part in data.items():
+        if part.task_type != train.task_type:
+            raise UsageError(f"{part.source} holds {part.task_type.value} data, the training file "
+                             f"{train.task_type.value}: give both in one format (and --multi-label for both)")
+    given = labels
+    labels = label_order(train, labels)
+    check_labels(train, given, labels, train)
+    validation, test = data["validation"], data.get("test")
+    for part in (validation, test):
+        if part is not None:
+            check_labels(part, given, labels, train)
+    provenance["validation_examples_in_file"] = len(validation)
     train = train.subset(s.max_train, s.seed)
     validation = validation.subset(s.max_validation, s.seed)
     provenance.update(train_examples=len(train), validation_examples=len(validation))
-    return train, validation, labels, metric, provenance
+    if test is not None:
+        provenance["test_examples"] = len(test)
+    return Splits(train, validation, test, labels, metric, provenance)
+
+
+def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:
+    """Every label of `data` must be one the head has: from --labels, else from the training data."""
+    unknown = sorted(set(data.labels_seen()) - set(labels))
+    if not unknown:
+        return
+    if given:
+        raise UsageError(f"{data.source}: label(s) {unknown} are not among --labels {labels}")
+    raise UsageError(f"{data.source}: label(s) {unknown} never seen in training ({train.source}); "
+                     f"the head can only answer {labels}")
+
+
+def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[LabelledData, LabelledData, LabelledData | None]:
+    """(train, validation, test or None) out of one split: `fractions` of each label's examples
+    (single-label tasks: stratified) or of all examples, chosen by a seeded shuffle; file order kept."""
+    rng = random.Random(seed)
+    groups: dict = {}
+    for i, ex in enumerate(data.examples):
+        key = ex.label if data.task_type == TaskType.sequence_classification else None
+        groups.setdefault(key, []).append(i)
+    parts: list[list[int]] = [[], [], []]
+    for key in sorted(groups, key=str):
+        rows = groups[key]
+        rng.shuffle(rows)
+        cuts = [round(len(rows) * f) for f in fractions]
+        parts[1] += rows[:cuts[0]]
+        if len(cuts) == 2:
+            parts[2] += rows[cuts[0]:cuts[0] + cuts[1]]
+        parts[0] += rows[sum(cuts):]
+    train, validation, test = (LabelledData(data.task_type, [data.examples[i] for i in sorted(rows)], data.source,
+                                            data.has_pairs) for rows in parts)
+    for name, part in (("training", train), ("validation", validation)):
+        if not len(part):
+            raise UsageError(f"--split {fractions}: the {name} part of {data.source} would be empty")
+    return train, validation, (test if len(fractions) == 2 else None)
 
 
 def add_document_windows(train: LabelledData, provenance: dict, backbone: Backbone, windows: list[int]) -> LabelledData:
@@ -144,6 +228,8 @@ def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbon
     options = dict(num_blocks=s.blocks, source_layer=s.source_layer, pooling=s.pooling, dropout=s.dropout)
     if s.kind == "mtb":
         return MTBHead.from_backbone(backbone, task_type, labels, **options)
+    from training.lora import TrainableLoraMTB  # here only: peft is needed for LoRA heads alone
+
     return TrainableLoraMTB.from_backbone(backbone, task_type, labels, rank=s.rank, lora_alpha=s.lora_alpha,
                                           targets=s.targets, **options)
 
@@ -286,6 +372,8 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
     """The states the head learns from (cached or recomputed per batch), then `train_epochs`."""
     layers = training_states(head)
     t0 = time.perf_counter()
+    tqdm.write(f"backbone states of {len(train_split)} training and {len(val_split)} validation examples: "
+               f"{'cached once' if s.states == 'cache' else 'recomputed every epoch'}", file=sys.stderr)
     if s.states == "cache":
         where = cache_device(device, [train_split, val_split], layers, train_split.backbone.hidden_size)
         disk = default_cache_dir() / "states" if s.state_cache else None
@@ -303,19 +391,28 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
     return Fit(history, best_epoch, best, states_seconds, cache_bytes)
 
 
+def better_epoch(value: float, loss: float, best_value: float, best_loss: float, s: TrainSettings) -> bool:
+    """Whether an epoch replaces the kept one: its validation metric higher by at least
+    `min_delta`, or within `min_delta` of it with a validation loss lower by `min_loss_delta`
+    (relative). A small validation set's noise is not chased, nor a metric blip while the loss rises."""
+    if value >= best_value + s.min_delta:
+        return True
+    return value > best_value - s.min_delta and loss <= best_loss * (1 - s.min_loss_delta)
+
+
 def train_epochs(model, train_split: Split, val_split: Split, train_source, val_source, s: TrainSettings, device,
                  amp: bool, state=None) -> tuple[list[dict], int, float]:
-    """The epoch loop: train, validate, keep the best epoch's weights (`select` best: early stop
-    after `patience` epochs without improvement, learning rate cut on a plateau) or the last
-    (`select` last: validation decides nothing). `state` says what to keep of a model with frozen
-    parts (default: its whole state dict). The model ends holding the kept weights; returns
-    (history, best epoch, its value)."""
+    """The epoch loop: train, validate, keep the best epoch's weights (`select` best: `better_epoch`,
+    early stop after `patience` epochs without a better one, learning rate cut on a plateau) or the
+    last (`select` last: validation decides nothing). One summary line per epoch on stderr.
+    `state` says what to keep of a model with frozen parts (default: its whole state dict). The
+    model ends holding the kept weights; returns (history, best epoch, its value)."""
     keep = state or model.state_dict
     optimizer = make_optimizer(s, model)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
         optimizer, mode="max", factor=s.lr_factor, patience=s.lr_patience, min_lr=s.min_lr)
     rng = random.Random(s.seed)
-    history, best, best_epoch, stale = [], -math.inf, 0, 0
+    history, best, best_loss, best_epoch, stale = [], -math.inf, math.inf, 0, 0
     best_state = copy.deepcopy(keep())
     for epoch in range(1, s.epochs + 1):
         t0 = time.perf_counter()
@@ -331,15 +428,18 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
             **({"layer_weights": list(layer_distribution(model).values())} if isinstance(model, Head) else {}),
             "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2),
         })
-        improved = value > best if s.select == "best" else epoch == s.epochs
+        if s.select == "best":
+            improved = better_epoch(value, val_loss, best, best_loss, s)
+        else:
+            improved = epoch == s.epochs
         if improved:
-            best, best_epoch, stale = value, epoch, 0
+            best, best_loss, best_epoch, stale = value, val_loss, epoch, 0
             best_state = copy.deepcopy(keep())
         else:
             stale += 1
-        if s.progress:
-            tqdm.write(f"epoch {epoch}: train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
-                       f"{s.metric} {value:.4f}{'  (best)' if improved else ''}  [{train_seconds:.1f}s]")
+        tqdm.write(f"epoch {epoch}/{s.epochs}: train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
+                   f"validation {s.metric} {value:.4f}{'  (kept)' if improved else ''}  [{train_seconds:.1f}s]",
+                   file=sys.stderr)
         if s.select == "best":
             scheduler.step(value)
             if stale >= s.patience:
@@ -350,17 +450,24 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
 
 def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = "",
           config_file: str | None = None) -> TrainResult:
-    """The whole run: data, head, fit, served-path validation, artifact, report."""
+    """The whole run: data, head, fit, served-path validation (and test), baselines, artifact, report."""
     started = time.perf_counter()
     seed_everything(s.seed)
-    train_data, val_data, labels, preset_metric, provenance = resolve_data(s)
+    data = resolve_data(s)
+    train_data, val_data, labels, provenance = data.train, data.validation, data.labels, data.provenance
     task_type = train_data.task_type
-    metric = s.metric or preset_metric or TASK_DEFAULTS[task_type]["metric"]
-    s = s.with_task_defaults(task_type).model_copy(update={"metric": metric})
+    metric = s.metric or data.metric or TASK_DEFAULTS[task_type]["metric"]
+    progress = s.progress if s.progress is not None else sys.stderr.isatty()
+    s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
     if metric not in METRICS[task_type] or (metric == "f1" and task_type != TaskType.token_classification
                                             and len(labels) != 2):
-        raise ValueError(f"metric {metric!r} not available for {task_type.value} with {len(labels)} labels; "
+        raise UsageError(f"--metric {metric!r} is not available for {task_type.value} with {len(labels)} labels; "
                          f"choose from {METRICS[task_type]}")
+    if s.none_below is not None and task_type != TaskType.sequence_classification:
+        raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
+                         "(multi-label tasks have per-label thresholds)")
+    if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
+        raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
 
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -368,7 +475,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
     if store.path(task, s.version).exists() and not s.overwrite:  # say so now, not after training
-        raise ValueError(f"{task}/{s.version} already exists in {store.root}; pick another --version or --overwrite")
+        raise UsageError(f"{task}/{s.version} already exists in {store.root}; pick another --version or --overwrite")
+    server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -388,20 +496,45 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     head.eval()
     for param in head.parameters():
         param.requires_grad_(False)
-    # the number that ships: the best head measured the way the server runs it
+    # the numbers that ship: the kept head measured the way the server runs it, on validation (which
+    # chose the epoch and any threshold) and on the test split (which chose nothing)
     served = LoadedModule(task=task, version=s.version, manifest=None, head=head)
-    decoding = {}
+    decoding, thresholds = {}, None
+    val_probabilities: list = []
     if task_type == TaskType.multi_label_classification:
-        probabilities: list = []
         score_module(val_split, served, s.eval_batch_size, progress=s.progress, thresholds=0.5,
-                     probabilities=probabilities)
-        chosen = choose_thresholds(val_split.multi_hot(range(len(val_split))).numpy(), np.stack(probabilities), labels)
+                     probabilities=val_probabilities)
+        chosen = choose_thresholds(val_split.multi_hot(range(len(val_split))).numpy(), np.stack(val_probabilities), labels)
         decoding = {k: chosen[k] for k in ("thresholds", "threshold_rule")}
-        metrics = score(val_split, probabilities, [chosen["thresholds"][label] for label in labels])
+        thresholds = [chosen["thresholds"][label] for label in labels]
+        metrics = score(val_split, val_probabilities, thresholds)
         metrics.update({k: chosen[k] for k in ("rule", "global_threshold", "global_f1_macro", "per_label_f1_macro")})
     else:
-        metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress)
-    metrics.update(metric=metric, split="validation")
+        metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress, probabilities=val_probabilities)
+    if s.none_below is not None:
+        gold = [ex.label for ex in val_data.examples]
+        chosen = (choose_none_threshold(gold, np.stack(val_probabilities), labels) if s.none_below == "auto" else
+                  {**answered_scores(gold, np.stack(val_probabilities), labels, s.none_below),
+                   "threshold_rule": f"none of these under p {s.none_below}: set by --none-below"})
+        decoding = {"threshold": chosen.pop("threshold"), "threshold_rule": chosen.pop("threshold_rule")}
+        metrics["none_of_these"] = chosen
+    metrics.update(metric=metric, split="validation",
+                   role="chose the epoch" + (" and thresholds" if decoding else ""))
+    evaluated, probabilities = val_split, val_probabilities
+    if data.test is not None:
+        evaluated, probabilities = Split(data.test, labels, backbone), []
+        metrics["test"] = {**score_module(evaluated, served, s.eval_batch_size, progress=s.progress,
+                                          thresholds=thresholds, probabilities=probabilities),
+                           "split": "test", "role": "scored once at the end; chose nothing"}
+        if "threshold" in decoding and task_type == TaskType.sequence_classification:
+            metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
+                                                               np.stack(probabilities), labels, decoding["threshold"])
+    assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed)
+    metrics["baselines"] = assessment["baselines"]
+    still_improving = s.select == "best" and result.best_epoch == len(result.history) == s.epochs
+    if still_improving:
+        tqdm.write(f"the kept epoch is the last one ({s.epochs}): validation {metric} was still improving; "
+                   f"train longer (e.g. --epochs {2 * s.epochs}) for a better head", file=sys.stderr)
 
     weights = layer_distribution(head)
     training = {
@@ -411,6 +544,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         "data": provenance,
         "best_epoch": result.best_epoch,
         "epochs_run": len(result.history),
+        "still_improving": still_improving,
         "best_epoch_metric": result.best_value,  # on the training-time states (fp16 when cached)
         "history": result.history,
         "layer_weights": {str(k): v for k, v in weights.items()},
@@ -433,7 +567,14 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite, decoding=decoding)
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
+    example = val_data.examples[0]
+    request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task,
+                                      server["tasks"] if server else None, example.text,
+                                      getattr(example, "text_pair", None))
+    if server:
+        serving.load_into(s.load_into, task, s.version)
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
-                          history=result.history, layer_weights=weights, training=training, decoding=decoding)
+                          history=result.history, layer_weights=weights, training=training, decoding=decoding,
+                          assessment=assessment, request=request, loaded_into=s.load_into if server else None)
     write_report(report_dir, outcome)
     return outcome

@@ -28,7 +28,8 @@ class AnswerOptions:
 
     top_k: int | None = None  # sequence and multi-label tasks: the k best labels, best first (default: all)
     raw_scores: bool = False  # sequence and multi-label tasks: the head's logits instead of probabilities
-    threshold: float | None = None  # multi-label tasks: this probability for every label (default: the manifest's)
+    threshold: float | None = None  # multi-label: this probability for every label; single-label: no label under it
+    # (default: the manifest's decoding thresholds / threshold)
     aggregation: str | None = None  # token tasks: first, average, max, none (default: the manifest's, else first)
 
     def is_default(self) -> bool:
@@ -48,7 +49,7 @@ def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: 
     per_row = [o or DEFAULT_OPTIONS for o in per_row]
     decoding = decoding or {}
     if task_type == TaskType.sequence_classification:
-        return _classifications(labels, logits, per_row)
+        return _classifications(labels, logits, per_row, decoding.get("threshold"))
     if task_type == TaskType.multi_label_classification:
         return _multi_labels(labels, logits, per_row, decoding)
     if task_type == TaskType.regression:
@@ -89,7 +90,10 @@ def ranked(labels: list[str], values: list[float], top_k: int | None) -> dict[st
     return {labels[i]: values[i] for i in order[:top_k]}
 
 
-def _classifications(labels: list[str], logits: torch.Tensor, options: list[AnswerOptions]) -> list[dict[str, Any]]:
+def _classifications(labels: list[str], logits: torch.Tensor, options: list[AnswerOptions],
+                     shipped_threshold: float | None = None) -> list[dict[str, Any]]:
+    """One label per row, the most probable; "none of these" (label None) where its probability is
+    under the threshold (the request's, else the manifest's `decoding.threshold`, else none)."""
     probs = torch.softmax(logits.float(), dim=-1).cpu()
     best = probs.argmax(dim=-1).tolist()  # the first of equal maxima, as max() over the list would
     raw = logits.float().cpu().tolist() if any(o.raw_scores for o in options) else None
@@ -97,10 +101,10 @@ def _classifications(labels: list[str], logits: torch.Tensor, options: list[Answ
     for r, (b, row) in enumerate(zip(best, probs.tolist())):
         o = options[r]
         values = raw[r] if o.raw_scores else row
-        if o.top_k is None:
-            out.append({"label": labels[b], "score": values[b], "scores": dict(zip(labels, values))})
-        else:
-            out.append({"label": labels[b], "score": values[b], "scores": ranked(labels, values, o.top_k)})
+        threshold = shipped_threshold if o.threshold is None else o.threshold
+        label = None if threshold is not None and row[b] < threshold else labels[b]
+        scores = dict(zip(labels, values)) if o.top_k is None else ranked(labels, values, o.top_k)
+        out.append({"label": label, "score": values[b], "scores": scores})
     return out
 
 

@@ -1,0 +1,182 @@
+"""`tmod-train` answers a user's mistake in one line with exit status 2, before any backbone is
+loaded (Backbone.load fails these tests if called), and carves --split as documented."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from modules_store import TaskType
+from server.backbone import Backbone
+from training.cli import main
+from training.data import LabelledData, SequenceExample, UsageError, read_conll
+from training.trainer import carve
+
+
+@pytest.fixture(autouse=True)
+def no_backbone(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a backbone was loaded before the inputs were checked")
+
+    monkeypatch.setattr(Backbone, "load", refuse)
+
+
+def write(path, text: str):
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def tables(tmp_path):
+    train = write(tmp_path / "train.tsv", "text\tlabel\nwhere is it ?\tLOC\nwho was he ?\tHUM\nwhat is that ?\tDESC\n")
+    validation = write(tmp_path / "validation.tsv", "text\tlabel\nwho is she ?\tHUM\n")
+    return tmp_path, train, validation
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tmod-train {argv[0]}: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+def train_args(tmp_path, *extra: str) -> list[str]:
+    return ["layermix", *extra, "--run-dir", str(tmp_path / "run")]
+
+
+def test_missing_training_file(tmp_path, capsys, tables):
+    _, _, validation = tables
+    line = one_line_error(capsys, train_args(tmp_path, "--train", str(tmp_path / "nope.tsv"), "--validation", validation))
+    assert line.endswith(f"no such file: {tmp_path / 'nope.tsv'}") and "--data-dir" not in line
+
+
+def test_unknown_column(tmp_path, capsys, tables):
+    _, train, validation = tables
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation,
+                                             "--text-column", "sentence"))
+    assert "no column 'sentence'" in line and "['text', 'label']" in line
+
+
+def test_empty_label_names_its_line(tmp_path, capsys, tables):
+    _, train, _ = tables
+    bad = write(tmp_path / "bad.tsv", "text\tlabel\nfine\tHUM\nno label here\t \n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", bad))
+    assert line.endswith(f"{bad}:3: empty label")
+
+
+def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):
+    _, train, _ = tables
+    validation = write(tmp_path / "v.tsv", "text\tlabel\nhow many ?\tNUM\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation))
+    assert "['NUM'] never seen in training" in line
+
+
+def test_test_label_never_seen_in_training(tmp_path, capsys, tables):
+    _, train, validation = tables
+    test = write(tmp_path / "t.tsv", "text\tlabel\nhow many ?\tNUM\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation, "--test", test))
+    assert str(test) in line and "never seen in training" in line
+
+
+def test_conll_line_without_a_tag(tmp_path, capsys):
+    good = write(tmp_path / "train.conll", "Paris B-LOC\nis O\n\nBob B-PER\n")
+    bad = write(tmp_path / "dev.conll", "Paris B-LOC\nis\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", good, "--validation", bad, "--format", "conll"))
+    assert line.endswith(f"{bad}:2: a CoNLL line needs a word and a tag (whitespace-separated), got 'is'")
+
+
+def test_file_not_utf8(tmp_path, capsys, tables):
+    _, _, validation = tables
+    latin = tmp_path / "latin.tsv"
+    latin.write_bytes("text\tlabel\nsister\xf0city ?\tLOC\n".encode("latin-1"))
+    line = one_line_error(capsys, train_args(tmp_path, "--train", str(latin), "--validation", validation))
+    assert "not UTF-8" in line and "iconv" in line
+
+
+def test_format_not_guessable(tmp_path, capsys, tables):
+    _, train, _ = tables
+    odd = write(tmp_path / "dev.annotated", "Paris B-LOC\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", odd))
+    assert "give --format" in line
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--split", "0.1"], "one of --validation FILE or --split"),  # both
+    (["--split", "0.7,0.6"], "--split: "),  # fractions over 1
+    (["--none-below", "1.5"], "--none-below: "),
+    (["--load-into", "http://127.0.0.1:9"], "TMOD_ADMIN_TOKEN"),
+])
+def test_option_mistakes(tmp_path, capsys, tables, monkeypatch, extra, expected):
+    monkeypatch.delenv("TMOD_ADMIN_TOKEN", raising=False)
+    _, train, validation = tables
+    assert expected in one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation, *extra))
+
+
+def test_load_into_a_url_where_no_server_answers(tmp_path, capsys, tables, monkeypatch):
+    monkeypatch.setenv("TMOD_ADMIN_TOKEN", "t")
+    _, train, validation = tables
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation,
+                                             "--store", str(tmp_path / "store"), "--load-into", "http://127.0.0.1:9"))
+    assert "no tmod-serve answers there" in line
+
+
+def test_none_below_on_a_token_task(tmp_path, capsys):
+    conll = write(tmp_path / "train.conll", "Paris B-LOC\nis O\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", conll, "--validation", conll, "--none-below", "auto"))
+    assert "only single-label classifiers" in line
+
+
+def test_eval_mistakes(tmp_path, capsys, tables):
+    _, _, validation = tables
+    assert "no such file" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", str(tmp_path / "x.tsv")])
+    assert "no task 'nope'" in one_line_error(capsys, ["eval", "--task", "nope", "--file", validation])
+    assert "not among sentiment's labels" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", validation])
+
+
+def test_the_console_script_answers_in_one_line(tmp_path, tables):
+    """The real process: no traceback, exit status 2, one line on stderr."""
+    _, _, validation = tables
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", "training.cli", "layermix", "--train", str(tmp_path / "missing.tsv"),
+                           "--validation", validation], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"tmod-train layermix: error: no such file: {tmp_path / 'missing.tsv'}"], done.stderr
+
+
+def test_read_conll_is_a_usage_error_subclass_of_value_error(tmp_path):
+    with pytest.raises(UsageError):
+        read_conll(write(tmp_path / "a.conll", "\n\n"))
+    assert issubclass(UsageError, ValueError)
+
+
+def test_split_is_stratified_seeded_and_disjoint():
+    examples = [SequenceExample(f"text {i}", label) for i, label in enumerate(["a"] * 80 + ["b"] * 20)]
+    data = LabelledData(TaskType.sequence_classification, examples, "mem")
+    train, validation, test = carve(data, [0.1, 0.2], seed=3)
+    assert (len(train), len(validation), len(test)) == (70, 10, 20)
+    assert Counter(e.label for e in validation.examples) == {"a": 8, "b": 2}
+    assert Counter(e.label for e in test.examples) == {"a": 16, "b": 4}
+    texts = [{e.text for e in part.examples} for part in (train, validation, test)]
+    assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+    again = carve(data, [0.1, 0.2], seed=3)
+    assert [e.text for e in again[1].examples] == [e.text for e in validation.examples]
+    assert [e.text for e in carve(data, [0.1, 0.2], seed=4)[1].examples] != [e.text for e in validation.examples]
+    assert carve(data, [0.1], seed=0)[2] is None
+
+
+def test_epoch_selection_needs_a_real_improvement():
+    from training.settings import TrainSettings
+    from training.trainer import better_epoch
+
+    s = TrainSettings(min_delta=0.002, min_loss_delta=0.01)
+    assert better_epoch(0.95, 0.30, -float("inf"), float("inf"), s)  # the first epoch
+    assert better_epoch(0.953, 0.40, 0.95, 0.30, s)  # clearly higher metric, whatever the loss
+    assert not better_epoch(0.951, 0.35, 0.95, 0.30, s)  # a blip while the loss rises: noise
+    assert better_epoch(0.949, 0.25, 0.95, 0.30, s)  # level metric, clearly lower loss: better fitted
+    assert not better_epoch(0.949, 0.299, 0.95, 0.30, s)  # level metric, loss level too
+    assert not better_epoch(0.90, 0.10, 0.95, 0.30, s)  # a lower metric is never better

@@ -1,0 +1,60 @@
+"""From a labelled file to a served task in one step: `tmod-train layermix --load-into URL` against a
+real tmod-serve on loopback (tiny random backbone with the MiniLM tokenizer, real SST-2 rows); the
+new task is answered beside `ner` and `sentiment` in one request, and its "none of these"
+threshold (manifest decoding.threshold, or the request's threshold) answers label null."""
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+from training.cli import main
+from training.data import PRESETS, default_data_dir, preset_spec
+from tests.helpers import populate_store, start_tmod_serve
+
+TOKEN = "own-task-token"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, train_backbone_dir, train_backbone):
+    store = populate_store(tmp_path_factory.mktemp("store"), train_backbone)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_ADMIN_TOKEN": TOKEN}
+    url, process = start_tmod_serve(["--backbone", str(train_backbone_dir), "--store", str(store.root)], env)
+    yield url, store
+    process.kill()
+    process.wait(timeout=30)
+
+
+def test_load_into_serves_the_new_task_beside_the_shipped_ones(server, train_backbone_dir, tmp_path, monkeypatch,
+                                                              capsys):
+    if not preset_spec(PRESETS["sst2"], "validation").path.is_file():
+        pytest.skip(f"shared data not found at {default_data_dir()}")
+    url, store = server
+    monkeypatch.setenv("TMOD_ADMIN_TOKEN", TOKEN)
+    argv = ["layermix", "--dataset", "sst2", "--task", "mood", "--max-train", "96", "--max-validation", "48",
+            "--epochs", "1", "--batch-size", "16", "--backbone", str(train_backbone_dir), "--store", str(store.root),
+            "--run-dir", str(tmp_path / "run"), "--threads", "1", "--none-below", "0.6", "--load-into", url]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["loaded_into"] == url and "tasks=mood," in summary["query"]
+    assert {"majority", "tfidf_logreg", "margin_over_majority"} <= set(summary["baselines"])
+
+    text = "a gorgeous , witty , seductive movie ."
+    response = httpx.post(url + "/v1/infer", params={"tasks": "mood,ner,sentiment"}, json={"inputs": [text]}, timeout=60)
+    assert response.status_code == 200, response.text
+    result = response.json()["results"][0]
+    assert set(result) == {"mood", "ner", "sentiment"}
+    mood = result["mood"]
+    assert set(mood["scores"]) == {"negative", "positive"}
+    # the manifest's threshold (0.6) decides "none of these": an untrained-ish head is unsure
+    best = max(mood["scores"].values())
+    assert mood["label"] == (max(mood["scores"], key=mood["scores"].get) if best >= 0.6 else None)
+    described = httpx.get(url + "/v1/tasks/mood", timeout=10).json()["manifest"]
+    assert described["decoding"]["threshold"] == 0.6 and described["metrics"]["split"] == "validation"
+    # per request: a threshold over every probability answers none, one under every probability answers the best
+    for threshold, expect_none in ((1.0, best < 1.0), (0.0, False)):
+        answer = httpx.post(url + "/v1/infer", params={"tasks": "mood"},
+                            json={"inputs": [text], "threshold": threshold}, timeout=60).json()["results"][0]["mood"]
+        assert (answer["label"] is None) == expect_none, answer

@@ -1,0 +1,59 @@
+"""Is the head worth it? The baselines trained on the same training data and scored on the same
+split as the head (the test split when there is one, else validation), the head's margin over
+each, and the detail a user reads to see where it fails: per-class scores, the confusion matrix and
+the most confidently wrong examples (sequence tasks), per-type scores (token tasks)."""
+from __future__ import annotations
+
+import numpy as np
+
+from modules_store import TaskType
+from training.baselines import majority, tfidf_logreg, window_tagger
+from training.data import LabelledData
+from training.metrics import confusion_matrix, per_class_scores
+from training.states import Split
+
+WORST = 10  # confidently wrong examples listed
+
+
+def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dict, metric: str, seed: int = 0) -> dict:
+    """`head`: the head's metrics on `evaluated` (with its `split` name); `probabilities`: its label
+    probabilities per row (sequence tasks)."""
+    examples, labels = evaluated.data.examples, evaluated.labels
+    kind = evaluated.data.task_type
+    if kind == TaskType.token_classification:
+        gold = [ex.tags for ex in examples]
+        runs = [majority([ex.tags for ex in train.examples], gold),
+                window_tagger([ex.words for ex in train.examples], [ex.tags for ex in train.examples],
+                              [ex.words for ex in examples], gold, seed=seed)]
+    else:
+        multi = kind == TaskType.multi_label_classification
+        texts = [_text(ex) for ex in examples]
+        train_labels, gold = [ex.label for ex in train.examples], [ex.label for ex in examples]
+        runs = [majority(train_labels, gold, multi_label=multi, labels=labels),
+                tfidf_logreg([_text(ex) for ex in train.examples], train_labels, texts, gold, multi_label=multi,
+                             seed=seed, labels=labels)]
+    baselines = {"split": head["split"], "metric": metric, "head": head[metric]}
+    for run in runs:
+        baselines[run["baseline"]] = run
+        baselines[f"margin_over_{run['baseline']}"] = head[metric] - run[metric]
+    out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
+    if kind == TaskType.sequence_classification:
+        probs = np.stack(probabilities)
+        pred = [labels[i] for i in probs.argmax(1)]
+        gold = [ex.label for ex in examples]
+        out["per_class"] = per_class_scores(gold, pred, labels)
+        out["confusion"] = {"labels": labels, "counts": confusion_matrix(gold, pred, labels)}
+        wrong = [r for r in range(len(gold)) if pred[r] != gold[r]]
+        wrong.sort(key=lambda r: -float(probs[r].max()))
+        out["worst"] = [{"text": examples[r].text, **({"text_pair": examples[r].text_pair} if examples[r].text_pair else {}),
+                         "gold": gold[r], "predicted": pred[r], "score": round(float(probs[r].max()), 4),
+                         "gold_score": round(float(probs[r][labels.index(gold[r])]), 4)} for r in wrong[:WORST]]
+    elif kind == TaskType.token_classification:
+        out["per_type"] = head["per_type"]
+    else:
+        out["per_label"] = head["per_label"]
+    return out
+
+
+def _text(example):
+    return (example.text, example.text_pair) if example.text_pair else example.text

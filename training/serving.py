@@ -1,0 +1,70 @@
+"""From a trained module to a served one: `--load-into URL` hot-loads it into a running tmod-serve
+through the admin API (the token the server's admin routes expect, from $TMOD_ADMIN_TOKEN), and the
+request that queries the new task beside the ones already served."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import urllib.error
+import urllib.request
+
+from modules_store import DEFAULT_STORE, ModuleStore
+from training.data import UsageError
+
+TOKEN_VARIABLE = "TMOD_ADMIN_TOKEN"  # what tmod-serve reads its admin token from
+TIMEOUT_S = 30
+
+
+def _call(url: str, method: str = "GET", body: dict | None = None, token: str | None = None) -> dict:
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=TIMEOUT_S) as reply:
+        return json.loads(reply.read() or b"{}")
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(exc.read())["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {exc.code}"
+
+
+def check_server(url: str, store: str | None) -> dict:
+    """Before any training: the token is set, a tmod-serve answers at `url`, and the module will be
+    written where it reads. Returns {"tasks": the tasks it serves}."""
+    if not os.environ.get(TOKEN_VARIABLE):
+        raise UsageError(f"--load-into needs the server's admin token in ${TOKEN_VARIABLE}")
+    if not store:
+        raise UsageError("--load-into needs --store: the module store the server reads (its --store / TMOD_STORE)")
+    try:
+        tasks = _call(url.rstrip("/") + "/v1/tasks")["tasks"]
+    except urllib.error.HTTPError as exc:
+        raise UsageError(f"--load-into {url}: GET /v1/tasks answered {exc.code}: {_error_message(exc)}") from None
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        raise UsageError(f"--load-into {url}: no tmod-serve answers there ({getattr(exc, 'reason', exc)})") from None
+    return {"tasks": [t["task"] for t in tasks]}
+
+
+def load_into(url: str, task: str, version: str) -> dict:
+    """POST /admin/modules/TASK/load {"version": VERSION}; a refusal is one line naming the reason."""
+    try:
+        return _call(f"{url.rstrip('/')}/admin/modules/{task}/load", "POST", {"version": version},
+                     os.environ.get(TOKEN_VARIABLE))
+    except urllib.error.HTTPError as exc:
+        raise UsageError(f"--load-into {url}: the server did not load {task}/{version} ({exc.code}): "
+                         f"{_error_message(exc)}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise UsageError(f"--load-into {url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def example_request(url: str, task: str, tasks: list[str] | None, text: str, text_pair: str | None = None) -> str:
+    """A curl command asking the new task and the others served (default: the shipped ones) in one request."""
+    others = tasks if tasks is not None else ModuleStore(DEFAULT_STORE).tasks()
+    names = [task, *sorted(t for t in others if t not in (task, "embedding"))]
+    item = {"text": text, "text_pair": text_pair} if text_pair else text
+    body = json.dumps({"inputs": [item]}, ensure_ascii=False)
+    return (f"curl -s -X POST {shlex.quote(url.rstrip('/') + '/v1/infer?tasks=' + ','.join(names))} "
+            f"-H 'content-type: application/json' -d {shlex.quote(body)}")
