@@ -69,14 +69,39 @@ def default_stride(window: int) -> int:
     return max(1, window - window // 4)
 
 
+# The default window per backbone and task type where a measurement chose it: documents read at several
+# windows against the same text read sentence by sentence, through a real tmod-serve
+# (bench/long_documents.py, CoNLL-2003 validation, 216 documents; docs/windows.md has the table).
+# Task types with no entry (no long-document data measured) read at the backbone's trained length.
+MEASURED_WINDOWS = {
+    # entity F1 of documents (ner/2, argmax decoding, 2026-11-25): 84.42 at 128, 81.73 at 256 (the
+    # trained length), 84.79 at 64 (twice the windows); sentence by sentence 86.25
+    ("all-MiniLM-L6-v2", "token_classification"): 128,
+    # ner/mpnet-2 (argmax decoding, 2026-11-24): 91.34 at 128, 90.84 at 384 (the trained length);
+    # sentence by sentence 91.51
+    ("all-mpnet-base-v2", "token_classification"): 128,
+}
+
+
+def measured_window(backbone: str, task_types) -> int | None:
+    """The shortest measured default window of `task_types` (TaskType or its value) on `backbone`
+    (its fingerprint's name): a request's tasks share its rows, so the task read best in short windows
+    decides; None when none of them has one."""
+    found = [MEASURED_WINDOWS.get((backbone, getattr(kind, "value", kind))) for kind in task_types]
+    return min((w for w in found if w), default=None)
+
+
 def settings_for(text: TextEncoder, max_tokens: int | None, window: int | None = None, stride: int | None = None,
-                 server_window: int | None = None, server_stride: int | None = None) -> WindowSettings:
+                 server_window: int | None = None, server_stride: int | None = None,
+                 task_window: int | None = None) -> WindowSettings:
     """The windows a request is read in: its own `window` / `stride` where it names them (422 outside
-    the limits), else the server's settings (`window_tokens`, `window_stride`), else the backbone's
-    defaults: its trained length where it states one, else its token limit; `default_stride`."""
+    the limits), else the server's settings (`window_tokens`, `window_stride`), else the measured
+    default of the request's tasks (`task_window`: `measured_window`), else the backbone's default:
+    its trained length where it states one, else its token limit; `default_stride`."""
     limit = min(text.max_tokens, max_tokens) if max_tokens else text.max_tokens
     if window is None:
-        window = min(server_window or trained_length(str(getattr(text.tokenizer, "name_or_path", ""))) or limit, limit)
+        window = min(server_window or task_window or trained_length(str(getattr(text.tokenizer, "name_or_path", "")))
+                     or limit, limit)
         stride = stride if stride is not None else server_stride
     if not MIN_WINDOW <= window <= limit:
         raise ApiError(422, "invalid_request", f"window={window}: a window holds {MIN_WINDOW} to {limit} word pieces "
