@@ -1,0 +1,70 @@
+"""training/baselines.py on small slices of the shared real data sets: each baseline beats the
+majority answer by a clear margin and reports the same metrics (same functions) as the head's
+evaluation; the tagger's entity F1 agrees with seqeval."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from training.baselines import majority, tfidf_logreg, window_tagger, window_tags
+from training.data import PRESETS, default_data_dir, preset_spec
+from training.metrics import classification_scores
+
+
+def _splits(name: str, n_train: int, n_eval: int):
+    preset = PRESETS[name]
+    if not preset_spec(preset, "validation").path.is_file():
+        pytest.skip(f"shared data not found at {default_data_dir()}")
+    train, validation = (preset_spec(preset, split).read() for split in ("train", "validation"))
+    return train.subset(n_train, seed=0).examples, validation.subset(n_eval, seed=0).examples, list(preset.labels)
+
+
+def test_majority_answers_the_most_frequent_training_label():
+    train, evaluation, labels = ["a", "a", "b"], ["a", "b", "b", "b"], ["a", "b"]
+    scores = majority(train, evaluation, labels=labels)
+    assert scores == {"baseline": "majority", **classification_scores(evaluation, ["a"] * 4, labels)}
+    assert scores["accuracy"] == pytest.approx(0.25) and scores["mcc"] == 0.0
+    assert majority([("x",), ("x", "y"), ("x",)], [("x",), ("y",)], multi_label=True)["exact_match"] == 0.5
+    assert majority([["O", "B-PER"], ["O"]], [["B-PER", "O"]])["f1"] == 0.0  # every word O: no entity
+
+
+def test_tfidf_logreg_beats_majority_on_sst2():
+    train, evaluation, labels = _splits("sst2", 3000, 400)
+    args = ([e.label for e in train], [e.label for e in evaluation])
+    base = majority(*args, labels=labels)
+    linear = tfidf_logreg([e.text for e in train], args[0], [e.text for e in evaluation], args[1], labels=labels)
+    assert set(linear) == set(base) and linear["baseline"] == "tfidf_logreg"
+    assert linear["accuracy"] > base["accuracy"] + 0.1
+    assert linear["mcc"] > 0.3 and linear["f1_positive_label"] == "positive"
+
+
+def test_tfidf_logreg_reads_text_pairs():
+    train, evaluation, labels = _splits("rte", 2490, 277)
+    pairs = [(e.text, e.text_pair) for e in train]
+    scores = tfidf_logreg(pairs, [e.label for e in train], [(e.text, e.text_pair) for e in evaluation],
+                          [e.label for e in evaluation], labels=labels)
+    assert scores["examples"] == 277 and 0.3 < scores["accuracy"] < 1.0  # RTE is hard for bags of words
+
+
+def test_tfidf_logreg_multi_label():
+    train, evaluation, labels = _splits("goemotions", 2000, 300)
+    args = ([e.label for e in train], [e.label for e in evaluation])
+    base = majority(*args, multi_label=True, labels=labels)
+    linear = tfidf_logreg([e.text for e in train], args[0], [e.text for e in evaluation], args[1],
+                          multi_label=True, labels=labels)
+    assert set(linear["per_label"]) == set(labels)
+    assert linear["f1_macro"] > base["f1_macro"] + 0.05  # majority answers "neutral" only
+
+
+def test_window_tagger_on_conll_agrees_with_seqeval():
+    seqeval = pytest.importorskip("seqeval.metrics")
+    train, evaluation, _ = _splits("conll2003", 1500, 300)
+    gold = [e.tags for e in evaluation]
+    scores = window_tagger([e.words for e in train], [e.tags for e in train], [e.words for e in evaluation], gold)
+    assert scores["baseline"] == "window_tagger" and scores["f1"] > 0.5
+    assert set(scores["per_type"]) == {"PER", "ORG", "LOC", "MISC"}
+    assert scores["entities"] == sum(Counter(t[:2] == "B-" for t in tags)[True] for tags in gold)
+    # the same words re-tagged by seqeval's default (conlleval) mode give the same F1
+    predicted = window_tags([e.words for e in train], [e.tags for e in train], [e.words for e in evaluation])
+    assert scores["f1"] == pytest.approx(seqeval.f1_score(gold, predicted), abs=1e-9)

@@ -1,0 +1,150 @@
+"""Baselines a head must beat, trained on the same data and scored with the same metrics
+(training/metrics.py) as the head: the majority answer, TF-IDF + logistic regression for sequence
+tasks, and a linear tagger on word-window features for token tasks (scikit-learn learners).
+
+Each function returns the metrics dict the project's evaluation reports for the task type:
+accuracy / macro F1 / MCC (and binary F1) for sequence classification, macro and micro F1 for
+multi-label, entity micro F1 with per-type scores for token tasks; plus `baseline`, its name.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+from sklearn.feature_extraction import DictVectorizer
+from sklearn.feature_extraction.text import TfidfVectorizer
+from sklearn.linear_model import LogisticRegression
+from sklearn.multiclass import OneVsRestClassifier
+from sklearn.pipeline import FeatureUnion, make_pipeline
+from sklearn.preprocessing import MultiLabelBinarizer
+from sklearn.svm import LinearSVC
+
+from training.metrics import classification_scores, entity_scores, multilabel_scores
+
+PAIR_SEPARATOR = " ||| "  # joins a text pair into one string for the bag-of-words models
+WINDOW = 2  # the tagger sees each word with this many words either side
+
+
+def majority(train_labels: Sequence, eval_labels: Sequence, multi_label: bool = False,
+             labels: Sequence[str] | None = None) -> dict:
+    """Answer every example with the training data's most frequent answer.
+
+    Labels are strings (one per example), label collections with `multi_label` (the most frequent
+    label set is answered), or one list of tags per sentence (token tasks: every word gets the most
+    frequent tag, usually O, so entity F1 is 0). `labels`: the head's label order (binary F1 takes
+    labels[1] as positive; default: sorted)."""
+    if multi_label:
+        most = Counter(frozenset(y) for y in train_labels).most_common(1)[0][0]
+        return {"baseline": "majority", **_multi_label_scores(train_labels, eval_labels, [most] * len(eval_labels), labels)}
+    if _is_token_task(train_labels):
+        tag = Counter(t for tags in train_labels for t in tags).most_common(1)[0][0]
+        return {"baseline": "majority", **entity_scores(eval_labels, [[tag] * len(tags) for tags in eval_labels])}
+    answer = Counter(train_labels).most_common(1)[0][0]
+    return {"baseline": "majority", **_sequence_scores(train_labels, eval_labels, [answer] * len(eval_labels), labels)}
+
+
+def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence, eval_labels: Sequence,
+                 multi_label: bool = False, seed: int = 0, labels: Sequence[str] | None = None) -> dict:
+    """TF-IDF of word 1-2-grams and character 2-5-grams (within words), logistic regression on top
+    (one-vs-rest with a 0.5 threshold for multi-label). A text may be a (text, text_pair) pair: the
+    two are joined with a separator. Fixed settings, nothing tuned on the evaluation split."""
+    features = FeatureUnion([
+        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
+        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
+    ])
+    learner = LogisticRegression(C=10.0, solver="liblinear", random_state=seed)  # fast on sparse features
+    train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
+    if multi_label:
+        binarizer = MultiLabelBinarizer().fit([*train_labels, *eval_labels])
+        model = make_pipeline(features, OneVsRestClassifier(learner)).fit(train_x, binarizer.transform(train_labels))
+        predicted = [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
+        return {"baseline": "tfidf_logreg", **_multi_label_scores(train_labels, eval_labels, predicted, labels)}
+    model = make_pipeline(features, learner).fit(train_x, list(train_labels))
+    predicted = list(model.predict(eval_x))
+    return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
+
+
+def window_tagger(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
+                  eval_words: Sequence[Sequence[str]], eval_tags: Sequence[Sequence[str]], seed: int = 0) -> dict:
+    """A linear SVM tagging each word independently from features of the words around it (forms,
+    lowercase, affixes, shape); entity scores as the head's."""
+    predicted = window_tags(train_words, train_tags, eval_words, seed)
+    return {"baseline": "window_tagger", **entity_scores(eval_tags, predicted)}
+
+
+def window_tags(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
+                eval_words: Sequence[Sequence[str]], seed: int = 0) -> list[list[str]]:
+    """The window tagger's tags for each evaluation sentence."""
+    vectorizer = DictVectorizer()
+    train_x = _int32_indices(vectorizer.fit_transform([f for words in train_words for f in _window_features(words)]))
+    model = LinearSVC(C=0.1, random_state=seed).fit(train_x, [t for tags in train_tags for t in tags])
+    flat = model.predict(_int32_indices(vectorizer.transform([f for words in eval_words for f in _window_features(words)])))
+    predicted, start = [], 0
+    for words in eval_words:
+        predicted.append([str(t) for t in flat[start:start + len(words)]])
+        start += len(words)
+    return predicted
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _is_token_task(labels: Sequence) -> bool:
+    return bool(labels) and not isinstance(labels[0], str)
+
+
+def _joined(text) -> str:
+    return text if isinstance(text, str) else PAIR_SEPARATOR.join(str(t) for t in text if t is not None)
+
+
+def _sequence_scores(train_labels, eval_labels, predicted, labels) -> dict:
+    labels = list(labels) if labels else sorted(set(train_labels) | set(eval_labels))
+    return classification_scores(list(eval_labels), predicted, labels)
+
+
+def _multi_label_scores(train_labels, eval_labels, predicted, labels) -> dict:
+    labels = list(labels) if labels else sorted({y for row in [*train_labels, *eval_labels] for y in row})
+    index = {label: i for i, label in enumerate(labels)}
+
+    def multi_hot(rows):
+        out = np.zeros((len(rows), len(labels)), dtype=bool)
+        for r, row in enumerate(rows):
+            out[r, [index[y] for y in row]] = True
+        return out
+
+    return multilabel_scores(multi_hot(eval_labels), multi_hot(predicted), labels)
+
+
+def _int32_indices(matrix):
+    """DictVectorizer's matrices carry int64 indices, which liblinear (LinearSVC) refuses."""
+    matrix.indices, matrix.indptr = matrix.indices.astype(np.int32), matrix.indptr.astype(np.int32)
+    return matrix
+
+
+def _shape(word: str) -> str:
+    """Xxxx -> 'Xx', 'U.S.' -> 'X.X.', '1999' -> 'd': character classes, runs collapsed."""
+    out = []
+    for ch in word:
+        c = "X" if ch.isupper() else "x" if ch.islower() else "d" if ch.isdigit() else ch
+        if not out or out[-1] != c:
+            out.append(c)
+    return "".join(out)
+
+
+def _word_features(word: str, at: int) -> dict:
+    low = word.lower()
+    return {f"{at}:w={low}": 1, f"{at}:shape={_shape(word)}": 1, f"{at}:suf3={low[-3:]}": 1,
+            f"{at}:pre3={low[:3]}": 1, f"{at}:title": float(word.istitle())}
+
+
+def _window_features(words: Sequence[str]) -> list[dict]:
+    out = []
+    for i, word in enumerate(words):
+        features = {"bias": 1, f"form={word}": 1, f"suf2={word[-2:].lower()}": 1, f"pre2={word[:2].lower()}": 1}
+        for at in range(-WINDOW, WINDOW + 1):
+            j = i + at
+            if 0 <= j < len(words):
+                features.update(_word_features(words[j], at))
+            else:
+                features[f"{at}:{'<s>' if j < 0 else '</s>'}"] = 1
+        out.append(features)
+    return out
