@@ -48,7 +48,7 @@ def test_tfidf_logreg_reads_text_pairs():
 
 
 def test_tfidf_logreg_multi_label():
-    train, evaluation, labels = _splits("goemotions", 2000, 300)
+    train, evaluation, labels = _splits("goemotions", 1200, 300)
     args = ([e.label for e in train], [e.label for e in evaluation])
     base = majority(*args, multi_label=True, labels=labels)
     linear = tfidf_logreg([e.text for e in train], args[0], [e.text for e in evaluation], args[1],
@@ -68,3 +68,18 @@ def test_window_tagger_on_conll_agrees_with_seqeval():
     # the same words re-tagged by seqeval's default (conlleval) mode give the same F1
     predicted = window_tags([e.words for e in train], [e.tags for e in train], [e.words for e in evaluation])
     assert scores["f1"] == pytest.approx(seqeval.f1_score(gold, predicted), abs=1e-9)
+
+
+def test_tfidf_logreg_more_than_two_classes():
+    """Three GoEmotions labels, rows carrying exactly one of them: a single-label 3-class task."""
+    train, evaluation, _ = _splits("goemotions", 20000, 3000)
+    keep = {"gratitude", "amusement", "anger"}
+
+    def single(examples):
+        return [e for e in examples if len(e.label) == 1 and e.label[0] in keep]
+
+    train, evaluation = single(train), single(evaluation)
+    args = ([e.label[0] for e in train], [e.label[0] for e in evaluation])
+    linear = tfidf_logreg([e.text for e in train], args[0], [e.text for e in evaluation], args[1])
+    assert linear["examples"] == len(evaluation) > 50 and "f1" not in linear  # no binary F1 for 3 labels
+    assert linear["accuracy"] > majority(*args)["accuracy"] + 0.2

@@ -53,13 +53,14 @@ def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequ
         ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
         ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
     ])
-    learner = LogisticRegression(C=10.0, solver="liblinear", random_state=seed)  # fast on sparse features
     train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
-    if multi_label:
+    if multi_label:  # one binary model per label; liblinear is the fast solver for those
+        learner = OneVsRestClassifier(LogisticRegression(C=10.0, solver="liblinear", random_state=seed))
         binarizer = MultiLabelBinarizer().fit([*train_labels, *eval_labels])
-        model = make_pipeline(features, OneVsRestClassifier(learner)).fit(train_x, binarizer.transform(train_labels))
+        model = make_pipeline(features, learner).fit(train_x, binarizer.transform(train_labels))
         predicted = [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
         return {"baseline": "tfidf_logreg", **_multi_label_scores(train_labels, eval_labels, predicted, labels)}
+    learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed)  # multinomial over the labels
     model = make_pipeline(features, learner).fit(train_x, list(train_labels))
     predicted = list(model.predict(eval_x))
     return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
