@@ -160,8 +160,8 @@ class Words:
     segment: np.ndarray  # 0 text, 1 text_pair
     start: np.ndarray  # the first sub-token's start
     end: np.ndarray  # the furthest end of its sub-tokens
-    label: np.ndarray  # label index predicted on the first sub-token
-    score: np.ndarray  # that prediction's probability
+    label: np.ndarray  # its tag (label index), from its probability vector by `aggregation` (`word_tags`)
+    score: np.ndarray  # that tag's probability
 
 
 def word_predictions(probs: np.ndarray, batch: TokenBatch, aggregation: str = "first",
