@@ -9,6 +9,13 @@ scores the version it serves. `--tiers mpnet` re-scores one tier and keeps the o
 `--tasks entailment` re-scores those rows and keeps the tier's others.
 
     .venv/bin/python bench/quality.py [--tiers minilm,mpnet] [--tasks ...] [--store modules_store]
+
+`--baselines` instead trains and scores the baselines every shipped module must beat, on the same
+train -> validation split (training/baselines.py: the majority answer; TF-IDF + logistic regression
+for sequence tasks, a linear window tagger for token tasks), writes bench/results/baselines.json and
+prints the table of each tier's module against them (from quality.json and the emotion results).
+
+    .venv/bin/python bench/quality.py --baselines
 """
 from __future__ import annotations
 
@@ -75,6 +82,80 @@ def rescore(store: Path, task: str, version: str | None, dataset: str, backbone:
     }
 
 
+# shipped task -> the dataset preset its baselines train on and the metric they are compared by
+BASELINE_TASKS = {**{task: (dataset, metric) for task, (dataset, metric, _) in TASKS.items()},
+                  "emotion": ("goemotions", "f1_macro")}
+CLEAR_MARGIN = 0.02  # a module is served by default on a tier only this far above the linear baseline
+EMOTION_RESULTS = {"minilm": "emotion-served-minilm.json", "mpnet": "emotion-served-mpnet.json"}
+
+
+def baselines(tasks: list[str]) -> dict:
+    """Per task: the majority answer and the linear model, trained on the preset's train split and
+    scored on its validation split (what the modules are scored on), with their training seconds."""
+    import time
+
+    from training.baselines import majority, tfidf_logreg, window_tagger
+    from training.data import PRESETS, preset_spec
+
+    out = {}
+    for task in tasks:
+        dataset, metric = BASELINE_TASKS[task]
+        preset = PRESETS[dataset]
+        train, validation = (preset_spec(preset, split).read().examples for split in ("train", "validation"))
+        labels, started = list(preset.labels), time.perf_counter()
+        if dataset == "conll2003":
+            gold = [e.tags for e in validation]
+            base = majority([e.tags for e in train], gold)
+            linear = window_tagger([e.words for e in train], [e.tags for e in train], [e.words for e in validation], gold)
+        else:
+            multi = preset.multi_label
+            texts = [(e.text, e.text_pair) if preset.pair_column else e.text for e in train]
+            eval_texts = [(e.text, e.text_pair) if preset.pair_column else e.text for e in validation]
+            y, y_eval = [e.label for e in train], [e.label for e in validation]
+            base = majority(y, y_eval, multi_label=multi, labels=labels)
+            linear = tfidf_logreg(texts, y, eval_texts, y_eval, multi_label=multi, labels=labels)
+        seconds = time.perf_counter() - started
+        out[task] = {"dataset": dataset, "metric": metric, "train_rows": len(train), "validation_rows": len(validation),
+                     "majority": base[metric], "linear": linear[metric], "linear_model": linear["baseline"],
+                     "seconds": seconds}
+        print(f"{task}: majority {base[metric]:.4f}, {linear['baseline']} {linear[metric]:.4f} ({seconds:.0f} s)", flush=True)
+    return out
+
+
+def module_scores(results: Path) -> dict:
+    """tier -> task -> (module version, validation metric) of the served modules, from quality.json
+    and the served emotion results."""
+    quality = json.loads((results / "quality.json").read_text())["tiers"]
+    out = {}
+    for tier, entry in quality.items():
+        out[tier] = {task: (row["layermix"]["version"], row["layermix"]["metrics"][row["metric"]])
+                     for task, row in entry["tasks"].items() if row.get("layermix")}
+        emotion = results / EMOTION_RESULTS.get(tier, "")
+        if emotion.is_file():  # bench/score_served_multilabel.py: the shipped thresholds' macro F1
+            data = json.loads(emotion.read_text())
+            out[tier]["emotion"] = (data["version"], data["f1_macro"])
+    return out
+
+
+def baseline_table(rows: dict, modules: dict) -> str:
+    lines = ["| task (validation) | majority | linear baseline | " + " | ".join(
+        f"{tier} module (margin over linear)" for tier in modules) + " |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in modules) + " |"]
+    for task, row in rows.items():
+        cells = []
+        for tier in modules:
+            version, score = modules[tier].get(task, (None, None))
+            if score is None:
+                cells.append("not scored")
+                continue
+            margin = score - row["linear"]
+            flag = "" if margin >= CLEAR_MARGIN else " **not clear**"
+            cells.append(f"{100 * score:.1f} `{task}/{version}` ({100 * margin:+.1f}){flag}")
+        lines.append(f"| {task}: {row['dataset']} {row['metric']} | {100 * row['majority']:.1f} | "
+                     f"{100 * row['linear']:.1f} ({row['linear_model']}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", default=str(REPO / "modules_store"), help="shipped store (layer-mix modules)")
@@ -82,8 +163,16 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"rows to re-score: {', '.join(TASKS)} "
                         "(the others keep their earlier entry)")
     parser.add_argument("--results", default=str(REPO / "bench" / "results"), help="where finetune-*.json are and output goes")
+    parser.add_argument("--baselines", action="store_true", help="train and score the baselines (majority, linear) "
+                        "instead, write baselines.json and print each tier's modules against them")
     args = parser.parse_args()
     results = Path(args.results)
+    if args.baselines:
+        record = {"split": "train -> validation", "machine": machine_info(), "clear_margin": CLEAR_MARGIN,
+                  "command": "python bench/quality.py --baselines", "tasks": baselines(list(BASELINE_TASKS))}
+        (results / "baselines.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(baseline_table(record["tasks"], module_scores(results)))
+        return
     previous = results / "quality.json"
     earlier = json.loads(previous.read_text()) if previous.is_file() else {}
     tiers = earlier.get("tiers", {})

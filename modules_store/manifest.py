@@ -66,6 +66,10 @@ class Manifest(BaseModel):
         "the 'threshold_rule' that chose them; token tasks' 'aggregation' (first, average, max, none)")
     weights_sha256: str
     description: str = ""
+    opt_in: str | None = Field(
+        None, description="why this module is served only when named (--tasks, the admin load route): a module that "
+        "does not clearly beat a simple baseline on its task (docs/quality.md); None: served on a start-up over the "
+        "whole store")
 
     @field_validator("task", "version")
     @classmethod

@@ -171,17 +171,22 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request",
                                f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
 
-    def window_settings(window: int | None, stride: int | None, max_tokens: int | None = None) -> windows.WindowSettings:
+    def window_settings(window: int | None, stride: int | None, max_tokens: int | None = None,
+                        task_types=()) -> windows.WindowSettings:
+        task_window = windows.measured_window(runtime.model_info()[0], task_types) if task_types else None
         return windows.settings_for(runtime.text, max_tokens or settings.max_tokens, window, stride,
-                                    settings.window_tokens, settings.window_stride)
+                                    settings.window_tokens, settings.window_stride, task_window)
 
-    async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None,
+    def task_types(modules: dict) -> set[str]:
+        return {m.manifest.task_type.value for m in modules.values() if m.manifest is not None}
+
+    async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None, modules=None,
                           budget: int | None = None) -> windows.Reading:
         """Tokenize (a long request in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
-        most `max_tokens` word pieces (default: the server's limit); 413 past `budget` word pieces in all,
-        found before the whole request is tokenized."""
+        most `max_tokens` word pieces (default: the server's limit), by default as measured best for `modules`;
+        413 past `budget` word pieces in all, found before the whole request is tokenized."""
         check_inputs(texts, text_pairs)
-        chosen = window_settings(window, stride, max_tokens)
+        chosen = window_settings(window, stride, max_tokens, task_types(modules or {}))
         read = functools.partial(windows.read, runtime.text, texts, text_pairs, chosen, truncate, budget)
         try:
             if sum(map(len, texts)) + sum(map(len, text_pairs or ())) <= INLINE_TOKENIZE_CHARS:
@@ -202,7 +207,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
             truncate = "left"  # the tokenizer keeps the end of the text (server/backbone/tokens.py)
         reading = await read_inputs(texts, text_pairs, truncate, window, stride,
-                                    token_limit(modules, settings.max_tokens), settings.max_request_tokens)
+                                    token_limit(modules, settings.max_tokens), modules, settings.max_request_tokens)
         options = controls.options()
         for row in reading.rows + [text.whole for text in reading.texts]:
             row.answer = options
@@ -290,7 +295,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def list_tasks():
         require_ready()
         return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info(),
-                "windows": window_settings(None, None).describe()}
+                "windows": {**window_settings(None, None).describe(), "window_by_task_type": {
+                    kind: window_settings(None, None, None, [kind]).window for kind in sorted(task_types(runtime.modules))}}}
 
     @app.get("/v1/tasks/{name}", response_model=TaskDetail, tags=["tasks"], responses={404: {}})
     async def get_task(name: str):

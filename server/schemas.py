@@ -107,8 +107,9 @@ class TaskList(BaseModel):
     tasks: list[TaskInfo]
     backbone: ModelInfo
     windows: dict[str, Any] = Field(default_factory=dict, description="how long texts are read: window and stride "
-                                    "in word pieces, the overlap, the longest window a request may ask for, and the "
-                                    "rule combining windows per task type")
+                                    "in word pieces, the overlap, the longest window a request may ask for, the "
+                                    "rule combining windows per task type, and the default window of a request for each "
+                                    "loaded task type (window_by_task_type: measured where docs/windows.md says)")
 
 
 class TokenizeRequest(BaseModel):

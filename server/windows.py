@@ -73,14 +73,40 @@ def default_stride(window: int) -> int:
     return max(1, window - window // 4)
 
 
+# The default window per backbone and task type where a measurement chose it: documents read at several
+# windows against the same text read sentence by sentence, through a real tmod-serve
+# (bench/long_documents.py, CoNLL-2003 validation, 216 documents; docs/windows.md has the table).
+# Task types with no entry (no long-document data measured) read at the backbone's trained length.
+MEASURED_WINDOWS = {
+    # entity F1 of documents (ner/2, BIO-constrained tags, 2026-11-25): 88.70 at 64, 88.42 at 128, 86.30
+    # at 256 (the trained length); sentence by sentence 89.48. Windows of 64 read about the same word
+    # pieces as 128 (stride 3/4 of the window either way), so the best measured is also no dearer
+    ("all-MiniLM-L6-v2", "token_classification"): 64,
+    # ner/mpnet-2 (BIO-constrained tags, 2026-11-25): 93.56 at 256, 93.54 at 384 (the trained
+    # length), 93.44 at 128; sentence by sentence 93.53 (the three windows within 0.12 of each other)
+    ("all-mpnet-base-v2", "token_classification"): 256,
+}
+
+
+def measured_window(backbone: str, task_types) -> int | None:
+    """The shortest measured default window of `task_types` (TaskType or its value) on `backbone`
+    (its fingerprint's name): a request's tasks share its rows, so the task read best in short windows
+    decides; None when none of them has one."""
+    found = [MEASURED_WINDOWS.get((backbone, getattr(kind, "value", kind))) for kind in task_types]
+    return min((w for w in found if w), default=None)
+
+
 def settings_for(text: TextEncoder, max_tokens: int | None, window: int | None = None, stride: int | None = None,
-                 server_window: int | None = None, server_stride: int | None = None) -> WindowSettings:
+                 server_window: int | None = None, server_stride: int | None = None,
+                 task_window: int | None = None) -> WindowSettings:
     """The windows a request is read in: its own `window` / `stride` where it names them (422 outside
-    the limits), else the server's settings (`window_tokens`, `window_stride`), else the backbone's
-    defaults: its trained length where it states one, else its token limit; `default_stride`."""
+    the limits), else the server's settings (`window_tokens`, `window_stride`), else the measured
+    default of the request's tasks (`task_window`: `measured_window`), else the backbone's default:
+    its trained length where it states one, else its token limit; `default_stride`."""
     limit = min(text.max_tokens, max_tokens) if max_tokens else text.max_tokens
     if window is None:
-        window = min(server_window or trained_length(str(getattr(text.tokenizer, "name_or_path", ""))) or limit, limit)
+        window = min(server_window or task_window or trained_length(str(getattr(text.tokenizer, "name_or_path", "")))
+                     or limit, limit)
         stride = stride if stride is not None else server_stride
     if not MIN_WINDOW <= window <= limit:
         raise ApiError(422, "invalid_request", f"window={window}: a window holds {MIN_WINDOW} to {limit} word pieces "

@@ -20,6 +20,7 @@ from server.engine import Engine
 from server.heads.decode import AnswerOptions, decode
 from server.modules import load_module
 from tests import default_answers
+from tests.bio_reference import reference_tags
 from tests.helpers import LiveServer, start_tmod_serve
 from training.metrics import entities as entity_spans
 
@@ -137,7 +138,8 @@ def test_multi_label_answers_are_the_labels_over_the_threshold(live, minilm, mod
 
 # ---- token tasks: aggregation ----------------------------------------------------------------------
 def hand_entities(minilm, module, text: str, strategy: str) -> list[dict]:
-    """Entities by Hugging Face's definitions of first/average/max, from the head's logits."""
+    """Entities by Hugging Face's definitions of first/average/max, from the head's logits, tagged
+    under the BIO rules."""
     labels = module.head.labels
     encoded = minilm.encode([text])[0]
     logits = head_logits(minilm, module, [text])[0][:len(encoded)].astype(np.float64)
@@ -147,7 +149,7 @@ def hand_entities(minilm, module, text: str, strategy: str) -> list[dict]:
     for t, (seq, word) in enumerate(zip(encoded.sequence_ids, encoded.word_ids)):
         if seq == 0 and word is not None:
             words.setdefault(word, []).append(t)
-    tags, scores, spans = [], [], []
+    vectors, spans = [], []
     for pieces in words.values():
         if strategy == "first":
             vector = probs[pieces[0]]
@@ -155,9 +157,11 @@ def hand_entities(minilm, module, text: str, strategy: str) -> list[dict]:
             vector = probs[pieces].mean(0)
         else:  # max: the piece whose best probability is highest
             vector = probs[max(pieces, key=lambda t: probs[t].max())]
-        tags.append(labels[int(vector.argmax())])
-        scores.append(float(vector.max()))
+        vectors.append(vector)
         spans.append((encoded.offsets[pieces[0]][0], max(encoded.offsets[t][1] for t in pieces)))
+    chosen = reference_tags(labels, [v.tolist() for v in vectors])  # the BIO rules: no I-X after O
+    tags = [labels[c] for c in chosen]
+    scores = [float(v[c]) for v, c in zip(vectors, chosen)]
     return [{"text": text[spans[a][0]:spans[b][1]], "label": kind, "start": spans[a][0], "end": spans[b][1],
              "score": sum(scores[a:b + 1]) / (b + 1 - a)} for kind, a, b in entity_spans(tags)]
 

@@ -1,8 +1,11 @@
 """The vectorised decoder (server/heads/decode.py) answers exactly what the per-row, per-token
-decoder it replaced answered. That decoder is kept below, unchanged, as the oracle; answers are
-compared as JSON text, so values, types and key order must all match."""
+decoder it replaced answered. That decoder is kept below as the oracle, with one change since: word
+tags follow the BIO rules (a per-sequence Viterbi in plain Python, `reference_tags`); answers are
+compared as JSON text, so values, types and key order must all match. The constrained decoding has
+its own property tests at the end."""
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from typing import Any
@@ -16,8 +19,9 @@ from hypothesis import strategies as st
 from modules_store import DEFAULT_STORE, ModuleStore, TaskType
 from server.backbone.tokens import TokenBatch
 from server.engine import Engine
-from server.heads.decode import decode, decode_rows
+from server.heads.decode import bio_constraints, constrained_labels, decode, decode_rows, viterbi
 from server.modules import load_module
+from tests.bio_reference import allowed_after, reference_tags
 from training.data import CONLL_TAGS, default_data_dir, read_conll
 
 
@@ -49,7 +53,6 @@ def _split_tag(tag: str) -> tuple[str, str]:
 
 def word_predictions(labels: list[str], logits: torch.Tensor, batch: TokenBatch, row: int):
     probs = torch.softmax(logits, dim=-1)
-    scores, best = probs.max(dim=-1)
     words: dict[tuple[int, int], list] = {}
     for t, (seq, word) in enumerate(zip(batch.sequence_ids[row], batch.word_ids[row])):
         if seq is None or word is None:
@@ -57,10 +60,18 @@ def word_predictions(labels: list[str], logits: torch.Tensor, batch: TokenBatch,
         start, end = batch.offsets[row][t]
         key = (seq, word)
         if key not in words:
-            words[key] = [seq, start, end, labels[int(best[t])], float(scores[t])]
+            words[key] = [seq, start, end, probs[t].tolist()]
         else:
             words[key][2] = max(words[key][2], end)
-    return list(words.values())
+    out = list(words.values())
+    tags: list[int] = []
+    for first in range(len(out)):  # runs of one segment: the words an entity can continue over
+        if first == 0 or out[first][0] != out[first - 1][0]:
+            last = first
+            while last + 1 < len(out) and out[last + 1][0] == out[first][0]:
+                last += 1
+            tags += reference_tags(labels, [w[3] for w in out[first:last + 1]])
+    return [[seq, start, end, labels[tag], probs[tag]] for (seq, start, end, probs), tag in zip(out, tags)]
 
 
 def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, row: int) -> dict[str, Any]:
@@ -201,7 +212,8 @@ def test_token_classification_equals_the_old_decoder_on_scrambled_token_lists(se
 
 def test_entities_span_words_across_sub_tokens_segments_and_rows(minilm):
     """A hand-built case, so the property test's oracle is not the only judge: tags on first
-    sub-tokens, spans to the last sub-token, entities closed at a segment's end."""
+    sub-tokens, spans to the last sub-token, entities closed at a segment's end (the pair's first
+    word, I-LOC at best, cannot continue the text's last: it opens its own entity as B-LOC)."""
     text, pair = "Angela Schwarzenegger visited  Zürich", "Zürich rejects"
     batch = minilm.text.tokenize([text, "ok"], [pair, "New York"])
     logits = torch.full((batch.size, batch.seq_len, len(BIO)), -5.0)
@@ -210,6 +222,8 @@ def test_entities_span_words_across_sub_tokens_segments_and_rows(minilm):
     for r in range(batch.size):
         for t, (seq, word) in enumerate(zip(batch.sequence_ids[r], batch.word_ids[r])):
             logits[r, t, BIO.index(wanted.get((r, seq, word), "O"))] = 5.0
+            if (r, seq, word) == (0, 1, 0):
+                logits[r, t, BIO.index("B-LOC")] = 4.0
     answers = assert_same(TaskType.token_classification, BIO, logits, batch)
     assert [[(e["text"], e["label"], e["segment"]) for e in a["entities"]] for a in answers] == [
         [("Angela Schwarzenegger", "PER", 0), ("Zürich", "LOC", 0), ("Zürich", "LOC", 1)],
@@ -281,3 +295,92 @@ def test_a_worker_decoding_its_rows_answers_as_the_batch_decoder(minilm, seed):
             answered += decode_rows(task_type, labels, packed, minilm.text.collate(request, device="cpu"))
             start += len(request)
         assert answered == whole
+
+
+# ---- constrained (BIO) decoding ---------------------------------------------------------------------
+def random_sequences(rng: random.Random, labels: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Word log-probabilities of a few sequences laid end to end, and where each starts; peaked on
+    I- tags often, so that their best labels break the rules."""
+    lengths = [rng.randint(1, 9) for _ in range(rng.randint(1, 6))]
+    gen = np.random.default_rng(rng.randrange(2**32))
+    logits = gen.normal(size=(sum(lengths), len(labels))) * rng.choice([0.5, 2.0, 8.0])
+    inside = [j for j, tag in enumerate(labels) if tag.startswith("I-")]
+    if inside:
+        peaks = gen.random(len(logits)) < 0.4
+        logits[peaks, gen.choice(inside, peaks.sum())] += 5.0
+    log_probs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    starts = np.zeros(len(logits), dtype=bool)
+    starts[np.cumsum([0] + lengths[:-1])] = True
+    return log_probs, starts
+
+
+def sequences_of(starts: np.ndarray) -> list[slice]:
+    begin = np.flatnonzero(starts).tolist() + [len(starts)]
+    return [slice(a, b) for a, b in zip(begin[:-1], begin[1:])]
+
+
+def follows_the_rules(labels: list[str], tags: list[int]) -> bool:
+    return all(allowed_after(labels, tags[i - 1] if i else None, tags[i]) for i in range(len(tags)))
+
+
+CONSTRAINED = [BIO, ["O", "B-A", "I-A"], ["B-A", "I-A", "I-B", "B-B", "O", "E-A", "I-C"]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_constrained_tags_never_break_the_bio_rules_and_keep_valid_argmax(seed):
+    rng = random.Random(seed)
+    labels = rng.choice(CONSTRAINED)
+    log_probs, starts = random_sequences(rng, labels)
+    allowed = bio_constraints(labels)
+    tags = constrained_labels(log_probs, starts, allowed)
+    for seq in sequences_of(starts):
+        best = log_probs[seq].argmax(1).tolist()
+        # the search itself, not only the shortcut that keeps a valid argmax
+        path = viterbi(log_probs[seq][None], np.array([seq.stop - seq.start]), allowed)[0].tolist()
+        assert follows_the_rules(labels, tags[seq].tolist()) and follows_the_rules(labels, path)
+        if follows_the_rules(labels, best):
+            assert tags[seq].tolist() == path == best
+        else:
+            assert tags[seq].tolist() == path == reference_tags(labels, np.exp(log_probs[seq]).tolist())
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_constrained_tags_are_the_most_probable_allowed_sequence(seed):
+    """Against every tag sequence of a short sentence: no allowed one scores higher."""
+    rng = random.Random(seed)
+    labels = rng.choice([["O", "B-A", "I-A"], ["O", "B-A", "I-A", "B-B", "I-B"]])
+    log_probs, starts = random_sequences(rng, labels)
+    log_probs, starts = log_probs[:5], starts[:5]
+    starts[0] = True
+    tags = constrained_labels(log_probs, starts, bio_constraints(labels))
+    for seq in sequences_of(starts):
+        words = log_probs[seq]
+        best = max(sum(words[i, t] for i, t in enumerate(path))
+                   for path in itertools.product(range(len(labels)), repeat=len(words))
+                   if follows_the_rules(labels, list(path)))
+        assert sum(words[i, t] for i, t in enumerate(tags[seq])) == pytest.approx(best, abs=1e-9)
+
+
+def test_unconstrained_label_sets_decode_by_argmax():
+    for labels in (PLAIN, ["O"], ["O", "I-A", "I-B"], ["O", "E-A", "S-A"]):
+        assert bio_constraints(labels) is None
+
+
+def test_an_inside_tag_after_outside_is_resolved_by_probability(minilm):
+    """Served answers: `I-PER` on "Merkel" after an `O` "Angela" comes back as one entity or none,
+    whichever the probabilities favour, never as an entity opened by an I- tag."""
+    batch = minilm.text.tokenize(["Angela Merkel spoke"])
+    logits = torch.full((1, batch.seq_len, len(BIO)), -5.0)
+    words = {w: t for t, w in reversed(list(enumerate(batch.word_ids[0]))) if w is not None}
+    logits[0, words[0], BIO.index("O")] = 3.0
+    logits[0, words[0], BIO.index("B-PER")] = 2.0  # a close second: Angela joins the name
+    logits[0, words[1], BIO.index("I-PER")] = 6.0
+    logits[0, words[2], BIO.index("O")] = 6.0
+    entities = decode(TaskType.token_classification, BIO, logits, batch)[0]["entities"]
+    assert [(e["text"], e["label"]) for e in entities] == [("Angela Merkel", "PER")]
+    logits[0, words[0], BIO.index("B-PER")] = -5.0  # Angela plainly outside: Merkel opens as B-PER or is O
+    logits[0, words[1], BIO.index("B-PER")] = 1.0
+    entities = decode(TaskType.token_classification, BIO, logits, batch)[0]["entities"]
+    assert [(e["text"], e["label"]) for e in entities] == [("Merkel", "PER")]

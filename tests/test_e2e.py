@@ -91,13 +91,14 @@ def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
         body = httpx.post(server.url + "/v1/infer", params={"tasks": "ner,sentiment,acceptability"},
                           json={"inputs": [text, "The cat sat the on mat."]}, timeout=60).json()
         tasks = {t["task"]: t["inputs"] for t in httpx.get(server.url + "/v1/tasks").json()["tasks"]}
+        thanks = httpx.post(server.url + "/v1/infer", params={"tasks": "emotion"}, timeout=60,
+                            json={"inputs": ["Thank you so much, this made my day!"]}).json()
+    # entailment/1 is opt-in on MiniLM (docs/quality.md): served when named
+    with LiveServer(create_app(Settings(tasks="entailment"), backbone=minilm)) as server:
         pair = {"text": "Angela Merkel visited Munich in May.", "text_pair": "Merkel was in Munich."}
         paired = httpx.post(server.url + "/v1/infer", params={"tasks": "entailment"}, json={"inputs": [pair]},
                             timeout=60).json()
-        thanks = httpx.post(server.url + "/v1/infer", params={"tasks": "emotion"}, timeout=60,
-                            json={"inputs": ["Thank you so much, this made my day!"]}).json()
-    assert tasks == {"ner": "text", "sentiment": "text", "acceptability": "text", "entailment": "text_pair",
-                     "embedding": "text", "emotion": "text"}
+    assert tasks == {"ner": "text", "sentiment": "text", "acceptability": "text", "embedding": "text", "emotion": "text"}
     assert "gratitude" in thanks["results"][0]["emotion"]["labels"]
     assert paired["results"][0]["entailment"]["label"] in ("entailment", "not_entailment")
     first, second = body["results"]

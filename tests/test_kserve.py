@@ -292,11 +292,12 @@ PAIR = (["A man is playing a guitar on stage."], ["A man is playing an instrumen
 def served(tmp_path_factory):
     """The real tmod-serve under the cpu overlay's predictor environment, on the real default backbone
     and the shipped modules. Changed: loopback, a free port, the store at its place in this checkout
-    (it stands for /mnt/models) and /tmp moved into the test's folder."""
+    (it stands for /mnt/models) and /tmp moved into the test's folder; the tasks named, since the pair
+    task (MiniLM's entailment) is opt-in."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TMOD_")}
     env.update(predictor_env(render("overlays/cpu")))
     writable = tmp_path_factory.mktemp("tmp")
-    env.update({"TMOD_HOST": "127.0.0.1", "TMOD_STORE": str(DEFAULT_STORE),
+    env.update({"TMOD_HOST": "127.0.0.1", "TMOD_STORE": str(DEFAULT_STORE), "TMOD_TASKS": "sentiment,ner,entailment",
                 **{name: str(writable / Path(env[name]).relative_to("/tmp"))
                    for name in ("HOME", "HF_HOME", "XDG_CACHE_HOME")}})
     url, process = start_tmod_serve([], env)

@@ -7,7 +7,9 @@
   shipped store) has, on the serve command's port, and gets the answer the README shows (labels and
   entity offsets; scores depend on the CPU's precision, so they are not compared).
 - Its "API at a glance" has an example for every route of the server's OpenAPI schema, and every
-  example, sent as written (host and port aside), is answered 200.
+  example, sent as written (host and port aside), is answered 200: on the serve command's server, or,
+  for an example whose comment says it runs on the quality tier, on `--backbone mpnet` (slow; skipped
+  where MPNet is not installed), where the pair example gets the label its comment shows.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
+from server.backbone.sources import mpnet_parts
 from tests.helpers import start_tmod_serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +111,24 @@ def first_request() -> tuple[str, dict]:
 
 
 API_EXAMPLES = [c for _, block in fenced_blocks(section("API at a glance"), "bash") for c in shell_commands(block)]
+QUALITY_TIER = "runs on the quality tier, `tmod-serve --backbone mpnet`"
+
+
+def quality_tier_examples() -> dict[str, str]:
+    """Commands of the API section whose comments since the command before say they run on the quality
+    tier -> the label those comments show."""
+    found = {}
+    for _, block in fenced_blocks(section("API at a glance"), "bash"):
+        comment = ""
+        for line in block.splitlines():
+            if line.startswith("#"):
+                comment += " " + line.lstrip("# ")
+            elif line.startswith("curl"):
+                if QUALITY_TIER in comment:
+                    command = next(c for c in shell_commands(block) if c.startswith(line.rstrip("\\ ")))
+                    found[command] = re.search(r'"label": "([^"]+)"', comment).group(1)
+                comment = ""
+    return found
 
 
 def example_id(command: str) -> str:
@@ -213,9 +234,39 @@ def test_every_route_has_an_example_in_the_api_section(server):
     assert missing == [], f"routes with no example in the README's 'API at a glance': {missing}"
 
 
-@pytest.mark.parametrize("command", API_EXAMPLES, ids=[example_id(c) for c in API_EXAMPLES])
+DEFAULT_TIER_EXAMPLES = [c for c in API_EXAMPLES if c not in quality_tier_examples()]
+
+
+@pytest.mark.parametrize("command", DEFAULT_TIER_EXAMPLES, ids=[example_id(c) for c in DEFAULT_TIER_EXAMPLES])
 def test_every_api_example_is_answered_as_written(server, command):
     host, port, _, _ = split_url(parse_curl(command, {"TMOD_ADMIN_TOKEN": ""})["url"])
     assert (host, port) == ("localhost", 8080), command
     response = send(server, command)
     assert response.status_code == 200, f"{command}\n-> {response.status_code} {response.text[:500]}"
+
+
+def test_the_pair_example_runs_on_the_quality_tier_and_the_default_tier_leaves_it_out(server):
+    """MiniLM's entailment/1 is opt-in (docs/quality.md): the serve command's server does not load it,
+    and the README says where the pair example runs and what it answers."""
+    examples = quality_tier_examples()
+    assert [parse_qs(split_url(parse_curl(c)["url"])[3])["tasks"] for c in examples] == [["entailment"]]
+    assert "entailment" not in {t["task"] for t in httpx.get(server + "/v1/tasks").json()["tasks"]}
+
+
+@pytest.mark.slow
+def test_the_quality_tier_examples_get_the_answer_shown():
+    try:
+        mpnet_parts()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    url, process = start_tmod_serve(["--backbone", "mpnet", "--log-level", "warning"], env)
+    try:
+        for command, label in quality_tier_examples().items():
+            response = send(url, command)
+            assert response.status_code == 200, f"{command}\n-> {response.status_code} {response.text[:500]}"
+            task = parse_qs(split_url(parse_curl(command)["url"])[3])["tasks"][0]
+            assert [row[task]["label"] for row in response.json()["results"]] == [label]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -3,6 +3,8 @@ store serves exactly its own backbone's modules (plus foreign ones a bridge lead
 without refusals for the other backbone's modules, and /v1/tasks names each module's backbone."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -85,3 +87,25 @@ def test_a_pair_task_asks_for_pairs(backbones, store):
         oip = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
         v2 = httpx.post(server.url + "/v2/models/entailment/infer", json=oip)
         assert v2.status_code == 422 and "text_pair" in v2.json()["error"]  # OIP errors are one string
+
+
+def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
+    """A module whose manifest says why it is opt-in (one that does not clearly beat its baseline,
+    docs/quality.md) is left out of a start-up over the whole store, quietly, and served when named;
+    another backbone's opt-in version does not hide this backbone's."""
+    bert, mpnet = backbones["bert"], backbones["mpnet"]
+    store = ModuleStore(tmp_path / "store")
+    save_module(store, "sentiment", "1", random_head(bert, "sequence_classification", SENTIMENT, 1), bert)
+    save_module(store, "entailment", "1", random_head(bert, "sequence_classification", ENTAILMENT, 4,
+                                                      pooling="pair"), bert)
+    save_module(store, "entailment", "mpnet-1", random_head(mpnet, "sequence_classification", ENTAILMENT, 4,
+                                                            pooling="pair"), mpnet)
+    path = store.path("entailment", "1") / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "opt_in": "58.1% on RTE, TF-IDF 57.0%"}))
+    with LiveServer(create_app(Settings(store=store.root), backbone=bert)) as server:
+        ready = httpx.get(server.url + "/readyz").json()
+        assert ready["tasks"] == ["sentiment"] and ready["refused"] == {}
+    with LiveServer(create_app(Settings(store=store.root, tasks="sentiment,entailment"), backbone=bert)) as server:
+        assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment", "sentiment"]
+    with LiveServer(create_app(Settings(store=store.root), backbone=mpnet)) as server:
+        assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment"]

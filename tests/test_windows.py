@@ -13,7 +13,7 @@ import torch
 from modules_store import DEFAULT_STORE
 from server.app import create_app
 from server.config import Settings
-from server.windows import (TextWindows, WindowSettings, cut, furthest_from_edge, mean_by_tokens,
+from server.windows import (MEASURED_WINDOWS, TextWindows, WindowSettings, cut, furthest_from_edge, mean_by_tokens,
                             mean_of_pooled_vectors, parts, split)
 from tests.helpers import LiveServer, wait_until
 
@@ -371,3 +371,26 @@ def test_truncating_and_whole_reads_of_one_tokenizer_do_not_mix_across_threads(m
     for t in threads:
         t.join()
     assert seen == {"whole": {whole_length}, "cut": {16}}
+
+
+def test_a_requests_default_window_is_the_measured_one_of_its_task_types(minilm):
+    """The shipped MiniLM modules: a long text asked for ner is read in the window measured best for
+    token tasks on MiniLM (MEASURED_WINDOWS), for sentiment alone in the trained length (256; nothing
+    measured), for both in the shorter; a request's own window and the server's window_tokens win."""
+    measured = MEASURED_WINDOWS[("all-MiniLM-L6-v2", "token_classification")]
+    assert measured != 256
+    text = long_text(700)
+    settings = Settings(store=DEFAULT_STORE, tasks="ner,sentiment", head_precision="fp32", max_chars=20_000)
+    with LiveServer(create_app(settings, backbone=minilm)) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        count = {w: len(client.post("/v1/tokenize", json={"inputs": [text], "window": w}).json()["results"][0]["windows"])
+                 for w in (measured, 256)}
+        assert count[measured] != count[256]
+        assert infer(client, [text], "ner").json()["windows"] == [count[measured]]
+        assert infer(client, [text], "sentiment").json()["windows"] == [count[256]]
+        assert infer(client, [text], "ner,sentiment").json()["windows"] == [count[measured]]
+        assert infer(client, [text], "ner", window=256).json()["windows"] == [count[256]]
+        assert client.get("/v1/tasks").json()["windows"]["window_by_task_type"] == {
+            "sequence_classification": 256, "token_classification": measured}
+    with LiveServer(create_app(settings.model_copy(update={"window_tokens": 256}), backbone=minilm)) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as client:
+        assert infer(client, [text], "ner").json()["windows"] == [count[256]]

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from server.backbone import TokenBatch
 from server.engine import Engine
+from server.heads.decode import word_tags
 from server.modules import LoadedModule
 from training.data import word_label_ids_from_tokens
 from training.metrics import classification_scores, entity_scores, multilabel_scores
@@ -20,18 +21,25 @@ from training.states import Split
 
 
 def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
-    """Per row: the predicted label, for token tasks the predicted tag of every data word, for
-    multi-label tasks every label's probability (a threshold decides later: `score`)."""
+    """Per row: the predicted label, for token tasks the predicted tag of every data word (as the
+    server decodes them: `word_tags`), for multi-label tasks every label's probability (a threshold
+    decides later: `score`)."""
     if split.is_multi_label:
         return list(torch.sigmoid(logits.float()).cpu().numpy())
-    best = logits.argmax(dim=-1).cpu()
     if not split.is_token_task:
-        return [split.labels[int(i)] for i in best]
+        return [split.labels[int(i)] for i in logits.argmax(dim=-1).cpu()]
     outside = split.labels.index("O") if "O" in split.labels else 0
+    probs = torch.softmax(logits.float(), dim=-1).cpu().numpy()
     out = []
     for i, r in enumerate(rows):
-        ids = word_label_ids_from_tokens(split.encoded[r], split.spans[r], best[i].tolist(), outside)
-        out.append([split.labels[j] for j in ids])
+        # each data word reads its first sub-token's probabilities (a word truncation cut: outside),
+        # tagged as the server tags words (BIO rules where the labels have them)
+        first = np.array(word_label_ids_from_tokens(split.encoded[r], split.spans[r], range(probs.shape[1]), -1),
+                         dtype=np.int64)
+        words = probs[i, np.maximum(first, 0)]
+        words[first < 0] = np.eye(len(split.labels), dtype=words.dtype)[outside]
+        starts = np.arange(len(first)) == 0
+        out.append([split.labels[j] for j in word_tags(words, starts, split.labels)])
     return out
 
 

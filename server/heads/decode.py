@@ -1,9 +1,10 @@
 """Logits -> response objects, by task type (shared by every head kind).
 
-Decoding works on a whole batch at once: softmax and argmax run once, where the logits are (on
-the device in an eager pass), one copy brings the results to the host, and token classification
-then reads the batch's token arrays (`TokenBatch.token_arrays`) with numpy. Python runs per answer
-and per entity, never per token.
+Decoding works on a whole batch at once: softmax runs once, where the logits are (on the device
+in an eager pass), one copy brings the results to the host, and token classification then reads the
+batch's token arrays (`TokenBatch.token_arrays`) with numpy. Python runs per answer and per entity,
+never per token. Token tags are decoded under the BIO rules (`constrained_labels`): an answer never
+holds an `I-X` that does not follow `B-X` or `I-X`.
 """
 from __future__ import annotations
 
@@ -163,18 +164,18 @@ class Words:
     segment: np.ndarray  # 0 text, 1 text_pair
     start: np.ndarray  # the first sub-token's start
     end: np.ndarray  # the furthest end of its sub-tokens
-    label: np.ndarray  # label index predicted on the first sub-token
-    score: np.ndarray  # that prediction's probability
+    label: np.ndarray  # its tag (label index), from its probability vector by `aggregation` (`word_tags`)
+    score: np.ndarray  # that tag's probability
 
 
-def word_predictions(scores: np.ndarray, best: np.ndarray, batch: TokenBatch, aggregation: str = "first",
-                     probs: np.ndarray | None = None) -> Words:
-    """A word's span runs from its first sub-token to the end of its last. Its tag, by `aggregation`
-    (as Hugging Face's token-classification pipeline defines them): first, the prediction on its first
-    sub-token (the one training labels); average, the best label of the mean of its sub-tokens'
-    probability vectors (`probs`, (rows, T, C), needed for it); max, the prediction of the sub-token
-    whose best probability is highest (the first of equal ones). `scores`, `best`: (rows, T) from
-    `best_labels`."""
+def word_predictions(probs: np.ndarray, batch: TokenBatch, aggregation: str = "first",
+                     labels: list[str] | None = None) -> Words:
+    """A word's span runs from its first sub-token to the end of its last. Its probability vector, by
+    `aggregation` (as Hugging Face's token-classification pipeline defines them): first, its first
+    sub-token's (the one training labels); average, the mean of its sub-tokens'; max, that of the
+    sub-token whose best probability is highest (the first of equal ones). `probs`: (rows, T, C)
+    softmax probabilities. Its tag: the best label of that vector, or with `labels` the tag of the
+    most probable sequence the BIO rules allow (`constrained_labels`); its score, that tag's probability."""
     tokens = batch.token_arrays()
     row, t = np.nonzero((tokens.segment >= 0) & (tokens.word >= 0))  # row-major: token order per row
     segment, word = tokens.segment[row, t], tokens.word[row, t]
@@ -191,21 +192,91 @@ def word_predictions(scores: np.ndarray, best: np.ndarray, batch: TokenBatch, ag
         mean = np.zeros((len(first), pieces.shape[-1]), dtype=np.float64)
         np.add.at(mean, which, pieces)
         mean /= np.bincount(which, minlength=len(first))[:, None]
-        label, score = mean.argmax(1)[order], mean.max(1)[order].astype(np.float32)
+        vectors = mean[order]
     elif aggregation == "max":
-        piece_scores = scores[row, t]
+        piece_scores = probs[row, t].max(-1)
         # per word, its pieces by score (highest first, then position): the first of each word wins
         by_score = np.lexsort((np.arange(len(which)), -piece_scores, which))
         group_start = np.flatnonzero(np.r_[True, which[by_score][1:] != which[by_score][:-1]])
         winner = by_score[group_start][order]  # one token per word, words in key order -> first-token order
-        label, score = best[row[winner], t[winner]], piece_scores[winner]
+        vectors = probs[row[winner], t[winner]]
     elif aggregation == "first":
-        label, score = best[row[first[order]], t[first[order]]], scores[row[first[order]], t[first[order]]]
+        vectors = probs[row[first[order]], t[first[order]]]
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}; one of {AGGREGATIONS[:3]}")
     first = first[order]
-    return Words(row=row[first], segment=segment[first], start=tokens.start[row[first], t[first]],
+    word_row, word_segment = row[first], segment[first]
+    # a sequence is a run of words of one row and segment: the words an entity may continue over
+    starts = np.ones(len(word_row), dtype=bool)
+    starts[1:] = (word_row[1:] != word_row[:-1]) | (word_segment[1:] != word_segment[:-1])
+    label = word_tags(vectors, starts, labels) if labels is not None else vectors.argmax(1)
+    score = vectors[np.arange(len(label)), label].astype(np.float32)
+    return Words(row=word_row, segment=word_segment, start=tokens.start[word_row, t[first]],
                  end=word_end[order], label=label, score=score)
+
+
+def word_tags(probs: np.ndarray, starts: np.ndarray, labels: list[str]) -> np.ndarray:
+    """Each word's tag index from its probability vector (`probs`, (words, C)), sequence by sequence
+    (`starts`: True on each sequence's first word): under the BIO rules of `labels` where they have
+    any (`constrained_labels`), else the best label. What tmod-serve answers and tmod-train scores."""
+    allowed = bio_constraints(labels)
+    if allowed is None:
+        return probs.argmax(1)
+    # log of 0 (a probability float32 rounds away) floored: every allowed path keeps a finite score
+    return constrained_labels(np.log(np.maximum(probs, np.finfo(np.float64).tiny, dtype=np.float64)), starts, allowed)
+
+
+def bio_constraints(labels: list[str]) -> np.ndarray | None:
+    """Which tag may follow which, (C + 1, C) booleans: [i, j] may tag j follow tag i; the last row:
+    may tag j open a sequence. An `I-X` may only follow `B-X` or `I-X`, where the labels have a `B-X`
+    (a label set without B- tags, or other prefixes, is not constrained). None: nothing is."""
+    allowed = np.ones((len(labels) + 1, len(labels)), dtype=bool)
+    for j, tag in enumerate(labels):
+        if tag.startswith("I-") and "B-" + tag[2:] in labels:
+            allowed[:, j] = [label in (tag, "B-" + tag[2:]) for label in labels] + [False]
+    return None if allowed.all() else allowed
+
+
+def constrained_labels(log_probs: np.ndarray, starts: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Per word, its label in the most probable label sequence that `allowed` (`bio_constraints`)
+    permits, sequence by sequence (`starts`: True on each sequence's first word). A sequence whose
+    best labels already follow the rules keeps them; the others are searched (`viterbi`)."""
+    best = log_probs.argmax(1)
+    if len(best) == 0:
+        return best
+    before = np.where(starts, len(allowed) - 1, np.r_[0, best[:-1]])
+    broken = ~allowed[before, best]
+    if not broken.any():
+        return best
+    begin = np.flatnonzero(starts)
+    length = np.diff(np.r_[begin, len(best)])
+    redo = np.unique(np.cumsum(starts)[broken] - 1)  # sequences with a forbidden step
+    steps = np.arange(length[redo].max())
+    inside = steps[None] < length[redo][:, None]
+    index = np.where(inside, begin[redo][:, None] + steps[None], begin[redo][:, None])
+    best[index[inside]] = viterbi(log_probs[index], length[redo], allowed)[inside]
+    return best
+
+
+def viterbi(log_probs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """The most probable allowed label path of each sequence: `log_probs` (S, L, C), sequence s
+    holding its first `lengths[s]` steps; `allowed` as `bio_constraints`. Equal scores: the lower
+    label index. Returns (S, L) label indices (0 past a sequence's end)."""
+    sequences, steps, _ = log_probs.shape
+    penalty = np.where(allowed, 0.0, -np.inf)
+    score = penalty[-1] + log_probs[:, 0]
+    back = np.zeros((sequences, steps, allowed.shape[1]), dtype=np.int64)
+    for t in range(1, steps):
+        candidates = score[:, :, None] + penalty[None, :-1]  # (S, from, to)
+        back[:, t] = candidates.argmax(1)
+        score = np.where((t < lengths)[:, None], candidates.max(1) + log_probs[:, t], score)
+    path = np.zeros((sequences, steps), dtype=np.int64)
+    last = score.argmax(1)
+    every = np.arange(sequences)
+    for t in range(steps - 1, -1, -1):
+        following = back[every, min(t + 1, steps - 1), path[:, min(t + 1, steps - 1)]]
+        path[:, t] = np.where(t == lengths - 1, last, np.where(t < lengths - 1, following, 0))
+    return path
 
 
 OUTSIDE, INSIDE = 0, 1  # tag prefix codes (B and E are 2 and 3: they only ever start an entity)
@@ -243,9 +314,8 @@ def _pieces(labels: list[str], logits: torch.Tensor, batch: TokenBatch) -> list[
 def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggregation: str = "first"
               ) -> list[dict[str, Any]]:
     rows = len(batch.texts)
-    scores, best = best_labels(logits[:rows])
-    probs = torch.softmax(logits[:rows].float(), dim=-1).cpu().numpy() if aggregation == "average" else None
-    words = word_predictions(scores, best, batch, aggregation, probs)
+    probs = torch.softmax(logits[:rows].float(), dim=-1).cpu().numpy()
+    words = word_predictions(probs, batch, aggregation, labels)
     tags = [split_tag(tag) for tag in labels]
     kinds = sorted({kind for _, kind in tags})
     prefix = np.array(["OIBE".index(p) for p, _ in tags])[words.label]
