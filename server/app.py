@@ -186,7 +186,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         most `max_tokens` word pieces (default: the server's limit), by default as measured best for `modules`;
         413 past `budget` word pieces in all, found before the whole request is tokenized."""
         check_inputs(texts, text_pairs)
-        chosen = window_settings(window, stride, max_tokens, task_types(modules or {}))
+        # a truncated text is read in one row, as long as the backbone reads: the measured (shorter) reading
+        # windows of a task type pay off only where a whole text is read in overlapping windows
+        chosen = window_settings(window, stride, max_tokens, () if truncate else task_types(modules or {}))
         read = functools.partial(windows.read, runtime.text, texts, text_pairs, chosen, truncate, budget)
         try:
             if sum(map(len, texts)) + sum(map(len, text_pairs or ())) <= INLINE_TOKENIZE_CHARS:

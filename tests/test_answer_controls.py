@@ -33,7 +33,9 @@ SENTIMENT_TEXTS = ["A gorgeous, witty, seductive movie.", "The plot is thin and 
 
 @pytest.fixture(scope="module")
 def live(minilm):
-    settings = Settings(store=DEFAULT_STORE, precision="fp32", head_precision="fp32", max_inputs=16)
+    # every shipped task, the opt-in entailment/1 of MiniLM included (the pair-truncation test names it)
+    settings = Settings(store=DEFAULT_STORE, precision="fp32", head_precision="fp32", max_inputs=16,
+                        tasks=",".join(ModuleStore(DEFAULT_STORE).tasks()))
     with LiveServer(create_app(settings, backbone=minilm)) as server:
         yield server
 
