@@ -8,7 +8,8 @@ entities are as dense as in real answers. Also a sentence classification decode:
 
 Timed per batch (median of `--repeats`, the variants interleaved in each repeat), host CPU, one
 torch thread:
-- `old`: the decoder as it was (tests/test_decode.py keeps it as the oracle of the equality tests);
+- `old`: the per-row, per-token decoder (tests/test_decode.py keeps it as the oracle of the equality tests,
+  tagging under the BIO rules in plain Python since issue 39);
 - `new`: server/heads/decode.py, the batch's token arrays built on the way (what an eager decode
   of a fresh batch pays);
 - `new_arrays_ready`: the same with the token arrays already built (`TokenBatch.token_arrays`,
