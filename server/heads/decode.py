@@ -168,14 +168,13 @@ class Words:
     score: np.ndarray  # that tag's probability
 
 
-def word_predictions(probs: np.ndarray, batch: TokenBatch, aggregation: str = "first",
-                     labels: list[str] | None = None) -> Words:
+def word_predictions(probs: np.ndarray, batch: TokenBatch, labels: list[str], aggregation: str = "first") -> Words:
     """A word's span runs from its first sub-token to the end of its last. Its probability vector, by
     `aggregation` (as Hugging Face's token-classification pipeline defines them): first, its first
     sub-token's (the one training labels); average, the mean of its sub-tokens'; max, that of the
     sub-token whose best probability is highest (the first of equal ones). `probs`: (rows, T, C)
-    softmax probabilities. Its tag: the best label of that vector, or with `labels` the tag of the
-    most probable sequence the BIO rules allow (`constrained_labels`); its score, that tag's probability."""
+    softmax probabilities. Its tag: by `word_tags` (under the BIO rules of `labels` where they have any);
+    its score, that tag's probability."""
     tokens = batch.token_arrays()
     row, t = np.nonzero((tokens.segment >= 0) & (tokens.word >= 0))  # row-major: token order per row
     segment, word = tokens.segment[row, t], tokens.word[row, t]
@@ -209,7 +208,7 @@ def word_predictions(probs: np.ndarray, batch: TokenBatch, aggregation: str = "f
     # a sequence is a run of words of one row and segment: the words an entity may continue over
     starts = np.ones(len(word_row), dtype=bool)
     starts[1:] = (word_row[1:] != word_row[:-1]) | (word_segment[1:] != word_segment[:-1])
-    label = word_tags(vectors, starts, labels) if labels is not None else vectors.argmax(1)
+    label = word_tags(vectors, starts, labels)
     score = vectors[np.arange(len(label)), label].astype(np.float32)
     return Words(row=word_row, segment=word_segment, start=tokens.start[word_row, t[first]],
                  end=word_end[order], label=label, score=score)
@@ -315,7 +314,7 @@ def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggreg
               ) -> list[dict[str, Any]]:
     rows = len(batch.texts)
     probs = torch.softmax(logits[:rows].float(), dim=-1).cpu().numpy()
-    words = word_predictions(probs, batch, aggregation, labels)
+    words = word_predictions(probs, batch, labels, aggregation)
     tags = [split_tag(tag) for tag in labels]
     kinds = sorted({kind for _, kind in tags})
     prefix = np.array(["OIBE".index(p) for p, _ in tags])[words.label]
