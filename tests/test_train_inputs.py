@@ -180,3 +180,19 @@ def test_epoch_selection_needs_a_real_improvement():
     assert better_epoch(0.949, 0.25, 0.95, 0.30, s)  # level metric, clearly lower loss: better fitted
     assert not better_epoch(0.949, 0.299, 0.95, 0.30, s)  # level metric, loss level too
     assert not better_epoch(0.90, 0.10, 0.95, 0.30, s)  # a lower metric is never better
+
+
+def test_none_threshold_leaves_out_rows_more_often_wrong_than_right():
+    import numpy as np
+
+    from training.metrics import answered_scores, choose_none_threshold
+
+    labels = ["a", "b"]
+    # confident rows right, rows at p 0.55 wrong 3 times out of 4
+    probs = np.array([[0.95, 0.05]] * 6 + [[0.55, 0.45]] * 4)
+    gold = ["a"] * 6 + ["b", "b", "b", "a"]
+    chosen = choose_none_threshold(gold, probs, labels)
+    assert 0.55 < chosen["threshold"] <= 0.95
+    assert chosen["answered"] == 6 and chosen["accuracy_answered"] == 1.0 and chosen["coverage"] == 0.6
+    assert answered_scores(gold, probs, labels, 0.0) == {"threshold": 0.0, "coverage": 1.0,
+                                                          "accuracy_answered": 0.7, "answered": 10}

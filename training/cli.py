@@ -73,7 +73,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--optimizer", choices=["adam", "adamw"], default=S)
-    g.add_argument("--lr", type=float, default=S)
+    g.add_argument("--lr", type=float, default=S,
+                   help="learning rate (default: layermix 1e-3, 3e-4 for token tasks; mtb 5e-5; lora-mtb 5e-4)")
     g.add_argument("--weight-decay", type=float, default=S)
     g.add_argument("--batch-size", type=int, default=S)
     g.add_argument("--eval-batch-size", type=int, default=S, help="batch size of backbone passes and scoring")

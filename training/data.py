@@ -365,8 +365,7 @@ class DataSpec:
     multi_label: bool = False
 
     def read(self) -> LabelledData:
-        if not self.path.is_file():
-            raise UsageError(f"no such file: {self.path}")
+        """The split's examples; a missing or unreadable file, or a bad row, is a UsageError."""
         if self.format == "conll":
             return read_conll(self.path)
         return read_table(self.path, text_column=self.text_column, label_column=self.label_column,
