@@ -48,8 +48,9 @@ class Settings(BaseSettings):
     window_tokens: int | None = Field(
         None, ge=16, description="word pieces per window (special tokens and a text pair included): a longer text is "
         "read in overlapping windows and answered as one (docs/windows.md); truncate cuts a text at one window. "
-        "Default: per request, the window measured best for its task types on this backbone (token tasks: MiniLM "
-        "64, MPNet 256; server/windows.py MEASURED_WINDOWS), else the backbone's trained length where its "
+        "Default: per request, the window measured best for its task types on this backbone where all of them "
+        "have one (token tasks: MiniLM 64, MPNet 256; server/windows.py MEASURED_WINDOWS), else the backbone's "
+        "trained length where its "
         "sentence-transformers config states one (MiniLM 256, MPNet 384), else its limit")
     window_stride: int | None = Field(
         None, ge=1, description="how far each window starts after the one before (neighbours share window - stride "

@@ -141,11 +141,6 @@ def token_limit(modules: dict, limit: int | None) -> int | None:
     return limit
 
 
-def opt_in(store: ModuleStore, task: str, backbone, bridges: dict | None = None) -> str | None:
-    """Why the version of `task` that `backbone` would serve is opt-in (its manifest's `opt_in`), or None."""
-    return store.read_manifest(task, servable_version(store, task, backbone, bridges)).opt_in
-
-
 def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) -> list[str]:
     """The store's tasks that have a version `backbone` serves (see `servable_version`)."""
     out = []

@@ -27,7 +27,7 @@ from server.engine import Engine
 from server.errors import ApiError, clip
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
-from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable, opt_in
+from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
 from server.probe import probe_module
 from server.runner import (  # noqa: F401  (length_runs: re-exported)
     ModelRunner,
@@ -244,13 +244,14 @@ class Runtime:
             loaded = {}
             for task in wanted:
                 try:
-                    why = None if asked else opt_in(self.store, task, self.backbone, self.bridges)
-                    if why:  # served when named, not on a start-up over the whole store
-                        log.info("module %s skipped: opt-in (%s); name it in --tasks to serve it", task, why)
-                        continue
                     # the newest version that passes its checks; each newer one refused is reported
-                    loaded[task], refused = load_servable(self.store, task, self.backbone, self.settings.device,
-                                                          self.bridges, probe_module)
+                    module, refused = load_servable(self.store, task, self.backbone, self.settings.device,
+                                                    self.bridges, probe_module)
+                    if not asked and module.manifest.opt_in:  # served when named, not on a start-up over the store
+                        log.info("module %s/%s skipped: opt-in (%s); name it in --tasks to serve it", task,
+                                 module.version, module.manifest.opt_in)
+                        continue
+                    loaded[task] = module
                     via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
                     log.info("module %s/%s loaded%s", task, loaded[task].version, via)
                     if refused:

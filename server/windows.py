@@ -89,11 +89,13 @@ MEASURED_WINDOWS = {
 
 
 def measured_window(backbone: str, task_types) -> int | None:
-    """The shortest measured default window of `task_types` (TaskType or its value) on `backbone`
-    (its fingerprint's name): a request's tasks share its rows, so the task read best in short windows
-    decides; None when none of them has one."""
+    """The measured default window of a request's `task_types` (TaskType or its value) on `backbone`
+    (its fingerprint's name), where every one of them has one (the shortest of theirs); None otherwise.
+    A request's tasks share its rows, so a request that mixes in a task type with no measured window
+    (a sequence task, an embedding) reads at the backbone's default: those answers never depend on
+    which other tasks were asked beside them."""
     found = [MEASURED_WINDOWS.get((backbone, getattr(kind, "value", kind))) for kind in task_types]
-    return min((w for w in found if w), default=None)
+    return min(found) if found and all(found) else None
 
 
 def settings_for(text: TextEncoder, max_tokens: int | None, window: int | None = None, stride: int | None = None,
