@@ -313,42 +313,12 @@ def clients(url: str) -> dict:
     return out
 
 
-def rows_swapped(data: bytes) -> bytes:
-    """A safetensors file of the same size whose classifier tensors (2 labels) have their rows
-    swapped: another module's answers under the checked file's sha256."""
-    from safetensors.torch import load, save
-
-    tensors = load(data)
-    for name, tensor in tensors.items():
-        if "classifier" in name and tensor.shape and tensor.shape[0] == 2:
-            tensors[name] = tensor.flip(0).contiguous()
-    swapped = save(tensors)
-    assert len(swapped) == len(data) and swapped != data
-    return swapped
-
-
-def rewrite_until(target: Path, versions: list[bytes], how: str, stop: threading.Event) -> None:
-    """Write each of `versions` in turn over `target` (in place: truncate then write, as `cp` does;
-    or a new file renamed over it), 0-20 ms apart, until `stop`."""
-    import random
-
-    staging, pauses, turn = target.with_name(".incoming"), random.Random(0), 0
-    while not stop.wait(pauses.uniform(0, 0.02)):
-        data = versions[turn % len(versions)]
-        turn += 1
-        if how == "in_place":
-            with open(target, "wb") as out:
-                for start in range(0, len(data), 1 << 16):
-                    out.write(data[start:start + (1 << 16)])
-        else:
-            staging.write_bytes(data)
-            os.replace(staging, target)
-
-
 async def reload_race(server: ServerProcess, weights: Path, how: str, seconds: float, concurrency: int) -> dict:
     """Reloads of sentiment back to back while its weights change under the server, and traffic
     comparing every answer with the checked weights' answer (labels exactly, scores within 0.01:
     batch composition moves bf16 scores by ~1e-3, swapped rows move them by far more)."""
+    from tests.helpers import rewrite_until, rows_swapped
+
     checked = weights.read_bytes()
     body = {"inputs": SENTENCES[:3]}
     statuses, admin, wrong, lost = collections.Counter(), collections.Counter(), [], 0

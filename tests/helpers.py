@@ -225,3 +225,36 @@ def keep_alive_client(host: str, port: int, request: bytes, outcomes, answered=N
             stream.close()
             sock.close()
             sock = None
+
+
+def rows_swapped(data: bytes) -> bytes:
+    """A safetensors file of the same size whose classifier tensors of 2 labels have their rows
+    swapped: another module's answers under the checked file's sha256 (store race checks)."""
+    from safetensors.torch import load, save
+
+    tensors = load(data)
+    for name, tensor in tensors.items():
+        if "classifier" in name and tensor.shape and tensor.shape[0] == 2:
+            tensors[name] = tensor.flip(0).contiguous()
+    swapped = save(tensors)
+    assert len(swapped) == len(data) and swapped != data
+    return swapped
+
+
+def rewrite_until(target: Path, versions: list[bytes], how: str, stop: threading.Event) -> None:
+    """Until `stop`: write each of `versions` in turn over `target`, 0-20 ms apart, in place (truncate,
+    then write, as `cp` does) or as a new file renamed over it (store race checks)."""
+    import os
+    import random
+
+    staging, pauses, turn = target.with_name(".incoming"), random.Random(0), 0
+    while not stop.wait(pauses.uniform(0, 0.02)):
+        data = versions[turn % len(versions)]
+        turn += 1
+        if how == "in_place":
+            with open(target, "wb") as out:
+                for start in range(0, len(data), 1 << 16):
+                    out.write(data[start:start + (1 << 16)])
+        else:
+            staging.write_bytes(data)
+            os.replace(staging, target)

@@ -413,15 +413,7 @@ def raw_exchange(url: str, data: bytes) -> tuple[int, dict, bytes]:
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        received = b""
-        while True:
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            received += chunk
+        received = read_until_closed(sock)
     head, _, body = received.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)

@@ -7,51 +7,21 @@ memory-mapped (a truncation under a memory map ends the process with SIGBUS)."""
 from __future__ import annotations
 
 import os
-import random
 import threading
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import load, save
 
 from modules_store import ModuleStore
 from modules_store.store import WEIGHTS_FILE
 from server.modules import save_module
-from tests.helpers import random_head, start_tmod_serve
+from tests.helpers import random_head, rewrite_until, rows_swapped, start_tmod_serve
 
 TOKEN = "race-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 TEXTS = ["A fine film.", "Dreadful, long and loud."]
 RELOADS = 25
-
-
-def rows_swapped(data: bytes) -> bytes:
-    """The same safetensors file (same names, shapes and size) with the classifier's two rows swapped:
-    another module's answers under the first one's checksum."""
-    tensors = load(data)
-    name = next(n for n, t in tensors.items() if t.dim() == 2 and t.shape[0] == 2 and "classifier" in n)
-    tensors[name] = tensors[name].flip(0).contiguous()
-    swapped = save(tensors)
-    assert len(swapped) == len(data) and swapped != data
-    return swapped
-
-
-def rewrite(target, versions: list[bytes], how: str, stop: threading.Event) -> None:
-    """Until `stop`: write each of `versions` in turn over `target`, in place or by rename, a few
-    milliseconds apart (so that some reloads find the file whole)."""
-    staging = target.with_name(".incoming")
-    turn, pauses = 0, random.Random(0)
-    while not stop.wait(pauses.uniform(0, 0.02)):
-        data = versions[turn % len(versions)]
-        turn += 1
-        if how == "in_place":  # what `cp new weights.safetensors` does: truncate, then write
-            with open(target, "wb") as out:
-                for start in range(0, len(data), 1 << 20):
-                    out.write(data[start:start + (1 << 20)])
-        else:
-            staging.write_bytes(data)
-            os.replace(staging, target)
 
 
 def positive(client) -> list[float]:
@@ -78,7 +48,7 @@ def test_reloads_while_the_weights_file_is_rewritten_never_crash_nor_serve_other
                                      "--tasks", "sentiment", "--workers", str(workers),
                                      "--head-precision", "fp32"], env)
     stop = threading.Event()
-    writer = threading.Thread(target=rewrite, args=(target, versions, how, stop), daemon=True)
+    writer = threading.Thread(target=rewrite_until, args=(target, versions, how, stop), daemon=True)
     statuses, wrong = [], []
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
