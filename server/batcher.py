@@ -1,15 +1,21 @@
 """Dynamic batching: requests queue up; one backbone pass answers many of them.
 
-A batch takes queued jobs of one input signature (single texts or text pairs) until a token
-budget or a row limit is reached or `max_wait` has passed since its first job; rows are sorted by
-length to cut padding; the backbone runs once for the union of the tasks its jobs asked for, and
-each job gets only its own tasks back. The queue is bounded: a full queue refuses at once (429).
-Jobs whose client went away or whose deadline passed are dropped before any compute.
+A batch takes queued entries of one input signature (single texts or text pairs) until a token
+budget or a row limit is reached or `max_wait` has passed since its first entry; rows are sorted by
+length to cut padding; the backbone runs once for the union of the tasks its entries asked for, and
+each entry gets only its own tasks back. The queue is bounded: a full queue refuses at once (429).
+Entries whose client went away or whose deadline passed are dropped before any compute.
 
-Forming a batch costs O(tasks) per job (`Forming` keeps the module answering each task, so a job is
-checked against it, not against every job already in), and the client of a job is asked whether
-it is still there only once the job has waited `disconnect_check_after` (asking costs ~50 us per job
-in Starlette; a job answered sooner than that is not worth the question).
+An entry is a tuple `(rows, modules, deadline, enqueued, owner, key)`, no object of its own: the
+owner keeps what it needs per key and is told per batch what happened (`Owner`). The engine process
+of `--workers N` is one owner per worker connection: it answers a whole batch's requests of that
+worker in one frame (server/workers.py). A `Job` of the one-process path is its own key under the
+`JOBS` owner, whose future the HTTP handler awaits (`Batcher.submit`).
+
+Forming a batch costs O(tasks) per entry (`Forming` keeps the module answering each task, so an
+entry is checked against it, not against every entry already in), and the client of a job is asked
+whether it is still there only once the job has waited `disconnect_check_after` (asking costs ~50 us
+per job in Starlette; a job answered sooner than that is not worth the question).
 """
 from __future__ import annotations
 
@@ -20,7 +26,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from operator import itemgetter
 from typing import Awaitable, Callable
 
@@ -31,6 +36,7 @@ from server.timings import Timings
 log = logging.getLogger("tmod.batcher")
 
 DEPTH_EVERY = 0.01  # seconds: the queue-depth gauge is written at most this often on submit (and per batch)
+ROWS, MODULES, DEADLINE, ENQUEUED, OWNER, KEY = range(6)  # an entry's fields
 
 
 class QueueFull(Exception):
@@ -47,6 +53,8 @@ class ClientGone(Exception):
 
 @dataclass
 class Job:
+    """A request of the one-process path (and a worker's request before it crosses to the engine)."""
+
     rows: list[EncodedInput]
     modules: dict[str, LoadedModule]
     deadline: float
@@ -56,56 +64,138 @@ class Job:
     future: asyncio.Future | None = None
     running: bool = False  # taken into a batch that runs: its deadline no longer applies
 
-    @property
-    def pairs(self) -> bool:
-        return self.rows[0].text_pair is not None
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(row) for row in self.rows)
+class Owner:
+    """Whoever queued entries: told, by key, what became of them. Every method runs on the loop."""
 
-    @cached_property
-    def longest(self) -> int:
-        return max(len(row) for row in self.rows)
+    asks_clients = False  # whether `gone` is worth asking (a job's HTTP client)
+
+    def waiting(self, key) -> bool:
+        """Still waiting for a batch (not answered, failed, cancelled or running)."""
+        raise NotImplementedError
+
+    def take(self, key) -> bool:
+        """The entry goes into a batch that runs (its deadline no longer applies); False: it is no
+        longer waiting (cancelled, failed), leave it out."""
+        raise NotImplementedError
+
+    def expire(self, key) -> bool:
+        """Its deadline passed while it waited: fail it. False if it was no longer waiting."""
+        raise NotImplementedError
+
+    async def gone(self, key) -> bool:
+        """Whether its client left (then it is failed here and True)."""
+        return False
+
+    def answer(self, items: list, outputs: dict[str, list], timings: Timings, started: float) -> None:
+        """A batch ran: `items` are (entry, places) of this owner's entries, `places` each of its rows'
+        index into `outputs` (per task, the answer of every row of the batch)."""
+        raise NotImplementedError
+
+    def fail(self, entries: list, exc: Exception) -> None:
+        """A batch failed as a whole: each of these entries gets `exc`."""
+        raise NotImplementedError
+
+
+class JobOwner(Owner):
+    """The one-process path: each entry's key is its Job, answered through the job's future."""
+
+    asks_clients = True
+
+    def waiting(self, job: Job) -> bool:
+        return not (job.running or job.future.done())
+
+    def take(self, job: Job) -> bool:
+        if job.future.done():  # cancelled by the handler
+            return False
+        job.running = True
+        return True
+
+    def expire(self, job: Job) -> bool:
+        if job.running or job.future.done():
+            return False
+        job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
+        return True
+
+    async def gone(self, job: Job) -> bool:
+        if job.is_disconnected is None or not await job.is_disconnected():
+            return False
+        if not job.future.done():
+            job.future.set_exception(ClientGone("client disconnected"))
+        return True
+
+    def answer(self, items, outputs, timings, started) -> None:
+        for entry, places in items:
+            job = entry[KEY]
+            if job.future.done():
+                continue
+            job.timings.extra["queue"] = started - job.enqueued
+            job.timings.backbone, job.timings.heads = timings.backbone, timings.heads
+            answers = {task: outputs[task] for task in job.modules}
+            results = [{task: answer[i] for task, answer in answers.items()} for i in places]
+            refusal = next((a for row in results for a in row.values() if isinstance(a, Exception)), None)
+            if refusal is not None:
+                job.future.set_exception(refusal)
+            else:
+                job.future.set_result(results)
+
+    def fail(self, entries, exc) -> None:
+        for entry in entries:
+            if not entry[KEY].future.done():
+                entry[KEY].future.set_exception(exc)
+
+
+JOBS = JobOwner()
+
+
+def job_entry(job: Job) -> tuple:
+    return (job.rows, job.modules, job.deadline, job.enqueued, JOBS, job)
 
 
 @dataclass
 class BatchSettings:
     max_batch_tokens: int = 16384  # padded tokens (rows x longest row) per backbone pass
     max_batch_size: int = 128
-    max_wait: float = 0.002  # seconds a batch waits for company after its first job
-    max_queue: int = 256  # jobs waiting; beyond this, 429
-    enabled: bool = True  # False: one job per backbone pass (for comparison)
+    max_wait: float = 0.002  # seconds a batch waits for company after its first entry
+    max_queue: int = 256  # entries waiting; beyond this, 429
+    enabled: bool = True  # False: one entry per backbone pass (for comparison)
     in_flight: int = 1  # batches handed to compute at once: 2 forms and prepares the next while one runs
     disconnect_check_after: float = 0.05  # seconds queued before a job's client is asked whether it is still there
 
 
+def longest(rows) -> int:
+    return max(map(len, rows)) if len(rows) > 1 else len(rows[0])
+
+
 class Forming:
-    """A batch being formed: its jobs, rows, longest row, and the module answering each task (the
-    union of its jobs' tasks), so that adding a job costs O(its tasks), whatever the batch holds."""
+    """A batch being formed: its entries, rows, longest row, and the module answering each task (the
+    union of its entries' tasks), so that adding an entry costs O(its tasks), whatever the batch holds."""
 
-    def __init__(self, first: Job):
-        self.jobs = [first]
-        self.rows, self.longest, self.pairs = len(first.rows), first.longest, first.pairs
-        self.modules: dict[str, LoadedModule] = dict(first.modules)
+    def __init__(self, first: tuple):
+        rows = first[ROWS]
+        self.entries = [first]
+        self.rows, self.longest, self.pairs = len(rows), longest(rows), rows[0].text_pair is not None
+        self.modules: dict[str, LoadedModule] = dict(first[MODULES])
 
-    def admits(self, job: Job, settings: BatchSettings) -> bool:
-        """Whether `job` may join: same input signature, no task answered by another version
+    def admits(self, entry: tuple, settings: BatchSettings) -> bool:
+        """Whether `entry` may join: same input signature, no task answered by another version
         (mid-reload two versions cannot share a pass), within the row limit and token budget."""
-        if not settings.enabled or job.pairs != self.pairs:
+        rows = entry[ROWS]
+        if not settings.enabled or (rows[0].text_pair is not None) != self.pairs:
             return False
         known = self.modules
-        for task, module in job.modules.items():
+        for task, module in entry[MODULES].items():
             if known.get(task, module) is not module:
                 return False
-        rows = self.rows + len(job.rows)
-        return rows <= settings.max_batch_size and rows * max(self.longest, job.longest) <= settings.max_batch_tokens
+        count = self.rows + len(rows)
+        return count <= settings.max_batch_size and count * max(self.longest, longest(rows)) <= settings.max_batch_tokens
 
-    def add(self, job: Job) -> None:
-        self.jobs.append(job)
-        self.rows += len(job.rows)
-        self.longest = max(self.longest, job.longest)
-        self.modules.update(job.modules)
+    def add(self, entry: tuple) -> None:
+        rows = entry[ROWS]
+        self.entries.append(entry)
+        self.rows += len(rows)
+        self.longest = max(self.longest, longest(rows))
+        self.modules.update(entry[MODULES])
 
 
 def _wake(future: asyncio.Future) -> None:
@@ -128,14 +218,14 @@ class Batcher:
         self._running: set[asyncio.Task] = set()  # batches handed on, not yet answered
         self.settings = settings
         self.metrics = metrics
-        self._queue: collections.deque[Job] = collections.deque()
+        self._queue: collections.deque[tuple] = collections.deque()
         self._arrival: asyncio.Future | None = None  # what the loop awaits while the queue is empty
-        self._held: collections.deque[Job] = collections.deque()  # taken but not fitting the last batch
+        self._held: collections.deque[tuple] = collections.deque()  # taken but not fitting the last batch
         self._task: asyncio.Task | None = None
         self._closing = False
-        # waiting jobs' deadlines, earliest first, kept by one timer for all of them (a timer per job
-        # cost the engine process a handle, a callback and a cancel per request)
-        self._deadlines: list[tuple[float, int, Job]] = []
+        # waiting entries' deadlines, earliest first, kept by one timer for all of them (a timer per
+        # request cost the engine process a handle, a callback and a cancel per request)
+        self._deadlines: list[tuple[float, int, tuple]] = []
         self._order = itertools.count()
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = float("inf")
@@ -146,7 +236,7 @@ class Batcher:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="tmod-batcher")
 
     async def drain_and_stop(self) -> None:
-        """Refuse new jobs, answer every queued one, then stop."""
+        """Refuse new entries, answer every queued one, then stop."""
         self._closing = True
         while self.depth() or self._running:
             await asyncio.sleep(0.01)
@@ -161,31 +251,36 @@ class Batcher:
         return len(self._queue) + len(self._held)
 
     # ---- submitting --------------------------------------------------------------------------
+    def put(self, entry: tuple) -> None:
+        """Queue an entry (`(rows, modules, deadline, enqueued, owner, key)`); its owner hears what
+        became of it. A full queue raises QueueFull at once."""
+        if self._closing:
+            raise QueueFull("the server is shutting down")
+        if len(self._queue) + len(self._held) >= self.settings.max_queue:
+            raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
+        self._keep_deadline(entry)  # kept while the entry waits, not only when a batch takes it
+        self._queue.append(entry)
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
+        if entry[ENQUEUED] - self._depth_seen >= DEPTH_EVERY:  # a gauge write per request is not worth it
+            self._observe_depth()
+
     def enqueue(self, job: Job) -> asyncio.Future:
         """Queue `job`; the future returned gets its answers, or the reason it got none
         (DeadlineExceeded, ClientGone, a refusal). A full queue raises QueueFull at once."""
-        if self._closing:
-            raise QueueFull("the server is shutting down")
-        if self.depth() >= self.settings.max_queue:
-            raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         job.future = asyncio.get_running_loop().create_future()
-        self._keep_deadline(job)  # kept while the job waits, not only when a batch takes it
-        self._queue.append(job)
-        if self._arrival is not None and not self._arrival.done():
-            self._arrival.set_result(None)
-        if job.enqueued - self._depth_seen >= DEPTH_EVERY:  # a gauge write per request is not worth it
-            self._observe_depth()
+        self.put(job_entry(job))
         return job.future
 
     async def submit(self, job: Job):
         return await self.enqueue(job)
 
-    def _keep_deadline(self, job: Job) -> None:
+    def _keep_deadline(self, entry: tuple) -> None:
         deadlines = self._deadlines
-        while deadlines and deadlines[0][2].future.done():  # answered jobs leave from the front
+        while deadlines and not deadlines[0][2][OWNER].waiting(deadlines[0][2][KEY]):  # answered ones leave
             heapq.heappop(deadlines)
-        heapq.heappush(deadlines, (job.deadline, next(self._order), job))
-        if job.deadline < self._expiry_at:
+        heapq.heappush(deadlines, (entry[DEADLINE], next(self._order), entry))
+        if entry[DEADLINE] < self._expiry_at:
             self._arm_expiry()
 
     def _arm_expiry(self) -> None:
@@ -198,18 +293,17 @@ class Batcher:
             self._expiry = asyncio.get_running_loop().call_later(delay, self._expire_due)
 
     def _expire_due(self) -> None:
-        """Fail every waiting job whose deadline has passed; arm the timer for the next one."""
+        """Fail every waiting entry whose deadline has passed; arm the timer for the next one."""
         now, deadlines = time.perf_counter(), self._deadlines
-        while deadlines and (deadlines[0][0] <= now or deadlines[0][2].future.done()):
-            job = heapq.heappop(deadlines)[2]
-            if not job.future.done() and not job.running:
-                job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
+        while deadlines and (deadlines[0][0] <= now or not deadlines[0][2][OWNER].waiting(deadlines[0][2][KEY])):
+            entry = heapq.heappop(deadlines)[2]
+            if entry[DEADLINE] <= now and entry[OWNER].expire(entry[KEY]):
                 self._count_dropped("deadline")
         self._arm_expiry()
 
     # ---- the loop ----------------------------------------------------------------------------
-    async def _next(self, timeout: float | None) -> Job | None:
-        """The next job, waiting up to `timeout` seconds (None: until one comes) for one to be
+    async def _next(self, timeout: float | None) -> tuple | None:
+        """The next entry, waiting up to `timeout` seconds (None: until one comes) for one to be
         queued. A future and a timer, not `wait_for(queue.get())`: that cost a task per batch."""
         if self._held:
             return self._held.popleft()
@@ -226,30 +320,30 @@ class Batcher:
                 if timer is not None:
                     timer.cancel()
             if timeout is not None:
-                timeout = 0.0  # woken by a job, or the time is up
+                timeout = 0.0  # woken by an entry, or the time is up
         return self._queue.popleft()
 
     async def _loop(self) -> None:
         slots = asyncio.Semaphore(self.settings.in_flight)
         while True:
-            await slots.acquire()  # taken before the first job: with one slot a batch forms after the last ran
+            await slots.acquire()  # taken before the first entry: with one slot a batch forms after the last ran
             forming = Forming(await self._next(None))
             window_end = time.perf_counter() + self.settings.max_wait
             while self.settings.enabled:
-                job = await self._next(max(0.0, window_end - time.perf_counter()))
-                if job is None:
+                entry = await self._next(max(0.0, window_end - time.perf_counter()))
+                if entry is None:
                     break
-                if forming.admits(job, self.settings):
-                    forming.add(job)
+                if forming.admits(entry, self.settings):
+                    forming.add(entry)
                 else:
-                    self._held.appendleft(job)  # first in line for the next batch
+                    self._held.appendleft(entry)  # first in line for the next batch
                     break
             self._observe_depth()
-            task = asyncio.get_running_loop().create_task(self._execute_logged(forming.jobs, slots))
+            task = asyncio.get_running_loop().create_task(self._execute_logged(forming.entries, slots))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _execute_logged(self, batch: list[Job], slots: asyncio.Semaphore) -> None:
+    async def _execute_logged(self, batch: list[tuple], slots: asyncio.Semaphore) -> None:
         try:
             await self._execute(batch)
         except Exception:  # never let one batch kill the loop
@@ -257,41 +351,44 @@ class Batcher:
         finally:
             slots.release()
 
-    async def _live(self, batch: list[Job]) -> list[Job]:
+    async def _live(self, batch: list[tuple]) -> list[tuple]:
         now = time.perf_counter()
-        ask_before = now - self.settings.disconnect_check_after  # jobs queued before this are asked
+        ask_before = now - self.settings.disconnect_check_after  # entries queued before this are asked
         live = []
-        for job in batch:
-            if job.future.done():  # cancelled by the handler
+        for entry in batch:
+            owner, key = entry[OWNER], entry[KEY]
+            if now > entry[DEADLINE]:
+                if owner.expire(key):
+                    self._count_dropped("deadline")
                 continue
-            if now > job.deadline:
-                job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
-                self._count_dropped("deadline")
-                continue
-            if job.is_disconnected is not None and job.enqueued < ask_before and await job.is_disconnected():
-                job.future.set_exception(ClientGone("client disconnected"))
+            if owner.asks_clients and entry[ENQUEUED] < ask_before and owner.waiting(key) and await owner.gone(key):
                 self._count_dropped("client_gone")
                 continue
-            job.running = True
-            live.append(job)
+            if owner.take(key):
+                live.append(entry)
         return live
 
-    async def _execute(self, batch: list[Job]) -> None:
+    async def _execute(self, batch: list[tuple]) -> None:
         batch = await self._live(batch)
         if not batch:
             return
         started = time.perf_counter()
         # sort rows by length so similar lengths share padding (stable: equal lengths keep their
-        # order); `where[j]` remembers where job j's rows went
-        order = sorted(((len(row), j, r) for j, job in enumerate(batch) for r, row in enumerate(job.rows)),
-                       key=itemgetter(0))
-        rows = [batch[j].rows[r] for _, j, r in order]
-        where = [[0] * len(job.rows) for job in batch]
+        # order); `where[j]` remembers where entry j's rows went
+        if all(len(entry[ROWS]) == 1 for entry in batch):  # one row each (the common case): no inner loop
+            order = sorted(((len(entry[ROWS][0]), j, 0) for j, entry in enumerate(batch)), key=itemgetter(0))
+        else:
+            order = sorted(((len(row), j, r) for j, entry in enumerate(batch) for r, row in enumerate(entry[ROWS])),
+                           key=itemgetter(0))
+        rows = [batch[j][ROWS][r] for _, j, r in order]
+        where = [[0] * len(entry[ROWS]) for entry in batch]
         for i, (_, j, r) in enumerate(order):
             where[j][r] = i
         modules: dict[str, LoadedModule] = {}
-        for job in batch:
-            modules.update(job.modules)
+        owners: dict[Owner, list] = {}
+        for entry, places in zip(batch, where):
+            modules.update(entry[MODULES])
+            owners.setdefault(entry[OWNER], []).append((entry, places))
         timings = Timings()
         loop = asyncio.get_running_loop()
         try:
@@ -300,28 +397,17 @@ class Batcher:
                 work = await loop.run_in_executor(self.prepare_executor, self.prepare, rows, modules)
             outputs = await loop.run_in_executor(self.executor, self.run_batch, work, modules, timings)
         except Exception as exc:
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(exc)
+            for owner, items in owners.items():
+                owner.fail([entry for entry, _ in items], exc)
             return
         if self.metrics is not None:
             self.metrics.batch_requests.observe(len(batch))
-        for job, places in zip(batch, where):
-            if job.future.done():
-                continue
-            job.timings.extra["queue"] = started - job.enqueued
-            job.timings.backbone, job.timings.heads = timings.backbone, timings.heads
-            answers = {task: outputs[task] for task in job.modules}
-            results = [{task: answer[i] for task, answer in answers.items()} for i in places]
-            refusal = next((a for row in results for a in row.values() if isinstance(a, Exception)), None)
-            if refusal is not None:
-                job.future.set_exception(refusal)
-            else:
-                job.future.set_result(results)
+        for owner, items in owners.items():
+            owner.answer(items, outputs, timings, started)
 
     def _count_dropped(self, reason: str) -> None:
         if self.metrics is not None:
-            self.metrics.dropped.labels(reason).inc()
+            self.metrics.child(self.metrics.dropped, reason).inc()
 
     def _observe_depth(self) -> None:
         self._depth_seen = time.perf_counter()

@@ -138,17 +138,16 @@ class Runtime:
 
     async def submit(self, job: Job) -> list[dict]:
         """A request's rows through the batcher: per input, answers by task; refusals as ApiError."""
-        future = self.enqueue(job)
         try:
-            return await future
-        except (DeadlineExceeded, ClientGone) as exc:
+            return await self.batcher.enqueue(job)
+        except (QueueFull, DeadlineExceeded, ClientGone) as exc:
             raise self.refusal(exc) from exc
 
-    def enqueue(self, job: Job) -> asyncio.Future:
-        """`submit` without the wait (the engine process answers its workers from the future's
-        callback, not from a task per request); what the future fails with goes through `refusal`."""
+    def put(self, entry: tuple) -> None:
+        """Queue a batcher entry (server/batcher.py; the engine process queues its workers' requests so,
+        no future per request); a full queue raises the 429 ApiError."""
         try:
-            return self.batcher.enqueue(job)
+            self.batcher.put(entry)
         except QueueFull as exc:
             raise self.refusal(exc) from exc
 

@@ -1,41 +1,47 @@
 """`tmod-serve --workers N`: N HTTP worker processes feed one engine process that owns the device.
 
 The split is vLLM's (API server / engine core). Each worker runs the whole HTTP app (`server/app.py`:
-FastAPI, JSON, validation, tokenization, decode) over a `RemoteRuntime`; the engine process (the
-one `tmod-serve` started) runs the `Runtime` (backbone, modules, batcher, model runner) and an
-`EngineService` that takes every worker's requests, so one batch forms across workers. The workers
-share one listening socket (the kernel hands each connection to one of them); the engine process
-starts another worker when one dies, and on SIGTERM stops the workers (each finishes its requests)
-before it drains its queue and exits.
+validation, tokenization, decode) over a `RemoteRuntime`; the engine process (the one `tmod-serve`
+started) runs the `Runtime` (backbone, modules, batcher, model runner) and an `EngineService` that
+takes every worker's requests, so one batch forms across workers. The workers share one listening
+socket (the kernel hands each connection to one of them); the engine process starts another worker
+when one dies, and on SIGTERM stops the listener taking connections, lets the workers accept what is
+already queued, stops them (each finishes its requests) and then drains its queue and exits
+(`stop_taking_connections`).
 
 Measured why (bench/bench_frontend.py): one process spends ~1 ms of CPU per 1-input request on HTTP,
 JSON, tokenization and decode, which caps it near 1,000 requests/s whatever the device computes.
 
-Between the processes of one server, over a Unix socket in a folder only this user can open,
-messages are tuples; the messages one side has ready in one event-loop iteration go as one frame
-(`Outbox`: a pickled list, prefixed by its length in 4 bytes), so under load one frame carries many
-requests or answers:
-  engine -> worker  ("state", EngineState) on connect and after every change (ready, modules);
-                    ("ok", id, value) or ("error", id, status, type, message, details) per request
-  worker -> engine  ("infer", id, PackedRows, tasks, seconds left), ("cancel", id) or
-                    ("manage", id, task, action, version)
-Requests and answers are arrays, not objects per input: a request's inputs go as one token array
-(ids, type ids, segments, words, offsets, casing classes: `PackedRows`, made by the worker's
-tokenizer) that the engine only slices and collates; an answer to "infer" holds one array per task
-with every input's logits (`pack_answers`; token tasks: each input's own tokens one after the
-other) for the worker to decode (`decode_rows`), or the decoded answers of a task served through a
-bridge (its logits lie on a tokenization only the engine has).
+Between the processes of one server, over a Unix socket in a folder only this user can open, each
+side writes at most one frame of each kind per event-loop iteration (a 4-byte length, then a kind
+byte and a header (`struct`), then arrays):
+  worker -> engine  "R": every request ready in that iteration (`RequestFrame`): ids, seconds left,
+                    task-set index (the frame names its task sets once), rows per request; per row
+                    token count, flags (truncated, pair) and text ends; one int32 token array
+                    (`server/backbone/tokens.py`'s FIELDS columns) for all rows; one UTF-8 text
+                    block; ids of requests whose client left ("cancel")
+  engine -> worker  "A": every answer ready in that iteration (`AnswerFrame`): ids, status, seconds
+                    (queue, backbone, heads); per (task, version) answered one float32 array with
+                    every request's rows (a token task: each row's own tokens, one after the other)
+                    and a row count per request; refusals and the answers of tasks served through a
+                    bridge (decoded here: their logits lie on a tokenization only the engine has) in
+                    a pickled tail, present only when there are some
+  either way        "P": pickled control messages, rare: ("state", EngineState) on connect and after
+                    every change; ("manage", id, task, action, version) and its ("ok", id, value) or
+                    ("error", id, status, type, message, details)
+Arrays are written as bytes and read with `np.frombuffer`; no object per request crosses, and the
+engine holds a request as a batcher entry (a tuple, `server/batcher.py`) and a key in its worker's
+`Peer`: no Job, future or task per request. A batch's answers to one worker leave in one frame.
 
 Backpressure and cancellation: a worker keeps at most `in_flight_limit` requests in the engine and
 answers 429 beyond that (the engine refuses the same way a worker that sends more); a request whose
 client left (asked once it has waited `DISCONNECT_CHECK_AFTER`, then every `WATCH_EVERY`) is
-cancelled in the engine ("cancel"), so a batch that has not started yet drops it (no device work).
-A deadline travels with the request and the engine's batcher drops a job past it before compute.
+cancelled in the engine, so a batch that has not started yet drops it (no device work). A deadline
+travels with the request and the engine's batcher drops a request past it before compute.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import itertools
 import logging
@@ -57,8 +63,8 @@ import numpy as np
 
 from modules_store import Manifest, TaskType
 from server.backbone import EncodedInput
-from server.backbone.tokens import PackedRows, TextEncoder, plain_rows
-from server.batcher import ClientGone, Job
+from server.backbone.tokens import FIELDS, TextEncoder, plain_rows
+from server.batcher import ENQUEUED, KEY, MODULES, DeadlineExceeded, Job, Owner
 from server.config import Settings
 from server.errors import ApiError
 from server.heads.decode import decode_rows
@@ -68,7 +74,14 @@ from server.runtime import Runtime, one_host_thread
 
 log = logging.getLogger("tmod.workers")
 
-FRAME = struct.Struct("!I")
+LENGTH = struct.Struct("<I")  # a frame's size, before it
+REQUESTS, ANSWERS, CONTROL = b"R", b"A", b"P"  # a frame's kind: its first byte
+# "R": kind, requests, rows, tokens, cancels, task-set names' bytes, text bytes (32 bytes: the arrays
+# after it start 8-aligned)
+REQUEST_HEAD = struct.Struct("<c3x6I4x")
+# "A": kind, requests, (task, version) entries, names' bytes, pickled tail's bytes
+ANSWER_HEAD = struct.Struct("<c3x5I")
+TRUNCATED, PAIR = 1, 2  # a row's flags
 DISCONNECT_CHECK_AFTER = 0.05  # seconds a request waits before its client is asked whether it is still there
 WATCH_EVERY = 0.1  # seconds between two such questions to a waiting request
 
@@ -78,75 +91,206 @@ def in_flight_limit(settings: Settings) -> int:
     return max(1, -(-settings.max_queue // max(1, settings.workers)))
 
 
-@dataclass
-class PackedAnswers:
-    """A request's answers: per task one float32 array, all of them in one buffer (`layout`: task and
-    shape, in order); tasks the engine decoded itself (served through a bridge) in `decoded`."""
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """One frame's body: its kind is `body[:1]`."""
+    (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+    return await reader.readexactly(size)
 
-    layout: list[tuple[str, tuple[int, ...]]]
-    data: bytes
-    decoded: dict[str, list]
 
-    def arrays(self) -> dict[str, object]:
-        out, offset = dict(self.decoded), 0
-        flat = np.frombuffer(self.data, dtype=np.float32).copy()  # writable: torch.from_numpy reads it in decode
-        for task, shape in self.layout:
-            count = int(np.prod(shape))
-            out[task] = flat[offset:offset + count].reshape(shape)
-            offset += count
+def write_frame(writer: asyncio.StreamWriter, parts: list) -> None:
+    writer.write(LENGTH.pack(sum(map(len, parts))) + b"".join(parts))
+
+
+def control_frame(messages: list) -> list:
+    return [CONTROL, pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)]
+
+
+class _Cursor:
+    """Reads arrays one after the other out of a frame's body."""
+
+    def __init__(self, body: bytes, offset: int):
+        self.body, self.offset = body, offset
+
+    def take(self, dtype, count: int) -> np.ndarray:
+        array = np.frombuffer(self.body, dtype=dtype, count=count, offset=self.offset)
+        self.offset += array.nbytes
+        return array
+
+    def raw(self, size: int) -> bytes:
+        out = self.body[self.offset:self.offset + size]
+        self.offset += size
         return out
 
 
-def pack_answers(results: list[dict]) -> PackedAnswers:
-    """A request's answers (per input, per task: the row's logits from `row_logits`) -> per task one
-    array: (inputs, labels), or for a token task every input's (tokens, labels) one after the other."""
-    layout, parts, decoded = [], [], {}
-    for task in results[0]:
-        answers = [row[task] for row in results]
-        if not isinstance(answers[0], np.ndarray):
-            decoded[task] = answers
+# ---- worker -> engine: requests ---------------------------------------------------------------------
+def request_frame(requests: list[tuple], cancels: list[int]) -> list:
+    """A worker's requests of one event-loop iteration, `(id, rows, task set "a,b", seconds left)`
+    each, and the ids it cancels -> a frame's parts."""
+    sets: dict[str, int] = {}
+    ids, left, which, counts, lengths, flags, ends, texts, tokens = [], [], [], [], [], [], [], [], []
+    end = 0
+    for ident, rows, tasks, seconds in requests:
+        ids.append(ident)
+        left.append(seconds)
+        which.append(sets.setdefault(tasks, len(sets)))
+        counts.append(len(rows))
+        for row in rows:
+            pair = row.text_pair
+            lengths.append(len(row))
+            flags.append((TRUNCATED if row.truncated else 0) | (PAIR if pair is not None else 0))
+            end += len(row.text)
+            ends.append(end)
+            texts.append(row.text)
+            if pair is not None:
+                end += len(pair)
+                texts.append(pair)
+            ends.append(end)
+            tokens.append(row.tokens)
+    names = "\n".join(sets).encode()
+    text = "".join(texts).encode("utf-8", "surrogatepass")
+    block = np.concatenate(tokens) if len(tokens) > 1 else tokens[0] if tokens else np.empty((0, FIELDS), np.int32)
+    return [REQUEST_HEAD.pack(REQUESTS, len(ids), len(lengths), block.shape[0], len(cancels), len(names), len(text)),
+            np.array(left, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
+            np.array(which, dtype=np.int32).tobytes(), np.array(counts, dtype=np.int32).tobytes(),
+            np.array(cancels, dtype=np.int32).tobytes(), np.array(lengths, dtype=np.int32).tobytes(),
+            np.array(ends, dtype=np.int32).tobytes(), np.ascontiguousarray(block, dtype=np.int32).tobytes(),
+            np.array(flags, dtype=np.uint8).tobytes(), names, text]
+
+
+@dataclass
+class RequestFrame:
+    """A request frame read back: per request its id, seconds left, task set and rows (views of the
+    frame's token array), and the ids cancelled."""
+
+    ids: list[int]
+    seconds_left: list[float]
+    task_sets: list[str]
+    which: list[int]  # per request, its index into task_sets
+    rows: list[list[EncodedInput]]
+    cancels: list[int]
+
+    @classmethod
+    def read(cls, body: bytes) -> "RequestFrame":
+        _, n, count, size, cancelled, names, text_bytes = REQUEST_HEAD.unpack_from(body)
+        at = _Cursor(body, REQUEST_HEAD.size)
+        left, ids, which, per_request = (at.take(np.float64, n).tolist(), at.take(np.int32, n).tolist(),
+                                         at.take(np.int32, n).tolist(), at.take(np.int32, n).tolist())
+        cancels = at.take(np.int32, cancelled).tolist()
+        lengths, ends = at.take(np.int32, count).tolist(), at.take(np.int32, 2 * count).tolist()
+        tokens = at.take(np.int32, size * FIELDS).reshape(size, FIELDS)
+        flags = at.take(np.uint8, count).tolist()
+        task_sets = at.raw(names).decode().split("\n") if n else []
+        text = at.raw(text_bytes).decode("utf-8", "surrogatepass")
+        rows, a, t = [], 0, 0  # a: the row's first character, t: its first token
+        for r, (length, flag) in enumerate(zip(lengths, flags)):
+            b, c = ends[2 * r], ends[2 * r + 1]
+            rows.append(EncodedInput(text[a:b], text[b:c] if flag & PAIR else None, tokens[t:t + length],
+                                     bool(flag & TRUNCATED)))
+            a, t = c, t + length
+        bounds = [0, *itertools.accumulate(per_request)]
+        return cls(ids, left, task_sets, which, [rows[x:y] for x, y in zip(bounds, bounds[1:])], cancels)
+
+
+# ---- engine -> worker: answers ----------------------------------------------------------------------
+def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
+    """What the engine has for one worker in one event-loop iteration -> a frame's parts. `batches`:
+    `(items, outputs, timings, started)` as the batcher hands an Owner; `errors`: `(id, status, type,
+    message, details)`."""
+    ids, times, status = [], [], []
+    table: dict[tuple[str, str], tuple[list, dict]] = {}  # (task, version) -> (row answers, {request: rows})
+    tail: dict = {}
+    for items, outputs, timings, started in batches:
+        refused = {r: a for answers in outputs.values() for r, a in enumerate(answers) if isinstance(a, Exception)}
+        for entry, places in items:
+            i = len(ids)
+            ids.append(entry[KEY])
+            times.append((started - entry[ENQUEUED], timings.backbone, timings.heads))
+            refusal = next((refused[p] for p in places if p in refused), None) if refused else None
+            if refusal is not None:
+                status.append(refusal.status if isinstance(refusal, ApiError) else 500)
+                tail.setdefault("errors", {})[i] = describe_error(refusal)
+                continue
+            status.append(0)
+            for task, module in entry[MODULES].items():
+                answers = outputs[task]
+                first = answers[places[0]]
+                if not isinstance(first, np.ndarray):  # decoded here (a bridged task)
+                    tail.setdefault("decoded", {}).setdefault(i, {})[task] = (module.version, [answers[p] for p in places])
+                    continue
+                parts, counts = table.setdefault((task, module.version), ([], {}))
+                mine = [answers[p] for p in places]
+                parts.extend(mine)
+                counts[i] = len(mine) if first.ndim == 1 else sum(a.shape[0] for a in mine)
+    for ident, code, type_, message, details in errors:
+        i = len(ids)
+        ids.append(ident)
+        times.append((0.0, 0.0, 0.0))
+        status.append(code)
+        tail.setdefault("errors", {})[i] = (type_, message, details)
+    n = len(ids)
+    count_rows, widths, blocks = [], [], []
+    for parts, counts in table.values():
+        column = np.zeros(n, dtype=np.int32)
+        column[list(counts)] = list(counts.values())
+        count_rows.append(column.tobytes())
+        block = np.stack(parts) if parts[0].ndim == 1 else np.concatenate(parts)
+        widths.append(block.shape[1])
+        blocks.append(np.ascontiguousarray(block, dtype=np.float32).tobytes())
+    names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
+    pickled = pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL) if tail else b""
+    return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0),
+            np.array(times, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
+            np.array(status, dtype=np.int32).tobytes(), *count_rows, np.array(widths, dtype=np.int32).tobytes(),
+            *blocks, names, pickled]
+
+
+def describe_error(exc: Exception) -> tuple:
+    """(type, message, details) of what a request gets for an exception: its ApiError, or a 500."""
+    if isinstance(exc, ApiError):
+        return exc.type, exc.message, exc.details
+    log.error("engine: a request failed", exc_info=exc)
+    return "internal_error", f"{type(exc).__name__}: {exc}", {}
+
+
+def read_answers(body: bytes) -> list[tuple]:
+    """An answer frame -> per request `(id, answer)`: answer is an ApiError, or `(arrays by task (a
+    bridged task: its decoded answers), versions by task, (queue, backbone, heads) seconds)`."""
+    _, n, entries, names, pickled, _ = ANSWER_HEAD.unpack_from(body)
+    at = _Cursor(body, ANSWER_HEAD.size)
+    times = at.take(np.float64, 3 * n).reshape(n, 3).tolist()
+    ids, status = at.take(np.int32, n).tolist(), at.take(np.int32, n).tolist()
+    counts = at.take(np.int32, entries * n).reshape(entries, n)
+    widths = at.take(np.int32, entries).tolist()
+    blocks = []
+    for e, width in enumerate(widths):
+        rows = int(counts[e].sum())
+        blocks.append(at.take(np.float32, rows * width).reshape(rows, width).copy())  # writable: decode reads it via torch
+    keys = [line.split("\t") for line in at.raw(names).decode().split("\n")] if entries else []
+    tail = pickle.loads(at.raw(pickled)) if pickled else {}
+    errors, decoded = tail.get("errors", {}), tail.get("decoded", {})
+    bounds = [[0, *itertools.accumulate(column)] for column in counts.tolist()]
+    out = []
+    for i in range(n):
+        if status[i]:
+            type_, message, details = errors[i]
+            out.append((ids[i], ApiError(status[i], type_, message, **details)))
             continue
-        if len(answers) == 1:
-            array = answers[0] if answers[0].ndim == 2 else answers[0][None]
-        else:  # a token task's rows are (tokens, labels) each; a sequence task's (labels,)
-            array = np.concatenate(answers) if answers[0].ndim == 2 else np.stack(answers)
-        layout.append((task, array.shape))
-        parts.append(array.astype(np.float32, copy=False).tobytes())
-    return PackedAnswers(layout, b"".join(parts), decoded)
+        arrays, versions = {}, {}
+        for (task, version), bound, block in zip(keys, bounds, blocks):
+            if bound[i + 1] > bound[i]:
+                arrays[task], versions[task] = block[bound[i]:bound[i + 1]], version
+        for task, (version, answers) in decoded.get(i, {}).items():
+            arrays[task], versions[task] = answers, version
+        out.append((ids[i], (arrays, versions, tuple(times[i]))))
+    return out
 
 
 def unpack_rows(packed: np.ndarray, lengths: list[int], token_task: bool) -> list[np.ndarray]:
-    """`pack_answers`' array for one task -> one array per input: (labels,) each, or for a token
-    task (tokens, labels) each, `lengths` the inputs' token counts."""
+    """A request's array for one task -> one array per input: (labels,) each, or for a token task
+    (tokens, labels) each, `lengths` the inputs' token counts."""
     if not token_task:
         return list(packed)
     return np.split(packed, np.cumsum(lengths)[:-1])
-
-
-async def read_frame(reader: asyncio.StreamReader) -> list:
-    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    return pickle.loads(await reader.readexactly(size))
-
-
-class Outbox:
-    """Messages to one peer. The first message of an event-loop iteration schedules a flush at its
-    end, so what is ready together goes as one frame: one pickle and one write for all of it
-    (each frame cost the engine process a read, an unpickle and a write: bench/bench_frontend.py)."""
-
-    def __init__(self, writer: asyncio.StreamWriter):
-        self.writer = writer
-        self.pending: list = []
-
-    def send(self, message) -> None:
-        if not self.pending:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.pending.append(message)
-
-    def flush(self) -> None:
-        messages, self.pending = self.pending, []
-        if messages and not self.writer.is_closing():
-            data = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
-            self.writer.write(FRAME.pack(len(data)) + data)
 
 
 @dataclass
@@ -171,12 +315,77 @@ class EngineState:
 
 
 # ---- the engine process ------------------------------------------------------------------------------
-def error_reply(ident: int, exc: Exception, kind: str) -> tuple:
-    """What a worker gets for a request the engine could not answer: its ApiError, or a 500."""
-    if isinstance(exc, ApiError):
-        return ("error", ident, exc.status, exc.type, exc.message, exc.details)
-    log.error("engine: %s failed", kind, exc_info=exc)
-    return ("error", ident, 500, "internal_error", f"{type(exc).__name__}: {exc}", {})
+class Peer(Owner):
+    """One worker's connection, as the batcher's owner of that worker's requests: which are waiting
+    (a set of ids), how many are in the engine, and what is to be written back at the end of this
+    event-loop iteration (one answer frame)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, runtime: Runtime):
+        self.writer, self.runtime = writer, runtime
+        self.tokenizer_sent = False
+        self.waiting_ids: set[int] = set()
+        self.in_engine = 0  # waiting or in a running batch
+        self.batches: list[tuple] = []
+        self.errors: list[tuple] = []
+        self.closed = False
+
+    # the batcher's side (server/batcher.py, Owner)
+    def waiting(self, key: int) -> bool:
+        return key in self.waiting_ids
+
+    def take(self, key: int) -> bool:
+        if key not in self.waiting_ids:
+            return False
+        self.waiting_ids.discard(key)
+        return True
+
+    def expire(self, key: int) -> bool:
+        if key not in self.waiting_ids:
+            return False
+        self.waiting_ids.discard(key)
+        self.refuse(key, self.runtime.refusal(DeadlineExceeded("the request waited past its deadline")))
+        return True
+
+    def answer(self, items, outputs, timings, started) -> None:
+        self.in_engine -= len(items)
+        if not self.closed:
+            self._soon()
+            self.batches.append((items, outputs, timings, started))
+
+    def fail(self, entries, exc) -> None:
+        for entry in entries:
+            self.refuse(entry[KEY], self.runtime.refusal(exc), counted=True)
+
+    # the service's side
+    def cancel(self, key: int) -> bool:
+        if key not in self.waiting_ids:
+            return False
+        self.waiting_ids.discard(key)
+        self.in_engine -= 1
+        return True
+
+    def refuse(self, key: int, exc: Exception, counted: bool = True) -> None:
+        """Answer a request with an error (`counted`: it was in the engine)."""
+        if counted:
+            self.in_engine -= 1
+        if not self.closed:
+            self._soon()
+            self.errors.append((key, exc.status if isinstance(exc, ApiError) else 500, *describe_error(exc)))
+
+    def _soon(self) -> None:
+        if not (self.batches or self.errors):
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        batches, errors, self.batches, self.errors = self.batches, self.errors, [], []
+        if (batches or errors) and not self.closed and not self.writer.is_closing():
+            write_frame(self.writer, answer_frame(batches, errors))
+
+    def control(self, messages: list) -> None:
+        """Control messages go at once, after the answers before them (a state must not be overtaken)."""
+        self.flush()
+        if not self.closed and not self.writer.is_closing():
+            write_frame(self.writer, control_frame(messages))
 
 
 class EngineService:
@@ -184,11 +393,12 @@ class EngineService:
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-        self.peers: dict[Outbox, bool] = {}  # a worker's connection -> its tokenizer was sent
-        self.jobs: dict[Outbox, dict[int, Job]] = {}  # per worker, its requests in the engine by id (for "cancel")
+        self.peers: set[Peer] = set()
         self.limit = in_flight_limit(runtime.settings)
         self.server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._sets: dict[str, dict | ApiError] = {}  # a task set's modules (or why not), for `_sets_of`
+        self._sets_of: dict | None = None
 
     async def start(self, path: Path) -> None:
         await self.runtime.open()
@@ -227,46 +437,78 @@ class EngineService:
         for peer in list(self.peers):
             self._send_state(peer, state)
 
-    def _send_state(self, peer: Outbox, state: EngineState) -> None:
-        if state.ready and not self.peers.get(peer):
+    def _send_state(self, peer: Peer, state: EngineState) -> None:
+        if state.ready and not peer.tokenizer_sent:
             state = replace(state, text=self.runtime.backbone.text)
-            self.peers[peer] = True
-        peer.send(("state", state))
-        peer.flush()  # at once: an answer sent after it must not overtake it
+            peer.tokenizer_sent = True
+        peer.control([("state", state)])
 
     async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = Outbox(writer)
-        self.peers[peer] = False
-        self.jobs[peer] = {}
+        peer = Peer(writer, self.runtime)
+        self.peers.add(peer)
         self._send_state(peer, self.state())
         try:
             while True:
                 try:
-                    messages = await read_frame(reader)
+                    body = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     break  # the worker exited; answers still being computed for it are dropped
-                for message in messages:
-                    if message[0] == "infer":
-                        self._infer(peer, *message[1:])
-                    elif message[0] == "cancel":
-                        self._cancel(peer, message[1])
-                    else:
+                if body[:1] == REQUESTS:
+                    self._requests(peer, RequestFrame.read(body))
+                else:
+                    for message in pickle.loads(memoryview(body)[1:]):
                         self._keep(self._answer(peer, message))
         finally:
-            self.peers.pop(peer, None)
-            for ident in list(self.jobs.get(peer, ())):  # the worker is gone: so are its requests
+            self.peers.discard(peer)
+            peer.closed = True
+            for ident in list(peer.waiting_ids):  # the worker is gone: so are its requests
                 self._cancel(peer, ident)
-            self.jobs.pop(peer, None)
             writer.close()
 
-    def _cancel(self, peer: Outbox, ident: int) -> None:
+    def _cancel(self, peer: Peer, ident: int) -> None:
         """A worker's request whose client left: a batch that has not started drops it."""
-        job = self.jobs.get(peer, {}).pop(ident, None)
-        if job is not None and job.future is not None and not job.future.done():
-            job.future.set_exception(ClientGone("client disconnected"))
-            self.runtime.metrics.dropped.labels("client_gone").inc()
+        if peer.cancel(ident):
+            self.runtime.metrics.child(self.runtime.metrics.dropped, "client_gone").inc()
 
-    async def _answer(self, peer: Outbox, message) -> None:
+    def _modules_for(self, tasks: str) -> dict | ApiError:
+        """A task set's modules in the running set (one snapshot per set of loaded modules: the
+        worker's view may be a change behind), or the 400 it gets."""
+        loaded = self.runtime.modules
+        if loaded is not self._sets_of:
+            self._sets, self._sets_of = {}, loaded
+        found = self._sets.get(tasks)
+        if found is None:
+            names = tasks.split(",")
+            unknown = [t for t in names if t not in loaded]
+            found = self._sets[tasks] = ApiError(
+                400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
+                loaded_tasks=sorted(loaded)) if unknown else {t: loaded[t] for t in names}
+        return found
+
+    def _requests(self, peer: Peer, frame: RequestFrame) -> None:
+        """Queue a worker's requests as batcher entries (tuples); answers leave from `Peer.answer`."""
+        for ident in frame.cancels:
+            self._cancel(peer, ident)
+        now = time.perf_counter()
+        sets = [self._modules_for(tasks) for tasks in frame.task_sets]
+        put, limit = self.runtime.put, self.limit
+        for ident, seconds, which, rows in zip(frame.ids, frame.seconds_left, frame.which, frame.rows):
+            modules = sets[which]
+            try:
+                if isinstance(modules, ApiError):
+                    raise modules
+                if peer.in_engine >= limit:
+                    raise ApiError(429, "overloaded", f"server overloaded: {limit} requests of this worker in "
+                                                      "flight; retry later")
+                peer.waiting_ids.add(ident)  # before the batcher sees it (it asks the owner)
+                put((rows, modules, now + seconds, now, peer, ident))
+            except ApiError as exc:
+                peer.waiting_ids.discard(ident)
+                peer.refuse(ident, exc, counted=False)
+                continue
+            peer.in_engine += 1
+
+    async def _answer(self, peer: Peer, message) -> None:
         kind, ident, *args = message
         try:
             if kind == "manage":
@@ -274,41 +516,8 @@ class EngineService:
             else:
                 raise ApiError(500, "internal_error", f"the engine got an unknown message {kind!r}")
         except Exception as exc:  # the engine stays up; the request gets what went wrong
-            reply = error_reply(ident, exc, kind)
-        peer.send(reply)
-
-    def _infer(self, peer: Outbox, ident: int, packed: PackedRows, tasks: list[str], seconds_left: float) -> None:
-        """Queue a worker's request; `_infer_done` answers it when its batch has run. No task per
-        request: a callback is a fraction of a task's cost, which the engine process pays per request."""
-        loaded = self.runtime.modules  # one snapshot: the worker's view may be a change behind
-        waiting = self.jobs.setdefault(peer, {})
-        try:
-            unknown = [t for t in tasks if t not in loaded]
-            if unknown:
-                raise ApiError(400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
-                               loaded_tasks=sorted(loaded))
-            if len(waiting) >= self.limit:
-                raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in "
-                                                  "flight; retry later")
-            job = Job(rows=packed.rows(), modules={t: loaded[t] for t in tasks},
-                      deadline=time.perf_counter() + seconds_left)
-            future = self.runtime.enqueue(job)
-        except Exception as exc:
-            peer.send(error_reply(ident, exc, "infer"))
-            return
-        waiting[ident] = job
-        future.add_done_callback(functools.partial(self._infer_done, peer, ident, job))
-
-    def _infer_done(self, peer: Outbox, ident: int, job: Job, future: asyncio.Future) -> None:
-        self.jobs.get(peer, {}).pop(ident, None)
-        try:
-            results = future.result()
-            t = job.timings
-            versions = {task: m.version for task, m in job.modules.items()}
-            reply = ("ok", ident, (pack_answers(results), versions, (t.extra.get("queue", 0.0), t.backbone, t.heads)))
-        except Exception as exc:
-            reply = error_reply(ident, self.runtime.refusal(exc), "infer")
-        peer.send(reply)
+            reply = ("error", ident, exc.status if isinstance(exc, ApiError) else 500, *describe_error(exc))
+        peer.control([reply])
 
     async def _manage(self, task: str, action: str, version: str | None):
         module, previous = await self.runtime.manage(task, action, version)
@@ -317,6 +526,43 @@ class EngineService:
 
 
 # ---- a worker process ---------------------------------------------------------------------------------
+class WorkerOutbox:
+    """What a worker sends in one event-loop iteration: its first message schedules a flush at the
+    iteration's end, which writes one control frame (if any) and one request frame."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self.requests: list[tuple] = []
+        self.cancels: list[int] = []
+        self.messages: list = []
+
+    def _soon(self) -> None:
+        if not (self.requests or self.cancels or self.messages):
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def request(self, ident: int, rows, tasks: str, seconds_left: float) -> None:
+        self._soon()
+        self.requests.append((ident, rows, tasks, seconds_left))
+
+    def cancel(self, ident: int) -> None:
+        self._soon()
+        self.cancels.append(ident)
+
+    def send(self, message) -> None:
+        self._soon()
+        self.messages.append(message)
+
+    def flush(self) -> None:
+        requests, cancels, messages = self.requests, self.cancels, self.messages
+        self.requests, self.cancels, self.messages = [], [], []
+        if self.writer.is_closing():
+            return
+        if messages:
+            write_frame(self.writer, control_frame(messages))
+        if requests or cancels:
+            write_frame(self.writer, request_frame(requests, cancels))
+
+
 class RemoteRuntime:
     """The Runtime interface the app uses (`server/runtime.py`), in a worker process: tokenization
     and decode here, everything else by asking the engine process."""
@@ -343,7 +589,7 @@ class RemoteRuntime:
 
     async def open(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(self.path)
-        self._outbox = Outbox(self._writer)
+        self._outbox = WorkerOutbox(self._writer)
         self._informed = asyncio.Event()
         self._listener = asyncio.get_running_loop().create_task(self._listen(reader))
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -364,8 +610,12 @@ class RemoteRuntime:
     async def _listen(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                for message in await read_frame(reader):
-                    self._receive(message)
+                body = await read_frame(reader)
+                if body[:1] == ANSWERS:
+                    self._answers(body)
+                else:
+                    for message in pickle.loads(memoryview(body)[1:]):
+                        self._receive(message)
         except (asyncio.IncompleteReadError, ConnectionError):
             self._gone = ApiError(503, "engine_unavailable", "the engine process is gone; retry later")
             self.ready.clear()
@@ -377,6 +627,17 @@ class RemoteRuntime:
             self._informed.set()  # an `open` still waiting for the first state gives up
             log.error("worker %d: the engine process closed its connection; stopping", os.getpid())
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop: nothing is left to serve
+
+    def _answers(self, body: bytes) -> None:
+        pending = self._pending
+        for ident, answer in read_answers(body):
+            future = pending.pop(ident, None)
+            if future is None or future.done():
+                continue
+            if isinstance(answer, ApiError):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
 
     def _receive(self, message) -> None:
         if message[0] == "state":
@@ -406,19 +667,13 @@ class RemoteRuntime:
             self.ready.clear()
         self._informed.set()
 
-    async def _ask(self, kind: str, *args, job: Job | None = None):
+    def _future(self) -> tuple[int, asyncio.Future]:
         if self._gone is not None:
             raise self._gone
-        ident = next(self._ids)
+        ident = next(self._ids) & 0x7FFFFFFF  # an int32 on the wire
         future = asyncio.get_running_loop().create_future()
         self._pending[ident] = future
-        if job is not None:
-            self._waiting[ident] = job
-        self._outbox.send((kind, ident, *args))
-        try:
-            return await future
-        finally:
-            self._waiting.pop(ident, None)
+        return ident, future
 
     async def _watch(self) -> None:
         """Requests whose client left are cancelled in the engine (and answered 499 here)."""
@@ -430,7 +685,7 @@ class RemoteRuntime:
                     future = self._pending.pop(ident, None)
                     if future is not None and not future.done():
                         future.set_exception(ApiError(499, "client_closed_request", "client disconnected"))
-                        self._outbox.send(("cancel", ident))
+                        self._outbox.cancel(ident)
 
     # ---- the interface the app uses (as Runtime's) ------------------------------------------------
     def model_info(self) -> tuple[str, str]:
@@ -446,11 +701,16 @@ class RemoteRuntime:
         if len(self._pending) >= self.limit:
             raise ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in flight; "
                                               "retry later")
-        packed, versions, (queue, backbone, heads) = await self._ask(
-            "infer", PackedRows.of(job.rows), list(job.modules), job.deadline - time.perf_counter(), job=job)
+        ident, future = self._future()
+        self._waiting[ident] = job
+        self._outbox.request(ident, job.rows, ",".join(job.modules), job.deadline - time.perf_counter())
+        try:
+            packed, versions, (queue, backbone, heads) = await future
+        finally:
+            self._waiting.pop(ident, None)
         job.modules = {task: self._seen.get((task, v), job.modules[task]) for task, v in versions.items()}
         job.timings.extra["queue"], job.timings.backbone, job.timings.heads = queue, backbone, heads
-        return self._decode(job, packed.arrays())
+        return self._decode(job, packed)
 
     def _decode(self, job: Job, packed: dict[str, object]) -> list[dict]:
         """Each task's packed logits -> answers, over the job's rows collated (answers already
@@ -480,7 +740,9 @@ class RemoteRuntime:
         return results
 
     async def manage(self, task: str, action: str, version: str | None) -> tuple[ModuleView, str | None]:
-        return await self._ask("manage", task, action, version)
+        ident, future = self._future()
+        self._outbox.send(("manage", ident, task, action, version))
+        return await future
 
 
 def run_worker(settings: Settings, engine_path: str, listener: socket.socket, index: int) -> None:
@@ -496,6 +758,55 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
     config = uvicorn_config(app, settings)
     log.info("worker %d (pid %d) serving", index, os.getpid())
     uvicorn.Server(config).run(sockets=[listener])
+
+
+# ---- the shared listener at SIGTERM -------------------------------------------------------------------
+SO_ATTACH_FILTER = 26  # Linux
+# A classic BPF socket filter over a TCP segment (offset 0 is its TCP header): drop it when the SYN flag
+# (byte 13, bit 0x02) is set, let every other segment through. On a listening socket: no new
+# handshake starts (the client's SYN is retried, then refused once the socket is closed), while the
+# handshakes under way complete and the connections already queued stay to be accepted.
+NO_NEW_CONNECTIONS = ((0x30, 0, 0, 13), (0x45, 0, 1, 0x02), (0x06, 0, 0, 0), (0x06, 0, 0, 0xFFFFFFFF))
+
+
+def refuse_new_connections(listener: socket.socket) -> bool:
+    """Attach `NO_NEW_CONNECTIONS` to a listening socket (every process holding it is affected).
+    False where the system has no such filter (not Linux)."""
+    import ctypes
+
+    program = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in NO_NEW_CONNECTIONS))
+    try:  # the kernel copies the program: the buffer may go once this returns
+        listener.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER,
+                            struct.pack("HL", len(NO_NEW_CONNECTIONS), ctypes.addressof(program)))
+    except OSError:
+        return False
+    return True
+
+
+def queued_connections(listener: socket.socket) -> int:
+    """Connections the kernel completed on a listening socket that no process has accepted yet (Linux
+    `tcp_info.tcpi_unacked` of a listener)."""
+    return struct.unpack_from("I", listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 24)[0]
+
+
+async def stop_taking_connections(listener: socket.socket, timeout: float = 2.0, settle: float = 0.05) -> bool:
+    """Refuse new connections and wait (at most `timeout`) until the workers have accepted every one
+    queued, with `settle` seconds of an empty queue for handshakes under way. False: not supported."""
+    if not refuse_new_connections(listener):
+        return False
+    deadline = time.monotonic() + timeout
+    empty_since = None
+    while time.monotonic() < deadline:
+        if queued_connections(listener):
+            empty_since = None
+        elif empty_since is None:
+            empty_since = time.monotonic()
+        elif time.monotonic() - empty_since >= settle:
+            return True
+        await asyncio.sleep(0.005)
+    log.warning("tmod-serve: %d connections still queued after %.1fs; stopping anyway", queued_connections(listener),
+                timeout)
+    return True
 
 
 # ---- the process that starts it all (and becomes the engine) ------------------------------------------
@@ -579,10 +890,15 @@ async def _serve(settings: Settings) -> None:
         except asyncio.TimeoutError:
             pool.replace_dead()
     log.info("tmod-serve: stopping; the workers finish their requests first")
-    # this process's copy of the listening socket goes first: held open while the workers stop, the
-    # kernel would go on accepting connections that no one reads, reset (requests lost) at its close
-    listener.close()
-    await loop.run_in_executor(None, pool.stop, settings.request_timeout_s + 5)
+    # New connections refused, and those the kernel already queued on the listener accepted by the
+    # workers, before any of them stops: a socket closed with connections queued resets them (a
+    # client that reconnected after a `Connection: close` answer lost its request, issue 37)
+    if await stop_taking_connections(listener):
+        await loop.run_in_executor(None, pool.stop, settings.request_timeout_s + 5)
+        listener.close()
+    else:  # no socket filter here: this copy goes first, the workers' close ends the listener
+        listener.close()
+        await loop.run_in_executor(None, pool.stop, settings.request_timeout_s + 5)
     await service.stop()
     await runtime.shutdown()
     shutil.rmtree(folder, ignore_errors=True)

@@ -6,25 +6,37 @@ drains, the requests in flight must be answered with `Connection: close`, so no 
 next request into a connection being closed: 0 lost, every client ends on a refused connection
 (the server no longer listens). Before the fix, 64 of 64 keep-alive connections lost their next
 request (issue 38).
+
+With `--workers 2` the listening socket is shared: a client that reconnected after its
+`Connection: close` answer could land in the kernel's accept queue just before the last worker
+closed the socket, and be reset (4 of ~2,700 requests in one run, issue 37). The engine process now
+refuses new connections with a socket filter and lets the workers accept what is queued before any
+of them stops (`server/workers.py`, `stop_taking_connections`): checked here on a bare listener, and
+with clients that reconnect for every request (many connections opened while the server drains).
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
 import signal
+import socket
 import threading
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from server.workers import queued_connections, stop_taking_connections
 from tests.helpers import keep_alive_client, populate_store, start_tmod_serve, wait_until
 
 CLIENTS = 12
 BODY = json.dumps({"inputs": ["The European Commission said on Thursday it disagreed with German advice."] * 4})
 REQUEST = (f"POST /v1/infer?tasks=sentiment,ner HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
            f"content-length: {len(BODY)}\r\n\r\n{BODY}").encode()
+# a client that asks for a new connection after every answer: connections open all through the drain
+RECONNECTING = REQUEST.replace(b"host: x\r\n", b"host: x\r\nconnection: close\r\n")
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +44,38 @@ def store(tmp_path_factory, tiny_backbone):
     return populate_store(tmp_path_factory.mktemp("drain-store"), tiny_backbone)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sigterm_answers_keep_alive_clients_with_connection_close_and_loses_none(store, tiny_backbone_dir, workers):
+def test_a_listener_stops_taking_connections_and_keeps_the_queued_ones():
+    listener = socket.create_server(("127.0.0.1", 0), backlog=16)
+    port = listener.getsockname()[1]
+    queued = socket.create_connection(("127.0.0.1", port))
+    queued.sendall(b"sent before the drain")
+    accepted = []
+    accepting = threading.Timer(0.2, lambda: accepted.append(listener.accept()[0]))  # a worker, a little later
+    accepting.start()
+    assert asyncio.run(stop_taking_connections(listener))  # returns once the queue was emptied
+    accepting.join()
+    assert queued_connections(listener) == 0
+    assert accepted[0].recv(100) == b"sent before the drain"  # queued before: accepted whole, not reset
+    with pytest.raises(TimeoutError):  # a new connection is not taken (its SYN is retried, not reset)
+        socket.create_connection(("127.0.0.1", port), timeout=0.3)
+    listener.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    accepted[0].close()
+    queued.close()
+
+
+@pytest.mark.parametrize("workers, request_bytes", [(1, REQUEST), (2, REQUEST), (2, RECONNECTING)],
+                         ids=["1", "2", "2-reconnecting"])
+def test_sigterm_answers_keep_alive_clients_with_connection_close_and_loses_none(store, tiny_backbone_dir, workers,
+                                                                                 request_bytes):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     url, process = start_tmod_serve(["--workers", str(workers), "--backbone", str(tiny_backbone_dir), "--store",
                                      str(store.root), "--threads", "1", "--log-level", "warning"], env)
     address = urlsplit(url)
     outcomes = collections.Counter()
     answered = threading.Event()
-    clients = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, REQUEST, outcomes,
+    clients = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request_bytes, outcomes,
                                                                 answered)) for _ in range(CLIENTS)]
     try:
         for client in clients:

@@ -1,10 +1,11 @@
 """What crosses the socket between a worker and the engine (server/workers.py), frame by frame.
 
 In one process: a real engine (`Runtime` + `EngineService` on a Unix socket) and a real
-`RemoteRuntime` connected to it; every frame either side reads is recorded. Requests must go as one
-token array per request (`PackedRows`) and answers as one array per task, never as an object per
-input; the answers must equal those of the single-process runtime on the same inputs; a request past
-the worker's in-flight bound is refused 429; a cancelled request never reaches a batch."""
+`RemoteRuntime` connected to it; every frame either side reads is recorded. Requests sent in one
+event-loop iteration must go as one binary frame (one token array for all of them, no pickle) and a
+batch's answers as one frame with one array per task, never as an object per input; the answers
+must equal those of the single-process runtime on the same inputs; a request past the worker's
+in-flight bound is refused 429; a cancelled request never reaches a batch."""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,7 @@ import numpy as np
 import pytest
 
 import server.workers as workers
-from server.workers import PackedAnswers
-from server.backbone.tokens import FIELDS, PackedRows
+from server.backbone.tokens import FIELDS
 from server.batcher import Job
 from server.config import Settings
 from server.errors import ApiError
@@ -46,12 +46,12 @@ def frames(monkeypatch):
     """Every frame read on either side, as (raw bytes, messages)."""
     seen = []
 
+    read = workers.read_frame
+
     async def recording_read_frame(reader):
-        (size,) = workers.FRAME.unpack(await reader.readexactly(workers.FRAME.size))
-        data = await reader.readexactly(size)
-        messages = pickle.loads(data)
-        seen.append((data, messages))
-        return messages
+        body = await read(reader)
+        seen.append(body)
+        return body
 
     monkeypatch.setattr(workers, "read_frame", recording_read_frame)
     return seen
@@ -86,32 +86,45 @@ def run_pair(tmp_path, tiny_store, tiny_backbone, scenario, **settings):
 
 def test_requests_and_answers_cross_as_arrays_and_equal_one_process(tmp_path, tiny_store, tiny_backbone, frames):
     answers = {}
+    cases = (("texts", TEXTS, None, TASKS), ("one", TEXTS[:1], None, ["ner"]),
+             ("pairs", [a for a, _ in PAIRS], [b for _, b in PAIRS], ["ner", "sentiment"]))
 
     async def scenario(single, remote, engine):
-        for name, texts, pairs, tasks in (("texts", TEXTS, None, TASKS), ("one", TEXTS[:1], None, ["ner"]),
-                                          ("pairs", [a for a, _ in PAIRS], [b for _, b in PAIRS], ["ner", "sentiment"])):
+        for name, texts, pairs, tasks in cases:  # one after the other: a frame each way per request
             answers[name] = (await remote.submit(answer_of(remote, texts, pairs, tasks)),
                              await single.submit(answer_of(single, texts, pairs, tasks)))
+        # sent in one event-loop iteration: one request frame for all of them, batched as in one process
+        together = [await asyncio.gather(*(runtime.submit(answer_of(runtime, texts, pairs, tasks))
+                                           for _, texts, pairs, tasks in cases)) for runtime in (remote, single)]
+        for (name, *_), got, want in zip(cases, *together):
+            answers[name + " together"] = (got, want)
 
     run_pair(tmp_path, tiny_store, tiny_backbone, scenario)
     for name, (got, want) in answers.items():
         assert got == want, name  # identical answers, floats included
-    requests = [m for _, batch in frames for m in batch if m[0] == "infer"]
-    replies = [m for _, batch in frames for m in batch if m[0] == "ok" and isinstance(m[2], tuple)]
-    assert len(requests) == 3 and len(replies) == 3
-    for message in requests:
-        packed = message[2]
-        assert isinstance(packed, PackedRows) and packed.tokens.dtype == np.int32
-        assert packed.tokens.shape == (sum(packed.lengths), FIELDS)
-    for message in replies:
-        answers = message[2][0]
-        assert isinstance(answers, PackedAnswers) and isinstance(answers.data, bytes) and not answers.decoded
-        assert [task for task, _ in answers.layout] and all(isinstance(v, np.ndarray) for v in answers.arrays().values())
-    texts_reply = dict(replies[0][2][0].layout)
-    assert texts_reply["sentiment"] == (len(TEXTS), 2)  # one array for every input of the request
-    assert texts_reply["ner"][0] == sum(requests[0][2].lengths)  # token task: all inputs' tokens
-    for data, _ in frames:  # no object per input anywhere on the wire, and no ndarray pickles (bytes instead)
-        assert b"EncodedInput" not in data and b"TokenBatch" not in data and b"ndarray" not in data
+    requests = [workers.RequestFrame.read(body) for body in frames if body[:1] == workers.REQUESTS]
+    replies = [body for body in frames if body[:1] == workers.ANSWERS]
+    assert [len(frame.ids) for frame in requests] == [1, 1, 1, 3]  # the last three went as one frame
+    control = [m for body in frames if body[:1] == workers.CONTROL for m in pickle.loads(body[1:])]
+    assert {m[0] for m in control} == {"state"}  # the only pickled messages: the engine's state
+    for frame, (_, texts, pairs, tasks) in zip(requests, cases):
+        rows = frame.rows[0]
+        assert [row.text for row in rows] == texts and [row.text_pair for row in rows] == (pairs or [None] * len(texts))
+        assert frame.task_sets == [",".join(tasks)]
+        assert all(row.tokens.dtype == np.int32 and row.tokens.shape[1] == FIELDS for row in rows)
+        assert isinstance(rows[0].tokens.base, np.ndarray)  # a view of the frame's one token array
+    together = requests[-1]
+    assert sorted(together.task_sets) == sorted({",".join(tasks) for *_, tasks in cases})
+    assert len(replies) <= 3 + 3  # one answer frame per batch at most, however many requests it answered
+    first = workers.read_answers(replies[0])
+    (_, (arrays, versions, seconds)), = first
+    assert set(arrays) == set(TASKS) and all(isinstance(v, np.ndarray) for v in arrays.values())
+    assert arrays["sentiment"].shape == (len(TEXTS), 2)  # one array for every input of the request
+    assert arrays["ner"].shape[0] == sum(len(row) for row in requests[0].rows[0])  # token task: all inputs' tokens
+    assert versions == {task: "1" for task in TASKS} and len(seconds) == 3
+    for body in frames:  # no pickle on the inference path: requests and answers are arrays
+        if body[:1] != workers.CONTROL:
+            assert b"\x80\x05" not in body[:8] and b"EncodedInput" not in body and b"numpy" not in body
 
 
 def test_a_worker_past_its_in_flight_bound_answers_429(tmp_path, tiny_store, tiny_backbone, frames):
@@ -144,7 +157,8 @@ def test_a_request_whose_client_left_is_cancelled_in_the_engine(tmp_path, tiny_s
         await asyncio.sleep(0.6)  # past the engine's batch window: the cancelled job would have run by now
         assert ran == []  # no pass ran for it
         assert engine.metrics.registry.get_sample_value("tmod_dropped_requests_total", {"reason": "client_gone"}) == 1
-        assert [m for _, batch in frames for m in batch if m[0] == "cancel"]  # the cancel crossed the socket
+        # the cancel crossed the socket, in a request frame
+        assert any(workers.RequestFrame.read(body).cancels for body in frames if body[:1] == workers.REQUESTS)
         # the engine still answers the next request
         assert len(await remote.submit(answer_of(remote, TEXTS[:1], None, ["sentiment"]))) == 1
 
