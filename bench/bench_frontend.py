@@ -160,6 +160,13 @@ async def _client_loop(port: int, path: str, bodies: list[bytes], workers: int, 
     latencies: list[float] = []
     errors: dict[str, int] = {}
     ok_in_window = 0
+    cpu = {}
+
+    async def clock():  # this generator process's own CPU over the recorded window
+        await asyncio.sleep(max(0.0, record_from - time.time()))
+        cpu["start"] = time.process_time()
+        await asyncio.sleep(max(0.0, stop_at - time.time()))
+        cpu["stop"] = time.process_time()
 
     async def worker(index: int):
         nonlocal ok_in_window
@@ -197,16 +204,23 @@ async def _client_loop(port: int, path: str, bodies: list[bytes], workers: int, 
                     errors[outcome] = errors.get(outcome, 0) + 1
         writer.close()
 
-    await asyncio.gather(*(worker(i) for i in range(workers)))
-    return {"latencies": latencies, "errors": errors, "ok_in_window": ok_in_window}
+    await asyncio.gather(clock(), *(worker(i) for i in range(workers)))
+    return {"latencies": latencies, "errors": errors, "ok_in_window": ok_in_window,
+            "cpu_s": cpu.get("stop", 0.0) - cpu.get("start", 0.0)}
 
 
-def _client_process(args, queue):
+def _client_process(args, queue, cpus=None):
+    from bench.harness import pin_to
+
+    pin_to(cpus)  # off the server's cores: the benchmark does not measure itself
     queue.put(asyncio.run(_client_loop(*args)))
 
 
 def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients: int, warmup: float,
-            duration: float, signal_window: bool = False) -> dict:
+            duration: float, signal_window: bool = False, generator_cpus: set[int] | None = None) -> dict:
+    """One level against `server`, the load generator's processes on `generator_cpus` (None: any).
+    CPU per request of the server (the process tmod-serve started: with --workers the engine), of each
+    worker process and of the generator, and requests per batch from /metrics."""
     from bench.harness import metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
 
     now = time.time()
@@ -219,7 +233,8 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     for i in range(clients):
         share = concurrency // clients + (1 if i < concurrency % clients else 0)
         p = mp.Process(target=_client_process,
-                       args=((server.port, path, bodies, share, start_at, stop_at, record_from, inputs, i), queue))
+                       args=((server.port, path, bodies, share, start_at, stop_at, record_from, inputs, i), queue,
+                             generator_cpus))
         p.start()
         procs.append(p)
     time.sleep(max(0.0, record_from - time.time()))
@@ -228,10 +243,10 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     workers = worker_pids(server.proc.pid)  # with --workers: the HTTP worker processes
     metrics0 = server_metrics(server)
     cpu0, threads0, t0 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
-    workers0 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
+    each0 = [proc_cpu_seconds(pid) or 0.0 for pid in workers]
     time.sleep(max(0.0, stop_at - time.time()))
     cpu1, threads1, t1 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
-    workers1 = sum(proc_cpu_seconds(pid) or 0.0 for pid in workers)
+    each1 = [proc_cpu_seconds(pid) or 0.0 for pid in workers]
     metrics1 = server_metrics(server)
     parts = [queue.get(timeout=120) for _ in procs]
     for p in procs:
@@ -245,7 +260,9 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     window = t1 - t0
     per_batch = metrics_delta(metrics0, metrics1)["mean_batch_requests"]
     engine_cpu = cpu1 - cpu0  # the process tmod-serve started: everything, or with workers the engine
-    workers_cpu = workers1 - workers0
+    each = [b - a for a, b in zip(each0, each1)]
+    workers_cpu = sum(each)
+    generator_cpu = sum(part["cpu_s"] for part in parts)
     server_cpu = engine_cpu + workers_cpu
     main_thread = threads1.get(server.proc.pid, 0.0) - threads0.get(server.proc.pid, 0.0)
     return {
@@ -261,6 +278,9 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
         "engine_process_cpu_us_per_request": round(engine_cpu / ok * 1e6, 1) if ok else None,
         "engine_process_cpu_us_per_input": round(engine_cpu / (ok * inputs) * 1e6, 1) if ok else None,
         "workers_cpu_us_per_request": round(workers_cpu / ok * 1e6, 1) if ok and workers else None,
+        "each_worker_cpu_us_per_request": [round(w / ok * 1e6, 1) for w in each] if ok else None,
+        "generator_cpu_us_per_request": round(generator_cpu / ok * 1e6, 1) if ok else None,
+        "generator_cores": round(generator_cpu / window, 3),
         # requests per batch over the window (the server's tmod_batch_requests): the engine's per-batch
         # work is shared by this many requests, so its CPU per request falls as batches fill
         "requests_per_batch": round(per_batch, 1) if per_batch else None,
@@ -304,7 +324,7 @@ def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | 
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
            "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, **(extra_env or {})}
     server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(code / "bench" / "bench_frontend.py"),
-                                                                "--serve"])
+                                                                "--serve"], cpus=args.server_cpus)
     server.start()
     server.wait_ready(300)
     return server
@@ -451,7 +471,8 @@ def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[di
         for i, (inputs, c) in enumerate(LEVELS):
             for code, n in (keys if i % 2 == 0 else list(reversed(keys))):  # drift: alternate who goes first
                 run = {"code": code, "workers": n, **measure(servers[code, n], bodies[inputs], inputs, c,
-                                                               args.clients, args.warmup, args.duration)}
+                                                               args.clients, args.warmup, args.duration,
+                                                               generator_cpus=args.generator_cpus)}
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     finally:
@@ -461,22 +482,30 @@ def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[di
 
 
 def write_workers_markdown(path: Path, result: dict) -> None:
+    m = result["machine"]
+    flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
     lines = [f"# Frontend with worker processes (CPU, constant-time stand-in for the device pass: {result['pass_ms']} ms, "
              f"batch shapes {result.get('batch_shapes', 'length_runs')})",
-             "", f"{result['date']} · {result['machine'].get('cpu_model', '')} · "
-             f"{result['machine'].get('logical_cpus', '')} cores (shared with the load generator) · `{result['command']}`",
+             "", f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus', '')} "
+             f"logical CPUs, shared with other work (load average at start {m.get('load_average_at_start_1_5_15min')}) · "
+             f"servers pinned to CPUs {result.get('server_cpus')}, load generator to {result.get('generator_cpus')} · "
+             f"`{result['command']}`",
              "", "`tmod-serve --workers N`: N HTTP processes (HTTP, JSON, tokenization, decode) and one engine process "
-             "(batching, collation, the pass). Requests/s on this 2-core box is capped by the cores; the CPU each "
-             "process spends per request is what carries to a bigger machine."
-             + (f" `before`: the code at {result['before']}; `after`: this tree ({result['machine']['versions']['tmod_git']['commit']})."
+             "(batching, collation, the pass), all on the server's CPUs; the load generator runs on others, so what "
+             "is measured is the server. CPU = utime + stime from /proc over the recorded window / answered requests; "
+             "requests per batch from the server's /metrics (tmod_batch_requests) over the same window."
+             + (f" `before`: the code at {result['before']}; `after`: this tree ({m['versions']['tmod_git']['commit']})."
                 if result.get("before") else ""), "",
              "| code | workers | inputs/request | c | req/s | seq/s | p50 ms | p99 ms | errors | CPU us/request (all) "
-             "| engine process us/request | us/input | workers us/request | requests/batch |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| engine process us/request | engine us/input | workers us/request | each worker us/request "
+             "| generator us/request | requests/batch |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["levels"]:
+        each = " / ".join(str(w) for w in r.get("each_worker_cpu_us_per_request") or []) or "-"
         lines.append(f"| {r.get('code', 'after')} | {r['workers']} | {level_cells(r)} | {r['server_cpu_us_per_request']} | "
                      f"{r['engine_process_cpu_us_per_request']} | {r['engine_process_cpu_us_per_input']} | "
-                     f"{r['workers_cpu_us_per_request'] or '-'} | {r.get('requests_per_batch') or '-'} |")
+                     f"{r['workers_cpu_us_per_request'] or '-'} | {each} | {r.get('generator_cpu_us_per_request', '-')} | "
+                     f"{r.get('requests_per_batch') or '-'} |")
     lines += ["", "Ceilings (labelled, not measured: CPU per request as measured here, every process on a core of "
               "its own):", ""] + [f"- {line}" for line in result["ceilings"]] + [""]
     path.write_text("\n".join(lines))
@@ -516,7 +545,32 @@ def parse_args(argv=None):
     p.add_argument("--before", type=Path, default=None,
                    help="with --workers: another checkout whose servers run beside this tree's (before / after)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "frontend-cpu.json")
-    return p.parse_args(argv)
+    p.add_argument("--server-cpus", type=cpu_list, default=None,
+                   help="CPUs the servers run on, e.g. 0 or 0-7 (default: the first half of the usable CPUs)")
+    p.add_argument("--generator-cpus", type=cpu_list, default=None,
+                   help="CPUs the load generator runs on (default: the rest): apart from the server's, so the "
+                        "benchmark does not measure itself")
+    args = p.parse_args(argv)
+    add_cpu_split(args)
+    return args
+
+
+def cpu_list(text: str) -> set[int]:
+    """'0', '0,2', '0-7' -> a set of CPU numbers."""
+    out = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def add_cpu_split(args) -> None:
+    """Fill --server-cpus / --generator-cpus left out (bench/harness.py `split_cpus`)."""
+    from bench.harness import split_cpus
+
+    server, generator = split_cpus()
+    args.server_cpus = args.server_cpus or server
+    args.generator_cpus = args.generator_cpus or (generator - args.server_cpus or generator)
 
 
 def main(argv=None) -> int:
@@ -538,6 +592,7 @@ def main(argv=None) -> int:
               "machine": machine_info("cpu"), "pass_ms": args.pass_ms, "batch_shapes": args.batch_shapes,
               "max_wait_ms": args.max_wait_ms,
               "clients": args.clients, "warmup_s": args.warmup, "duration_s": args.duration, "tasks": TASKS,
+              "server_cpus": sorted(args.server_cpus), "generator_cpus": sorted(args.generator_cpus),
               "levels": [], "profiles": {}}
     with tempfile.TemporaryDirectory(prefix="bench_frontend_") as tmp:
         workdir = Path(tmp)
@@ -567,7 +622,7 @@ def main(argv=None) -> int:
                 order = list(STACKS) if i % 2 == 0 else list(reversed(STACKS))  # drift: alternate who goes first
                 for name in order:
                     run = {"stack": name, **measure(servers[name], bodies[inputs], inputs, c, args.clients,
-                                                    args.warmup, args.duration)}
+                                                    args.warmup, args.duration, generator_cpus=args.generator_cpus)}
                     print(json.dumps(run), flush=True)
                     result["levels"].append(run)
         finally:
@@ -579,7 +634,8 @@ def main(argv=None) -> int:
                 server = start_server(workdir, workdir / "store", f"profile{inputs}", args,
                                       {"BENCH_PROFILE": str(prof), "BENCH_UVICORN": STACKS["httptools+uvloop"]})
                 try:
-                    profiled = measure(server, bodies[inputs], inputs, 64, args.clients, args.warmup, args.duration, True)
+                    profiled = measure(server, bodies[inputs], inputs, 64, args.clients, args.warmup, args.duration, True,
+                                       generator_cpus=args.generator_cpus)
                 finally:
                     server.stop()
                 if prof.exists():

@@ -13,7 +13,9 @@
 * served: a real `tmod-serve` with the shipped sentiment, ner and acceptability modules on the
   device, under HTTP load from --clients load-generator processes (bench_frontend's raw HTTP/1.1
   clients): 1-input and 32-input requests at c = 64 and 256, for each --workers count; seq/s,
-  req/s, p50/p99, errors, and the achieved batch size from /metrics.
+  req/s, p50/p99, errors, the achieved batch size from /metrics, and CPU per request of the engine
+  process, each worker and the load generator. The server and the generator run on CPUs apart
+  (--server-cpus, --generator-cpus; default half each), so the benchmark does not measure itself.
 
 Writes bench/results/gpu-<device name>.json, rewritten after every row (with each section's seconds),
 so a run stopped at a time limit keeps what it measured.
@@ -45,6 +47,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.bench_frontend import add_cpu_split, cpu_list  # noqa: E402
 from bench.harness import machine_info, read_sst2_sentences  # noqa: E402
 from bench.random_heads import build_modules  # noqa: E402
 from modules_store import ModuleStore  # noqa: E402
@@ -240,20 +243,25 @@ def served_section(args, sentences: list[str], tmp: Path):
                "TMOD_WORKERS": str(workers), "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
                "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
                **({"TMOD_BACKBONE": str(args.backbone)} if args.backbone else {})}
-        server = ServerProcess(f"served-w{workers}", env, tmp / f"served-w{workers}.log", serve_command())
+        server = ServerProcess(f"served-w{workers}", env, tmp / f"served-w{workers}.log", serve_command(),
+                               cpus=args.server_cpus)
         server.start()
         LIVE_SERVERS.append(server)
         try:
             server.wait_ready(900)
             for inputs, concurrency in levels:
                 before = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
-                run = measure(server, bodies[inputs], inputs, concurrency, args.clients, args.warmup, args.duration)
+                run = measure(server, bodies[inputs], inputs, concurrency, args.clients, args.warmup, args.duration,
+                              generator_cpus=args.generator_cpus)
                 after = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
                 run = {"workers": workers, **run, "batches": metrics_delta(before, after)}
                 lat = run["latency_ms"]
                 print(f"served workers={workers} {inputs} input(s) x c={concurrency}: {run['requests_per_s']:,} req/s, "
                       f"{run['sequences_per_s']:,} seq/s, p50 {lat['p50'] or 0:.1f} ms, p99 {lat['p99'] or 0:.1f} ms, "
-                      f"errors {run['errors']}, mean batch {run['batches']['mean_batch_inputs']}", flush=True)
+                      f"errors {run['errors']}, mean batch {run['batches']['mean_batch_inputs']} inputs / "
+                      f"{run['requests_per_batch']} requests; CPU us/request engine {run['engine_process_cpu_us_per_request']}"
+                      f", workers {run['each_worker_cpu_us_per_request']}, generator {run['generator_cpu_us_per_request']}",
+                      flush=True)
                 yield run
         except BaseException:
             print(server.log_tail(), flush=True)
@@ -335,12 +343,17 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=float, default=3.0, help="served: unrecorded seconds per level")
     p.add_argument("--duration", type=float, default=10.0, help="served: recorded seconds per level")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="served: TMOD_MAX_WAIT_MS")
+    p.add_argument("--server-cpus", type=cpu_list, default=None,
+                   help="served: CPUs tmod-serve runs on, e.g. 0-7 (default: the first half of the usable CPUs)")
+    p.add_argument("--generator-cpus", type=cpu_list, default=None,
+                   help="served: CPUs the load generator runs on (default: the rest), apart from the server's")
     p.add_argument("--data-dir", type=Path, default=None, help="where sst2/validation.tsv is")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the script: small sizes, no graphs, nothing recorded unless --out is given")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default bench/results/gpu-<device name>.json); rewritten after every row")
     args = p.parse_args(argv)
+    add_cpu_split(args)
     stop_on_sigterm()
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -353,7 +366,8 @@ def main(argv=None) -> None:
     base = Backbone.load(args.backbone, device=args.device)
     device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
     out = {"benchmark": "bench_gpu", "device": device_name, "machine": machine_info(args.device),
-           "command": " ".join(["python", "bench/bench_gpu.py", *(argv if argv is not None else sys.argv[1:])])}
+           "command": " ".join(["python", "bench/bench_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+           "server_cpus": sorted(args.server_cpus), "generator_cpus": sorted(args.generator_cpus)}
     needs_text = {"pipelines", "served"} & set(args.sections)
     sentences = read_sst2_sentences(args.data_dir) if needs_text else []
     path = None if args.smoke and not args.out else (

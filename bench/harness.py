@@ -3,8 +3,9 @@
 - where it ran: `machine_info` (platform, CPU model and flags, device, versions, commit, load average)
 - inputs: `read_sst2_sentences` (the real texts speed benchmarks send), `build_store` (random-weight
   layer-mix heads sized like the tmod-train defaults, saved as real artifacts)
-- a real server: `ServerProcess` (a `tmod-serve` subprocess on a free loopback port; `wait_ready` on
-  /readyz; `stop` with SIGTERM, as Kubernetes does)
+- a real server: `ServerProcess` (a `tmod-serve` subprocess on a free loopback port, optionally
+  pinned to CPUs of its own; `wait_ready` on /readyz; `stop` with SIGTERM, as Kubernetes does);
+  `split_cpus` / `pin_to` keep the load generator off the server's cores
 - load: `measure` (a closed-loop httpx load generator at one concurrency, one keep-alive connection
   per client) and its latency summary; /metrics read before and after (`parse_metrics`,
   `metrics_delta`); CPU time from /proc (`CpuWindow`, per process and per thread)
@@ -243,9 +244,28 @@ def serve_command() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "server.cli"]
 
 
+def split_cpus(generator_share: float = 0.5) -> tuple[set[int], set[int]]:
+    """(server CPUs, load-generator CPUs): this process's usable CPUs in two apart, so that a
+    benchmark does not measure its own load generator (on 2 cores: the server on one, the generator
+    on the other). One CPU: both get it (said so by the sets being equal)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < 2:
+        return set(cpus), set(cpus)
+    take = min(len(cpus) - 1, max(1, round(len(cpus) * generator_share)))
+    return set(cpus[:-take]), set(cpus[-take:])
+
+
+def pin_to(cpus: set[int] | None) -> None:
+    """Run this process (and the processes it starts after) on `cpus` only (None: leave it)."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+
+
 class ServerProcess:
-    def __init__(self, name: str, env: dict[str, str], log_path: Path, command: list[str]):
+    def __init__(self, name: str, env: dict[str, str], log_path: Path, command: list[str],
+                 cpus: set[int] | None = None):
         self.name = name
+        self.cpus = cpus  # the server and every process it starts run on these CPUs only (None: any)
         self.command = command
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -256,8 +276,10 @@ class ServerProcess:
 
     def start(self) -> None:
         self._log = open(self.log_path, "wb")
+        cpus = self.cpus
         self.proc = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=(lambda: pin_to(cpus)) if cpus else None)
 
     def wait_ready(self, timeout: float) -> None:
         import httpx

@@ -169,33 +169,40 @@ def longest(rows) -> int:
 
 class Forming:
     """A batch being formed: its entries, rows, longest row, and the module answering each task (the
-    union of its entries' tasks), so that adding an entry costs O(its tasks), whatever the batch holds."""
+    union of its entries' tasks), so that adding an entry costs O(its tasks), whatever the batch holds;
+    an entry with the task set (the same dict) of the one before costs no look-up at all (the engine
+    process hands every request of one task set the same dict)."""
 
     def __init__(self, first: tuple):
         rows = first[ROWS]
         self.entries = [first]
         self.rows, self.longest, self.pairs = len(rows), longest(rows), rows[0].text_pair is not None
         self.modules: dict[str, LoadedModule] = dict(first[MODULES])
+        self.last = first[MODULES]  # a task set already checked and added
 
-    def admits(self, entry: tuple, settings: BatchSettings) -> bool:
-        """Whether `entry` may join: same input signature, no task answered by another version
+    def add(self, entry: tuple, settings: BatchSettings) -> bool:
+        """Add `entry` if it may join: same input signature, no task answered by another version
         (mid-reload two versions cannot share a pass), within the row limit and token budget."""
         rows = entry[ROWS]
         if not settings.enabled or (rows[0].text_pair is not None) != self.pairs:
             return False
-        known = self.modules
-        for task, module in entry[MODULES].items():
-            if known.get(task, module) is not module:
-                return False
-        count = self.rows + len(rows)
-        return count <= settings.max_batch_size and count * max(self.longest, longest(rows)) <= settings.max_batch_tokens
-
-    def add(self, entry: tuple) -> None:
-        rows = entry[ROWS]
+        modules = entry[MODULES]
+        if modules is not self.last:
+            known = self.modules
+            for task, module in modules.items():
+                if known.get(task, module) is not module:
+                    return False
+        count, tokens = self.rows + len(rows), longest(rows)
+        if count > settings.max_batch_size or count * max(self.longest, tokens) > settings.max_batch_tokens:
+            return False
         self.entries.append(entry)
-        self.rows += len(rows)
-        self.longest = max(self.longest, longest(rows))
-        self.modules.update(entry[MODULES])
+        self.rows = count
+        if tokens > self.longest:
+            self.longest = tokens
+        if modules is not self.last:
+            self.modules.update(modules)
+            self.last = modules
+        return True
 
 
 def _wake(future: asyncio.Future) -> None:
@@ -254,16 +261,27 @@ class Batcher:
     def put(self, entry: tuple) -> None:
         """Queue an entry (`(rows, modules, deadline, enqueued, owner, key)`); its owner hears what
         became of it. A full queue raises QueueFull at once."""
+        if not self.put_many([entry]):
+            raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
+
+    def put_many(self, entries: list[tuple]) -> int:
+        """Queue entries that came together (a worker's frame): as many as the queue has room for, in
+        order; -> how many (the rest are the caller's to refuse, 429). Their deadlines are kept as one
+        group (one heap item, not one per request). Closing: none, QueueFull."""
         if self._closing:
             raise QueueFull("the server is shutting down")
-        if len(self._queue) + len(self._held) >= self.settings.max_queue:
-            raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
-        self._keep_deadline(entry)  # kept while the entry waits, not only when a batch takes it
-        self._queue.append(entry)
+        room = self.settings.max_queue - len(self._queue) - len(self._held)
+        if room < len(entries):
+            entries = entries[:max(0, room)]
+        if not entries:
+            return 0
+        self._keep_deadlines(entries)  # kept while the entries wait, not only when a batch takes them
+        self._queue.extend(entries)
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(None)
-        if entry[ENQUEUED] - self._depth_seen >= DEPTH_EVERY:  # a gauge write per request is not worth it
+        if entries[0][ENQUEUED] - self._depth_seen >= DEPTH_EVERY:  # a gauge write per request is not worth it
             self._observe_depth()
+        return len(entries)
 
     def enqueue(self, job: Job) -> asyncio.Future:
         """Queue `job`; the future returned gets its answers, or the reason it got none
@@ -275,12 +293,18 @@ class Batcher:
     async def submit(self, job: Job):
         return await self.enqueue(job)
 
-    def _keep_deadline(self, entry: tuple) -> None:
+    @staticmethod
+    def _settled(group: list[tuple]) -> bool:
+        """No entry of a deadline group is still waiting."""
+        return not any(entry[OWNER].waiting(entry[KEY]) for entry in group)
+
+    def _keep_deadlines(self, group: list[tuple]) -> None:
         deadlines = self._deadlines
-        while deadlines and not deadlines[0][2][OWNER].waiting(deadlines[0][2][KEY]):  # answered ones leave
+        while deadlines and self._settled(deadlines[0][2]):  # answered groups leave from the front
             heapq.heappop(deadlines)
-        heapq.heappush(deadlines, (entry[DEADLINE], next(self._order), entry))
-        if entry[DEADLINE] < self._expiry_at:
+        first = min(entry[DEADLINE] for entry in group) if len(group) > 1 else group[0][DEADLINE]
+        heapq.heappush(deadlines, (first, next(self._order), group))
+        if first < self._expiry_at:
             self._arm_expiry()
 
     def _arm_expiry(self) -> None:
@@ -293,12 +317,20 @@ class Batcher:
             self._expiry = asyncio.get_running_loop().call_later(delay, self._expire_due)
 
     def _expire_due(self) -> None:
-        """Fail every waiting entry whose deadline has passed; arm the timer for the next one."""
+        """Fail every waiting entry whose deadline has passed (the rest of its group goes back under
+        the group's next deadline); arm the timer for the next one."""
         now, deadlines = time.perf_counter(), self._deadlines
-        while deadlines and (deadlines[0][0] <= now or not deadlines[0][2][OWNER].waiting(deadlines[0][2][KEY])):
-            entry = heapq.heappop(deadlines)[2]
-            if entry[DEADLINE] <= now and entry[OWNER].expire(entry[KEY]):
-                self._count_dropped("deadline")
+        while deadlines and (deadlines[0][0] <= now or self._settled(deadlines[0][2])):
+            rest = []
+            for entry in heapq.heappop(deadlines)[2]:
+                if not entry[OWNER].waiting(entry[KEY]):
+                    continue
+                if entry[DEADLINE] > now:
+                    rest.append(entry)
+                elif entry[OWNER].expire(entry[KEY]):
+                    self._count_dropped("deadline")
+            if rest:
+                heapq.heappush(deadlines, (min(entry[DEADLINE] for entry in rest), next(self._order), rest))
         self._arm_expiry()
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -325,17 +357,19 @@ class Batcher:
 
     async def _loop(self) -> None:
         slots = asyncio.Semaphore(self.settings.in_flight)
+        queue, settings = self._queue, self.settings
         while True:
             await slots.acquire()  # taken before the first entry: with one slot a batch forms after the last ran
             forming = Forming(await self._next(None))
-            window_end = time.perf_counter() + self.settings.max_wait
-            while self.settings.enabled:
-                entry = await self._next(max(0.0, window_end - time.perf_counter()))
-                if entry is None:
-                    break
-                if forming.admits(entry, self.settings):
-                    forming.add(entry)
-                else:
+            window_end = time.perf_counter() + settings.max_wait
+            while settings.enabled:
+                if self._held or not queue:
+                    entry = await self._next(max(0.0, window_end - time.perf_counter()))
+                    if entry is None:
+                        break
+                else:  # what is queued already: no wait, no call per entry
+                    entry = queue.popleft()
+                if not forming.add(entry, settings):
                     self._held.appendleft(entry)  # first in line for the next batch
                     break
             self._observe_depth()
@@ -376,19 +410,32 @@ class Batcher:
         # sort rows by length so similar lengths share padding (stable: equal lengths keep their
         # order); `where[j]` remembers where entry j's rows went
         if all(len(entry[ROWS]) == 1 for entry in batch):  # one row each (the common case): no inner loop
-            order = sorted(((len(entry[ROWS][0]), j, 0) for j, entry in enumerate(batch)), key=itemgetter(0))
+            rows = [entry[ROWS][0] for entry in batch]
+            order = sorted(range(len(rows)), key=[len(row) for row in rows].__getitem__)
+            rows = [rows[j] for j in order]
+            where = [None] * len(rows)
+            for i, j in enumerate(order):
+                where[j] = [i]
         else:
             order = sorted(((len(row), j, r) for j, entry in enumerate(batch) for r, row in enumerate(entry[ROWS])),
                            key=itemgetter(0))
-        rows = [batch[j][ROWS][r] for _, j, r in order]
-        where = [[0] * len(entry[ROWS]) for entry in batch]
-        for i, (_, j, r) in enumerate(order):
-            where[j][r] = i
+            rows = [batch[j][ROWS][r] for _, j, r in order]
+            where = [[0] * len(entry[ROWS]) for entry in batch]
+            for i, (_, j, r) in enumerate(order):
+                where[j][r] = i
         modules: dict[str, LoadedModule] = {}
         owners: dict[Owner, list] = {}
+        last = mine = None
         for entry, places in zip(batch, where):
-            modules.update(entry[MODULES])
-            owners.setdefault(entry[OWNER], []).append((entry, places))
+            if entry[MODULES] is not last:
+                last = entry[MODULES]
+                modules.update(last)
+            if entry[OWNER] is not mine:
+                mine = entry[OWNER]
+                items = owners.get(mine)
+                if items is None:
+                    items = owners[mine] = []
+            items.append((entry, places))
         timings = Timings()
         loop = asyncio.get_running_loop()
         try:

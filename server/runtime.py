@@ -143,11 +143,12 @@ class Runtime:
         except (QueueFull, DeadlineExceeded, ClientGone) as exc:
             raise self.refusal(exc) from exc
 
-    def put(self, entry: tuple) -> None:
-        """Queue a batcher entry (server/batcher.py; the engine process queues its workers' requests so,
-        no future per request); a full queue raises the 429 ApiError."""
+    def put_many(self, entries: list[tuple]) -> int:
+        """Queue batcher entries that came together (server/batcher.py; the engine process queues a
+        worker's frame so, no future per request) -> how many the queue took (the rest: 429 for the
+        caller to give); a closing queue raises the 503 ApiError."""
         try:
-            self.batcher.put(entry)
+            return self.batcher.put_many(entries)
         except QueueFull as exc:
             raise self.refusal(exc) from exc
 

@@ -64,7 +64,7 @@ import numpy as np
 from modules_store import Manifest, TaskType
 from server.backbone import EncodedInput
 from server.backbone.tokens import FIELDS, TextEncoder, plain_rows
-from server.batcher import ENQUEUED, KEY, MODULES, DeadlineExceeded, Job, Owner
+from server.batcher import ENQUEUED, KEY, MODULES, ROWS, DeadlineExceeded, Job, Owner, QueueFull
 from server.config import Settings
 from server.errors import ApiError
 from server.heads.decode import decode_rows
@@ -195,45 +195,59 @@ class RequestFrame:
 def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     """What the engine has for one worker in one event-loop iteration -> a frame's parts. `batches`:
     `(items, outputs, timings, started)` as the batcher hands an Owner; `errors`: `(id, status, type,
-    message, details)`."""
+    message, details)`. Work per task per batch (one gather of its rows), not per request and task."""
     ids, times, status = [], [], []
-    table: dict[tuple[str, str], tuple[list, dict]] = {}  # (task, version) -> (row answers, {request: rows})
+    table: dict[tuple[str, str], tuple[list, list]] = {}  # (task, version) -> (row answers, [(request, rows)])
     tail: dict = {}
     for items, outputs, timings, started in batches:
-        refused = {r: a for answers in outputs.values() for r, a in enumerate(answers) if isinstance(a, Exception)}
+        refused = {r: a for answers in outputs.values() for r, a in enumerate(answers) if type(a) is not np.ndarray
+                   and isinstance(a, Exception)}
+        groups: dict[int, tuple[dict, list, list, list, list]] = {}  # per task set: requests, places, rows, tokens
+        backbone, heads = timings.backbone, timings.heads
         for entry, places in items:
             i = len(ids)
             ids.append(entry[KEY])
-            times.append((started - entry[ENQUEUED], timings.backbone, timings.heads))
-            refusal = next((refused[p] for p in places if p in refused), None) if refused else None
-            if refusal is not None:
+            times.append((started - entry[ENQUEUED], backbone, heads))
+            if refused and any(p in refused for p in places):
+                refusal = next(refused[p] for p in places if p in refused)
                 status.append(refusal.status if isinstance(refusal, ApiError) else 500)
                 tail.setdefault("errors", {})[i] = describe_error(refusal)
                 continue
             status.append(0)
-            for task, module in entry[MODULES].items():
+            modules = entry[MODULES]
+            group = groups.get(id(modules))
+            if group is None:
+                group = groups[id(modules)] = (modules, [], [], [], [])
+            group[1].append(i)
+            group[2].extend(places)
+            group[3].append(len(places))
+            group[4].append(sum(map(len, entry[ROWS])))  # a token task answers each row's own tokens
+        for modules, requests, places, rows, tokens in groups.values():
+            for task, module in modules.items():
                 answers = outputs[task]
-                first = answers[places[0]]
-                if not isinstance(first, np.ndarray):  # decoded here (a bridged task)
-                    tail.setdefault("decoded", {}).setdefault(i, {})[task] = (module.version, [answers[p] for p in places])
-                    continue
-                parts, counts = table.setdefault((task, module.version), ([], {}))
                 mine = [answers[p] for p in places]
-                parts.extend(mine)
-                counts[i] = len(mine) if first.ndim == 1 else sum(a.shape[0] for a in mine)
+                if type(mine[0]) is not np.ndarray:  # decoded here (a bridged task)
+                    at = 0
+                    for i, count in zip(requests, rows):
+                        tail.setdefault("decoded", {}).setdefault(i, {})[task] = (module.version, mine[at:at + count])
+                        at += count
+                    continue
+                parts, counts = table.setdefault((task, module.version), ([], []))
+                parts.append(np.stack(mine) if mine[0].ndim == 1 else np.concatenate(mine))
+                counts.append((requests, rows if mine[0].ndim == 1 else tokens))
     for ident, code, type_, message, details in errors:
-        i = len(ids)
+        tail.setdefault("errors", {})[len(ids)] = (type_, message, details)
         ids.append(ident)
         times.append((0.0, 0.0, 0.0))
         status.append(code)
-        tail.setdefault("errors", {})[i] = (type_, message, details)
     n = len(ids)
     count_rows, widths, blocks = [], [], []
     for parts, counts in table.values():
         column = np.zeros(n, dtype=np.int32)
-        column[list(counts)] = list(counts.values())
+        for requests, values in counts:
+            column[requests] = values
         count_rows.append(column.tobytes())
-        block = np.stack(parts) if parts[0].ndim == 1 else np.concatenate(parts)
+        block = parts[0] if len(parts) == 1 else np.concatenate(parts)
         widths.append(block.shape[1])
         blocks.append(np.ascontiguousarray(block, dtype=np.float32).tobytes())
     names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
@@ -491,22 +505,34 @@ class EngineService:
             self._cancel(peer, ident)
         now = time.perf_counter()
         sets = [self._modules_for(tasks) for tasks in frame.task_sets]
-        put, limit = self.runtime.put, self.limit
+        room = self.limit - peer.in_engine
+        entries = []
         for ident, seconds, which, rows in zip(frame.ids, frame.seconds_left, frame.which, frame.rows):
             modules = sets[which]
-            try:
-                if isinstance(modules, ApiError):
-                    raise modules
-                if peer.in_engine >= limit:
-                    raise ApiError(429, "overloaded", f"server overloaded: {limit} requests of this worker in "
-                                                      "flight; retry later")
-                peer.waiting_ids.add(ident)  # before the batcher sees it (it asks the owner)
-                put((rows, modules, now + seconds, now, peer, ident))
-            except ApiError as exc:
-                peer.waiting_ids.discard(ident)
-                peer.refuse(ident, exc, counted=False)
-                continue
-            peer.in_engine += 1
+            if type(modules) is not dict:  # the 400 of an unknown task
+                peer.refuse(ident, modules, counted=False)
+            elif len(entries) >= room:
+                peer.refuse(ident, self._overloaded(), counted=False)
+            else:
+                entries.append((rows, modules, now + seconds, now, peer, ident))
+        if not entries:
+            return
+        peer.waiting_ids.update(entry[KEY] for entry in entries)  # before the batcher sees them (it asks the owner)
+        try:
+            queued = self.runtime.put_many(entries)
+        except ApiError as exc:  # shutting down
+            queued, refusal = 0, exc
+        else:
+            refusal = self.runtime.refusal(QueueFull(f"queue is full ({self.runtime.settings.max_queue} requests "
+                                                     "waiting)"))
+        peer.in_engine += queued
+        for entry in entries[queued:]:
+            peer.waiting_ids.discard(entry[KEY])
+            peer.refuse(entry[KEY], refusal, counted=False)
+
+    def _overloaded(self) -> ApiError:
+        return ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in flight; "
+                                           "retry later")
 
     async def _answer(self, peer: Peer, message) -> None:
         kind, ident, *args = message
