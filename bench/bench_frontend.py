@@ -28,15 +28,24 @@ a CPU's several passes per batch, each with its own sleep and per-pass host work
    threading.setprofile) for one 1-input and one 32-input level; top functions by own time.
 
 6. `--workers`: the same levels on `tmod-serve --workers 1` and `--workers 2` (server/workers.py), with
-   the CPU of the engine process (the one that cannot be multiplied) and of the workers per request.
+   the CPU of the engine process (the one that cannot be multiplied), of each worker and of the load
+   generator per request, and requests per batch from /metrics.
    `--before DIR` (another checkout, e.g. `git worktree add /tmp/base <commit>`): its servers run
    beside this tree's, level by level in alternating order, so before and after share one run.
 
-Outputs: bench/results/frontend-cpu.{json,md}; with --workers, bench/results/frontend-workers-cpu.{json,md}.
+7. `--engine-only`: the engine process's loop alone, in this process (`engine_only`): request frames of
+   1-64 requests fed to EngineService, one batch each, CPU per request at a known batch size.
+
+The servers run on --server-cpus and the load generator on --generator-cpus, CPUs apart (default:
+half each; on 2 cores, one each), so the benchmark does not measure itself.
+
+Outputs: bench/results/frontend-cpu.{json,md}; with --workers, bench/results/frontend-workers-cpu.{json,md};
+with --engine-only, bench/results/frontend-engine-cpu.{json,md}.
 
     .venv/bin/python bench/bench_frontend.py             # ~3 min
     .venv/bin/python bench/bench_frontend.py --workers   # ~2 min
     .venv/bin/python bench/bench_frontend.py --workers --before /tmp/base   # ~4 min
+    .venv/bin/python bench/bench_frontend.py --engine-only   # ~1 min
     .venv/bin/python bench/bench_frontend.py --quick     # smoke run
 """
 from __future__ import annotations
@@ -528,6 +537,141 @@ def workers_ceilings(levels: list[dict]) -> list[str]:
     return out
 
 
+ENGINE_LEVELS = [(1, 1), (8, 1), (32, 1), (64, 1), (1, 32), (4, 32)]  # (requests per frame, inputs per request)
+
+
+def engine_only(args, store: Path) -> list[dict]:
+    """The engine process's own work, without HTTP workers or a load generator to share its core:
+    for each level and code (this tree, and `--before`'s checkout, alternating which goes first), a
+    process of that code's Runtime with the stand-in pass and its EngineService, fed the request
+    frames one of its workers would send (`engine_driver`)."""
+    import subprocess
+
+    codes = {"after": REPO, **({"before": Path(args.before).resolve()} if args.before else {})}
+    rows = []
+    for i, level in enumerate(ENGINE_LEVELS):
+        for code in (list(codes) if i % 2 == 0 else list(reversed(codes))):
+            config = {"code": str(codes[code]), "store": str(store), "pass_ms": args.pass_ms, "frames": args.frames,
+                      "batch_shapes": args.batch_shapes, "max_wait_ms": args.max_wait_ms, "level": level}
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--engine-driver", json.dumps(config)],
+                                  capture_output=True, text=True, cwd=REPO)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode or not lines:
+                raise SystemExit(f"engine driver ({code}, {level}) failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+            row = {"code": code, **json.loads(lines[-1])}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def engine_driver(config: dict) -> None:
+    """One level of `engine_only`, in a process of its own, on the code at config["code"]: a Runtime
+    (stand-in pass) and EngineService fed frames of N requests as a worker's connection would (this
+    tree's binary frames, or the pickled messages of a checkout from before them), one frame at a
+    time, each answered (its answer frame written) before the next. CPU = this process's utime +
+    stime (every thread) over the frames / requests. Each frame is one batch."""
+    sys.path.insert(0, config["code"])  # before anything of server/ is imported: that code is measured
+    import pickle
+
+    from bench.harness import read_sst2_sentences
+    from server import workers as engine_side
+    from server.config import Settings
+    from server.runtime import Runtime
+
+    install_standin(config["pass_ms"] / 1000)
+    requests, inputs = config["level"]
+    binary = hasattr(engine_side, "RequestFrame")
+
+    class Connection:  # what the engine writes to
+        answered: asyncio.Event
+
+        def write(self, data):
+            self.answered.set()
+
+        def is_closing(self):
+            return False
+
+        def close(self):
+            pass
+
+    async def run() -> dict:
+        settings = Settings(store=config["store"], workers=2, threads=1, batch_shapes=config["batch_shapes"],
+                            max_wait_ms=config["max_wait_ms"], max_queue=100000, max_inputs=64, tasks=",".join(TASKS))
+        runtime = Runtime(settings)
+        service = engine_side.EngineService(runtime)
+        await runtime.open()
+        while not runtime.ready.is_set():
+            await asyncio.sleep(0.05)
+        sentences = read_sst2_sentences()
+        texts = sentences * (1 + requests * inputs // len(sentences))
+        encoded = [runtime.encode(texts[i * inputs:(i + 1) * inputs], None, False, None) for i in range(requests)]
+        connection = Connection()
+        if binary:
+            frame = b"".join(engine_side.request_frame([(i, rows, ",".join(TASKS), 60.0)
+                                                        for i, rows in enumerate(encoded)], []))
+            peer = engine_side.Peer(connection, runtime)
+
+            def feed():
+                service._requests(peer, engine_side.RequestFrame.read(frame))
+        else:  # before: pickled ("infer", id, PackedRows, tasks, seconds left) messages, answered per request
+            from server.backbone.tokens import PackedRows
+
+            frame = pickle.dumps([("infer", i, PackedRows.of(rows), list(TASKS), 60.0) for i, rows in enumerate(encoded)],
+                                 protocol=pickle.HIGHEST_PROTOCOL)
+            peer = engine_side.Outbox(connection)
+
+            def feed():
+                for message in pickle.loads(frame):
+                    service._infer(peer, *message[1:])
+
+        async def one():
+            connection.answered = asyncio.Event()
+            feed()
+            await connection.answered.wait()
+
+        for _ in range(20):  # warm
+            await one()
+        count = runtime.metrics.registry.get_sample_value
+        batches0 = count("tmod_batch_requests_count") or 0.0
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(config["frames"]):
+            await one()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        batches = (count("tmod_batch_requests_count") or 0.0) - batches0
+        await runtime.shutdown()
+        frames = config["frames"]
+        return {"requests_per_frame": requests, "inputs_per_request": inputs, "frames": frames, "batches": int(batches),
+                "requests_per_batch": round(requests * frames / batches, 1),
+                "engine_cpu_us_per_request": round(cpu / (requests * frames) * 1e6, 1),
+                "engine_cpu_us_per_input": round(cpu / (requests * inputs * frames) * 1e6, 1),
+                "engine_cpu_ms_per_batch": round(cpu / batches * 1e3, 3),
+                "wall_ms_per_frame": round(wall / frames * 1e3, 2)}
+
+    print(json.dumps(asyncio.run(run())), flush=True)
+
+
+def write_engine_markdown(path: Path, result: dict) -> None:
+    m = result["machine"]
+    flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx"))]
+    lines = [f"# The engine process's loop alone (stand-in pass {result['pass_ms']} ms, batch shapes "
+             f"{result['batch_shapes']})", "",
+             f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus')} logical CPUs, "
+             f"shared with other work (load average at start {m.get('load_average_at_start_1_5_15min')}) · "
+             f"`{result['command']}`", "",
+             "A Runtime and EngineService in one process, fed a worker's request frames (one frame = one batch, "
+             "answered before the next): what the engine process spends per request with no HTTP worker or load "
+             "generator beside it. CPU = process utime + stime (all threads) / requests."
+             + (f" `before`: the code at {result['before']} (pickled messages, a Job and future per request); "
+                f"`after`: this tree ({m['versions']['tmod_git']['commit']})." if result.get("before") else ""), "",
+             "| code | requests/frame | inputs/request | requests/batch | engine us/request | engine us/input | "
+             "engine ms/batch | wall ms/frame |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["levels"]:
+        lines.append(f"| {r['code']} | {r['requests_per_frame']} | {r['inputs_per_request']} | {r['requests_per_batch']} | "
+                     f"{r['engine_cpu_us_per_request']} | {r['engine_cpu_us_per_input']} | "
+                     f"{r['engine_cpu_ms_per_batch']} | {r['wall_ms_per_frame']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pass-ms", type=float, default=1.0, help="stand-in device pass time")
@@ -544,6 +688,11 @@ def parse_args(argv=None):
                    help="compare tmod-serve --workers 1 and 2 instead (bench/results/frontend-workers-cpu.{json,md})")
     p.add_argument("--before", type=Path, default=None,
                    help="with --workers: another checkout whose servers run beside this tree's (before / after)")
+    p.add_argument("--engine-only", action="store_true",
+                   help="the engine process's loop alone, in this process: request frames of N requests fed to "
+                        "EngineService as a worker's connection would, one frame per batch "
+                        "(bench/results/frontend-engine-cpu.{json,md})")
+    p.add_argument("--frames", type=int, default=300, help="--engine-only: frames (batches) per level")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "frontend-cpu.json")
     p.add_argument("--server-cpus", type=cpu_list, default=None,
                    help="CPUs the servers run on, e.g. 0 or 0-7 (default: the first half of the usable CPUs)")
@@ -599,6 +748,18 @@ def main(argv=None) -> int:
         result["store"] = build_store(workdir / "store", None, 0)
         bodies = {n: [json.dumps({"inputs": sentences[i * n:(i + 1) * n]}).encode() for i in range(len(sentences) // n)]
                   for n in {n for n, _ in LEVELS}}
+        if args.engine_only:
+            if args.before:
+                import subprocess
+
+                commit = subprocess.run(["git", "-C", str(args.before), "rev-parse", "HEAD"], capture_output=True, text=True)
+                result["before"] = commit.stdout.strip() or str(args.before)
+            result["levels"] = engine_only(args, workdir / "store")
+            out = args.out.with_name("frontend-engine-cpu.json") if args.out.name == "frontend-cpu.json" else args.out
+            out.write_text(json.dumps(result, indent=2) + "\n")
+            write_engine_markdown(out.with_suffix(".md"), result)
+            print("wrote", out, out.with_suffix(".md"))
+            return 0
         if args.workers:
             if args.before:
                 import subprocess
@@ -670,5 +831,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
         serve(sys.argv[2:])
+    elif sys.argv[1:2] == ["--engine-driver"]:
+        engine_driver(json.loads(sys.argv[2]))
     else:
         sys.exit(main())

@@ -6,7 +6,8 @@ length to cut padding; the backbone runs once for the union of the tasks its ent
 each entry gets only its own tasks back. The queue is bounded: a full queue refuses at once (429).
 Entries whose client went away or whose deadline passed are dropped before any compute.
 
-An entry is a tuple `(rows, modules, deadline, enqueued, owner, key)`, no object of its own: the
+An entry is a tuple `(rows, modules, deadline, enqueued, owner, key, lengths)` (`lengths`: each row's
+token count, known from the frame, so that forming a batch never asks a row), no object of its own: the
 owner keeps what it needs per key and is told per batch what happened (`Owner`). The engine process
 of `--workers N` is one owner per worker connection: it answers a whole batch's requests of that
 worker in one frame (server/workers.py). A `Job` of the one-process path is its own key under the
@@ -36,7 +37,7 @@ from server.timings import Timings
 log = logging.getLogger("tmod.batcher")
 
 DEPTH_EVERY = 0.01  # seconds: the queue-depth gauge is written at most this often on submit (and per batch)
-ROWS, MODULES, DEADLINE, ENQUEUED, OWNER, KEY = range(6)  # an entry's fields
+ROWS, MODULES, DEADLINE, ENQUEUED, OWNER, KEY, LENGTHS = range(7)  # an entry's fields
 
 
 class QueueFull(Exception):
@@ -149,7 +150,7 @@ JOBS = JobOwner()
 
 
 def job_entry(job: Job) -> tuple:
-    return (job.rows, job.modules, job.deadline, job.enqueued, JOBS, job)
+    return (job.rows, job.modules, job.deadline, job.enqueued, JOBS, job, [len(row) for row in job.rows])
 
 
 @dataclass
@@ -163,10 +164,6 @@ class BatchSettings:
     disconnect_check_after: float = 0.05  # seconds queued before a job's client is asked whether it is still there
 
 
-def longest(rows) -> int:
-    return max(map(len, rows)) if len(rows) > 1 else len(rows[0])
-
-
 class Forming:
     """A batch being formed: its entries, rows, longest row, and the module answering each task (the
     union of its entries' tasks), so that adding an entry costs O(its tasks), whatever the batch holds;
@@ -176,7 +173,7 @@ class Forming:
     def __init__(self, first: tuple):
         rows = first[ROWS]
         self.entries = [first]
-        self.rows, self.longest, self.pairs = len(rows), longest(rows), rows[0].text_pair is not None
+        self.rows, self.longest, self.pairs = len(rows), max(first[LENGTHS]), rows[0].text_pair is not None
         self.modules: dict[str, LoadedModule] = dict(first[MODULES])
         self.last = first[MODULES]  # a task set already checked and added
 
@@ -192,7 +189,7 @@ class Forming:
             for task, module in modules.items():
                 if known.get(task, module) is not module:
                     return False
-        count, tokens = self.rows + len(rows), longest(rows)
+        count, tokens = self.rows + len(rows), max(entry[LENGTHS])
         if count > settings.max_batch_size or count * max(self.longest, tokens) > settings.max_batch_tokens:
             return False
         self.entries.append(entry)
@@ -259,7 +256,7 @@ class Batcher:
 
     # ---- submitting --------------------------------------------------------------------------
     def put(self, entry: tuple) -> None:
-        """Queue an entry (`(rows, modules, deadline, enqueued, owner, key)`); its owner hears what
+        """Queue an entry (`(rows, modules, deadline, enqueued, owner, key, lengths)`); its owner hears what
         became of it. A full queue raises QueueFull at once."""
         if not self.put_many([entry]):
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
@@ -411,13 +408,13 @@ class Batcher:
         # order); `where[j]` remembers where entry j's rows went
         if all(len(entry[ROWS]) == 1 for entry in batch):  # one row each (the common case): no inner loop
             rows = [entry[ROWS][0] for entry in batch]
-            order = sorted(range(len(rows)), key=[len(row) for row in rows].__getitem__)
+            order = sorted(range(len(rows)), key=[entry[LENGTHS][0] for entry in batch].__getitem__)
             rows = [rows[j] for j in order]
             where = [None] * len(rows)
             for i, j in enumerate(order):
                 where[j] = [i]
         else:
-            order = sorted(((len(row), j, r) for j, entry in enumerate(batch) for r, row in enumerate(entry[ROWS])),
+            order = sorted(((n, j, r) for j, entry in enumerate(batch) for r, n in enumerate(entry[LENGTHS])),
                            key=itemgetter(0))
             rows = [batch[j][ROWS][r] for _, j, r in order]
             where = [[0] * len(entry[ROWS]) for entry in batch]

@@ -56,17 +56,20 @@ def main(argv=None) -> None:
 
 
 def serve_settings(settings: Settings) -> None:
+    if settings.engines > 1 and settings.workers < 2:
+        raise SystemExit("tmod-serve: --engines N runs N engine processes with their own HTTP workers: "
+                         "give --workers 2 or more")
     if settings.workers > 1:
         # N HTTP worker processes and this one as the engine (server/workers.py). Metrics of every
         # process go through files here; prometheus_client reads this when first imported, so set it first
         made = None
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             made = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tmod-metrics-")
-        from server.workers import serve
+        from server.workers import serve, serve_engines
 
         stop_on_device_failure()
         try:
-            return serve(settings)
+            return serve(settings) if settings.engines == 1 else serve_engines(settings)
         finally:
             if made:
                 shutil.rmtree(made, ignore_errors=True)

@@ -21,6 +21,11 @@ class Settings(BaseSettings):
         "backbone and the device and batches every worker's requests (as vLLM splits API server and engine). "
         "Size it by CPU: ~1,000 1-input requests/s or ~5,000 inputs/s in 32-input requests "
         "per worker core (bench/results/frontend-workers-cpu.md), plus a core for the engine process")
+    engines: int = Field(
+        1, ge=1, le=16, description="engine processes, each with its own `workers` HTTP workers and its own copy of "
+        "the backbone and modules, all on one port (SO_REUSEPORT: the kernel spreads connections over them): for "
+        "when one engine process's CPU is what caps the rate. On one GPU, run NVIDIA MPS (docs/gpu.md). N > 1 needs "
+        "workers >= 2")
     store: Path = Field(DEFAULT_STORE, description="module store directory")
     backbone: Path | None = Field(None, description="local Hugging Face model directory, or a named offline backbone: "
                                   "minilm (all-MiniLM-L6-v2, the default), mpnet (all-mpnet-base-v2, the quality "

@@ -64,7 +64,7 @@ import numpy as np
 from modules_store import Manifest, TaskType
 from server.backbone import EncodedInput
 from server.backbone.tokens import FIELDS, TextEncoder, plain_rows
-from server.batcher import ENQUEUED, KEY, MODULES, ROWS, DeadlineExceeded, Job, Owner, QueueFull
+from server.batcher import ENQUEUED, KEY, LENGTHS, MODULES, DeadlineExceeded, Job, Owner, QueueFull
 from server.config import Settings
 from server.errors import ApiError
 from server.heads.decode import decode_rows
@@ -167,6 +167,7 @@ class RequestFrame:
     task_sets: list[str]
     which: list[int]  # per request, its index into task_sets
     rows: list[list[EncodedInput]]
+    lengths: list[list[int]]  # per request, its rows' token counts
     cancels: list[int]
 
     @classmethod
@@ -188,7 +189,8 @@ class RequestFrame:
                                      bool(flag & TRUNCATED)))
             a, t = c, t + length
         bounds = [0, *itertools.accumulate(per_request)]
-        return cls(ids, left, task_sets, which, [rows[x:y] for x, y in zip(bounds, bounds[1:])], cancels)
+        return cls(ids, left, task_sets, which, [rows[x:y] for x, y in zip(bounds, bounds[1:])],
+                   [lengths[x:y] for x, y in zip(bounds, bounds[1:])], cancels)
 
 
 # ---- engine -> worker: answers ----------------------------------------------------------------------
@@ -221,7 +223,7 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
             group[1].append(i)
             group[2].extend(places)
             group[3].append(len(places))
-            group[4].append(sum(map(len, entry[ROWS])))  # a token task answers each row's own tokens
+            group[4].append(sum(entry[LENGTHS]))  # a token task answers each row's own tokens
         for modules, requests, places, rows, tokens in groups.values():
             for task, module in modules.items():
                 answers = outputs[task]
@@ -507,14 +509,15 @@ class EngineService:
         sets = [self._modules_for(tasks) for tasks in frame.task_sets]
         room = self.limit - peer.in_engine
         entries = []
-        for ident, seconds, which, rows in zip(frame.ids, frame.seconds_left, frame.which, frame.rows):
+        for ident, seconds, which, rows, lengths in zip(frame.ids, frame.seconds_left, frame.which, frame.rows,
+                                                        frame.lengths):
             modules = sets[which]
             if type(modules) is not dict:  # the 400 of an unknown task
                 peer.refuse(ident, modules, counted=False)
             elif len(entries) >= room:
                 peer.refuse(ident, self._overloaded(), counted=False)
             else:
-                entries.append((rows, modules, now + seconds, now, peer, ident))
+                entries.append((rows, modules, now + seconds, now, peer, ident, lengths))
         if not entries:
             return
         peer.waiting_ids.update(entry[KEY] for entry in entries)  # before the batcher sees them (it asks the owner)
@@ -894,11 +897,59 @@ def serve(settings: Settings) -> None:
     asyncio.run(_serve(settings))
 
 
+def serve_engines(settings: Settings) -> None:
+    """`tmod-serve --engines N`: N engine processes, each `serve` with its own workers, on one port.
+    This process holds the port (bound, never listening: it takes no connection), starts them, passes
+    SIGTERM / SIGINT on (each drains as one server does) and exits non-zero if one of them did; one
+    that stops on its own (a device failure) stops the others, for the supervisor to start afresh."""
+    reserve = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reserve.bind((settings.host, settings.port))
+    port = reserve.getsockname()[1]
+    settings = settings.model_copy(update={"port": port})
+    context = multiprocessing.get_context("spawn")
+    engines = [context.Process(target=run_engine, args=(settings,), name=f"tmod-engine-{i}")
+               for i in range(settings.engines)]
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    for engine in engines:
+        engine.start()
+    log.info("tmod-serve: %d engine processes (pids %s), %d HTTP workers each, on http://%s:%d", len(engines),
+             [e.pid for e in engines], settings.workers, settings.host, port)
+    while not stop.wait(0.5):
+        if any(not engine.is_alive() for engine in engines):
+            log.error("tmod-serve: an engine process exited; stopping the others")
+            break
+    for engine in engines:
+        if engine.is_alive():
+            engine.terminate()  # SIGTERM: its workers finish their requests, then it drains
+    for engine in engines:
+        engine.join()
+    reserve.close()
+    failed = [e.exitcode for e in engines if e.exitcode not in (0, -signal.SIGTERM)]
+    if failed:
+        raise SystemExit(f"tmod-serve: an engine process exited with {failed[0]}")
+
+
+def run_engine(settings: Settings) -> None:
+    """One engine of `serve_engines` (a spawned process): `serve`, exiting 1 where start-up or the
+    device failed (as `tmod-serve` does)."""
+    from server import runtime
+
+    configure_logging(settings.log_level)
+    runtime.on_device_failure = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    serve(settings)
+    if runtime.startup_failure() or runtime.device_failure():
+        raise SystemExit(1)
+
+
 async def _serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     folder = Path(tempfile.mkdtemp(prefix="tmod-engine-"))  # mode 0700: only this user reaches the engine
     engine_path = folder / "engine.sock"
-    listener = socket.create_server((settings.host, settings.port), backlog=2048)
+    # several engines (`serve_engines`) each listen on the port: the kernel spreads connections over them
+    listener = socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=settings.engines > 1)
     runtime = Runtime(settings)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before start-up runs: a failed start-up stops the process by SIGTERM
