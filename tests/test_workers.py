@@ -240,3 +240,30 @@ def test_a_worker_whose_engine_closes_during_start_up_gives_up(tmp_path):
     with pytest.MonkeyPatch.context() as patch:  # the worker signals itself to stop; not this test process
         patch.setattr(os, "kill", lambda pid, sig: None)
         asyncio.run(scenario())
+
+
+def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_dir):
+    """`--engines 2`: two engine processes, each with its own two workers, on one port (SO_REUSEPORT);
+    both answer; SIGTERM stops all of them and the parent exits 0."""
+    url, process = serve(store, tiny_backbone_dir, "--engines", "2")
+    try:
+        def engines():
+            children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+            return [pid for pid in map(int, children) if worker_pids(pid)]
+
+        wait_until(lambda: len(engines()) == 2 and all(len(worker_pids(e)) == 2 for e in engines()),
+                   "two engines with two workers each")
+        engine_pids = engines()
+        workers_of = {engine: set(worker_pids(engine)) for engine in engine_pids}
+        for i in range(40):  # a new connection each: the kernel spreads them over both engines' listeners
+            with httpx.Client() as client:
+                answer = client.post(url + "/v1/infer", json={"inputs": [TEXTS[i % 4]]}, timeout=60)
+            assert answer.status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+        assert not [pid for pid in engine_pids if alive(pid)]
+        serving = {r["pid"] for r in log_records(process) if r["logger"] == "tmod.access" and r["path"] == "/v1/infer"}
+        assert all(serving & workers for workers in workers_of.values()), (serving, workers_of)  # both engines answered
+    finally:
+        if process.poll() is None:
+            process.kill()
