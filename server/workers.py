@@ -394,8 +394,15 @@ class Peer(Owner):
 
     def flush(self) -> None:
         batches, errors, self.batches, self.errors = self.batches, self.errors, [], []
-        if (batches or errors) and not self.closed and not self.writer.is_closing():
-            write_frame(self.writer, answer_frame(batches, errors))
+        if not (batches or errors) or self.closed or self.writer.is_closing():
+            return
+        try:
+            parts = answer_frame(batches, errors)
+        except Exception as exc:  # never leave a worker's requests unanswered: each gets the 500
+            failed = describe_error(exc)
+            parts = answer_frame([], [(entry[KEY], 500, *failed) for items, *_ in batches for entry, _ in items]
+                                 + [(ident, 500, *failed) for ident, *_ in errors])
+        write_frame(self.writer, parts)
 
     def control(self, messages: list) -> None:
         """Control messages go at once, after the answers before them (a state must not be overtaken)."""
@@ -557,10 +564,11 @@ class EngineService:
 # ---- a worker process ---------------------------------------------------------------------------------
 class WorkerOutbox:
     """What a worker sends in one event-loop iteration: its first message schedules a flush at the
-    iteration's end, which writes one control frame (if any) and one request frame."""
+    iteration's end, which writes one control frame (if any) and one request frame. `failed(ids,
+    exc)`: requests that could not be written."""
 
-    def __init__(self, writer: asyncio.StreamWriter):
-        self.writer = writer
+    def __init__(self, writer: asyncio.StreamWriter, failed):
+        self.writer, self.failed = writer, failed
         self.requests: list[tuple] = []
         self.cancels: list[int] = []
         self.messages: list = []
@@ -589,7 +597,13 @@ class WorkerOutbox:
         if messages:
             write_frame(self.writer, control_frame(messages))
         if requests or cancels:
-            write_frame(self.writer, request_frame(requests, cancels))
+            try:
+                parts = request_frame(requests, cancels)
+            except Exception as exc:  # never leave the requests waiting for an answer that cannot come
+                log.exception("worker %d: a request frame could not be made", os.getpid())
+                self.failed([ident for ident, *_ in requests], exc)
+                return
+            write_frame(self.writer, parts)
 
 
 class RemoteRuntime:
@@ -618,7 +632,7 @@ class RemoteRuntime:
 
     async def open(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(self.path)
-        self._outbox = WorkerOutbox(self._writer)
+        self._outbox = WorkerOutbox(self._writer, self._fail)
         self._informed = asyncio.Event()
         self._listener = asyncio.get_running_loop().create_task(self._listen(reader))
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -667,6 +681,12 @@ class RemoteRuntime:
                 future.set_exception(answer)
             else:
                 future.set_result(answer)
+
+    def _fail(self, idents: list[int], exc: Exception) -> None:
+        for ident in idents:
+            future = self._pending.pop(ident, None)
+            if future is not None and not future.done():
+                future.set_exception(ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
 
     def _receive(self, message) -> None:
         if message[0] == "state":

@@ -163,3 +163,21 @@ def test_a_request_whose_client_left_is_cancelled_in_the_engine(tmp_path, tiny_s
         assert len(await remote.submit(answer_of(remote, TEXTS[:1], None, ["sentiment"]))) == 1
 
     run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_wait_ms=500)
+
+
+def test_answers_the_engine_cannot_frame_are_a_500_not_a_wait(tmp_path, tiny_store, tiny_backbone, monkeypatch):
+    framed = workers.answer_frame
+
+    def broken(batches, errors):
+        if batches:
+            raise ValueError("broken on purpose")
+        return framed(batches, errors)
+
+    monkeypatch.setattr(workers, "answer_frame", broken)
+
+    async def scenario(single, remote, engine):
+        with pytest.raises(ApiError) as failed:
+            await asyncio.wait_for(remote.submit(answer_of(remote, TEXTS[:2], None, TASKS)), timeout=30)
+        assert failed.value.status == 500 and "broken on purpose" in failed.value.message
+
+    run_pair(tmp_path, tiny_store, tiny_backbone, scenario)
