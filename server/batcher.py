@@ -13,6 +13,9 @@ of `--workers N` is one owner per worker connection: it answers a whole batch's 
 worker in one frame (server/workers.py). A `Job` of the one-process path is its own key under the
 `JOBS` owner, whose future the HTTP handler awaits (`Batcher.submit`).
 
+Deadlines are kept in groups (the entries queued together: one worker frame), one heap item and
+one timer for all of them; a group whose entries are all answered leaves the heap from its front.
+
 Forming a batch costs O(tasks) per entry (`Forming` keeps the module answering each task, so an
 entry is checked against it, not against every entry already in), and the client of a job is asked
 whether it is still there only once the job has waited `disconnect_check_after` (asking costs ~50 us

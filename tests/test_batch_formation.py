@@ -160,3 +160,71 @@ def test_waiting_jobs_fail_at_their_own_deadlines_while_a_batch_runs():
     assert failed == [("a", False), ("b", False)]  # deadline order, both while the first batch ran
     assert answers[0] == [{"task0": {"row": 0}}] and answers[1] == [{"task0": {"row": 0}}]
     assert all(isinstance(a, DeadlineExceeded) for a in answers[2:])
+
+
+def test_a_group_of_entries_expires_entry_by_entry_at_each_deadline():
+    """Entries queued together (a worker's frame) keep one deadline group (server/batcher.py): while a
+    batch holds the compute thread, each waiting entry of the group fails at its own deadline, not the
+    group's first, and the one whose deadline is far is answered."""
+    from server.batcher import KEY, Owner
+
+    class Recorder(Owner):
+        def __init__(self, keys):
+            self.waiting_keys, self.expired, self.answered = set(keys), [], []
+
+        def waiting(self, key):
+            return key in self.waiting_keys
+
+        def take(self, key):
+            if key not in self.waiting_keys:
+                return False
+            self.waiting_keys.discard(key)
+            return True
+
+        def expire(self, key):
+            if key not in self.waiting_keys:
+                return False
+            self.waiting_keys.discard(key)
+            self.expired.append((key, time.perf_counter()))
+            return True
+
+        def answer(self, items, outputs, timings, started):
+            self.answered += [entry[KEY] for entry, _ in items]
+
+        def fail(self, entries, exc):
+            raise AssertionError(exc)
+
+    modules = {"task0": object()}
+    release = threading.Event()
+
+    def run_batch(rows, batch_modules, timings):
+        release.wait(10)
+        return {task: [{"row": i} for i in range(len(rows))] for task in batch_modules}
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = Batcher(run_batch, executor, BatchSettings(max_batch_size=1, max_wait=0.0, max_queue=100))
+        batcher.start()
+        now = time.perf_counter()
+        owner = Recorder(["first", "a", "b", "late"])
+        batcher.put(([Row(8)], modules, now + 60, now, owner, "first", [8]))
+        while "first" in owner.waiting_keys:  # taken into the batch that holds the compute thread
+            await asyncio.sleep(0.005)
+        group = [([Row(8)], modules, now + seconds, now, owner, key, [8]) for key, seconds in
+                 (("late", 30.0), ("a", 0.1), ("b", 0.3))]
+        assert batcher.put_many(group) == 3
+        give_up = time.perf_counter() + 10
+        while len(owner.expired) < 2:
+            assert time.perf_counter() < give_up, owner.expired  # each deadline, not the group's last
+            await asyncio.sleep(0.01)
+        release.set()
+        while len(owner.answered) < 2:
+            await asyncio.sleep(0.01)
+        await batcher.drain_and_stop()
+        executor.shutdown()
+        return now, owner
+
+    now, owner = asyncio.run(scenario())
+    assert [key for key, _ in owner.expired] == ["a", "b"]
+    assert owner.expired[1][1] >= now + 0.3  # b failed at its own deadline, not at the group's first (a's)
+    assert owner.answered == ["first", "late"]
