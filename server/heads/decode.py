@@ -238,6 +238,7 @@ class Words:
     end: np.ndarray  # the furthest end of its sub-tokens
     label: np.ndarray  # its tag (label index), from its probability vector by `aggregation` (`word_tags`)
     score: np.ndarray  # that tag's probability
+    opens: np.ndarray  # True where a sequence (a run of one row and segment) begins
 
 
 def word_predictions(logits: np.ndarray, tokens: Tokens, labels: list[str], aggregation: str = "first") -> Words:
@@ -254,10 +255,12 @@ def word_predictions(logits: np.ndarray, tokens: Tokens, labels: list[str], aggr
     end = tokens.end[pieces]
     # one integer per (row, segment, word); a tokenizer gives each word's pieces together, in order
     key = (row * (int(segment.max(initial=0)) + 1) + segment) * (int(word.max(initial=0)) + 1) + word
-    step = np.diff(key)
-    if (step >= 0).all():  # words one after another: each starts where the key changes
-        first = np.flatnonzero(np.r_[True, step != 0]) if len(key) else np.zeros(0, dtype=np.int64)
-        which = np.cumsum(np.r_[True, step != 0]) - 1 if len(key) else first
+    new_word = np.empty(len(key), dtype=bool)  # (np.r_, np.diff and np.ones cost more than the rest on a short text)
+    new_word[:1] = True
+    np.not_equal(key[1:], key[:-1], out=new_word[1:])
+    if (key[1:] >= key[:-1]).all():  # words one after another: each starts where the key changes
+        first = np.flatnonzero(new_word)
+        which = np.cumsum(new_word) - 1 if aggregation != "first" else None
         word_end = np.maximum.reduceat(end, first) if len(key) else end
     else:  # pieces of a word apart (token lists built by hand): words by key, in first-piece order
         _, first, which = np.unique(key, return_index=True, return_inverse=True)
@@ -279,16 +282,18 @@ def word_predictions(logits: np.ndarray, tokens: Tokens, labels: list[str], aggr
         else:  # max: per word, its pieces by score (highest first, then position): the first of each word wins
             piece_scores = probs.max(-1)
             by_score = np.lexsort((np.arange(len(which)), -piece_scores, which))
-            group_start = np.flatnonzero(np.r_[True, which[by_score][1:] != which[by_score][:-1]])[:len(first)]
+            grouped = which[by_score]
+            group_start = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1])))[:len(first)]
             vectors = probs[by_score[group_start]]  # (no words: none; the torch decoder raised IndexError)
     word_row, word_segment = row[first], segment[first]
     # a sequence is a run of words of one row and segment: the words an entity may continue over
-    starts = np.ones(len(word_row), dtype=bool)
+    starts = np.empty(len(word_row), dtype=bool)
+    starts[:1] = True
     starts[1:] = (word_row[1:] != word_row[:-1]) | (word_segment[1:] != word_segment[:-1])
     label = word_tags(vectors, starts, labels)
     score = vectors[np.arange(len(label)), label].astype(np.float32)
     return Words(row=word_row, segment=word_segment, start=tokens.start[pieces[first]], end=word_end, label=label,
-                 score=score)
+                 score=score, opens=starts)
 
 
 def word_tags(probs: np.ndarray, starts: np.ndarray, labels: list[str]) -> np.ndarray:
@@ -329,12 +334,14 @@ def constrained_labels(log_probs: np.ndarray, starts: np.ndarray, allowed: np.nd
     best = log_probs.argmax(1)
     if len(best) == 0:
         return best
-    before = np.where(starts, len(allowed) - 1, np.r_[0, best[:-1]])
+    before = np.empty_like(best)
+    before[0], before[1:] = 0, best[:-1]
+    before[starts] = len(allowed) - 1
     broken = ~allowed[before, best]
     if not broken.any():
         return best
     begin = np.flatnonzero(starts)
-    length = np.diff(np.r_[begin, len(best)])
+    length = np.diff(np.concatenate((begin, [len(best)])))
     redo = np.unique(np.cumsum(starts)[broken] - 1)  # sequences with a forbidden step
     steps = np.arange(length[redo].max())
     inside = steps[None] < length[redo][:, None]
@@ -409,20 +416,24 @@ def _entities(labels: list[str], logits: np.ndarray, tokens: Tokens, rows: int, 
               ) -> list[dict[str, Any]]:
     words = word_predictions(logits, tokens, labels, aggregation)
     tags, prefix_of, kind_of = _tag_codes(tuple(labels))
-    prefix, kind = prefix_of[words.label], kind_of[words.label]
+    prefix = prefix_of[words.label]
+    out: list[dict[str, Any]] = [{"entities": []} for _ in range(rows)]
+    inside = prefix != OUTSIDE
+    if not inside.any():  # no entity (most texts): nothing more to find
+        return out
+    kind = kind_of[words.label]
 
     # A word continues the open entity when it is an I- of the same type in the same row and segment
     # and the word before it was in an entity (any word but an O- leaves one open).
-    after = np.zeros(len(words.row), dtype=bool)
-    after[1:] = ((words.row[1:] == words.row[:-1]) & (prefix[:-1] != OUTSIDE) & (kind[1:] == kind[:-1])
-                 & (words.segment[1:] == words.segment[:-1]))
-    continues = after & (prefix == INSIDE)
-    starts = (prefix != OUTSIDE) & ~continues
-    ends_here = (starts | continues) & ~np.append(continues[1:], False)
+    continues = prefix == INSIDE
+    continues[:1] = False
+    continues[1:] &= ~words.opens[1:] & inside[:-1] & (kind[1:] == kind[:-1])
+    starts = inside & ~continues
+    closes = np.empty(len(continues), dtype=bool)  # the next word does not continue this one
+    closes[-1:] = True
+    np.logical_not(continues[1:], out=closes[:-1])
+    ends_here = (starts | continues) & closes
     firsts, lasts = np.nonzero(starts)[0].tolist(), np.nonzero(ends_here)[0].tolist()
-    out: list[dict[str, Any]] = [{"entities": []} for _ in range(rows)]
-    if not firsts:
-        return out
     word_scores = words.score.tolist()
     row_of, segment_of = words.row.tolist(), words.segment.tolist()
     start_of, end_of, label_of = words.start.tolist(), words.end.tolist(), words.label.tolist()
