@@ -310,8 +310,9 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     if len(flags) < _PACKED_LIMIT:
         counts = np.zeros(len(flags) + 1, dtype=np.int64)
         np.cumsum(_PACKED[flags], out=counts[1:])
-        span = counts[z] - counts[a]  # lower + upper << 21 + title << 42 in [a, z)
-        rest = counts[z] - counts[np.minimum(a + 1, z)]  # the same without the span's first character
+        until = counts[z]
+        span = until - counts[a]  # lower + upper << 21 + title << 42 in [a, z)
+        rest = until - counts[np.minimum(a + 1, z)]  # the same without the span's first character
         lower_only = (span - 1).view(np.uint64) < _FIELD  # 0 < span < 2**21: lower-case letters, nothing else cased
         upper_only = ((span & _NOT_UPPER) == 0) & (span != 0)
         capital = ((first & _UPPER) != 0) & (rest <= _FIELD) & ((rest != 0) | (z - a == 1))
@@ -498,7 +499,8 @@ class TextEncoder:
         out[:, IDS] = ids
         out[:, TYPES] = types
         nullable = np.array((segments, words), dtype=np.float64).reshape(2, n)
-        out[:, SEGMENT:WORD + 1] = np.nan_to_num(nullable, copy=False, nan=-1).T
+        nullable[np.isnan(nullable)] = -1  # (np.nan_to_num costs more than the whole column)
+        out[:, SEGMENT:WORD + 1] = nullable.T
         bounds = np.array(offsets, dtype=np.int64).reshape(n, 2)
         row = 0 if len(encodings) == 1 else np.repeat(np.arange(len(encodings)), [len(e) for e in encodings])
         out[:, START], out[:, END], out[:, CASING] = token_spans(texts, pairs, row, out[:, SEGMENT], bounds[:, 0],
