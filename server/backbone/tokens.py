@@ -396,7 +396,7 @@ class TextEncoder:
     Requests are tokenized by the `tokenizers` library directly (`plain`, a copy of the wrapper's
     backend that never truncates or pads), not through the transformers wrapper, whose per-call
     argument handling and per-token conversions cost several times the tokenization itself (issue
-    37, docs/performance.md#the-host-path-per-request). `tokenizer`, the wrapper, stays for what is
+    37, docs/performance.md#the-host-path-per-request-issue-37). `tokenizer`, the wrapper, stays for what is
     not per request (token names, saving, the vocabulary hash)."""
 
     def __init__(self, tokenizer, max_tokens: int, uses_token_types: bool, device: torch.device | str = "cpu"):
