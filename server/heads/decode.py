@@ -254,7 +254,8 @@ def word_predictions(logits: np.ndarray, tokens: Tokens, labels: list[str], aggr
     row, segment, word = tokens.row[pieces], tokens.segment[pieces], tokens.word[pieces]
     end = tokens.end[pieces]
     # one integer per (row, segment, word); a tokenizer gives each word's pieces together, in order
-    key = (row * (int(segment.max(initial=0)) + 1) + segment) * (int(word.max(initial=0)) + 1) + word
+    # one integer per (row, segment, word), in that order (word ids under 2**32, segments 0 and 1)
+    key = (row << 34) | (segment << 32) | word
     new_word = np.empty(len(key), dtype=bool)  # (np.r_, np.diff and np.ones cost more than the rest on a short text)
     new_word[:1] = True
     np.not_equal(key[1:], key[:-1], out=new_word[1:])
@@ -270,8 +271,9 @@ def word_predictions(logits: np.ndarray, tokens: Tokens, labels: list[str], aggr
         first, which = first[order], rank[which.reshape(-1)]
         word_end = end[first]
         np.maximum.at(word_end, which, end)
+    first_piece = pieces[first]
     if aggregation == "first":
-        vectors = softmax(logits[pieces[first]])
+        vectors = softmax(logits[first_piece])
     else:
         probs = softmax(logits[pieces])
         if aggregation == "average":
@@ -292,7 +294,7 @@ def word_predictions(logits: np.ndarray, tokens: Tokens, labels: list[str], aggr
     starts[1:] = (word_row[1:] != word_row[:-1]) | (word_segment[1:] != word_segment[:-1])
     label = word_tags(vectors, starts, labels)
     score = vectors[np.arange(len(label)), label].astype(np.float32)
-    return Words(row=word_row, segment=word_segment, start=tokens.start[pieces[first]], end=word_end, label=label,
+    return Words(row=word_row, segment=word_segment, start=tokens.start[first_piece], end=word_end, label=label,
                  score=score, opens=starts)
 
 
@@ -301,10 +303,20 @@ def word_tags(probs: np.ndarray, starts: np.ndarray, labels: list[str]) -> np.nd
     (`starts`: True on each sequence's first word): under the BIO rules of `labels` where they have
     any (`constrained_labels`), else the best label. What tmod-serve answers and tmod-train scores."""
     allowed = bio_constraints(labels)
-    if allowed is None:
-        return probs.argmax(1)
+    best = probs.argmax(1)  # the argmax of the logs below: a probability's log keeps its order
+    if allowed is None or not _breaks_rules(best, starts, allowed).any():
+        return best
     # log of 0 (a probability float32 rounds away) floored: every allowed path keeps a finite score
     return constrained_labels(np.log(np.maximum(probs, np.finfo(np.float64).tiny, dtype=np.float64)), starts, allowed)
+
+
+def _breaks_rules(best: np.ndarray, starts: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Per word: True where `allowed` forbids its label after the one before it (or opening its sequence)."""
+    before = np.empty_like(best)
+    before[:1] = 0
+    before[1:] = best[:-1]
+    before[starts] = len(allowed) - 1
+    return ~allowed[before, best]
 
 
 def bio_constraints(labels: Sequence[str]) -> np.ndarray | None:
@@ -334,10 +346,7 @@ def constrained_labels(log_probs: np.ndarray, starts: np.ndarray, allowed: np.nd
     best = log_probs.argmax(1)
     if len(best) == 0:
         return best
-    before = np.empty_like(best)
-    before[0], before[1:] = 0, best[:-1]
-    before[starts] = len(allowed) - 1
-    broken = ~allowed[before, best]
+    broken = _breaks_rules(best, starts, allowed)
     if not broken.any():
         return best
     begin = np.flatnonzero(starts)
