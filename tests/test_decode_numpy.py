@@ -158,6 +158,10 @@ def check_case(minilm, rng: random.Random, style: str, exact: bool) -> float:
             start += len(request)
         if not exact:  # numpy's float32 functions give a row the same bits in any batch (torch's vectorised tails do not)
             assert json.dumps(per_request) == json.dumps(new)  # a worker's answers are the one process's, to the bit
+            packed = np.concatenate([logits[r, :lengths[r]].float().numpy() for r in range(len(rows))]) \
+                if task_type == TaskType.token_classification else logits.float().numpy()
+            frame = decode_rows(task_type, labels, packed, rows, options, decoding)  # every request of a frame at once
+            assert json.dumps(frame) == json.dumps(new)
         if old is None:
             assert all(answer == {"entities": []} for answer in new)
         elif exact:

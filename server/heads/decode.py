@@ -69,7 +69,9 @@ def decode_rows(task_type: TaskType, labels: list[str], packed, rows: "TokenBatc
     """`decode` over one request's logits packed by an engine in another process (`server/workers.py`,
     `pack_answers`): (rows, labels), or for token tasks every row's own tokens one after the other
     (tokens, labels). `rows`: the request's EncodedInputs (cheapest: their token arrays are read as
-    they are), or those rows collated into a TokenBatch."""
+    they are), or those rows collated into a TokenBatch. Several requests (an engine frame's) decode
+    in one call the same way, their rows and packed logits one after the other, each row answered as
+    on its own."""
     values = host(packed)
     if task_type != TaskType.token_classification:
         return _decode(task_type, labels, values, None, values.shape[0], options, decoding)
