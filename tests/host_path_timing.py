@@ -17,7 +17,6 @@ import inspect
 import time
 import timeit
 
-import numpy as np
 import torch
 
 TASKS = ("sentiment", "ner", "acceptability")

@@ -26,11 +26,11 @@ from tests.tokens_reference import token_spans as reference_spans
 from training.data import default_data_dir, read_conll
 
 AWKWARD = [
-    "", " ", "\n\t  \r\n", "🙂 Zürich naïve café 👩‍👩‍👧 🇩🇪", "e\u0301te\u0301 cafe\u0301 n\u0303", "東京は日本の首都です。 北京 서울",
-    "a\x00b\x07c\x1b[0m\x7f", "\u200b\u200d\ufeff\u00ad", "ǅungla ǈ ǋ Ⅻ ⅻ ß ẞ İı ﬁ", "A", "AB ab Ab aB 1A a1 Éa ÉA",
-    "Supercalifragilisticexpialidocious" * 20, "x" * 400, "  leading and trailing  ", "tab\tsep\tvalues",
-    "[CLS] [SEP] <s> </s> [MASK] <pad>", "𝐀𝐁𝐂 𝒂𝒃 \U0001F600\U0001F600", "مرحبا بالعالم", "Ελληνικά ΚΕΦΑΛΑΙΑ",
-    ("The Quick brown FOX jumps over the lazy DOG in NEW York. " * 400)[:20_000],
+    "", " ", "\n\t  \r\n", "🙂 Zürich naïve café 👩‍👩‍👧 🇩🇪", "e\u0301te\u0301 cafe\u0301 n\u0303",
+    "東京は日本の首都です。 北京 서울", "a\x00b\x07c\x1b[0m\x7f", "\u200b\u200d\ufeff\u00ad", "ǅungla ǈ ǋ Ⅻ ⅻ ß ẞ İı ﬁ", "A",
+    "AB ab Ab aB 1A a1 Éa ÉA", "Supercalifragilisticexpialidocious" * 20, "x" * 400, "  leading and trailing  ",
+    "tab\tsep\tvalues", "[CLS] [SEP] <s> </s> [MASK] <pad>", "𝐀𝐁𝐂 𝒂𝒃 \U0001F600\U0001F600", "مرحبا بالعالم",
+    "Ελληνικά ΚΕΦΑΛΑΙΑ", ("The Quick brown FOX jumps over the lazy DOG in NEW York. " * 400)[:20_000],
 ]
 
 

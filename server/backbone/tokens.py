@@ -2,10 +2,11 @@
 
 Per token everything is an integer in one (tokens, FIELDS) int32 array, made by `TextEncoder.encode`
 for a whole request at once (the `tokenizers` library's encodings, each column converted by numpy in
-one call: ids, type ids, segment, word, trimmed offsets and the casing class): a row is a view of it, a request crosses processes as one array (`PackedRows`), and
-`collate` only concatenates rows into a padded batch. No Python runs per token on the serving path;
-the per-token lists (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays
-only when someone reads them (training, tests, bridges).
+one call: ids, type ids, segment, word, trimmed offsets and the casing class): a row is a view of it,
+a request crosses processes as one array (`PackedRows`), and `collate` only concatenates rows into a
+padded batch. No Python runs per token on the serving path; the per-token lists
+(`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays only when someone
+reads them (training, tests, bridges).
 """
 from __future__ import annotations
 
@@ -396,8 +397,8 @@ class TextEncoder:
     Requests are tokenized by the `tokenizers` library directly (`plain`, a copy of the wrapper's
     backend that never truncates or pads), not through the transformers wrapper, whose per-call
     argument handling and per-token conversions cost several times the tokenization itself (issue
-    37, docs/performance.md#the-host-path-per-request-issue-37). `tokenizer`, the wrapper, stays for what is
-    not per request (token names, saving, the vocabulary hash)."""
+    37, docs/performance.md#the-host-path-per-request-issue-37). `tokenizer`, the wrapper, stays for
+    what is not per request (token names, saving, the vocabulary hash)."""
 
     def __init__(self, tokenizer, max_tokens: int, uses_token_types: bool, device: torch.device | str = "cpu"):
         if not getattr(tokenizer, "is_fast", False):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from modules_store import TaskType
-from server.backbone.tokens import END, SEGMENT, START, WORD, EncodedInput, TokenBatch
+from server.backbone.tokens import END, SEGMENT, EncodedInput, TokenBatch
 
 
 AGGREGATIONS = ("first", "average", "max", "none")
