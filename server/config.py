@@ -62,8 +62,8 @@ class Settings(BaseSettings):
         "request may have (413 above): bounds its answer, ~25 bytes of JSON per character (2.5 MB at the default, "
         "measured with English text)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
-    max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes, with "
-                                  "uvicorn's h11 parser (400 above; httptools sets its own)")
+    max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes (400 above, "
+                                  "connection closed)")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection that has not sent a whole request head "
                                     "this long after connecting (or after its previous answer) gets 408 and is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body still arriving this long after it began: 408")
