@@ -110,7 +110,11 @@ class Settings(BaseSettings):
         "(with 16 heads beside an fp32 backbone, 0.85x the backbone's throughput against 0.74x for fp32 heads, "
         "see docs/gpu.md)")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
-    log_level: str = Field("info", description="uvicorn log level")
+    log_level: str = Field("info", description="log level (uvicorn's and tmod's JSON lines)")
+    access_log_per_s: float = Field(
+        100.0, ge=0, description="most access-log lines (one per request, at info) a process writes per second: "
+        "beyond it lines are sampled and the next one written says how many were skipped; a line costs about as much "
+        "CPU as the rest of the HTTP layer (docs/performance.md). 0: none. Metrics count every request either way")
 
     @model_validator(mode="after")
     def _precision_fits_backend(self) -> "Settings":

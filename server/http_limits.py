@@ -1,6 +1,6 @@
 """Limits on what one connection may cost before its request reaches a route.
 
-- `BodyLimits` (ASGI middleware): a body over `max_body_bytes` (declared or streamed, chunked
+- `limit_body` (server/app.py applies it to every request): a body over `max_body_bytes` (declared or streamed, chunked
   included) answers 413; a body still arriving `body_timeout_s` after it began answers 408. A body
   sent with `Content-Encoding: gzip` or `deflate` (tritonclient's request compression) is read
   decompressed, and its decompressed size meets the same limit as it is inflated (a zip bomb costs
@@ -48,56 +48,78 @@ FRAMING_MESSAGE = ("request has both Content-Length and Transfer-Encoding (RFC 9
                    "the connection is closed")
 
 
-class BodyLimits:
-    def __init__(self, app, limit: int, timeout_s: float):
-        self.app, self.limit, self.timeout_s = app, limit, timeout_s
+def limit_body(scope, receive, limit: int, timeout_s: float):
+    """-> (scope, receive) for the app: `receive` refuses (BodyRefused) a body over `limit` bytes as it
+    arrives, or one still arriving `timeout_s` after it began; a declared length over the limit and an
+    unknown content coding are refused at once. A gzip or deflate body is read inflated (the scope
+    then no longer names the wire's length and coding)."""
+    declared = coding = None
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            declared = value
+        elif name == b"content-encoding":
+            coding = value.strip().lower()
+    if declared is not None and DIGITS.fullmatch(declared) and int(declared) > limit:
+        raise too_large(limit)
+    inflate = None
+    if coding is not None and coding != b"identity":
+        if coding not in CODINGS:
+            raise BodyRefused(415, "unsupported_content_encoding",
+                              f"request Content-Encoding {coding.decode('latin-1')[:40]!r} is not read; "
+                              "send gzip, deflate or none", headers={"accept-encoding": "gzip, deflate"})
+        inflate = Inflater(CODINGS[coding], limit, lambda: too_large(limit))
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                      if k not in (b"content-encoding", b"content-length")]}
+    seen = 0
+    deadline: float | None = None  # set when the body starts arriving
+    complete = False
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers", []))
-        declared = headers.get(b"content-length")
-        if declared is not None and DIGITS.fullmatch(declared) and int(declared) > self.limit:
-            raise self.too_large()
-        coding = headers.get(b"content-encoding", b"identity").strip().lower()
-        inflate = None
-        if coding != b"identity":
-            if coding not in CODINGS:
-                raise BodyRefused(415, "unsupported_content_encoding",
-                                  f"request Content-Encoding {coding.decode('latin-1')[:40]!r} is not read; "
-                                  "send gzip, deflate or none", headers={"accept-encoding": "gzip, deflate"})
-            inflate = Inflater(CODINGS[coding], self.limit, self.too_large)
-            # the route reads the inflated body: the wire's length and coding no longer describe it
-            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
-                                          if k not in (b"content-encoding", b"content-length")]}
-        seen = 0
-        deadline: float | None = None  # set when the body starts arriving
-        complete = False
+    async def limited_receive():
+        nonlocal seen, deadline, complete
+        if complete:  # the whole body is in: later receives wait for a disconnect, unbounded
+            return await receive()
+        loop = asyncio.get_running_loop()
+        deadline = deadline or loop.time() + timeout_s
+        # a timer that cancels this task, not asyncio.wait_for (a task per receive): most bodies are
+        # already in when the route asks, and the timer is then cancelled unused
+        task, expired = asyncio.current_task(), []
+        timer = loop.call_later(max(0.0, deadline - loop.time()), lambda: (expired.append(True), task.cancel()))
+        try:
+            message = await receive()
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            task.uncancel()
+            raise BodyRefused(408, "request_timeout", f"request body not received within {timeout_s:g} s") from None
+        finally:
+            timer.cancel()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large(limit)
+            complete = not message.get("more_body", False)
+            if inflate is not None:
+                message = {**message, "body": inflate.feed(message.get("body", b""), complete)}
+        return message
 
-        async def limited_receive():
-            nonlocal seen, deadline, complete
-            if complete:  # the whole body is in: later receives wait for a disconnect, unbounded
-                return await receive()
-            loop = asyncio.get_running_loop()
-            deadline = deadline or loop.time() + self.timeout_s
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
-                raise BodyRefused(408, "request_timeout",
-                                  f"request body not received within {self.timeout_s:g} s") from None
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise self.too_large()
-                complete = not message.get("more_body", False)
-                if inflate is not None:
-                    message = {**message, "body": inflate.feed(message.get("body", b""), complete)}
-            return message
+    return scope, limited_receive
 
-        await self.app(scope, limited_receive, send)
 
-    def too_large(self) -> BodyRefused:
-        return BodyRefused(413, "payload_too_large", f"request body exceeds {self.limit} bytes")
+def too_large(limit: int) -> BodyRefused:
+    return BodyRefused(413, "payload_too_large", f"request body exceeds {limit} bytes")
+
+
+async def read_body(receive) -> bytes:
+    """The whole request body (what arrived before a disconnect)."""
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while message.get("more_body", False):
+        message = await receive()
+        chunks.append(message.get("body", b""))
+    return b"".join(chunks)
 
 
 class Inflater:
