@@ -290,6 +290,7 @@ def uvicorn_config(app, settings) -> uvicorn.Config:
     deadline and a size limit and the drain loses nothing (`header_timeout_protocol`)."""
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           log_config=None, access_log=False, loop="uvloop",
+                          proxy_headers=False,  # X-Forwarded-For is never read: no middleware rewriting it per request
                           http=header_timeout_protocol(settings.header_timeout_s, settings.max_header_bytes))
 
 
