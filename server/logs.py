@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
-import uuid
 from contextvars import ContextVar
 
 request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
@@ -55,7 +55,7 @@ def request_id_for(headers) -> str:
             if _VALID_ID.match(given):
                 return given
             break
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID object
 
 
 class AccessLog:
