@@ -162,8 +162,17 @@ def check_case(minilm, rng: random.Random, style: str, exact: bool) -> float:
                 if task_type == TaskType.token_classification else logits.float().numpy()
             frame = decode_rows(task_type, labels, packed, rows, options, decoding)  # every request of a frame at once
             assert json.dumps(frame) == json.dumps(new)
-        if old is None:
-            assert all(answer == {"entities": []} for answer in new)
+        if old is None:  # some row had no word: the reference decodes each row alone, a wordless one answers none
+            for r, row in enumerate(rows):
+                mine = [options[r]] if isinstance(options, list) else options
+                alone = reference_answers(task_type, labels, logits[r:r + 1, :len(row)],
+                                          minilm.text.collate([row]), mine, decoding)
+                if alone is None:
+                    assert new[r] == {"entities": []}
+                elif exact:
+                    assert json.dumps(new[r]) == json.dumps(alone[0])
+                else:
+                    worst = max(worst, close_answers(alone[0], new[r]))
         elif exact:
             assert json.dumps(new) == json.dumps(old)
         else:
