@@ -60,10 +60,26 @@ def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequ
         model = make_pipeline(features, learner).fit(train_x, binarizer.transform(train_labels))
         predicted = [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
         return {"baseline": "tfidf_logreg", **_multi_label_scores(train_labels, eval_labels, predicted, labels)}
+    predicted = _tfidf_logreg_fit_predict(features, train_x, train_labels, eval_x, seed)
+    return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
+
+
+def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence,
+                             seed: int = 0) -> list:
+    """The single-label linear baseline's answer for each evaluation text (the model `tfidf_logreg`
+    scores), for paired comparisons row by row."""
+    features = FeatureUnion([
+        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
+        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
+    ])
+    return _tfidf_logreg_fit_predict(features, [_joined(t) for t in train_texts], train_labels,
+                                     [_joined(t) for t in eval_texts], seed)
+
+
+def _tfidf_logreg_fit_predict(features, train_x, train_labels, eval_x, seed: int) -> list:
     learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed)  # multinomial over the labels
     model = make_pipeline(features, learner).fit(train_x, list(train_labels))
-    predicted = list(model.predict(eval_x))
-    return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
+    return list(model.predict(eval_x))
 
 
 def window_tagger(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
