@@ -137,6 +137,9 @@ class TrainSettings(BaseModel):
     eval_batch_size: int = Field(128, ge=1, description="batch size of backbone passes and evaluation")
     epochs: int = Field(10, ge=1)
     patience: int = Field(3, ge=1, description="early stopping: epochs without a better validation metric")
+    max_minutes: float | None = Field(None, gt=0, description="time budget (a shared machine): no epoch is started "
+                                      "that would end, at the last epoch's pace, past this many minutes of epochs; "
+                                      "the kept epoch is still chosen by validation")
     min_delta: float = Field(0.002, ge=0, description="an epoch replaces the kept one when its validation metric is "
                              "higher by at least this, or within this and its validation loss is lower by min_loss_delta")
     min_loss_delta: float = Field(0.01, ge=0, lt=1, description="relative drop of the validation loss that counts as "
