@@ -23,7 +23,7 @@ the clock is this process's CPU time (other jobs on the shared cores do not coun
     .venv/bin/python bench/bench_sharing.py --head-precision int8 --skip-memory --skip-early-exit --stem sharing-cpu-int8
 
 `--served` measures the shipped modules instead, over HTTP: one real `tmod-serve` per precision
-(`--precisions`, one torch thread, the store's default tasks) stays up while every task set is sent
+(`--precisions`, one torch thread, the tasks of `--served-tasks`: opt-in ones named) stays up while every task set is sent
 in turn, in a fresh random order each round: each single-text task alone (`embedding` alone is the
 backbone's pass and its pooling: the baseline), the three tasks of the README's first request
 (`ner,sentiment,acceptability`) and every shipped task at once. A measurement is `--served-texts` SST-2
@@ -248,7 +248,8 @@ def served(args) -> None:
     servers = {}
     try:
         for precision in args.precisions:
-            env = {"TMOD_STORE": str(args.store), "TMOD_PRECISION": precision, "TMOD_THREADS": str(args.threads)}
+            env = {"TMOD_STORE": str(args.store), "TMOD_PRECISION": precision, "TMOD_THREADS": str(args.threads),
+                   **({"TMOD_TASKS": args.served_tasks} if args.served_tasks else {})}
             servers[precision] = ServerProcess(precision, env, tmp / f"{precision}.log", serve_command())
             servers[precision].start()
         for server in servers.values():
@@ -401,6 +402,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--store", type=Path, default=REPO / "modules_store", help="--served: the store to serve")
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], help="--served: one server each")
     p.add_argument("--served-texts", type=int, default=256, help="--served: sentences per measurement")
+    p.add_argument("--served-tasks", default="acceptability,embedding,emotion,ner,sentiment",
+                   help="--served: the tasks the servers load (opt-in ones must be named; '' = the store's defaults)")
     p.add_argument("--profile-head", help="TASK[/VERSION]: one shipped head's parts against the pass (docstring)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 5)
