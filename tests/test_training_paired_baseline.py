@@ -49,3 +49,30 @@ def test_paired_counts_and_mcnemar():
     assert (out["only_module_right"], out["only_baseline_right"]) == (2, 2)
     assert out["module_accuracy"] == pytest.approx(0.6) and out["tfidf_logreg_accuracy"] == pytest.approx(0.6)
     assert out["margin_points"] == 0.0 and out["mcnemar_exact_p"] == 1.0
+
+
+def test_cached_run_keeps_a_baseline_result_per_key(tmp_path):
+    """`baselines.cached_run`: the first run computes and keeps the result; the same key reads it back
+    (equal, without running); another key, or no cache, runs."""
+    from training.baselines import cached_run, window_tagger
+
+    words = [["Angela", "Merkel", "visited", "Munich"], ["Peter", "flew", "to", "Paris", "."]]
+    tags = [["B-PER", "I-PER", "O", "B-LOC"], ["B-PER", "O", "O", "B-LOC", "O"]]
+    calls = []
+
+    def run():
+        calls.append(1)
+        return window_tagger(words, tags, words, tags)
+
+    key = {"baseline": "window_tagger", "train": [words, tags], "evaluate": [words, tags], "labels": {"B-PER", "O"}}
+    first = cached_run(tmp_path, key, run)
+    assert len(calls) == 1 and len(list(tmp_path.glob("*.json"))) == 1
+    assert cached_run(tmp_path, key, lambda: pytest.fail("ran again")) == first
+    assert first["f1"] == window_tagger(words, tags, words, tags)["f1"]
+    cached_run(tmp_path, {**key, "seed": 1}, run)
+    cached_run(None, key, run)
+    assert len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 2
+    next(tmp_path.glob("*.json")).write_text("{broken")  # a damaged file is recomputed
+    cached_run(tmp_path, key, run)
+    cached_run(tmp_path, {**key, "seed": 1}, run)
+    assert len(calls) == 4

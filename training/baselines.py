@@ -9,6 +9,7 @@ multi-label, entity micro F1 with per-type scores for token tasks; plus `baselin
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -165,3 +166,34 @@ def _window_features(words: Sequence[str]) -> list[dict]:
                 features[f"{at}:{'<s>' if j < 0 else '</s>'}"] = 1
         out.append(features)
     return out
+
+
+def cached_run(cache: Path | str | None, key: dict, run):
+    """`run()`'s result (a JSON-able dict), kept in `cache` (a folder) under the sha256 of `key` and of
+    this file's source: a later training run on the same data (another head on the same split) reads
+    it instead of training the baseline again (the window tagger takes minutes on CoNLL). No cache:
+    just `run()`. A damaged file is recomputed."""
+    if cache is None:
+        return run()
+    import hashlib
+    import json
+    import os
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(json.dumps(key, sort_keys=True, default=_key_part).encode())
+    path = Path(cache) / f"{digest.hexdigest()}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    result = json.loads(json.dumps(run(), default=float))  # as a later read gives it back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)  # a half-written file is never found
+    return result
+
+
+def _key_part(value):
+    """JSON for what json cannot write: a set (multi-label labels) sorted, anything else as its str."""
+    return sorted(value, key=str) if isinstance(value, (set, frozenset)) else str(value)

@@ -161,7 +161,8 @@ class TrainSettings(BaseModel):
         "fp32", description="backbone precision (backend torch, as `tmod-serve --precision`): the states the "
         "head is trained and scored on. auto: bf16 on a CPU with native bfloat16, else fp32")
     state_cache: bool = Field(False, description="also keep the split's backbone states on disk "
-                              "($TMOD_CACHE_DIR/states), so a later run on the same data (a baseline) reuses them")
+                              "($TMOD_CACHE_DIR/states), so a later run on the same data (a baseline) reuses them; and "
+                              "the linear baseline's result ($TMOD_CACHE_DIR/baselines)")
     threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default (one per core). "
                          "1 is much faster when other processes compete for the cores")
     amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")

@@ -537,7 +537,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         if "threshold" in decoding and task_type == TaskType.sequence_classification:
             metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
                                                                np.stack(probabilities), labels, decoding["threshold"])
-    assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed)
+    assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed,
+                        cache=default_cache_dir() / "baselines" if s.state_cache else None)
     metrics["baselines"] = assessment["baselines"]
     still_improving = s.select == "best" and result.best_epoch == len(result.history) == s.epochs
     if still_improving:
