@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.environment import machine_info  # noqa: E402
+from bench.harness import machine_info  # noqa: E402
 from training.data import PRESETS, preset_spec  # noqa: E402
 from training.baselines import tfidf_logreg  # noqa: E402
 from training.metrics import classification_scores  # noqa: E402
