@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.environment import machine_info  # noqa: E402
+from bench.harness import machine_info  # noqa: E402
 from training.data import PRESETS, preset_spec  # noqa: E402
 from training.baselines import tfidf_logreg_predictions  # noqa: E402
 from server.backbone import Backbone  # noqa: E402
