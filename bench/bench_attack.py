@@ -47,8 +47,14 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_load import ServerProcess, percentile, serve_command  # noqa: E402
-from bench.environment import cpu_flags, machine_info  # noqa: E402
+from bench.harness import (  # noqa: E402
+    ServerProcess,
+    machine_info,
+    percentile,
+    running_server,
+    serve_command,
+    write_json,
+)
 
 TOKEN = "bench-attack-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -56,12 +62,6 @@ SENTENCES = ["A fine, moving film.", "Peter Blackburn met Angela Merkel in Bruss
              "The plot is dull and the acting worse.", "Das ist ein Test \U0001F600 in Paris."]
 OK = {200}
 OVERLOAD = {429, 503}
-
-
-def attack_cpu_flags() -> list[str]:
-    """The CPU flags this report names (of bench.environment's full list)."""
-    wanted = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma", "sse4_2")
-    return [f for f in cpu_flags() if f in wanted]
 
 
 def oip_body(texts):
@@ -472,14 +472,9 @@ def drain_with_keep_alive_clients(server: ServerProcess, clients: int, answers_b
 
 def framing_and_drain(name: str, env: dict, log: Path, clients: int, smuggling_rounds: int) -> dict:
     """The framing and drain checks on a server of their own (the drain stops it)."""
-    server = ServerProcess(name, env, log, serve_command())
-    server.start()
-    try:
-        server.wait_ready(300)
+    with running_server(name, env, log) as server:
         out = {"smuggling": smuggling(server.url, smuggling_rounds)}
         out["drain_keep_alive"] = drain_with_keep_alive_clients(server, clients, answers_before=clients * 5)
-    finally:
-        server.stop()
     return out
 
 
@@ -518,7 +513,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown checks {sorted(checks - set(CHECKS))}; choose from {','.join(CHECKS)}")
 
     tmp = Path(tempfile.mkdtemp(prefix="tmod-attack-"))
-    result = {"machine": {**machine_info("cpu"), "cpu_flags": attack_cpu_flags()}, "settings": vars(args), "layouts": {}}
+    result = {"machine": machine_info("cpu"), "settings": vars(args), "layouts": {}}
     try:
         store = tmp / "store"
         for task in ("sentiment", "ner", "acceptability", "entailment"):
@@ -532,10 +527,7 @@ def main(argv=None) -> int:
                    "TMOD_TASKS": "sentiment,ner,acceptability,entailment", "TMOD_LOG_LEVEL": "warning",
                    "HF_HUB_OFFLINE": "1", **({"TMOD_BACKBONE": args.backbone} if args.backbone else {})}
             layout = {}
-            server = ServerProcess(f"workers{workers}", env, tmp / f"workers{workers}.log", serve_command())
-            server.start()
-            server.wait_ready(300)
-            try:
+            with running_server(f"workers{workers}", env, tmp / f"workers{workers}.log") as server:
                 layout["readyz"] = httpx.get(server.url + "/readyz").json()
                 if "load" in checks:
                     layout["load"] = asyncio.run(run_mix(server.url, args.requests, args.concurrency))
@@ -563,8 +555,6 @@ def main(argv=None) -> int:
                     layout["healthy_after"] = httpx.post(server.url + "/v1/infer", json={"inputs": SENTENCES}).status_code
                 if "sigterm" in checks and server.proc.poll() is None:
                     layout["sigterm"] = asyncio.run(sigterm_under_load(server, args.requests // 4, args.concurrency))
-            finally:
-                server.stop()
             if "framing_and_drain" in checks:
                 layout["framing_and_drain"] = framing_and_drain(f"workers{workers}-drain", env, tmp / f"drain{workers}.log",
                                                                 args.concurrency, 60)
@@ -576,9 +566,7 @@ def main(argv=None) -> int:
                               for k, v in layout.items()}, indent=1, default=str), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, result)}")
     return 0
 
 

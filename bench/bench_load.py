@@ -32,14 +32,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.harness import (  # noqa: E402, F401  (percentile: bench_attack.py imports it from here until ported)
+from bench.harness import (  # noqa: E402
     ServerProcess,
     build_store,
     fmt,
     loadavg,
     markdown_table,
     measure,
-    percentile,
     read_sst2_sentences,
     serve_command,
     summarise_latency,

@@ -21,6 +21,26 @@ the clock is this process's CPU time (other jobs on the shared cores do not coun
     .venv/bin/python bench/bench_sharing.py --quick    # ~1 min -> sharing-cpu-quick.*
     .venv/bin/python bench/bench_sharing.py --precision bf16 --batch-sizes 32 --skip-memory --skip-early-exit --stem sharing-cpu-bf16
     .venv/bin/python bench/bench_sharing.py --head-precision int8 --skip-memory --skip-early-exit --stem sharing-cpu-int8
+
+`--served` measures the shipped modules instead, over HTTP: one real `tmod-serve` per precision
+(`--precisions`, one torch thread, the tasks of `--served-tasks`: opt-in ones named) stays up while every task set is sent
+in turn, in a fresh random order each round: each single-text task alone (`embedding` alone is the
+backbone's pass and its pooling: the baseline), the three tasks of the README's first request
+(`ner,sentiment,acceptability`) and every shipped task at once. A measurement is `--served-texts` SST-2
+validation sentences sent sequentially (one connection) in requests of B of them (`--batch-sizes`);
+texts/s is taken on the server process's CPU time (all its threads: HTTP, tokenizing, the pass,
+decoding, JSON), which other jobs on shared cores do not inflate, and on the wall clock beside it.
+Ratios are per round (task sets measured seconds apart), median (min-max).
+
+    .venv/bin/python bench/bench_sharing.py --served     # ~10 min -> bench/results/heads-cost-cpu.{json,md}
+
+`--profile-head TASK[/VERSION]` splits one shipped layer-mix head's own work on a batch of SST-2
+sentences (in process, one thread, CPU time, the fastest of `--repeats` per round, median over
+rounds): the backbone's pass to its last state, then each part of the head on the states it reads:
+the mix (projections, GELU, layer norm, weighted sum) per state, the casing embedding, the token
+layer(s) (encoder layers, classifier) and decoding into answers; each as a share of the pass.
+
+    .venv/bin/python bench/bench_sharing.py --profile-head ner --stem heads-profile-cpu
 """
 from __future__ import annotations
 
@@ -200,6 +220,163 @@ def memory(args) -> dict:
     return {"batch": args.memory_batch, "tokens": args.memory_tokens, "heads": TARGET_K, "paths": paths}
 
 
+SERVED_TRIO = "ner,sentiment,acceptability"  # the tasks issue 39's target names: >= 0.85x one task (batch 32)
+
+
+def served_sets(tasks: dict) -> dict[str, str]:
+    """Task sets to time, from /v1/tasks: each single-text task alone, the trio, all of them."""
+    single = sorted(name for name, info in tasks.items() if info.get("inputs", "text") == "text")
+    sets = {name: name for name in single}
+    if all(t in single for t in SERVED_TRIO.split(",")):
+        sets["trio"] = SERVED_TRIO
+    sets["all"] = ",".join(single)
+    return sets
+
+
+def served(args) -> None:
+    """Each shipped module's cost beside the backbone, over HTTP (the --served mode; see the docstring)."""
+    import httpx
+
+    from bench.harness import ServerProcess, proc_cpu_seconds, serve_command
+
+    rng = random.Random(args.seed)
+    machine = machine_info()
+    sentences = read_sst2_sentences(args.data_dir)[:args.served_texts]
+    result = {"benchmark": "heads-cost-served", "machine": machine, "settings": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "precisions": {}}
+    tmp = Path(tempfile.mkdtemp(prefix="heads-cost-"))
+    servers = {}
+    try:
+        for precision in args.precisions:
+            env = {"TMOD_STORE": str(args.store), "TMOD_PRECISION": precision, "TMOD_THREADS": str(args.threads),
+                   **({"TMOD_TASKS": args.served_tasks} if args.served_tasks else {})}
+            servers[precision] = ServerProcess(precision, env, tmp / f"{precision}.log", serve_command())
+            servers[precision].start()
+        for server in servers.values():
+            server.wait_ready(300)
+        clients = {p: httpx.Client(base_url=s.url, timeout=120) for p, s in servers.items()}
+        tasks = {t["task"]: t for t in clients[args.precisions[0]].get("/v1/tasks").json()["tasks"]}
+        sets = served_sets(tasks)
+        result["versions"] = {name: t.get("version") for name, t in tasks.items()}
+        result["sets"] = sets
+        headers = {"content-type": "application/json"}
+
+        def run(precision: str, tasks_param: str, size: int) -> tuple[float, float]:
+            bodies = [json.dumps({"inputs": sentences[i:i + size]}).encode() for i in range(0, len(sentences), size)]
+            client, pid = clients[precision], servers[precision].proc.pid
+            cpu0, t0 = proc_cpu_seconds(pid), time.perf_counter()
+            for body in bodies:
+                r = client.post("/v1/infer?tasks=" + tasks_param, content=body, headers=headers)
+                if r.status_code != 200:
+                    raise SystemExit(f"{precision} {tasks_param}: HTTP {r.status_code} {r.text[:300]}")
+            wall, cpu = time.perf_counter() - t0, proc_cpu_seconds(pid) - cpu0
+            return len(sentences) / cpu, len(sentences) / wall
+
+        for precision in args.precisions:
+            for size in args.batch_sizes:  # warm-up: every set once (oneDNN kernels, plan cache)
+                for tasks_param in sets.values():
+                    run(precision, tasks_param, size)
+        for precision in args.precisions:
+            out = result["precisions"][precision] = {}
+            for size in args.batch_sizes:
+                cpu = {name: [] for name in sets}
+                wall = {name: [] for name in sets}
+                names = list(sets)
+                for r in range(args.rounds):
+                    rng.shuffle(names)
+                    for name in names:
+                        c, w = run(precision, sets[name], size)
+                        cpu[name].append(c)
+                        wall[name].append(w)
+                    print(f"  {precision} batch {size}: round {r + 1}/{args.rounds}", flush=True)
+                base = "embedding" if "embedding" in sets else names[0]
+                one = {name: statistics.median(v) for name, v in cpu.items()}
+                out[str(size)] = {
+                    "texts_per_cpu_s": one,
+                    "texts_per_wall_s": {name: statistics.median(v) for name, v in wall.items()},
+                    "vs_backbone_alone": {name: paired_ratio(cpu[name], cpu[base]) for name in sets},
+                    "rounds_texts_per_cpu_s": cpu,
+                }
+                if "trio" in sets:
+                    out[str(size)]["trio_vs_each_task_alone"] = {
+                        t: paired_ratio(cpu["trio"], cpu[t]) for t in SERVED_TRIO.split(",")}
+    finally:
+        for server in servers.values():
+            server.stop()
+    tables = []
+    for precision, section in result["precisions"].items():
+        for size, row in section.items():
+            lines = [[name, f"`{sets[name]}`" if name in ("trio", "all") else f"`{result['versions'].get(name)}`",
+                      f"{row['texts_per_cpu_s'][name]:.1f}", f"{row['texts_per_wall_s'][name]:.1f}",
+                      shown(row["vs_backbone_alone"][name])] for name in sets]
+            text = markdown_table(["tasks", "version / set", "texts per server CPU s", "texts per wall s",
+                                   "vs `embedding` alone (the backbone)"], lines)
+            if "trio_vs_each_task_alone" in row:
+                text += "\n\nThe trio against each of its tasks alone: " + ", ".join(
+                    f"{t} {shown(v)}" for t, v in row["trio_vs_each_task_alone"].items())
+            tables.append(f"{precision}, batch {size} (texts per request), one torch thread:\n\n" + text)
+    notes = ("Target (issue 39): the trio at >= 0.85x the texts/s of one task, batch 32, fp32. "
+             "Ratios: median (min-max) over rounds, on the server's CPU time.")
+    path = write_results(args.stem, result, "Each shipped module's cost beside the backbone (over HTTP)", tables, notes)
+    print(path.with_suffix(".md").read_text())
+
+
+def profile_head(args) -> None:
+    """One head's parts against the backbone's pass (the --profile-head mode; see the docstring)."""
+    import torch.nn.functional as F
+
+    from modules_store import ModuleStore
+    from server.answers import decode_all
+    from server.backbone import Backbone
+    from server.engine import Engine
+    from server.heads.layermix.layer import MIX_NORM_EPS
+    from server.modules import load_module
+
+    torch.set_num_threads(args.threads)
+    task, _, version = args.profile_head.partition("/")
+    bb = Backbone.load()
+    if args.precision != "fp32":
+        bb = bb.use_backend("torch", args.precision)
+    module = load_module(ModuleStore(args.store), task, version or None, bb)
+    head = module.head
+    size = max(args.batch_sizes)
+    batch = bb.tokenize(read_sst2_sentences(args.data_dir)[:size])
+    with torch.inference_mode():
+        states = {i: h.float() for i, h in bb.stream(batch, upto=bb.num_layers)}
+        weights = head.mix_weights()
+        read = head.layers_read()
+        engine = Engine(bb)
+
+        def mix_one(i):
+            return lambda: weights[head._slot[i]] * F.layer_norm(
+                F.gelu(states[i]) @ head.projection(i).T, (head.config.project_dim,), eps=MIX_NORM_EPS)
+        mixed = F.gelu(sum(mix_one(i)() for i in read))
+        casing = (lambda: head.casing(batch.token_classes("casing"))) if head.casing is not None else None
+        layer_input = mixed + casing() if casing else mixed
+        logits, batches = engine.run(batch, {task: module})
+        configs = {
+            "backbone_pass": lambda: [None for _ in bb.stream(batch, upto=bb.num_layers)],
+            "whole_pass_with_head": lambda: engine.run(batch, {task: module}),
+            **{f"mix_state_{i}": mix_one(i) for i in read},
+            **({"casing_embedding": casing} if casing else {}),
+            "token_layers_and_classifier": lambda: head.classifier(layer_input, batch.attention_mask),
+            "decode_answers": lambda: decode_all({task: module}, logits, batches),
+        }
+        times = interleaved_rounds(configs, args.rounds, args.repeats, random.Random(args.seed), args.threads == 1)
+    base = statistics.median(times["backbone_pass"])
+    parts = {name: {"ms": 1000 * statistics.median(t), "share_of_backbone_pass": statistics.median(t) / base}
+             for name, t in times.items()}
+    result = {"benchmark": "head-profile", "task": task, "version": module.version, "layers_read": read,
+              "config": head.config.model_dump(mode="json"), "batch": list(batch.input_ids.shape),
+              "precision": args.precision, "parts": parts, "machine": machine_info()}
+    rows = [[name, f"{p['ms']:.1f}", f"{100 * p['share_of_backbone_pass']:.1f}%"] for name, p in parts.items()]
+    table = markdown_table(["part", "ms (CPU, median)", "of the backbone's pass"], rows)
+    path = write_results(args.stem, result, f"What `{task}/{module.version}` costs, part by part", [
+        f"Batch {batch.input_ids.shape[0]} x {batch.input_ids.shape[1]} word pieces, {args.precision}, one thread; "
+        f"reads states {read}:\n\n" + table])
+    print(path.with_suffix(".md").read_text())
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_sharing.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 rounds of 1, memory at 16 x 64; writes <stem>-quick")
@@ -221,13 +398,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--skip-early-exit", action="store_true")
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    p.add_argument("--served", action="store_true", help="the shipped modules over HTTP instead (docstring)")
+    p.add_argument("--store", type=Path, default=REPO / "modules_store", help="--served: the store to serve")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], help="--served: one server each")
+    p.add_argument("--served-texts", type=int, default=256, help="--served: sentences per measurement")
+    p.add_argument("--served-tasks", default="acceptability,embedding,emotion,ner,sentiment",
+                   help="--served: the tasks the servers load (opt-in ones must be named; '' = the store's defaults)")
+    p.add_argument("--profile-head", help="TASK[/VERSION]: one shipped head's parts against the pass (docstring)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.memory_batch = args.memory_batch or (16 if args.quick else 64)
     args.memory_tokens = args.memory_tokens or (64 if args.quick else 128)
     args.head_precision = args.head_precision or args.precision
-    if args.quick and args.stem == "sharing-cpu":
+    if args.served:
+        args.rounds = args.rounds if "--rounds" in (argv or sys.argv) else 3
+        if args.stem == "sharing-cpu":
+            args.stem = "heads-cost-cpu" + ("-quick" if args.quick else "")
+        if args.quick:
+            args.served_texts = min(args.served_texts, 64)
+    elif args.quick and args.stem == "sharing-cpu":
         args.stem = "sharing-cpu-quick"
     return args
 
@@ -236,6 +426,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.memory_worker:
         return memory_worker(args)
+    if args.served:
+        return served(args)
+    if args.profile_head:
+        return profile_head(args)
     machine = machine_info()  # the load average before this run adds to it
     torch.set_num_threads(args.threads)
     from modules_store import ModuleStore

@@ -5,17 +5,20 @@
   layer-mix heads sized like the tmod-train defaults, saved as real artifacts)
 - a real server: `ServerProcess` (a `tmod-serve` subprocess on a free loopback port, optionally
   pinned to CPUs of its own; `wait_ready` on /readyz; `stop` with SIGTERM, as Kubernetes does);
-  `split_cpus` / `pin_to` keep the load generator off the server's cores
+  `running_server` (one, ready, stopped on leaving); `split_cpus` / `pin_to` keep the load
+  generator off the server's cores
 - load: `measure` (a closed-loop httpx load generator at one concurrency, one keep-alive connection
   per client) and its latency summary; /metrics read before and after (`parse_metrics`,
   `metrics_delta`); CPU time from /proc (`CpuWindow`, per process and per thread)
-- results: `write_results` (JSON with the machine record, plus a Markdown table, under bench/results/)
+- results: `write_results` (JSON with the machine record, plus a Markdown table, under bench/results/);
+  `write_json` (the JSON alone, for results that are nested counts rather than one table)
 
 Entry points (bench/README.md) import from here; none starts servers or records machines its own way.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -316,6 +319,19 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@contextlib.contextmanager
+def running_server(name: str, env: dict[str, str], log_path: Path, args: list[str] = (), ready_timeout: float = 300):
+    """A `ServerProcess` of `tmod-serve ARGS`, started and ready; stopped (SIGTERM) on leaving, also
+    when it never got ready."""
+    server = ServerProcess(name, env, log_path, [*serve_command(), *args])
+    server.start()
+    try:
+        server.wait_ready(ready_timeout)
+        yield server
+    finally:
+        server.stop()
+
+
 # ---- /metrics -------------------------------------------------------------------------------------
 def parse_metrics(text: str) -> dict[str, float]:
     """Flat {sample name + labels: value} from the Prometheus text format."""
@@ -507,3 +523,14 @@ def write_results(stem: Path | str, result: dict, title: str, tables: list[str],
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     stem.with_suffix(".md").write_text("\n".join(md))
     return stem.with_suffix(".json")
+
+
+def write_json(path: Path | str, result: dict) -> Path:
+    """`path` with the result as JSON, `machine` and `command` filled in if missing (as `write_results`
+    does), for results that are nested records rather than one table (bench_attack, long_documents)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result.setdefault("machine", machine_info())
+    result.setdefault("command", " ".join([".venv/bin/python", *sys.argv]))
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return path

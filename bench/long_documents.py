@@ -4,8 +4,9 @@ cost of windows.
 
 What it does
 ------------
-1. Starts one `tmod-serve` (the shipped `ner` module of `--backbone`, `--threads` torch threads) and
-   keeps it up for the whole run: every figure below comes from the same server.
+1. Starts one `tmod-serve` (bench/harness.py `running_server`: the shipped `ner` module of
+   `--backbone`, `--threads` torch threads) and keeps it up for the whole run: every figure below
+   comes from the same server.
 2. NER, three ways, on the validation split's documents (the sentences between -DOCSTART- lines):
    - `sentences`: every sentence its own input (its words joined with spaces), a document's sentences
      in one request (split at the server's 64-input limit): the sentence-by-sentence reading;
@@ -31,9 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,8 +43,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.environment import cpu_flags, machine_info  # noqa: E402
-from tests.helpers import start_tmod_serve  # noqa: E402
+from bench.harness import machine_info, read_sst2_sentences, running_server, write_json  # noqa: E402
 from training.data import default_data_dir, read_conll_documents  # noqa: E402
 from training.metrics import entity_scores  # noqa: E402
 
@@ -178,7 +178,6 @@ def host_cost(backbone: str, repeats: int = 7) -> dict:
     """Host work per short request (an SST-2 sentence), in this process: what the server did before
     windows (tokenize with the token limit) against what it does now (tokenize whole, choose the
     window, cut, count, plan parts), alternating, median microseconds over 500 sentences."""
-    from bench.environment import read_sst2_sentences
     from server import windows
     from server.backbone import Backbone
 
@@ -223,49 +222,40 @@ def main(argv=None) -> None:
     windows = [int(w) for w in args.window.split(",")]
     if args.host_cost:
         record = {"benchmark": "host work per short request, before and after windows", "backbone": args.backbone,
-                  "machine": {**machine_info("cpu"), "cpu_flags": cpu_flags()},
-                  "command": "python bench/long_documents.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  **host_cost(args.backbone)}
-        out = args.out or REPO / "bench" / "results" / f"long-documents-host-cost-{args.backbone}.json"
-        out.write_text(json.dumps(record, indent=1) + "\n")
+                  "machine": machine_info("cpu"), **host_cost(args.backbone)}
+        out = write_json(args.out or REPO / "bench" / "results" / f"long-documents-host-cost-{args.backbone}.json", record)
         print(json.dumps(record["us_per_request"]), f"wrote {out}")
         return
     path = Path(default_data_dir()) / "conll2003" / "validation.txt"
     documents = read_conll_documents(path)[:args.limit]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_THREADS": str(args.threads), "TMOD_LOG_LEVEL": "warning"}
-    url, process = start_tmod_serve(["--backbone", args.backbone, "--tasks", "ner",
-                                     *(["--store", str(args.store)] if args.store else [])], env)
-    try:
-        with httpx.Client(base_url=url, timeout=600) as client:
-            tasks = client.get("/v1/tasks").json()
-            ner = tasks["tasks"][0]
-            record = {
-                "benchmark": "long documents: document-level NER in windows, and the cost of windows",
-                "machine": {**machine_info("cpu"), "cpu_flags": cpu_flags()},
-                "command": "python bench/long_documents.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "backbone": args.backbone, "module": f"ner/{ner['version']}", "threads": args.threads,
-                "windows": windows, "server_windows": tasks["windows"],
-                "data": {"path": str(path), "documents": len(documents),
-                         "sentences": sum(len(d) for d in documents)},
-            }
-            started = time.perf_counter()
-            if not args.skip_ner:
-                record["ner"] = ner_scores(client, documents, windows)
-                for mode, scores in record["ner"].items():
-                    print(f"{mode:10s} F1 {100 * scores['f1']:.2f} (P {100 * scores['precision']:.2f}, "
-                          f"R {100 * scores['recall']:.2f}) {scores['seconds']:.0f}s", flush=True)
-                record["f1_documents_minus_sentences_points"] = {
-                    w: 100 * (record["ner"][f"documents_window_{w}"]["f1"] - record["ner"]["sentences"]["f1"])
-                    for w in windows}
-                record["ner_seconds"] = time.perf_counter() - started
-            if not args.skip_speed:
-                record["speed"] = speed(client, documents, windows[0], [int(x) for x in args.sizes.split(",")],
-                                        args.repeats)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    out = args.out or REPO / "bench" / "results" / f"long-documents-{args.backbone}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    env = {"HF_HUB_OFFLINE": "1", "TMOD_THREADS": str(args.threads), "TMOD_LOG_LEVEL": "warning"}
+    serve_args = ["--backbone", args.backbone, "--tasks", "ner", *(["--store", str(args.store)] if args.store else [])]
+    with tempfile.TemporaryDirectory() as tmp, running_server("ner", env, Path(tmp) / "serve.log", serve_args) as server, \
+            httpx.Client(base_url=server.url, timeout=600) as client:
+        tasks = client.get("/v1/tasks").json()
+        ner = tasks["tasks"][0]
+        record = {
+            "benchmark": "long documents: document-level NER in windows, and the cost of windows",
+            "machine": machine_info("cpu"),
+            "backbone": args.backbone, "module": f"ner/{ner['version']}", "threads": args.threads,
+            "windows": windows, "server_windows": tasks["windows"],
+            "data": {"path": str(path), "documents": len(documents),
+                     "sentences": sum(len(d) for d in documents)},
+        }
+        started = time.perf_counter()
+        if not args.skip_ner:
+            record["ner"] = ner_scores(client, documents, windows)
+            for mode, scores in record["ner"].items():
+                print(f"{mode:10s} F1 {100 * scores['f1']:.2f} (P {100 * scores['precision']:.2f}, "
+                      f"R {100 * scores['recall']:.2f}) {scores['seconds']:.0f}s", flush=True)
+            record["f1_documents_minus_sentences_points"] = {
+                w: 100 * (record["ner"][f"documents_window_{w}"]["f1"] - record["ner"]["sentences"]["f1"])
+                for w in windows}
+            record["ner_seconds"] = time.perf_counter() - started
+        if not args.skip_speed:
+            record["speed"] = speed(client, documents, windows[0], [int(x) for x in args.sizes.split(",")],
+                                    args.repeats)
+    out = write_json(args.out or REPO / "bench" / "results" / f"long-documents-{args.backbone}.json", record)
     print(f"wrote {out}")
 
 

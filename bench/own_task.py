@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.environment import machine_info  # noqa: E402
+from bench.harness import machine_info  # noqa: E402
 
 SOURCES = {  # what each task's files are (the data is not in the repository)
     "trec": "TREC question classification (Li and Roth 2002), 6 coarse classes: TREC.train (5,452, official "

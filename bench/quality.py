@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.environment import machine_info  # noqa: E402
+from bench.harness import machine_info  # noqa: E402
 
 TASKS = {  # shipped task -> (dataset preset, headline metric, name in the table)
     "sentiment": ("sst2", "accuracy", "SST-2 accuracy"),

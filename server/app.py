@@ -1,58 +1,49 @@
-"""The HTTP API (FastAPI). Decode -> validate -> run in the compute thread -> encode.
+"""The HTTP API. Decode -> validate -> run in the compute thread -> encode.
 
-The body is validated against server/schemas.py's models after `BodyLimits` (server/http_limits.py)
-refused oversized or too slow bodies; `ServerErrors` (server/errors.py) answers anything uncaught in
-the route's protocol shape. Task names are checked against one snapshot of the runtime's modules per
-request, so a module swapped mid-request does not change what the request sees. `read_inputs` says
-where a request is tokenized."""
+`TmodApp` is a FastAPI app (admin, task listing, health, tokenize, the OpenAPI schema) with one raw
+ASGI layer in front (`TmodApp.__call__`) that every request passes: its request id (echoed, and on
+every log line written while serving it), the body limits (server/http_limits.py `limit_body`), a
+refusal in the protocol shape of its path (server/errors.py `refusal`) and the access line
+(server/logs.py `AccessLog`, sampled at high rates). The inference routes (`/v1/infer`, OpenAI's
+`/v1/embeddings`, TEI's `/embed`, OIP v2 `infer`) are answered in that layer, never by FastAPI: the
+body is read once, decoded and validated in one pass into a msgspec struct (server/schemas.py), and
+the answer encoded once into bytes; `/openapi.json` documents them from the same structs. Task names
+are checked against one snapshot of the runtime's modules per request, so a module swapped
+mid-request does not change what the request sees. `read_inputs` says where a request is tokenized."""
 from __future__ import annotations
 
 import asyncio
 import functools
 import hmac
-import json
 import re
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
+from urllib.parse import parse_qsl
 
-from fastapi import FastAPI, Query, Request, Response
+import msgspec
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from modules_store.manifest import NAME_PATTERN
 from server import oip, tokenize_api, windows
 from server.backbone import Backbone
-from server.embeddings_api import add_embeddings_routes
 from server.batcher import Job
 from server.config import Settings
-from server.errors import (
-    ApiError,
-    ServerErrors,
-    api_error_handler,
-    clip,
-    clip_list,
-    error_body,
-    http_error_handler,
-    validation_error_handler,
-)
-from server.http_limits import BodyLimits
-from server.logs import RequestLog
+from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
+                                   embeddings_routes)
+from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
+                           protocol_of, refusal, validation_error_handler)
+from server.http_limits import limit_body, read_body
+from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
-from server.schemas import (
-    AnswerControls,
-    InferRequest,
-    InferResponse,
-    ModelInfo,
-    ModuleAction,
-    ModuleActionResult,
-    TaskDetail,
-    TaskList,
-    TeiTokenizeRequest,
-    TokenizeRequest,
-)
+from server.schemas import (DEFAULT_CONTROLS, AnswerControls, InferRequest, InferResponse, ModelInfo, ModuleAction,
+                            ModuleActionResult, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
+                            openapi_components)
 
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
@@ -62,7 +53,128 @@ INLINE_TOKENIZE_CHARS = 1000
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
-def create_app(settings: Settings | None = None, backbone: Backbone | None = None, runtime=None) -> FastAPI:
+JSON_TYPES = (b"application/json",)
+OIP_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+
+
+class TmodApp(FastAPI):
+    """FastAPI, with the raw ASGI layer every request passes first (see the module docstring)."""
+
+    fast_routes: dict  # path -> handler(body, request) -> (answer bytes, headers): the inference routes
+    oip_infer = None  # handler(body, request, task, version)
+
+    def configure(self, settings: Settings) -> None:
+        self.body_limit, self.body_timeout_s = settings.max_body_bytes, settings.body_timeout_s
+        self.access = AccessLog(settings.access_log_per_s)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # lifespan
+            return await super().__call__(scope, receive, send)
+        rid = request_id_for(scope["headers"])
+        token = request_id.set(rid)
+        started, answer = time.perf_counter(), [None, False]  # status once begun, whether the whole answer was sent
+        id_header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                answer[0] = message["status"]
+                message["headers"] = [*message.get("headers", ()), id_header]
+            elif not message.get("more_body", False):
+                answer[1] = True
+            await send(message)
+
+        path = scope["path"]
+        try:
+            scope, receive = limit_body(scope, receive, self.body_limit, self.body_timeout_s)
+            handler = self.fast_routes.get(path)
+            if handler is not None:
+                await self.answer(handler, (), scope, receive, send_with_id)
+            elif path.startswith("/v2/models/") and (found := OIP_INFER.fullmatch(path)):
+                await self.answer(self.oip_infer, found.groups(), scope, receive, send_with_id)
+            else:
+                await super().__call__(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered in the route's shape
+            if answer[0] is not None:
+                if not answer[1]:
+                    raise  # an answer cut off midway: the server closes the connection
+                # answered already: a FastAPI route's error, answered by `api_error_handler` and raised on
+            else:
+                status, headers, content = refusal(self, path, exc)
+                await respond(send_with_id, status, content, headers)
+        finally:
+            self.access.write(scope, answer[0] or 500, time.perf_counter() - started)
+            request_id.reset(token)
+
+    async def answer(self, handler, params, scope, receive, send) -> None:
+        """An inference route: POST only, its body read once, its answer sent as bytes."""
+        if scope["method"] != "POST":
+            raise ApiError(405, "method_not_allowed", "Method Not Allowed", headers={"allow": "POST"})
+        if handler is not self.oip_infer:  # OIP reads any body (its binary extension included)
+            require_json(scope)
+        body = await read_body(receive)
+        content, headers = await handler(body, Call(scope, receive), *params)
+        await respond(send, 200, content, headers)
+
+
+class Call:
+    """What an inference route reads of its request besides the body."""
+
+    __slots__ = ("scope", "receive", "gone")
+
+    def __init__(self, scope, receive):
+        self.scope, self.receive, self.gone = scope, receive, False
+
+    def header(self, name: bytes) -> str | None:
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return value.decode("latin-1")
+        return None
+
+    def query(self, name: str) -> list[str]:
+        """The values of `name` in the query string, in order (`?tasks=a&tasks=b`: both)."""
+        text = self.scope["query_string"].decode("latin-1")
+        if "%" in text or "+" in text:  # percent-encoded: the standard reading
+            return [v for k, v in parse_qsl(text, keep_blank_values=True) if k == name]
+        return [v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name]
+
+    async def is_disconnected(self) -> bool:
+        """Whether the client left. Its body is read, so the next ASGI message is a disconnect: one step
+        of `receive` tells whether it is there without waiting (Starlette's check, an anyio cancel scope
+        per call, cost ~100 us of CPU)."""
+        if not self.gone:
+            step = self.receive()
+            try:
+                step.send(None)
+            except StopIteration as done:
+                self.gone = done.value["type"] == "http.disconnect"
+            else:
+                step.close()  # it would wait: the client is still there
+        return self.gone
+
+
+async def respond(send, status: int, content: bytes, headers: dict[str, str]) -> None:
+    """One answer: its head (JSON unless `headers` says otherwise) and its body."""
+    head = [(b"content-length", str(len(content)).encode())]
+    if "content-type" not in headers:
+        head.append((b"content-type", b"application/json"))
+    head += [(name.encode(), value.encode()) for name, value in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": content})
+
+
+def require_json(scope) -> None:
+    """A body FastAPI would have read as JSON: no Content-Type, application/json or application/*+json."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            kind = value.split(b";", 1)[0].strip().lower()
+            if kind not in JSON_TYPES and not (kind.startswith(b"application/") and kind.endswith(b"+json")):
+                _, status = protocol_of(scope["path"])
+                raise ApiError(status, "invalid_request", f"request is malformed: body: Content-Type "
+                               f"{clip(kind.decode('latin-1'))} is not JSON (send application/json)")
+            return
+
+
+def create_app(settings: Settings | None = None, backbone: Backbone | None = None, runtime=None) -> TmodApp:
     """The app over `runtime`: by default a Runtime in this process (backbone, modules, batcher);
     in an HTTP worker process a `server.workers.RemoteRuntime` (the same interface) that forwards to
     the engine process."""
@@ -75,16 +187,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         yield
         await runtime.shutdown()
 
-    app = FastAPI(
+    app = TmodApp(
         title="tmod", version="0.1.0", lifespan=lifespan,
         description="Multi-task NLP inference: one frozen backbone pass feeds every requested task head.",
     )
+    app.configure(settings)
     app.state.runtime = runtime
     app.state.retry_after_s = settings.retry_after_s
-    app.add_middleware(BodyLimits, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
-    app.add_middleware(ServerErrors)  # a 500 (or a body refusal a route let through) in the protocol's shape
-    app.add_middleware(RequestLog)  # outermost: ids and access lines cover refusals too
     app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(Exception, api_error_handler)  # a 500 in the protocol's shape, its traceback logged
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     metrics = runtime.metrics
@@ -138,7 +249,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return rest
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
-                            truncate: bool, request: Request, window: int | None = None, stride: int | None = None,
+                            truncate: bool, request: Call, window: int | None = None, stride: int | None = None,
                             controls: AnswerControls | None = None) -> tuple[list[dict], Job, dict[str, str]]:
         """Shared by every protocol: limits, tokenization (long texts in windows), the batcher, metrics,
         timing headers. `controls`: the request's answer controls (docs/answer-controls.md). -> (per-input
@@ -146,7 +257,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         its `windows`), response headers)."""
         with metrics.requests_in_flight.track_inprogress():
             return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride,
-                                          controls or AnswerControls())
+                                          controls or DEFAULT_CONTROLS)
 
     def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
         """The limits and checks every text meets before it is tokenized (413 / 422)."""
@@ -203,7 +314,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                controls: AnswerControls | None = None):
         received = time.perf_counter()
         deadline = received + settings.request_timeout_s  # one per request, shared by all its parts
-        controls = controls or AnswerControls()
+        controls = controls or DEFAULT_CONTROLS
         if truncate and controls.truncation_direction == "left":
             if text_pairs is not None:
                 raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
@@ -249,25 +360,21 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         }
         return results, job, {name: f"{seconds * 1000:.3f}" for name, seconds in headers.items()}
 
-    @app.post("/v1/infer", response_model=InferResponse, tags=["inference"],
-              responses={400: {}, 413: {}, 422: {}, 429: {}, 503: {}})
-    async def infer(body: InferRequest, request: Request, response: Response,
-                    tasks: str | None = Query(None, description="comma-separated task names; none = all loaded; "
-                                                                "given more than once, the lists are joined")):
+    async def infer(body: bytes, request: Call) -> tuple[bytes, dict]:
         require_ready()
-        if tasks is not None:  # ?tasks=a&tasks=b asks for both (FastAPI would keep the last)
-            tasks = ",".join(request.query_params.getlist("tasks"))
-        pairs = not isinstance(body.inputs[0], str)
+        asked = decode(InferRequest, body)
+        named = request.query("tasks")  # ?tasks=a&tasks=b asks for both: the lists are joined
+        tasks = ",".join(named) if named else None
+        pairs = not isinstance(asked.inputs[0], str)
         modules = fit_to_inputs(select_modules(tasks), pairs, named=tasks is not None)
-        texts = [item.text if pairs else item for item in body.inputs]
-        text_pairs = [item.text_pair for item in body.inputs] if pairs else None
-        results, job, headers = await run_inference(texts, text_pairs, modules, body.truncate, request,
-                                                    body.window, body.stride, body)
-        response.headers.update(headers)
-        return InferResponse(
+        texts = [item.text for item in asked.inputs] if pairs else asked.inputs
+        text_pairs = [item.text_pair for item in asked.inputs] if pairs else None
+        results, job, headers = await run_inference(texts, text_pairs, modules, asked.truncate, request,
+                                                    asked.window, asked.stride, asked)
+        return msgspec.json.encode(InferResponse(
             results=results, model=model_info(), tasks={t: m.version for t, m in job.modules.items()},
             truncated=[i for i, row in enumerate(job.rows) if row.truncated], windows=job.windows,
-        )
+        )), headers
 
     # ---- admin: hot module management --------------------------------------------------------
     def require_admin(request: Request) -> None:
@@ -296,7 +403,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
     async def list_tasks():
         require_ready()
-        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())], "backbone": model_info(),
+        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())],
+                "backbone": msgspec.structs.asdict(model_info()),
                 "windows": {**window_settings(None, None).describe(), "window_by_task_type": {
                     kind: window_settings(None, None, None, [kind]).window for kind in sorted(task_types(runtime.modules))}}}
 
@@ -356,15 +464,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         module = oip_module(task, version)
         return {"name": module.task, "version": module.version, "ready": True}
 
-    @app.post("/v2/models/{task}/infer", tags=["oip-v2"], responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}})
-    @app.post("/v2/models/{task}/versions/{version}/infer", tags=["oip-v2"],
-              responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}})
-    async def oip_infer(task: str, request: Request, version: str | None = None):
+    async def oip_infer(body: bytes, request: Call, task: str, version: str | None) -> tuple[bytes, dict]:
         """Body: OIP v2 JSON, or the binary data extension (Inference-Header-Content-Length)."""
         require_ready()
         module = oip_module(task, version)
-        body = await request.body()
-        parsed, texts, text_pairs = oip.parse_request(body, request.headers.get(oip.HEADER))
+        parsed, texts, text_pairs = oip.parse_request(body, request.header(oip.HEADER.encode()))
         oip.check_declared_inputs(module, text_pairs)
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
         parameters = parsed.get("parameters") or {}
@@ -372,12 +476,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         window, stride = (windows.whole_number(parameters, name) for name in ("window", "stride"))
         controls = oip.answer_controls(parsed)
         # top_k reaches OIP clients as the classification extension on `scores`: decode every label
-        decoded = controls.model_copy(update={"top_k": None})
+        decoded = msgspec.structs.replace(controls, top_k=None)
         results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride,
                                                     decoded)
         module = job.modules[task]  # the version that answered
         content, extra = oip.encode_response(module, parsed, [r[task] for r in results], top_k=controls.top_k)
-        return Response(content=content, headers={**headers, **extra}, media_type=extra["content-type"])
+        return content, {**headers, **extra}
 
     # ---- tokenization: what the server reads (server/windows.py) --------------------------------
     # An answer is ~25 bytes of JSON per character read: its size is capped (max_tokenize_chars) and it
@@ -393,15 +497,21 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def json_answer(build) -> Response:
         """`build()`'s answer as JSON bytes, built and serialised in a tokenizer thread."""
         content = await asyncio.get_running_loop().run_in_executor(
-            runtime.tokenize_executor, lambda: json.dumps(build(), ensure_ascii=False).encode())
+            runtime.tokenize_executor, lambda: msgspec.json.encode(build()))
         return Response(content=content, media_type="application/json")
 
-    @app.post("/v1/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
-    async def tokenize(body: TokenizeRequest):
+    async def body_of(kind: type, request: Request):
+        require_json(request.scope)
+        return decode(kind, await request.body(), protocol_of(request.url.path)[1])
+
+    @app.post("/v1/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}},
+              openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(request: Request):
         """The word pieces of each input with their character offsets, and the windows the server would
         read it in (with this request's `window` / `stride`, or the defaults). At most `max_tokenize_chars`
         characters per request (413 above)."""
         require_ready()
+        body = await body_of(TokenizeRequest, request)
         items = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         if items and len({isinstance(item, str) for item in items}) > 1:
             raise ApiError(422, "invalid_request", "inputs must be all texts or all {text, text_pair} objects")
@@ -415,25 +525,29 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             "results": [tokenize_api.describe(runtime.text, text, body.add_special_tokens) for text in reading.texts],
             **chosen})
 
-    @app.post("/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}})
-    async def tei_tokenize(body: TeiTokenizeRequest):
+    @app.post("/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}},
+              openapi_extra=request_body(TeiTokenizeRequest))
+    async def tei_tokenize(request: Request):
         """Text Embeddings Inference's route: `[[{id, text, special, start, stop}]]` per input (character
         offsets; special tokens have no offsets). At most `max_tokenize_chars` characters per request."""
         require_ready()
+        body = await body_of(TeiTokenizeRequest, request)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         check_tokenize_size(texts, None)
         reading = await read_inputs(texts, None, False, None, None)
         return await json_answer(lambda: [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens)
                                           for text in reading.texts])
 
-    add_embeddings_routes(app, runtime, require_ready, run_inference)  # OpenAI's /v1/embeddings, TEI's /embed
+    app.fast_routes = {"/v1/infer": infer, **embeddings_routes(runtime, require_ready, run_inference)}
+    app.oip_infer = oip_infer
+    app.openapi = functools.partial(openapi, app)
 
     def device_failed() -> Response | None:
         """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""
         failure = getattr(runtime, "failure", None)  # a worker's RemoteRuntime has none: its engine exits
         if failure is None:
             return None
-        return Response(content=json.dumps(error_body("device_failed", f"the device failed: {failure}")),
+        return Response(content=error_content("/healthz", 503, "device_failed", f"the device failed: {failure}"),
                         status_code=503, media_type="application/json")
 
     @app.get("/healthz", tags=["health"], responses={503: {}})
@@ -448,12 +562,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if not runtime.ready.is_set():
             detail = runtime.startup_error or "loading"
             return Response(
-                content=json.dumps(error_body("not_ready", f"not ready: {detail}")),
+                content=error_content("/readyz", 503, "not_ready", f"not ready: {detail}"),
                 status_code=503, media_type="application/json",
             )
         if not runtime.modules:  # every module unloaded (or none loaded at start): out of service
-            refusal = no_modules()
-            return Response(content=json.dumps(error_body(refusal.type, refusal.message, **refusal.details)),
+            out = no_modules()
+            return Response(content=error_content("/readyz", 503, out.type, out.message, **out.details),
                             status_code=503, media_type="application/json")
         return {"status": "ready", "backbone": runtime.model_info()[0], "tasks": sorted(runtime.modules),
                 "refused": runtime.load_errors}
@@ -463,3 +577,57 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def request_body(kind: type) -> dict:
+    """A FastAPI route's `openapi_extra`: its JSON body is `kind` (a msgspec struct, in the components)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{kind.__name__}"}}}}}
+
+
+# the inference routes, answered by `TmodApp.__call__`: (path, summary, body, answer, protocol's errors)
+OIP_BODY = {"type": "object", "description": "an Open Inference Protocol v2 inference request (JSON, or the binary "
+            "data extension: a JSON header of Inference-Header-Content-Length bytes, then raw tensors); server/oip.py "
+            "says what each model reads and answers (GET /v2/models/{task})"}
+FAST_ROUTES_DOC = [
+    ("/v1/infer", "Tasks on texts or text pairs, every task from one backbone pass", "inference",
+     InferRequest, InferResponse, (400, 413, 422, 429, 503)),
+    ("/v1/embeddings", "OpenAI's embeddings API", "embeddings", OpenAIEmbeddingRequest, OpenAIEmbeddingResponse,
+     (400, 404, 413, 422, 429, 503)),
+    ("/embed", "Text Embeddings Inference's /embed: one vector per input", "embeddings", TEIEmbedRequest,
+     list[list[float]], (413, 422, 424, 429, 503)),
+    ("/v2/models/{task}/infer", "Open Inference Protocol v2 inference", "oip-v2", None, None, (400, 404, 413, 422, 429)),
+    ("/v2/models/{task}/versions/{version}/infer", "Open Inference Protocol v2 inference, naming the version served",
+     "oip-v2", None, None, (400, 404, 413, 422, 429)),
+]
+TASKS_QUERY = {"name": "tasks", "in": "query", "required": False, "schema": {"type": "string"},
+               "description": "comma-separated task names; none = all loaded; given more than once, the lists are joined"}
+
+
+def openapi(app: TmodApp) -> dict:
+    """FastAPI's schema of its own routes, with the inference routes' paths and the msgspec structs'
+    JSON Schema (server/schemas.py `openapi_components`): one declaration of each shape."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    kinds = [kind for _, _, _, body, answer, _ in FAST_ROUTES_DOC for kind in (body, answer) if kind is not None]
+    found, components = openapi_components(*kinds, TokenizeRequest, TeiTokenizeRequest)
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+    for path, summary, tag, body, answer, errors in FAST_ROUTES_DOC:
+        operation = {
+            "tags": [tag], "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": found[body] if body is not None else OIP_BODY}}},
+            "responses": {"200": {"description": "the answer", "content": {"application/json": {
+                "schema": found[answer] if answer is not None else {"type": "object"}}}},
+                **{str(status): {"description": "refused (the protocol's error shape)"} for status in errors}},
+        }
+        names = re.findall(r"{(\w+)}", path)
+        parameters = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
+        if path == "/v1/infer":
+            parameters.append(TASKS_QUERY)
+        if parameters:
+            operation["parameters"] = parameters
+        schema["paths"].setdefault(path, {})["post"] = operation
+    app.openapi_schema = schema
+    return schema

@@ -13,7 +13,6 @@ import sys
 import tempfile
 import typing
 
-import uvicorn
 
 from server.config import Settings, device_problem
 from server.logs import configure_logging
@@ -74,9 +73,9 @@ def serve_settings(settings: Settings) -> None:
             if made:
                 shutil.rmtree(made, ignore_errors=True)
     from server.app import create_app  # imported late so --help stays fast
-    from server.http_limits import uvicorn_config
+    from server.http_limits import DrainingServer, uvicorn_config
 
-    server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
+    server = DrainingServer(uvicorn_config(create_app(settings), settings))
     stop_on_device_failure(lambda: setattr(server, "should_exit", True))
     server.run()
 

@@ -67,8 +67,8 @@ class Settings(BaseSettings):
         "request may have (413 above): bounds its answer, ~25 bytes of JSON per character (2.5 MB at the default, "
         "measured with English text)")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
-    max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes, with "
-                                  "uvicorn's h11 parser (400 above; httptools sets its own)")
+    max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes (400 above, "
+                                  "connection closed)")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection that has not sent a whole request head "
                                     "this long after connecting (or after its previous answer) gets 408 and is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body still arriving this long after it began: 408")
@@ -115,7 +115,11 @@ class Settings(BaseSettings):
         "(with 16 heads beside an fp32 backbone, 0.85x the backbone's throughput against 0.74x for fp32 heads, "
         "see docs/gpu.md)")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
-    log_level: str = Field("info", description="uvicorn log level")
+    log_level: str = Field("info", description="log level (uvicorn's and tmod's JSON lines)")
+    access_log_per_s: float = Field(
+        100.0, ge=0, description="most access-log lines (one per request, at info) a process writes per second: "
+        "beyond it lines are sampled and the next one written says how many were skipped; a line costs about as much "
+        "CPU as the rest of the HTTP layer (docs/performance.md). 0: none. Metrics count every request either way")
 
     @model_validator(mode="after")
     def _precision_fits_backend(self) -> "Settings":

@@ -10,46 +10,65 @@
   errors in TEI's shape, `{"error", "error_type"}` (as TEI's `/tokenize`).
 
 Both go through the app's `run_inference` (limits, tokenization, the batcher, metrics, timing
-headers), so they batch with `/v1/infer` requests and work the same with `--workers N`.
+headers), so they batch with `/v1/infer` requests and work the same with `--workers N`. Their bodies
+are msgspec structs (server/schemas.py `decode`), answered by the app's raw ASGI layer, not FastAPI.
 """
 from __future__ import annotations
 
 import base64
-import json
-from typing import Any, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
+import msgspec
 import numpy as np
-from fastapi import FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from msgspec import Meta, Struct
 
 from modules_store import TaskType
 from server.errors import ApiError
 from server.heads.embedding import vector_size
+from server.schemas import decode
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
-class OpenAIEmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "examples": [{"input": ["A fine film.", "Peter flew to Brussels."], "model": "embedding"}]})
-
-    input: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]] = Field(
-        description="a text or a list of texts (token arrays are refused: send text)")
-    model: StrictStr = Field(description="an embedding task's name (GET /v1/tasks), or the backbone's name")
+class OpenAIEmbeddingRequest(Struct, forbid_unknown_fields=True):
+    """OpenAI's embeddings body, e.g. {"input": ["A fine film.", "Peter flew to Brussels."], "model": "embedding"}."""
+    input: Annotated[Union[str, list[Union[str, int, list[int]]]], Meta(
+        description="a text or a list of texts (token arrays are refused: send text)")]
+    model: Annotated[str, Meta(description="an embedding task's name (GET /v1/tasks), or the backbone's name")]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = Field(None, description="refused unless the module declares shortened sizes")
-    user: StrictStr | None = None
-    truncate: bool = Field(False, description="tmod extension: cut inputs over the model's token limit instead of 413")
+    dimensions: Annotated[Union[int, None], Meta(description="refused unless the module declares shortened sizes")] \
+        = None
+    user: Union[str, None] = None
+    truncate: Annotated[bool, Meta(description="tmod extension: cut inputs over the model's token limit instead of "
+                                               "413")] = False
 
 
-class TEIEmbedRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"inputs": "A fine film."}]})
+class OpenAIEmbedding(Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: Annotated[Union[list[float], str], Meta(description="floats, or base64 of little-endian float32")]
 
-    inputs: Union[StrictStr, list[StrictStr]]
+
+class OpenAIUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class OpenAIEmbeddingResponse(Struct):
+    object: Literal["list"]
+    data: list[OpenAIEmbedding]
+    model: str
+    usage: OpenAIUsage
+
+
+class TEIEmbedRequest(Struct, forbid_unknown_fields=True):
+    """Text Embeddings Inference's /embed body, e.g. {"inputs": "A fine film."}."""
+    inputs: Union[str, list[str]]
     normalize: bool = True
     truncate: bool = False
     truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
-    prompt_name: StrictStr | None = Field(None, description="refused: no prompts are configured")
-    dimensions: StrictInt | None = Field(None, description="refused unless the module declares shortened sizes")
+    prompt_name: Annotated[Union[str, None], Meta(description="refused: no prompts are configured")] = None
+    dimensions: Annotated[Union[int, None], Meta(description="refused unless the module declares shortened sizes")] \
+        = None
 
 
 # ---- shared ----------------------------------------------------------------------------------------
@@ -96,8 +115,9 @@ def as_texts(inputs) -> list[str]:
     return list(inputs)
 
 
-def add_embeddings_routes(app: FastAPI, runtime, require_ready: Callable[[], None], run_inference) -> None:
-    """The OpenAI and TEI routes on `app`, over its runtime and its shared `run_inference`."""
+def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference) -> dict:
+    """{path: handler(body, request) -> (answer bytes, headers)}: OpenAI's and TEI's routes over the app's
+    runtime and its shared `run_inference` (the app's raw ASGI layer serves them)."""
 
     def module_for(model: str | None):
         """An embedding task by name; the backbone's name (or None) means the backbone's own embedding."""
@@ -114,36 +134,34 @@ def add_embeddings_routes(app: FastAPI, runtime, require_ready: Callable[[], Non
         results, job, headers = await run_inference(texts, None, {module.task: module}, truncate, request)
         return results, job.modules[module.task], sum(len(row) for row in job.rows), headers
 
-    async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
+    async def openai_embeddings(body: bytes, request) -> tuple[bytes, dict]:
         """OpenAI's embeddings API: `data[i].embedding` as floats or base64 (little-endian float32)."""
         require_ready()
-        module = module_for(body.model)
-        check_dimensions(body.dimensions, module)
-        texts = as_texts(body.input)
-        results, module, tokens, headers = await embed(texts, module, body.truncate, request)
-        vectors = vectors_of(results, module.task, None, body.dimensions, module)
-        if body.encoding_format == "base64":
+        asked = decode(OpenAIEmbeddingRequest, body, 400)
+        module = module_for(asked.model)
+        check_dimensions(asked.dimensions, module)
+        texts = as_texts(asked.input)
+        results, module, tokens, headers = await embed(texts, module, asked.truncate, request)
+        vectors = vectors_of(results, module.task, None, asked.dimensions, module)
+        if asked.encoding_format == "base64":
             encoded: list[Any] = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
         else:
             encoded = vectors.tolist()
-        data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)]
-        answer = {"object": "list", "data": data, "model": body.model,
-                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-        return Response(json.dumps(answer), media_type="application/json", headers=headers)
+        answer = OpenAIEmbeddingResponse("list", [OpenAIEmbedding("embedding", i, e) for i, e in enumerate(encoded)],
+                                         asked.model, OpenAIUsage(tokens, tokens))
+        return msgspec.json.encode(answer), headers
 
-    async def tei_embed(body: TEIEmbedRequest, request: Request) -> Response:
+    async def tei_embed(body: bytes, request) -> tuple[bytes, dict]:
         """Text Embeddings Inference's /embed: one vector per input, `[[floats]]`."""
         require_ready()
-        if body.prompt_name is not None:
-            raise ApiError(422, "invalid_request", f"prompt_name {body.prompt_name!r}: no prompts are configured")
+        asked = decode(TEIEmbedRequest, body, 422)
+        if asked.prompt_name is not None:
+            raise ApiError(422, "invalid_request", f"prompt_name {asked.prompt_name!r}: no prompts are configured")
         module = module_for(None)
-        check_dimensions(body.dimensions, module)
-        truncate = body.truncate and body.truncation_direction.lower()  # False, "right" or "left"
-        results, module, _, headers = await embed(as_texts(body.inputs), module, truncate, request)
-        vectors = vectors_of(results, module.task, body.normalize, body.dimensions, module)
-        return Response(json.dumps(vectors.tolist()), media_type="application/json", headers=headers)
+        check_dimensions(asked.dimensions, module)
+        truncate = asked.truncate and asked.truncation_direction.lower()  # False, "right" or "left"
+        results, module, _, headers = await embed(as_texts(asked.inputs), module, truncate, request)
+        vectors = vectors_of(results, module.task, asked.normalize, asked.dimensions, module)
+        return msgspec.json.encode(vectors.tolist()), headers
 
-    app.router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags=["embeddings"],
-                              responses={400: {}, 404: {}, 413: {}, 422: {}, 429: {}, 503: {}})
-    app.router.add_api_route("/embed", tei_embed, methods=["POST"], tags=["embeddings"],
-                              responses={413: {}, 422: {}, 424: {}, 429: {}, 503: {}})
+    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed}

@@ -6,7 +6,8 @@ beside it. OpenAI's `/v1/embeddings`: {"error": {"message", "type", "param", "co
 body 400. Text Embeddings Inference's `/embed` and `/tokenize`: {"error", "error_type"}. Every
 refusal goes through `error_response`, which picks the shape from the path, whoever raises it: a
 route, FastAPI's validation, Starlette's routing (404, 405), the body limits, or an exception nobody
-caught.
+caught. `refusal` builds the answer's bytes once for every caller: the raw ASGI layer of server/app.py
+(the inference routes, and whatever escapes FastAPI) and FastAPI's exception handlers.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import logging
 import sys
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("tmod")
@@ -95,11 +97,34 @@ def protocol_of(path: str):
     return PROTOCOLS.get(path, (tmod_error_body, 422))
 
 
-def error_response(path: str, status: int, type_: str, message: str, headers: dict[str, str] | None = None,
-                   **details: Any) -> JSONResponse:
-    """The refusal in the shape of the protocol `path` belongs to."""
+def error_content(path: str, status: int, type_: str, message: str, **details: Any) -> bytes:
+    """The refusal's JSON bytes in the shape of the protocol `path` belongs to."""
     shape, _ = protocol_of(path)
-    return JSONResponse(shape(status, type_, message, **details), status_code=status, headers=headers)
+    return msgspec.json.encode(shape(status, type_, message, **details))
+
+
+def error_response(path: str, status: int, type_: str, message: str, headers: dict[str, str] | None = None,
+                   **details: Any) -> Response:
+    """The refusal in the shape of the protocol `path` belongs to."""
+    return Response(error_content(path, status, type_, message, **details), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def refusal(app, path: str, exc: Exception) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) answering `exc` on `path`, counted in the metrics: an ApiError or a body
+    refusal with its own status (a 429 says when to come back: the app's `retry_after_s`), anything
+    else a 500 whose traceback is logged with the request id."""
+    if isinstance(exc, (ApiError, BodyRefused)):
+        status, type_, headers = exc.status, exc.type, dict(exc.headers or {})
+        message, details = exc.message, getattr(exc, "details", {})
+        if status == 429:
+            headers.setdefault("retry-after", str(getattr(getattr(app, "state", None), "retry_after_s", 1)))
+    else:
+        log.error("unhandled error on %s", path, exc_info=exc)
+        status, type_, headers, details = 500, "internal_error", {}, {}
+        message = f"{type(exc).__name__}: {str(exc)[:200]}"
+    count_error(app, type_)
+    return status, headers, error_content(path, status, type_, message, **details)
 
 
 def count_error(app, type_: str) -> None:
@@ -109,15 +134,13 @@ def count_error(app, type_: str) -> None:
         runtime.metrics.errors.labels(type_).inc()
 
 
-async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:
-    count_error(request.app, exc.type)
-    headers = dict(exc.headers)
-    if exc.status == 429:  # overloaded: tell the client when to come back (the app's `retry_after_s`)
-        headers.setdefault("retry-after", str(getattr(request.app.state, "retry_after_s", 1)))
-    return error_response(request.url.path, exc.status, exc.type, exc.message, headers, **exc.details)
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    """FastAPI's handler of ApiError, and of any exception its routes let escape (a 500)."""
+    status, headers, content = refusal(request.app, request.url.path, exc)
+    return Response(content, status_code=status, headers=headers, media_type="application/json")
 
 
-async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+async def validation_error_handler(request: Request, exc: RequestValidationError) -> Response:
     problems = []
     for err in exc.errors()[:20]:
         where = ".".join(str(p)[:CLIP] for p in err.get("loc", ()) if p != "body") or "body"
@@ -129,7 +152,7 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
                           problems=problems)
 
 
-async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
     path = request.url.path
     if exc.status_code == 400 and "parsing the body" in str(exc.detail):
         cause = exc.__cause__
@@ -149,40 +172,3 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> J
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     count_error(request.app, type_)
     return error_response(path, exc.status_code, type_, str(exc.detail)[:200], headers=exc.headers)
-
-
-class ServerErrors:
-    """ASGI middleware, inside the request log: an exception nothing else caught becomes a 500 in
-    the route's protocol shape (so it carries the request id, its traceback is logged with that id,
-    and the connection stays open for the next request). A body refusal that escaped a route
-    (`/v2` reads its body itself, the body limits refuse some before the route) is answered here
-    with its own status."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except BodyRefused as exc:
-            if started:
-                raise
-            count_error(scope.get("app"), exc.type)
-            await error_response(scope["path"], exc.status, exc.type, exc.message, exc.headers)(scope, receive, send)
-        except Exception as exc:
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if started:
-                raise
-            count_error(scope.get("app"), "internal_error")
-            await error_response(scope["path"], 500, "internal_error",
-                                 f"{type(exc).__name__}: {str(exc)[:200]}")(scope, receive, send)

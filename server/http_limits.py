@@ -1,94 +1,125 @@
 """Limits on what one connection may cost before its request reaches a route.
 
-- `BodyLimits` (ASGI middleware): a body over `max_body_bytes` (declared or streamed, chunked
+- `limit_body` (server/app.py applies it to every request): a body over `max_body_bytes` (declared or streamed, chunked
   included) answers 413; a body still arriving `body_timeout_s` after it began answers 408. A body
   sent with `Content-Encoding: gzip` or `deflate` (tritonclient's request compression) is read
   decompressed, and its decompressed size meets the same limit as it is inflated (a zip bomb costs
   at most `max_body_bytes` of memory); any other content coding answers 415.
-- `header_timeout_protocol` (uvicorn's h11 protocol, subclassed; tmod-serve runs h11 on asyncio's loop,
+- `header_timeout_protocol` (uvicorn's httptools protocol, subclassed; tmod-serve runs it on uvloop,
   `uvicorn_config`): a connection that has not sent a whole request head within
   `header_timeout_s` (from connecting, or from the end of its previous response) is answered 408
   and closed; a client trickling headers a byte at a time holds nothing for long. uvicorn's own
   `timeout_keep_alive` covers idle connections between requests only once a first request was
-  answered, and no timer at all covers a request head still arriving. A request the parser
-  refuses (malformed, a head over `max_header_bytes` with h11) gets its 400 as JSON, in tmod's shape.
-  The same protocol keeps two framing rules: a request with both Content-Length and
-  Transfer-Encoding is answered 400 and its connection closed (RFC 9112 section 6.1: a request
-  smuggled in its body is never read), and every response on a connection that will close after it
-  says `Connection: close` (h11 does not add it; httptools does): on SIGTERM (`shutdown`) the
-  requests in flight are answered so, and a keep-alive client does not send its next request into a
-  connection being closed. An idle keep-alive connection is closed at SIGTERM only after
-  `IDLE_DRAIN_GRACE_S` without a request: one its client had already sent is answered (and closed).
+  answered, and no timer at all covers a request head still arriving. A head over
+  `max_header_bytes` (httptools sets no limit of its own) and a request the parser refuses get
+  a 400 as JSON, in tmod's shape, and the connection closed. A request with both Content-Length
+  and Transfer-Encoding is refused by the parser before its body is read (RFC 9112 section 6.1: a
+  request smuggled in its body is never read): answered 400 in the shape of the route it was sent
+  to, connection closed.
+- The drain (SIGTERM, `shutdown`): a request in flight, or one whose head is arriving, is answered
+  with `Connection: close`, so a keep-alive client does not send its next request into a
+  connection being closed. An idle keep-alive connection is closed only after
+  `IDLE_DRAIN_GRACE_S` without a request: one its client had already sent (accepted, not yet read
+  by the event loop) is answered, and closed. uvicorn's own httptools protocol closes such a
+  connection at once, which lost 7 to 36 of 500 requests under load (bench/bench_attack.py, 2026-11-23).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import socket
+import sys
+import urllib.parse
 import zlib
 
+import httptools
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from server.errors import BodyRefused, error_body, error_response
+from server.errors import BodyRefused, error_body, protocol_of
 
 DIGITS = re.compile(rb"[0-9]{1,18}")  # str.isdigit() is true for '²', which int() refuses
 # request content codings read (zlib's window bits: gzip's header, or zlib's for HTTP's "deflate")
 CODINGS = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
-CLOSE = (b"connection", b"close")
 IDLE_DRAIN_GRACE_S = 0.5  # an idle keep-alive connection at SIGTERM: time for a request already sent to arrive
+FRAMING_MESSAGE = ("request has both Content-Length and Transfer-Encoding (RFC 9112 section 6.1); "
+                   "the connection is closed")
 
 
-class BodyLimits:
-    def __init__(self, app, limit: int, timeout_s: float):
-        self.app, self.limit, self.timeout_s = app, limit, timeout_s
+def limit_body(scope, receive, limit: int, timeout_s: float):
+    """-> (scope, receive) for the app: `receive` refuses (BodyRefused) a body over `limit` bytes as it
+    arrives, or one still arriving `timeout_s` after it began; a declared length over the limit and an
+    unknown content coding are refused at once. A gzip or deflate body is read inflated (the scope
+    then no longer names the wire's length and coding)."""
+    declared = coding = None
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            declared = value
+        elif name == b"content-encoding":
+            coding = value.strip().lower()
+    if declared is not None and DIGITS.fullmatch(declared) and int(declared) > limit:
+        raise too_large(limit)
+    inflate = None
+    if coding is not None and coding != b"identity":
+        if coding not in CODINGS:
+            raise BodyRefused(415, "unsupported_content_encoding",
+                              f"request Content-Encoding {coding.decode('latin-1')[:40]!r} is not read; "
+                              "send gzip, deflate or none", headers={"accept-encoding": "gzip, deflate"})
+        inflate = Inflater(CODINGS[coding], limit, lambda: too_large(limit))
+        scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                      if k not in (b"content-encoding", b"content-length")]}
+    seen = 0
+    deadline: float | None = None  # set when the body starts arriving
+    complete = False
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers", []))
-        declared = headers.get(b"content-length")
-        if declared is not None and DIGITS.fullmatch(declared) and int(declared) > self.limit:
-            raise self.too_large()
-        coding = headers.get(b"content-encoding", b"identity").strip().lower()
-        inflate = None
-        if coding != b"identity":
-            if coding not in CODINGS:
-                raise BodyRefused(415, "unsupported_content_encoding",
-                                  f"request Content-Encoding {coding.decode('latin-1')[:40]!r} is not read; "
-                                  "send gzip, deflate or none", headers={"accept-encoding": "gzip, deflate"})
-            inflate = Inflater(CODINGS[coding], self.limit, self.too_large)
-            # the route reads the inflated body: the wire's length and coding no longer describe it
-            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
-                                          if k not in (b"content-encoding", b"content-length")]}
-        seen = 0
-        deadline: float | None = None  # set when the body starts arriving
-        complete = False
+    async def limited_receive():
+        nonlocal seen, deadline, complete
+        if complete:  # the whole body is in: later receives wait for a disconnect, unbounded
+            return await receive()
+        loop = asyncio.get_running_loop()
+        deadline = deadline or loop.time() + timeout_s
+        # a timer that cancels this task, not asyncio.wait_for (a task per receive): most bodies are
+        # already in when the route asks, and the timer is then cancelled unused
+        task, expired = asyncio.current_task(), []
+        timer = loop.call_later(max(0.0, deadline - loop.time()), lambda: (expired.append(True), task.cancel()))
+        try:
+            message = await receive()
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            task.uncancel()
+            raise BodyRefused(408, "request_timeout", f"request body not received within {timeout_s:g} s") from None
+        finally:
+            timer.cancel()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large(limit)
+            complete = not message.get("more_body", False)
+            if inflate is not None:
+                message = {**message, "body": inflate.feed(message.get("body", b""), complete)}
+        return message
 
-        async def limited_receive():
-            nonlocal seen, deadline, complete
-            if complete:  # the whole body is in: later receives wait for a disconnect, unbounded
-                return await receive()
-            loop = asyncio.get_running_loop()
-            deadline = deadline or loop.time() + self.timeout_s
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
-                raise BodyRefused(408, "request_timeout",
-                                  f"request body not received within {self.timeout_s:g} s") from None
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise self.too_large()
-                complete = not message.get("more_body", False)
-                if inflate is not None:
-                    message = {**message, "body": inflate.feed(message.get("body", b""), complete)}
-            return message
+    return scope, limited_receive
 
-        await self.app(scope, limited_receive, send)
 
-    def too_large(self) -> BodyRefused:
-        return BodyRefused(413, "payload_too_large", f"request body exceeds {self.limit} bytes")
+def too_large(limit: int) -> BodyRefused:
+    return BodyRefused(413, "payload_too_large", f"request body exceeds {limit} bytes")
+
+
+async def read_body(receive) -> bytes:
+    """The whole request body (what arrived before a disconnect)."""
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while message.get("more_body", False):
+        message = await receive()
+        chunks.append(message.get("body", b""))
+    return b"".join(chunks)
 
 
 class Inflater:
@@ -113,56 +144,91 @@ class Inflater:
         return out
 
 
-def raw_response(status: str, type_: str, message: str) -> bytes:
+class HeadTooLarge(Exception):
+    """Raised in the parser's callback: the head is refused before any route sees it."""
+
+
+def raw_response(status: str, body: bytes) -> bytes:
     """A whole HTTP/1.1 answer that closes the connection, written below the parser (no request id:
     no request was read)."""
-    body = json.dumps(error_body(type_, message)).encode()
     return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol with a deadline on each request head (see the module docstring)."""
-    timeout_response = raw_response("408 Request Timeout", "request_timeout",
-                                     f"request head not received within {header_timeout_s:g} s")
+def tmod_refusal(status: str, type_: str, message: str) -> bytes:
+    return raw_response(status, json.dumps(error_body(type_, message)).encode())
 
-    class HeaderTimeoutProtocol(H11Protocol):
+
+def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a deadline and a size limit on each request head, and a
+    drain that loses nothing (see the module docstring)."""
+    timeout_response = tmod_refusal("408 Request Timeout", "request_timeout",
+                                     f"request head not received within {header_timeout_s:g} s")
+    too_large = tmod_refusal("400 Bad Request", "invalid_http", f"request head exceeds {max_header_bytes} bytes")
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _graced = False
         _draining = False
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.app = framing_rules(self, self.app)
+        _in_head = False  # a request head has begun and is not complete
+        _head_bytes = 0  # bytes read while a head was awaited or arriving
+        _head_size = 0  # the arriving head's URL and headers
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
+            if getattr(self.server_state, "draining", False):  # taken in while the server stops (`DrainingServer`)
+                self.shutdown()
 
         def shutdown(self) -> None:
-            """SIGTERM: the request in flight is answered with `Connection: close` (`framing_rules`); an
-            idle connection gets `IDLE_DRAIN_GRACE_S` for a request its client already sent."""
+            """SIGTERM: a request in flight, or one whose head is arriving, is answered with
+            `Connection: close`; an idle connection gets `IDLE_DRAIN_GRACE_S` for a request its
+            client already sent (bytes the event loop has not read yet), then is closed."""
             if self._draining:
                 return
             self._draining = True
+            if self._in_head:
+                return  # `on_headers_complete` marks it closing; the head deadline still holds
             if self._waiting_for_head():
                 self._disarm()
                 self.loop.call_later(IDLE_DRAIN_GRACE_S, self._close_if_idle)
             else:
-                super().shutdown()
+                super().shutdown()  # the cycle in flight: keep_alive False, answered with Connection: close
 
         def _close_if_idle(self) -> None:
-            if self._waiting_for_head() and not self.transport.is_closing():
-                super().shutdown()
+            if self._waiting_for_head() and not self._in_head and not self.transport.is_closing():
+                self.transport.close()
 
         def data_received(self, data: bytes) -> None:
-            if self._waiting_for_head() and not self._draining:
-                self._arm()  # a request head starts (after an idle keep-alive wait, which this data ended)
+            if self._waiting_for_head() or self._in_head:
+                self._head_bytes += len(data)
+                if not self._draining:
+                    self._arm()  # a request head starts (after an idle keep-alive wait, which this data ended)
             super().data_received(data)
-            if not self._waiting_for_head():
-                self._disarm()
-                if self._draining:
-                    self.cycle.keep_alive = False  # a request that came in the grace: answered, then closed
+            if self._in_head and self._head_bytes > max_header_bytes and not self.transport.is_closing():
+                self.transport.write(too_large)  # a head still arriving, already over the limit
+                self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head, self._head_size = True, 0
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            self._head_size += len(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            super().on_header(name, value)
+            self._head_size += len(name) + len(value) + 4
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            self._disarm()
+            if self._head_size > max_header_bytes:  # a whole head in one read: measured by its parts
+                raise HeadTooLarge  # the parser stops; `send_400_response` answers
+            super().on_headers_complete()
+            if self._draining:
+                self.cycle.keep_alive = False  # a request that came in the grace: answered, then closed
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -190,55 +256,69 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
                 # more period before it counts as slow
                 self._arm(graced=True)
                 return
-            if self._waiting_for_head() and not self.transport.is_closing():
+            if (self._waiting_for_head() or self._in_head) and not self.transport.is_closing():
                 self.transport.write(timeout_response)
                 self.transport.close()
 
         def send_400_response(self, msg: str) -> None:
-            if not self.transport.is_closing():
-                self.transport.write(raw_response("400 Bad Request", "invalid_http", msg))
-                self.transport.close()
+            """A request the parser refused (called while its error is being handled), as JSON; Content-Length
+            with Transfer-Encoding in the shape of the route it was sent to (its URL was read first)."""
+            if self.transport.is_closing():
+                return
+            error = str(sys.exc_info()[1] or msg)
+            if isinstance(sys.exc_info()[1].__context__, HeadTooLarge):
+                self.transport.write(too_large)
+            elif "Transfer-Encoding" in error and "Content-Length" in error:
+                try:
+                    path = urllib.parse.unquote(httptools.parse_url(self.url).path.decode("latin-1"))
+                except (httptools.HttpParserInvalidURLError, AttributeError):
+                    path = "/"
+                shape, _ = protocol_of(path)
+                self.transport.write(raw_response("400 Bad Request", json.dumps(
+                    shape(400, "invalid_http", FRAMING_MESSAGE)).encode()))
+            else:
+                self.transport.write(tmod_refusal("400 Bad Request", "invalid_http",
+                                                  f"invalid HTTP request: {error[:200]}"))
+            self.transport.close()
 
     return HeaderTimeoutProtocol
 
 
 def uvicorn_config(app, settings) -> uvicorn.Config:
-    """uvicorn for tmod: our JSON lines replace its access log; request heads have a deadline
-    (`header_timeout_s`, `header_timeout_protocol`). h11 on asyncio's loop, not the httptools / uvloop
-    uvicorn would pick where installed: with httptools, SIGTERM under load dropped 7 to 36 of 500
-    requests without an answer (connections accepted but not yet read are closed), with h11 none
-    (2026-11-23, bench/bench_attack.py's SIGTERM check, on this code and on e33efaf's alike)."""
+    """uvicorn for tmod: httptools on uvloop (compiled parser and loop: ~70-95 us less CPU per request
+    than h11 on asyncio's loop, issue 37), our JSON lines replace its access log, request heads have a
+    deadline and a size limit and the drain loses nothing (`header_timeout_protocol`)."""
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                          log_config=None, access_log=False, loop="asyncio",
-                          http=header_timeout_protocol(settings.header_timeout_s),
-                          h11_max_incomplete_event_size=settings.max_header_bytes)
+                          log_config=None, access_log=False, loop="uvloop",
+                          proxy_headers=False,  # X-Forwarded-For is never read: no middleware rewriting it per request
+                          http=header_timeout_protocol(settings.header_timeout_s, settings.max_header_bytes))
 
 
-def framing_rules(protocol, app):
-    """The ASGI app as one connection's protocol runs it: a request with both Content-Length and
-    Transfer-Encoding is answered 400 (in its route's protocol shape) and the connection closed, its
-    body never read; a response on a connection that closes after it (uvicorn's `cycle.keep_alive`
-    false: on SIGTERM, or after such a refusal) says `Connection: close` (a request's own
-    `Connection: close` is answered so by uvicorn already)."""
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown first takes in the connections the kernel has already
+    completed (its accept queue) and only then closes the listener: closed with them queued, the
+    kernel resets them, and a client that had sent its request loses it. Taken in, each gets the
+    drain of `header_timeout_protocol` (its request answered with `Connection: close`)."""
 
-    async def framed(scope, receive, send):
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-        cycle = protocol.cycle  # the cycle this request runs in: a connection runs one at a time
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        self.server_state.draining = True  # a connection made from now on drains from its start
+        listeners = [s for server in getattr(self, "servers", ()) for s in (server.sockets or ())] + list(sockets or ())
+        for listener in listeners:
+            with socket.socket(fileno=os.dup(listener.fileno())) as sock:
+                sock.setblocking(False)
+                while True:
+                    try:
+                        connection, _ = sock.accept()
+                    except OSError:  # nothing queued (EAGAIN), or not a listener
+                        break
+                    await loop.connect_accepted_socket(self._protocol, connection)
+        for server in getattr(self, "servers", ()):  # at once, nothing awaited since the queue was found empty
+            server.close()
+        for listener in sockets or ():
+            listener.close()
+        await super().shutdown(sockets)
 
-        async def send_closing(message):
-            if message["type"] == "http.response.start" and not cycle.keep_alive \
-                    and CLOSE not in message.get("headers", []):
-                message = {**message, "headers": [*message.get("headers", []), CLOSE]}
-            await send(message)
-
-        names = {name for name, _ in scope["headers"]}
-        if b"transfer-encoding" in names and b"content-length" in names:
-            cycle.keep_alive = False
-            refusal = error_response(scope["path"], 400, "invalid_http",
-                                     "request has both Content-Length and Transfer-Encoding (RFC 9112 section 6.1); "
-                                     "the connection is closed")
-            return await refusal(scope, receive, send_closing)
-        await app(scope, receive, send_closing)
-
-    return framed
+    def _protocol(self) -> asyncio.Protocol:
+        return self.config.http_protocol_class(config=self.config, server_state=self.server_state,
+                                               app_state=self.lifespan.state)

@@ -26,10 +26,10 @@ import re
 import struct
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from modules_store import TaskType
-from pydantic import ValidationError
 
 from server.errors import ApiError, clip, clip_list
 from server.heads.embedding import vector_size
@@ -79,12 +79,13 @@ def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
 def answer_controls(request: dict) -> AnswerControls:
     """The request parameters that are answer controls, validated as /v1/infer validates them (422)."""
     parameters = request.get("parameters") or {}
-    given = {name: parameters[name] for name in AnswerControls.model_fields if name in parameters}
+    given = {name: parameters[name] for name in AnswerControls.__struct_fields__ if name in parameters}
     try:
-        return AnswerControls(**given)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ApiError(422, "invalid_request", f"invalid request parameter(s): {problems}") from None
+        return msgspec.convert(given, AnswerControls, strict=True)
+    except msgspec.ValidationError as exc:
+        text, _, where = str(exc).partition(" - at `$.")
+        raise ApiError(422, "invalid_request",
+                       f"invalid request parameter(s): {where.rstrip('`')}: {text}"[:300]) from None
 
 
 def check_declared_inputs(module: LoadedModule, text_pairs: list[str] | None) -> None:

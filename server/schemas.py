@@ -1,37 +1,59 @@
-"""Request and response bodies of the HTTP API (the OpenAPI schema is generated from these)."""
+"""Request and response bodies of the HTTP API: one declaration each, from which `/openapi.json` is
+generated.
+
+The inference routes' bodies (`/v1/infer`, `/v1/tokenize`, `/tokenize`, and in embeddings_api.py
+OpenAI's and TEI's) are msgspec structs: decoded and validated in one pass over the bytes
+(`decode`), strictly typed (JSON `true`, not `"true"`; `1`, not `"1"`), answers encoded once. Their
+JSON Schema comes from msgspec (`openapi_components`). The admin and task listing routes, answered
+by FastAPI, keep pydantic models."""
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import json
+import re
+import sys
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+import msgspec
+from msgspec import Meta, Struct
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.errors import CLIP, ApiError
+
+REF_TEMPLATE = "#/components/schemas/{name}"
 
 
-class TextPair(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    text: StrictStr
-    text_pair: StrictStr
+class TextPair(Struct, forbid_unknown_fields=True):
+    text: str
+    text_pair: str
 
 
-class AnswerControls(BaseModel):
+Window = Annotated[int, Meta(ge=16, description="word pieces per window for this request (at most the backbone's "
+                                                 "limit; default: GET /v1/tasks, `window`)")]
+Stride = Annotated[int, Meta(ge=1, description="how far each window starts after the one before, at least window/8 "
+                                                "(default: three quarters of the window)")]
+
+
+class AnswerControls(Struct, forbid_unknown_fields=True):
     """Per-request answer controls (docs/answer-controls.md). Each applies to the task types it
     concerns and is ignored by the others; left out, answers are the defaults. OIP v2 takes the same
     names as request parameters."""
 
-    model_config = ConfigDict(extra="forbid")
-    top_k: int | None = Field(None, ge=1, strict=True, description="sequence and multi-label tasks: only the k best labels "
-                              "in `scores`, best first (ties in label order); more than a task has gives all of them")
-    raw_scores: StrictBool = Field(False, description="sequence and multi-label tasks: the head's logits in `score` "
-                                   "and `scores` instead of probabilities (labels are chosen as without it)")
-    threshold: float | None = Field(None, ge=0.0, le=1.0, description="multi-label tasks: a label is answered when its "
-                                    "probability is at least this (default: the module's per-label thresholds); "
-                                    "single-label tasks: label null (none of these) when the best probability is under "
-                                    "this (default: the module's decoding.threshold, if any)")
-    aggregation: Literal["first", "average", "max", "none"] | None = Field(
-        None, description="token tasks: a word's label from its first piece's, the mean of its pieces' probabilities "
-        "(average) or its most confident piece's (max), as Hugging Face's token-classification pipeline; none: every "
-        "word piece with its own label, score and offsets (`tokens`) instead of entities. Default: the module's, else first")
-    truncation_direction: Literal["right", "left"] = Field(
-        "right", description="with truncate: cut the end (right) or the start (left) of an input that is too long")
+    top_k: Annotated[Union[Annotated[int, Meta(ge=1)], None], Meta(description=(
+        "sequence and multi-label tasks: only the k best labels in `scores`, best first (ties in label order); more "
+        "than a task has gives all of them"))] = None
+    raw_scores: Annotated[bool, Meta(description=(
+        "sequence and multi-label tasks: the head's logits in `score` and `scores` instead of probabilities (labels "
+        "are chosen as without it)"))] = False
+    threshold: Annotated[Union[Annotated[float, Meta(ge=0.0, le=1.0)], None], Meta(description=(
+        "multi-label tasks: a label is answered when its probability is at least this (default: the module's "
+        "per-label thresholds); single-label tasks: label null (none of these) when the best probability is under "
+        "this (default: the module's decoding.threshold, if any)"))] = None
+    aggregation: Annotated[Union[Literal["first", "average", "max", "none"], None], Meta(description=(
+        "token tasks: a word's label from its first piece's, the mean of its pieces' probabilities (average) or its "
+        "most confident piece's (max), as Hugging Face's token-classification pipeline; none: every word piece with "
+        "its own label, score and offsets (`tokens`) instead of entities. Default: the module's, else first"))] = None
+    truncation_direction: Annotated[Literal["right", "left"], Meta(description=(
+        "with truncate: cut the end (right) or the start (left) of an input that is too long"))] = "right"
 
     def options(self):
         """The controls decoding reads (server.heads.decode.AnswerOptions), or None for the defaults."""
@@ -42,45 +64,109 @@ class AnswerControls(BaseModel):
         return None if options.is_default() else options
 
 
-class InferRequest(AnswerControls):
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={"examples": [{"inputs": ["Peter Blackburn flew to Brussels. A fine film."]}]},
-    )
-    inputs: list[Union[StrictStr, TextPair]] = Field(
-        min_length=1, description="texts, or {text, text_pair} objects; not mixed in one request"
-    )
-    truncate: bool = Field(
-        False, description="cut inputs longer than one window at the window's length (the first window) instead of "
-                           "reading them whole in overlapping windows"
-    )
-    window: int | None = Field(None, ge=16, description="word pieces per window for this request (at most the "
-                                                        "backbone's limit; default: GET /v1/tasks, `window`)")
-    stride: int | None = Field(None, ge=1, description="how far each window starts after the one before, at least "
-                                                       "window/8 (default: three quarters of the window)")
+DEFAULT_CONTROLS = AnswerControls()
 
-    @field_validator("inputs")
-    @classmethod
-    def _check_inputs(cls, inputs: list) -> list:
-        if len({isinstance(item, str) for item in inputs}) > 1:
+
+class InferRequest(AnswerControls, forbid_unknown_fields=True, kw_only=True):
+    """`POST /v1/infer`'s body, e.g. {"inputs": ["Peter Blackburn flew to Brussels. A fine film."]}."""
+    inputs: Annotated[list[Union[str, TextPair]], Meta(
+        min_length=1, description="texts, or {text, text_pair} objects; not mixed in one request")]
+    truncate: Annotated[bool, Meta(description="cut inputs longer than one window at the window's length (the first "
+                                               "window) instead of reading them whole in overlapping windows")] = False
+    window: Union[Window, None] = None
+    stride: Union[Stride, None] = None
+
+    def __post_init__(self):
+        first = isinstance(self.inputs[0], str)
+        if any(isinstance(item, str) != first for item in self.inputs):
             raise ValueError("inputs must be all texts or all {text, text_pair} objects, not a mix")
-        return inputs  # empty texts and limits are checked where every protocol shares them (app.py)
+        # empty texts and limits are checked where every protocol shares them (app.py)
 
 
-class ModelInfo(BaseModel):
+class ModelInfo(Struct):
     backbone: str
-    fingerprint: str = Field(description="first 12 hex digits of the backbone weights hash")
+    fingerprint: Annotated[str, Meta(description="first 12 hex digits of the backbone weights hash")]
 
 
-class InferResponse(BaseModel):
-    results: list[dict[str, dict[str, Any]]] = Field(description="one object per input, in input order, keyed by task")
+class InferResponse(Struct):
+    results: Annotated[list[dict[str, dict[str, Any]]], Meta(description="one object per input, in input order, "
+                                                                         "keyed by task")]
     model: ModelInfo
-    tasks: dict[str, str] = Field(description="task -> module version that answered")
-    truncated: list[int] = Field(default_factory=list, description="indices of inputs that were cut to fit")
-    windows: list[int] = Field(default_factory=list, description="per input, how many windows it was read in "
-                                                                 "(1: read whole)")
+    tasks: Annotated[dict[str, str], Meta(description="task -> module version that answered")]
+    truncated: Annotated[list[int], Meta(description="indices of inputs that were cut to fit")]
+    windows: Annotated[list[int], Meta(description="per input, how many windows it was read in (1: read whole)")]
 
 
+class TokenizeRequest(Struct, forbid_unknown_fields=True):
+    inputs: Annotated[Union[str, list[Union[str, TextPair]]], Meta(
+        description="a text, a list of texts, or {text, text_pair} objects")]
+    add_special_tokens: bool = True
+    window: Union[Window, None] = None
+    stride: Union[Stride, None] = None
+
+
+class TeiTokenizeRequest(Struct):
+    """Text Embeddings Inference's /tokenize body."""
+    inputs: Union[str, list[str]]
+    add_special_tokens: bool = True
+
+
+# ---- decoding: one pass, and the messages a client reads ------------------------------------------------
+_DECODERS: dict[type, msgspec.json.Decoder] = {}
+_HUGE_INTEGER = re.compile(rb"[0-9]{%d}" % (sys.get_int_max_str_digits() + 1))
+
+
+def decode(kind: type, body: bytes, malformed_status: int = 422):
+    """`body` as a `kind` (a msgspec struct), or ApiError: `malformed_status` naming the field and what
+    was wrong with it (413 for JSON nested too deeply). Only a refused body is read a second time, by
+    Python's own parser, so that what is not JSON at all is called what it is."""
+    decoder = _DECODERS.get(kind) or _DECODERS.setdefault(kind, msgspec.json.Decoder(kind))
+    try:
+        decoded = decoder.decode(body)
+        if kind.__struct_config__.forbid_unknown_fields or not _HUGE_INTEGER.search(body):
+            return decoded
+        refused = None  # a field it ignores holds an integer Python's parser refuses: refused as before
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        refused = exc
+    if not body.strip():
+        raise ApiError(malformed_status, "invalid_request", "request is malformed: body: no body (send a JSON object)",
+                       problems=[{"location": "body", "message": "no body"}])
+    try:
+        parsed = json.loads(body)
+    except RecursionError:
+        raise ApiError(413, "payload_too_large", "request body is JSON nested too deeply") from None
+    except UnicodeDecodeError:
+        raise ApiError(malformed_status, "invalid_request", "request body is not valid UTF-8 encoded JSON") from None
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):
+            raise ApiError(malformed_status, "invalid_request", "request body has an integer of more than "
+                           f"{sys.get_int_max_str_digits()} digits") from None
+        raise malformed(malformed_status, "body", f"not valid JSON: {exc}") from None
+    if refused is None:  # the digits were inside a string: nothing refused
+        return decoded
+    if isinstance(refused, msgspec.DecodeError):  # JSON msgspec does not read (a lone surrogate escape): Python's reading
+        try:
+            return msgspec.convert(parsed, kind, strict=True)
+        except msgspec.ValidationError as exc:
+            refused = exc
+    text, _, where = str(refused).partition(" - at `")
+    where = where.rstrip("`").removeprefix("$").removeprefix(".").replace("][", ".").replace("[", ".").replace("]", "")
+    raise malformed(malformed_status, where.lstrip(".") or "body", text)
+
+
+def malformed(status: int, location: str, message: str) -> ApiError:
+    location, message = location[:CLIP], message[:200]
+    return ApiError(status, "invalid_request", f"request is malformed: {location}: {message}",
+                    problems=[{"location": location, "message": message}])
+
+
+def openapi_components(*kinds: type) -> tuple[dict[type, dict], dict[str, dict]]:
+    """({kind: its schema, a $ref where it is a struct}, the components they refer to) for /openapi.json."""
+    schemas, components = msgspec.json.schema_components(kinds, ref_template=REF_TEMPLATE)
+    return dict(zip(kinds, schemas)), components
+
+
+# ---- the routes FastAPI answers --------------------------------------------------------------------------
 class TaskInfo(BaseModel):
     task: str
     version: str
@@ -105,26 +191,11 @@ class TaskDetail(TaskInfo):
 
 class TaskList(BaseModel):
     tasks: list[TaskInfo]
-    backbone: ModelInfo
+    backbone: dict[str, str] = Field(description="the backbone's name and fingerprint, as `model` in /v1/infer's answer")
     windows: dict[str, Any] = Field(default_factory=dict, description="how long texts are read: window and stride "
                                     "in word pieces, the overlap, the longest window a request may ask for, the "
                                     "rule combining windows per task type, and the default window of a request for each "
                                     "loaded task type (window_by_task_type: measured where docs/windows.md says)")
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    inputs: Union[StrictStr, list[Union[StrictStr, TextPair]]] = Field(
-        description="a text, a list of texts, or {text, text_pair} objects")
-    add_special_tokens: bool = True
-    window: int | None = Field(None, ge=16, description="as in /v1/infer")
-    stride: int | None = Field(None, ge=1, description="as in /v1/infer")
-
-
-class TeiTokenizeRequest(BaseModel):
-    """Text Embeddings Inference's /tokenize body."""
-    inputs: Union[StrictStr, list[StrictStr]]
-    add_special_tokens: bool = True
 
 
 class ModuleAction(BaseModel):

@@ -348,12 +348,16 @@ def read(encoder: TextEncoder, texts: list[str], text_pairs: list[str] | None, s
             raise TooManyTokens(reading.tokens, len(reading.rows), len(texts), len(texts), budget)
         return reading
     read_texts: list[TextWindows] = []
+    tokens = rows = 0  # running counts: the budget is checked after each run
     for run in runs(texts, text_pairs):
         wholes = encoder.encode(texts[run], text_pairs[run] if text_pairs else None, whole=True)
-        read_texts += [split(whole, settings, run.start + i) for i, whole in enumerate(wholes)]
-        reading = Reading(read_texts)
-        if budget is not None and reading.tokens > budget:
-            raise TooManyTokens(reading.tokens, len(reading.rows), run.stop, len(texts), budget)
+        for i, whole in enumerate(wholes):
+            text = split(whole, settings, run.start + i)
+            read_texts.append(text)
+            tokens += sum(len(row) for row in text.rows)
+            rows += len(text.rows)
+        if budget is not None and tokens > budget:
+            raise TooManyTokens(tokens, rows, run.stop, len(texts), budget)
     return Reading(read_texts)
 
 

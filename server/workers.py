@@ -796,17 +796,15 @@ class RemoteRuntime:
 
 def run_worker(settings: Settings, engine_path: str, listener: socket.socket, index: int) -> None:
     """A worker process: the HTTP app over a RemoteRuntime, on the shared listening socket."""
-    import uvicorn
-
     from server.app import create_app
-    from server.http_limits import uvicorn_config
+    from server.http_limits import DrainingServer, uvicorn_config
 
     configure_logging(settings.log_level)
     one_host_thread()  # decode's small tensors, one request's token lists: the cores belong to the others
     app = create_app(settings, runtime=RemoteRuntime(settings, engine_path))
     config = uvicorn_config(app, settings)
     log.info("worker %d (pid %d) serving", index, os.getpid())
-    uvicorn.Server(config).run(sockets=[listener])
+    DrainingServer(config).run(sockets=[listener])
 
 
 # ---- the shared listener at SIGTERM -------------------------------------------------------------------

@@ -100,3 +100,14 @@ def test_bench_attack_runs_small(tmp_path):
     run_bench("bench/bench_attack.py", "--requests", "20", "--concurrency", "4", "--burst", "16", "--reload-rounds", "1",
               "--workers", "1", "--out", str(out))
     assert json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_head_precision_scores_one_task_in_fp32_and_int8(tmp_path):
+    run_bench("bench/head_precision.py", "--tasks", "sentiment", "--limit", "40", "--variants", "int8",
+              "--stem", str(tmp_path / "heads"))
+    recorded = json.loads((tmp_path / "heads.json").read_text())
+    entry = recorded["tasks"]["sentiment"]
+    assert entry["examples"] == 40 and set(entry["variants"]) == {"fp32", "int8"}
+    assert entry["variants"]["int8"]["value"] > 0.5 and recorded["decision"]["int8"]["lowest_agreement"] >= 0.9
+    assert "| sentiment (accuracy, 40 examples) |" in (tmp_path / "heads.md").read_text()

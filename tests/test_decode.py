@@ -1,8 +1,9 @@
 """The vectorised decoder (server/heads/decode.py) answers exactly what the per-row, per-token
 decoder it replaced answered. That decoder is kept below as the oracle, with one change since: word
 tags follow the BIO rules (a per-sequence Viterbi in plain Python, `reference_tags`); answers are
-compared as JSON text, so values, types and key order must all match. The constrained decoding has
-its own property tests at the end."""
+compared as JSON text, so values, types and key order must all match, with the new decoder given
+torch's probabilities (its numpy ones are compared in tests/test_decode_numpy.py). The constrained
+decoding has its own property tests at the end."""
 from __future__ import annotations
 
 import itertools
@@ -22,6 +23,7 @@ from server.engine import Engine
 from server.heads.decode import bio_constraints, constrained_labels, decode, decode_rows, viterbi
 from server.modules import load_module
 from tests.bio_reference import allowed_after, reference_tags
+from tests.test_decode_numpy import torch_probabilities
 from training.data import CONLL_TAGS, default_data_dir, read_conll
 
 
@@ -106,7 +108,8 @@ def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, row: i
 
 # ---- helpers ----------------------------------------------------------------------------------------
 def assert_same(task_type, labels, logits, batch) -> list[dict]:
-    new = decode(task_type, labels, logits, batch)
+    with torch_probabilities():  # the oracle's softmax bits (numpy's differ in the last ones: test_decode_numpy.py)
+        new = decode(task_type, labels, logits, batch)
     old = reference_decode(task_type, labels, logits, batch)
     assert json.dumps(new) == json.dumps(old)  # numpy scalars would not serialise; key order counts
     return new

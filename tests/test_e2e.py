@@ -88,22 +88,24 @@ def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
     text = "Angela Merkel visited the Siemens plant in Munich. What a great trip!"
     with LiveServer(create_app(Settings(), backbone=minilm)) as server:
         assert httpx.get(server.url + "/readyz").json()["refused"] == {}
-        body = httpx.post(server.url + "/v1/infer", params={"tasks": "ner,sentiment,acceptability"},
+        body = httpx.post(server.url + "/v1/infer", params={"tasks": "ner,acceptability"},
                           json={"inputs": [text, "The cat sat the on mat."]}, timeout=60).json()
         tasks = {t["task"]: t["inputs"] for t in httpx.get(server.url + "/v1/tasks").json()["tasks"]}
         thanks = httpx.post(server.url + "/v1/infer", params={"tasks": "emotion"}, timeout=60,
                             json={"inputs": ["Thank you so much, this made my day!"]}).json()
-    # entailment/1 is opt-in on MiniLM (docs/quality.md): served when named
-    with LiveServer(create_app(Settings(tasks="entailment"), backbone=minilm)) as server:
+    # entailment/1 and sentiment/1 are opt-in on MiniLM (docs/quality.md): served when named
+    with LiveServer(create_app(Settings(tasks="entailment,sentiment"), backbone=minilm)) as server:
         pair = {"text": "Angela Merkel visited Munich in May.", "text_pair": "Merkel was in Munich."}
         paired = httpx.post(server.url + "/v1/infer", params={"tasks": "entailment"}, json={"inputs": [pair]},
                             timeout=60).json()
-    assert tasks == {"ner": "text", "sentiment": "text", "acceptability": "text", "embedding": "text", "emotion": "text"}
+        feeling = httpx.post(server.url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": [text]},
+                             timeout=60).json()
+    assert tasks == {"ner": "text", "acceptability": "text", "embedding": "text", "emotion": "text"}
     assert "gratitude" in thanks["results"][0]["emotion"]["labels"]
     assert paired["results"][0]["entailment"]["label"] in ("entailment", "not_entailment")
     first, second = body["results"]
     assert {(e["text"], e["label"]) for e in first["ner"]["entities"]} == {
         ("Angela Merkel", "PER"), ("Siemens", "ORG"), ("Munich", "LOC")}
-    assert first["sentiment"]["label"] == "positive"
+    assert feeling["results"][0]["sentiment"]["label"] == "positive"
     assert first["acceptability"]["label"] == "acceptable" and second["acceptability"]["label"] == "unacceptable"
-    assert set(body["tasks"]) == {"ner", "sentiment", "acceptability"}
+    assert set(body["tasks"]) == {"ner", "acceptability"}

@@ -68,6 +68,22 @@ def chunks(total: int, size: int = 8192):
     return gen()
 
 
+def refused_before_the_route(name: str, path: str, field: str, bad_bytes_status: int, body: dict | None = None):
+    """Cases refused before `path`'s handler, answered in its protocol's shape (`name`'s prefix): a
+    body over the limit (whole and chunked), JSON nested too deep, bytes that are not UTF-8 and a
+    5,001-digit integer in `field` (those two answer `bad_bytes_status`). `body`: the rest of a valid body."""
+    shape = name.split("-")[0]
+    return [
+        (f"{name}-body-over-limit", "POST", path, {"json": {**(body or {}), field: BIG}}, 413, shape),
+        (f"{name}-chunked-over-limit", "POST", path,
+         {"headers": {"content-type": "application/json"}, "content": chunks(MAX_BODY * 2)}, 413, shape),
+        (f"{name}-deep-json", "POST", path, raw_body(nested(20_000).encode()), 413, shape),
+        (f"{name}-not-utf8", "POST", path, raw_body(b'{"%s": "\xff\xfe"}' % field.encode()), bad_bytes_status, shape),
+        (f"{name}-huge-integer", "POST", path, raw_body(b'{"%s": ' % field.encode() + b"9" * 5001 + b"}"),
+         bad_bytes_status, shape),
+    ]
+
+
 # (id, method, path, request kwargs, status, shape)
 CASES = [
     # ---- /v1/infer: bodies ------------------------------------------------------------------------
@@ -224,12 +240,7 @@ CASES = [
      415, "oip"),
     ("v1-huge-integer", "POST", "/v1/infer", raw_body(HUGE_INTEGER), 422, "v1"),
     # ---- OpenAI's and TEI's routes: refusals made before the route, in their protocol's shape ----------
-    ("openai-body-over-limit", "POST", "/v1/embeddings", {"json": {"model": "embedding", "input": BIG}}, 413, "openai"),
-    ("openai-chunked-over-limit", "POST", "/v1/embeddings",
-     {"headers": {"content-type": "application/json"}, "content": chunks(MAX_BODY * 2)}, 413, "openai"),
-    ("openai-deep-json", "POST", "/v1/embeddings", raw_body(nested(20_000).encode()), 413, "openai"),
-    ("openai-not-utf8", "POST", "/v1/embeddings", raw_body(b'{"input": "\xff\xfe"}'), 400, "openai"),
-    ("openai-huge-integer", "POST", "/v1/embeddings", raw_body(b'{"input": ' + b"9" * 5001 + b"}"), 400, "openai"),
+    *refused_before_the_route("openai", "/v1/embeddings", "input", 400, {"model": "embedding"}),
     ("openai-malformed", "POST", "/v1/embeddings", {"json": {"input": 5}}, 400, "openai"),
     ("openai-get", "GET", "/v1/embeddings", {}, 405, "openai"),
     ("openai-brotli", "POST", "/v1/embeddings", {"content": b"x", "headers": {"content-encoding": "br"}}, 415,
@@ -240,12 +251,7 @@ CASES = [
     ("tei-embed-not-utf8", "POST", "/embed", raw_body(b'{"inputs": "\xff\xfe"}'), 422, "tei"),
     ("tei-embed-get", "GET", "/embed", {}, 405, "tei"),
     ("tei-embed-brotli", "POST", "/embed", {"content": b"x", "headers": {"content-encoding": "br"}}, 415, "tei"),
-    ("tei-tokenize-body-over-limit", "POST", "/tokenize", {"json": {"inputs": BIG}}, 413, "tei"),
-    ("tei-tokenize-chunked-over-limit", "POST", "/tokenize",
-     {"headers": {"content-type": "application/json"}, "content": chunks(MAX_BODY * 2)}, 413, "tei"),
-    ("tei-tokenize-deep-json", "POST", "/tokenize", raw_body(nested(20_000).encode()), 413, "tei"),
-    ("tei-tokenize-not-utf8", "POST", "/tokenize", raw_body(b'{"inputs": "\xff\xfe"}'), 422, "tei"),
-    ("tei-tokenize-huge-integer", "POST", "/tokenize", raw_body(b'{"inputs": ' + b"9" * 5001 + b"}"), 422, "tei"),
+    *refused_before_the_route("tei-tokenize", "/tokenize", "inputs", 422),
     ("tei-tokenize-malformed", "POST", "/tokenize", {"json": {"inputs": 5}}, 422, "tei"),
     ("tei-tokenize-empty", "POST", "/tokenize", {"json": {"inputs": "   "}}, 422, "tei"),
     ("tei-tokenize-control", "POST", "/tokenize", {"json": {"inputs": "a\x00b"}}, 422, "tei"),
@@ -294,7 +300,7 @@ CASES = [
 # refusals before a request exists are still JSON, checked where given). Where the two HTTP parsers
 # uvicorn may run (httptools when installed, else h11) read a request differently, the status is
 # given per parser.
-PARSER = "h11"  # what tmod-serve runs (server/http_limits.py uvicorn_config); the httptools column is kept for reference
+PARSER = "httptools"  # what tmod-serve runs (server/http_limits.py uvicorn_config); the h11 column is kept for reference
 
 
 def per_parser(h11: int, httptools: int) -> int:

@@ -185,6 +185,21 @@ def test_select_last_trains_every_epoch_and_keeps_the_last(tmp_path, train_backb
     assert (tmp_path / "run" / "report" / "metrics.json").is_file()
 
 
+@pytest.mark.parametrize("budget,epochs_run", [(1e-6, 1), (600.0, 3)])
+def test_max_minutes_starts_no_epoch_past_the_budget(tmp_path, sentiment_files, train_backbone, train_backbone_dir,
+                                                     budget, epochs_run):
+    """--max-minutes: after an epoch, no next epoch that would end past the budget at that pace (a budget
+    of a few microseconds stops after the first; a generous one changes nothing); the stop is recorded."""
+    settings = TrainSettings(train=str(sentiment_files[0]), validation=str(sentiment_files[1]), task="s",
+                             backbone=str(train_backbone_dir), run_dir=str(tmp_path / "run"), project_dim=16,
+                             epochs=3, patience=10, max_minutes=budget, progress=False)
+    result = train(settings, backbone=train_backbone)
+    assert len(result.history) == epochs_run
+    assert [h.get("stopped_by") for h in result.history] == [None] * (epochs_run - 1) + [
+        "max_minutes" if epochs_run < 3 else None]
+    assert ModuleStore(tmp_path / "run" / "store").read_manifest("s").training["epochs_run"] == epochs_run
+
+
 def test_seeded_runs_are_reproducible(tmp_path, sentiment_files, train_backbone, train_backbone_dir):
     hashes = []
     for run in ("a", "b"):

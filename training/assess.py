@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from modules_store import TaskType
-from training.baselines import majority, tfidf_logreg, window_tagger
+from training.baselines import cached_run, majority, tfidf_logreg, window_tagger
 from training.data import LabelledData
 from training.metrics import confusion_matrix, per_class_scores
 from training.states import Split
@@ -15,23 +15,31 @@ from training.states import Split
 WORST = 10  # confidently wrong examples listed
 
 
-def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dict, metric: str, seed: int = 0) -> dict:
+def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dict, metric: str, seed: int = 0,
+           cache=None) -> dict:
     """`head`: the head's metrics on `evaluated` (with its `split` name); `probabilities`: its label
-    probabilities per row (sequence tasks)."""
+    probabilities per row (sequence tasks); `cache`: a folder keeping the linear baseline's result for
+    a later run on the same data (`baselines.cached_run`)."""
     examples, labels = evaluated.data.examples, evaluated.labels
     kind = evaluated.data.task_type
     if kind == TaskType.token_classification:
         gold = [ex.tags for ex in examples]
-        runs = [majority([ex.tags for ex in train.examples], gold),
-                window_tagger([ex.words for ex in train.examples], [ex.tags for ex in train.examples],
-                              [ex.words for ex in examples], gold, seed=seed)]
+        train_words, train_tags, words = ([ex.words for ex in train.examples], [ex.tags for ex in train.examples],
+                                          [ex.words for ex in examples])
+        runs = [majority(train_tags, gold),
+                cached_run(cache, {"baseline": "window_tagger", "seed": seed, "train": [train_words, train_tags],
+                                   "evaluate": [words, gold]},
+                           lambda: window_tagger(train_words, train_tags, words, gold, seed=seed))]
     else:
         multi = kind == TaskType.multi_label_classification
         texts = [_text(ex) for ex in examples]
         train_labels, gold = [ex.label for ex in train.examples], [ex.label for ex in examples]
+        train_texts = [_text(ex) for ex in train.examples]
         runs = [majority(train_labels, gold, multi_label=multi, labels=labels),
-                tfidf_logreg([_text(ex) for ex in train.examples], train_labels, texts, gold, multi_label=multi,
-                             seed=seed, labels=labels)]
+                cached_run(cache, {"baseline": "tfidf_logreg", "seed": seed, "multi_label": multi, "labels": labels,
+                                   "train": [train_texts, train_labels], "evaluate": [texts, gold]},
+                           lambda: tfidf_logreg(train_texts, train_labels, texts, gold, multi_label=multi, seed=seed,
+                                                labels=labels))]
     baselines = {"split": head["split"], "metric": metric, "head": head[metric]}
     for run in runs:
         baselines[run["baseline"]] = run

@@ -9,6 +9,7 @@ multi-label, entity micro F1 with per-type scores for token tasks; plus `baselin
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -60,10 +61,26 @@ def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequ
         model = make_pipeline(features, learner).fit(train_x, binarizer.transform(train_labels))
         predicted = [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
         return {"baseline": "tfidf_logreg", **_multi_label_scores(train_labels, eval_labels, predicted, labels)}
+    predicted = _tfidf_logreg_fit_predict(features, train_x, train_labels, eval_x, seed)
+    return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
+
+
+def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence,
+                             seed: int = 0) -> list:
+    """The single-label linear baseline's answer for each evaluation text (the model `tfidf_logreg`
+    scores), for paired comparisons row by row."""
+    features = FeatureUnion([
+        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
+        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
+    ])
+    return _tfidf_logreg_fit_predict(features, [_joined(t) for t in train_texts], train_labels,
+                                     [_joined(t) for t in eval_texts], seed)
+
+
+def _tfidf_logreg_fit_predict(features, train_x, train_labels, eval_x, seed: int) -> list:
     learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed)  # multinomial over the labels
     model = make_pipeline(features, learner).fit(train_x, list(train_labels))
-    predicted = list(model.predict(eval_x))
-    return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
+    return list(model.predict(eval_x))
 
 
 def window_tagger(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
@@ -149,3 +166,34 @@ def _window_features(words: Sequence[str]) -> list[dict]:
                 features[f"{at}:{'<s>' if j < 0 else '</s>'}"] = 1
         out.append(features)
     return out
+
+
+def cached_run(cache: Path | str | None, key: dict, run):
+    """`run()`'s result (a JSON-able dict), kept in `cache` (a folder) under the sha256 of `key` and of
+    this file's source: a later training run on the same data (another head on the same split) reads
+    it instead of training the baseline again (the window tagger takes minutes on CoNLL). No cache:
+    just `run()`. A damaged file is recomputed."""
+    if cache is None:
+        return run()
+    import hashlib
+    import json
+    import os
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(json.dumps(key, sort_keys=True, default=_key_part).encode())
+    path = Path(cache) / f"{digest.hexdigest()}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    result = json.loads(json.dumps(run(), default=float))  # as a later read gives it back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)  # a half-written file is never found
+    return result
+
+
+def _key_part(value):
+    """JSON for what json cannot write: a set (multi-label labels) sorted, anything else as its str."""
+    return sorted(value, key=str) if isinstance(value, (set, frozenset)) else str(value)

@@ -80,6 +80,9 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--eval-batch-size", type=int, default=S, help="batch size of backbone passes and scoring")
     g.add_argument("--epochs", type=int, default=S)
     g.add_argument("--patience", type=int, default=S, help="early stopping patience (epochs)")
+    g.add_argument("--max-minutes", type=float, default=S,
+                   help="time budget: start no epoch that would end, at the last epoch's pace, past this many minutes "
+                        "of epochs (the kept epoch is still the best by validation; the manifest records the stop)")
     g.add_argument("--select", choices=["best", "last"], default=S,
                    help="best: keep the best epoch by validation (early stopping, lr cut on plateaus); last: train "
                         "exactly --epochs epochs, keep the last, validation only reported")
@@ -100,7 +103,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=S,
                    help="backbone precision (backend torch) of the states trained and scored on")
     g.add_argument("--state-cache", action=argparse.BooleanOptionalAction, default=S,
-                   help="keep the backbone states on disk ($TMOD_CACHE_DIR/states) for later runs on the same data")
+                   help="keep the backbone states on disk ($TMOD_CACHE_DIR/states), and the linear baseline's result "
+                        "($TMOD_CACHE_DIR/baselines), for later runs on the same data")
     g.add_argument("--threads", type=int, default=S,
                    help="CPU threads; 0 = one per core. Use 1 when other jobs share the cores")
     g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=S, help="bf16 autocast (default: on CUDA)")

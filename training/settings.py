@@ -137,6 +137,9 @@ class TrainSettings(BaseModel):
     eval_batch_size: int = Field(128, ge=1, description="batch size of backbone passes and evaluation")
     epochs: int = Field(10, ge=1)
     patience: int = Field(3, ge=1, description="early stopping: epochs without a better validation metric")
+    max_minutes: float | None = Field(None, gt=0, description="time budget (a shared machine): no epoch is started "
+                                      "that would end, at the last epoch's pace, past this many minutes of epochs; "
+                                      "the kept epoch is still chosen by validation")
     min_delta: float = Field(0.002, ge=0, description="an epoch replaces the kept one when its validation metric is "
                              "higher by at least this, or within this and its validation loss is lower by min_loss_delta")
     min_loss_delta: float = Field(0.01, ge=0, lt=1, description="relative drop of the validation loss that counts as "
@@ -158,7 +161,8 @@ class TrainSettings(BaseModel):
         "fp32", description="backbone precision (backend torch, as `tmod-serve --precision`): the states the "
         "head is trained and scored on. auto: bf16 on a CPU with native bfloat16, else fp32")
     state_cache: bool = Field(False, description="also keep the split's backbone states on disk "
-                              "($TMOD_CACHE_DIR/states), so a later run on the same data (a baseline) reuses them")
+                              "($TMOD_CACHE_DIR/states), so a later run on the same data (a baseline) reuses them; and "
+                              "the linear baseline's result ($TMOD_CACHE_DIR/baselines)")
     threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default (one per core). "
                          "1 is much faster when other processes compete for the cores")
     amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")

@@ -414,7 +414,15 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
     rng = random.Random(s.seed)
     history, best, best_loss, best_epoch, stale = [], -math.inf, math.inf, 0, 0
     best_state = copy.deepcopy(keep())
+    started = time.perf_counter()
     for epoch in range(1, s.epochs + 1):
+        if history and s.max_minutes is not None:
+            spent = time.perf_counter() - started
+            if spent + spent / len(history) > 60 * s.max_minutes:  # the next epoch would end past the budget
+                tqdm.write(f"stopping after epoch {epoch - 1}/{s.epochs}: the time budget of {s.max_minutes:g} min "
+                           f"would be passed (--max-minutes)", file=sys.stderr)
+                history[-1]["stopped_by"] = "max_minutes"
+                break
         t0 = time.perf_counter()
         train_loss = run_epoch(model, train_split, train_source, optimizer, s, rng, device, amp,
                                desc=f"epoch {epoch}/{s.epochs}")
@@ -529,7 +537,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         if "threshold" in decoding and task_type == TaskType.sequence_classification:
             metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
                                                                np.stack(probabilities), labels, decoding["threshold"])
-    assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed)
+    assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed,
+                        cache=default_cache_dir() / "baselines" if s.state_cache else None)
     metrics["baselines"] = assessment["baselines"]
     still_improving = s.select == "best" and result.best_epoch == len(result.history) == s.epochs
     if still_improving:

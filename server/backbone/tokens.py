@@ -1,11 +1,12 @@
 """Tokenized batches with character offsets, so heads can answer in input coordinates.
 
 Per token everything is an integer in one (tokens, FIELDS) int32 array, made by `TextEncoder.encode`
-for a whole request at once with numpy (ids, type ids, segment, word, trimmed offsets and the casing
-class): a row is a view of it, a request crosses processes as one array (`PackedRows`), and
-`collate` only concatenates rows into a padded batch. No Python runs per token on the serving path;
-the per-token lists (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays
-only when someone reads them (training, tests, bridges).
+for a whole request at once (the `tokenizers` library's encodings, each column converted by numpy in
+one call: ids, type ids, segment, word, trimmed offsets and the casing class): a row is a view of it,
+a request crosses processes as one array (`PackedRows`), and `collate` only concatenates rows into a
+padded batch. No Python runs per token on the serving path; the per-token lists
+(`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays only when someone
+reads them (training, tests, bridges).
 """
 from __future__ import annotations
 
@@ -241,6 +242,15 @@ class TokenArrays:
 # properties), looked up in a table so that a whole text is classified by numpy
 _LOWER, _UPPER, _TITLE, _SPACE = 1, 2, 4, 8
 _TABLE: np.ndarray | None = None  # flags of the Basic Multilingual Plane, made on first use (~30 ms)
+# a character's lower, upper and title-case counts packed in one int64 (21 bits each), by its flags:
+# one cumulative sum counts all three, and a span's counts are one difference (no field of a span's
+# difference borrows from another while the span is under 2**21 characters: `_PACKED_LIMIT`)
+_BITS = 21
+_FIELD = (1 << _BITS) - 1
+_NOT_UPPER = ~np.int64(_FIELD << _BITS)  # the lower and title fields
+_PACKED = np.array([((f & _LOWER) != 0) | (((f & _UPPER) != 0) << _BITS) | (((f & _TITLE) != 0) << 2 * _BITS)
+                    for f in range(16)], dtype=np.int64)
+_PACKED_LIMIT = 1 << _BITS
 
 
 def _flags_of(char: str) -> int:
@@ -254,6 +264,10 @@ def char_flags(text: str) -> np.ndarray:
     global _TABLE
     if _TABLE is None:
         _TABLE = np.fromiter((_flags_of(chr(c)) for c in range(0x10000)), dtype=np.uint8, count=0x10000)
+    if text.isascii():  # one byte a character: no UTF-32 copy, no code past the table
+        flags = np.zeros(len(text) + 1, dtype=np.uint8)
+        flags[:-1] = _TABLE[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
+        return flags
     codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     flags = np.zeros(len(codes) + 1, dtype=np.uint8)
     flags[:-1] = _TABLE[np.minimum(codes, 0xFFFF)]
@@ -269,15 +283,23 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     tokenizers count a word's leading space into its token, "Paris" in "to Paris" is (2, 8); every
     consumer of offsets wants the word itself), and the casing class of each span
     (CASING_CLASSES; 0 for special tokens and empty spans). Lowercasing tokenizers lose the case cue
-    NER leans on; this gives it back. All texts of the batch are classified at once."""
+    NER leans on; this gives it back. All texts of the batch are classified at once, with a few
+    numpy calls whatever the number of tokens (a one-text request is dominated by their count)."""
     sources = texts + (pairs or [])
-    bases = np.array([0, *itertools.accumulate(len(t) for t in sources)], dtype=np.int64)
-    flags = char_flags("".join(sources))
+    flags = char_flags(sources[0] if len(sources) == 1 else "".join(sources))
     real = segment >= 0
-    base = np.where(real, bases[np.where(segment == 1, row + len(texts), row)], 0)
-    a, z = np.where(real, base + start, 0), np.where(real, base + end, 0)
-    spans = real & (z > a)
-    if trim and ((flags[a[spans]] | flags[z[spans] - 1]) & _SPACE).any():  # some span starts or ends on a space
+    if len(sources) == 1:
+        a, z = np.where(real, start, 0), np.where(real, end, 0)
+        base = 0
+    else:
+        bases = np.array([0, *itertools.accumulate(len(t) for t in sources)], dtype=np.int64)
+        base = np.where(real, bases[np.where(segment == 1, row + len(texts), row)], 0)
+        a, z = base + np.where(real, start, 0), base + np.where(real, end, 0)
+    empty = z <= a
+    first = flags[a]
+    # flags[-1] is the 0 after the text: an empty span at 0 reads it (a false alarm only costs time)
+    if trim and ((first | flags[z - 1]) & _SPACE).any():  # some span may start or end on a space
+        spans = ~empty
         positions = np.arange(len(flags))
         text_char = (flags & _SPACE) == 0
         following = np.minimum.accumulate(np.where(text_char, positions, len(flags) - 1)[::-1])[::-1]
@@ -285,16 +307,30 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
         a = np.where(spans, np.minimum(following[a], z), a)
         z = np.where(spans & (z > a), np.maximum(preceding[np.maximum(z - 1, 0)] + 1, a), z)
         start, end = np.where(real, a - base, start), np.where(real, z - base, end)
-    # cumulative counts of lower, upper and title-case characters: count in [a, b) = c[b] - c[a]
-    counts = np.zeros((len(flags) + 1, 3), dtype=np.int32)
-    np.cumsum((flags[:, None] & np.array([_LOWER, _UPPER, _TITLE], dtype=np.uint8)) != 0, axis=0, out=counts[1:])
-    lower, upper, title = (counts[z] - counts[a]).T
-    rest = counts[z] - counts[np.minimum(a + 1, z)]  # the span without its first character
-    casing = np.full(len(a), 4, dtype=np.int32)  # other; the classes below in increasing priority
-    casing[(lower + title == 0) & (upper > 0)] = 3  # UPPER
-    casing[((flags[a] & _UPPER) != 0) & ((z - a == 1) | ((rest[:, 1] + rest[:, 2] == 0) & (rest[:, 0] > 0)))] = 2
-    casing[(upper + title == 0) & (lower > 0)] = 1  # lower
-    casing[~real | (z <= a)] = 0
+        empty, first = z <= a, flags[a]
+    if len(flags) < _PACKED_LIMIT:
+        counts = np.zeros(len(flags) + 1, dtype=np.int64)
+        np.cumsum(_PACKED[flags], out=counts[1:])
+        until = counts[z]
+        span = until - counts[a]  # lower + upper << 21 + title << 42 in [a, z)
+        rest = until - counts[np.minimum(a + 1, z)]  # the same without the span's first character
+        lower_only = (span - 1).view(np.uint64) < _FIELD  # 0 < span < 2**21: lower-case letters, nothing else cased
+        upper_only = ((span & _NOT_UPPER) == 0) & (span != 0)
+        capital = ((first & _UPPER) != 0) & (rest <= _FIELD) & ((rest != 0) | (z - a == 1))
+    else:  # a text of 2**21 characters or more: a span may be that long too, so three plain counts
+        counts = np.zeros((len(flags) + 1, 3), dtype=np.int64)
+        np.cumsum((flags[:, None] & np.array([_LOWER, _UPPER, _TITLE], dtype=np.uint8)) != 0, axis=0, out=counts[1:])
+        lower, upper, title = (counts[z] - counts[a]).T
+        rest = counts[z] - counts[np.minimum(a + 1, z)]
+        upper_only = (lower + title == 0) & (upper > 0)
+        lower_only = (upper + title == 0) & (lower > 0)
+        capital = ((first & _UPPER) != 0) & ((z - a == 1) | ((rest[:, 1] + rest[:, 2] == 0) & (rest[:, 0] > 0)))
+    # other (4), then in increasing priority UPPER (3), Capitalized (2), lower (1); 0: special or empty
+    casing = np.full(len(a), 4, dtype=np.int32)
+    casing[upper_only] = 3
+    casing[capital] = 2
+    casing[lower_only] = 1
+    casing[empty | ~real] = 0
     return start, end, casing
 
 
@@ -356,7 +392,13 @@ def keep_last_tokens(row: EncodedInput, limit: int) -> EncodedInput:
 
 class TextEncoder:
     """A fast tokenizer with its model's limits: text -> EncodedInput (with character offsets) ->
-    padded TokenBatch. The backbone has one; a bridge has one for its target backbone."""
+    padded TokenBatch. The backbone has one; a bridge has one for its target backbone.
+
+    Requests are tokenized by the `tokenizers` library directly (`plain`, a copy of the wrapper's
+    backend that never truncates or pads), not through the transformers wrapper, whose per-call
+    argument handling and per-token conversions cost several times the tokenization itself (issue
+    37, docs/performance.md#the-host-path-per-request-issue-37). `tokenizer`, the wrapper, stays for
+    what is not per request (token names, saving, the vocabulary hash)."""
 
     def __init__(self, tokenizer, max_tokens: int, uses_token_types: bool, device: torch.device | str = "cpu"):
         if not getattr(tokenizer, "is_fast", False):
@@ -367,14 +409,26 @@ class TextEncoder:
         self.device = torch.device(device)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
-        self._cutter = None  # the truncating copy of the tokenizer (`_cut`), made on first use
+        self._cutter = None  # the truncating copy of the backend (`_cut`), made on first use
         self._cut_lock = threading.Lock()
+        self.plain = self._backend()
 
-    def __getstate__(self):  # sent to worker processes: the lock and the copy are made anew there
-        return {k: v for k, v in self.__dict__.items() if k not in ("_cutter", "_cut_lock")}
+    def _backend(self):
+        """A copy of the wrapper's backend tokenizer set as the wrapper sets it for a call without
+        truncation or padding (a tokenizer.json may carry either); nothing sets it again, so threads
+        share it safely."""
+        backend = copy.deepcopy(self.tokenizer.backend_tokenizer)
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False))
+        return backend
+
+    def __getstate__(self):  # sent to worker processes: the lock and the copies are made anew there
+        return {k: v for k, v in self.__dict__.items() if k not in ("_cutter", "_cut_lock", "plain")}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _cutter=None, _cut_lock=threading.Lock())
+        self.plain = self._backend()
 
     def tokenize(self, texts, text_pairs=None, truncate: bool = False, max_tokens: int | None = None) -> TokenBatch:
         """encode() then collate(): a padded batch in input order."""
@@ -389,51 +443,69 @@ class TextEncoder:
         texts = list(texts)
         pairs = list(text_pairs) if text_pairs is not None else None
         limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
-        enc = self.tokenizer(texts, pairs, add_special_tokens=True, truncation=False, verbose=False)
-        lengths = [len(ids) for ids in enc["input_ids"]]
+        inputs = texts if pairs is None else list(zip(texts, pairs))
+        if len(texts) == 1:  # one input: no batch (the library's thread pool is not worth it)
+            encodings = [self.plain.encode(texts[0], None if pairs is None else pairs[0])]
+        else:
+            encodings = self.plain.encode_batch(inputs)
+        lengths = [len(e) for e in encodings]
         too_long = [] if whole else [i for i, n in enumerate(lengths) if n > limit]
         if too_long and not truncate:
             raise InputTooLong(too_long, [lengths[i] for i in too_long], limit)
         if truncate == "left" and pairs is not None:
             raise ValueError("truncation from the left is for single texts")
         if too_long and truncate != "left":
-            enc = self._cut(texts, pairs, limit)
-        cut = set(too_long)
-        encodings = enc.encodings
+            encodings = self._cut(inputs, limit)
+            lengths = [len(e) for e in encodings]
         tokens = self.token_array(encodings, texts, pairs)
-        bounds = np.concatenate(([0], np.cumsum([len(e) for e in encodings]))).tolist()
-        rows = [EncodedInput(texts[r], pairs[r] if pairs is not None else None, tokens[bounds[r]:bounds[r + 1]], r in cut)
-                for r in range(len(texts))]
-        if truncate == "left":
-            rows = [keep_last_tokens(row, limit) if r in cut else row for r, row in enumerate(rows)]
+        if len(texts) == 1:
+            rows = [EncodedInput(texts[0], pairs[0] if pairs is not None else None, tokens, bool(too_long))]
+        else:
+            bounds = [0, *itertools.accumulate(lengths)]
+            cut = set(too_long)
+            rows = [EncodedInput(texts[r], pairs[r] if pairs is not None else None, tokens[bounds[r]:bounds[r + 1]],
+                                 r in cut) for r in range(len(texts))]
+        if truncate == "left" and too_long:
+            rows = [keep_last_tokens(rows[r], limit) if r in too_long else rows[r] for r in range(len(rows))]
         return rows
 
-    def _cut(self, texts, pairs, limit: int):
-        """Encodings truncated to `limit`. A fast tokenizer keeps its truncation setting as state, set
-        by each call just before it encodes, so a truncating call on the shared tokenizer raced other
-        threads' plain calls (some long texts came back silently cut, some cut ones whole): truncating
-        calls go to a copy of their own, one at a time; the shared one is never set to truncate."""
+    def _cut(self, inputs: list, limit: int) -> list:
+        """Encodings truncated to `limit` (as the wrapper truncates: longest first, on its side). A
+        tokenizer keeps its truncation setting as state, set just before it encodes, so a truncating
+        call on the shared one would race other threads' plain calls (some long texts came back
+        silently cut, some cut ones whole): truncating calls go to a copy of their own, one at a time;
+        the shared one is never set to truncate."""
         with self._cut_lock:
             if self._cutter is None:
-                self._cutter = copy.deepcopy(self.tokenizer)
-            return self._cutter(texts, pairs, add_special_tokens=True, truncation=True, max_length=limit)
+                self._cutter = self._backend()
+            self._cutter.enable_truncation(limit, stride=0, strategy="longest_first",
+                                           direction=getattr(self.tokenizer, "truncation_side", "right"))
+            return self._cutter.encode_batch(inputs)
 
     @staticmethod
     def token_array(encodings, texts: list[str], pairs: list[str] | None) -> np.ndarray:
         """The tokenizer's encodings of a request -> one (tokens, FIELDS) int32 array (rows one
-        after the other), every column made by numpy over the whole request."""
-        chain = itertools.chain.from_iterable
-        n = sum(len(e) for e in encodings)
+        after the other): each column converted from the encodings' lists by numpy in one call
+        (None, for special tokens, arrives as NaN in a float array and leaves as -1)."""
+        if len(encodings) == 1:
+            e = encodings[0]
+            ids, types, segments, words, offsets = e.ids, e.type_ids, e.sequence_ids, e.word_ids, e.offsets
+        else:
+            chain = itertools.chain.from_iterable
+            ids, types = list(chain(e.ids for e in encodings)), list(chain(e.type_ids for e in encodings))
+            segments, words = list(chain(e.sequence_ids for e in encodings)), list(chain(e.word_ids for e in encodings))
+            offsets = list(chain(e.offsets for e in encodings))
+        n = len(ids)
         out = np.empty((n, FIELDS), dtype=np.int32)
-        out[:, IDS] = np.fromiter(chain(e.ids for e in encodings), dtype=np.int32, count=n)
-        out[:, TYPES] = np.fromiter(chain(e.type_ids for e in encodings), dtype=np.int32, count=n)
-        for column, name in ((SEGMENT, "sequence_ids"), (WORD, "word_ids")):  # None -> -1
-            values = chain(getattr(e, name) for e in encodings)
-            out[:, column] = np.fromiter((-1 if v is None else v for v in values), dtype=np.int32, count=n)
-        offsets = np.fromiter(chain(chain(e.offsets for e in encodings)), dtype=np.int64, count=2 * n).reshape(n, 2)
-        row = np.repeat(np.arange(len(encodings)), [len(e) for e in encodings])
-        out[:, START], out[:, END], out[:, CASING] = token_spans(texts, pairs, row, out[:, SEGMENT].astype(np.int64),
-                                                                 offsets[:, 0], offsets[:, 1])
+        out[:, IDS] = ids
+        out[:, TYPES] = types
+        nullable = np.array((segments, words), dtype=np.float64).reshape(2, n)
+        nullable[np.isnan(nullable)] = -1  # (np.nan_to_num costs more than the whole column)
+        out[:, SEGMENT:WORD + 1] = nullable.T
+        bounds = np.array(offsets, dtype=np.int64).reshape(n, 2)
+        row = 0 if len(encodings) == 1 else np.repeat(np.arange(len(encodings)), [len(e) for e in encodings])
+        out[:, START], out[:, END], out[:, CASING] = token_spans(texts, pairs, row, out[:, SEGMENT], bounds[:, 0],
+                                                                 bounds[:, 1])
         return out
 
     def collate(self, rows, shape: tuple[int, int] | None = None, device: torch.device | str | None = None,

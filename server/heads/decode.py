@@ -1,21 +1,29 @@
 """Logits -> response objects, by task type (shared by every head kind).
 
-Decoding works on a whole batch at once: softmax runs once, where the logits are (on the device
-in an eager pass), one copy brings the results to the host, and token classification then reads the
-batch's token arrays (`TokenBatch.token_arrays`) with numpy. Python runs per answer and per entity,
-never per token. Token tags are decoded under the BIO rules (`constrained_labels`): an answer never
-holds an `I-X` that does not follow `B-X` or `I-X`.
+Decoding is numpy on the host, no torch: a worker decodes one request's own logits (`decode_rows`,
+over its rows' token arrays, no padded batch needed), the one process a whole batch (`decode`), with
+the same code. Token tasks work on flat per-token arrays (`Tokens`: row, segment, word, offsets) and
+take a softmax only where it is read (each word's first piece for the default aggregation); Python
+runs per answer and per entity, never per token. Token tags are decoded under the BIO rules
+(`constrained_labels`, the rules of a label set made once and kept): an answer never holds an `I-X`
+that does not follow `B-X` or `I-X`.
+
+Probabilities are float32 as torch computed them before (issue 37), to within a few units in the
+last place (a vectorised exp differs between libraries and between AVX2 and AVX-512):
+tests/test_decode_numpy.py holds labels, texts and offsets equal to the torch decoder's and scores
+within the tolerance it states.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
-import torch
 
 from modules_store import TaskType
-from server.backbone.tokens import TokenBatch
+from server.backbone.tokens import END, SEGMENT, EncodedInput, TokenBatch
 
 
 AGGREGATIONS = ("first", "average", "max", "none")
@@ -40,49 +48,85 @@ class AnswerOptions:
 DEFAULT_OPTIONS = AnswerOptions()
 
 
-def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: TokenBatch,
+def decode(task_type: TaskType, labels: list[str], logits, batch: TokenBatch | None,
            options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
            decoding: dict | None = None) -> list[dict[str, Any]]:
-    """Answers per row. `options`: answer controls for every row, or one per row (None: default);
-    `decoding`: the manifest's answer defaults (multi-label thresholds, token aggregation)."""
-    rows = len(batch.texts) if task_type == TaskType.token_classification else logits.shape[0]
+    """Answers per row from a batch's logits (a torch tensor on any device, or an ndarray):
+    (rows, labels), or for token tasks (rows, tokens, labels) laid out on `batch` (its filler rows'
+    dropped). `options`: answer controls for every row, or one per row (None: default); `decoding`:
+    the manifest's answer defaults (multi-label thresholds, token aggregation)."""
+    values = host(logits)
+    if task_type == TaskType.token_classification:
+        rows = len(batch.texts)
+        return _decode(task_type, labels, values[:rows].reshape(-1, values.shape[-1]), Tokens.of_batch(batch),
+                       rows, options, decoding)
+    return _decode(task_type, labels, values, None, values.shape[0], options, decoding)
+
+
+def decode_rows(task_type: TaskType, labels: list[str], packed, rows: "TokenBatch | Sequence[EncodedInput]",
+                options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
+                decoding: dict | None = None) -> list[dict[str, Any]]:
+    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`,
+    `pack_answers`): (rows, labels), or for token tasks every row's own tokens one after the other
+    (tokens, labels). `rows`: the request's EncodedInputs (cheapest: their token arrays are read as
+    they are), or those rows collated into a TokenBatch. Several requests (an engine frame's) decode
+    in one call the same way, their rows and packed logits one after the other, each row answered as
+    on its own."""
+    values = host(packed)
+    if task_type != TaskType.token_classification:
+        return _decode(task_type, labels, values, None, values.shape[0], options, decoding)
+    if isinstance(rows, TokenBatch):
+        return _decode(task_type, labels, values, Tokens.of_collated(rows), len(rows.texts), options, decoding)
+    return _decode(task_type, labels, values, Tokens.of_rows(rows), len(rows), options, decoding)
+
+
+def _decode(task_type: TaskType, labels: list[str], values: np.ndarray, tokens: "Tokens | None", rows: int,
+            options, decoding: dict | None) -> list[dict[str, Any]]:
     per_row = options if isinstance(options, list) else [options] * rows
     per_row = [o or DEFAULT_OPTIONS for o in per_row]
     decoding = decoding or {}
     if task_type == TaskType.sequence_classification:
-        return _classifications(labels, logits, per_row, decoding.get("threshold"))
+        return _classifications(labels, values, per_row, decoding.get("threshold"))
     if task_type == TaskType.multi_label_classification:
-        return _multi_labels(labels, logits, per_row, decoding)
+        return _multi_labels(labels, values, per_row, decoding)
     if task_type == TaskType.regression:
-        return [{"value": value} for value in logits.float().flatten(1)[:, 0].tolist()]
+        return [{"value": value} for value in values.reshape(values.shape[0], -1 if values.size else 1)[:, 0].tolist()]
     if task_type == TaskType.token_classification:
         default = decoding.get("aggregation", "first")
         strategies = [o.aggregation or default for o in per_row]
         if len(set(strategies)) == 1:
-            return _token_answers(labels, logits, batch, strategies[0])
+            return _token_answers(labels, values, tokens, rows, strategies[0])
         out: list = [None] * len(strategies)
         for strategy in sorted(set(strategies)):  # each strategy over the batch, kept for its own rows
-            answers = _token_answers(labels, logits, batch, strategy)
+            answers = _token_answers(labels, values, tokens, rows, strategy)
             for r, s in enumerate(strategies):
                 if s == strategy:
                     out[r] = answers[r]
         return out
     if task_type == TaskType.embedding:
-        return embeddings(logits)
+        return embeddings(values)
     raise ValueError(f"no decoder for task type {task_type}")
 
 
-def decode_rows(task_type: TaskType, labels: list[str], packed: np.ndarray, batch: TokenBatch,
-                options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
-                decoding: dict | None = None) -> list[dict[str, Any]]:
-    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`,
-    `pack_answers`): (rows, labels), or for token tasks every row's own tokens one after the other
-    (tokens, labels); on `batch`, those rows collated."""
-    if task_type != TaskType.token_classification:
-        return decode(task_type, labels, torch.from_numpy(packed), batch, options, decoding)
-    logits = np.zeros((batch.size, batch.seq_len, len(labels)), dtype=np.float32)
-    logits[batch.attention_mask.numpy().astype(bool)] = packed  # padding positions are never read (no word there)
-    return decode(task_type, labels, torch.from_numpy(logits), batch, options, decoding)
+def host(logits) -> np.ndarray:
+    """Logits as a float32 host array: an ndarray as it is (cast if another float type), a torch
+    tensor (any device, any float type) copied to the host once. Never written to."""
+    if isinstance(logits, np.ndarray):
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+    return logits.detach().float().cpu().numpy()  # a tensor (the one-process path): one copy, no torch math
+
+
+def softmax(values: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis in float32, as torch's CPU kernel computes it (max, exp of the
+    differences, times the reciprocal of their sum)."""
+    shifted = np.exp(values - values.max(-1, keepdims=True))
+    shifted *= np.float32(1) / shifted.sum(-1, keepdims=True)
+    return shifted
+
+
+def sigmoid(values: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) of a very negative x is inf: the probability is 0
+        return np.float32(1) / (np.float32(1) + np.exp(-values))
 
 
 def ranked(labels: list[str], values: list[float], top_k: int | None) -> dict[str, float]:
@@ -91,13 +135,13 @@ def ranked(labels: list[str], values: list[float], top_k: int | None) -> dict[st
     return {labels[i]: values[i] for i in order[:top_k]}
 
 
-def _classifications(labels: list[str], logits: torch.Tensor, options: list[AnswerOptions],
+def _classifications(labels: list[str], logits: np.ndarray, options: list[AnswerOptions],
                      shipped_threshold: float | None = None) -> list[dict[str, Any]]:
     """One label per row, the most probable; "none of these" (label None) where its probability is
     under the threshold (the request's, else the manifest's `decoding.threshold`, else none)."""
-    probs = torch.softmax(logits.float(), dim=-1).cpu()
-    best = probs.argmax(dim=-1).tolist()  # the first of equal maxima, as max() over the list would
-    raw = logits.float().cpu().tolist() if any(o.raw_scores for o in options) else None
+    probs = softmax(logits)
+    best = probs.argmax(-1).tolist()  # the first of equal maxima, as max() over the list would
+    raw = logits.tolist() if any(o.raw_scores for o in options) else None
     out = []
     for r, (b, row) in enumerate(zip(best, probs.tolist())):
         o = options[r]
@@ -109,14 +153,14 @@ def _classifications(labels: list[str], logits: torch.Tensor, options: list[Answ
     return out
 
 
-def _multi_labels(labels: list[str], logits: torch.Tensor, options: list[AnswerOptions],
+def _multi_labels(labels: list[str], logits: np.ndarray, options: list[AnswerOptions],
                   decoding: dict) -> list[dict[str, Any]]:
     """Independent labels (one sigmoid each): every label whose probability is at least its threshold
     (the manifest's per-label thresholds, 0.5 where it has none, or the request's one threshold)."""
-    probs = torch.sigmoid(logits.float()).cpu().numpy()
+    probs = sigmoid(logits)
     shipped = decoding.get("thresholds", {})
     default = np.array([shipped.get(label, 0.5) for label in labels], dtype=np.float32)
-    raw = logits.float().cpu().tolist() if any(o.raw_scores for o in options) else None
+    raw = logits.tolist() if any(o.raw_scores for o in options) else None
     out = []
     for r, o in enumerate(options):
         thresholds = default if o.threshold is None else np.float32(o.threshold)
@@ -128,19 +172,10 @@ def _multi_labels(labels: list[str], logits: torch.Tensor, options: list[AnswerO
     return out
 
 
-def embeddings(logits: torch.Tensor) -> list[dict[str, Any]]:
+def embeddings(logits: np.ndarray) -> list[dict[str, Any]]:
     """An embedding head's (B, D + 1) output: each row's vector and the norm it had before
     normalisation (server/heads/embedding/layer.py, `with_norm`)."""
-    rows = logits.float().cpu().tolist()
-    return [{"embedding": row[:-1], "norm": row[-1]} for row in rows]
-
-
-def best_labels(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per position: the softmax probability of the best label and its index, as host arrays of
-    the logits' leading shape (softmax and argmax where the logits are, one copy to the host)."""
-    scores, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-    both = torch.stack((scores, best.float())).cpu().numpy()  # label indices are exact in float32
-    return both[0], both[1].astype(np.int64)
+    return [{"embedding": row[:-1], "norm": row[-1]} for row in host(logits).tolist()]
 
 
 # ---- token classification ---------------------------------------------------------------------------
@@ -156,9 +191,48 @@ def split_tag(tag: str) -> tuple[str, str]:
 
 
 @dataclass
+class Tokens:
+    """The tokens whose logits are decoded, one after the other (each row's in order, rows in order),
+    as flat int64 arrays; -1 in segment and word where the tokenizer says None (special tokens,
+    padding). Made from a request's rows (their token arrays as they are), a collated batch's real
+    tokens (the packed layout of `decode_rows`) or every position of a padded batch (`decode`)."""
+
+    texts: list[str]
+    pairs: list[str] | None
+    row: np.ndarray
+    segment: np.ndarray
+    word: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[EncodedInput]) -> "Tokens":
+        tokens = rows[0].tokens if len(rows) == 1 else np.concatenate([row.tokens for row in rows])
+        row = np.repeat(np.arange(len(rows)), [len(r) for r in rows]) if len(rows) > 1 else np.zeros(len(tokens), np.int64)
+        columns = tokens[:, SEGMENT:END + 1].T.astype(np.int64)  # SEGMENT, WORD, START, END in that order
+        pairs = [r.text_pair for r in rows] if any(r.text_pair is not None for r in rows) else None
+        return cls([r.text for r in rows], pairs, row, *columns)
+
+    @classmethod
+    def of_collated(cls, batch: TokenBatch) -> "Tokens":
+        arrays = batch.token_arrays()
+        real = batch.attention_mask[:arrays.segment.shape[0]].numpy().astype(bool)
+        row = np.nonzero(real)[0]
+        return cls(batch.texts, batch.text_pairs, row, arrays.segment[real], arrays.word[real], arrays.start[real],
+                   arrays.end[real])
+
+    @classmethod
+    def of_batch(cls, batch: TokenBatch) -> "Tokens":
+        arrays = batch.token_arrays()
+        rows, width = arrays.segment.shape
+        return cls(batch.texts, batch.text_pairs, np.repeat(np.arange(rows), width), arrays.segment.reshape(-1),
+                   arrays.word.reshape(-1), arrays.start.reshape(-1), arrays.end.reshape(-1))
+
+
+@dataclass
 class Words:
-    """Per word (as the tokenizer pre-split it), all rows of a batch in row order, each row's words
-    in the order of their first sub-token: flat arrays of one entry per word."""
+    """Per word (as the tokenizer pre-split it), all rows in row order, each row's words in the order
+    of their first sub-token: flat arrays of one entry per word."""
 
     row: np.ndarray
     segment: np.ndarray  # 0 text, 1 text_pair
@@ -166,52 +240,64 @@ class Words:
     end: np.ndarray  # the furthest end of its sub-tokens
     label: np.ndarray  # its tag (label index), from its probability vector by `aggregation` (`word_tags`)
     score: np.ndarray  # that tag's probability
+    opens: np.ndarray  # True where a sequence (a run of one row and segment) begins
 
 
-def word_predictions(probs: np.ndarray, batch: TokenBatch, labels: list[str], aggregation: str = "first") -> Words:
+def word_predictions(logits: np.ndarray, tokens: Tokens, labels: list[str], aggregation: str = "first") -> Words:
     """A word's span runs from its first sub-token to the end of its last. Its probability vector, by
     `aggregation` (as Hugging Face's token-classification pipeline defines them): first, its first
     sub-token's (the one training labels); average, the mean of its sub-tokens'; max, that of the
-    sub-token whose best probability is highest (the first of equal ones). `probs`: (rows, T, C)
-    softmax probabilities. Its tag: by `word_tags` (under the BIO rules of `labels` where they have any);
-    its score, that tag's probability."""
-    tokens = batch.token_arrays()
-    row, t = np.nonzero((tokens.segment >= 0) & (tokens.word >= 0))  # row-major: token order per row
-    segment, word = tokens.segment[row, t], tokens.word[row, t]
-    # one integer per (row, segment, word); its first token in the (row, token) order above
-    key = (row * (int(segment.max(initial=0)) + 1) + segment) * (int(word.max(initial=0)) + 1) + word
-    _, first, which = np.unique(key, return_index=True, return_inverse=True)
-    which = which.reshape(-1)
-    end = tokens.end[row, t]
-    word_end = end[first]
-    np.maximum.at(word_end, which, end)
-    order = np.argsort(first)
-    if aggregation == "average":
-        pieces = probs[row, t]
-        mean = np.zeros((len(first), pieces.shape[-1]), dtype=np.float64)
-        np.add.at(mean, which, pieces)
-        mean /= np.bincount(which, minlength=len(first))[:, None]
-        vectors = mean[order]
-    elif aggregation == "max":
-        piece_scores = probs[row, t].max(-1)
-        # per word, its pieces by score (highest first, then position): the first of each word wins
-        by_score = np.lexsort((np.arange(len(which)), -piece_scores, which))
-        group_start = np.flatnonzero(np.r_[True, which[by_score][1:] != which[by_score][:-1]])
-        winner = by_score[group_start][order]  # one token per word, words in key order -> first-token order
-        vectors = probs[row[winner], t[winner]]
-    elif aggregation == "first":
-        vectors = probs[row[first[order]], t[first[order]]]
-    else:
+    sub-token whose best probability is highest (the first of equal ones). `logits`: (tokens, C),
+    one per entry of `tokens`. Its tag: by `word_tags` (under the BIO rules of `labels` where they
+    have any); its score, that tag's probability."""
+    if aggregation not in AGGREGATIONS[:3]:
         raise ValueError(f"unknown aggregation {aggregation!r}; one of {AGGREGATIONS[:3]}")
-    first = first[order]
+    pieces = np.flatnonzero((tokens.segment >= 0) & (tokens.word >= 0))  # token order per row
+    row, segment, word = tokens.row[pieces], tokens.segment[pieces], tokens.word[pieces]
+    end = tokens.end[pieces]
+    # one integer per (row, segment, word); a tokenizer gives each word's pieces together, in order
+    # one integer per (row, segment, word), in that order (word ids under 2**32, segments 0 and 1)
+    key = (row << 34) | (segment << 32) | word
+    new_word = np.empty(len(key), dtype=bool)  # (np.r_, np.diff and np.ones cost more than the rest on a short text)
+    new_word[:1] = True
+    np.not_equal(key[1:], key[:-1], out=new_word[1:])
+    if (key[1:] >= key[:-1]).all():  # words one after another: each starts where the key changes
+        first = np.flatnonzero(new_word)
+        which = np.cumsum(new_word) - 1 if aggregation != "first" else None
+        word_end = np.maximum.reduceat(end, first) if len(key) else end
+    else:  # pieces of a word apart (token lists built by hand): words by key, in first-piece order
+        _, first, which = np.unique(key, return_index=True, return_inverse=True)
+        order = np.argsort(first)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        first, which = first[order], rank[which.reshape(-1)]
+        word_end = end[first]
+        np.maximum.at(word_end, which, end)
+    first_piece = pieces[first]
+    if aggregation == "first":
+        vectors = softmax(logits[first_piece])
+    else:
+        probs = softmax(logits[pieces])
+        if aggregation == "average":
+            mean = np.zeros((len(first), probs.shape[-1]), dtype=np.float64)
+            np.add.at(mean, which, probs)
+            mean /= np.bincount(which, minlength=len(first))[:, None]
+            vectors = mean
+        else:  # max: per word, its pieces by score (highest first, then position): the first of each word wins
+            piece_scores = probs.max(-1)
+            by_score = np.lexsort((np.arange(len(which)), -piece_scores, which))
+            grouped = which[by_score]
+            group_start = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1])))[:len(first)]
+            vectors = probs[by_score[group_start]]  # (no words: none; the torch decoder raised IndexError)
     word_row, word_segment = row[first], segment[first]
     # a sequence is a run of words of one row and segment: the words an entity may continue over
-    starts = np.ones(len(word_row), dtype=bool)
+    starts = np.empty(len(word_row), dtype=bool)
+    starts[:1] = True
     starts[1:] = (word_row[1:] != word_row[:-1]) | (word_segment[1:] != word_segment[:-1])
     label = word_tags(vectors, starts, labels)
     score = vectors[np.arange(len(label)), label].astype(np.float32)
-    return Words(row=word_row, segment=word_segment, start=tokens.start[word_row, t[first]],
-                 end=word_end[order], label=label, score=score)
+    return Words(row=word_row, segment=word_segment, start=tokens.start[first_piece], end=word_end, label=label,
+                 score=score, opens=starts)
 
 
 def word_tags(probs: np.ndarray, starts: np.ndarray, labels: list[str]) -> np.ndarray:
@@ -219,21 +305,40 @@ def word_tags(probs: np.ndarray, starts: np.ndarray, labels: list[str]) -> np.nd
     (`starts`: True on each sequence's first word): under the BIO rules of `labels` where they have
     any (`constrained_labels`), else the best label. What tmod-serve answers and tmod-train scores."""
     allowed = bio_constraints(labels)
-    if allowed is None:
-        return probs.argmax(1)
+    best = probs.argmax(1)  # the argmax of the logs below: a probability's log keeps its order
+    if allowed is None or not _breaks_rules(best, starts, allowed).any():
+        return best
     # log of 0 (a probability float32 rounds away) floored: every allowed path keeps a finite score
     return constrained_labels(np.log(np.maximum(probs, np.finfo(np.float64).tiny, dtype=np.float64)), starts, allowed)
 
 
-def bio_constraints(labels: list[str]) -> np.ndarray | None:
+def _breaks_rules(best: np.ndarray, starts: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Per word: True where `allowed` forbids its label after the one before it (or opening its sequence)."""
+    before = np.empty_like(best)
+    before[:1] = 0
+    before[1:] = best[:-1]
+    before[starts] = len(allowed) - 1
+    return ~allowed[before, best]
+
+
+def bio_constraints(labels: Sequence[str]) -> np.ndarray | None:
     """Which tag may follow which, (C + 1, C) booleans: [i, j] may tag j follow tag i; the last row:
     may tag j open a sequence. An `I-X` may only follow `B-X` or `I-X`, where the labels have a `B-X`
-    (a label set without B- tags, or other prefixes, is not constrained). None: nothing is."""
+    (a label set without B- tags, or other prefixes, is not constrained). None: nothing is. Made once
+    per label set and kept (read-only)."""
+    return _constraints(tuple(labels))
+
+
+@lru_cache(maxsize=256)
+def _constraints(labels: tuple[str, ...]) -> np.ndarray | None:
     allowed = np.ones((len(labels) + 1, len(labels)), dtype=bool)
     for j, tag in enumerate(labels):
         if tag.startswith("I-") and "B-" + tag[2:] in labels:
             allowed[:, j] = [label in (tag, "B-" + tag[2:]) for label in labels] + [False]
-    return None if allowed.all() else allowed
+    if allowed.all():
+        return None
+    allowed.flags.writeable = False
+    return allowed
 
 
 def constrained_labels(log_probs: np.ndarray, starts: np.ndarray, allowed: np.ndarray) -> np.ndarray:
@@ -243,12 +348,11 @@ def constrained_labels(log_probs: np.ndarray, starts: np.ndarray, allowed: np.nd
     best = log_probs.argmax(1)
     if len(best) == 0:
         return best
-    before = np.where(starts, len(allowed) - 1, np.r_[0, best[:-1]])
-    broken = ~allowed[before, best]
+    broken = _breaks_rules(best, starts, allowed)
     if not broken.any():
         return best
     begin = np.flatnonzero(starts)
-    length = np.diff(np.r_[begin, len(best)])
+    length = np.diff(np.concatenate((begin, [len(best)])))
     redo = np.unique(np.cumsum(starts)[broken] - 1)  # sequences with a forbidden step
     steps = np.arange(length[redo].max())
     inside = steps[None] < length[redo][:, None]
@@ -281,64 +385,74 @@ def viterbi(log_probs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray) -> 
 OUTSIDE, INSIDE = 0, 1  # tag prefix codes (B and E are 2 and 3: they only ever start an entity)
 
 
-def _token_answers(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggregation: str
+@lru_cache(maxsize=256)
+def _tag_codes(labels: tuple[str, ...]) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
+    """Per label: its (prefix, type), its prefix code (OIBE) and its type's index (read-only)."""
+    tags = [split_tag(tag) for tag in labels]
+    kinds = sorted({kind for _, kind in tags})
+    prefix = np.array(["OIBE".index(p) for p, _ in tags])
+    kind = np.array([kinds.index(k) for _, k in tags])
+    prefix.flags.writeable = kind.flags.writeable = False
+    return tags, prefix, kind
+
+
+def _token_answers(labels: list[str], logits: np.ndarray, tokens: Tokens, rows: int, aggregation: str
                    ) -> list[dict[str, Any]]:
     if aggregation == "none":
-        return _pieces(labels, logits, batch)
-    return _entities(labels, logits, batch, aggregation)
+        return _pieces(labels, logits, tokens, rows)
+    return _entities(labels, logits, tokens, rows, aggregation)
 
 
-def _pieces(labels: list[str], logits: torch.Tensor, batch: TokenBatch) -> list[dict[str, Any]]:
+def _pieces(labels: list[str], logits: np.ndarray, tokens: Tokens, rows: int) -> list[dict[str, Any]]:
     """Aggregation "none": every word piece of the text (special tokens left out) with its own best
     label (the full tag), that label's probability and its character offsets."""
-    rows = len(batch.texts)
-    scores, best = best_labels(logits[:rows])
-    tokens = batch.token_arrays()
-    pairs = batch.text_pairs
-    out: list[dict[str, Any]] = []
-    for r in range(rows):
-        pieces = []
-        for t in np.nonzero(tokens.segment[r] >= 0)[0].tolist():
-            segment, start, end = int(tokens.segment[r, t]), int(tokens.start[r, t]), int(tokens.end[r, t])
-            source = batch.texts[r] if segment == 0 else pairs[r]
-            piece = {"text": source[start:end], "label": labels[best[r, t]], "score": float(scores[r, t]),
-                     "start": start, "end": end}
-            if pairs is not None:
-                piece["segment"] = segment
-            pieces.append(piece)
-        out.append({"tokens": pieces})
+    pieces = np.flatnonzero(tokens.segment >= 0)
+    probs = softmax(logits[pieces])
+    best = probs.argmax(-1)
+    scores = probs[np.arange(len(best)), best].tolist()
+    texts, pairs = tokens.texts, tokens.pairs
+    out: list[dict[str, Any]] = [{"tokens": []} for _ in range(rows)]
+    for r, segment, start, end, label, score in zip(tokens.row[pieces].tolist(), tokens.segment[pieces].tolist(),
+                                                    tokens.start[pieces].tolist(), tokens.end[pieces].tolist(),
+                                                    best.tolist(), scores):
+        source = texts[r] if segment == 0 else pairs[r]
+        piece = {"text": source[start:end], "label": labels[label], "score": score, "start": start, "end": end}
+        if pairs is not None:
+            piece["segment"] = segment
+        out[r]["tokens"].append(piece)
     return out
 
 
-def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggregation: str = "first"
+def _entities(labels: list[str], logits: np.ndarray, tokens: Tokens, rows: int, aggregation: str = "first"
               ) -> list[dict[str, Any]]:
-    rows = len(batch.texts)
-    probs = torch.softmax(logits[:rows].float(), dim=-1).cpu().numpy()
-    words = word_predictions(probs, batch, labels, aggregation)
-    tags = [split_tag(tag) for tag in labels]
-    kinds = sorted({kind for _, kind in tags})
-    prefix = np.array(["OIBE".index(p) for p, _ in tags])[words.label]
-    kind = np.array([kinds.index(k) for _, k in tags])[words.label]
+    words = word_predictions(logits, tokens, labels, aggregation)
+    tags, prefix_of, kind_of = _tag_codes(tuple(labels))
+    prefix = prefix_of[words.label]
+    out: list[dict[str, Any]] = [{"entities": []} for _ in range(rows)]
+    inside = prefix != OUTSIDE
+    if not inside.any():  # no entity (most texts): nothing more to find
+        return out
+    kind = kind_of[words.label]
 
     # A word continues the open entity when it is an I- of the same type in the same row and segment
     # and the word before it was in an entity (any word but an O- leaves one open).
-    after = np.zeros(len(words.row), dtype=bool)
-    after[1:] = ((words.row[1:] == words.row[:-1]) & (prefix[:-1] != OUTSIDE) & (kind[1:] == kind[:-1])
-                 & (words.segment[1:] == words.segment[:-1]))
-    continues = after & (prefix == INSIDE)
-    starts = (prefix != OUTSIDE) & ~continues
-    ends_here = (starts | continues) & ~np.append(continues[1:], False)
+    continues = prefix == INSIDE
+    continues[:1] = False
+    continues[1:] &= ~words.opens[1:] & inside[:-1] & (kind[1:] == kind[:-1])
+    starts = inside & ~continues
+    closes = np.empty(len(continues), dtype=bool)  # the next word does not continue this one
+    closes[-1:] = True
+    np.logical_not(continues[1:], out=closes[:-1])
+    ends_here = (starts | continues) & closes
     firsts, lasts = np.nonzero(starts)[0].tolist(), np.nonzero(ends_here)[0].tolist()
-
     word_scores = words.score.tolist()
     row_of, segment_of = words.row.tolist(), words.segment.tolist()
     start_of, end_of, label_of = words.start.tolist(), words.end.tolist(), words.label.tolist()
     # offsets index the text they came from; pairs say which one ("segment": 0 text, 1 text_pair)
-    pairs = batch.text_pairs
-    out: list[dict[str, Any]] = [{"entities": []} for _ in range(rows)]
+    texts, pairs = tokens.texts, tokens.pairs
     for first, last in zip(firsts, lasts):
         row, segment, start, end = row_of[first], segment_of[first], start_of[first], end_of[last]
-        source = batch.texts[row] if segment == 0 else pairs[row]
+        source = texts[row] if segment == 0 else pairs[row]
         entity = {"text": source[start:end], "label": tags[label_of[first]][1], "start": start, "end": end,
                   "score": sum(word_scores[first:last + 1]) / (last + 1 - first)}
         if pairs is not None:

@@ -183,26 +183,35 @@ def centred(projection: torch.Tensor) -> torch.Tensor:
     return projection - projection.mean(0, keepdim=True)
 
 
+# Weights are quantised to [-64, 64], not [-127, 127]: on an x86 CPU without VNNI (AVX2, and AVX-512
+# before Cascade Lake) oneDNN's int8 product shifts the int8 activations to uint8 [0, 255] and sums each
+# pair of uint8 x int8 products into int16 with saturation (vpmaddubsw). 2 * 255 * 64 = 32,640 fits
+# int16, so no pair saturates and the int32 product is exact on every x86 CPU, as it is with VNNI.
+WEIGHT_LEVELS = 64
+
+
 class Int8Projection:
     """x @ W^T as an int8 x int8 -> int32 product (`head_precision int8`). On this CPU (AVX-512
     VNNI, one thread) the product ran 8x the fp32 one at 1504 tokens x 384 -> 1024 (1.3 vs 12.2 ms,
     scratch measurement).
 
-    W is quantised once, one symmetric scale per row. x is quantised per token onto its own
-    [min, max] range, with a zero point: GELU's outputs lie in [-0.17, max], where a symmetric
-    range would leave most negative codes unused. With x ~ s (q + 128) + lo,
+    W is quantised once, one symmetric scale per row, onto [-64, 64] (`WEIGHT_LEVELS`: the product
+    is then exact on CPUs without VNNI too). x is quantised per token onto its own [min, max] range
+    (256 levels), with a zero point: GELU's outputs lie in [-0.17, max], where a symmetric range
+    would leave most negative codes unused. With x ~ s (q + 128) + lo,
 
         x W^T ~ s * (q W_q^T * row scales + (128 + lo / s) * W's row sums),
 
     an int8 product plus one rank-1 correction. The token's scale s is returned, not applied: the
     layer norm that follows divides per-token scalars out, so `MixGroup.consume` folds s into the
-    norm's eps. On the shipped modules' validation sets this keeps every module within the accuracy
-    rule (bench/results/head-precision-cpu.md); a symmetric range, tried first, lost one RTE example
-    (0.36 points) and was outside it.
+    norm's eps. Tried on the shipped MiniLM modules' validation sets (docs/gpu.md, int8 heads): these
+    7-bit weights keep every module within the accuracy rule; 7-bit activations (129 levels, the
+    other way to avoid the saturation) lost one RTE example beside a bf16 backbone (0.36 points,
+    outside it), as a symmetric activation range did before.
     """
 
     def __init__(self, weight: torch.Tensor):
-        scale = weight.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        scale = weight.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / WEIGHT_LEVELS
         quantised = torch.round(weight / scale[:, None]).to(torch.int8)
         self.weight = quantised.T  # (H, N): a view, as fast as a copy
         self.scale = scale.float()

@@ -1,0 +1,109 @@
+"""The HTTP layer's own parts against real sockets: the request head's size limit of the protocol
+tmod-serve runs (httptools, `server/http_limits.py`), the sampled access log, and the OpenAPI
+schema of the inference routes generated from their msgspec structs."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+
+import msgspec
+import pytest
+import uvicorn
+
+from server.config import Settings
+from server.http_limits import uvicorn_config
+from server.logs import AccessLog
+from tests.helpers import free_port, wait_until
+
+LIMIT = 4096
+
+
+async def ok_app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture(scope="module")
+def port():
+    settings = Settings(port=free_port(), max_header_bytes=LIMIT, log_level="warning")
+    server = uvicorn.Server(uvicorn_config(ok_app, settings))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the server to start")
+    yield settings.port
+    server.should_exit = True
+    thread.join(30)
+
+
+def exchange(port: int, parts: list[bytes]) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        try:
+            for part in parts:
+                sock.sendall(part)
+        except OSError:  # refused midway: the server closed the connection
+            pass
+        received = b""
+        while True:  # every exchange here ends with the server closing
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            received += chunk
+        return received
+
+
+@pytest.mark.parametrize("size, status", [(LIMIT // 2, 200), (LIMIT + 100, 400)])
+def test_a_head_over_the_limit_in_one_read_is_refused(port, size, status):
+    received = exchange(port, [b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-big: " + b"b" * size + b"\r\n\r\n"])
+    assert received.startswith(f"HTTP/1.1 {status} ".encode()), received[:200]
+    if status == 400:
+        error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+        assert error["type"] == "invalid_http" and str(LIMIT) in error["message"]
+        assert b"connection: close" in received.lower()
+
+
+def test_a_head_trickled_past_the_limit_is_refused_before_it_ends(port):
+    headers = [b"x-h%d: %s\r\n" % (i, b"v" * 100) for i in range(2 * LIMIT // 100)]
+    received = exchange(port, [b"GET / HTTP/1.1\r\nhost: x\r\n", *headers])  # never ends its head
+    assert received.startswith(b"HTTP/1.1 400 "), received[:200]
+
+
+def test_the_access_log_samples_at_high_rates(monkeypatch, caplog):
+    now = [1000.0]
+    monkeypatch.setattr("server.logs.time.monotonic", lambda: now[0])
+    log = AccessLog(per_second=5)
+    scope = {"method": "POST", "path": "/v1/infer", "query_string": b""}
+    with caplog.at_level(logging.INFO, logger="tmod.access"):
+        for _ in range(50):  # 50 requests in one instant: one second's lines are written
+            log.write(scope, 200, 0.001)
+        assert len(caplog.records) == 5
+        now[0] += 1.0
+        log.write(scope, 200, 0.001)
+        assert len(caplog.records) == 6 and caplog.records[-1].skipped == 45
+        off = AccessLog(per_second=0)
+        for _ in range(10):
+            off.write(scope, 200, 0.001)
+        assert len(caplog.records) == 6
+
+
+def test_the_inference_routes_schema_is_the_structs_schema():
+    from server.app import create_app
+    from server.embeddings_api import OpenAIEmbeddingRequest, TEIEmbedRequest
+    from server.schemas import InferRequest, InferResponse, TokenizeRequest
+
+    schema = create_app(Settings()).openapi()
+    kinds = [InferRequest, InferResponse, OpenAIEmbeddingRequest, TEIEmbedRequest, TokenizeRequest]
+    _, components = msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
+    for name, component in components.items():
+        assert schema["components"]["schemas"][name] == component, name
+    body = schema["paths"]["/v1/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/InferRequest"}
+    assert schema["components"]["schemas"]["InferRequest"]["required"] == ["inputs"]
+    assert schema["paths"]["/v1/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/TokenizeRequest"}
