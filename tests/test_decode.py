@@ -273,7 +273,7 @@ def test_conll_pairs_decode_as_before(minilm, conll_validation):
 @given(seed=st.integers(0, 2**32 - 1))
 def test_a_worker_decoding_its_rows_answers_as_the_batch_decoder(minilm, seed):
     """With --workers the engine hands each request back its rows' logits cut to their lengths
-    (`row_logits`), packed into one array per task (`pack_answers`), and the worker decodes them over
+    (`row_logits`), packed into one array per task (the answer frame), and the worker decodes them over
     its own rows (`decode_rows`): the answers are those of decoding the whole batch in the engine."""
     rng = random.Random(seed)
     requests = []

@@ -3,8 +3,8 @@
 Per token everything is an integer in one (tokens, FIELDS) int32 array, made by `TextEncoder.encode`
 for a whole request at once (the `tokenizers` library's encodings, each column converted by numpy in
 one call: ids, type ids, segment, word, trimmed offsets and the casing class): a row is a view of it,
-a request crosses processes as one array (`PackedRows`), and `collate` only concatenates rows into a
-padded batch. No Python runs per token on the serving path; the per-token lists
+a request crosses processes as that array (`server/workers.py`'s frames), and `collate` only
+concatenates rows into a padded batch. No Python runs per token on the serving path; the per-token lists
 (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays only when someone
 reads them (training, tests, bridges).
 """
@@ -84,40 +84,6 @@ def plain_rows(rows: list[EncodedInput]) -> list[int]:
 
 def _nones(values: np.ndarray) -> list[int | None]:
     return [None if v < 0 else v for v in values.tolist()]
-
-
-@dataclass
-class PackedRows:
-    """A request's encoded inputs as one token array and a length per row: what a worker process
-    sends the engine (one buffer, however many inputs: pickled as bytes, which costs a copy where
-    an ndarray's pickle costs several microseconds of numpy's own), and what the engine turns back
-    into rows (views of that array, no copy)."""
-
-    texts: list[str]
-    text_pairs: list[str] | None
-    truncated: list[bool]
-    lengths: list[int]
-    tokens: np.ndarray  # (sum of lengths, FIELDS) int32
-
-    @classmethod
-    def of(cls, rows: Sequence[EncodedInput]) -> "PackedRows":
-        pairs = [row.text_pair for row in rows] if rows[0].text_pair is not None else None
-        tokens = rows[0].tokens if len(rows) == 1 else np.concatenate([row.tokens for row in rows])
-        return cls([row.text for row in rows], pairs, [row.truncated for row in rows], [len(row) for row in rows], tokens)
-
-    def __reduce__(self):
-        return _unpack_rows, (self.texts, self.text_pairs, self.truncated, self.lengths,
-                              np.ascontiguousarray(self.tokens, dtype=np.int32).tobytes())
-
-    def rows(self) -> list[EncodedInput]:
-        bounds = [0, *itertools.accumulate(self.lengths)]
-        pairs = self.text_pairs or [None] * len(self.texts)
-        return [EncodedInput(text, pair, self.tokens[a:b], cut)
-                for text, pair, cut, a, b in zip(self.texts, pairs, self.truncated, bounds, bounds[1:])]
-
-
-def _unpack_rows(texts, text_pairs, truncated, lengths, data: bytes) -> PackedRows:
-    return PackedRows(texts, text_pairs, truncated, lengths, np.frombuffer(data, dtype=np.int32).reshape(-1, FIELDS))
 
 
 class TokenLists(Sequence):

@@ -66,8 +66,8 @@ def decode(task_type: TaskType, labels: list[str], logits, batch: TokenBatch | N
 def decode_rows(task_type: TaskType, labels: list[str], packed, rows: "TokenBatch | Sequence[EncodedInput]",
                 options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
                 decoding: dict | None = None) -> list[dict[str, Any]]:
-    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`,
-    `pack_answers`): (rows, labels), or for token tasks every row's own tokens one after the other
+    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`'s
+    answer frames): (rows, labels), or for token tasks every row's own tokens one after the other
     (tokens, labels). `rows`: the request's EncodedInputs (cheapest: their token arrays are read as
     they are), or those rows collated into a TokenBatch. Several requests (an engine frame's) decode
     in one call the same way, their rows and packed logits one after the other, each row answered as
