@@ -14,8 +14,8 @@ a CPU's several passes per batch, each with its own sleep and per-pass host work
    all-MiniLM-L6-v2 tokenizer and config) is written to a temporary folder.
 2. One server is started (`python bench/bench_frontend.py --serve`, 127.0.0.1, batching on).
 3. Two such servers, both up for the whole run: uvicorn's pure-Python stack (h11 parser, asyncio
-   loop: before) and httptools + uvloop (after: `pip install .[fast]`; uvicorn picks them up by
-   itself). Levels alternate which server goes first.
+   loop: before) and httptools + uvloop (after: what tmod-serve runs since issue 37, with its head limits
+   and drain). Levels alternate which server goes first.
    For each (inputs per request, concurrency) of 1 x 64, 1 x 256, 32 x 64, 32 x 256: `--clients`
    load-generator processes share the concurrency, each an asyncio loop of closed-loop workers on
    their own keep-alive connection, speaking minimal HTTP/1.1 over raw streams (an httpx client
@@ -106,12 +106,17 @@ def install_standin(pass_s: float) -> None:
 def serve(argv: list[str]) -> None:
     install_standin(float(os.environ.get("BENCH_PASS_MS", "1")) / 1000)
     stack = os.environ.get("BENCH_UVICORN")  # "h11,asyncio": the pure-Python HTTP parser and event loop
-    if stack:
-        import uvicorn
+    if stack and stack.startswith("h11"):  # httptools + uvloop is what tmod-serve runs (with its own limits)
+        from server import http_limits
 
-        http, loop = stack.split(",")
-        run = uvicorn.run
-        uvicorn.run = lambda app, **kw: run(app, **{**kw, "http": http, "loop": loop})
+        made, (http, loop) = http_limits.uvicorn_config, stack.split(",")
+
+        def with_stack(app, settings):
+            config = made(app, settings)
+            config.http, config.loop = http, loop  # uvicorn's stock h11 protocol: tmod's head limits are not in it
+            return config
+
+        http_limits.uvicorn_config = with_stack
     profile_path = os.environ.get("BENCH_PROFILE")
     if not profile_path:
         from server.cli import main as serve_main
@@ -727,11 +732,6 @@ def main(argv=None) -> int:
     from bench.harness import machine_info, read_sst2_sentences
 
     args = parse_args(argv)
-    try:
-        import httptools  # noqa: F401
-        import uvloop  # noqa: F401
-    except ImportError:
-        raise SystemExit("bench_frontend compares uvicorn stacks: pip install '.[fast]' (httptools, uvloop)")
     if args.quick:
         args.warmup, args.duration = 1.0, 2.0
     sentences = read_sst2_sentences()
