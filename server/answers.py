@@ -7,6 +7,9 @@ tokenization, which only the engine process has, so it is decoded here.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from server.backbone import TokenBatch
@@ -27,20 +30,48 @@ def decode_all(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor]
     }
 
 
+class RowLogits(Sequence):
+    """One native task's host logits of a pass, as each row's logits: `rows[r]` is row r's array
+    ((labels,), or (tokens, labels) over its own tokens for a token task: `lengths` given), a view made
+    only when asked. `take` gathers many rows at once, so that packing a batch's answers costs numpy
+    calls per task, not a Python step per row (the answer frame, server/workers.py)."""
+
+    def __init__(self, array: np.ndarray, lengths: np.ndarray | None = None):
+        self.array, self.lengths = array, lengths
+
+    def __len__(self) -> int:
+        return self.array.shape[0]
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(len(self)))]
+        return self.array[r] if self.lengths is None else self.array[r, :self.lengths[r]]
+
+    def take(self, places: np.ndarray) -> np.ndarray:
+        """Rows `places`, in that order, as one array: (rows, labels), or a token task's rows' own
+        tokens one after the other (tokens, labels) (what `np.concatenate` of their views gives)."""
+        picked = self.array[places]
+        if self.lengths is None:
+            return picked
+        return picked[np.arange(self.array.shape[1]) < self.lengths[places][:, None]]
+
+
 def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
-               lengths: list[int], rows: list | None = None) -> dict[str, list]:
-    """Per task, each row's host logits as a numpy array ((tokens, labels) over its own tokens for
-    token tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A foreign
-    task's logits lie on its bridge's tokenization, which only this process has: decoded here."""
+               lengths: list[int], rows: list | None = None) -> dict[str, Sequence]:
+    """Per task, each row's host logits (`RowLogits`: (tokens, labels) over its own tokens for token
+    tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A foreign task's
+    logits lie on its bridge's tokenization, which only this process has: decoded here."""
     out = {}
+    token_lengths = None
     for task, module in modules.items():
         if module.bridge:
             out[task] = decode_all({task: module}, logits, batches, rows)[task]
         elif logits[task].dim() == 3:
-            host = logits[task].numpy()
-            out[task] = [host[r, :n] for r, n in enumerate(lengths)]
+            if token_lengths is None:
+                token_lengths = np.asarray(lengths)
+            out[task] = RowLogits(logits[task].numpy(), token_lengths)
         else:
-            out[task] = list(logits[task].numpy())
+            out[task] = RowLogits(logits[task].numpy())
     return out
 
 

@@ -30,11 +30,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Awaitable, Callable
+
+import numpy as np
 
 from server.backbone import EncodedInput
 from server.modules import LoadedModule
+from server.runner import SortedRows
 from server.timings import Timings
 
 log = logging.getLogger("tmod.batcher")
@@ -410,19 +412,24 @@ class Batcher:
         # sort rows by length so similar lengths share padding (stable: equal lengths keep their
         # order); `where[j]` remembers where entry j's rows went
         if all(len(entry[ROWS]) == 1 for entry in batch):  # one row each (the common case): no inner loop
-            rows = [entry[ROWS][0] for entry in batch]
-            order = sorted(range(len(rows)), key=[entry[LENGTHS][0] for entry in batch].__getitem__)
-            rows = [rows[j] for j in order]
-            where = [None] * len(rows)
+            lengths = [entry[LENGTHS][0] for entry in batch]
+            order = sorted(range(len(batch)), key=lengths.__getitem__)
+            rows = SortedRows([batch[j][ROWS][0] for j in order], [lengths[j] for j in order])
+            where = [None] * len(batch)
             for i, j in enumerate(order):
                 where[j] = [i]
-        else:
-            order = sorted(((n, j, r) for j, entry in enumerate(batch) for r, n in enumerate(entry[LENGTHS])),
-                           key=itemgetter(0))
-            rows = [batch[j][ROWS][r] for _, j, r in order]
-            where = [[0] * len(entry[ROWS]) for entry in batch]
-            for i, (_, j, r) in enumerate(order):
-                where[j][r] = i
+        else:  # every row of the batch sorted at once (numpy), no object per row
+            counts = [len(entry[ROWS]) for entry in batch]
+            lengths = np.fromiter(itertools.chain.from_iterable(entry[LENGTHS] for entry in batch), dtype=np.int64,
+                                  count=sum(counts))
+            order = np.argsort(lengths, kind="stable")
+            flat = list(itertools.chain.from_iterable(entry[ROWS] for entry in batch))
+            rows = SortedRows([flat[i] for i in order.tolist()], lengths[order].tolist())
+            place = np.empty_like(order)  # each row's place in the sorted batch
+            place[order] = np.arange(len(order))
+            place = place.tolist()
+            bounds = [0, *itertools.accumulate(counts)]
+            where = [place[a:b] for a, b in zip(bounds, bounds[1:])]
         modules: dict[str, LoadedModule] = {}
         owners: dict[Owner, list] = {}
         last = mine = None

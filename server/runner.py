@@ -536,6 +536,15 @@ class GraphCache:
 
 
 # ---- the runner -----------------------------------------------------------------------------------
+class SortedRows(list):
+    """A batch's rows as the batcher hands them (sorted by length) with `lengths`, each row's token
+    count, which the batcher's entries carry: the runner never asks a row for its length."""
+
+    def __init__(self, rows, lengths: list[int]):
+        super().__init__(rows)
+        self.lengths = lengths
+
+
 @dataclass
 class PreparedPass:
     rows: slice  # which of the batch's rows
@@ -551,6 +560,7 @@ class PreparedBatch:
 
     rows: list[EncodedInput]
     passes: list[PreparedPass]
+    lengths: list[int]  # each row's token count, asked of the rows once per batch
 
 
 def head_precision(settings: Settings) -> str:
@@ -697,13 +707,15 @@ class ModelRunner:
         safe on another thread while the device runs the previous batch); on cuda, into a free
         staging set of its bucket."""
         classes = token_classes_read(modules)
+        lengths = rows.lengths if type(rows) is SortedRows else [len(row) for row in rows]
         passes = []
-        for run, bucket in self.shapes.passes([len(row) for row in rows]):
+        for run, bucket in self.shapes.passes(lengths):
             batch = self.engine.backbone.text.collate(
-                rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", classes=classes)
+                rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", classes=classes,
+                lengths=lengths[run])
             taken = self.staging.take(batch, bucket) if staged and self.staged and bucket is not None else None
             passes.append(PreparedPass(run, bucket, *taken) if taken else PreparedPass(run, bucket, batch))
-        return PreparedBatch(rows, passes)
+        return PreparedBatch(rows, passes, lengths)
 
     # ---- device side ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -732,18 +744,24 @@ class ModelRunner:
 
     def _execute(self, prepared: PreparedBatch, modules: dict[str, LoadedModule], timings: Timings
                  ) -> dict[str, list]:
+        if len(prepared.passes) == 1:  # the pass's answers as they are (a worker's row logits: RowLogits)
+            item = prepared.passes[0]
+            return self._answer(item, prepared.rows[item.rows], prepared.lengths[item.rows], modules, timings)
         outputs: dict[str, list] = {task: [] for task in modules}
         for item in prepared.passes:
-            for task, answered in self._answer(item, prepared.rows[item.rows], modules, timings).items():
-                outputs[task].extend(answered)
+            answered = self._answer(item, prepared.rows[item.rows], prepared.lengths[item.rows], modules, timings)
+            for task, values in answered.items():
+                outputs[task].extend(values)
         return outputs
 
-    def _answer(self, item: PreparedPass, rows: list[EncodedInput], modules, timings) -> dict[str, list]:
+    def _answer(self, item: PreparedPass, rows: list[EncodedInput], lengths: list[int], modules, timings
+                ) -> dict[str, list]:
         failure = broken = None
         try:
             logits, batches = self._pass(item, rows, modules, timings)
-            return answers(modules, logits, batches, [len(row) for row in rows], self.decode_here, window_rows(rows),
-                           rows)
+            # windows keep their logits only where rows are decoded (a worker decodes from logits anyway)
+            return answers(modules, logits, batches, lengths, self.decode_here,
+                           window_rows(rows) if self.decode_here else (), rows)
         except Exception as exc:
             if is_device_failure(exc):  # the whole device is gone: the runtime stops (not one head's fault)
                 raise
@@ -755,13 +773,13 @@ class ModelRunner:
                 log.warning("a pass for tasks %s failed", sorted(modules), exc_info=True)
                 broken = error_text(exc)
         if broken is not None:
-            return self._answer_apart(item, rows, modules, timings, broken)
+            return self._answer_apart(item, rows, lengths, modules, timings, broken)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if len(rows) == 1:
-            log.warning("refused: an input of %d tokens does not fit in %s memory alone", len(rows[0]), self.device)
+            log.warning("refused: an input of %d tokens does not fit in %s memory alone", lengths[0], self.device)
             self._count_oom("refused")
-            refusal = OutOfMemory(len(rows[0]), self.device, failure)
+            refusal = OutOfMemory(lengths[0], self.device, failure)
             return {task: [refusal] for task in modules}
         self._count_oom("split")
         half = len(rows) // 2
@@ -773,7 +791,7 @@ class ModelRunner:
                 outputs[task].extend(answered)
         return outputs
 
-    def _answer_apart(self, item: PreparedPass, rows: list[EncodedInput], modules, timings,
+    def _answer_apart(self, item: PreparedPass, rows: list[EncodedInput], lengths: list[int], modules, timings,
                       error: str) -> dict[str, list]:
         """A pass that raised (not for memory): a failing head fails its own task's answers, never
         another task's. Each task runs again in a pass of its own; a task whose pass raises too is
@@ -785,7 +803,7 @@ class ModelRunner:
         log.warning("a pass for tasks %s failed (%s); running each task alone", sorted(modules), error)
         outputs = {}
         for task, module in modules.items():
-            outputs.update(self._answer(item, rows, {task: module}, timings))
+            outputs.update(self._answer(item, rows, lengths, {task: module}, timings))
         return outputs
 
     def _pass(self, item: PreparedPass, rows: list[EncodedInput], modules: dict[str, LoadedModule],

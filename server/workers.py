@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from modules_store import Manifest, TaskType
+from server.answers import RowLogits
 from server.backbone import EncodedInput
 from server.backbone.tokens import FIELDS, TextEncoder, plain_rows
 from server.batcher import ENQUEUED, KEY, LENGTHS, MODULES, DeadlineExceeded, Job, Owner, QueueFull
@@ -198,49 +199,68 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     """What the engine has for one worker in one event-loop iteration -> a frame's parts. `batches`:
     `(items, outputs, timings, started)` as the batcher hands an Owner; `errors`: `(id, status, type,
     message, details)`. Work per task per batch (one gather of its rows), not per request and task."""
-    ids, times, status = [], [], []
-    table: dict[tuple[str, str], tuple[list, list]] = {}  # (task, version) -> (row answers, [(request, rows)])
+    ids, times, status = [], [], []  # times: per batch, a (requests, 3) array of (queue, backbone, heads)
+    table: dict[tuple[str, str], tuple[list, list]] = {}  # (task, version) -> (row answers, [(requests, rows)])
     tail: dict = {}
     for items, outputs, timings, started in batches:
-        refused = {r: a for answers in outputs.values() for r, a in enumerate(answers) if type(a) is not np.ndarray
-                   and isinstance(a, Exception)}
-        groups: dict[int, tuple[dict, list, list, list, list]] = {}  # per task set: requests, places, rows, tokens
-        backbone, heads = timings.backbone, timings.heads
-        for entry, places in items:
-            i = len(ids)
-            ids.append(entry[KEY])
-            times.append((started - entry[ENQUEUED], backbone, heads))
-            if refused and any(p in refused for p in places):
-                refusal = next(refused[p] for p in places if p in refused)
-                status.append(refusal.status if isinstance(refusal, ApiError) else 500)
-                tail.setdefault("errors", {})[i] = describe_error(refusal)
-                continue
-            status.append(0)
-            modules = entry[MODULES]
-            group = groups.get(id(modules))
-            if group is None:
-                group = groups[id(modules)] = (modules, [], [], [], [])
-            group[1].append(i)
-            group[2].extend(places)
-            group[3].append(len(places))
-            group[4].append(sum(entry[LENGTHS]))  # a token task answers each row's own tokens
-        for modules, requests, places, rows, tokens in groups.values():
+        first = len(ids)
+        ids += [entry[KEY] for entry, _ in items]
+        spent = np.empty((len(items), 3))
+        spent[:, 0] = [started - entry[ENQUEUED] for entry, _ in items]
+        spent[:, 1], spent[:, 2] = timings.backbone, timings.heads
+        times.append(spent)
+        answered = [0] * len(items)  # each request's status: 0, or the status of a refusal of one of its rows
+        refused = {r: a for answers in outputs.values() if type(answers) is not RowLogits  # never holds a refusal
+                   for r, a in enumerate(answers) if type(a) is not np.ndarray and isinstance(a, Exception)}
+        if refused:
+            for k, (_, places) in enumerate(items):
+                refusal = next((refused[p] for p in places if p in refused), None)
+                if refusal is not None:
+                    answered[k] = refusal.status if isinstance(refusal, ApiError) else 500
+                    tail.setdefault("errors", {})[first + k] = describe_error(refusal)
+        status += answered
+        # per task, the requests that asked it in request order (a reader cuts a task's block by the
+        # requests' counts in order): one list per task set, merged where a batch holds several
+        groups: dict[int, tuple[dict, list]] = {}  # per task set (one dict per set): its modules, its requests
+        for k, (entry, _) in enumerate(items):
+            if not answered[k]:
+                modules = entry[MODULES]
+                groups.setdefault(id(modules), (modules, []))[1].append(k)
+        asked: dict[str, tuple] = {}  # task -> (its module (one per task in a batch), the requests asking it)
+        for modules, members in groups.values():
             for task, module in modules.items():
-                answers = outputs[task]
-                mine = [answers[p] for p in places]
+                if task in asked:
+                    asked[task][1].extend(members)
+                else:
+                    asked[task] = (module, members if len(groups) == 1 else list(members))
+        layouts: dict[int, RequestRows] = {}  # tasks asked by the same requests share one
+        for task, (module, members) in asked.items():
+            if len(groups) > 1:
+                members.sort()
+            layout = layouts.get(id(members))
+            if layout is None:
+                layout = layouts[id(members)] = RequestRows(items, members, first)
+            answers = outputs[task]
+            if type(answers) is RowLogits:  # one gather of the task's rows (no step per row)
+                part = answers.take(layout.gather())
+                token_task = answers.lengths is not None
+            else:
+                mine = [answers[p] for p in layout.places]
                 if type(mine[0]) is not np.ndarray:  # decoded here (a bridged task)
                     at = 0
-                    for i, count in zip(requests, rows):
+                    for i, count in zip(layout.requests, layout.rows):
                         tail.setdefault("decoded", {}).setdefault(i, {})[task] = (module.version, mine[at:at + count])
                         at += count
                     continue
-                parts, counts = table.setdefault((task, module.version), ([], []))
-                parts.append(np.stack(mine) if mine[0].ndim == 1 else np.concatenate(mine))
-                counts.append((requests, rows if mine[0].ndim == 1 else tokens))
+                token_task = mine[0].ndim == 2
+                part = np.concatenate(mine) if token_task else np.stack(mine)
+            parts, counts = table.setdefault((task, module.version), ([], []))
+            parts.append(part)
+            counts.append((layout.requests, layout.tokens() if token_task else layout.rows))
     for ident, code, type_, message, details in errors:
         tail.setdefault("errors", {})[len(ids)] = (type_, message, details)
         ids.append(ident)
-        times.append((0.0, 0.0, 0.0))
+        times.append(np.zeros((1, 3)))
         status.append(code)
     n = len(ids)
     count_rows, widths, blocks = [], [], []
@@ -254,10 +274,34 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
         blocks.append(np.ascontiguousarray(block, dtype=np.float32).tobytes())
     names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
     pickled = pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL) if tail else b""
+    times = times[0] if len(times) == 1 else np.concatenate(times) if times else np.empty((0, 3))
     return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0),
-            np.array(times, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
+            np.ascontiguousarray(times, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
             np.array(status, dtype=np.int32).tobytes(), *count_rows, np.array(widths, dtype=np.int32).tobytes(),
             *blocks, names, pickled]
+
+
+class RequestRows:
+    """The rows of some of a batch's requests (`members`: their indices in the batch's items, in
+    order), laid out as a task's block holds them: request after request, each one's rows in its order."""
+
+    def __init__(self, items: list, members: list[int], first: int):
+        self.items, self.members = items, members
+        self.requests = [first + k for k in members]  # their indices in the frame
+        self.places = list(itertools.chain.from_iterable(items[k][1] for k in members))  # rows in the batch
+        self.rows = [len(items[k][1]) for k in members]
+        self._gather = self._tokens = None
+
+    def gather(self) -> np.ndarray:
+        if self._gather is None:
+            self._gather = np.array(self.places)
+        return self._gather
+
+    def tokens(self) -> list[int]:
+        """Per request, its rows' tokens (a token task answers each row's own tokens)."""
+        if self._tokens is None:
+            self._tokens = [sum(self.items[k][0][LENGTHS]) for k in self.members]
+        return self._tokens
 
 
 def describe_error(exc: Exception) -> tuple:

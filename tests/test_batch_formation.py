@@ -228,3 +228,36 @@ def test_a_group_of_entries_expires_entry_by_entry_at_each_deadline():
     assert [key for key, _ in owner.expired] == ["a", "b"]
     assert owner.expired[1][1] >= now + 0.3  # b failed at its own deadline, not at the group's first (a's)
     assert owner.answered == ["first", "late"]
+
+
+def test_rows_of_many_input_jobs_are_sorted_by_length_and_each_job_gets_its_own_back():
+    """A batch of many-input jobs: the runner gets every row sorted by length (stable: equal lengths
+    keep their queue order) with those lengths beside them (`SortedRows`, no row asked), and each job
+    gets the answers of its own rows, in its own order."""
+    from server.runner import SortedRows
+
+    modules = {"task0": object()}
+    lengths = [[9, 3, 7], [3], [12, 1, 3, 9], [5, 5]]
+    seen = []
+
+    def run_batch(rows, batch_modules, timings):
+        seen.append((type(rows), list(rows.lengths), [len(row) for row in rows]))
+        return {"task0": [("row", len(row), id(row)) for row in rows]}
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = Batcher(run_batch, executor, BatchSettings(max_batch_tokens=10**9, max_wait=0.05, max_queue=100))
+        batcher.start()
+        jobs = [Job(rows=[Row(n) for n in job], modules=modules, deadline=time.perf_counter() + 60) for job in lengths]
+        answers = await asyncio.gather(*(batcher.submit(job) for job in jobs))
+        await batcher.drain_and_stop()
+        executor.shutdown()
+        return jobs, answers
+
+    jobs, answers = asyncio.run(scenario())
+    assert len(seen) == 1  # one batch
+    kind, given, asked = seen[0]
+    flat = [n for job in lengths for n in job]
+    assert kind is SortedRows and given == asked == sorted(flat)
+    for job, answered in zip(jobs, answers):
+        assert [a["task0"] for a in answered] == [("row", len(row), id(row)) for row in job.rows]

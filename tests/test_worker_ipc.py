@@ -127,6 +127,26 @@ def test_requests_and_answers_cross_as_arrays_and_equal_one_process(tmp_path, ti
             assert b"\x80\x05" not in body[:8] and b"EncodedInput" not in body and b"numpy" not in body
 
 
+def test_requests_of_interleaved_task_sets_in_one_batch_each_get_their_own_answers(tmp_path, tiny_store,
+                                                                                   tiny_backbone, frames):
+    """One batch of a worker's requests whose task sets alternate (ner; all three; ner; ...): each task's
+    block holds the requests in order, so each gets its own rows (the engine at 4d423f9 laid a block out
+    task set by task set and gave such requests each other's logits)."""
+    cases = [(TEXTS[i % len(TEXTS)], ["ner"] if i % 2 else TASKS) for i in range(6)]
+    answers = {}
+
+    async def scenario(single, remote, engine):
+        for name, runtime in (("workers", remote), ("one process", single)):
+            answers[name] = await asyncio.gather(*(runtime.submit(answer_of(runtime, [text], None, tasks))
+                                                   for text, tasks in cases))
+
+    run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_wait_ms=50)
+    assert answers["workers"] == answers["one process"]  # floats included
+    assert [set(a[0]) for a in answers["workers"]] == [set(tasks) for _, tasks in cases]
+    replies = [body for body in frames if body[:1] == workers.ANSWERS]
+    assert len(replies) == 1  # one batch: the alternating task sets shared it
+
+
 def test_a_worker_past_its_in_flight_bound_answers_429(tmp_path, tiny_store, tiny_backbone, frames):
     async def scenario(single, remote, engine):
         assert remote.limit == 1  # max_queue 2 shared by 2 workers
@@ -181,3 +201,45 @@ def test_answers_the_engine_cannot_frame_are_a_500_not_a_wait(tmp_path, tiny_sto
         assert failed.value.status == 500 and "broken on purpose" in failed.value.message
 
     run_pair(tmp_path, tiny_store, tiny_backbone, scenario)
+
+
+def test_the_answer_frame_gathers_row_logits_as_the_rows_one_by_one():
+    """A pass's logits leave the runner as `RowLogits` (one array per task) and the answer frame
+    gathers each task's rows with one index: the frame is byte for byte the one made from each row's
+    own view (the runner's answers before), over two task sets, many-row requests and a token task;
+    a request with a refused row (an out-of-memory answer in a list) gets its status, the others theirs."""
+    from types import SimpleNamespace
+
+    from server.answers import RowLogits
+    from server.timings import Timings
+
+    rng = np.random.default_rng(0)
+    rows, width = 12, 9
+    lengths = rng.integers(1, width + 1, rows)
+    sequence = rng.normal(size=(rows, 3)).astype(np.float32)
+    tokens = rng.normal(size=(rows, width, 5)).astype(np.float32)
+    module = SimpleNamespace(version="1")
+    both, ner_only = {"sentiment": module, "ner": module}, {"ner": module}
+    requests = [[3, 0], [5], [1, 2, 4], [6], [11, 7, 8, 9, 10]]
+    items = [((None, both if i % 2 == 0 else ner_only, 0.0, 0.5, None, 100 + i, [int(lengths[p]) for p in places]),
+              places) for i, places in enumerate(requests)]
+    timings = Timings()
+    timings.backbone, timings.heads = 0.25, 0.125
+    gathered = {"sentiment": RowLogits(sequence), "ner": RowLogits(tokens, lengths)}
+    one_by_one = {"sentiment": [sequence[r] for r in range(rows)], "ner": [tokens[r, :lengths[r]] for r in range(rows)]}
+    frame = b"".join(workers.answer_frame([(items, gathered, timings, 1.0)], []))
+    assert frame == b"".join(workers.answer_frame([(items, one_by_one, timings, 1.0)], []))
+    answers = dict(workers.read_answers(frame))
+    for i, places in enumerate(requests):
+        arrays, versions, times = answers[100 + i]
+        assert times == (0.5, 0.25, 0.125)
+        np.testing.assert_array_equal(arrays["ner"], np.concatenate([tokens[p, :lengths[p]] for p in places]))
+        if i % 2 == 0:
+            np.testing.assert_array_equal(arrays["sentiment"], sequence[places])
+        else:
+            assert "sentiment" not in arrays
+    refused = dict(one_by_one, ner=list(one_by_one["ner"]))
+    refused["ner"][5] = ApiError(503, "out_of_memory", "too long")
+    answers = dict(workers.read_answers(b"".join(workers.answer_frame([(items, refused, timings, 1.0)], []))))
+    assert isinstance(answers[101], ApiError) and answers[101].status == 503
+    assert all(not isinstance(answers[100 + i], ApiError) for i in (0, 2, 3, 4))

@@ -25,6 +25,7 @@ CASING_CLASSES = 5  # none/special/padding, lower, Capitalized, UPPER, other (di
 # columns of a token array: -1 in SEGMENT / WORD where the tokenizer says None (special tokens)
 IDS, TYPES, SEGMENT, WORD, START, END, CASING = range(7)
 FIELDS = 7
+TOKEN_CELL = np.dtype((np.void, 4 * FIELDS))  # one token's FIELDS int32 as one item (collate copies tokens whole)
 
 
 @dataclass
@@ -475,26 +476,31 @@ class TextEncoder:
         return out
 
     def collate(self, rows, shape: tuple[int, int] | None = None, device: torch.device | str | None = None,
-                classes: Iterable[str] = ()) -> TokenBatch:
+                classes: Iterable[str] = (), lengths: Sequence[int] | None = None) -> TokenBatch:
         """Pad encoded inputs (possibly from several requests) into one batch; padding goes on
         the right for every model (a causal decoder's real tokens never attend to it).
 
         `shape` (rows, tokens): pad to that bucket shape instead of the smallest one; rows past
         the real ones are filler rows (`TokenBatch.filler_rows`). `device`: where the tensors go
         (default this encoder's device; "cpu" keeps them on the host for the caller to pin and
-        copy). `classes`: the per-token classes to make now (TOKEN_CLASSES that loaded heads read)."""
-        lengths = np.array([len(row) for row in rows], dtype=np.int64)
+        copy). `classes`: the per-token classes to make now (TOKEN_CLASSES that loaded heads read).
+        `lengths`: the rows' token counts where the caller has them (else each row is asked)."""
+        lengths = np.array([len(row) for row in rows] if lengths is None else lengths, dtype=np.int64)
         width = int(lengths.max())
         height = n = len(rows)
         if shape is not None:
             if shape[0] < height or shape[1] < width:
                 raise ValueError(f"bucket {shape} is smaller than the batch ({height} rows x {width} tokens)")
             height, width = shape
-        # one copy of every row's tokens into the padded block: no Python per row or token
+        # one copy of every row's tokens into the padded block: no Python per row or token. Each
+        # token's FIELDS int32 are copied as one item (a void view), not field by field: ~20x faster
         padded = np.empty((height, width, FIELDS), dtype=np.int32)
-        padded[...] = (self.pad_id, 0, -1, -1, 0, 0, 0)  # padding: pad id, no segment or word, casing 0
+        cells = padded.view(TOKEN_CELL)[..., 0]
+        pad = np.array([(self.pad_id, 0, -1, -1, 0, 0, 0)], dtype=np.int32)  # pad id, no segment or word, casing 0
+        cells[...] = pad.view(TOKEN_CELL)[0, 0]
         real = np.arange(width) < lengths[:, None]
-        padded[:n][real] = np.concatenate([row.tokens for row in rows])
+        cells[:n][real] = np.ascontiguousarray(np.concatenate([row.tokens for row in rows]),
+                                               dtype=np.int32).view(TOKEN_CELL)[:, 0]
         attention = np.zeros((height, width), dtype=np.int64)
         attention[:n] = real
         attention[n:, 0] = 1  # filler rows see one token: no attention row is all masked
