@@ -691,6 +691,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workers", action="store_true",
                    help="compare tmod-serve --workers 1 and 2 instead (bench/results/frontend-workers-cpu.{json,md})")
+    p.add_argument("--worker-counts", type=lambda text: [int(n) for n in text.split(",")], default=[1, 2],
+                   help="with --workers: the --workers N values compared, e.g. 2 for the engine process alone "
+                        "(default 1,2)")
     p.add_argument("--before", type=Path, default=None,
                    help="with --workers: another checkout whose servers run beside this tree's (before / after)")
     p.add_argument("--engine-only", action="store_true",
@@ -766,7 +769,7 @@ def main(argv=None) -> int:
 
                 commit = subprocess.run(["git", "-C", str(args.before), "rev-parse", "HEAD"], capture_output=True, text=True)
                 result["before"] = commit.stdout.strip() or str(args.before)
-            result["levels"] = compare_workers(args, bodies, workdir)
+            result["levels"] = compare_workers(args, bodies, workdir, counts=args.worker_counts)
             result["ceilings"] = workers_ceilings(result["levels"])
             out = args.out.with_name("frontend-workers-cpu.json") if args.out.name == "frontend-cpu.json" else args.out
             out.write_text(json.dumps(result, indent=2) + "\n")

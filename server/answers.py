@@ -50,10 +50,15 @@ class RowLogits(Sequence):
     def take(self, places: np.ndarray) -> np.ndarray:
         """Rows `places`, in that order, as one array: (rows, labels), or a token task's rows' own
         tokens one after the other (tokens, labels) (what `np.concatenate` of their views gives)."""
-        picked = self.array[places]
         if self.lengths is None:
-            return picked
-        return picked[np.arange(self.array.shape[1]) < self.lengths[places][:, None]]
+            return self.array[places]
+        # a token task: one masked copy of the rows' own tokens, each token's labels moved as one item
+        # (a void view; element by element the copy was slower than concatenating per-row views)
+        array = np.ascontiguousarray(self.array)
+        labels = array.shape[2]
+        tokens = array.view(np.dtype((np.void, array.itemsize * labels)))[..., 0]
+        real = np.arange(array.shape[1]) < self.lengths[places][:, None]
+        return tokens[places][real].view(array.dtype).reshape(-1, labels)
 
 
 def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],

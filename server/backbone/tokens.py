@@ -507,13 +507,14 @@ class TextEncoder:
         columns = padded[:n].transpose(2, 0, 1).astype(np.int64)  # (FIELDS, rows, T) of the real rows
         arrays = TokenArrays(segment=columns[SEGMENT], word=columns[WORD], start=columns[START], end=columns[END],
                              casing=columns[CASING])
-        has_pairs = any(row.text_pair is not None for row in rows)
+        pairs = [row.text_pair for row in rows]
+        has_pairs = pairs.count(None) < n
         batch = TokenBatch(
             input_ids=torch.from_numpy(padded[..., IDS].astype(np.int64)), attention_mask=torch.from_numpy(attention),
             token_type_ids=torch.from_numpy(padded[..., TYPES].astype(np.int64)) if self.uses_token_types else None,
             offsets=TokenLists(arrays.start, arrays.end), sequence_ids=TokenLists(arrays.segment),
             word_ids=TokenLists(arrays.word), texts=[row.text for row in rows],
-            text_pairs=[row.text_pair for row in rows] if has_pairs else None,
+            text_pairs=pairs if has_pairs else None,
             truncated=[row.truncated for row in rows], filler_rows=height - n, arrays=arrays,
         )
         for name in classes:
