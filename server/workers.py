@@ -199,16 +199,14 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     """What the engine has for one worker in one event-loop iteration -> a frame's parts. `batches`:
     `(items, outputs, timings, started)` as the batcher hands an Owner; `errors`: `(id, status, type,
     message, details)`. Work per task per batch (one gather of its rows), not per request and task."""
-    ids, times, status = [], [], []  # times: per batch, a (requests, 3) array of (queue, backbone, heads)
+    ids, times, status = [], [], []
     table: dict[tuple[str, str], tuple[list, list]] = {}  # (task, version) -> (row answers, [(requests, rows)])
     tail: dict = {}
     for items, outputs, timings, started in batches:
         first = len(ids)
         ids += [entry[KEY] for entry, _ in items]
-        spent = np.empty((len(items), 3))
-        spent[:, 0] = [started - entry[ENQUEUED] for entry, _ in items]
-        spent[:, 1], spent[:, 2] = timings.backbone, timings.heads
-        times.append(spent)
+        backbone, heads = timings.backbone, timings.heads
+        times += [(started - entry[ENQUEUED], backbone, heads) for entry, _ in items]
         answered = [0] * len(items)  # each request's status: 0, or the status of a refusal of one of its rows
         refused = {r: a for answers in outputs.values() if type(answers) is not RowLogits  # never holds a refusal
                    for r, a in enumerate(answers) if type(a) is not np.ndarray and isinstance(a, Exception)}
@@ -260,7 +258,7 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     for ident, code, type_, message, details in errors:
         tail.setdefault("errors", {})[len(ids)] = (type_, message, details)
         ids.append(ident)
-        times.append(np.zeros((1, 3)))
+        times.append((0.0, 0.0, 0.0))
         status.append(code)
     n = len(ids)
     count_rows, widths, blocks = [], [], []
@@ -274,9 +272,8 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
         blocks.append(np.ascontiguousarray(block, dtype=np.float32).tobytes())
     names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
     pickled = pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL) if tail else b""
-    times = times[0] if len(times) == 1 else np.concatenate(times) if times else np.empty((0, 3))
     return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0),
-            np.ascontiguousarray(times, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
+            np.array(times, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
             np.array(status, dtype=np.int32).tobytes(), *count_rows, np.array(widths, dtype=np.int32).tobytes(),
             *blocks, names, pickled]
 
