@@ -666,7 +666,7 @@ def write_engine_markdown(path: Path, result: dict) -> None:
              "A Runtime and EngineService in one process, fed a worker's request frames (one frame = one batch, "
              "answered before the next): what the engine process spends per request with no HTTP worker or load "
              "generator beside it. CPU = process utime + stime (all threads) / requests."
-             + (f" `before`: the code at {result['before']} (pickled messages, a Job and future per request); "
+             + (f" `before`: the code at {result['before']}; "
                 f"`after`: this tree ({m['versions']['tmod_git']['commit']})." if result.get("before") else ""), "",
              "| code | requests/frame | inputs/request | requests/batch | engine us/request | engine us/input | "
              "engine ms/batch | wall ms/frame |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

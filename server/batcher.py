@@ -7,7 +7,8 @@ each entry gets only its own tasks back. The queue is bounded: a full queue refu
 Entries whose client went away or whose deadline passed are dropped before any compute.
 
 An entry is a tuple `(rows, modules, deadline, enqueued, owner, key, lengths)` (`lengths`: each row's
-token count, known from the frame, so that forming a batch never asks a row), no object of its own: the
+token count, known from the frame: forming a batch never asks a row, nor does the runner, which gets
+them beside the sorted rows, `SortedRows`), no object of its own: the
 owner keeps what it needs per key and is told per batch what happened (`Owner`). The engine process
 of `--workers N` is one owner per worker connection: it answers a whole batch's requests of that
 worker in one frame (server/workers.py). A `Job` of the one-process path is its own key under the

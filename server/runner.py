@@ -560,7 +560,7 @@ class PreparedBatch:
 
     rows: list[EncodedInput]
     passes: list[PreparedPass]
-    lengths: list[int]  # each row's token count, asked of the rows once per batch
+    lengths: list[int]  # each row's token count (from `SortedRows`, else asked of each row once)
 
 
 def head_precision(settings: Settings) -> str:
