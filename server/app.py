@@ -255,9 +255,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         timing headers. `controls`: the request's answer controls (docs/answer-controls.md). -> (per-input
         results keyed by task, the job (one row per input, the module versions that answered, per input
         its `windows`), response headers)."""
-        with metrics.requests_in_flight.track_inprogress():
+        metrics.in_flight(1)
+        try:
             return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride,
                                           controls or DEFAULT_CONTROLS)
+        finally:
+            metrics.in_flight(-1)
 
     def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
         """The limits and checks every text meets before it is tokenized (413 / 422)."""
