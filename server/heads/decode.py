@@ -1,9 +1,10 @@
 """Logits -> response objects, by task type (shared by every head kind).
 
-Decoding is numpy on the host, no torch: a worker decodes one request's own logits (`decode_rows`,
-over its rows' token arrays, no padded batch needed), the one process a whole batch (`decode`), with
-the same code. Token tasks work on flat per-token arrays (`Tokens`: row, segment, word, offsets) and
-take a softmax only where it is read (each word's first piece for the default aggregation); Python
+Decoding is numpy on the host, no torch: a worker decodes every request of an engine answer frame
+together (`decode_rows` over their rows, no padded batch needed), the one process a whole batch
+(`decode`), with the same code; each row is answered as on its own. Token tasks work on flat
+per-token arrays (`Tokens`: row, segment, word, offsets) and take a softmax only where it is read
+(each word's first piece for the default aggregation); Python
 runs per answer and per entity, never per token. Token tags are decoded under the BIO rules
 (`constrained_labels`, the rules of a label set made once and kept): an answer never holds an `I-X`
 that does not follow `B-X` or `I-X`.
