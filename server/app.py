@@ -215,15 +215,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             if not loaded:
                 raise ApiError(503, "no_modules", f"no task modules are loaded (store: {settings.store})")
             return dict(loaded)
-        # linear in the query's length (it is bounded by the server's header limits, a product of
-        # them would not be): one split, one count
-        names = [t.strip() for t in tasks.split(",")]
-        if any(not n for n in names):
-            raise ApiError(400, "invalid_tasks", f"empty task name in tasks={clip(tasks)}")
-        duplicates = sorted(n for n, times in Counter(names).items() if times > 1)
-        if duplicates:
-            raise ApiError(400, "duplicate_tasks", f"tasks named more than once: {clip_list(duplicates)}"
-                           + (f" and {len(duplicates) - 10} more" if len(duplicates) > 10 else ""))
+        names = task_names(tasks)
         unknown = [n for n in names if n not in loaded]
         if unknown:
             raise ApiError(
@@ -255,9 +247,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         timing headers. `controls`: the request's answer controls (docs/answer-controls.md). -> (per-input
         results keyed by task, the job (one row per input, the module versions that answered, per input
         its `windows`), response headers)."""
-        with metrics.requests_in_flight.track_inprogress():
+        metrics.in_flight(1)
+        try:
             return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride,
                                           controls or DEFAULT_CONTROLS)
+        finally:
+            metrics.in_flight(-1)
 
     def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
         """The limits and checks every text meets before it is tokenized (413 / 422)."""
@@ -282,11 +277,20 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request",
                                f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
 
+    chosen_windows: dict[tuple, windows.WindowSettings] = {}  # what window_settings answered, by its arguments
+
     def window_settings(window: int | None, stride: int | None, max_tokens: int | None = None,
                         task_types=()) -> windows.WindowSettings:
-        task_window = windows.measured_window(runtime.model_info()[0], task_types) if task_types else None
-        return windows.settings_for(runtime.text, max_tokens or settings.max_tokens, window, stride,
-                                    settings.window_tokens, settings.window_stride, task_window)
+        key = (window, stride, max_tokens, frozenset(task_types), id(runtime.text))
+        found = chosen_windows.get(key)
+        if found is None:
+            task_window = windows.measured_window(runtime.model_info()[0], task_types) if task_types else None
+            found = windows.settings_for(runtime.text, max_tokens or settings.max_tokens, window, stride,
+                                         settings.window_tokens, settings.window_stride, task_window)
+            if len(chosen_windows) >= 1024:  # windows and strides a client names: the table stays small
+                chosen_windows.clear()
+            chosen_windows[key] = found
+        return found
 
     def task_types(modules: dict) -> set[str]:
         return {m.manifest.task_type.value for m in modules.values() if m.manifest is not None}
@@ -577,6 +581,20 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+@functools.lru_cache(maxsize=256)  # clients ask the same few task lists again and again
+def task_names(tasks: str) -> tuple[str, ...]:
+    """`?tasks=` as task names (400 for an empty or repeated one). Linear in the query's length (it is
+    bounded by the server's header limits, a product of them would not be): one split, one count."""
+    names = tuple(t.strip() for t in tasks.split(","))
+    if any(not n for n in names):
+        raise ApiError(400, "invalid_tasks", f"empty task name in tasks={clip(tasks)}")
+    duplicates = sorted(n for n, times in Counter(names).items() if times > 1)
+    if duplicates:
+        raise ApiError(400, "duplicate_tasks", f"tasks named more than once: {clip_list(duplicates)}"
+                       + (f" and {len(duplicates) - 10} more" if len(duplicates) > 10 else ""))
+    return names
 
 
 def request_body(kind: type) -> dict:

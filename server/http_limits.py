@@ -176,6 +176,7 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self.transport = OneWriteTransport(transport, self.loop)  # the protocol and its cycles write through it
             self._arm()
             if getattr(self.server_state, "draining", False):  # taken in while the server stops (`DrainingServer`)
                 self.shutdown()
@@ -282,6 +283,38 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
             self.transport.close()
 
     return HeaderTimeoutProtocol
+
+
+class OneWriteTransport:
+    """A connection's transport whose writes of one event-loop iteration go to the socket together: a
+    write is held until the next one (joined to it), a close, or the iteration's end. uvicorn writes an
+    answer's head and its body separately, back to back: one system call instead of two per answer.
+    Everything but `write` and `close` is the transport's own."""
+
+    __slots__ = ("transport", "loop", "held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self.transport, self.loop, self.held = transport, loop, None
+
+    def write(self, data: bytes) -> None:
+        if self.held is None:
+            self.held = data
+            self.loop.call_soon(self.flush)
+        else:
+            self.transport.write(self.held + data)
+            self.held = None
+
+    def flush(self) -> None:
+        if self.held is not None:
+            held, self.held = self.held, None
+            self.transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
 
 
 def uvicorn_config(app, settings) -> uvicorn.Config:

@@ -4,10 +4,17 @@ With `--workers N` the server is N + 1 processes; prometheus_client's multiproce
 (`PROMETHEUS_MULTIPROC_DIR`, set by `tmod-serve` before any process imports the library) keeps each
 process's values in files there, and any worker's /metrics adds them up: counters and histograms
 summed, gauges as their `multiprocess_mode` says.
+
+Answered requests are counted once per event-loop iteration (`record_answer`, `in_flight`): each
+update is a write to a memory-mapped file in multiprocess mode (a histogram observation two), ~17 per
+request before; they are tallied in Python and written as one update per series at the iteration's
+end. Outside an event loop (tests, tools) they are written at once.
 """
 from __future__ import annotations
 
+import asyncio
 import os
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
@@ -58,6 +65,11 @@ class Metrics:
         # request costs more than the update itself (bench/bench_frontend.py). Made on first use, so
         # a series still appears only once something happened.
         self._children: dict = {}
+        # what this event-loop iteration answered, written by `flush` at its end
+        self._phases: dict[str, list[float]] = {}  # phase -> its durations
+        self._tasks: dict[str, int] = {}
+        self._answered = self._inputs = self._in_flight = 0
+        self._flush_scheduled = False
 
     def exposition(self) -> bytes:
         """The /metrics page: this registry, or with worker processes every live process's values."""
@@ -76,9 +88,64 @@ class Metrics:
 
     def record_answer(self, phase_seconds, inputs: int, tasks) -> None:
         """An inference request answered: its phase durations, its inputs, its tasks."""
+        phases = self._phases
         for phase, seconds in phase_seconds:
-            self.child(self.duration, phase).observe(seconds)
-        self.child(self.requests, "success").inc()
-        self.inputs.inc(inputs)
+            found = phases.get(phase)
+            if found is None:
+                phases[phase] = [seconds]
+            else:
+                found.append(seconds)
+        self._answered += 1
+        self._inputs += inputs
         for task in tasks:
-            self.child(self.task_requests, task).inc()
+            self._tasks[task] = self._tasks.get(task, 0) + 1
+        self._soon()
+
+    def in_flight(self, change: int) -> None:
+        """An inference request received (1) or answered (-1): `tmod_requests_in_flight`."""
+        self._in_flight += change
+        self._soon()
+
+    def _soon(self) -> None:
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop: written now
+            self.flush()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what was tallied: one update per series (a histogram: its sum and each bucket hit)."""
+        self._flush_scheduled = False
+        if self._in_flight:
+            self.requests_in_flight.inc(self._in_flight)
+            self._in_flight = 0
+        if self._answered:
+            self.child(self.requests, "success").inc(self._answered)
+            self.inputs.inc(self._inputs)
+            self._answered = self._inputs = 0
+        if self._tasks:
+            for task, count in self._tasks.items():
+                self.child(self.task_requests, task).inc(count)
+            self._tasks = {}
+        if self._phases:
+            for phase, durations in self._phases.items():
+                observe_all(self.child(self.duration, phase), durations)
+            self._phases = {}
+
+
+def observe_all(histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for every v, as one update of its sum and one of each bucket hit
+    (prometheus_client's Histogram child: `_upper_bounds`, `_sum`, `_buckets`; `observe` puts a value
+    in the first bucket whose bound is at least it)."""
+    bounds, hits = histogram._upper_bounds, {}
+    for value in values:
+        i = bisect_left(bounds, value)
+        if i < len(bounds):  # (a NaN is in no bucket, as observe has it)
+            hits[i] = hits.get(i, 0) + 1
+    histogram._sum.inc(sum(values))
+    for i, count in hits.items():
+        histogram._buckets[i].inc(count)

@@ -57,6 +57,9 @@ class AnswerControls(Struct, forbid_unknown_fields=True):
 
     def options(self):
         """The controls decoding reads (server.heads.decode.AnswerOptions), or None for the defaults."""
+        if (self.top_k is None and not self.raw_scores and self.threshold is None
+                and self.aggregation is None):  # the defaults (most requests): no object made and compared
+            return None
         from server.heads.decode import AnswerOptions
 
         options = AnswerOptions(top_k=self.top_k, raw_scores=self.raw_scores, threshold=self.threshold,

@@ -713,15 +713,28 @@ class RemoteRuntime:
             os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful stop: nothing is left to serve
 
     def _answers(self, body: bytes) -> None:
-        pending = self._pending
+        """An answer frame: every request in it decoded together (`_decode_frame`), then answered."""
+        pending, waiting = self._pending, self._waiting
+        answered = []  # (future, job, arrays) of the requests to decode
         for ident, answer in read_answers(body):
             future = pending.pop(ident, None)
             if future is None or future.done():
                 continue
             if isinstance(answer, ApiError):
                 future.set_exception(answer)
+                continue
+            arrays, versions, (queue, backbone, heads) = answer
+            job = waiting[ident]
+            # the versions that answered, in the order the request named its tasks (its answers' order)
+            job.modules = {task: self._seen.get((task, versions[task]), module) for task, module in job.modules.items()
+                           if task in versions}
+            job.timings.extra["queue"], job.timings.backbone, job.timings.heads = queue, backbone, heads
+            answered.append((future, job, arrays))
+        for future, results in zip([a[0] for a in answered], self._decode_frame([a[1:] for a in answered])):
+            if isinstance(results, Exception):
+                future.set_exception(results)
             else:
-                future.set_result(answer)
+                future.set_result(results)
 
     def _fail(self, idents: list[int], exc: Exception) -> None:
         for ident in idents:
@@ -795,21 +808,68 @@ class RemoteRuntime:
         self._waiting[ident] = job
         self._outbox.request(ident, job.rows, ",".join(job.modules), job.deadline - time.perf_counter())
         try:
-            packed, versions, (queue, backbone, heads) = await future
+            return await future  # decoded, with the job's modules and timings set (`_answers`)
         finally:
             self._waiting.pop(ident, None)
-        job.modules = {task: self._seen.get((task, v), job.modules[task]) for task, v in versions.items()}
-        job.timings.extra["queue"], job.timings.backbone, job.timings.heads = queue, backbone, heads
-        return self._decode(job, packed)
 
-    def _decode(self, job: Job, packed: dict[str, object]) -> list[dict]:
+    def _decode_frame(self, answered: list[tuple[Job, dict]]) -> list[list[dict] | Exception]:
+        """The requests of one answer frame, `(job, packed logits by task)` each -> each one's answers
+        (or the exception its decode raised). Decoded together, one `decode_rows` per module over every
+        request's rows, as the one process decodes a batch: its numpy calls are paid once per frame,
+        not once per request. A request read in windows (server/windows.py) is decoded on its own."""
+        out: list = [None] * len(answered)
+        groups: dict[int, tuple[str, object, list]] = {}  # id(module) -> (task, module, [(request, packed)])
+        for i, (job, packed) in enumerate(answered):
+            if len(plain_rows(job.rows)) < len(job.rows):
+                out[i] = self._decode_alone(job, packed)
+                continue
+            out[i] = [dict.fromkeys(job.modules) for _ in job.rows]  # each answer's tasks in the request's order
+            for task, module in job.modules.items():
+                answers = packed[task]
+                if not isinstance(answers, np.ndarray):  # decoded by the engine (a bridged task)
+                    for row, answer in zip(out[i], answers):
+                        row[task] = answer
+                    continue
+                groups.setdefault(id(module), (task, module, []))[2].append((i, answers))
+        for task, module, members in groups.values():
+            rows = [row for i, _ in members for row in answered[i][0].rows]
+            values = members[0][1] if len(members) == 1 else np.concatenate([answers for _, answers in members])
+            try:
+                answers = decode_rows(module.manifest.task_type, module.manifest.labels, values, rows,
+                                      [row.answer for row in rows], module.manifest.decoding)
+            except Exception:  # noqa: BLE001 - each request alone: only the one that fails gets its error
+                for i, _ in members:
+                    if not isinstance(out[i], Exception):
+                        out[i] = self._decode_alone(answered[i][0], {task: answered[i][1][task]}, out[i])
+                continue
+            at = 0
+            for i, _ in members:
+                if isinstance(out[i], Exception):
+                    at += len(answered[i][0].rows)
+                    continue
+                for result in out[i]:
+                    result[task] = answers[at]
+                    at += 1
+        return out
+
+    def _decode_alone(self, job: Job, packed: dict[str, object], results: list[dict] | None = None
+                      ) -> list[dict] | Exception:
+        try:
+            return self._decode(job, packed, results)
+        except Exception as exc:  # noqa: BLE001 - this request's answer is its error (a 500)
+            log.error("worker %d: decoding a request failed", os.getpid(), exc_info=exc)
+            return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    def _decode(self, job: Job, packed: dict[str, object], results: list[dict] | None = None) -> list[dict]:
         """Each task's packed logits -> answers, over the job's rows (answers already decoded by the
-        engine, those of bridged tasks, are taken as they are)."""
-        results: list[dict] = [{} for _ in job.rows]
+        engine, those of bridged tasks, are taken as they are), into `results` (one dict per row)."""
+        results = results if results is not None else [{} for _ in job.rows]
         plain = plain_rows(job.rows)  # windows of a longer text keep their logits (server/windows.py)
         # the rows as they are: decode_rows reads their token arrays (collating them cost ~50 us more)
         rows_read = [job.rows[r] for r in plain]
         for task, module in job.modules.items():
+            if task not in packed:
+                continue
             answers = packed[task]
             if not isinstance(answers, np.ndarray):
                 for row, answer in zip(results, answers):

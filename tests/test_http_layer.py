@@ -107,3 +107,53 @@ def test_the_inference_routes_schema_is_the_structs_schema():
     assert schema["components"]["schemas"]["InferRequest"]["required"] == ["inputs"]
     assert schema["paths"]["/v1/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"] == \
         {"$ref": "#/components/schemas/TokenizeRequest"}
+
+
+def test_an_answers_writes_of_one_iteration_reach_the_socket_as_one():
+    """`OneWriteTransport`: a head and a body written back to back go out in one write; a lone write
+    goes out at the iteration's end; a close sends what is held first; the rest is the transport's."""
+    import asyncio
+
+    from server.http_limits import OneWriteTransport
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def write(self, data):
+            self.calls.append(("write", data))
+
+        def close(self):
+            self.calls.append(("close",))
+
+        def is_closing(self):
+            return False
+
+    async def scenario():
+        real = Recording()
+        transport = OneWriteTransport(real, asyncio.get_running_loop())
+        transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        transport.write(b"body")
+        assert real.calls == [("write", b"HTTP/1.1 200 OK\r\n\r\nbody")]
+        transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        assert len(real.calls) == 1  # held until the iteration ends
+        await asyncio.sleep(0)
+        assert real.calls[1:] == [("write", b"HTTP/1.1 100 Continue\r\n\r\n")]
+        transport.write(b"last")
+        transport.close()
+        assert real.calls[2:] == [("write", b"last"), ("close",)]
+        await asyncio.sleep(0)
+        assert len(real.calls) == 4 and transport.is_closing() is False
+
+    asyncio.run(scenario())
+
+
+def test_keep_alive_answers_come_whole_through_the_protocol(port):
+    """Several requests on one connection, each answered whole and in order (head and body written
+    together), then a HEAD request (a head alone) and the close."""
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    received = exchange(port, [request * 3 + b"HEAD / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"])
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 4 and all(a.startswith(b"200 OK") for a in answers)
+    assert all(a.endswith(b"\r\n\r\nok") for a in answers[:3]) and answers[3].endswith(b"\r\n\r\n")
+    assert b"connection: close" in answers[3]

@@ -35,3 +35,43 @@ def test_two_metrics_objects_keep_their_own_children():
     first.record_answer((("total", 0.1),), 1, ["ner"])
     assert metric_sample(page(first), 'tmod_task_requests_total{task="ner"}') == 1
     assert metric_sample(page(second), 'tmod_task_requests_total{task="ner"}') == 0
+
+
+def test_answers_of_one_event_loop_iteration_are_written_once_as_each_observed_alone():
+    """In an event loop the updates are tallied and written at the iteration's end: nothing before,
+    then the page one `observe` / `inc` per request would give (every bucket, sum, count, gauge)."""
+    import asyncio
+
+    tallied, reference = Metrics(), Metrics()
+    answers = [((("queue", q), ("total", t)), n, tasks) for q, t, n, tasks in
+               ((0.0004, 0.003, 1, ["ner"]), (0.002, 0.04, 3, ["ner", "sentiment"]), (0.0004, 30.0, 2, ["sentiment"]),
+                (0.001, 0.001, 1, ["ner"]))]
+    for phases, inputs, tasks in answers:
+        for phase, seconds in phases:
+            reference.duration.labels(phase).observe(seconds)
+        reference.requests.labels("success").inc()
+        reference.inputs.inc(inputs)
+        for task in tasks:
+            reference.task_requests.labels(task).inc()
+    reference.requests_in_flight.inc(1)
+
+    async def one_iteration():
+        for _ in range(3):
+            tallied.in_flight(1)
+        for phases, inputs, tasks in answers:
+            tallied.record_answer(phases, inputs, tasks)
+        tallied.in_flight(-1)
+        tallied.in_flight(-1)
+        pending = page(tallied)
+        await asyncio.sleep(0)  # the iteration ends: the flush runs
+        return pending
+
+    pending = asyncio.run(one_iteration())
+    assert 'tmod_requests_total{outcome="success"}' not in pending and metric_sample(pending, "tmod_inputs_total") == 0
+    written, expected = page(tallied), page(reference)
+    samples = [line.split(" ")[0] for line in expected.splitlines()
+               if line.startswith(("tmod_request_duration_seconds_", "tmod_requests_", "tmod_inputs_total",
+                                   "tmod_task_requests_total")) and "_created" not in line]
+    assert len(samples) > 30
+    for name in samples:
+        assert abs(metric_sample(written, name) - metric_sample(expected, name)) < 1e-9, name

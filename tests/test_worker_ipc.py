@@ -243,3 +243,38 @@ def test_the_answer_frame_gathers_row_logits_as_the_rows_one_by_one():
     answers = dict(workers.read_answers(b"".join(workers.answer_frame([(items, refused, timings, 1.0)], []))))
     assert isinstance(answers[101], ApiError) and answers[101].status == 503
     assert all(not isinstance(answers[100 + i], ApiError) for i in (0, 2, 3, 4))
+
+def test_a_frames_requests_decode_together_each_as_on_its_own(tmp_path, tiny_store, tiny_backbone, monkeypatch):
+    """A worker decodes every request of an answer frame in one call per module: each request still
+    gets its own answers, its tasks in the order it named them, equal to one process's; one request
+    whose decode fails gets a 500 and the others of its frame their answers."""
+    calls = []
+    decode_rows = workers.decode_rows
+
+    def counted(task_type, labels, packed, rows, *args):
+        calls.append(len(rows))
+        if any(row.text == "Him be went store." for row in rows):
+            raise ValueError("broken on purpose")
+        return decode_rows(task_type, labels, packed, rows, *args)
+
+    monkeypatch.setattr(workers, "decode_rows", counted)
+    cases = ((TEXTS[:2], ["ner", "sentiment"]), (TEXTS[2:3], ["sentiment", "ner"]), (TEXTS[4:5], ["ner"]))
+
+    async def scenario(single, remote, engine):
+        got, want = [await asyncio.gather(*(runtime.submit(answer_of(runtime, texts, None, tasks)) for texts, tasks in cases))
+                     for runtime in (remote, single)]  # batched alike: the same logits
+        assert got == want
+        assert [[list(answer) for answer in answers] for answers in got] == [[tasks] * len(texts)
+                                                                             for texts, tasks in cases]
+        assert sorted(calls) == [3, 4]  # one call per module for the frame (sentiment: 3 rows, ner: 4)
+        calls.clear()
+        broken, fine = await asyncio.gather(remote.submit(answer_of(remote, TEXTS[3:4], None, ["ner"])),
+                                            remote.submit(answer_of(remote, TEXTS[:1], None, ["ner"])),
+                                            return_exceptions=True)
+        assert isinstance(broken, ApiError) and broken.status == 500 and "broken on purpose" in broken.message
+        assert calls == [2, 1, 1]  # the frame's call failed, then each request alone
+        monkeypatch.setattr(workers, "decode_rows", decode_rows)
+        _, alone = await asyncio.gather(*(single.submit(answer_of(single, TEXTS[i:i + 1], None, ["ner"])) for i in (3, 0)))
+        assert fine == alone
+
+    run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_wait_ms=200)

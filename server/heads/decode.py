@@ -1,9 +1,10 @@
 """Logits -> response objects, by task type (shared by every head kind).
 
-Decoding is numpy on the host, no torch: a worker decodes one request's own logits (`decode_rows`,
-over its rows' token arrays, no padded batch needed), the one process a whole batch (`decode`), with
-the same code. Token tasks work on flat per-token arrays (`Tokens`: row, segment, word, offsets) and
-take a softmax only where it is read (each word's first piece for the default aggregation); Python
+Decoding is numpy on the host, no torch: a worker decodes every request of an engine answer frame
+together (`decode_rows` over their rows, no padded batch needed), the one process a whole batch
+(`decode`), with the same code; each row is answered as on its own. Token tasks work on flat
+per-token arrays (`Tokens`: row, segment, word, offsets) and take a softmax only where it is read
+(each word's first piece for the default aggregation); Python
 runs per answer and per entity, never per token. Token tags are decoded under the BIO rules
 (`constrained_labels`, the rules of a label set made once and kept): an answer never holds an `I-X`
 that does not follow `B-X` or `I-X`.
@@ -364,22 +365,34 @@ def constrained_labels(log_probs: np.ndarray, starts: np.ndarray, allowed: np.nd
 def viterbi(log_probs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """The most probable allowed label path of each sequence: `log_probs` (S, L, C), sequence s
     holding its first `lengths[s]` steps; `allowed` as `bio_constraints`. Equal scores: the lower
-    label index. Returns (S, L) label indices (0 past a sequence's end)."""
+    label index. Returns (S, L) label indices (0 past a sequence's end).
+    The sequences are taken longest first, so those still running at a step are the first ones: each
+    step works on a slice of them, with no mask for the ones that ended (numpy calls per step, not per
+    sequence, are what this costs on the short sentences of one engine frame)."""
     sequences, steps, _ = log_probs.shape
     penalty = np.where(allowed, 0.0, -np.inf)
+    follow = penalty[None, :-1]  # (1, from, to)
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    log_probs, lengths = log_probs[order], np.asarray(lengths)[order]
+    running = (lengths[None, :] > np.arange(steps + 1)[:, None]).sum(1).tolist()  # per step: sequences still in it
     score = penalty[-1] + log_probs[:, 0]
     back = np.zeros((sequences, steps, allowed.shape[1]), dtype=np.int64)
     for t in range(1, steps):
-        candidates = score[:, :, None] + penalty[None, :-1]  # (S, from, to)
-        back[:, t] = candidates.argmax(1)
-        score = np.where((t < lengths)[:, None], candidates.max(1) + log_probs[:, t], score)
-    path = np.zeros((sequences, steps), dtype=np.int64)
+        n = running[t]
+        candidates = score[:n, :, None] + follow  # (n, from, to)
+        back[:n, t] = candidates.argmax(1)
+        score[:n] = candidates.max(1) + log_probs[:n, t]
     last = score.argmax(1)
+    path = np.zeros((sequences, steps), dtype=np.int64)
     every = np.arange(sequences)
     for t in range(steps - 1, -1, -1):
-        following = back[every, min(t + 1, steps - 1), path[:, min(t + 1, steps - 1)]]
-        path[:, t] = np.where(t == lengths - 1, last, np.where(t < lengths - 1, following, 0))
-    return path
+        going_on, here = running[t + 1], running[t]  # [:going_on] follow their next step, [going_on:here] end at t
+        if going_on:
+            path[:going_on, t] = back[every[:going_on], t + 1, path[:going_on, t + 1]]
+        path[going_on:here, t] = last[going_on:here]
+    out = np.empty_like(path)
+    out[order] = path
+    return out
 
 
 OUTSIDE, INSIDE = 0, 1  # tag prefix codes (B and E are 2 and 3: they only ever start an entity)
