@@ -1,12 +1,13 @@
 """Tokenized batches with character offsets, so heads can answer in input coordinates.
 
 Per token everything is an integer in one (tokens, FIELDS) int32 array, made by `TextEncoder.encode`
-for a whole request at once (the `tokenizers` library's encodings, each column converted by numpy in
-one call: ids, type ids, segment, word, trimmed offsets and the casing class): a row is a view of it,
-a request crosses processes as that array (`server/workers.py`'s frames), and `collate` only
-concatenates rows into a padded batch. No Python runs per token on the serving path; the per-token lists
-(`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays only when someone
-reads them (training, tests, bridges).
+for a whole request at once (the `tokenizers` library's encodings: ids, type ids, segment, word,
+trimmed offsets and the casing class; a request of few tokens row by row in Python, a longer one
+column by column with numpy, whose per-call cost only pays off past ~200 tokens): a row is a view of
+it, a request crosses processes as that array (`server/workers.py`'s frames), and `collate` only
+concatenates rows into a padded batch. The per-token lists (`EncodedInput.offsets`,
+`TokenBatch.sequence_ids`, ...) are made from the arrays only when someone reads them (training,
+tests, bridges).
 """
 from __future__ import annotations
 
@@ -301,6 +302,52 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     return start, end, casing
 
 
+# A request of at most this many tokens is made into its array in Python (`few_token_rows`): the
+# numpy path costs ~45 calls whatever the length (~38 µs plus ~0.4 µs a token on a 2-core EPYC),
+# Python ~0.6 µs a token; they cost the same near 200 tokens (docs/performance.md, issue 37).
+FEW_TOKENS = 128
+
+
+def few_token_rows(encodings, texts: list[str], pairs: list[str] | None) -> np.ndarray:
+    """What `TextEncoder.token_array` makes with numpy, made token by token in Python: the same
+    (tokens, FIELDS) int32 array, for requests with few tokens. A span is trimmed with str.strip,
+    which strips what str.isspace sees (the `_SPACE` flag), and classed with str.islower and
+    str.isupper, which read the `_LOWER`, `_UPPER` and `_TITLE` flags of its characters the way
+    `token_spans` counts them (tests/test_tokens_few.py checks every character against it)."""
+    rows = []
+    for r, encoding in enumerate(encodings):
+        text, pair = texts[r], pairs[r] if pairs is not None else None
+        for token, kind, segment, word, (start, end) in zip(encoding.ids, encoding.type_ids, encoding.sequence_ids,
+                                                            encoding.word_ids, encoding.offsets):
+            if word is None:
+                word = -1
+            if segment is None:  # a special token: its offsets as given, casing 0
+                rows.append((token, kind, -1, word, start, end, 0))
+                continue
+            span = (pair if segment == 1 else text)[start:end]
+            if span and (span[0].isspace() or span[-1].isspace()):
+                span = span.lstrip()
+                start = end - len(span)
+                span = span.rstrip()
+                end = start + len(span)
+            rows.append((token, kind, segment, word, start, end, span_casing(span)))
+    return np.array(rows, dtype=np.int32).reshape(len(rows), FIELDS)
+
+
+def span_casing(span: str) -> int:
+    """The casing class of one span (CASING_CLASSES), as `token_spans` classes it: 0 empty, 1 lower
+    (no upper- or title-case character, some lower-case one: str.islower), 2 Capitalized (an
+    upper-case first character, alone or followed by lower-case ones), 3 UPPER (no lower- or
+    title-case character, some upper-case one: str.isupper), 4 anything else."""
+    if not span:
+        return 0
+    if span.islower():
+        return 1
+    if span[0].isupper() and (len(span) == 1 or span[1:].islower()):
+        return 2
+    return 3 if span.isupper() else 4
+
+
 def casing_classes(batch: TokenBatch) -> torch.Tensor:
     """(B, T) host tensor: the casing class of each token (CASING_CLASSES), 0 for special tokens,
     padding and filler rows."""
@@ -452,8 +499,12 @@ class TextEncoder:
     @staticmethod
     def token_array(encodings, texts: list[str], pairs: list[str] | None) -> np.ndarray:
         """The tokenizer's encodings of a request -> one (tokens, FIELDS) int32 array (rows one
-        after the other): each column converted from the encodings' lists by numpy in one call
-        (None, for special tokens, arrives as NaN in a float array and leaves as -1)."""
+        after the other). Up to `FEW_TOKENS` tokens, each token's row is made in Python
+        (`few_token_rows`); past it each column is converted from the encodings' lists by numpy in
+        one call (None, for special tokens, arrives as NaN in a float array and leaves as -1) and
+        spans and casing classes come from `token_spans`. Both give the same array."""
+        if sum(len(e) for e in encodings) <= FEW_TOKENS:
+            return few_token_rows(encodings, texts, pairs)
         if len(encodings) == 1:
             e = encodings[0]
             ids, types, segments, words, offsets = e.ids, e.type_ids, e.sequence_ids, e.word_ids, e.offsets
