@@ -153,6 +153,15 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
+def served_answer(app, texts: list[str]) -> dict:
+    """`app` served on loopback (LiveServer) for one POST /v1/infer of `texts`: the answer's JSON.
+    The app's runtime stays readable afterwards (`app.state.runtime`)."""
+    with LiveServer(app) as server:
+        response = httpx.post(server.url + "/v1/infer", json={"inputs": texts}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None):
     """The real `tmod-serve` process on a free loopback port, waited for until /readyz answers 200.
     Returns (url, process); the caller stops it. Fails the test with its output if it never gets ready.
