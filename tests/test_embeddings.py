@@ -192,6 +192,8 @@ def openai_vectors(client, texts, **options) -> np.ndarray:
 
 
 def test_openai_client_vectors_equal_sentence_transformers_fp32(served, texts, reference_vectors):
+    """The fast tier's 96 texts (every awkward kind); the slow test below checks all 300 the same way.
+    Either fails on a vector off sentence-transformers' by more than the tolerance."""
     client = openai_client(served)
     float_vectors = openai_vectors(client, texts, encoding_format="float")
     assert len(texts) == 96 and float_vectors.shape == (96, 384)
