@@ -441,33 +441,17 @@ def smuggling(url: str, rounds: int) -> dict:
 
 
 def drain_with_keep_alive_clients(server: ServerProcess, clients: int, answers_before: int) -> dict:
-    """`clients` keep-alive clients (tests/helpers.py `keep_alive_client`) until the server stops
+    """`clients` keep-alive clients (tests/helpers.py `sigterm_under_load`) until the server stops
     listening; SIGTERM once `answers_before` requests were answered. Lost: sent on an open connection
     and never answered."""
-    import threading
-    from urllib.parse import urlsplit
-
-    from tests.helpers import keep_alive_client
+    from tests.helpers import sigterm_under_load
 
     body = json.dumps({"inputs": SENTENCES})
     request = (f"POST /v1/infer?tasks=sentiment,ner HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                f"content-length: {len(body)}\r\n\r\n{body}").encode()
-    address = urlsplit(server.url)
-    outcomes = collections.Counter()
-    threads = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request, outcomes))
-               for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 300
-    while outcomes[200] < answers_before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    answered_before = outcomes[200]
-    server.proc.send_signal(signal.SIGTERM)
-    for thread in threads:
-        thread.join(300)
-    code = server.proc.wait(60)
-    return {"clients": clients, "answered_before_sigterm": answered_before, "outcomes": dict(outcomes),
-            "lost": outcomes["lost"], "exit_code": code}
+    run = sigterm_under_load(server.url, server.proc, request, clients, answers_before, timeout=300)
+    return {"clients": clients, "answered_before_sigterm": run.answered_before_sigterm, "outcomes": dict(run.outcomes),
+            "lost": run.outcomes["lost"], "exit_code": run.exit_code}
 
 
 def framing_and_drain(name: str, env: dict, log: Path, clients: int, smuggling_rounds: int) -> dict:

@@ -1,10 +1,12 @@
 """Shared test helpers: tiny random backbones and random-weight modules, real files on disk."""
 from __future__ import annotations
 
+import collections
 import socket
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import torch
@@ -151,6 +153,15 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
+def served_answer(app, texts: list[str]) -> dict:
+    """`app` served on loopback (LiveServer) for one POST /v1/infer of `texts`: the answer's JSON.
+    The app's runtime stays readable afterwards (`app.state.runtime`)."""
+    with LiveServer(app) as server:
+        response = httpx.post(server.url + "/v1/infer", json={"inputs": texts}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None):
     """The real `tmod-serve` process on a free loopback port, waited for until /readyz answers 200.
     Returns (url, process); the caller stops it. Fails the test with its output if it never gets ready.
@@ -191,13 +202,27 @@ def read_http_response(stream) -> tuple[int, dict[str, str], bytes] | None:
     return int(status_line.split()[1]), headers, stream.read(int(headers.get("content-length", 0)))
 
 
-def keep_alive_client(host: str, port: int, request: bytes, outcomes, answered=None) -> None:
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything a socket receives until the server closes it (or resets it)."""
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        received += chunk
+    return received
+
+
+def keep_alive_client(host: str, port: int, request: bytes, outcomes) -> None:
     """A keep-alive client as RFC 9112 allows one to be: `request` again and again on one connection,
     a new connection only after a response that said `Connection: close`, until a connection is
-    refused (the server stopped listening). Counts into `outcomes` (a Counter): each status,
+    refused (the server stopped listening). A `request` that says `connection: close` makes it a
+    client that opens a connection per request. Counts into `outcomes` (a Counter): each status,
     "closing" (answers that said Connection: close), "refused" (connect refused: never sent), "lost"
-    (sent on an open connection and never answered: reset or closed). `answered`: an Event set at
-    the first answer."""
+    (sent on an open connection and never answered: reset or closed)."""
     sock = stream = None
     while True:
         if sock is None:
@@ -218,13 +243,43 @@ def keep_alive_client(host: str, port: int, request: bytes, outcomes, answered=N
             return
         status, headers, _ = response
         outcomes[status] += 1
-        if answered is not None:
-            answered.set()
         if headers.get("connection", "").lower() == "close":
             outcomes["closing"] += 1
             stream.close()
             sock.close()
             sock = None
+
+
+class DrainRun(NamedTuple):
+    outcomes: collections.Counter  # as `keep_alive_client` counts them, all clients together
+    answered_before_sigterm: int
+    exit_code: int
+
+
+def sigterm_under_load(url: str, process, request: bytes, clients: int, answers_before: int,
+                       timeout: float = 120.0) -> DrainRun:
+    """`clients` threads of `keep_alive_client` sending `request` to a running `tmod-serve`; SIGTERM once
+    `answers_before` requests were answered; returns when every client ended (on a refused connection,
+    or lost) and the process exited. The process is killed if it is still running then."""
+    import signal
+    from urllib.parse import urlsplit
+
+    address = urlsplit(url)
+    outcomes = collections.Counter()
+    threads = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request, outcomes))
+               for _ in range(clients)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: outcomes[200] >= answers_before, f"{answers_before} answers", timeout)
+        answered_before = outcomes[200]
+        process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout)
+        return DrainRun(outcomes, answered_before, process.wait(timeout=timeout))
+    finally:
+        if process.poll() is None:
+            process.kill()
 
 
 def rows_swapped(data: bytes) -> bytes:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import weakref
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from server.backbone.backends import onnx_backend
 from server.config import Settings
 from server.engine import Engine
 from server.modules import load_module
-from tests.helpers import LiveServer, NER_LABELS, make_tiny_backbone_dir, random_head
+from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head, served_answer
 
 pytest.importorskip("onnxruntime")
 
@@ -300,14 +299,11 @@ def test_server_with_onnx_backend_answers_like_torch(tiny_store, tiny_backbone, 
     for backend in ("torch", "onnx"):
         monkeypatch.setenv("TMOD_BACKEND", backend)
         app = create_app(Settings(store=tiny_store.root), backbone=tiny_backbone)
-        with LiveServer(app) as server:
-            response = httpx.post(server.url + "/v1/infer", json={"inputs": texts}, timeout=60)
-            assert response.status_code == 200, response.text
-            answers[backend] = response.json()
-            runtime = app.state.runtime
-            assert runtime.backbone.backend.name == backend
-            if backend == "onnx":
-                assert not runtime.backbone.backend.exported  # the session's export was reused
+        answers[backend] = served_answer(app, texts)
+        runtime = app.state.runtime
+        assert runtime.backbone.backend.name == backend
+        if backend == "onnx":
+            assert not runtime.backbone.backend.exported  # the session's export was reused
     assert tiny_backbone.backend.name == "torch"  # the backbone handed in is left as it was
     torch_results, onnx_results = answers["torch"]["results"], answers["onnx"]["results"]
     by_task = lambda results: {t: [r[t] for r in results] for t in results[0]}  # noqa: E731

@@ -113,25 +113,35 @@ def test_clients_are_asked_only_after_waiting():
     assert asked == 16  # jobs that waited past disconnect_check_after are asked, once each
 
 
+MODULES = {"task0": object()}
+
+
+def held_batcher() -> tuple[Batcher, ThreadPoolExecutor, threading.Event]:
+    """A started batcher of one-job batches whose compute thread holds each batch until the returned
+    event is set (10 s at most). Call it inside the event loop the batcher is to run on."""
+    release = threading.Event()
+
+    def run_batch(rows, batch_modules, timings):
+        release.wait(10)
+        return {task: [{"row": i} for i in range(len(rows))] for task in batch_modules}
+
+    executor = ThreadPoolExecutor(1)
+    batcher = Batcher(run_batch, executor, BatchSettings(max_batch_size=1, max_wait=0.0, max_queue=100))
+    batcher.start()
+    return batcher, executor, release
+
+
 def test_waiting_jobs_fail_at_their_own_deadlines_while_a_batch_runs():
     """One timer keeps every waiting job's deadline (server/batcher.py): jobs queued behind a running
     batch fail in the order of their deadlines, before that batch ends; one queued first with a later
     deadline does not hold back the timer of those after it, and is answered."""
-    modules = {"task0": object()}
-    release = threading.Event()
-
-    def run_batch(rows, batch_modules, timings):
-        release.wait(10)  # the first batch holds the compute thread until the late jobs have failed
-        return {task: [{"row": i} for i in range(len(rows))] for task in batch_modules}
 
     async def scenario():
-        executor = ThreadPoolExecutor(1)
-        batcher = Batcher(run_batch, executor, BatchSettings(max_batch_size=1, max_wait=0.0, max_queue=100))
-        batcher.start()
+        batcher, executor, release = held_batcher()  # the first batch holds the compute thread until the late jobs failed
         now = time.perf_counter()
 
         def job(seconds):
-            return Job(rows=[Row(8)], modules=modules, deadline=now + seconds)
+            return Job(rows=[Row(8)], modules=MODULES, deadline=now + seconds)
 
         first = job(60)
         running = asyncio.create_task(batcher.submit(first))
@@ -194,23 +204,14 @@ def test_a_group_of_entries_expires_entry_by_entry_at_each_deadline():
         def fail(self, entries, exc):
             raise AssertionError(exc)
 
-    modules = {"task0": object()}
-    release = threading.Event()
-
-    def run_batch(rows, batch_modules, timings):
-        release.wait(10)
-        return {task: [{"row": i} for i in range(len(rows))] for task in batch_modules}
-
     async def scenario():
-        executor = ThreadPoolExecutor(1)
-        batcher = Batcher(run_batch, executor, BatchSettings(max_batch_size=1, max_wait=0.0, max_queue=100))
-        batcher.start()
+        batcher, executor, release = held_batcher()
         now = time.perf_counter()
         owner = Recorder(["first", "a", "b", "late"])
-        batcher.put(([Row(8)], modules, now + 60, now, owner, "first", [8]))
+        batcher.put(([Row(8)], MODULES, now + 60, now, owner, "first", [8]))
         while "first" in owner.waiting_keys:  # taken into the batch that holds the compute thread
             await asyncio.sleep(0.005)
-        group = [([Row(8)], modules, now + seconds, now, owner, key, [8]) for key, seconds in
+        group = [([Row(8)], MODULES, now + seconds, now, owner, key, [8]) for key, seconds in
                  (("late", 30.0), ("a", 0.1), ("b", 0.3))]
         assert batcher.put_many(group) == 3
         give_up = time.perf_counter() + 10

@@ -180,14 +180,14 @@ def check_case(minilm, rng: random.Random, style: str, exact: bool) -> float:
     return worst
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), style=st.sampled_from(["ties", "wide", "peaked", "gauss"]))
 def test_the_decoding_logic_is_the_torch_decoders_to_the_bit(minilm, seed, style):
     with torch_probabilities():
         check_case(minilm, random.Random(seed), style, exact=True)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), style=st.sampled_from(["peaked", "gauss"]))
 def test_numpy_probabilities_give_the_same_labels_and_scores_within_the_tolerance(minilm, seed, style):
     check_case(minilm, random.Random(seed), style, exact=False)
@@ -205,18 +205,20 @@ def _tsv(path, column: int) -> list[str]:
         return [row[column] for row in list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]]
 
 
-@pytest.fixture(scope="module")
-def validation_texts():
+def validation_texts(sst2: int, conll: int, cola: int, goemotions: int, rte: int):
+    """The first texts of each validation set: (texts, RTE premises, RTE hypotheses)."""
     data = default_data_dir()
     if not (data / "sst2" / "validation.tsv").is_file():
         pytest.skip(f"shared data not found at {data}")
-    texts = (_tsv(data / "sst2" / "validation.tsv", 0)[:96] + read_conll(data / "conll2003" / "validation.txt").texts()[:96]
-             + _tsv(data / "cola" / "validation.tsv", 0)[:32] + _tsv(data / "goemotions" / "validation.tsv", 0)[:32])
-    return texts, _tsv(data / "rte" / "dev.tsv", 1)[:48], _tsv(data / "rte" / "dev.tsv", 2)[:48]
+    texts = (_tsv(data / "sst2" / "validation.tsv", 0)[:sst2] + read_conll(data / "conll2003" / "validation.txt").texts()[:conll]
+             + _tsv(data / "cola" / "validation.tsv", 0)[:cola] + _tsv(data / "goemotions" / "validation.tsv", 0)[:goemotions])
+    return texts, _tsv(data / "rte" / "dev.tsv", 1)[:rte], _tsv(data / "rte" / "dev.tsv", 2)[:rte]
 
 
-def test_shipped_modules_answer_as_before_on_real_texts(minilm, validation_texts):
-    texts, premises, hypotheses = validation_texts
+def check_shipped_modules(minilm, texts, premises, hypotheses) -> tuple[float, int]:
+    """The six shipped modules on `texts` in batches of 32 (and 6 RTE pairs per batch for entailment),
+    the torch decoder against `decode` and a worker's `decode_rows`. Returns (largest score
+    difference, entities found)."""
     store = ModuleStore(DEFAULT_STORE)
     modules = {task: load_module(store, task, None, minilm)
                for task in ("sentiment", "ner", "acceptability", "emotion", "embedding", "entailment")}
@@ -245,6 +247,20 @@ def test_shipped_modules_answer_as_before_on_real_texts(minilm, validation_texts
                 packed = np.concatenate([host[r, :len(row)] for r, row in enumerate(rows)]) if host.ndim == 3 else host
                 worker = decode_rows(module.head.task_type, module.head.labels, packed, rows, per_row, module.manifest.decoding)
                 assert json.dumps(worker) == json.dumps(decode(*args, per_row, module.manifest.decoding))
-    assert entities > 200  # the NER module finds entities: the comparison is not between empty lists
+    return worst, entities
+
+
+def test_shipped_modules_answer_as_before_on_real_texts(minilm):
+    """The fast tier: 32 SST-2, 32 CoNLL-2003, 16 CoLA and 16 GoEmotions validation texts and 18 RTE
+    pairs (every module, every answer control, entities found); the slow test below runs the larger
+    sample this test ran before (256 texts, 48 pairs). Both fail on a label or a score past the tolerance."""
+    worst, entities = check_shipped_modules(minilm, *validation_texts(sst2=32, conll=32, cola=16, goemotions=16, rte=18))
+    assert entities > 150  # the NER module finds entities (206): the comparison is not between empty lists
     assert worst < SCORE_TOLERANCE
-    print(f"largest score difference from the torch decoder: {worst:.3g}")
+
+
+@pytest.mark.slow
+def test_shipped_modules_answer_as_before_on_more_real_texts(minilm):
+    worst, entities = check_shipped_modules(minilm, *validation_texts(sst2=96, conll=96, cola=32, goemotions=32, rte=48))
+    assert entities > 200
+    assert worst < SCORE_TOLERANCE

@@ -17,19 +17,17 @@ with clients that reconnect for every request (many connections opened while the
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import os
 import signal
 import socket
 import threading
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from server.workers import queued_connections, stop_taking_connections
-from tests.helpers import keep_alive_client, populate_store, read_http_response, start_tmod_serve, wait_until
+from tests.helpers import populate_store, sigterm_under_load, start_tmod_serve
 
 CLIENTS = 12
 BODY = json.dumps({"inputs": ["The European Commission said on Thursday it disagreed with German advice."] * 4})
@@ -69,27 +67,10 @@ def test_a_listener_stops_taking_connections_and_keeps_the_queued_ones():
                          ids=["1", "2", "2-reconnecting"])
 def test_sigterm_answers_keep_alive_clients_with_connection_close_and_loses_none(store, tiny_backbone_dir, workers,
                                                                                  request_bytes):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    url, process = start_tmod_serve(["--workers", str(workers), "--backbone", str(tiny_backbone_dir), "--store",
-                                     str(store.root), "--threads", "1", "--log-level", "warning"], env)
-    address = urlsplit(url)
-    outcomes = collections.Counter()
-    answered = threading.Event()
-    clients = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request_bytes, outcomes,
-                                                                answered)) for _ in range(CLIENTS)]
-    try:
-        for client in clients:
-            client.start()
-        answered.wait(120)
-        # every client has been answered at least once, so each holds a keep-alive connection
-        wait_until(lambda: outcomes[200] >= 3 * CLIENTS, "the clients to be answered")
-        process.send_signal(signal.SIGTERM)
-        for client in clients:
-            client.join(120)
-        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    url, process = serve(store, tiny_backbone_dir, "--workers", str(workers))
+    # every client has been answered more than once, so each holds a keep-alive connection
+    outcomes, _, exit_code = sigterm_under_load(url, process, request_bytes, CLIENTS, answers_before=3 * CLIENTS)
+    assert exit_code in (0, -signal.SIGTERM)
     assert outcomes["lost"] == 0, outcomes
     assert outcomes["refused"] == CLIENTS, outcomes  # each ended on a connection refused: nothing was cut off
     assert set(outcomes) <= {200, "closing", "refused"}, outcomes
@@ -98,49 +79,19 @@ def test_sigterm_answers_keep_alive_clients_with_connection_close_and_loses_none
         httpx.get(url + "/healthz", timeout=5)
 
 
-def one_request_per_connection(host: str, port: int, request: bytes, outcomes) -> None:
-    """A client that opens a connection for each request (as httpx without keep-alive does), until a
-    connection is refused. "lost": connected and sent, never answered."""
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=120)
-        except OSError:
-            outcomes["refused"] += 1
-            return
-        with sock, sock.makefile("rb") as stream:
-            try:
-                sock.sendall(request)
-                response = read_http_response(stream)
-            except OSError:
-                response = None
-        if response is None:
-            outcomes["lost"] += 1
-            return
-        outcomes[response[0]] += 1
-
-
 def test_sigterm_answers_every_request_on_connections_accepted_but_not_yet_read(store, tiny_backbone_dir):
-    """New connections arriving all the time: at SIGTERM some are accepted and their request sent,
-    but not yet read by the event loop. uvicorn's own httptools protocol closed those at once
-    (7-36 of 500 requests lost in bench/bench_attack.py's SIGTERM check); they are answered."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    url, process = start_tmod_serve(["--backbone", str(tiny_backbone_dir), "--store", str(store.root), "--threads", "1",
-                                     "--log-level", "warning"], env)
-    address = urlsplit(url)
-    request = REQUEST.replace(b"host: x\r\n", b"host: x\r\nconnection: close\r\n")
-    outcomes = collections.Counter()
-    clients = [threading.Thread(target=one_request_per_connection, args=(address.hostname, address.port, request,
-                                                                         outcomes)) for _ in range(CLIENTS * 4)]
-    try:
-        for client in clients:
-            client.start()
-        wait_until(lambda: outcomes[200] >= 10 * CLIENTS, "the clients to be answered")
-        process.send_signal(signal.SIGTERM)
-        for client in clients:
-            client.join(120)
-        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    """New connections arriving all the time (each client opens one per request): at SIGTERM some are
+    accepted and their request sent, but not yet read by the event loop. uvicorn's own httptools
+    protocol closed those at once (7-36 of 500 requests lost in bench/bench_attack.py's SIGTERM
+    check); they are answered."""
+    url, process = serve(store, tiny_backbone_dir)
+    outcomes, _, exit_code = sigterm_under_load(url, process, RECONNECTING, CLIENTS * 4, answers_before=10 * CLIENTS)
+    assert exit_code in (0, -signal.SIGTERM)
     assert outcomes["lost"] == 0, outcomes
-    assert set(outcomes) <= {200, "refused"}, outcomes
+    assert set(outcomes) <= {200, "closing", "refused"}, outcomes
+    assert outcomes["closing"] == outcomes[200], outcomes  # every answer said Connection: close, as asked
+
+
+def serve(store, backbone_dir, *extra: str):
+    return start_tmod_serve(["--backbone", str(backbone_dir), "--store", str(store.root), "--threads", "1",
+                             "--log-level", "warning", *extra], {**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -4,6 +4,7 @@ clients (`openai`, `huggingface_hub.InferenceClient`) against a real `tmod-serve
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import random
@@ -30,9 +31,10 @@ def sst2_validation() -> list[str]:
     return preset_spec(PRESETS["sst2"], "validation").read().texts()
 
 
-def varied_texts(tokenizer) -> list[str]:
-    """Short texts, non-ASCII ones (accents, CJK, Cyrillic, Arabic, emoji), and texts of 240..256
-    word pieces (the model's trained length): 300 in all."""
+def varied_texts(tokenizer, ordinary: int = 230) -> list[str]:
+    """70 awkward texts first: short ones, non-ASCII ones (accents, CJK, Cyrillic, Arabic, emoji) and
+    texts of 240..256 word pieces (the model's trained length); then `ordinary` SST-2 sentences (300
+    texts in all by default)."""
     rng = random.Random(27)
     sentences = sst2_validation()
     short = ["a", "ok", "?", "Hi!", "no way", "42", "The end.", "9:30 am", "x" * 30, "Über"]
@@ -48,7 +50,15 @@ def varied_texts(tokenizer) -> list[str]:
         pieces = tokenizer(text, add_special_tokens=False)["input_ids"][:rng.randint(238, 254)]
         long_texts.append(tokenizer.decode(pieces))
     texts += long_texts
-    return texts + rng.sample(sentences, 300 - len(texts))
+    return texts + rng.sample(sentences, ordinary)
+
+
+@functools.cache
+def sentence_transformer(folder=None):
+    """sentence-transformers' own model of a backbone folder (default MiniLM), loaded once per run."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(folder or default_backbone_path()), device="cpu")
 
 
 def reference(texts: list[str], normalize: bool = True, folder=None, pooled_only: bool = False) -> np.ndarray:
@@ -56,7 +66,7 @@ def reference(texts: list[str], normalize: bool = True, folder=None, pooled_only
     vector TEI's normalize=false gives: TEI does not run that module, its `normalize` replaces it)."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(folder or default_backbone_path()), device="cpu")
+    model = sentence_transformer(folder)
     if pooled_only:
         model = SentenceTransformer(modules=[model[0], model[1]], device="cpu")
     return model.encode(texts, batch_size=32, normalize_embeddings=normalize, convert_to_numpy=True)
@@ -155,7 +165,8 @@ def served():
 
 @pytest.fixture(scope="module")
 def texts(minilm):
-    return varied_texts(minilm.tokenizer)
+    """The fast tier's 96: the 70 awkward texts and 26 ordinary ones (all 300: the slow test)."""
+    return varied_texts(minilm.tokenizer, ordinary=26)
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +192,11 @@ def openai_vectors(client, texts, **options) -> np.ndarray:
 
 
 def test_openai_client_vectors_equal_sentence_transformers_fp32(served, texts, reference_vectors):
+    """The fast tier's 96 texts (every awkward kind); the slow test below checks all 300 the same way.
+    Either fails on a vector off sentence-transformers' by more than the tolerance."""
     client = openai_client(served)
     float_vectors = openai_vectors(client, texts, encoding_format="float")
-    assert len(texts) == 300 and float_vectors.shape == (300, 384)
+    assert len(texts) == 96 and float_vectors.shape == (96, 384)
     assert_equal_vectors(float_vectors, reference_vectors, 0.99999, 1e-5)
     base64_vectors = openai_vectors(client, texts[:64], encoding_format="base64")
     assert np.array_equal(base64_vectors, float_vectors[:64])  # base64 is float32 exactly
@@ -192,6 +205,15 @@ def test_openai_client_vectors_equal_sentence_transformers_fp32(served, texts, r
     response = client.embeddings.create(model="all-MiniLM-L6-v2", input="A fine film.")  # the backbone's name
     tokens = len(served_tokens("A fine film."))
     assert (response.model, response.usage.prompt_tokens, response.usage.total_tokens) == ("all-MiniLM-L6-v2", tokens, tokens)
+
+
+@pytest.mark.slow
+def test_openai_client_vectors_equal_sentence_transformers_fp32_on_300_texts(served, minilm):
+    """The fast test's check on all 300 varied texts (230 ordinary SST-2 sentences where it has 26)."""
+    texts = varied_texts(minilm.tokenizer)
+    vectors = openai_vectors(openai_client(served), texts, encoding_format="float")
+    assert vectors.shape == (300, 384)
+    assert_equal_vectors(vectors, reference(texts), 0.99999, 1e-5)
 
 
 def served_tokens(text):
@@ -254,9 +276,7 @@ def test_tei_route_with_huggingface_inference_client(served, texts, reference_ve
     right = client.feature_extraction(long, truncate=True)  # what sentence-transformers does past 256 pieces
     assert_equal_vectors(right, reference([long]), 0.99999, 1e-5)
     left = client.feature_extraction(long, truncate=True, truncation_direction="left")
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(default_backbone_path()), device="cpu")
+    model = sentence_transformer()
     ids = model.tokenizer(long)["input_ids"]
     tail = torch.tensor([ids[:1] + ids[-255:]])  # [CLS], the last 254 pieces, [SEP]
     with torch.inference_mode():
@@ -269,13 +289,11 @@ def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_token
     """Past the trained length (256 pieces) a text is read in windows (server/windows.py): by hand,
     each window's pooled vector from the reference library, averaged weighted by the text's pieces
     in it, then normalised."""
-    from sentence_transformers import SentenceTransformer
-
     long = " ".join(f"w{i}" for i in range(500))
     described = httpx.post(served + "/v1/tokenize", json={"inputs": [long]}).json()["results"][0]
     pieces = [p for p in described["tokens"] if not p["special"]]
     assert len(described["windows"]) > 1
-    model = SentenceTransformer(str(default_backbone_path()), device="cpu")
+    model = sentence_transformer()
     cls, sep = model.tokenizer.cls_token_id, model.tokenizer.sep_token_id
     pooled, weights = [], []
     for window in described["windows"]:

@@ -23,7 +23,7 @@ import pytest
 
 from modules_store import ModuleStore
 from server.modules import save_module
-from tests.helpers import random_head, start_tmod_serve
+from tests.helpers import random_head, read_until_closed, start_tmod_serve
 
 ADMIN = {"authorization": "Bearer hostile-admin-token"}
 MAX_BODY = 65536
@@ -534,19 +534,6 @@ def test_a_body_sent_too_slowly_is_answered_408_in_the_protocol_shape(server, pa
 
 def test_enough_cases():
     assert len(CASES) + len(RAW_CASES) >= 100
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    received = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
-        received += chunk
-    return received
 
 
 @pytest.mark.smoke

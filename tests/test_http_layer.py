@@ -15,7 +15,7 @@ import uvicorn
 from server.config import Settings
 from server.http_limits import uvicorn_config
 from server.logs import AccessLog
-from tests.helpers import free_port, wait_until
+from tests.helpers import free_port, read_until_closed, wait_until
 
 LIMIT = 4096
 
@@ -46,16 +46,7 @@ def exchange(port: int, parts: list[bytes]) -> bytes:
                 sock.sendall(part)
         except OSError:  # refused midway: the server closed the connection
             pass
-        received = b""
-        while True:  # every exchange here ends with the server closing
-            try:
-                chunk = sock.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            received += chunk
-        return received
+        return read_until_closed(sock)  # every exchange here ends with the server closing
 
 
 @pytest.mark.parametrize("size, status", [(LIMIT // 2, 200), (LIMIT + 100, 400)])

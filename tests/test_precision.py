@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -34,7 +33,7 @@ from server.config import Settings, auto_precision, cpu_has_native_bf16, device_
 from server.engine import Engine
 from server.modules import LoadedModule, compares_pairs, load_module, servable_tasks
 from server.runner import head_precision
-from tests.helpers import LiveServer, NER_LABELS, make_tiny_backbone_dir, random_head
+from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head, served_answer
 from tests.test_backends import PAIRS, SAMPLE
 
 STATE_TOL = 0.03
@@ -160,12 +159,9 @@ def test_precision_is_one_setting(monkeypatch, tiny_store, tiny_backbone):
     for precision in ("fp32", "bf16"):
         monkeypatch.setenv("TMOD_PRECISION", precision)
         app = create_app(Settings(store=tiny_store.root), backbone=tiny_backbone)
-        with LiveServer(app) as server:
-            response = httpx.post(server.url + "/v1/infer", json={"inputs": texts}, timeout=60)
-            assert response.status_code == 200, response.text
-            answers[precision] = response.json()["results"]
-            backend = app.state.runtime.backbone.backend
-            assert (backend.name, backend.precision) == ("torch", precision)
+        answers[precision] = served_answer(app, texts)["results"]
+        backend = app.state.runtime.backbone.backend
+        assert (backend.name, backend.precision) == ("torch", precision)
     assert tiny_backbone.backend.precision == "fp32"  # the backbone handed in is left as it was
     for r, o in zip(answers["fp32"], answers["bf16"]):
         assert r.keys() == o.keys()

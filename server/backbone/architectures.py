@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
 DECODER_TYPES = ("llama",)
 
@@ -103,6 +102,10 @@ def block_context(config, hidden: torch.Tensor, attention_mask: torch.Tensor,
         if not isinstance(positions, RelativePositionBias):
             raise ValueError("MPNet blocks need the encoder's relative position table (positions_for / copy_positions)")
         return positions.context(hidden, attention_mask)
+    # imported here, not at the top: transformers.masking_utils imports torch._dynamo (~1/3 of a worker
+    # process's start-up), and HTTP workers, which tokenize but never run a block, import this module
+    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
     if not is_decoder(config):
         return BlockContext(create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask))
     position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -133,6 +136,8 @@ class EncoderAdapter:
         return self.model.embeddings(input_ids)
 
     def mask(self, embedded: torch.Tensor, attention_mask: torch.Tensor):
+        from transformers.masking_utils import create_bidirectional_mask  # why here: block_context
+
         return create_bidirectional_mask(config=self.config, inputs_embeds=embedded, attention_mask=attention_mask)
 
     def run_layer(self, index: int, hidden: torch.Tensor, mask) -> torch.Tensor:

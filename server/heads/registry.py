@@ -1,5 +1,8 @@
-"""Head kinds by name, so a manifest's `kind` picks the class that serves it."""
+"""Head kinds by name, so a manifest's `kind` picks the class that serves it. Bridge kinds
+(server/bridges/registry.py) use the same two functions, `register_kind` and `build_kind`."""
 from __future__ import annotations
+
+from typing import Callable
 
 from modules_store import ArtifactError, Manifest
 from server.heads.base import Head
@@ -7,26 +10,35 @@ from server.heads.base import Head
 HEAD_KINDS: dict[str, type[Head]] = {}
 
 
-def register_head(kind: str, cls: type[Head]) -> None:
-    if kind in HEAD_KINDS and HEAD_KINDS[kind] is not cls:
-        raise ValueError(f"head kind {kind!r} registered twice")
+def register_kind(kinds: dict[str, type], kind: str, cls: type, what: str) -> None:
+    """File `cls` under `kind` in a registry of `what`s (head, bridge); a name taken by another class is refused."""
+    if kind in kinds and kinds[kind] is not cls:
+        raise ValueError(f"{what} kind {kind!r} registered twice")
     cls.kind = kind
-    HEAD_KINDS[kind] = cls
+    kinds[kind] = cls
+
+
+def build_kind(kinds: dict[str, type], kind: str, what: str, where: str, make: Callable, weights=None):
+    """`make(cls)` for the class filed under `kind`, its weights loaded (and checked) when given, in eval
+    mode. An unknown kind or a config the class refuses is an ArtifactError that says `where`."""
+    cls = kinds.get(kind)
+    if cls is None:
+        raise ArtifactError("unknown_kind", f"{where}: unknown {what} kind {kind!r}; this server knows {sorted(kinds)}")
+    try:
+        built = make(cls)
+    except (ValueError, TypeError) as exc:
+        raise ArtifactError("bad_manifest", f"{where}: bad {what} config: {exc}") from exc
+    if weights is not None:
+        built.load_weights(weights, where=where)
+    return built.eval()
+
+
+def register_head(kind: str, cls: type[Head]) -> None:
+    register_kind(HEAD_KINDS, kind, cls, "head")
 
 
 def build_head(manifest: Manifest, weights=None, backbone=None) -> Head:
     """A head for this manifest, with weights loaded (and checked) when given. Kinds that start
     from backbone weights (MTB, LoRA-MTB) read them from `backbone`."""
-    cls = HEAD_KINDS.get(manifest.kind)
-    if cls is None:
-        raise ArtifactError(
-            "unknown_kind", f"{manifest.task}/{manifest.version}: unknown head kind {manifest.kind!r}; "
-            f"this server knows {sorted(HEAD_KINDS)}",
-        )
-    try:
-        head = cls.from_manifest(manifest, backbone)
-    except (ValueError, TypeError) as exc:
-        raise ArtifactError("bad_manifest", f"{manifest.task}/{manifest.version}: bad head config: {exc}") from exc
-    if weights is not None:
-        head.load_weights(weights, where=f"{manifest.task}/{manifest.version}")
-    return head.eval()
+    return build_kind(HEAD_KINDS, manifest.kind, "head", f"{manifest.task}/{manifest.version}",
+                      lambda cls: cls.from_manifest(manifest, backbone), weights)
