@@ -277,11 +277,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request",
                                f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
 
-    chosen_windows: dict[tuple, windows.WindowSettings] = {}  # what window_settings answered, by its arguments
+    # what window_settings answered, by its arguments and the encoder itself (a worker's encoder is replaced
+    # when the engine sends a new one; the key holds the old one, so its id cannot be reused by the next)
+    chosen_windows: dict[tuple, windows.WindowSettings] = {}
 
     def window_settings(window: int | None, stride: int | None, max_tokens: int | None = None,
                         task_types=()) -> windows.WindowSettings:
-        key = (window, stride, max_tokens, frozenset(task_types), id(runtime.text))
+        key = (window, stride, max_tokens, frozenset(task_types), runtime.text)
         found = chosen_windows.get(key)
         if found is None:
             task_window = windows.measured_window(runtime.model_info()[0], task_types) if task_types else None
