@@ -45,6 +45,7 @@ from server.bridges.transformer import BridgeShape, TransformerBridge
 from server.modules import LoadedModule, count_parameters, load_module
 from server.probe import probe_module
 from training.data import IGNORE_INDEX, PRESETS, preset_spec, token_labels
+from training.distill import distill_kl
 from training.settings import parse_layers
 
 log = logging.getLogger("tmod")
@@ -155,18 +156,6 @@ def masked_cosine(predicted: torch.Tensor, true: torch.Tensor, mask: torch.Tenso
     cos = F.cosine_similarity(predicted.float(), true.float(), dim=-1)
     m = mask.bool()
     return float(cos[m].sum()), int(m.sum())
-
-
-def distill_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """T^2 * KL(softmax(teacher/T) || softmax(student/T)), averaged over inputs (mask None) or
-    over the real tokens of `mask` (B, T)."""
-    t = F.log_softmax(teacher.float() / temperature, dim=-1)
-    s = F.log_softmax(student.float() / temperature, dim=-1)
-    kl = (t.exp() * (t - s)).sum(-1)
-    if mask is None:
-        return kl.mean() * temperature ** 2
-    weights = mask.to(kl.dtype)
-    return (kl * weights).sum() / weights.sum().clamp(min=1) * temperature ** 2
 
 
 def head_forward(head, batch, states) -> torch.Tensor:

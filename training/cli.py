@@ -5,6 +5,7 @@
     tmod-train layermix --config sst2.yaml --epochs 3          # options override the file
     tmod-train mtb --dataset sst2 --task sentiment --version mtb-1 --store modules_store
     tmod-train lora-mtb --dataset conll2003 --task ner --rank 8
+    tmod-train layermix --dataset conll2003 --casing --distill-from ner/mpnet-2   # learn from a teacher's tags too
     tmod-train eval --store modules_store --task sentiment --dataset sst2
     tmod-train align --source minilm --target smollm2 --mapping avg --dataset sst2   # alignment bridge
     tmod-train bridge --source minilm --target smollm2 --target-layers 0,5,10,15,20,25,30 --objective mse
@@ -70,6 +71,19 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     add_data_options(p)
 
     add_head_options(p, kind)
+
+    g = p.add_argument_group("knowledge distillation (token tasks from a CoNLL file)")
+    g.add_argument("--distill-from", default=S, metavar="TASK/VERSION",
+                   help="teacher module: TASK/VERSION in the shipped store (e.g. ner/mpnet-2) or a STORE/TASK/VERSION "
+                        "folder. It tags every word of the training file once, through the served path on its own "
+                        "backbone at the precision it was trained at (word logits kept in $TMOD_CACHE_DIR/teacher); "
+                        "document windows look their words up there. Loss: (1 - w) * cross-entropy on the gold tags "
+                        "+ w * T^2 * KL(teacher || student) at temperature T, per word (first sub-tokens)")
+    g.add_argument("--distill-backbone", default=S,
+                   help="the teacher's backbone: a folder, or minilm / smollm2 / mpnet (default: the one its manifest "
+                        "names)")
+    g.add_argument("--distill-temperature", type=float, default=S, metavar="T", help="softmax temperature")
+    g.add_argument("--distill-weight", type=float, default=S, metavar="W", help="weight w of the KL term, 0..1")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--optimizer", choices=["adam", "adamw"], default=S)

@@ -48,6 +48,9 @@ class SequenceExample:
 class TokenExample:
     words: list[str]
     tags: list[str]
+    # where `words` start among all the words of the CoNLL file read (they are a run of its words, in
+    # order): how a document window finds its words' teacher logits (training/distill.py)
+    file_offset: int | None = field(default=None, compare=False)
 
     @property
     def text(self) -> str:
@@ -206,10 +209,13 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
     -DOCSTART- lines skipped."""
     path = Path(path)
     examples, words, tags = [], [], []
+    seen = 0  # words of the file before the current sentence
 
     def end_sentence():
+        nonlocal seen
         if words:
-            examples.append(TokenExample(words=list(words), tags=list(tags)))
+            examples.append(TokenExample(words=list(words), tags=list(tags), file_offset=seen))
+            seen += len(words)
         words.clear()
         tags.clear()
 
@@ -239,6 +245,7 @@ def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int
     """A CoNLL file's documents (the sentences between -DOCSTART- lines), each a list of sentences."""
     documents: list[list[TokenExample]] = []
     words, tags = [], []
+    seen = 0  # words of the file before the current sentence (TokenExample.file_offset)
     with open(path, encoding="utf-8") as fh:
         for line in [*fh, ""]:
             parts = line.split()
@@ -250,7 +257,8 @@ def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int
             elif words:
                 if not documents:  # a file without -DOCSTART- lines is one document
                     documents.append([])
-                documents[-1].append(TokenExample(words=list(words), tags=list(tags)))
+                documents[-1].append(TokenExample(words=list(words), tags=list(tags), file_offset=seen))
+                seen += len(words)
                 words.clear()
                 tags.clear()
     return [doc for doc in documents if doc]
@@ -271,7 +279,8 @@ def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[
         raise ValueError(f"--document-windows: {exc.message}") from None
     out: dict[int, list[TokenExample]] = {window: [] for window in windows}
     for document in read_conll_documents(path):
-        whole = TokenExample([w for s in document for w in s.words], [t for s in document for t in s.tags])
+        whole = TokenExample([w for s in document for w in s.words], [t for s in document for t in s.tags],
+                             file_offset=document[0].file_offset)
         encoded = encoder.encode([whole.text], whole=True)[0]
         offsets, spans = encoded.offsets, whole.spans
         for window, setting in settings.items():
@@ -282,8 +291,9 @@ def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[
             for start, end in reading.spans:
                 low, high = offsets[reading.first + start][0], offsets[reading.first + end - 1][1]
                 keep = [i for i, (a, b) in enumerate(spans) if a >= low and b <= high]
-                if keep:
-                    out[window].append(TokenExample([whole.words[i] for i in keep], [whole.tags[i] for i in keep]))
+                if keep:  # a run of the document's words (spans are in order)
+                    out[window].append(TokenExample([whole.words[i] for i in keep], [whole.tags[i] for i in keep],
+                                                    file_offset=whole.file_offset + keep[0]))
     return out
 
 
@@ -426,12 +436,18 @@ def token_labels(encoded: EncodedInput, spans: list[tuple[int, int]], word_label
     return out
 
 
-def word_label_ids_from_tokens(encoded: EncodedInput, spans: list[tuple[int, int]], token_ids: Sequence[int],
-                               outside: int = 0) -> list[int]:
-    """The inverse: each data word takes the token label at its first sub-token. Words with no
-    token (cut by truncation) get `outside`."""
+def word_first_tokens(encoded: EncodedInput, spans: list[tuple[int, int]]) -> list[int]:
+    """The index of each data word's first sub-token (the token a word is read at), -1 for a word
+    with no token (cut by truncation)."""
     first_token = {}
     for t, seq in enumerate(encoded.sequence_ids):
         if seq == 0:
             first_token.setdefault(encoded.offsets[t][0], t)
-    return [int(token_ids[first_token[start]]) if start in first_token else outside for start, _ in spans]
+    return [first_token.get(start, -1) for start, _ in spans]
+
+
+def word_label_ids_from_tokens(encoded: EncodedInput, spans: list[tuple[int, int]], token_ids: Sequence[int],
+                               outside: int = 0) -> list[int]:
+    """The inverse: each data word takes the token label at its first sub-token. Words with no
+    token (cut by truncation) get `outside`."""
+    return [int(token_ids[t]) if t >= 0 else outside for t in word_first_tokens(encoded, spans)]

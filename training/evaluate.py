@@ -5,7 +5,7 @@ backbone and pushed through `Engine.logits`.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from server.backbone import TokenBatch
 from server.engine import Engine
 from server.heads.decode import word_tags
 from server.modules import LoadedModule
-from training.data import word_label_ids_from_tokens
+from training.data import word_first_tokens
 from training.metrics import classification_scores, entity_scores, multilabel_scores
 from training.states import Split
 
@@ -32,15 +32,21 @@ def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
     probs = torch.softmax(logits.float(), dim=-1).cpu().numpy()
     out = []
     for i, r in enumerate(rows):
-        # each data word reads its first sub-token's probabilities (a word truncation cut: outside),
-        # tagged as the server tags words (BIO rules where the labels have them)
-        first = np.array(word_label_ids_from_tokens(split.encoded[r], split.spans[r], range(probs.shape[1]), -1),
-                         dtype=np.int64)
-        words = probs[i, np.maximum(first, 0)]
-        words[first < 0] = np.eye(len(split.labels), dtype=words.dtype)[outside]
-        starts = np.arange(len(first)) == 0
+        # a word truncation cut is outside; the words are tagged as the server tags words (BIO rules
+        # where the labels have them)
+        words, has_token = word_values(split, r, probs[i])
+        words[~has_token] = np.eye(len(split.labels), dtype=words.dtype)[outside]
+        starts = np.arange(len(words)) == 0
         out.append([split.labels[j] for j in word_tags(words, starts, split.labels)])
     return out
+
+
+def word_values(split: Split, row: int, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(words, labels) of a token task's per-token `values` (T, labels) of one row, each data word
+    read at its first sub-token (as the server reads a word), and which words have a token (a
+    word truncation cut has none; its row is left as read at token 0)."""
+    first = np.array(word_first_tokens(split.encoded[row], split.spans[row]), dtype=np.int64)
+    return values[np.maximum(first, 0)].copy(), first >= 0
 
 
 def score(split: Split, predicted: list, thresholds=None) -> dict:
@@ -65,6 +71,15 @@ def collect(split: Split, batches: Iterable[list[int]],
     return predicted
 
 
+def served_logits(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
+                  engine: Engine | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """(rows, the module's logits) for batches of `split`, through the served path (Engine.logits)."""
+    engine = engine or Engine(split.backbone)
+    for rows in tqdm(split.batches(batch_size), desc=f"scoring {module.task}", unit="batch", disable=not progress,
+                     leave=False):
+        yield rows, engine.logits(split.token_batch(rows), {module.task: module})[module.task]
+
+
 def score_module(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
                  engine: Engine | None = None, answer_split: Split | None = None, thresholds=None,
                  probabilities: list | None = None) -> dict:
@@ -74,13 +89,10 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     `answer_split` is the same data encoded by the target backbone, where predictions are read.
     Multi-label: `thresholds` (default: the manifest's). `probabilities`, a list, receives each
     row's label probabilities (sequence and multi-label tasks)."""
-    engine = engine or Engine(split.backbone)
-    task = module.task
     answers = answer_split or split
     predicted: list = [None] * len(split)
     kept: list = [None] * len(split)
-    for rows in tqdm(split.batches(batch_size), desc=f"scoring {task}", unit="batch", disable=not progress, leave=False):
-        logits = engine.logits(split.token_batch(rows), {task: module})[task]
+    for rows, logits in served_logits(split, module, batch_size, progress, engine):
         for r, p in zip(rows, predictions(answers, rows, logits)):
             predicted[r] = p
         if probabilities is not None and not split.is_token_task and not split.is_multi_label:

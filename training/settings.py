@@ -128,6 +128,17 @@ class TrainSettings(BaseModel):
     rank: int = Field(8, ge=1, description="LoRA-MTB: rank of the updates")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA-MTB: updates are scaled by lora_alpha / rank")
     targets: list[str] | None = Field(None, description="LoRA-MTB: block linears to adapt (default: all six)")
+    # ---- knowledge distillation (training/distill.py)
+    distill_from: str | None = Field(
+        None, description="token tasks from a CoNLL file: a stored module tags every training word once (the "
+        "teacher: TASK/VERSION in the shipped store, or a STORE/TASK/VERSION folder; e.g. ner/mpnet-2), through the "
+        "served path on its own backbone at the precision it was trained at; its word logits are kept in "
+        "$TMOD_CACHE_DIR/teacher. The loss mixes the gold tags' cross-entropy with KL towards the teacher's tag "
+        "distribution of each word (the words' first sub-tokens on both sides)")
+    distill_backbone: str | None = Field(None, description="the teacher's backbone: a folder, or minilm / smollm2 / "
+                                         "mpnet (default: the one its manifest names)")
+    distill_temperature: float = Field(2.0, gt=0, description="softmax temperature T of the KL term (scaled by T^2)")
+    distill_weight: float = Field(0.5, ge=0, le=1, description="loss = (1 - w) * cross-entropy + w * T^2 * KL")
     # ---- optimisation
     optimizer: Literal["adam", "adamw"] = "adamw"
     lr: float | None = Field(None, gt=0, description="default per kind: layermix 1e-3 (3e-4 for token tasks), "

@@ -43,6 +43,7 @@ from training.data import (
     preset_spec,
 )
 from training import serving
+from training.distill import DistillTargets, resolve_teacher, teacher_words
 from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
@@ -314,7 +315,9 @@ def safe_name(text: str) -> str:
 
 # ---- the loop --------------------------------------------------------------------------------
 def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: random.Random, device, amp: bool,
-              desc: str) -> float:
+              desc: str, teacher: DistillTargets | None = None) -> float:
+    """One pass over the training rows; the mean of the loss trained on (with a teacher: the mix of
+    cross-entropy and KL, training/distill.py)."""
     head.train()
     total, count = 0.0, 0
     lam = (s.lambda_entropy or 0.0) if isinstance(head, LayerMixHead) else 0.0
@@ -326,6 +329,8 @@ def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: rand
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = head_forward(head, batch, source.states(rows, batch))
         loss = task_loss(logits, targets)
+        if teacher is not None:
+            loss = teacher.loss(loss, logits, rows)
         objective = loss + lam * layer_entropy(head) if lam else loss
         optimizer.zero_grad(set_to_none=True)
         objective.backward()
@@ -368,7 +373,8 @@ class Fit:
     cache_bytes: int
 
 
-def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, device, amp: bool) -> Fit:
+def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, device, amp: bool,
+        teacher: DistillTargets | None = None) -> Fit:
     """The states the head learns from (cached or recomputed per batch), then `train_epochs`."""
     layers = training_states(head)
     t0 = time.perf_counter()
@@ -387,7 +393,8 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
         cache_bytes = 0
     states_seconds = time.perf_counter() - t0
 
-    history, best_epoch, best = train_epochs(head, train_split, val_split, train_source, val_source, s, device, amp)
+    history, best_epoch, best = train_epochs(head, train_split, val_split, train_source, val_source, s, device, amp,
+                                             teacher=teacher)
     return Fit(history, best_epoch, best, states_seconds, cache_bytes)
 
 
@@ -401,12 +408,13 @@ def better_epoch(value: float, loss: float, best_value: float, best_loss: float,
 
 
 def train_epochs(model, train_split: Split, val_split: Split, train_source, val_source, s: TrainSettings, device,
-                 amp: bool, state=None) -> tuple[list[dict], int, float]:
+                 amp: bool, state=None, teacher: DistillTargets | None = None) -> tuple[list[dict], int, float]:
     """The epoch loop: train, validate, keep the best epoch's weights (`select` best: `better_epoch`,
     early stop after `patience` epochs without a better one, learning rate cut on a plateau) or the
     last (`select` last: validation decides nothing). One summary line per epoch on stderr.
     `state` says what to keep of a model with frozen parts (default: its whole state dict). The
-    model ends holding the kept weights; returns (history, best epoch, its value)."""
+    model ends holding the kept weights; returns (history, best epoch, its value). `teacher`: the
+    training loss mixes in KL towards it (the validation loss stays the gold tags' cross-entropy)."""
     keep = state or model.state_dict
     optimizer = make_optimizer(s, model)
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
@@ -425,7 +433,7 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
                 break
         t0 = time.perf_counter()
         train_loss = run_epoch(model, train_split, train_source, optimizer, s, rng, device, amp,
-                               desc=f"epoch {epoch}/{s.epochs}")
+                               desc=f"epoch {epoch}/{s.epochs}", teacher=teacher)
         train_seconds = time.perf_counter() - t0
         t0 = time.perf_counter()
         val_loss, val_metrics = validate(model, val_split, val_source, s, device, amp)
@@ -474,6 +482,10 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if s.none_below is not None and task_type != TaskType.sequence_classification:
         raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
                          "(multi-label tasks have per-label thresholds)")
+    if s.distill_from:
+        if task_type != TaskType.token_classification or train_data.examples[0].file_offset is None:
+            raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
+        resolve_teacher(s.distill_from)
     if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
         raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
 
@@ -498,7 +510,14 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if s.document_windows:
         train_data = add_document_windows(train_data, provenance, backbone, s.document_windows)
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
-    result = fit(head, train_split, val_split, s, device, amp)
+    teacher, distillation = None, None
+    if s.distill_from:
+        words = teacher_words(s.distill_from, provenance["train_file"], s.distill_backbone, device=str(device),
+                              batch_size=s.eval_batch_size, progress=s.progress)
+        teacher = DistillTargets(train_split, words, s.distill_temperature, s.distill_weight)
+        distillation = {**words.about, "temperature": s.distill_temperature, "weight": s.distill_weight,
+                        "training_words_with_teacher": int(sum(len(p) for p in teacher.positions))}
+    result = fit(head, train_split, val_split, s, device, amp, teacher=teacher)
     train_seconds = time.perf_counter() - started
 
     head.eval()
@@ -551,6 +570,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         "config_file": config_file,
         "settings": s.model_dump(mode="json"),
         "data": provenance,
+        **({"distillation": distillation} if distillation else {}),
         "best_epoch": result.best_epoch,
         "epochs_run": len(result.history),
         "still_improving": still_improving,
@@ -572,7 +592,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
             "machine": platform.machine(), "threads": torch.get_num_threads(),
         },
     }
-    description = s.description or f"{s.kind} head on {backbone.name}, trained on {s.dataset or s.train}"
+    description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or s.train}"
+                                     + (f", distilled from {s.distill_from}" if s.distill_from else ""))
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite, decoding=decoding)
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
