@@ -175,10 +175,13 @@ class RequestFrame:
     def read(cls, body: bytes) -> "RequestFrame":
         _, n, count, size, cancelled, names, text_bytes = REQUEST_HEAD.unpack_from(body)
         at = _Cursor(body, REQUEST_HEAD.size)
-        left, ids, which, per_request = (at.take(np.float64, n).tolist(), at.take(np.int32, n).tolist(),
-                                         at.take(np.int32, n).tolist(), at.take(np.int32, n).tolist())
-        cancels = at.take(np.int32, cancelled).tolist()
-        lengths, ends = at.take(np.int32, count).tolist(), at.take(np.int32, 2 * count).tolist()
+        left = at.take(np.float64, n).tolist()
+        # ids, task sets, rows per request, cancels, token counts and text ends lie one after the other:
+        # one int32 read for all of them
+        ints = at.take(np.int32, 3 * n + cancelled + 3 * count).tolist()
+        ids, which, per_request = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
+        a = 3 * n + cancelled
+        cancels, lengths, ends = ints[3 * n:a], ints[a:a + count], ints[a + count:]
         tokens = at.take(np.int32, size * FIELDS).reshape(size, FIELDS)
         flags = at.take(np.uint8, count).tolist()
         task_sets = at.raw(names).decode().split("\n") if n else []
@@ -189,6 +192,8 @@ class RequestFrame:
             rows.append(EncodedInput(text[a:b], text[b:c] if flag & PAIR else None, tokens[t:t + length],
                                      bool(flag & TRUNCATED)))
             a, t = c, t + length
+        if count == n:  # one row per request (the common case)
+            return cls(ids, left, task_sets, which, [[row] for row in rows], [[length] for length in lengths], cancels)
         bounds = [0, *itertools.accumulate(per_request)]
         return cls(ids, left, task_sets, which, [rows[x:y] for x, y in zip(bounds, bounds[1:])],
                    [lengths[x:y] for x, y in zip(bounds, bounds[1:])], cancels)
@@ -199,14 +204,14 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     """What the engine has for one worker in one event-loop iteration -> a frame's parts. `batches`:
     `(items, outputs, timings, started)` as the batcher hands an Owner; `errors`: `(id, status, type,
     message, details)`. Work per task per batch (one gather of its rows), not per request and task."""
-    ids, times, status = [], [], []
+    ids, queued, spans, status = [], [], [], []  # queued: each request's queue seconds; spans: a batch's requests
     table: dict[tuple[str, str], tuple[list, list]] = {}  # (task, version) -> (row answers, [(requests, rows)])
     tail: dict = {}
     for items, outputs, timings, started in batches:
         first = len(ids)
         ids += [entry[KEY] for entry, _ in items]
-        backbone, heads = timings.backbone, timings.heads
-        times += [(started - entry[ENQUEUED], backbone, heads) for entry, _ in items]
+        queued += [started - entry[ENQUEUED] for entry, _ in items]
+        spans.append((first, len(ids), timings.backbone, timings.heads))
         answered = [0] * len(items)  # each request's status: 0, or the status of a refusal of one of its rows
         refused = {r: a for answers in outputs.values() if type(answers) is not RowLogits  # never holds a refusal
                    for r, a in enumerate(answers) if type(a) is not np.ndarray and isinstance(a, Exception)}
@@ -258,9 +263,13 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     for ident, code, type_, message, details in errors:
         tail.setdefault("errors", {})[len(ids)] = (type_, message, details)
         ids.append(ident)
-        times.append((0.0, 0.0, 0.0))
+        queued.append(0.0)
         status.append(code)
     n = len(ids)
+    times = np.zeros((n, 3), dtype=np.float64)  # per request: queue, backbone, heads seconds
+    times[:, 0] = queued
+    for a, b, backbone, heads in spans:
+        times[a:b, 1:] = backbone, heads
     count_rows, widths, blocks = [], [], []
     for parts, counts in table.values():
         column = np.zeros(n, dtype=np.int32)
@@ -272,10 +281,9 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
         blocks.append(np.ascontiguousarray(block, dtype=np.float32).tobytes())
     names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
     pickled = pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL) if tail else b""
-    return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0),
-            np.array(times, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
-            np.array(status, dtype=np.int32).tobytes(), *count_rows, np.array(widths, dtype=np.int32).tobytes(),
-            *blocks, names, pickled]
+    return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0), times.tobytes(),
+            np.array(ids, dtype=np.int32).tobytes(), np.array(status, dtype=np.int32).tobytes(), *count_rows,
+            np.array(widths, dtype=np.int32).tobytes(), *blocks, names, pickled]
 
 
 class RequestRows:
@@ -569,14 +577,17 @@ class EngineService:
         if not entries:
             return
         peer.waiting_ids.update(entry[KEY] for entry in entries)  # before the batcher sees them (it asks the owner)
+        refusal = None
         try:
             queued = self.runtime.put_many(entries)
         except ApiError as exc:  # shutting down
             queued, refusal = 0, exc
-        else:
+        peer.in_engine += queued
+        if queued == len(entries):
+            return
+        if refusal is None:  # the queue is full
             refusal = self.runtime.refusal(QueueFull(f"queue is full ({self.runtime.settings.max_queue} requests "
                                                      "waiting)"))
-        peer.in_engine += queued
         for entry in entries[queued:]:
             peer.waiting_ids.discard(entry[KEY])
             peer.refuse(entry[KEY], refusal, counted=False)
