@@ -239,6 +239,8 @@ class Batcher:
         the compute thread) and what it returns is handed to run_batch in place of the rows."""
         self.run_batch = run_batch
         self.executor = executor
+        # hands the compute thread a batch: with no future where the executor can (runtime.ComputeThread)
+        self._compute_call = getattr(executor, "call", None) or executor.submit
         self.prepare = prepare
         self.prepare_executor = prepare_executor
         self._running: set = set()  # batches handed on (Running), or asking their clients (a task), not yet answered
@@ -479,7 +481,7 @@ class Batcher:
             if self.prepare is not None:
                 self.prepare_executor.submit(self._prepare_then_compute, running, report)
             else:
-                self.executor.submit(self._compute, running.work, running.modules, running.timings, report)
+                self._compute_call(self._compute, running.work, running.modules, running.timings, report)
         except RuntimeError as exc:  # an executor shut down: the server is stopping
             self._finish(running, None, exc)
 
@@ -540,7 +542,7 @@ class Batcher:
         """On a tokenizer thread: prepare the batch (collate) and hand it straight to the compute thread."""
         try:
             work = self.prepare(running.work, running.modules)
-            self.executor.submit(self._compute, work, running.modules, running.timings, report)
+            self._compute_call(self._compute, work, running.modules, running.timings, report)
         except BaseException as exc:  # noqa: BLE001 - reported to the batch's owners, on the loop
             report(None, exc)
 
