@@ -385,8 +385,8 @@ class Peer(Owner):
     (a set of ids), how many are in the engine, and what is to be written back at the end of this
     event-loop iteration (one answer frame)."""
 
-    def __init__(self, writer: asyncio.StreamWriter, runtime: Runtime):
-        self.writer, self.runtime = writer, runtime
+    def __init__(self, writer: asyncio.WriteTransport, runtime: Runtime):
+        self.writer, self.runtime = writer, runtime  # the connection's transport (`PeerConnection`)
         self.tokenizer_sent = False
         self.waiting_ids: set[int] = set()
         self.in_engine = 0  # waiting or in a running batch
@@ -460,6 +460,47 @@ class Peer(Owner):
             write_frame(self.writer, control_frame(messages))
 
 
+class PeerConnection(asyncio.Protocol):
+    """A worker's connection to the engine, read without a task or stream: each frame is handled as
+    soon as its last byte arrives (`EngineService.frame`), in the loop's own read callback; answers
+    are written to the transport (`Peer`)."""
+
+    def __init__(self, service: "EngineService"):
+        self.service = service
+        self.peer: Peer | None = None
+        self.buffer = bytearray()  # a frame's bytes so far, when it came in several reads
+        self.needed = LENGTH.size  # bytes the buffer must hold before a frame can end in it
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.peer = self.service.connected(transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        if buffer:
+            buffer += data
+            if len(buffer) < self.needed:
+                return
+            data = bytes(buffer)
+            buffer.clear()
+        at, end = 0, len(data)
+        while True:
+            if end - at < LENGTH.size:
+                self.needed = LENGTH.size
+                break
+            (size,) = LENGTH.unpack_from(data, at)
+            stop = at + LENGTH.size + size
+            if stop > end:
+                self.needed = stop - at
+                break
+            self.service.frame(self.peer, data[at + LENGTH.size:stop])
+            at = stop
+        if at < end:
+            buffer += memoryview(data)[at:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.service.disconnected(self.peer)
+
+
 class EngineService:
     """Serves one Runtime to the worker processes' connections."""
 
@@ -474,7 +515,8 @@ class EngineService:
 
     async def start(self, path: Path) -> None:
         await self.runtime.open()
-        self.server = await asyncio.start_unix_server(self._serve_peer, path=str(path))
+        self.server = await asyncio.get_running_loop().create_unix_server(lambda: PeerConnection(self),
+                                                                          path=str(path))
         self._keep(self._announce_when_loaded())
 
     async def stop(self) -> None:
@@ -515,27 +557,27 @@ class EngineService:
             peer.tokenizer_sent = True
         peer.control([("state", state)])
 
-    async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = Peer(writer, self.runtime)
+    def connected(self, transport: asyncio.Transport) -> Peer:
+        peer = Peer(transport, self.runtime)
         self.peers.add(peer)
         self._send_state(peer, self.state())
-        try:
-            while True:
-                try:
-                    body = await read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    break  # the worker exited; answers still being computed for it are dropped
-                if body[:1] == REQUESTS:
-                    self._requests(peer, RequestFrame.read(body))
-                else:
-                    for message in pickle.loads(memoryview(body)[1:]):
-                        self._keep(self._answer(peer, message))
-        finally:
-            self.peers.discard(peer)
-            peer.closed = True
-            for ident in list(peer.waiting_ids):  # the worker is gone: so are its requests
-                self._cancel(peer, ident)
-            writer.close()
+        return peer
+
+    def frame(self, peer: Peer, body: bytes) -> None:
+        """A frame a worker sent (`PeerConnection`): requests, or control messages."""
+        if body[:1] == REQUESTS:
+            self._requests(peer, RequestFrame.read(body))
+        else:
+            for message in pickle.loads(memoryview(body)[1:]):
+                self._keep(self._answer(peer, message))
+
+    def disconnected(self, peer: Peer) -> None:
+        """The worker exited: so are its requests (answers still being computed for it are dropped)."""
+        self.peers.discard(peer)
+        peer.closed = True
+        for ident in list(peer.waiting_ids):
+            self._cancel(peer, ident)
+        peer.writer.close()
 
     def _cancel(self, peer: Peer, ident: int) -> None:
         """A worker's request whose client left: a batch that has not started drops it."""
