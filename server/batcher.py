@@ -41,6 +41,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from server.backbone import EncodedInput
+from server.metrics import observe_all
 from server.modules import LoadedModule
 from server.runner import SortedRows
 from server.timings import Timings
@@ -558,7 +559,7 @@ class Batcher:
                     owner.fail([entry for entry, _ in items], error)
                 return
             if self.metrics is not None:
-                self.metrics.batch_requests.observe(running.requests)
+                observe_all(self.metrics.batch_requests, [running.requests])
             for owner, items in running.owners.items():
                 owner.answer(items, outputs, running.timings, running.started)
         except Exception:  # never let one batch kill the loop
