@@ -14,6 +14,11 @@ of `--workers N` is one owner per worker connection: it answers a whole batch's 
 worker in one frame (server/workers.py). A `Job` of the one-process path is its own key under the
 `JOBS` owner, whose future the HTTP handler awaits (`Batcher.submit`).
 
+While a batch waits for company, entries queued meanwhile (a worker's frame) join it at once, as long as
+they fit: the loop is woken only when one does not, not once per frame. A batch is handed to the
+compute thread with one submit and comes back with one call onto the loop (`_finish`): no task, future
+or await per batch.
+
 Deadlines are kept in groups (the entries queued together: one worker frame), one heap item and
 one timer for all of them; a group whose entries are all answered leaves the heap from its front.
 
@@ -36,6 +41,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from server.backbone import EncodedInput
+from server.metrics import observe_all
 from server.modules import LoadedModule
 from server.runner import SortedRows
 from server.timings import Timings
@@ -170,6 +176,17 @@ class BatchSettings:
     disconnect_check_after: float = 0.05  # seconds queued before a job's client is asked whether it is still there
 
 
+class Running:
+    """A batch handed to compute: its rows (sorted), the union of its tasks, each owner's (entry,
+    places), and what its answers report (timings, when it started, how many requests)."""
+
+    __slots__ = ("work", "modules", "owners", "requests", "started", "slots", "timings")
+
+    def __init__(self, work, modules: dict, owners: dict, requests: int, started: float, slots: asyncio.Semaphore):
+        self.work, self.modules, self.owners, self.requests = work, modules, owners, requests
+        self.started, self.slots, self.timings = started, slots, Timings()
+
+
 class Forming:
     """A batch being formed: its entries, rows, longest row, and the module answering each task (the
     union of its entries' tasks), so that adding an entry costs O(its tasks), whatever the batch holds;
@@ -223,14 +240,17 @@ class Batcher:
         the compute thread) and what it returns is handed to run_batch in place of the rows."""
         self.run_batch = run_batch
         self.executor = executor
+        # hands the compute thread a batch: with no future where the executor can (runtime.ComputeThread)
+        self._compute_call = getattr(executor, "call", None) or executor.submit
         self.prepare = prepare
         self.prepare_executor = prepare_executor
-        self._running: set[asyncio.Task] = set()  # batches handed on, not yet answered
+        self._running: set = set()  # batches handed on (Running), or asking their clients (a task), not yet answered
         self.settings = settings
         self.metrics = metrics
         self._queue: collections.deque[tuple] = collections.deque()
         self._arrival: asyncio.Future | None = None  # what the loop awaits while the queue is empty
         self._held: collections.deque[tuple] = collections.deque()  # taken but not fitting the last batch
+        self._forming: Forming | None = None  # the batch waiting for company, which `put_many` adds to
         self._task: asyncio.Task | None = None
         self._closing = False
         # waiting entries' deadlines, earliest first, kept by one timer for all of them (a timer per
@@ -258,7 +278,9 @@ class Batcher:
                 pass
 
     def depth(self) -> int:
-        return len(self._queue) + len(self._held)
+        """Entries waiting: queued, left by the last batch, or in the batch forming."""
+        forming = self._forming
+        return len(self._queue) + len(self._held) + (len(forming.entries) if forming is not None else 0)
 
     # ---- submitting --------------------------------------------------------------------------
     def put(self, entry: tuple) -> None:
@@ -279,12 +301,22 @@ class Batcher:
         if not entries:
             return 0
         self._keep_deadlines(entries)  # kept while the entries wait, not only when a batch takes them
+        count = len(entries)
+        if entries[0][ENQUEUED] - self._depth_seen >= DEPTH_EVERY:  # a gauge write per request is not worth it
+            self._observe_depth()
+        forming = self._forming
+        if forming is not None:  # a batch waits for company: they join it now, in order, while they fit
+            for i, entry in enumerate(entries):
+                if not forming.add(entry, self.settings):
+                    self._forming = None  # the rest wait for the next batch, behind this one
+                    entries = entries[i:]
+                    break
+            else:
+                return count
         self._queue.extend(entries)
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(None)
-        if entries[0][ENQUEUED] - self._depth_seen >= DEPTH_EVERY:  # a gauge write per request is not worth it
-            self._observe_depth()
-        return len(entries)
+        return count
 
     def enqueue(self, job: Job) -> asyncio.Future:
         """Queue `job`; the future returned gets its answers, or the reason it got none
@@ -337,60 +369,82 @@ class Batcher:
         self._arm_expiry()
 
     # ---- the loop ----------------------------------------------------------------------------
-    async def _next(self, timeout: float | None) -> tuple | None:
-        """The next entry, waiting up to `timeout` seconds (None: until one comes) for one to be
-        queued. A future and a timer, not `wait_for(queue.get())`: that cost a task per batch."""
+    async def _wait(self, timeout: float | None) -> None:
+        """Until an entry is queued, or `timeout` seconds (None: no limit). A future and a timer, not
+        `wait_for(queue.get())`: that cost a task per batch."""
+        loop = asyncio.get_running_loop()
+        self._arrival = loop.create_future()
+        timer = loop.call_later(timeout, _wake, self._arrival) if timeout is not None else None
+        try:
+            await self._arrival
+        finally:
+            self._arrival = None
+            if timer is not None:
+                timer.cancel()
+
+    async def _first(self) -> tuple:
+        """A batch's first entry: the one a batch before left (it did not fit), else the next queued."""
         if self._held:
             return self._held.popleft()
-        loop = asyncio.get_running_loop()
         while not self._queue:
-            if timeout is not None and timeout <= 0:
-                return None
-            self._arrival = loop.create_future()
-            timer = loop.call_later(timeout, _wake, self._arrival) if timeout is not None else None
-            try:
-                await self._arrival
-            finally:
-                self._arrival = None
-                if timer is not None:
-                    timer.cancel()
-            if timeout is not None:
-                timeout = 0.0  # woken by an entry, or the time is up
+            await self._wait(None)
         return self._queue.popleft()
+
+    async def _fill(self, forming: Forming, window_end: float) -> None:
+        """Add entries to `forming` in order until one does not fit (first in line for the next batch)
+        or the wait is over. While it waits, entries queued meanwhile join it as they come
+        (`put_many`): a worker's frame wakes this loop only when an entry does not fit."""
+        queue, held, settings = self._queue, self._held, self.settings
+        while True:
+            while held or queue:  # what is queued already: no wait
+                entry = held.popleft() if held else queue.popleft()
+                if not forming.add(entry, settings):
+                    held.appendleft(entry)
+                    return
+            remaining = window_end - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._forming = forming
+            try:
+                await self._wait(remaining)
+            finally:
+                self._forming = None
 
     async def _loop(self) -> None:
         slots = asyncio.Semaphore(self.settings.in_flight)
-        queue, settings = self._queue, self.settings
         while True:
             await slots.acquire()  # taken before the first entry: with one slot a batch forms after the last ran
-            forming = Forming(await self._next(None))
-            window_end = time.perf_counter() + settings.max_wait
-            while settings.enabled:
-                if self._held or not queue:
-                    entry = await self._next(max(0.0, window_end - time.perf_counter()))
-                    if entry is None:
-                        break
-                else:  # what is queued already: no wait, no call per entry
-                    entry = queue.popleft()
-                if not forming.add(entry, settings):
-                    self._held.appendleft(entry)  # first in line for the next batch
-                    break
+            forming = Forming(await self._first())
+            if self.settings.enabled:
+                await self._fill(forming, time.perf_counter() + self.settings.max_wait)
             self._observe_depth()
-            task = asyncio.get_running_loop().create_task(self._execute_logged(forming.entries, slots))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._hand_on(forming.entries, slots)
 
-    async def _execute_logged(self, batch: list[tuple], slots: asyncio.Semaphore) -> None:
-        try:
-            await self._execute(batch)
-        except Exception:  # never let one batch kill the loop
-            log.exception("batch failed")
-        finally:
-            slots.release()
+    def _hand_on(self, batch: list[tuple], slots: asyncio.Semaphore) -> None:
+        """A formed batch: its live entries handed to compute now, or, where a job's client is to be
+        asked first whether it is still there (the one-process path), once asked (a task)."""
+        ask_before = time.perf_counter() - self.settings.disconnect_check_after  # entries queued before this are asked
+        if not any(entry[OWNER].asks_clients and entry[ENQUEUED] < ask_before for entry in batch):
+            self._run(self._live(batch), slots)
+            return
+        task = asyncio.get_running_loop().create_task(self._ask_then_run(batch, slots))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
-    async def _live(self, batch: list[tuple]) -> list[tuple]:
+    async def _ask_then_run(self, batch: list[tuple], slots: asyncio.Semaphore) -> None:
+        ask_before = time.perf_counter() - self.settings.disconnect_check_after
+        asked = []
+        for entry in batch:
+            owner, key = entry[OWNER], entry[KEY]
+            if owner.asks_clients and entry[ENQUEUED] < ask_before and owner.waiting(key) and await owner.gone(key):
+                self._count_dropped("client_gone")
+                continue
+            asked.append(entry)
+        self._run(self._live(asked), slots)
+
+    def _live(self, batch: list[tuple]) -> list[tuple]:
+        """The entries still waiting and within their deadline, taken (the rest expire or are left out)."""
         now = time.perf_counter()
-        ask_before = now - self.settings.disconnect_check_after  # entries queued before this are asked
         live = []
         for entry in batch:
             owner, key = entry[OWNER], entry[KEY]
@@ -398,17 +452,41 @@ class Batcher:
                 if owner.expire(key):
                     self._count_dropped("deadline")
                 continue
-            if owner.asks_clients and entry[ENQUEUED] < ask_before and owner.waiting(key) and await owner.gone(key):
-                self._count_dropped("client_gone")
-                continue
             if owner.take(key):
                 live.append(entry)
         return live
 
-    async def _execute(self, batch: list[tuple]) -> None:
-        batch = await self._live(batch)
+    def _run(self, batch: list[tuple], slots: asyncio.Semaphore) -> None:
+        """Hand a batch's rows to compute: one submit to the compute thread (on a GPU, to a tokenizer
+        thread that prepares them and submits them on), and one call back onto the loop with its
+        outputs (`_finish`); no task, future or await per batch."""
         if not batch:
+            slots.release()
             return
+        try:
+            running = self._start(batch, slots)
+        except Exception:  # never let one batch kill the loop
+            log.exception("batch failed")
+            slots.release()
+            return
+        self._running.add(running)
+        loop = asyncio.get_running_loop()
+
+        def report(outputs, error) -> None:  # on the thread that ran the batch
+            try:
+                loop.call_soon_threadsafe(self._finish, running, outputs, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting for these answers
+                pass
+
+        try:
+            if self.prepare is not None:
+                self.prepare_executor.submit(self._prepare_then_compute, running, report)
+            else:
+                self._compute_call(self._compute, running.work, running.modules, running.timings, report)
+        except RuntimeError as exc:  # an executor shut down: the server is stopping
+            self._finish(running, None, exc)
+
+    def _start(self, batch: list[tuple], slots: asyncio.Semaphore) -> "Running":
         started = time.perf_counter()
         # sort rows by length so similar lengths share padding (stable: equal lengths keep their
         # order); `where[j]` remembers where entry j's rows went
@@ -431,34 +509,61 @@ class Batcher:
             place = place.tolist()
             bounds = [0, *itertools.accumulate(counts)]
             where = [place[a:b] for a, b in zip(bounds, bounds[1:])]
-        modules: dict[str, LoadedModule] = {}
+        modules: dict[str, LoadedModule] | None = None
         owners: dict[Owner, list] = {}
         last = mine = None
+        merged = False
         for entry, places in zip(batch, where):
             if entry[MODULES] is not last:
                 last = entry[MODULES]
-                modules.update(last)
+                if modules is None:  # the entries' own dict while they share one (the runner caches by it)
+                    modules = last
+                elif last is not modules:
+                    if not merged:  # never mutated: a union of several task sets is a dict of its own
+                        modules, merged = dict(modules), True
+                    modules.update(last)
             if entry[OWNER] is not mine:
                 mine = entry[OWNER]
                 items = owners.get(mine)
                 if items is None:
                     items = owners[mine] = []
             items.append((entry, places))
-        timings = Timings()
-        loop = asyncio.get_running_loop()
+        return Running(rows, modules, owners, len(batch), started, slots)
+
+    def _compute(self, work, modules: dict, timings: Timings, report: Callable) -> None:
+        """On the compute thread: run the batch and report its outputs (or what it raised)."""
         try:
-            work = rows
-            if self.prepare is not None:
-                work = await loop.run_in_executor(self.prepare_executor, self.prepare, rows, modules)
-            outputs = await loop.run_in_executor(self.executor, self.run_batch, work, modules, timings)
-        except Exception as exc:
-            for owner, items in owners.items():
-                owner.fail([entry for entry, _ in items], exc)
+            outputs = self.run_batch(work, modules, timings)
+        except BaseException as exc:  # noqa: BLE001 - reported to the batch's owners, on the loop
+            report(None, exc)
             return
-        if self.metrics is not None:
-            self.metrics.batch_requests.observe(len(batch))
-        for owner, items in owners.items():
-            owner.answer(items, outputs, timings, started)
+        report(outputs, None)
+
+    def _prepare_then_compute(self, running: "Running", report: Callable) -> None:
+        """On a tokenizer thread: prepare the batch (collate) and hand it straight to the compute thread."""
+        try:
+            work = self.prepare(running.work, running.modules)
+            self._compute_call(self._compute, work, running.modules, running.timings, report)
+        except BaseException as exc:  # noqa: BLE001 - reported to the batch's owners, on the loop
+            report(None, exc)
+
+    def _finish(self, running: "Running", outputs, error: BaseException | None) -> None:
+        """On the loop: a batch's outputs (or its failure) to each owner of its entries."""
+        self._running.discard(running)
+        running.slots.release()
+        try:
+            if error is not None:
+                if not isinstance(error, Exception):
+                    error = RuntimeError(f"the batch stopped: {type(error).__name__}")
+                for owner, items in running.owners.items():
+                    owner.fail([entry for entry, _ in items], error)
+                return
+            if self.metrics is not None:
+                observe_all(self.metrics.batch_requests, [running.requests])
+            for owner, items in running.owners.items():
+                owner.answer(items, outputs, running.timings, running.started)
+        except Exception:  # never let one batch kill the loop
+            log.exception("batch failed")
 
     def _count_dropped(self, reason: str) -> None:
         if self.metrics is not None:

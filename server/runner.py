@@ -65,6 +65,7 @@ from server.backbone.tokens import window_rows
 from server.config import Settings, parse_sizes
 from server.engine import Engine
 from server.errors import ApiError
+from server.metrics import observe_all
 from server.modules import LoadedModule, compares_pairs
 from server.timings import Timings
 
@@ -620,6 +621,7 @@ class ModelRunner:
         self.shapes = BatchShapes.for_settings(settings, self.device, engine.backbone.max_tokens)
         self.head_precision = head_precision(settings)
         self.staging = StagingBuffers(pin=self.device.type == "cuda")
+        self._classes: tuple[dict | None, set[str]] = (None, set())  # the last modules dict prepared, its token classes
         self.staged = self.device.type == "cuda"  # inputs through staging sets (page-locked) on cuda
         # with HTTP worker processes (settings.workers > 1) the workers decode: answers leave as each
         # row's logits, and the engine process spends its CPU on passes (bench/bench_frontend.py)
@@ -706,7 +708,12 @@ class ModelRunner:
         """Cut rows (sorted by length) into passes and collate each on the host (host work only:
         safe on another thread while the device runs the previous batch); on cuda, into a free
         staging set of its bucket."""
-        classes = token_classes_read(modules)
+        cached = self._classes  # one tuple, swapped whole: prepare may run on a tokenizer thread
+        if cached[0] is modules:
+            classes = cached[1]
+        else:
+            classes = token_classes_read(modules)
+            self._classes = (modules, classes)
         lengths = rows.lengths if type(rows) is SortedRows else [len(row) for row in rows]
         passes = []
         for run, bucket in self.shapes.passes(lengths):
@@ -734,12 +741,13 @@ class ModelRunner:
             for item in prepared.passes:
                 self.staging.give_back(item.staging)
                 item.staging = None
-        if self.metrics is not None:
-            for item in prepared.passes:
-                self.metrics.batch_size.observe(item.batch.real_rows)
-                self.metrics.batch_tokens.observe(item.batch.size * item.batch.seq_len)
-                # a pass split for memory ran as halves: their plan's depth
-                self.metrics.backbone_layers.observe(item.deepest or self.engine.plan(modules).deepest)
+        if self.metrics is not None:  # observe_all: a bisect, where Histogram.observe scans every bucket in Python
+            m = self.metrics
+            observe_all(m.batch_size, [item.batch.real_rows for item in prepared.passes])
+            observe_all(m.batch_tokens, [item.batch.size * item.batch.seq_len for item in prepared.passes])
+            # a pass split for memory ran as halves: their plan's depth
+            observe_all(m.backbone_layers, [self.engine.plan(modules).deepest if item.deepest is None else item.deepest
+                                            for item in prepared.passes])
         return outputs
 
     def _execute(self, prepared: PreparedBatch, modules: dict[str, LoadedModule], timings: Timings

@@ -14,7 +14,8 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -80,6 +81,56 @@ def one_host_thread() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+class ComputeThread(Executor):
+    """The one thread torch work runs on, off the event loop, in the order given: `call(fn, *args)`
+    hands it work with no future (a batch: the batcher reports back itself, server/batcher.py), and
+    `submit` with one (start-up, module changes). A ThreadPoolExecutor made a future, a condition and
+    an idle-semaphore round per batch."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable, *args) -> None:
+        if self._closed:
+            raise RuntimeError("cannot schedule new work after shutdown")
+        self._queue.put((fn, args))
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - the future's to raise
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        self.call(run)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more work; what was given still runs (`cancel_futures` is not supported: nothing is dropped)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - the thread serves the next call
+                log.exception("compute thread: a call failed")
+
+
 class Runtime:
     def __init__(self, settings: Settings, backbone: Backbone | None = None):
         self.settings = settings
@@ -96,7 +147,7 @@ class Runtime:
         self.failure: str | None = None  # a sticky device error: not ready, not live, the process stops
         self._layers: dict[str, tuple[LoadedModule, list[int]]] = {}  # task -> (module, layers_read()), read at load
         # torch work runs on one thread of its own, off the event loop; torch itself uses the cores
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmod-compute")
+        self.executor = ComputeThread("tmod-compute")
         # tokenization (Rust, releases the GIL) runs beside compute so the next batch is ready
         self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize")
         # on a GPU the next batch is formed and collated (in a tokenizer thread) while the device runs

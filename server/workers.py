@@ -175,10 +175,13 @@ class RequestFrame:
     def read(cls, body: bytes) -> "RequestFrame":
         _, n, count, size, cancelled, names, text_bytes = REQUEST_HEAD.unpack_from(body)
         at = _Cursor(body, REQUEST_HEAD.size)
-        left, ids, which, per_request = (at.take(np.float64, n).tolist(), at.take(np.int32, n).tolist(),
-                                         at.take(np.int32, n).tolist(), at.take(np.int32, n).tolist())
-        cancels = at.take(np.int32, cancelled).tolist()
-        lengths, ends = at.take(np.int32, count).tolist(), at.take(np.int32, 2 * count).tolist()
+        left = at.take(np.float64, n).tolist()
+        # ids, task sets, rows per request, cancels, token counts and text ends lie one after the other:
+        # one int32 read for all of them
+        ints = at.take(np.int32, 3 * n + cancelled + 3 * count).tolist()
+        ids, which, per_request = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
+        a = 3 * n + cancelled
+        cancels, lengths, ends = ints[3 * n:a], ints[a:a + count], ints[a + count:]
         tokens = at.take(np.int32, size * FIELDS).reshape(size, FIELDS)
         flags = at.take(np.uint8, count).tolist()
         task_sets = at.raw(names).decode().split("\n") if n else []
@@ -189,6 +192,8 @@ class RequestFrame:
             rows.append(EncodedInput(text[a:b], text[b:c] if flag & PAIR else None, tokens[t:t + length],
                                      bool(flag & TRUNCATED)))
             a, t = c, t + length
+        if count == n:  # one row per request (the common case)
+            return cls(ids, left, task_sets, which, [[row] for row in rows], [[length] for length in lengths], cancels)
         bounds = [0, *itertools.accumulate(per_request)]
         return cls(ids, left, task_sets, which, [rows[x:y] for x, y in zip(bounds, bounds[1:])],
                    [lengths[x:y] for x, y in zip(bounds, bounds[1:])], cancels)
@@ -199,14 +204,14 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     """What the engine has for one worker in one event-loop iteration -> a frame's parts. `batches`:
     `(items, outputs, timings, started)` as the batcher hands an Owner; `errors`: `(id, status, type,
     message, details)`. Work per task per batch (one gather of its rows), not per request and task."""
-    ids, times, status = [], [], []
+    ids, queued, spans, status = [], [], [], []  # queued: each request's queue seconds; spans: a batch's requests
     table: dict[tuple[str, str], tuple[list, list]] = {}  # (task, version) -> (row answers, [(requests, rows)])
     tail: dict = {}
     for items, outputs, timings, started in batches:
         first = len(ids)
         ids += [entry[KEY] for entry, _ in items]
-        backbone, heads = timings.backbone, timings.heads
-        times += [(started - entry[ENQUEUED], backbone, heads) for entry, _ in items]
+        queued += [started - entry[ENQUEUED] for entry, _ in items]
+        spans.append((first, len(ids), timings.backbone, timings.heads))
         answered = [0] * len(items)  # each request's status: 0, or the status of a refusal of one of its rows
         refused = {r: a for answers in outputs.values() if type(answers) is not RowLogits  # never holds a refusal
                    for r, a in enumerate(answers) if type(a) is not np.ndarray and isinstance(a, Exception)}
@@ -258,9 +263,13 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
     for ident, code, type_, message, details in errors:
         tail.setdefault("errors", {})[len(ids)] = (type_, message, details)
         ids.append(ident)
-        times.append((0.0, 0.0, 0.0))
+        queued.append(0.0)
         status.append(code)
     n = len(ids)
+    times = np.zeros((n, 3), dtype=np.float64)  # per request: queue, backbone, heads seconds
+    times[:, 0] = queued
+    for a, b, backbone, heads in spans:
+        times[a:b, 1:] = backbone, heads
     count_rows, widths, blocks = [], [], []
     for parts, counts in table.values():
         column = np.zeros(n, dtype=np.int32)
@@ -272,10 +281,9 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
         blocks.append(np.ascontiguousarray(block, dtype=np.float32).tobytes())
     names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
     pickled = pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL) if tail else b""
-    return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0),
-            np.array(times, dtype=np.float64).tobytes(), np.array(ids, dtype=np.int32).tobytes(),
-            np.array(status, dtype=np.int32).tobytes(), *count_rows, np.array(widths, dtype=np.int32).tobytes(),
-            *blocks, names, pickled]
+    return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0), times.tobytes(),
+            np.array(ids, dtype=np.int32).tobytes(), np.array(status, dtype=np.int32).tobytes(), *count_rows,
+            np.array(widths, dtype=np.int32).tobytes(), *blocks, names, pickled]
 
 
 class RequestRows:
@@ -377,8 +385,8 @@ class Peer(Owner):
     (a set of ids), how many are in the engine, and what is to be written back at the end of this
     event-loop iteration (one answer frame)."""
 
-    def __init__(self, writer: asyncio.StreamWriter, runtime: Runtime):
-        self.writer, self.runtime = writer, runtime
+    def __init__(self, writer: asyncio.WriteTransport, runtime: Runtime):
+        self.writer, self.runtime = writer, runtime  # the connection's transport (`PeerConnection`)
         self.tokenizer_sent = False
         self.waiting_ids: set[int] = set()
         self.in_engine = 0  # waiting or in a running batch
@@ -452,6 +460,47 @@ class Peer(Owner):
             write_frame(self.writer, control_frame(messages))
 
 
+class PeerConnection(asyncio.Protocol):
+    """A worker's connection to the engine, read without a task or stream: each frame is handled as
+    soon as its last byte arrives (`EngineService.frame`), in the loop's own read callback; answers
+    are written to the transport (`Peer`)."""
+
+    def __init__(self, service: "EngineService"):
+        self.service = service
+        self.peer: Peer | None = None
+        self.buffer = bytearray()  # a frame's bytes so far, when it came in several reads
+        self.needed = LENGTH.size  # bytes the buffer must hold before a frame can end in it
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.peer = self.service.connected(transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        if buffer:
+            buffer += data
+            if len(buffer) < self.needed:
+                return
+            data = bytes(buffer)
+            buffer.clear()
+        at, end = 0, len(data)
+        while True:
+            if end - at < LENGTH.size:
+                self.needed = LENGTH.size
+                break
+            (size,) = LENGTH.unpack_from(data, at)
+            stop = at + LENGTH.size + size
+            if stop > end:
+                self.needed = stop - at
+                break
+            self.service.frame(self.peer, data[at + LENGTH.size:stop])
+            at = stop
+        if at < end:
+            buffer += memoryview(data)[at:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.service.disconnected(self.peer)
+
+
 class EngineService:
     """Serves one Runtime to the worker processes' connections."""
 
@@ -466,7 +515,8 @@ class EngineService:
 
     async def start(self, path: Path) -> None:
         await self.runtime.open()
-        self.server = await asyncio.start_unix_server(self._serve_peer, path=str(path))
+        self.server = await asyncio.get_running_loop().create_unix_server(lambda: PeerConnection(self),
+                                                                          path=str(path))
         self._keep(self._announce_when_loaded())
 
     async def stop(self) -> None:
@@ -507,27 +557,27 @@ class EngineService:
             peer.tokenizer_sent = True
         peer.control([("state", state)])
 
-    async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = Peer(writer, self.runtime)
+    def connected(self, transport: asyncio.Transport) -> Peer:
+        peer = Peer(transport, self.runtime)
         self.peers.add(peer)
         self._send_state(peer, self.state())
-        try:
-            while True:
-                try:
-                    body = await read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    break  # the worker exited; answers still being computed for it are dropped
-                if body[:1] == REQUESTS:
-                    self._requests(peer, RequestFrame.read(body))
-                else:
-                    for message in pickle.loads(memoryview(body)[1:]):
-                        self._keep(self._answer(peer, message))
-        finally:
-            self.peers.discard(peer)
-            peer.closed = True
-            for ident in list(peer.waiting_ids):  # the worker is gone: so are its requests
-                self._cancel(peer, ident)
-            writer.close()
+        return peer
+
+    def frame(self, peer: Peer, body: bytes) -> None:
+        """A frame a worker sent (`PeerConnection`): requests, or control messages."""
+        if body[:1] == REQUESTS:
+            self._requests(peer, RequestFrame.read(body))
+        else:
+            for message in pickle.loads(memoryview(body)[1:]):
+                self._keep(self._answer(peer, message))
+
+    def disconnected(self, peer: Peer) -> None:
+        """The worker exited: so are its requests (answers still being computed for it are dropped)."""
+        self.peers.discard(peer)
+        peer.closed = True
+        for ident in list(peer.waiting_ids):
+            self._cancel(peer, ident)
+        peer.writer.close()
 
     def _cancel(self, peer: Peer, ident: int) -> None:
         """A worker's request whose client left: a batch that has not started drops it."""
@@ -569,14 +619,17 @@ class EngineService:
         if not entries:
             return
         peer.waiting_ids.update(entry[KEY] for entry in entries)  # before the batcher sees them (it asks the owner)
+        refusal = None
         try:
             queued = self.runtime.put_many(entries)
         except ApiError as exc:  # shutting down
             queued, refusal = 0, exc
-        else:
+        peer.in_engine += queued
+        if queued == len(entries):
+            return
+        if refusal is None:  # the queue is full
             refusal = self.runtime.refusal(QueueFull(f"queue is full ({self.runtime.settings.max_queue} requests "
                                                      "waiting)"))
-        peer.in_engine += queued
         for entry in entries[queued:]:
             peer.waiting_ids.discard(entry[KEY])
             peer.refuse(entry[KEY], refusal, counted=False)

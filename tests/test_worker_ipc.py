@@ -53,7 +53,14 @@ def frames(monkeypatch):
         seen.append(body)
         return body
 
-    monkeypatch.setattr(workers, "read_frame", recording_read_frame)
+    monkeypatch.setattr(workers, "read_frame", recording_read_frame)  # the worker's side
+    engine_frame = workers.EngineService.frame
+
+    def recording_frame(service, peer, body):  # the engine's side
+        seen.append(body)
+        return engine_frame(service, peer, body)
+
+    monkeypatch.setattr(workers.EngineService, "frame", recording_frame)
     return seen
 
 

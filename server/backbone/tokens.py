@@ -26,7 +26,6 @@ CASING_CLASSES = 5  # none/special/padding, lower, Capitalized, UPPER, other (di
 # columns of a token array: -1 in SEGMENT / WORD where the tokenizer says None (special tokens)
 IDS, TYPES, SEGMENT, WORD, START, END, CASING = range(7)
 FIELDS = 7
-TOKEN_CELL = np.dtype((np.void, 4 * FIELDS))  # one token's FIELDS int32 as one item (collate copies tokens whole)
 
 
 @dataclass
@@ -543,26 +542,24 @@ class TextEncoder:
             if shape[0] < height or shape[1] < width:
                 raise ValueError(f"bucket {shape} is smaller than the batch ({height} rows x {width} tokens)")
             height, width = shape
-        # one copy of every row's tokens into the padded block: no Python per row or token. Each
-        # token's FIELDS int32 are copied as one item (a void view), not field by field: ~20x faster
-        padded = np.empty((height, width, FIELDS), dtype=np.int32)
-        cells = padded.view(TOKEN_CELL)[..., 0]
-        pad = np.array([(self.pad_id, 0, -1, -1, 0, 0, 0)], dtype=np.int32)  # pad id, no segment or word, casing 0
-        cells[...] = pad.view(TOKEN_CELL)[0, 0]
+        # every field of every token in one (FIELDS, rows, T) int64 block, filled with the padding
+        # token (pad id, no segment or word, casing 0) and then every row's tokens in one masked copy:
+        # no Python per row or token, and each tensor and array below is a plane of it (no copy)
+        columns = np.empty((FIELDS, height, width), dtype=np.int64)
+        columns[...] = np.array((self.pad_id, 0, -1, -1, 0, 0, 0), dtype=np.int64)[:, None, None]
         real = np.arange(width) < lengths[:, None]
-        cells[:n][real] = np.ascontiguousarray(np.concatenate([row.tokens for row in rows]),
-                                               dtype=np.int32).view(TOKEN_CELL)[:, 0]
+        tokens = np.concatenate([row.tokens for row in rows]) if n > 1 else rows[0].tokens
+        columns[:, :n][:, real] = tokens.T
         attention = np.zeros((height, width), dtype=np.int64)
         attention[:n] = real
         attention[n:, 0] = 1  # filler rows see one token: no attention row is all masked
-        columns = padded[:n].transpose(2, 0, 1).astype(np.int64)  # (FIELDS, rows, T) of the real rows
-        arrays = TokenArrays(segment=columns[SEGMENT], word=columns[WORD], start=columns[START], end=columns[END],
-                             casing=columns[CASING])
+        arrays = TokenArrays(segment=columns[SEGMENT, :n], word=columns[WORD, :n], start=columns[START, :n],
+                             end=columns[END, :n], casing=columns[CASING, :n])
         pairs = [row.text_pair for row in rows]
         has_pairs = pairs.count(None) < n
         batch = TokenBatch(
-            input_ids=torch.from_numpy(padded[..., IDS].astype(np.int64)), attention_mask=torch.from_numpy(attention),
-            token_type_ids=torch.from_numpy(padded[..., TYPES].astype(np.int64)) if self.uses_token_types else None,
+            input_ids=torch.from_numpy(columns[IDS]), attention_mask=torch.from_numpy(attention),
+            token_type_ids=torch.from_numpy(columns[TYPES]) if self.uses_token_types else None,
             offsets=TokenLists(arrays.start, arrays.end), sequence_ids=TokenLists(arrays.segment),
             word_ids=TokenLists(arrays.word), texts=[row.text for row in rows],
             text_pairs=pairs if has_pairs else None,
@@ -570,4 +567,5 @@ class TextEncoder:
         )
         for name in classes:
             batch.token_classes(name)
-        return batch.to(self.device if device is None else device)
+        device = self.device if device is None else device
+        return batch if torch.device(device).type == "cpu" else batch.to(device)  # from_numpy: on the host already
