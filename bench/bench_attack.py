@@ -449,9 +449,10 @@ def drain_with_keep_alive_clients(server: ServerProcess, clients: int, answers_b
     body = json.dumps({"inputs": SENTENCES})
     request = (f"POST /v1/infer?tasks=sentiment,ner HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                f"content-length: {len(body)}\r\n\r\n{body}").encode()
-    run = sigterm_under_load(server.url, server.proc, request, clients, answers_before, timeout=300)
-    return {"clients": clients, "answered_before_sigterm": run.answered_before_sigterm, "outcomes": dict(run.outcomes),
-            "lost": run.outcomes["lost"], "exit_code": run.exit_code}
+    run = sigterm_under_load(server.url, server.proc, {request: clients}, answers_before, timeout=300)
+    outcomes = run.outcomes[request]
+    return {"clients": clients, "answered_before_sigterm": run.answered_before_sigterm, "outcomes": dict(outcomes),
+            "lost": outcomes["lost"], "exit_code": run.exit_code}
 
 
 def framing_and_drain(name: str, env: dict, log: Path, clients: int, smuggling_rounds: int) -> dict:

@@ -1,10 +1,19 @@
 from __future__ import annotations
 
 import pytest
+import scipy.linalg  # noqa: F401 -- loads scipy's BLAS now, so that the limit below reaches it too
 import torch
+from threadpoolctl import threadpool_limits
 
 from server.backbone import Backbone
 from tests.helpers import make_tiny_backbone_dir, populate_store
+
+# One BLAS thread in the test process (servers the tests start are left at their defaults).
+# scikit-learn's solvers (tests/test_baselines.py, the paired baseline) make thousands of small BLAS
+# calls; OpenBLAS splits each over a thread per core, whose threads spin waiting for each other: on a
+# busy 2-core machine (this suite's own servers, other jobs) the GoEmotions multi-label baseline on
+# 700 examples took 13 s of CPU with 2 threads and 0.5 s with 1, the same scores.
+threadpool_limits(1, user_api="blas")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -251,28 +251,33 @@ def keep_alive_client(host: str, port: int, request: bytes, outcomes) -> None:
 
 
 class DrainRun(NamedTuple):
-    outcomes: collections.Counter  # as `keep_alive_client` counts them, all clients together
+    outcomes: dict[bytes, collections.Counter]  # per request kind, as `keep_alive_client` counts them
     answered_before_sigterm: int
     exit_code: int
 
 
-def sigterm_under_load(url: str, process, request: bytes, clients: int, answers_before: int,
+def sigterm_under_load(url: str, process, clients: dict[bytes, int], answers_before: int,
                        timeout: float = 120.0) -> DrainRun:
-    """`clients` threads of `keep_alive_client` sending `request` to a running `tmod-serve`; SIGTERM once
-    `answers_before` requests were answered; returns when every client ended (on a refused connection,
-    or lost) and the process exited. The process is killed if it is still running then."""
+    """For each request kind in `clients`, that many threads of `keep_alive_client` sending it to a
+    running `tmod-serve`; SIGTERM once `answers_before` requests (of any kind) were answered; returns
+    when every client ended (on a refused connection, or lost) and the process exited. The process is
+    killed if it is still running then."""
     import signal
     from urllib.parse import urlsplit
 
     address = urlsplit(url)
-    outcomes = collections.Counter()
-    threads = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request, outcomes))
-               for _ in range(clients)]
+    outcomes = {request: collections.Counter() for request in clients}
+    threads = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request, outcomes[request]))
+               for request, count in clients.items() for _ in range(count)]
+
+    def answered() -> int:
+        return sum(counts[200] for counts in outcomes.values())
+
     try:
         for thread in threads:
             thread.start()
-        wait_until(lambda: outcomes[200] >= answers_before, f"{answers_before} answers", timeout)
-        answered_before = outcomes[200]
+        wait_until(lambda: answered() >= answers_before, f"{answers_before} answers", timeout)
+        answered_before = answered()
         process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(timeout)

@@ -192,11 +192,12 @@ def test_onnx_streams_one_state_at_a_time(tiny_onnx):
 
 
 # ---- the export cache -----------------------------------------------------------------------------
-def test_export_cache_is_reused(tiny_backbone, tmp_path, monkeypatch):
-    first = tiny_backbone.use_backend("onnx", cache_dir=tmp_path)
-    assert first.backend.exported
-    graph_dir = first.backend.graph_dir
-    assert graph_dir.parent == tmp_path / "onnx"
+def test_export_cache_is_reused(tiny_backbone, tiny_onnx, onnx_cache, monkeypatch):
+    """The session's export of the tiny backbone (`tiny_onnx`'s, or the identical BERT's of the
+    families test) is found in the cache and used as it is; an export into a directory of its own is
+    checked by test_unwritable_cache_falls_back_to_a_temporary_export."""
+    graph_dir = tiny_onnx.backend.graph_dir
+    assert graph_dir.parent == onnx_cache / "onnx"
     files = sorted(graph_dir.glob("*.onnx"))
     assert [f.name for f in files] == onnx_backend.graph_files(tiny_backbone.num_layers)
     stamps = {f: f.stat().st_mtime_ns for f in files}
@@ -205,16 +206,17 @@ def test_export_cache_is_reused(tiny_backbone, tmp_path, monkeypatch):
         raise AssertionError("exported again although the cache holds the graphs")
 
     monkeypatch.setattr(onnx_backend, "export_fp32", no_export)
-    second = tiny_backbone.use_backend("onnx", cache_dir=tmp_path)
+    second = tiny_backbone.use_backend("onnx", cache_dir=onnx_cache)
     assert not second.backend.exported and second.backend.graph_dir == graph_dir
     assert {f: f.stat().st_mtime_ns for f in files} == stamps
     batch = tiny_backbone.tokenize(SAMPLE[:2])
-    assert_states_close(first, second, batch, atol=0)
+    assert_states_close(tiny_onnx, second, batch, atol=0)
     # int8 is derived from the cached fp32 graphs (no export) into its own entry, itself reused
-    int8 = tiny_backbone.use_backend("onnx", precision="int8", cache_dir=tmp_path)
+    # (no other test makes the tiny backbone's int8 graphs)
+    int8 = tiny_backbone.use_backend("onnx", precision="int8", cache_dir=onnx_cache)
     assert int8.backend.exported and int8.backend.graph_dir != graph_dir
-    assert not tiny_backbone.use_backend("onnx", precision="int8", cache_dir=tmp_path).backend.exported
-    assert len(list((tmp_path / "onnx").iterdir())) == 2  # no temporary directories left behind
+    assert not tiny_backbone.use_backend("onnx", precision="int8", cache_dir=onnx_cache).backend.exported
+    assert not [p.name for p in (onnx_cache / "onnx").iterdir() if p.name.startswith(".")]  # no temporary directories left
 
 
 def test_cache_key_follows_weights_precision_and_opset(tiny_backbone, tmp_path):

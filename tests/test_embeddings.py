@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from modules_store import DEFAULT_STORE, ModuleStore, TaskType
+from server.app import create_app
 from server.backbone import default_backbone_path
+from server.config import Settings
 from server.engine import Engine
 from server.heads.embedding import EmbeddingHead, sentence_transformers_settings
 from server.heads.pooling import pool_modes
 from server.modules import load_module, save_module
-from tests.helpers import populate_store, start_tmod_serve
+from tests.helpers import LiveServer, populate_store, start_tmod_serve
 from training.data import PRESETS, preset_spec
 from training.embedding import compare, embed
 
@@ -334,12 +336,10 @@ def test_nearest_neighbours_on_sst2_validation_agree_with_reference(served):
 
 
 def test_bf16_vectors_within_cosine_0_999(texts, reference_vectors):
-    url, process = start_tmod_serve(["--tasks", "embedding", "--precision", "bf16", "--log-level", "warning"], SERVE_ENV)
-    try:
-        ours = openai_vectors(openai_client(url), texts[:64])
-    finally:
-        process.kill()
-        process.wait()
+    """The app `tmod-serve --tasks embedding --precision bf16` serves (the shipped store, its own
+    MiniLM), served from this process: the precision is the runtime's, no process start needed."""
+    with LiveServer(create_app(Settings(tasks="embedding", precision="bf16"))) as server:
+        ours = openai_vectors(openai_client(server.url), texts[:64])
     assert_equal_vectors(ours, reference_vectors[:64], 0.999, None)
 
 

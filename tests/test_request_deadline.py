@@ -1,31 +1,44 @@
 """One deadline per request (issue 38, item 5): `request_timeout_s` runs from when a request's body
 has been read and is shared by every part of a long request; parts not yet run when it passes are
-not run, and the request is answered 503 deadline_exceeded. Against real `tmod-serve` processes
-whose one head takes at least `slow_head.SECONDS` per pass."""
+not run, and the request is answered 503 deadline_exceeded. Against a server (one process, and a
+real `tmod-serve --workers 2`) whose one head takes at least `slow_head.SECONDS` per pass."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from modules_store import ModuleStore
+from server.app import create_app
+from server.config import Settings
 from server.modules import save_module
 from tests import slow_head
-from tests.helpers import free_port, metric_sample, random_head, wait_until
+from tests.helpers import LiveServer, free_port, metric_sample, random_head, wait_until
 
 TIMEOUT_S = 1.5
 INPUTS = 12  # one part each (max_batch_size 1): 12 x SECONDS of passes, well past TIMEOUT_S
 
 
-def serve_slow(tmp_path, backbone_dir, backbone, workers: int):
+@contextmanager
+def serving_slow(tmp_path, backbone_dir, backbone, workers: int):
+    """A server of one slow sentiment head, `max_batch_size` 1 and `request_timeout_s` TIMEOUT_S: with
+    `workers` 1 the app `tmod-serve` serves in one process, served from this one (LiveServer; the
+    deadline lives in the app and the runtime, so no process start is needed to check it); with 2 a
+    real `tmod-serve --workers 2`, whose workers forward each part to the engine process."""
     store = ModuleStore(tmp_path / "store")
     template = random_head(backbone, "sequence_classification", ["negative", "positive"], 1)
     head = slow_head.SlowHead(template.config, template.labels)
     head.load_state_dict(template.state_dict())
     save_module(store, "sentiment", "1", head.eval(), backbone)
+    if workers == 1:
+        settings = Settings(store=store.root, precision="fp32", max_batch_size=1, request_timeout_s=TIMEOUT_S)
+        with LiveServer(create_app(settings, backbone=backbone)) as server:
+            yield server.url
+        return
     port = free_port()
     command = [sys.executable, "-c", "import sys, tests.slow_head; from server.cli import main; main(sys.argv[1:])",
                "--port", str(port), "--store", str(store.root), "--backbone", str(backbone_dir), "--precision", "fp32",
@@ -41,8 +54,12 @@ def serve_slow(tmp_path, backbone_dir, backbone, workers: int):
         except httpx.TransportError:
             return False
 
-    wait_until(ready, "tmod-serve ready", timeout=180)
-    return url, process
+    try:
+        wait_until(ready, "tmod-serve ready", timeout=180)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def passes_run(url: str) -> float:
@@ -51,8 +68,7 @@ def passes_run(url: str) -> float:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_request_of_many_parts_stops_at_its_one_deadline(tmp_path, tiny_backbone_dir, tiny_backbone, workers):
-    url, process = serve_slow(tmp_path, tiny_backbone_dir, tiny_backbone, workers)
-    try:
+    with serving_slow(tmp_path, tiny_backbone_dir, tiny_backbone, workers) as url:
         before = passes_run(url)
         texts = [f"Text number {i} of a long request." for i in range(INPUTS)]
         answer = httpx.post(url + "/v1/infer", json={"inputs": texts}, timeout=120)
@@ -63,6 +79,3 @@ def test_a_request_of_many_parts_stops_at_its_one_deadline(tmp_path, tiny_backbo
         assert 0 < ran < INPUTS, ran
         # a request that fits in its deadline is answered
         assert httpx.post(url + "/v1/infer", json={"inputs": texts[:1]}, timeout=60).status_code == 200
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
