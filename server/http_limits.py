@@ -298,7 +298,8 @@ def answer_whole(cycle: RequestResponseCycle, status: int, lines: bytes, body: b
     among them, no Connection) and `body`. What uvicorn's `send` does for a response start and its
     whole body, without checking each header against its patterns (~25 us of CPU a request, issue
     37): the app's header names are constants and its values numbers or checked ids. False where the
-    answer must go the ASGI way (it has begun, or the transport asks the writer to wait)."""
+    answer must go the ASGI way (it has begun, or the transport asks the writer to wait). The cycle's
+    transport is the protocol's `OneWriteTransport`."""
     if cycle.response_started or cycle.flow.write_paused:
         return False
     if cycle.disconnected:  # as uvicorn's send: the answer has nowhere to go
@@ -310,8 +311,8 @@ def answer_whole(cycle: RequestResponseCycle, status: int, lines: bytes, body: b
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     close = not cycle.keep_alive
-    cycle.transport.write(b"".join((STATUS_LINE[status], _default_lines[1], lines,
-                                    b"connection: close\r\n\r\n" if close else b"\r\n", body)))
+    cycle.transport.write_whole(b"".join((STATUS_LINE[status], _default_lines[1], lines,
+                                          b"connection: close\r\n\r\n" if close else b"\r\n", body)))
     cycle.response_complete = True
     cycle.message_event.set()
     if close:
@@ -338,6 +339,12 @@ class OneWriteTransport:
         else:
             self.transport.write(self.held + data)
             self.held = None
+
+    def write_whole(self, data: bytes) -> None:
+        """Write at once (after anything held): a whole answer has nothing to join."""
+        if self.held is not None:
+            data, self.held = self.held + data, None
+        self.transport.write(data)
 
     def flush(self) -> None:
         if self.held is not None:
