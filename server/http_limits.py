@@ -201,14 +201,20 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
-            if self._waiting_for_head() or self._in_head:
+            heading = self._waiting_for_head() or self._in_head
+            if heading:
                 self._head_bytes += len(data)
-                if not self._draining:
-                    self._arm()  # a request head starts (after an idle keep-alive wait, which this data ended)
             super().data_received(data)
-            if self._in_head and self._head_bytes > max_header_bytes and not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self._in_head and self._head_bytes > max_header_bytes:
                 self.transport.write(too_large)  # a head still arriving, already over the limit
                 self.transport.close()
+            elif heading and not self._draining and (self._in_head or self._waiting_for_head()):
+                # a request head started (after an idle keep-alive wait, which this data ended) and is not
+                # whole yet: its deadline runs from now. A head that came whole in this data needs none
+                # (most: no timer made and cancelled per request)
+                self._arm()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
