@@ -13,6 +13,7 @@ mid-request does not change what the request sees. `read_inputs` says where a re
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hmac
 import re
@@ -70,8 +71,8 @@ class IterationTokenizer:
         """A future of `read()`'s result (or its exception), run at the end of this iteration."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if not self.pending:
-            loop.call_soon(self._run)
+        if not self.pending:  # run in a context of its own: not the request id of the first request
+            loop.call_soon(self._run, context=contextvars.Context())
         self.pending.append((read, future))
         return future
 
