@@ -36,7 +36,7 @@ import zlib
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from server.errors import BodyRefused, error_body, protocol_of
 
@@ -201,14 +201,20 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
-            if self._waiting_for_head() or self._in_head:
+            heading = self._waiting_for_head() or self._in_head
+            if heading:
                 self._head_bytes += len(data)
-                if not self._draining:
-                    self._arm()  # a request head starts (after an idle keep-alive wait, which this data ended)
             super().data_received(data)
-            if self._in_head and self._head_bytes > max_header_bytes and not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self._in_head and self._head_bytes > max_header_bytes:
                 self.transport.write(too_large)  # a head still arriving, already over the limit
                 self.transport.close()
+            elif heading and not self._draining and (self._in_head or self._waiting_for_head()):
+                # a request head started (after an idle keep-alive wait, which this data ended) and is not
+                # whole yet: its deadline runs from now. A head that came whole in this data needs none
+                # (most: no timer made and cancelled per request)
+                self._arm()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -228,6 +234,7 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
             if self._head_size > max_header_bytes:  # a whole head in one read: measured by its parts
                 raise HeadTooLarge  # the parser stops; `send_400_response` answers
             super().on_headers_complete()
+            self.scope[CYCLE] = self.cycle  # the app answers its inference routes through it (`answer_whole`)
             if self._draining:
                 self.cycle.keep_alive = False  # a request that came in the grace: answered, then closed
 
@@ -285,6 +292,41 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
     return HeaderTimeoutProtocol
 
 
+# The scope key of a request's uvicorn cycle (`RequestResponseCycle`), present where tmod's protocol
+# serves it (absent under other ASGI servers and test clients: answers then go the ASGI way)
+CYCLE = "tmod.cycle"
+_default_lines: tuple[list, bytes] = ([], b"")  # uvicorn's default headers (Date, Server) as lines, by their list
+
+
+def answer_whole(cycle: RequestResponseCycle, status: int, lines: bytes, body: bytes) -> bool:
+    """Answer a request at once, head and body in one write: its status line, uvicorn's default
+    headers, `lines` (header lines the app made itself: ASCII, each ending in CRLF, Content-Length
+    among them, no Connection) and `body`. What uvicorn's `send` does for a response start and its
+    whole body, without checking each header against its patterns (~25 us of CPU a request, issue
+    37): the app's header names are constants and its values numbers or checked ids. False where the
+    answer must go the ASGI way (it has begun, or the transport asks the writer to wait). The cycle's
+    transport is the protocol's `OneWriteTransport`."""
+    if cycle.response_started or cycle.flow.write_paused:
+        return False
+    if cycle.disconnected:  # as uvicorn's send: the answer has nowhere to go
+        return True
+    global _default_lines
+    defaults = cycle.default_headers
+    if defaults is not _default_lines[0]:  # uvicorn makes a new list each second (its Date)
+        _default_lines = defaults, b"".join(name + b": " + value + b"\r\n" for name, value in defaults)
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    close = not cycle.keep_alive
+    cycle.transport.write_whole(b"".join((STATUS_LINE[status], _default_lines[1], lines,
+                                          b"connection: close\r\n\r\n" if close else b"\r\n", body)))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if close:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
+
+
 class OneWriteTransport:
     """A connection's transport whose writes of one event-loop iteration go to the socket together: a
     write is held until the next one (joined to it), a close, or the iteration's end. uvicorn writes an
@@ -303,6 +345,12 @@ class OneWriteTransport:
         else:
             self.transport.write(self.held + data)
             self.held = None
+
+    def write_whole(self, data: bytes) -> None:
+        """Write at once (after anything held): a whole answer has nothing to join."""
+        if self.held is not None:
+            data, self.held = self.held + data, None
+        self.transport.write(data)
 
     def flush(self) -> None:
         if self.held is not None:

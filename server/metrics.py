@@ -5,10 +5,13 @@ With `--workers N` the server is N + 1 processes; prometheus_client's multiproce
 process's values in files there, and any worker's /metrics adds them up: counters and histograms
 summed, gauges as their `multiprocess_mode` says.
 
-Answered requests are counted once per event-loop iteration (`record_answer`, `in_flight`): each
-update is a write to a memory-mapped file in multiprocess mode (a histogram observation two), ~17 per
-request before; they are tallied in Python and written as one update per series at the iteration's
-end. Outside an event loop (tests, tools) they are written at once.
+Answered requests are tallied in Python (`record_answer`, `in_flight`) and written as one update per
+series: each update is a write to a memory-mapped file in multiprocess mode (a histogram observation
+two), ~17 per request when written one by one, ~25 per write of a tally (~75 us of CPU in a worker
+under load, issue 37). A tally is written at the end of the event-loop iteration in which this
+process has no request left in flight, and while requests keep coming at most `FLUSH_EVERY_S`
+after its first update (a busy worker writes ~10 a second, not once per iteration); /metrics writes
+this process's tally before it reads. Outside an event loop (tests, tools) they are written at once.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+FLUSH_EVERY_S = 0.1  # while busy: the most time a tallied answer waits to be written
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -69,10 +73,13 @@ class Metrics:
         self._phases: dict[str, list[float]] = {}  # phase -> its durations
         self._tasks: dict[str, int] = {}
         self._answered = self._inputs = self._in_flight = 0
-        self._flush_scheduled = False
+        self._open = 0  # requests in flight in this process
+        self._flush: asyncio.Handle | None = None  # the write of the tally, once scheduled
+        self._flush_idle = False  # whether it is scheduled at an iteration's end (the process went idle)
 
     def exposition(self) -> bytes:
         """The /metrics page: this registry, or with worker processes every live process's values."""
+        self.flush()
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
@@ -104,22 +111,29 @@ class Metrics:
     def in_flight(self, change: int) -> None:
         """An inference request received (1) or answered (-1): `tmod_requests_in_flight`."""
         self._in_flight += change
+        self._open += change
         self._soon()
 
     def _soon(self) -> None:
-        if self._flush_scheduled:
+        """Schedule the write: at this iteration's end once nothing is in flight, else within FLUSH_EVERY_S."""
+        idle = self._open <= 0
+        if self._flush is not None and (self._flush_idle or not idle):
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop: written now
             self.flush()
             return
-        self._flush_scheduled = True
-        loop.call_soon(self.flush)
+        if self._flush is not None:  # a timed write, and now nothing is in flight: sooner
+            self._flush.cancel()
+        self._flush_idle = idle
+        self._flush = loop.call_soon(self.flush) if idle else loop.call_later(FLUSH_EVERY_S, self.flush)
 
     def flush(self) -> None:
         """Write what was tallied: one update per series (a histogram: its sum and each bucket hit)."""
-        self._flush_scheduled = False
+        if self._flush is not None:
+            self._flush.cancel()  # (called before its time: by /metrics)
+            self._flush = None
         if self._in_flight:
             self.requests_in_flight.inc(self._in_flight)
             self._in_flight = 0

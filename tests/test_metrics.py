@@ -37,10 +37,14 @@ def test_two_metrics_objects_keep_their_own_children():
     assert metric_sample(page(second), 'tmod_task_requests_total{task="ner"}') == 0
 
 
-def test_answers_of_one_event_loop_iteration_are_written_once_as_each_observed_alone():
-    """In an event loop the updates are tallied and written at the iteration's end: nothing before,
-    then the page one `observe` / `inc` per request would give (every bucket, sum, count, gauge)."""
+def test_answers_are_tallied_and_written_once_as_each_observed_alone():
+    """In an event loop the updates are tallied: while a request is in flight they are written
+    FLUSH_EVERY_S after the first (nothing at the iteration's end), once none is, at the iteration's
+    end; written, the page is the one `observe` / `inc` per request would give (every bucket, sum,
+    count, gauge)."""
     import asyncio
+
+    from server.metrics import FLUSH_EVERY_S
 
     tallied, reference = Metrics(), Metrics()
     answers = [((("queue", q), ("total", t)), n, tasks) for q, t, n, tasks in
@@ -55,7 +59,7 @@ def test_answers_of_one_event_loop_iteration_are_written_once_as_each_observed_a
             reference.task_requests.labels(task).inc()
     reference.requests_in_flight.inc(1)
 
-    async def one_iteration():
+    async def iterations():
         for _ in range(3):
             tallied.in_flight(1)
         for phases, inputs, tasks in answers:
@@ -63,12 +67,20 @@ def test_answers_of_one_event_loop_iteration_are_written_once_as_each_observed_a
         tallied.in_flight(-1)
         tallied.in_flight(-1)
         pending = page(tallied)
-        await asyncio.sleep(0)  # the iteration ends: the flush runs
-        return pending
+        await asyncio.sleep(0)  # the iteration ends with a request in flight: nothing written yet
+        busy = page(tallied)
+        await asyncio.sleep(FLUSH_EVERY_S * 1.5)  # the timed write ran first (its deadline is the earlier)
+        written = page(tallied)
+        tallied.in_flight(-1)  # the last answered: written at this iteration's end
+        await asyncio.sleep(0)
+        return pending, busy, written, page(tallied)
 
-    pending = asyncio.run(one_iteration())
-    assert 'tmod_requests_total{outcome="success"}' not in pending and metric_sample(pending, "tmod_inputs_total") == 0
-    written, expected = page(tallied), page(reference)
+    pending, busy, written, idle = asyncio.run(iterations())
+    for unwritten in (pending, busy):
+        assert 'tmod_requests_total{outcome="success"}' not in unwritten
+        assert metric_sample(unwritten, "tmod_inputs_total") == 0
+    assert metric_sample(idle, "tmod_requests_in_flight") == 0
+    expected = page(reference)
     samples = [line.split(" ")[0] for line in expected.splitlines()
                if line.startswith(("tmod_request_duration_seconds_", "tmod_requests_", "tmod_inputs_total",
                                    "tmod_task_requests_total")) and "_created" not in line]
