@@ -151,3 +151,75 @@ def test_tmod_train_mtb_kinds_learn_and_ship_loadable_artifacts(tmp_path, train_
         assert manifest.config["targets"] == ["attention.self.query", "attention.self.value"]
     else:
         assert training["trainable_parameters"] == training["parameters"]
+
+
+def with_casing(head):
+    """`head` (an MTB or a LoRA-MTB in training form) given a casing embedding with values, as if trained."""
+    head.casing = torch.nn.Embedding(5, head.config.hidden_size)
+    head.config = head.config.model_copy(update={"casing": True})
+    with torch.no_grad():
+        head.casing.weight.copy_(torch.randn_like(head.casing.weight))
+    return head.eval()
+
+
+@pytest.mark.parametrize("kind", ["mtb", "lora-mtb"])
+def test_casing_is_read_from_the_raw_text_and_survives_the_store(tmp_path, tiny_backbone, kind):
+    """The tokenizer lowercases: only the casing embedding tells 'Paris' from 'paris'. A fresh one is zero (the
+    blocks start as the backbone's); a trained one is stored (LoRA-MTB: beside its factors) and served as trained,
+    alone or grouped with an MTB without casing."""
+    fresh = MTBHead.from_backbone(tiny_backbone, "token_classification", NER_LABELS, casing=True).eval()
+    assert fresh.token_classes_read() == {"casing"}
+    batch = tiny_backbone.tokenize(TEXTS)
+    states = tiny_backbone.all_states(batch)
+    with torch.inference_mode():
+        state = fresh.consume(fresh.start(batch), tiny_backbone.num_layers - 1, states[-2])
+    torch.testing.assert_close(state["hidden"], states[-1], atol=1e-5, rtol=0)
+
+    torch.manual_seed(1)
+    if kind == "mtb":
+        head = with_casing(MTBHead.from_backbone(tiny_backbone, "token_classification", NER_LABELS))
+    else:
+        head = TrainableLoraMTB.from_backbone(tiny_backbone, "token_classification", NER_LABELS, rank=4, casing=True)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if "lora_" in name or "task_layer" in name or "casing" in name:
+                    p.copy_(torch.randn_like(p) * 0.05)
+        head.eval()
+    engine = Engine(tiny_backbone)
+    cased, lowered = (tiny_backbone.tokenize([text]) for text in ("Alice met Bob in Paris.", "alice met bob in paris."))
+    assert torch.equal(cased.input_ids, lowered.input_ids)
+    assert (engine.logits(cased, as_modules(ner=head))["ner"] - engine.logits(lowered, as_modules(ner=head))["ner"]
+            ).abs().max() > 1e-3
+    store = ModuleStore(tmp_path)
+    save_module(store, "ner", "1", head, tiny_backbone)
+    if kind == "lora-mtb":
+        assert "casing.weight" in store.load("ner").weights
+    loaded = load_module(store, "ner", None, tiny_backbone)
+    assert loaded.manifest.kind == kind and loaded.head.config.casing
+    other = MTBHead.from_backbone(tiny_backbone, "token_classification", NER_LABELS).eval()
+    together = engine.logits(batch, {"ner": loaded, **as_modules(other=other)})
+    torch.testing.assert_close(together["ner"], engine.logits(batch, as_modules(ner=head))["ner"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(together["other"], engine.logits(batch, as_modules(other=other))["other"],
+                               atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["mtb", "lora-mtb"])
+def test_tmod_train_mtb_kinds_on_a_token_task_read_casing_by_default(tmp_path, train_backbone_dir, train_backbone,
+                                                                      kind):
+    from tests.test_training_trainer import write_conll
+    from training.cli import main
+
+    train_file, validation_file = write_conll(tmp_path / "train.txt", 40, 0), write_conll(tmp_path / "val.txt", 12, 1)
+    argv = [kind, "--train", str(train_file), "--validation", str(validation_file), "--backbone",
+            str(train_backbone_dir), "--task", "ner", "--store", str(tmp_path / "store"), "--report-dir",
+            str(tmp_path / "report"), "--epochs", "3", "--patience", "10", "--batch-size", "8", "--lr", "0.003",
+            "--document-windows", "64", "--no-progress"]
+    assert main(argv) == 0
+    module = load_module(ModuleStore(tmp_path / "store"), "ner", "1", train_backbone)
+    manifest = module.manifest
+    assert manifest.kind == kind and manifest.config["casing"] and module.head.token_classes_read() == {"casing"}
+    assert manifest.training["history"][-1]["train_loss"] < manifest.training["history"][0]["train_loss"]
+    assert manifest.training["data"]["document_window_examples"]["64"] >= 1
+    assert {"precision", "recall", "f1"} <= set(manifest.metrics)
+    assert main([*argv, "--version", "2", "--no-casing", "--epochs", "1"]) == 0
+    assert not load_module(ModuleStore(tmp_path / "store"), "ner", "2", train_backbone).head.config.casing

@@ -142,8 +142,11 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
 
 
 def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
+    g = p.add_argument_group("head")
+    g.add_argument("--casing", action=argparse.BooleanOptionalAction, default=S,
+                   help="casing embedding read from the raw text (the tokenizer lowercases), added to the mix "
+                        "(layer-mix) or to the blocks' input (MTB, LoRA-MTB)")
     if kind == "layermix":
-        g = p.add_argument_group("head")
         g.add_argument("--layers", default=S, help="states to mix: 'all', '6' (last-layer baseline), '0-6', '1,3,5'")
         g.add_argument("--k", "--project-dim", dest="project_dim", type=int, default=S, help="projection width k")
         g.add_argument("--alpha", type=float, default=S, help="temperature of softmax(alpha * p)")
@@ -156,8 +159,6 @@ def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
         g.add_argument("--ffn-dim", type=int, default=S, help="token tasks: their feed-forward width")
         g.add_argument("--positional", action=argparse.BooleanOptionalAction, default=S,
                        help="learned positional embeddings on the mix")
-        g.add_argument("--casing", action=argparse.BooleanOptionalAction, default=S,
-                       help="casing embedding read from the raw text (the tokenizer lowercases)")
         g.add_argument("--attention", action=argparse.BooleanOptionalAction, default=S,
                        help="sequence tasks: a self-attention layer over the mix before pooling "
                             "(--no-attention: pool the mix itself; fewer weights, for small datasets)")
@@ -165,7 +166,6 @@ def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
                        help="sequence tasks: mean over every token, or pair: text and text pair pooled apart, "
                             "classified from [u, v, |u - v|, u * v] (pair tasks)")
         return
-    g = p.add_argument_group("head")
     g.add_argument("--blocks", type=int, default=S, help="backbone blocks copied and trained")
     g.add_argument("--source-layer", type=int, default=S,
                    help="state the blocks read (default: the one before the copied last blocks)")

@@ -5,6 +5,7 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 
 from server.heads.lora_mtb import LoraMTBHead
+from server.heads.lora_mtb.model import OWN_LAYERS
 from server.heads.lora_mtb.layer import factor_names
 
 ADAPTER = "default"
@@ -34,7 +35,7 @@ class TrainableLoraMTB(LoraMTBHead):
         return head
 
     def artifact_weights(self) -> dict[str, torch.Tensor]:
-        weights = {f"task_layer.{k}": v for k, v in self.task_layer.state_dict().items()}
+        weights = {k: v for k, v in self.state_dict().items() if k.startswith(OWN_LAYERS)}
         for index, block in enumerate(self.blocks):
             for target in self.config.targets:
                 layer = block.get_submodule(target)

@@ -226,7 +226,8 @@ def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbon
             attention=s.attention,
         )
         return LayerMixHead(config, labels)
-    options = dict(num_blocks=s.blocks, source_layer=s.source_layer, pooling=s.pooling, dropout=s.dropout)
+    options = dict(num_blocks=s.blocks, source_layer=s.source_layer, pooling=s.pooling, dropout=s.dropout,
+                   casing=s.casing)
     if s.kind == "mtb":
         return MTBHead.from_backbone(backbone, task_type, labels, **options)
     from training.lora import TrainableLoraMTB  # here only: peft is needed for LoRA heads alone

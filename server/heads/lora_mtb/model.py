@@ -1,6 +1,6 @@
-"""LoRA-MTB head: the artifact stores only low-rank factors and the task layer; at load the factors
-are merged into copies of the backbone blocks named in the manifest, so serving costs exactly what
-an MTB costs."""
+"""LoRA-MTB head: the artifact stores only low-rank factors and the head's own layers (task layer, casing
+embedding); at load the factors are merged into copies of the backbone blocks named in the manifest, so
+serving costs exactly what an MTB costs."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +12,10 @@ from server.backbone.architectures import copy_positions
 from server.heads.lora_mtb.config import LoraMTBConfig
 from server.heads.lora_mtb.layer import merge_factors
 from server.heads.mtb.model import MTBHead
+
+
+# what a LoRA-MTB artifact stores beside its factors: the head's own layers (the blocks come from the backbone)
+OWN_LAYERS = ("task_layer.", "casing.")
 
 
 class LoraMTBHead(MTBHead):
@@ -42,11 +46,14 @@ class LoraMTBHead(MTBHead):
                 merge_factors(block, index, self.config.targets, factors, self.config.rank, self.config.scale, where)
         except ValueError as exc:
             raise ArtifactError("shape_mismatch", str(exc)) from exc
-        task_layer = {k.removeprefix("task_layer."): v for k, v in rest.items() if k.startswith("task_layer.")}
-        stray = sorted(k for k in rest if not k.startswith("task_layer."))
+        own = {k for k in self.state_dict() if k.startswith(OWN_LAYERS)}
+        stray = sorted(set(rest) - own)
         if stray:
             raise ArtifactError("shape_mismatch", f"{where}: unexpected tensors {stray}")
+        missing = sorted(own - set(rest))
+        if missing:
+            raise ArtifactError("shape_mismatch", f"{where}: missing tensors {missing}")
         try:
-            self.task_layer.load_state_dict(task_layer, strict=True)
+            self.load_state_dict(rest, strict=False)  # the blocks were rebuilt and merged above
         except RuntimeError as exc:
-            raise ArtifactError("shape_mismatch", f"{where}: task layer weights disagree: {exc}") from exc
+            raise ArtifactError("shape_mismatch", f"{where}: weights disagree: {exc}") from exc

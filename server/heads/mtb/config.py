@@ -19,6 +19,8 @@ class MTBConfig(BaseModel):
     backbone_config: dict[str, Any] = Field(description="the backbone's Hugging Face config (rebuilds the blocks)")
     pooling: Literal["mean", "cls"] = "mean"
     dropout: float = Field(0.1, ge=0, lt=1)
+    casing: bool = Field(False, description="add a learned embedding of each token's raw-text casing to the "
+                                            "blocks' input (the tokenizer may lowercase)")
 
     @property
     def num_blocks(self) -> int:

@@ -76,13 +76,15 @@ class BlockGroup:
             self.stacks.append(TaskLayerStack([self.tasks[j] for j in members], [heads[j] for j in members], members[0]))
 
     def start(self, batch: TokenBatch) -> dict:
-        return {"mask": batch.attention_mask, "hidden": None}
+        reads_casing = any(head.casing is not None for head in self.heads)
+        return {"mask": batch.attention_mask, "hidden": None,
+                "casing": batch.token_classes("casing") if reads_casing else None}
 
     def consume(self, state: dict, index: int, hidden: torch.Tensor) -> dict:
         context = block_context(self.hf_config, hidden, state["mask"], self.positions)
         outputs = []
         for head in self.heads:
-            out = hidden
+            out = head.blocks_input(hidden, state["casing"])
             for block in head.blocks:
                 out = run_block(block, out, context)
             outputs.append(out)

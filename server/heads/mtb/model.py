@@ -13,7 +13,7 @@ from torch import nn
 
 from modules_store import Manifest, TaskType
 from server.backbone.architectures import block_config, block_context, build_block, copy_positions, positions_for, run_block
-from server.backbone.tokens import TokenBatch
+from server.backbone.tokens import CASING_CLASSES, TokenBatch
 from server.heads.base import Head
 from server.heads.mtb.config import MTBConfig
 from server.heads.mtb.layer import PooledClassifier, TokenLinear
@@ -31,6 +31,11 @@ class MTBHead(Head):
         # what the blocks need besides their weights: rotary embeddings (decoders), MPNet's
         # relative position table (frozen, a copy of the backbone's), or None
         self.positions = positions_for(self.hf_config)
+        # each token's raw-text casing (as the layer-mix head reads it), added to the blocks' input; zero at
+        # first, so a fresh head's blocks compute exactly the backbone's
+        self.casing = nn.Embedding(CASING_CLASSES, config.hidden_size) if config.casing else None
+        if self.casing is not None:
+            nn.init.zeros_(self.casing.weight)
         if config.task_type == TaskType.token_classification:
             self.task_layer = TokenLinear(config.hidden_size, config.num_labels, config.dropout)
         else:
@@ -60,11 +65,20 @@ class MTBHead(Head):
     def layers_read(self) -> list[int]:
         return [self.config.source_layer]
 
+    def token_classes_read(self) -> set[str]:
+        return {"casing"} if self.casing is not None else set()
+
     def start(self, batch: TokenBatch) -> dict[str, Any]:
-        return {"mask": batch.attention_mask, "hidden": None}
+        return {"mask": batch.attention_mask, "hidden": None,
+                "casing": batch.token_classes("casing") if self.casing is not None else None}
+
+    def blocks_input(self, hidden: torch.Tensor, casing: torch.Tensor | None) -> torch.Tensor:
+        """The state read, plus the casing embedding where the head has one."""
+        return hidden if self.casing is None else hidden + self.casing(casing)
 
     def consume(self, state: dict[str, Any], index: int, hidden: torch.Tensor) -> dict[str, Any]:
         mask = block_context(self.hf_config, hidden, state["mask"], self.positions)
+        hidden = self.blocks_input(hidden, state["casing"])
         for block in self.blocks:
             hidden = run_block(block, hidden, mask)
         state["hidden"] = hidden
