@@ -52,11 +52,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import datetime as dt
 import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -104,6 +106,12 @@ def install_standin(pass_s: float) -> None:
 
 
 def serve(argv: list[str]) -> None:
+    if int(os.environ.get("TMOD_WORKERS", "1")) > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # tmod-serve points prometheus_client at a folder before anything imports it (server/cli.py); the
+        # stand-in imports the runner, and with it prometheus_client, first: so point it here, or the
+        # engine process's metrics stay in its memory and /metrics (a worker's) shows no batches
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = made = tempfile.mkdtemp(prefix="tmod-metrics-")
+        atexit.register(shutil.rmtree, made, True)
     install_standin(float(os.environ.get("BENCH_PASS_MS", "1")) / 1000)
     stack = os.environ.get("BENCH_UVICORN")  # "h11,asyncio": the pure-Python HTTP parser and event loop
     if stack and stack.startswith("h11"):  # httptools + uvloop is what tmod-serve runs (with its own limits)
