@@ -20,6 +20,7 @@ import torch
 
 from server.backbone import Backbone, TokenBatch
 from server.answers import decode_all  # noqa: F401  (re-exported: `predict`, and callers of engine.decode_all)
+from server.heads.base import head_forward
 from server.modules import LoadedModule
 from server.plan import ExecutionPlan
 from server.timings import Timings
@@ -121,7 +122,4 @@ class Engine:
 
 def run_head(head, batch: TokenBatch, states: dict[int, torch.Tensor]) -> torch.Tensor:
     """A head over states already at hand (a bridge's output, or cached states), in index order."""
-    state = head.start(batch)
-    for index in head.layers_read():
-        state = head.consume(state, index, states[index])
-    return head.finish(state, batch)
+    return head_forward(head, batch, ((index, states[index]) for index in head.layers_read()))

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType
 from server.bridges.transformer import BridgeShape, TransformerBridge
+from server.heads.base import head_forward
 from server.modules import LoadedModule, count_parameters, load_module
 from server.probe import probe_module
 from training.data import IGNORE_INDEX, PRESETS, preset_spec, token_labels
@@ -156,14 +157,6 @@ def masked_cosine(predicted: torch.Tensor, true: torch.Tensor, mask: torch.Tenso
     cos = F.cosine_similarity(predicted.float(), true.float(), dim=-1)
     m = mask.bool()
     return float(cos[m].sum()), int(m.sum())
-
-
-def head_forward(head, batch, states) -> torch.Tensor:
-    """The served computation of a head: start, consume each state, finish."""
-    state = head.start(batch)
-    for index, hidden in states:
-        state = head.consume(state, index, hidden)
-    return head.finish(state, batch)
 
 
 # ---- the foreign module as a probe / teacher ------------------------------------------------

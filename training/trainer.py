@@ -27,6 +27,7 @@ from modules_store import ModuleStore, TaskType, sha256_file
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir
 from server.heads import Head
+from server.heads.base import head_forward
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.mtb import MTBHead
 from server.modules import LoadedModule, count_parameters, load_module, save_module
@@ -247,14 +248,6 @@ def layer_distribution(head: Head) -> dict[int, float]:
     if isinstance(head, LayerMixHead):
         return dict(zip(head.config.layers, head.mix_weights().detach().cpu().tolist()))
     return {index: 1.0 for index in head.layers_read()}
-
-
-def head_forward(head: Head, batch, states) -> torch.Tensor:
-    """The served computation: start, consume each state as it comes, finish."""
-    state = head.start(batch)
-    for index, hidden in states:
-        state = head.consume(state, index, hidden)
-    return head.finish(state, batch)
 
 
 def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -88,3 +88,13 @@ class Head(nn.Module):
         if problems:
             raise ArtifactError("shape_mismatch", f"{where}: weights disagree with the manifest: " + "; ".join(problems))
         self.load_state_dict(weights, strict=True)
+
+
+def head_forward(head, batch: TokenBatch, states) -> torch.Tensor:
+    """A head's served computation over states already at hand: start, consume each (index, hidden)
+    of `states` in order, finish. (The engine streams instead: it consumes each state as the backbone
+    makes it.)"""
+    state = head.start(batch)
+    for index, hidden in states:
+        state = head.consume(state, index, hidden)
+    return head.finish(state, batch)
