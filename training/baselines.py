@@ -45,15 +45,20 @@ def majority(train_labels: Sequence, eval_labels: Sequence, multi_label: bool = 
     return {"baseline": "majority", **_sequence_scores(train_labels, eval_labels, [answer] * len(eval_labels), labels)}
 
 
+def tfidf_features() -> FeatureUnion:
+    """The linear baselines' text features: TF-IDF of word 1-2-grams and character 2-5-grams (within words)."""
+    return FeatureUnion([
+        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
+        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
+    ])
+
+
 def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence, eval_labels: Sequence,
                  multi_label: bool = False, seed: int = 0, labels: Sequence[str] | None = None) -> dict:
     """TF-IDF of word 1-2-grams and character 2-5-grams (within words), logistic regression on top
     (one-vs-rest with a 0.5 threshold for multi-label). A text may be a (text, text_pair) pair: the
     two are joined with a separator. Fixed settings, nothing tuned on the evaluation split."""
-    features = FeatureUnion([
-        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
-        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
-    ])
+    features = tfidf_features()
     train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
     if multi_label:  # one binary model per label; liblinear is the fast solver for those
         learner = OneVsRestClassifier(LogisticRegression(C=10.0, solver="liblinear", random_state=seed))
@@ -69,11 +74,7 @@ def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval
                              seed: int = 0) -> list:
     """The single-label linear baseline's answer for each evaluation text (the model `tfidf_logreg`
     scores), for paired comparisons row by row."""
-    features = FeatureUnion([
-        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
-        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
-    ])
-    return _tfidf_logreg_fit_predict(features, [_joined(t) for t in train_texts], train_labels,
+    return _tfidf_logreg_fit_predict(tfidf_features(), [_joined(t) for t in train_texts], train_labels,
                                      [_joined(t) for t in eval_texts], seed)
 
 
