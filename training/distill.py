@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +39,7 @@ from server.modules import load_module
 from server.probe import probe_module
 from training.data import UsageError, read_conll, word_first_tokens
 from training.evaluate import served_logits, word_values
-from training.states import Split
+from training.states import Split, write_then_rename
 
 TEACHER_FORMAT = 1
 # the backbone a manifest names -> the name `Backbone.load` knows it by
@@ -171,15 +169,8 @@ def read_cache(path: Path, words: int) -> tuple[np.ndarray, np.ndarray, list[str
 def write_cache(path: Path, logits: np.ndarray, has_token: np.ndarray, labels: list[str]) -> None:
     from safetensors.numpy import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".teacher-", suffix=".safetensors", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({"logits": logits, "has_token": has_token.astype(np.uint8)}, tmp, metadata={"labels": json.dumps(labels)})
-        os.replace(tmp, path)  # a half-written file is never found
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_then_rename(path, lambda tmp: save_file({"logits": logits, "has_token": has_token.astype(np.uint8)}, tmp,
+                                                 metadata={"labels": json.dumps(labels)}))
 
 
 class DistillTargets:

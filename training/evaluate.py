@@ -42,9 +42,9 @@ def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
 
 
 def word_values(split: Split, row: int, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(words, labels) of a token task's per-token `values` (T, labels) of one row, each data word
-    read at its first sub-token (as the server reads a word), and which words have a token (a
-    word truncation cut has none; its row is left as read at token 0)."""
+    """A token task's per-token `values` (T, labels) of one row read per data word, each at its first
+    sub-token as the server reads a word: (the words' values (words, labels), whether each word has a
+    token; a word truncation cut has none, and its values row is token 0's)."""
     first = np.array(word_first_tokens(split.encoded[row], split.spans[row]), dtype=np.int64)
     return values[np.maximum(first, 0)].copy(), first >= 0
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -32,7 +30,7 @@ from modules_store import BackboneFingerprint
 from server.backbone import Backbone, EncodedInput, TokenBatch
 from server.backbone.sources import default_cache_dir
 from server.backbone.tokens import TextEncoder
-from training.states import TokenStateCache, length_batches
+from training.states import TokenStateCache, length_batches, write_then_rename
 
 log = logging.getLogger("tmod")
 
@@ -174,29 +172,18 @@ class PairedStates:
         tgt_cache = TokenStateCache(target, target_encoded, target_layers, batch_size, progress=progress,
                                     desc=f"target states ({target.name})")
         if cache:
-            cls._save(folder, path, meta_path, meta, src_cache, tgt_cache)
+            cls._save(path, meta_path, meta, src_cache, tgt_cache)
         return cls(texts, source.text, target.text, source_encoded, target_encoded, src_cache, tgt_cache,
                    source.fingerprint, target.fingerprint, path if cache else None)
 
     @staticmethod
-    def _save(folder: Path, path: Path, meta_path: Path, meta: dict, src: TokenStateCache, tgt: TokenStateCache) -> None:
+    def _save(path: Path, meta_path: Path, meta: dict, src: TokenStateCache, tgt: TokenStateCache) -> None:
         from safetensors.torch import save_file
 
-        folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"source.{i}": t.contiguous() for i, t in src.cache.items()}
         tensors.update({f"target.{i}": t.contiguous() for i, t in tgt.cache.items()})
-        # write beside, then rename: a half-written cache is never found
-        fd, tmp = tempfile.mkstemp(prefix=".paired-", suffix=".safetensors", dir=folder)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"format": str(CACHE_FORMAT)})
-            os.replace(tmp, path)
-            tmp_meta = meta_path.with_suffix(".json.tmp")
-            tmp_meta.write_text(json.dumps(meta) + "\n")
-            os.replace(tmp_meta, meta_path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_then_rename(path, lambda tmp: save_file(tensors, tmp, metadata={"format": str(CACHE_FORMAT)}))
+        write_then_rename(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta) + "\n"))
         log.info("paired states saved to %s", path)
 
     @staticmethod

@@ -17,7 +17,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -252,12 +252,17 @@ def save_state_file(prefix: Path, index: int, tensor: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
     path = Path(f"{prefix}.state{index}.safetensors")
+    write_then_rename(path, lambda tmp: save_file({"state": tensor.contiguous()}, tmp))
+
+
+def write_then_rename(path: Path, write: Callable[[str], None]) -> None:
+    """`write(tmp)` a file beside `path`, then rename it to `path`: a half-written cache file is never found."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".states-", suffix=".safetensors", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        save_file({"state": tensor.contiguous()}, tmp)
-        os.replace(tmp, path)  # a half-written file is never found
+        write(tmp)
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
