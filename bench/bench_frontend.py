@@ -319,18 +319,23 @@ def server_metrics(server) -> dict[str, float]:
 
 
 def worker_pids(pid: int) -> list[int]:
-    """A `tmod-serve --workers N` process's worker processes (its spawned children but the resource tracker)."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
+    """A `tmod-serve --workers N` process's worker processes: the children of its forkserver (or, in a
+    checkout from before workers were forked, its spawned children but the resource tracker)."""
+    def children(parent) -> list[str]:
+        try:
+            return Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            return []
+
     out = []
-    for child in children:
+    for child in children(pid):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+        if b"multiprocessing.forkserver" in cmdline:
+            out += [int(worker) for worker in children(child)]
+        elif b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
             out.append(int(child))
     return out
 

@@ -7,14 +7,19 @@ modules that ship with the server.
 from pathlib import Path
 
 from modules_store.manifest import BackboneFingerprint, BridgeManifest, Manifest, TaskType
-from modules_store.store import (
-    ArtifactError,
-    ModuleStore,
-    StoredModule,
-    sha256_file,
-)
 
 DEFAULT_STORE = Path(__file__).resolve().parent
+STORE_NAMES = {"ArtifactError", "ModuleStore", "StoredModule", "sha256_file"}
+
+
+def __getattr__(name: str):
+    """The store's names, imported when first asked for: the store reads tensors and imports torch,
+    which the settings (`DEFAULT_STORE`) and `tmod-serve --help` do not need."""
+    if name in STORE_NAMES:
+        from modules_store import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'modules_store' has no attribute {name!r}")
 
 __all__ = [
     "ArtifactError",

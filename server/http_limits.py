@@ -4,7 +4,8 @@
   included) answers 413; a body still arriving `body_timeout_s` after it began answers 408. A body
   sent with `Content-Encoding: gzip` or `deflate` (tritonclient's request compression) is read
   decompressed, and its decompressed size meets the same limit as it is inflated (a zip bomb costs
-  at most `max_body_bytes` of memory); any other content coding answers 415.
+  at most `max_body_bytes` of memory); any other content coding answers 415. The 408 closes the
+  connection (`Connection: close`): what is left of that body is never read.
 - `header_timeout_protocol` (uvicorn's httptools protocol, subclassed; tmod-serve runs it on uvloop,
   `uvicorn_config`): a connection that has not sent a whole request head within
   `header_timeout_s` (from connecting, or from the end of its previous response) is answered 408
@@ -90,7 +91,12 @@ def limit_body(scope, receive, limit: int, timeout_s: float):
             if not expired:
                 raise
             task.uncancel()
-            raise BodyRefused(408, "request_timeout", f"request body not received within {timeout_s:g} s") from None
+            # the rest of this body may still come: closed after the 408 (RFC 9110 15.5.9), not left to
+            # uvicorn's keep-alive timeout waiting for a body no route will read
+            if (cycle := scope.get(CYCLE)) is not None:
+                cycle.keep_alive = False
+            raise BodyRefused(408, "request_timeout", f"request body not received within {timeout_s:g} s",
+                              headers=None if cycle is not None else {"connection": "close"}) from None
         finally:
             timer.cancel()
         if message["type"] == "http.request":

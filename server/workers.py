@@ -1016,7 +1016,10 @@ class WorkerPool:
 
     def __init__(self, settings: Settings, engine_path: Path, listener: socket.socket):
         self.settings, self.engine_path, self.listener = settings, str(engine_path), listener
-        self.context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
+        # Workers are forked from a fresh interpreter (no threads of this process, no CUDA state) that
+        # imported this module and the app once: a worker starts without importing torch again
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload([__name__, "server.app", "server.http_limits"])
         self.processes: list = [None] * settings.workers
         self.started: list[float] = [0.0] * settings.workers
 

@@ -146,7 +146,7 @@ def test_the_first_lines_are_the_serve_and_test_commands_and_ci_runs_the_test_co
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci[ci.index("# README test command:") + 1] == test
     assert steps(serve)[-1] == ".venv/bin/tmod-serve --host 127.0.0.1 --port 8080"
-    assert steps(test)[-1] == ".venv/bin/python -m pytest -q"
+    assert steps(test)[-1] == ".venv/bin/python -m pytest -q -n 2 --dist loadfile"
     # the same install, each from its own lock
     assert [s.replace("requirements/serve.lock", "requirements/test.lock") for s in steps(serve)[:-1]] == steps(test)[:-1]
     assert "requirements/serve.lock" in serve and (ROOT / "requirements" / "serve.lock").is_file()

@@ -1,6 +1,6 @@
 """`tmod-serve --workers N`: HTTP worker processes feed one engine process (server/workers.py).
 
-Real processes on loopback: the `tmod-serve` process (the engine) and its spawned workers."""
+Real processes on loopback: the `tmod-serve` process (the engine) and its workers (forked by its forkserver)."""
 from __future__ import annotations
 
 import json
@@ -24,17 +24,24 @@ TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beau
          "John lives in New York and works for the United Nations.", "Him be went store."]
 
 
+def children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
 def worker_pids(engine_pid: int) -> list[int]:
-    """The engine's live worker processes (its spawned children, less multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    """The engine's live worker processes: the children of its forkserver (multiprocessing's process
+    that forks each worker), itself a child of the engine."""
     pids = []
-    for pid in children:
+    for child in children(engine_pid):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except FileNotFoundError:
             continue
-        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline and alive(int(pid)):
-            pids.append(int(pid))
+        if b"multiprocessing.forkserver" in cmdline:
+            pids += [pid for pid in children(child) if alive(pid)]
     return pids
 
 
@@ -248,8 +255,7 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
     url, process = serve(store, tiny_backbone_dir, "--engines", "2")
     try:
         def engines():
-            children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
-            return [pid for pid in map(int, children) if worker_pids(pid)]
+            return [pid for pid in children(process.pid) if worker_pids(pid)]
 
         wait_until(lambda: len(engines()) == 2 and all(len(worker_pids(e)) == 2 for e in engines()),
                    "two engines with two workers each")
