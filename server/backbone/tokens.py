@@ -150,12 +150,6 @@ class RowBlock(Sequence):
         return EncodedInput(self.text[a:b], self.text[b:c] if flag & PAIR else None,
                             self.tokens[first:first + int(self.lengths[row])], bool(flag & TRUNCATED))
 
-    def token_index(self, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, width) mask of real tokens, and the index into `tokens` of each real one, row by row."""
-        columns = np.arange(width)
-        real = columns < self.lengths[:, None]
-        return real, (self.first[:, None] + columns)[real]
-
     def texts(self) -> "TextSpans":
         return TextSpans(self.text, self.bounds[:, 0], self.bounds[:, 1])
 
@@ -163,6 +157,13 @@ class RowBlock(Sequence):
         """Each row's pair (None for a row without one), or None if no row has one."""
         pairs = (self.flags & PAIR) != 0
         return TextSpans(self.text, self.bounds[:, 1], self.bounds[:, 2], pairs) if pairs.any() else None
+
+
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """starts[0] .. starts[0] + counts[0] - 1, then the same for starts[1], ...: one index array, with
+    no step per range (a batch's rows' tokens in a block, or their places in a padded one)."""
+    before = np.cumsum(counts) - counts  # each range's first place in the result
+    return np.repeat(starts - before, counts) + np.arange(int(before[-1] + counts[-1]) if len(counts) else 0)
 
 
 class BlockRows(Sequence):
@@ -205,11 +206,9 @@ def gather_rows(parts: list[BlockRows]) -> tuple[RowBlock, np.ndarray]:
         block = RowBlock.join(blocks)
         starts = np.array([offsets[id(part.block)] + part.start for part in parts], dtype=np.int64)
     counts = np.array([part.stop - part.start for part in parts], dtype=np.int64)
-    total = int(counts.sum())
-    if total == len(parts):  # one row per request
+    if int(counts.sum()) == len(parts):  # one row per request
         return block, starts
-    before = np.cumsum(counts) - counts  # each request's first place in the index
-    return block, np.repeat(starts - before, counts) + np.arange(total)
+    return block, ranges(starts, counts)
 
 
 class TextSpans(Sequence):
@@ -707,13 +706,13 @@ class TextEncoder:
         # no Python per row or token, and each tensor and array below is a plane of it (no copy)
         columns = np.empty((FIELDS, height, width), dtype=np.int64)
         columns[...] = np.array((self.pad_id, 0, -1, -1, 0, 0, 0), dtype=np.int64)[:, None, None]
-        if block:  # one gather of every row's tokens from the block
-            real, index = rows.token_index(width)
-            tokens = rows.tokens[index]
+        real = np.arange(width) < lengths[:, None]
+        if block:  # every row's tokens gathered from the block and put in their places: two index arrays
+            places = ranges(np.arange(n, dtype=np.int64) * width, lengths)
+            columns.reshape(FIELDS, -1)[:, places] = rows.tokens[ranges(rows.first, lengths)].T
         else:
-            real = np.arange(width) < lengths[:, None]
             tokens = np.concatenate([row.tokens for row in rows]) if n > 1 else rows[0].tokens
-        columns[:, :n][:, real] = tokens.T
+            columns[:, :n][:, real] = tokens.T
         attention = np.zeros((height, width), dtype=np.int64)
         attention[:n] = real
         attention[n:, 0] = 1  # filler rows see one token: no attention row is all masked
