@@ -5,8 +5,9 @@ What is measured is everything but the backbone: HTTP (uvicorn), JSON in and out
 validation, tokenization, batching, collation and decode. The stand-in (benchmark-only, installed
 here by `--serve`, never in server/) replaces `ModelRunner._pass`: each pass sleeps `--pass-ms`
 (default 1 ms, about one replayed CUDA-graph pass on an H100) and returns logits of the right shape
-for every task (random, from a seeded generator, so decode does real work: token tasks get real
-BIO spans). The sleep releases the GIL, as a device wait does. Since it stands for a GPU's pass, the
+for every task (random, copied out of a seeded pool drawn once, as a device pass's host side costs a
+copy of its logits; decode does real work: token tasks get real BIO spans). The sleep releases the
+GIL, as a device wait does. Since it stands for a GPU's pass, the
 server cuts batches as on a GPU (`--batch-shapes buckets`: one pass per batch); `length_runs` gives
 a CPU's several passes per batch, each with its own sleep and per-pass host work.
 
@@ -31,7 +32,8 @@ a CPU's several passes per batch, each with its own sleep and per-pass host work
    the CPU of the engine process (the one that cannot be multiplied), of each worker and of the load
    generator per request, and requests per batch from /metrics.
    `--before DIR` (another checkout, e.g. `git worktree add /tmp/base <commit>`): its servers run
-   beside this tree's, level by level in alternating order, so before and after share one run.
+   beside this tree's, level by level in alternating order, so before and after share one run; both
+   get this file's stand-in pass (only the server code differs).
 
 7. `--engine-only`: the engine process's loop alone, in this process (`engine_only`): request frames of
    1-64 requests fed to EngineService, one batch each, CPU per request at a known batch size.
@@ -81,12 +83,8 @@ TASKS = ["sentiment", "ner", "acceptability"]
 # ---------------------------------------------------------------------------------------------
 def install_standin(pass_s: float) -> None:
     """Replace the serving path's device pass (`ModelRunner._pass`) with a fixed sleep returning
-    correctly shaped host logits."""
-    import torch
-
+    correctly shaped host logits (`standin_logits`)."""
     from server.runner import ModelRunner
-
-    generator = torch.Generator().manual_seed(0)
 
     def standin_pass(self, item, rows, modules, timings):
         real = item.batch.real()
@@ -97,7 +95,7 @@ def install_standin(pass_s: float) -> None:
             labels = len(module.head.labels)
             shape = (real.size, real.input_ids.shape[1], labels) if module.head.task_type == "token_classification" \
                 else (real.size, labels)
-            host[task] = torch.randn(shape, generator=generator)
+            host[task] = standin_logits(shape)
         timings.backbone += time.perf_counter() - start
         item.deepest = 0
         return host, {task: real for task in modules}
@@ -105,7 +103,31 @@ def install_standin(pass_s: float) -> None:
     ModelRunner._pass = standin_pass
 
 
+_POOLS: dict = {}  # random logits drawn once per kind of shape, grown when a shape needs more
+
+
+def standin_logits(shape: tuple[int, ...]):
+    """Random logits of `shape`, copied out of a pool drawn once (from a random first row): the host
+    side of a device pass costs a copy of its logits (the runner's to_host), not drawing them.
+    Drawing them anew (torch.randn) cost ~300 us of CPU per 128-text batch of the three tasks,
+    about 2.4 us per text, more than the engine's own per-text work (issue 37, docs/performance.md)."""
+    import numpy as np
+    import torch
+
+    kind = (len(shape), shape[-1])
+    pool = _POOLS.get(kind)
+    if pool is None or any(have < 2 * want for have, want in zip(pool.shape[:-1], shape[:-1])):
+        sizes = [max(2 * want, 256) for want in shape[:-1]]
+        pool = _POOLS[kind] = np.random.default_rng(len(_POOLS)).standard_normal((*sizes, shape[-1]), dtype=np.float32)
+    first = random.randrange(pool.shape[0] - shape[0] + 1)
+    # a numpy copy: torch's copy of a strided slice took ms with two threads on a loaded 2-core box
+    return torch.from_numpy(pool[(slice(first, first + shape[0]), *(slice(0, n) for n in shape[1:-1]))].copy())
+
+
 def serve(argv: list[str]) -> None:
+    code = os.environ.get("BENCH_SERVER_CODE")
+    if code:  # before anything of server/ is imported: that checkout is served (its worker processes inherit the path)
+        sys.path.insert(0, code)
     if int(os.environ.get("TMOD_WORKERS", "1")) > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # tmod-serve points prometheus_client at a folder before anything imports it (server/cli.py); the
         # stand-in imports the runner, and with it prometheus_client, first: so point it here, or the
@@ -339,13 +361,15 @@ def worker_pids(pid: int) -> list[int]:
 # run
 # ---------------------------------------------------------------------------------------------
 def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | None = None, code: Path = REPO):
-    """A stand-in server of the checkout `code` (its own bench_frontend.py installs its own stand-in)."""
+    """A stand-in server of the checkout `code`, with this tree's stand-in pass (`serve`): every
+    checkout compared gets the same device pass, so only its own code differs."""
     from bench.harness import ServerProcess
 
     env = {"TMOD_STORE": str(store), "TMOD_THREADS": "1", "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
-           "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, **(extra_env or {})}
-    server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(code / "bench" / "bench_frontend.py"),
+           "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, "BENCH_SERVER_CODE": str(code),
+           **(extra_env or {})}
+    server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(Path(__file__).resolve()),
                                                                 "--serve"], cpus=args.server_cpus)
     server.start()
     server.wait_ready(300)
