@@ -690,8 +690,8 @@ def engine_driver(config: dict) -> None:
                 "requests_per_batch": round(requests * frames / batches, 1),
                 "engine_cpu_us_per_request": round(cpu / (requests * frames) * 1e6, 1),
                 "engine_cpu_us_per_input": round(cpu / (requests * inputs * frames) * 1e6, 1),
-                "engine_cpu_us_per_input_chunk_median": round(statistics.median(chunks) / (requests * inputs * CHUNK) * 1e6, 1)
-                if chunks else None,
+                "engine_cpu_us_per_input_chunk_median":
+                    round(statistics.median(chunks) / (requests * inputs * CHUNK) * 1e6, 1) if chunks else None,
                 "engine_cpu_ms_per_batch": round(cpu / batches * 1e3, 3),
                 "wall_ms_per_frame": round(wall / frames * 1e3, 2)}
 

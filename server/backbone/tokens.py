@@ -7,9 +7,9 @@ column by column with numpy, whose per-call cost only pays off past ~200 tokens)
 it, a request crosses processes as that array (`server/workers.py`'s frames), and `collate` only
 concatenates rows into a padded batch. The engine process keeps a frame's rows as it read them
 (`RowBlock`: the frame's token array and text, each row's first token and length), so sorting a
-batch, cutting it into passes and collate are numpy calls per batch, with no object per row. The per-token lists (`EncodedInput.offsets`,
-`TokenBatch.sequence_ids`, ...) are made from the arrays only when someone reads them (training,
-tests, bridges).
+batch, cutting it into passes and collate are numpy calls per batch, with no object per row. The
+per-token lists (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays
+only when someone reads them (training, tests, bridges).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ class RowBlock(Sequence):
         self.first = first  # (rows,) int64: each row's first token in `tokens`
         self.lengths = lengths  # (rows,) int64: each row's token count
         self.text = text
-        self.bounds = bounds  # (rows, 3) int64: where in `text` a row's text starts, ends (its pair starts), its pair ends
+        self.bounds = bounds  # (rows, 3) int64 in `text`: text start, text end = pair start, pair end
         self.flags = flags  # (rows,) uint8: TRUNCATED, PAIR
 
     @classmethod
