@@ -695,7 +695,8 @@ def engine_driver(config: dict) -> None:
                 "engine_cpu_ms_per_batch": round(cpu / batches * 1e3, 3),
                 "wall_ms_per_frame": round(wall / frames * 1e3, 2)}
 
-    print(json.dumps(asyncio.run(run())), flush=True)
+    # the engine process's own loop (uvloop since issue 37's engine loop work); a checkout from before ran asyncio's
+    print(json.dumps(getattr(engine_side, "run_engine_loop", asyncio.run)(run())), flush=True)
 
 
 def write_engine_markdown(path: Path, result: dict) -> None:

@@ -161,9 +161,12 @@ class RowBlock(Sequence):
 
 def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """starts[0] .. starts[0] + counts[0] - 1, then the same for starts[1], ...: one index array, with
-    no step per range (a batch's rows' tokens in a block, or their places in a padded one)."""
+    no step per range (a batch's rows' tokens in a block, or their places in a padded one). `starts`
+    of shape (k, ranges): k such arrays over the same counts, made together."""
     before = np.cumsum(counts) - counts  # each range's first place in the result
-    return np.repeat(starts - before, counts) + np.arange(int(before[-1] + counts[-1]) if len(counts) else 0)
+    out = np.repeat(starts - before, counts, axis=-1)
+    out += np.arange(out.shape[-1])
+    return out
 
 
 class BlockRows(Sequence):
@@ -575,6 +578,8 @@ class TextEncoder:
         self.device = torch.device(device)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        # a padding token's fields (pad id, no segment or word, casing 0), as collate fills a batch with them
+        self._padding = np.array((self.pad_id, 0, -1, -1, 0, 0, 0), dtype=np.int64)[:, None, None]
         self._cutter = None  # the truncating copy of the backend (`_cut`), made on first use
         self._cut_lock = threading.Lock()
         self.plain = self._backend()
@@ -705,11 +710,11 @@ class TextEncoder:
         # token (pad id, no segment or word, casing 0) and then every row's tokens in one masked copy:
         # no Python per row or token, and each tensor and array below is a plane of it (no copy)
         columns = np.empty((FIELDS, height, width), dtype=np.int64)
-        columns[...] = np.array((self.pad_id, 0, -1, -1, 0, 0, 0), dtype=np.int64)[:, None, None]
+        columns[...] = self._padding
         real = np.arange(width) < lengths[:, None]
         if block:  # every row's tokens gathered from the block and put in their places: two index arrays
-            places = ranges(np.arange(n, dtype=np.int64) * width, lengths)
-            columns.reshape(FIELDS, -1)[:, places] = rows.tokens[ranges(rows.first, lengths)].T
+            places, taken = ranges(np.stack((np.arange(0, n * width, width, dtype=np.int64), rows.first)), lengths)
+            columns.reshape(FIELDS, -1)[:, places] = rows.tokens[taken].T
         else:
             tokens = np.concatenate([row.tokens for row in rows]) if n > 1 else rows[0].tokens
             columns[:, :n][:, real] = tokens.T
@@ -735,4 +740,5 @@ class TextEncoder:
         for name in classes:
             batch.token_classes(name)
         device = self.device if device is None else device
-        return batch if torch.device(device).type == "cpu" else batch.to(device)  # from_numpy: on the host already
+        # from_numpy: on the host already
+        return batch if device == "cpu" or torch.device(device).type == "cpu" else batch.to(device)
