@@ -5,8 +5,9 @@ What is measured is everything but the backbone: HTTP (uvicorn), JSON in and out
 validation, tokenization, batching, collation and decode. The stand-in (benchmark-only, installed
 here by `--serve`, never in server/) replaces `ModelRunner._pass`: each pass sleeps `--pass-ms`
 (default 1 ms, about one replayed CUDA-graph pass on an H100) and returns logits of the right shape
-for every task (random, from a seeded generator, so decode does real work: token tasks get real
-BIO spans). The sleep releases the GIL, as a device wait does. Since it stands for a GPU's pass, the
+for every task (random, copied out of a seeded pool drawn once, as a device pass's host side costs a
+copy of its logits; decode does real work: token tasks get real BIO spans). The sleep releases the
+GIL, as a device wait does. Since it stands for a GPU's pass, the
 server cuts batches as on a GPU (`--batch-shapes buckets`: one pass per batch); `length_runs` gives
 a CPU's several passes per batch, each with its own sleep and per-pass host work.
 
@@ -31,10 +32,12 @@ a CPU's several passes per batch, each with its own sleep and per-pass host work
    the CPU of the engine process (the one that cannot be multiplied), of each worker and of the load
    generator per request, and requests per batch from /metrics.
    `--before DIR` (another checkout, e.g. `git worktree add /tmp/base <commit>`): its servers run
-   beside this tree's, level by level in alternating order, so before and after share one run.
+   beside this tree's, level by level in alternating order, so before and after share one run; both
+   get this file's stand-in pass (only the server code differs).
 
 7. `--engine-only`: the engine process's loop alone, in this process (`engine_only`): request frames of
-   1-64 requests fed to EngineService, one batch each, CPU per request at a known batch size.
+   1-64 requests fed to EngineService, one batch each, CPU per request at a known batch size (the mean,
+   and the median over chunks of 20 frames, which a burst of another job on a shared box moves less).
 
 The servers run on --server-cpus and the load generator on --generator-cpus, CPUs apart (default:
 half each; on 2 cores, one each), so the benchmark does not measure itself.
@@ -60,6 +63,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -81,12 +85,8 @@ TASKS = ["sentiment", "ner", "acceptability"]
 # ---------------------------------------------------------------------------------------------
 def install_standin(pass_s: float) -> None:
     """Replace the serving path's device pass (`ModelRunner._pass`) with a fixed sleep returning
-    correctly shaped host logits."""
-    import torch
-
+    correctly shaped host logits (`standin_logits`)."""
     from server.runner import ModelRunner
-
-    generator = torch.Generator().manual_seed(0)
 
     def standin_pass(self, item, rows, modules, timings):
         real = item.batch.real()
@@ -97,7 +97,7 @@ def install_standin(pass_s: float) -> None:
             labels = len(module.head.labels)
             shape = (real.size, real.input_ids.shape[1], labels) if module.head.task_type == "token_classification" \
                 else (real.size, labels)
-            host[task] = torch.randn(shape, generator=generator)
+            host[task] = standin_logits(shape)
         timings.backbone += time.perf_counter() - start
         item.deepest = 0
         return host, {task: real for task in modules}
@@ -105,7 +105,31 @@ def install_standin(pass_s: float) -> None:
     ModelRunner._pass = standin_pass
 
 
+_POOLS: dict = {}  # random logits drawn once per kind of shape, grown when a shape needs more
+
+
+def standin_logits(shape: tuple[int, ...]):
+    """Random logits of `shape`, copied out of a pool drawn once (from a random first row): the host
+    side of a device pass costs a copy of its logits (the runner's to_host), not drawing them.
+    Drawing them anew (torch.randn) cost ~300 us of CPU per 128-text batch of the three tasks,
+    about 2.4 us per text, more than the engine's own per-text work (issue 37, docs/performance.md)."""
+    import numpy as np
+    import torch
+
+    kind = (len(shape), shape[-1])
+    pool = _POOLS.get(kind)
+    if pool is None or any(have < 2 * want for have, want in zip(pool.shape[:-1], shape[:-1])):
+        sizes = [max(2 * want, 256) for want in shape[:-1]]
+        pool = _POOLS[kind] = np.random.default_rng(len(_POOLS)).standard_normal((*sizes, shape[-1]), dtype=np.float32)
+    first = random.randrange(pool.shape[0] - shape[0] + 1)
+    # a numpy copy: torch's copy of a strided slice took ms with two threads on a loaded 2-core box
+    return torch.from_numpy(pool[(slice(first, first + shape[0]), *(slice(0, n) for n in shape[1:-1]))].copy())
+
+
 def serve(argv: list[str]) -> None:
+    code = os.environ.get("BENCH_SERVER_CODE")
+    if code:  # before anything of server/ is imported: that checkout is served (its worker processes inherit the path)
+        sys.path.insert(0, code)
     if int(os.environ.get("TMOD_WORKERS", "1")) > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # tmod-serve points prometheus_client at a folder before anything imports it (server/cli.py); the
         # stand-in imports the runner, and with it prometheus_client, first: so point it here, or the
@@ -344,13 +368,15 @@ def worker_pids(pid: int) -> list[int]:
 # run
 # ---------------------------------------------------------------------------------------------
 def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | None = None, code: Path = REPO):
-    """A stand-in server of the checkout `code` (its own bench_frontend.py installs its own stand-in)."""
+    """A stand-in server of the checkout `code`, with this tree's stand-in pass (`serve`): every
+    checkout compared gets the same device pass, so only its own code differs."""
     from bench.harness import ServerProcess
 
     env = {"TMOD_STORE": str(store), "TMOD_THREADS": "1", "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
-           "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, **(extra_env or {})}
-    server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(code / "bench" / "bench_frontend.py"),
+           "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, "BENCH_SERVER_CODE": str(code),
+           **(extra_env or {})}
+    server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(Path(__file__).resolve()),
                                                                 "--serve"], cpus=args.server_cpus)
     server.start()
     server.wait_ready(300)
@@ -582,6 +608,9 @@ def engine_only(args, store: Path) -> list[dict]:
     return rows
 
 
+CHUNK = 20  # frames per chunk of the engine loop's CPU (engine_driver)
+
+
 def engine_driver(config: dict) -> None:
     """One level of `engine_only`, in a process of its own, on the code at config["code"]: a Runtime
     (stand-in pass) and EngineService fed frames of N requests as a worker's connection would (this
@@ -652,9 +681,13 @@ def engine_driver(config: dict) -> None:
         count = runtime.metrics.registry.get_sample_value
         batches0 = count("tmod_batch_requests_count") or 0.0
         cpu0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(config["frames"]):
+        chunks = []  # CPU of each CHUNK frames: their median is less moved by a neighbour's burst than the mean
+        for done in range(config["frames"]):
+            if done % CHUNK == 0:
+                chunks.append(time.process_time())
             await one()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        chunks = [b - a for a, b in zip(chunks, chunks[1:] + [cpu0 + cpu])][:config["frames"] // CHUNK]
         batches = (count("tmod_batch_requests_count") or 0.0) - batches0
         await runtime.shutdown()
         frames = config["frames"]
@@ -662,10 +695,13 @@ def engine_driver(config: dict) -> None:
                 "requests_per_batch": round(requests * frames / batches, 1),
                 "engine_cpu_us_per_request": round(cpu / (requests * frames) * 1e6, 1),
                 "engine_cpu_us_per_input": round(cpu / (requests * inputs * frames) * 1e6, 1),
+                "engine_cpu_us_per_input_chunk_median":
+                    round(statistics.median(chunks) / (requests * inputs * CHUNK) * 1e6, 1) if chunks else None,
                 "engine_cpu_ms_per_batch": round(cpu / batches * 1e3, 3),
                 "wall_ms_per_frame": round(wall / frames * 1e3, 2)}
 
-    print(json.dumps(asyncio.run(run())), flush=True)
+    # the engine process's own loop (uvloop since issue 37's engine loop work); a checkout from before ran asyncio's
+    print(json.dumps(getattr(engine_side, "run_engine_loop", asyncio.run)(run())), flush=True)
 
 
 def write_engine_markdown(path: Path, result: dict) -> None:
@@ -682,10 +718,12 @@ def write_engine_markdown(path: Path, result: dict) -> None:
              + (f" `before`: the code at {result['before']}; "
                 f"`after`: this tree ({m['versions']['tmod_git']['commit']})." if result.get("before") else ""), "",
              "| code | requests/frame | inputs/request | requests/batch | engine us/request | engine us/input | "
-             "engine ms/batch | wall ms/frame |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"us/input, median of {CHUNK}-frame chunks | engine ms/batch | wall ms/frame |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["levels"]:
         lines.append(f"| {r['code']} | {r['requests_per_frame']} | {r['inputs_per_request']} | {r['requests_per_batch']} | "
                      f"{r['engine_cpu_us_per_request']} | {r['engine_cpu_us_per_input']} | "
+                     f"{r.get('engine_cpu_us_per_input_chunk_median', '-')} | "
                      f"{r['engine_cpu_ms_per_batch']} | {r['wall_ms_per_frame']} |")
     path.write_text("\n".join(lines) + "\n")
 

@@ -8,7 +8,9 @@ Entries whose client went away or whose deadline passed are dropped before any c
 
 An entry is a tuple `(rows, modules, deadline, enqueued, owner, key, lengths)` (`lengths`: each row's
 token count, known from the frame: forming a batch never asks a row, nor does the runner, which gets
-them beside the sorted rows, `SortedRows`), no object of its own: the
+them beside the sorted rows, `SortedRows`; a worker's request holds its rows as `BlockRows`, a range of
+its frame's `RowBlock`, and a batch of them reaches the runner as one RowBlock, sorted by numpy), no
+object of its own: the
 owner keeps what it needs per key and is told per batch what happened (`Owner`). The engine process
 of `--workers N` is one owner per worker connection: it answers a whole batch's requests of that
 worker in one frame (server/workers.py). A `Job` of the one-process path is its own key under the
@@ -41,6 +43,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from server.backbone import EncodedInput
+from server.backbone.tokens import BlockRows, are_pairs, gather_rows
 from server.metrics import observe_all
 from server.modules import LoadedModule
 from server.runner import SortedRows
@@ -196,7 +199,7 @@ class Forming:
     def __init__(self, first: tuple):
         rows = first[ROWS]
         self.entries = [first]
-        self.rows, self.longest, self.pairs = len(rows), max(first[LENGTHS]), rows[0].text_pair is not None
+        self.rows, self.longest, self.pairs = len(rows), max(first[LENGTHS]), are_pairs(rows)
         self.modules: dict[str, LoadedModule] = dict(first[MODULES])
         self.last = first[MODULES]  # a task set already checked and added
 
@@ -204,7 +207,7 @@ class Forming:
         """Add `entry` if it may join: same input signature, no task answered by another version
         (mid-reload two versions cannot share a pass), within the row limit and token budget."""
         rows = entry[ROWS]
-        if not settings.enabled or (rows[0].text_pair is not None) != self.pairs:
+        if not settings.enabled or are_pairs(rows) != self.pairs:
             return False
         modules = entry[MODULES]
         if modules is not self.last:
@@ -490,7 +493,19 @@ class Batcher:
         started = time.perf_counter()
         # sort rows by length so similar lengths share padding (stable: equal lengths keep their
         # order); `where[j]` remembers where entry j's rows went
-        if all(len(entry[ROWS]) == 1 for entry in batch):  # one row each (the common case): no inner loop
+        if all(type(entry[ROWS]) is BlockRows for entry in batch):  # a worker's frames: rows as arrays, sorted by numpy
+            block, index = gather_rows([entry[ROWS] for entry in batch])
+            order = np.argsort(block.lengths[index], kind="stable")
+            rows = block.take(index[order])
+            place = np.empty_like(order)  # each row's place in the sorted batch
+            place[order] = np.arange(len(order))
+            if len(order) == len(batch):  # one row per request
+                where = [[p] for p in place.tolist()]
+            else:
+                place = place.tolist()
+                bounds = [0, *itertools.accumulate(len(entry[ROWS]) for entry in batch)]
+                where = [place[a:b] for a, b in zip(bounds, bounds[1:])]
+        elif all(len(entry[ROWS]) == 1 for entry in batch):  # one row each (the common case): no inner loop
             lengths = [entry[LENGTHS][0] for entry in batch]
             order = sorted(range(len(batch)), key=lengths.__getitem__)
             rows = SortedRows([batch[j][ROWS][0] for j in order], [lengths[j] for j in order])

@@ -61,7 +61,7 @@ import torch
 
 from server.answers import answers, decode_all, row_logits  # noqa: F401  (row_logits, decode_all: re-exported)
 from server.backbone import EncodedInput, TokenBatch
-from server.backbone.tokens import window_rows
+from server.backbone.tokens import RowBlock, window_rows
 from server.config import Settings, parse_sizes
 from server.engine import Engine
 from server.errors import ApiError
@@ -714,7 +714,10 @@ class ModelRunner:
         else:
             classes = token_classes_read(modules)
             self._classes = (modules, classes)
-        lengths = rows.lengths if type(rows) is SortedRows else [len(row) for row in rows]
+        if type(rows) is RowBlock:  # a worker's rows, as arrays
+            lengths = rows.lengths.tolist()
+        else:
+            lengths = rows.lengths if type(rows) is SortedRows else [len(row) for row in rows]
         passes = []
         for run, bucket in self.shapes.passes(lengths):
             batch = self.engine.backbone.text.collate(

@@ -31,7 +31,9 @@ byte and a header (`struct`), then arrays):
                     ("error", id, status, type, message, details)
 Arrays are written as bytes and read with `np.frombuffer`; no object per request crosses, and the
 engine holds a request as a batcher entry (a tuple, `server/batcher.py`) and a key in its worker's
-`Peer`: no Job, future or task per request. A batch's answers to one worker leave in one frame.
+`Peer`: no Job, future or task per request. A frame's rows stay its arrays (`RowBlock`, each request
+a range of it: `BlockRows`), with no object per row, down to collate. A batch's answers to one worker
+leave in one frame.
 
 Backpressure and cancellation: a worker keeps at most `in_flight_limit` requests in the engine and
 answers 429 beyond that (the engine refuses the same way a worker that sends more); a request whose
@@ -64,7 +66,7 @@ import numpy as np
 from modules_store import Manifest, TaskType
 from server.answers import RowLogits
 from server.backbone import EncodedInput
-from server.backbone.tokens import FIELDS, TextEncoder, plain_rows
+from server.backbone.tokens import FIELDS, PAIR, TRUNCATED, BlockRows, RowBlock, TextEncoder, plain_rows
 from server.batcher import ENQUEUED, KEY, LENGTHS, MODULES, DeadlineExceeded, Job, Owner, QueueFull
 from server.config import Settings
 from server.errors import ApiError
@@ -82,7 +84,6 @@ REQUESTS, ANSWERS, CONTROL = b"R", b"A", b"P"  # a frame's kind: its first byte
 REQUEST_HEAD = struct.Struct("<c3x6I4x")
 # "A": kind, requests, (task, version) entries, names' bytes, pickled tail's bytes
 ANSWER_HEAD = struct.Struct("<c3x5I")
-TRUNCATED, PAIR = 1, 2  # a row's flags
 DISCONNECT_CHECK_AFTER = 0.05  # seconds a request waits before its client is asked whether it is still there
 WATCH_EVERY = 0.1  # seconds between two such questions to a waiting request
 
@@ -99,7 +100,7 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
 
 
 def write_frame(writer: asyncio.StreamWriter, parts: list) -> None:
-    writer.write(LENGTH.pack(sum(map(len, parts))) + b"".join(parts))
+    writer.write(b"".join([LENGTH.pack(sum(map(len, parts))), *parts]))  # one copy of the parts, not two
 
 
 def control_frame(messages: list) -> list:
@@ -167,7 +168,7 @@ class RequestFrame:
     seconds_left: list[float]
     task_sets: list[str]
     which: list[int]  # per request, its index into task_sets
-    rows: list[list[EncodedInput]]
+    rows: list[BlockRows]  # per request, its rows of the frame's one RowBlock (no object per row)
     lengths: list[list[int]]  # per request, its rows' token counts
     cancels: list[int]
 
@@ -178,24 +179,23 @@ class RequestFrame:
         left = at.take(np.float64, n).tolist()
         # ids, task sets, rows per request, cancels, token counts and text ends lie one after the other:
         # one int32 read for all of them
-        ints = at.take(np.int32, 3 * n + cancelled + 3 * count).tolist()
-        ids, which, per_request = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
+        ints = at.take(np.int32, 3 * n + cancelled + 3 * count)
+        listed = ints[:3 * n + cancelled + count].tolist()
+        ids, which, per_request = listed[:n], listed[n:2 * n], listed[2 * n:3 * n]
         a = 3 * n + cancelled
-        cancels, lengths, ends = ints[3 * n:a], ints[a:a + count], ints[a + count:]
+        cancels, lengths = listed[3 * n:a], listed[a:a + count]
         tokens = at.take(np.int32, size * FIELDS).reshape(size, FIELDS)
-        flags = at.take(np.uint8, count).tolist()
+        flags = at.take(np.uint8, count)
         task_sets = at.raw(names).decode().split("\n") if n else []
         text = at.raw(text_bytes).decode("utf-8", "surrogatepass")
-        rows, a, t = [], 0, 0  # a: the row's first character, t: its first token
-        for r, (length, flag) in enumerate(zip(lengths, flags)):
-            b, c = ends[2 * r], ends[2 * r + 1]
-            rows.append(EncodedInput(text[a:b], text[b:c] if flag & PAIR else None, tokens[t:t + length],
-                                     bool(flag & TRUNCATED)))
-            a, t = c, t + length
+        block = RowBlock.of_frame(tokens, ints[a:a + count], text, ints[a + count:].reshape(count, 2), flags)
+        pairs = (flags & PAIR).tolist()  # a request's rows are all pairs or all single texts: its first says
         if count == n:  # one row per request (the common case)
-            return cls(ids, left, task_sets, which, [[row] for row in rows], [[length] for length in lengths], cancels)
+            return cls(ids, left, task_sets, which, [BlockRows(block, r, r + 1, pairs[r] != 0) for r in range(n)],
+                       [[length] for length in lengths], cancels)
         bounds = [0, *itertools.accumulate(per_request)]
-        return cls(ids, left, task_sets, which, [rows[x:y] for x, y in zip(bounds, bounds[1:])],
+        return cls(ids, left, task_sets, which, [BlockRows(block, x, y, x < y and pairs[x] != 0)
+                                                 for x, y in zip(bounds, bounds[1:])],
                    [lengths[x:y] for x, y in zip(bounds, bounds[1:])], cancels)
 
 
@@ -1069,7 +1069,18 @@ def _forget_process(pid: int) -> None:
 
 def serve(settings: Settings) -> None:
     """`tmod-serve` with workers > 1, in the process that becomes the engine process."""
-    asyncio.run(_serve(settings))
+    run_engine_loop(_serve(settings))
+
+
+def run_engine_loop(main):
+    """Run the engine process's event loop until `main` is done: uvloop where installed (a compiled
+    loop, as the workers' uvicorn runs: each batch's timer, hand-off to the compute thread and back and
+    answer write cost it less CPU than asyncio's loop in Python), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def serve_engines(settings: Settings) -> None:

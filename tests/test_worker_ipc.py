@@ -88,7 +88,16 @@ def run_pair(tmp_path, tiny_store, tiny_backbone, scenario, **settings):
             await engine.shutdown()
             await single.shutdown()
 
-    asyncio.run(main())
+    workers.run_engine_loop(main())  # the engine process's loop (uvloop where installed), as tmod-serve runs it
+
+
+def test_the_engine_process_runs_uvloop_where_installed():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def loop_type():
+        return type(asyncio.get_running_loop())
+
+    assert workers.run_engine_loop(loop_type()) is uvloop.Loop
 
 
 def test_requests_and_answers_cross_as_arrays_and_equal_one_process(tmp_path, tiny_store, tiny_backbone, frames):

@@ -5,9 +5,11 @@ for a whole request at once (the `tokenizers` library's encodings: ids, type ids
 trimmed offsets and the casing class; a request of few tokens row by row in Python, a longer one
 column by column with numpy, whose per-call cost only pays off past ~200 tokens): a row is a view of
 it, a request crosses processes as that array (`server/workers.py`'s frames), and `collate` only
-concatenates rows into a padded batch. The per-token lists (`EncodedInput.offsets`,
-`TokenBatch.sequence_ids`, ...) are made from the arrays only when someone reads them (training,
-tests, bridges).
+concatenates rows into a padded batch. The engine process keeps a frame's rows as it read them
+(`RowBlock`: the frame's token array and text, each row's first token and length), so sorting a
+batch, cutting it into passes and collate are numpy calls per batch, with no object per row. The
+per-token lists (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays
+only when someone reads them (training, tests, bridges).
 """
 from __future__ import annotations
 
@@ -75,12 +77,166 @@ class WindowRow(EncodedInput):
 
 def window_rows(rows: list[EncodedInput]) -> list[int]:
     """Indices of the rows that are windows of a longer text (they keep their logits: server/answers.py)."""
+    if type(rows) is RowBlock:  # a worker's rows: windows there are plain rows here
+        return []
     return [r for r, row in enumerate(rows) if isinstance(row, WindowRow)]
 
 
 def plain_rows(rows: list[EncodedInput]) -> list[int]:
     """Indices of the rows that are not windows (answered decoded, as always)."""
     return [r for r, row in enumerate(rows) if not isinstance(row, WindowRow)]
+
+
+TRUNCATED, PAIR = 1, 2  # a RowBlock row's flags (as a worker's request frame carries them)
+
+
+class RowBlock(Sequence):
+    """Many rows as arrays, with no object per row: one (tokens, FIELDS) int32 block holding their
+    tokens, each row's first token and token count, and one string holding every row's text and text
+    pair (a worker's request frame as it crossed the socket, server/workers.py). Sorting a batch,
+    cutting it into passes and collate take rows by index (`take`, slices: a few numpy calls whatever
+    the rows); a row read one at a time is made an EncodedInput then (rare paths: a bridged task's
+    decode, tests)."""
+
+    def __init__(self, tokens: np.ndarray, first: np.ndarray, lengths: np.ndarray, text: str, bounds: np.ndarray,
+                 flags: np.ndarray):
+        self.tokens = tokens  # (tokens, FIELDS) int32
+        self.first = first  # (rows,) int64: each row's first token in `tokens`
+        self.lengths = lengths  # (rows,) int64: each row's token count
+        self.text = text
+        self.bounds = bounds  # (rows, 3) int64 in `text`: text start, text end = pair start, pair end
+        self.flags = flags  # (rows,) uint8: TRUNCATED, PAIR
+
+    @classmethod
+    def of_frame(cls, tokens: np.ndarray, lengths: np.ndarray, text: str, ends: np.ndarray, flags: np.ndarray
+                 ) -> "RowBlock":
+        """Rows laid one after the other: `lengths` tokens each in `tokens`, and in `text` each
+        row's text then its pair, `ends` (rows, 2) where each of the two ends."""
+        lengths = lengths.astype(np.int64)
+        first = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=first[1:])
+        bounds = np.zeros((len(lengths), 3), dtype=np.int64)
+        bounds[:, 1:] = ends
+        bounds[1:, 0] = ends[:-1, 1]
+        return cls(tokens, first, lengths, text, bounds, flags)
+
+    @classmethod
+    def join(cls, blocks: list["RowBlock"]) -> "RowBlock":
+        """Several blocks' rows, in order, as one block (one copy of their tokens and texts)."""
+        if len(blocks) == 1:
+            return blocks[0]
+        token_base = np.cumsum([0] + [b.tokens.shape[0] for b in blocks[:-1]])
+        text_base = np.cumsum([0] + [len(b.text) for b in blocks[:-1]])
+        return cls(np.concatenate([b.tokens for b in blocks]),
+                   np.concatenate([b.first + base for b, base in zip(blocks, token_base)]),
+                   np.concatenate([b.lengths for b in blocks]), "".join(b.text for b in blocks),
+                   np.concatenate([b.bounds + base for b, base in zip(blocks, text_base)]),
+                   np.concatenate([b.flags for b in blocks]))
+
+    def take(self, index) -> "RowBlock":
+        """Rows `index` (an index array or a slice), in that order; tokens and text shared, not copied."""
+        return RowBlock(self.tokens, self.first[index], self.lengths[index], self.text, self.bounds[index],
+                        self.flags[index])
+
+    def __len__(self) -> int:
+        return self.first.shape[0]
+
+    def __getitem__(self, row):
+        if isinstance(row, slice):
+            return self.take(row)
+        a, b, c = self.bounds[row].tolist()
+        flag = int(self.flags[row])
+        first = int(self.first[row])
+        return EncodedInput(self.text[a:b], self.text[b:c] if flag & PAIR else None,
+                            self.tokens[first:first + int(self.lengths[row])], bool(flag & TRUNCATED))
+
+    def texts(self) -> "TextSpans":
+        return TextSpans(self.text, self.bounds[:, 0], self.bounds[:, 1])
+
+    def text_pairs(self) -> "TextSpans | None":
+        """Each row's pair (None for a row without one), or None if no row has one."""
+        pairs = (self.flags & PAIR) != 0
+        return TextSpans(self.text, self.bounds[:, 1], self.bounds[:, 2], pairs) if pairs.any() else None
+
+
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """starts[0] .. starts[0] + counts[0] - 1, then the same for starts[1], ...: one index array, with
+    no step per range (a batch's rows' tokens in a block, or their places in a padded one). `starts`
+    of shape (k, ranges): k such arrays over the same counts, made together."""
+    before = np.cumsum(counts) - counts  # each range's first place in the result
+    out = np.repeat(starts - before, counts, axis=-1)
+    out += np.arange(out.shape[-1])
+    return out
+
+
+class BlockRows(Sequence):
+    """Rows start..stop of a RowBlock: one request's rows as its batcher entry holds them (one small
+    object per request, none per row)."""
+
+    __slots__ = ("block", "start", "stop", "pairs")
+
+    def __init__(self, block: RowBlock, start: int, stop: int, pairs: bool):
+        self.block, self.start, self.stop = block, start, stop
+        self.pairs = pairs  # text pairs (every row of a request is of one kind)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, row):
+        if isinstance(row, slice):
+            return [self.block[r] for r in range(self.start, self.stop)[row]]
+        return self.block[range(self.start, self.stop)[row]]
+
+
+def are_pairs(rows) -> bool:
+    """Whether a request's rows (a list of EncodedInputs, or BlockRows) are text pairs."""
+    return rows.pairs if type(rows) is BlockRows else rows[0].text_pair is not None
+
+
+def gather_rows(parts: list[BlockRows]) -> tuple[RowBlock, np.ndarray]:
+    """Several requests' rows -> a block holding them all (theirs if they share one: the requests of
+    one frame) and, request after request, the index of each of their rows in it: numpy calls per
+    batch, a step per request."""
+    block = parts[0].block
+    if all(part.block is block for part in parts):
+        starts = np.array([part.start for part in parts], dtype=np.int64)
+    else:  # several frames: their blocks joined, each one's rows after the blocks before it
+        blocks, offsets = [], {}
+        for part in parts:
+            if id(part.block) not in offsets:
+                offsets[id(part.block)] = sum(len(b) for b in blocks)
+                blocks.append(part.block)
+        block = RowBlock.join(blocks)
+        starts = np.array([offsets[id(part.block)] + part.start for part in parts], dtype=np.int64)
+    counts = np.array([part.stop - part.start for part in parts], dtype=np.int64)
+    if int(counts.sum()) == len(parts):  # one row per request
+        return block, starts
+    return block, ranges(starts, counts)
+
+
+class TextSpans(Sequence):
+    """Texts as spans of one string, each sliced when read (None where `present` says none)."""
+
+    def __init__(self, text: str, start: np.ndarray, end: np.ndarray, present: np.ndarray | None = None):
+        self.text, self.start, self.end, self.present = text, start, end, present
+
+    def __len__(self) -> int:
+        return self.start.shape[0]
+
+    def __getitem__(self, row):
+        if isinstance(row, slice):
+            return [self[r] for r in range(*row.indices(len(self)))]
+        if self.present is not None and not self.present[row]:
+            return None
+        return self.text[int(self.start[row]):int(self.end[row])]
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None
 
 
 def _nones(values: np.ndarray) -> list[int | None]:
@@ -119,8 +275,8 @@ class TokenBatch:
     offsets: Sequence[list[tuple[int, int]]]  # (start, end) chars in its own text
     sequence_ids: Sequence[list[int | None]]  # 0 = text, 1 = text_pair, None = special/pad
     word_ids: Sequence[list[int | None]]  # index of the pre-tokenized word
-    texts: list[str]
-    text_pairs: list[str] | None
+    texts: Sequence[str]  # a list, or `TextSpans` of a RowBlock's string
+    text_pairs: Sequence[str | None] | None
     truncated: list[bool]
     # rows added at the end to fill a bucket shape (server/runner.py); each attends to its first
     # token only, so no attention row is fully masked; their outputs are dropped (`real`)
@@ -422,6 +578,8 @@ class TextEncoder:
         self.device = torch.device(device)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        # a padding token's fields (pad id, no segment or word, casing 0), as collate fills a batch with them
+        self._padding = np.array((self.pad_id, 0, -1, -1, 0, 0, 0), dtype=np.int64)[:, None, None]
         self._cutter = None  # the truncating copy of the backend (`_cut`), made on first use
         self._cut_lock = threading.Lock()
         self.plain = self._backend()
@@ -527,15 +685,21 @@ class TextEncoder:
 
     def collate(self, rows, shape: tuple[int, int] | None = None, device: torch.device | str | None = None,
                 classes: Iterable[str] = (), lengths: Sequence[int] | None = None) -> TokenBatch:
-        """Pad encoded inputs (possibly from several requests) into one batch; padding goes on
-        the right for every model (a causal decoder's real tokens never attend to it).
+        """Pad encoded inputs (a list of EncodedInputs, or a RowBlock: possibly from several
+        requests) into one batch; padding goes on the right for every model (a causal decoder's real
+        tokens never attend to it).
 
         `shape` (rows, tokens): pad to that bucket shape instead of the smallest one; rows past
         the real ones are filler rows (`TokenBatch.filler_rows`). `device`: where the tensors go
         (default this encoder's device; "cpu" keeps them on the host for the caller to pin and
         copy). `classes`: the per-token classes to make now (TOKEN_CLASSES that loaded heads read).
-        `lengths`: the rows' token counts where the caller has them (else each row is asked)."""
-        lengths = np.array([len(row) for row in rows] if lengths is None else lengths, dtype=np.int64)
+        `lengths`: the rows' token counts where the caller has them (else each row is asked; a
+        RowBlock has them)."""
+        block = type(rows) is RowBlock
+        if block:
+            lengths = rows.lengths
+        else:
+            lengths = np.array([len(row) for row in rows] if lengths is None else lengths, dtype=np.int64)
         width = int(lengths.max())
         height = n = len(rows)
         if shape is not None:
@@ -546,26 +710,35 @@ class TextEncoder:
         # token (pad id, no segment or word, casing 0) and then every row's tokens in one masked copy:
         # no Python per row or token, and each tensor and array below is a plane of it (no copy)
         columns = np.empty((FIELDS, height, width), dtype=np.int64)
-        columns[...] = np.array((self.pad_id, 0, -1, -1, 0, 0, 0), dtype=np.int64)[:, None, None]
+        columns[...] = self._padding
         real = np.arange(width) < lengths[:, None]
-        tokens = np.concatenate([row.tokens for row in rows]) if n > 1 else rows[0].tokens
-        columns[:, :n][:, real] = tokens.T
+        if block:  # every row's tokens gathered from the block and put in their places: two index arrays
+            places, taken = ranges(np.stack((np.arange(0, n * width, width, dtype=np.int64), rows.first)), lengths)
+            columns.reshape(FIELDS, -1)[:, places] = rows.tokens[taken].T
+        else:
+            tokens = np.concatenate([row.tokens for row in rows]) if n > 1 else rows[0].tokens
+            columns[:, :n][:, real] = tokens.T
         attention = np.zeros((height, width), dtype=np.int64)
         attention[:n] = real
         attention[n:, 0] = 1  # filler rows see one token: no attention row is all masked
         arrays = TokenArrays(segment=columns[SEGMENT, :n], word=columns[WORD, :n], start=columns[START, :n],
                              end=columns[END, :n], casing=columns[CASING, :n])
-        pairs = [row.text_pair for row in rows]
-        has_pairs = pairs.count(None) < n
+        if block:  # texts sliced out of the block's string only when read
+            texts, pairs, truncated = rows.texts(), rows.text_pairs(), ((rows.flags & TRUNCATED) != 0).tolist()
+        else:
+            texts, pairs, truncated = [row.text for row in rows], [row.text_pair for row in rows], \
+                [row.truncated for row in rows]
+            if pairs.count(None) == n:
+                pairs = None
         batch = TokenBatch(
             input_ids=torch.from_numpy(columns[IDS]), attention_mask=torch.from_numpy(attention),
             token_type_ids=torch.from_numpy(columns[TYPES]) if self.uses_token_types else None,
             offsets=TokenLists(arrays.start, arrays.end), sequence_ids=TokenLists(arrays.segment),
-            word_ids=TokenLists(arrays.word), texts=[row.text for row in rows],
-            text_pairs=pairs if has_pairs else None,
-            truncated=[row.truncated for row in rows], filler_rows=height - n, arrays=arrays,
+            word_ids=TokenLists(arrays.word), texts=texts, text_pairs=pairs, truncated=truncated,
+            filler_rows=height - n, arrays=arrays,
         )
         for name in classes:
             batch.token_classes(name)
         device = self.device if device is None else device
-        return batch if torch.device(device).type == "cpu" else batch.to(device)  # from_numpy: on the host already
+        # from_numpy: on the host already
+        return batch if device == "cpu" or torch.device(device).type == "cpu" else batch.to(device)
