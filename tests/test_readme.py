@@ -5,7 +5,8 @@
   from its own lock.
 - Its first request names a route and tasks a real `tmod-serve` (the serve command's settings, the
   shipped store) has, on the serve command's port, and gets the answer the README shows (labels and
-  entity offsets; scores depend on the CPU's precision, so they are not compared).
+  entity offsets; scores depend on the CPU's precision, so they are not compared); and that answer is
+  correct: Angela Merkel `PER`, Munich `LOC` (issue 39).
 - Its "API at a glance" has an example for every route of the server's OpenAPI schema, and every
   example, sent as written (host and port aside), is answered 200: on the serve command's server, or,
   for an example whose comment says it runs on the quality tier, on `--backbone mpnet` (slow; skipped
@@ -159,6 +160,16 @@ def test_the_first_request_goes_to_the_serve_commands_port_and_shows_a_whole_ans
     assert host in ("localhost", "127.0.0.1") and str(port) == shlex.split(serve)[-1]
     tasks = parse_qs(query)["tasks"][0].split(",")
     assert sorted(answer["tasks"]) == sorted(tasks) and set(answer["results"][0]) == set(tasks)
+
+
+def test_the_first_answer_shown_is_correct():
+    """Issue 39: the first answer is right, not only the real one (the served test below checks that the
+    server answers what is shown): Angela Merkel is a person and Munich a place, nothing else an entity."""
+    command, answer = first_request()
+    text = json.loads(parse_curl(command)["body"])["inputs"][0]
+    entities = answer["results"][0]["ner"]["entities"]
+    assert [(e["text"], e["label"]) for e in entities] == [("Angela Merkel", "PER"), ("Munich", "LOC")]
+    assert all(text[e["start"]:e["end"]] == e["text"] for e in entities)
 
 
 def test_the_readme_parsers_see_what_they_should():
