@@ -78,10 +78,9 @@ def default_stride(window: int) -> int:
 # (bench/long_documents.py, CoNLL-2003 validation, 216 documents; docs/windows.md has the table).
 # Task types with no entry (no long-document data measured) read at the backbone's trained length.
 MEASURED_WINDOWS = {
-    # entity F1 of documents (ner/2, BIO-constrained tags, 2026-11-25): 88.70 at 64, 88.42 at 128, 86.30
-    # at 256 (the trained length); sentence by sentence 89.48. Windows of 64 read about the same word
-    # pieces as 128 (stride 3/4 of the window either way), so the best measured is also no dearer
-    ("all-MiniLM-L6-v2", "token_classification"): 64,
+    # entity F1 of documents, BIO-constrained tags: ner/3 (served since 2026-11-27) 89.07 at 128, 88.34
+    # at 64, 86.74 at 256, sentence by sentence 89.28; ner/2 (2026-11-25) 88.42 at 128, 88.70 at 64
+    ("all-MiniLM-L6-v2", "token_classification"): 128,
     # ner/mpnet-2 (BIO-constrained tags, 2026-11-25): 93.56 at 256, 93.54 at 384 (the trained
     # length), 93.44 at 128; sentence by sentence 93.53 (the three windows within 0.12 of each other)
     ("all-mpnet-base-v2", "token_classification"): 256,
