@@ -1,7 +1,7 @@
 """Dynamic batching: requests queue up; one backbone pass answers many of them.
 
 A batch takes queued entries of one input signature (single texts or text pairs) until a token
-budget or a row limit is reached or `max_wait` has passed since its first entry; rows are sorted by
+budget or a row limit is reached (then it goes at once) or `max_wait` has passed since its first entry; rows are sorted by
 length to cut padding; the backbone runs once for the union of the tasks its entries asked for, and
 each entry gets only its own tasks back. The queue is bounded: a full queue refuses at once (429).
 Entries whose client went away or whose deadline passed are dropped before any compute.
@@ -227,6 +227,11 @@ class Forming:
             self.last = modules
         return True
 
+    def full(self, settings: BatchSettings) -> bool:
+        """No entry can join: the row limit is reached, or one more row as long as the longest would
+        pass the token budget (a longer one would too)."""
+        return self.rows >= settings.max_batch_size or (self.rows + 1) * self.longest > settings.max_batch_tokens
+
 
 def _wake(future: asyncio.Future) -> None:
     if not future.done():
@@ -315,7 +320,9 @@ class Batcher:
                     entries = entries[i:]
                     break
             else:
-                return count
+                if not forming.full(self.settings):
+                    return count
+                self._forming, entries = None, []  # full: woken below, it goes now
         self._queue.extend(entries)
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(None)
@@ -395,8 +402,9 @@ class Batcher:
 
     async def _fill(self, forming: Forming, window_end: float) -> None:
         """Add entries to `forming` in order until one does not fit (first in line for the next batch)
-        or the wait is over. While it waits, entries queued meanwhile join it as they come
-        (`put_many`): a worker's frame wakes this loop only when an entry does not fit."""
+        or the wait is over, or the batch is full (then it goes at once: waiting could add nothing).
+        While it waits, entries queued meanwhile join it as they come (`put_many`): a worker's frame
+        wakes this loop only when an entry does not fit or the batch became full."""
         queue, held, settings = self._queue, self._held, self.settings
         while True:
             while held or queue:  # what is queued already: no wait
@@ -404,6 +412,8 @@ class Batcher:
                 if not forming.add(entry, settings):
                     held.appendleft(entry)
                     return
+            if forming.full(settings):
+                return
             remaining = window_end - time.perf_counter()
             if remaining <= 0:
                 return

@@ -262,3 +262,45 @@ def test_rows_of_many_input_jobs_are_sorted_by_length_and_each_job_gets_its_own_
     assert kind is SortedRows and given == asked == sorted(flat)
     for job, answered in zip(jobs, answers):
         assert [a["task0"] for a in answered] == [("row", len(row), id(row)) for row in job.rows]
+
+
+def run_full_batches(settings: BatchSettings, first: int, then: int) -> list[int]:
+    """`first` one-row jobs (8 tokens each) submitted, then, once the batcher waits for company with
+    them, `then` more: -> the sizes of the batches run. Each wait is bounded at 20 s, far under the
+    settings' `max_wait` of 60 s: a batch that waited out `max_wait` would fail the wait."""
+    sizes = []
+
+    def run_batch(rows, batch_modules, timings):
+        sizes.append(len(rows))
+        return {task: [{"row": i} for i in range(len(rows))] for task in batch_modules}
+
+    async def scenario():
+        executor = ThreadPoolExecutor(1)
+        batcher = Batcher(run_batch, executor, settings)
+        batcher.start()
+
+        def job():
+            return batcher.submit(Job(rows=[Row(8)], modules=MODULES, deadline=time.perf_counter() + 120))
+
+        answers = [asyncio.ensure_future(job()) for _ in range(first)]
+        if then:
+            while batcher._forming is None:  # the first jobs wait for company in a forming batch
+                await asyncio.sleep(0.001)
+            answers += [asyncio.ensure_future(job()) for _ in range(then)]  # they join it in put_many
+        await asyncio.wait_for(asyncio.gather(*answers), 20)
+        await batcher.drain_and_stop()
+        executor.shutdown()
+
+    asyncio.run(scenario())
+    return sizes
+
+
+def test_a_full_batch_goes_at_once():
+    """A batch that no entry could join runs at once rather than waiting out `max_wait` (60 s here):
+    full by rows, queued together or joining a batch already waiting for company, and full by the
+    token budget (three 8-token rows in 24 tokens: a fourth row would need 32)."""
+    by_rows = BatchSettings(max_batch_size=4, max_batch_tokens=10**9, max_wait=60.0, max_queue=100)
+    assert run_full_batches(by_rows, 4, 0) == [4]
+    assert run_full_batches(by_rows, 1, 3) == [4]
+    by_tokens = BatchSettings(max_batch_size=100, max_batch_tokens=24, max_wait=60.0, max_queue=100)
+    assert run_full_batches(by_tokens, 1, 2) == [3]
