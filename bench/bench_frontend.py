@@ -374,6 +374,7 @@ def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | 
 
     env = {"TMOD_STORE": str(store), "TMOD_THREADS": "1", "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
+           "TMOD_MAX_BATCH_SIZE": str(args.max_batch_size),
            "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, "BENCH_SERVER_CODE": str(code),
            **(extra_env or {})}
     server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(Path(__file__).resolve()),
@@ -538,7 +539,7 @@ def write_workers_markdown(path: Path, result: dict) -> None:
     m = result["machine"]
     flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
     lines = [f"# Frontend with worker processes (CPU, constant-time stand-in for the device pass: {result['pass_ms']} ms, "
-             f"batch shapes {result.get('batch_shapes', 'length_runs')})",
+             f"batch shapes {result.get('batch_shapes', 'length_runs')}, up to {result.get('max_batch_size', 128)} rows per batch)",
              "", f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus', '')} "
              f"logical CPUs, shared with other work (load average at start {m.get('load_average_at_start_1_5_15min')}) · "
              f"servers pinned to CPUs {result.get('server_cpus')}, load generator to {result.get('generator_cpus')} · "
@@ -596,7 +597,8 @@ def engine_only(args, store: Path) -> list[dict]:
     for i, level in enumerate(ENGINE_LEVELS):
         for code in (list(codes) if i % 2 == 0 else list(reversed(codes))):
             config = {"code": str(codes[code]), "store": str(store), "pass_ms": args.pass_ms, "frames": args.frames,
-                      "batch_shapes": args.batch_shapes, "max_wait_ms": args.max_wait_ms, "level": level}
+                      "batch_shapes": args.batch_shapes, "max_wait_ms": args.max_wait_ms,
+                      "max_batch_size": args.max_batch_size, "level": level}
             done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--engine-driver", json.dumps(config)],
                                   capture_output=True, text=True, cwd=REPO)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -643,7 +645,8 @@ def engine_driver(config: dict) -> None:
 
     async def run() -> dict:
         settings = Settings(store=config["store"], workers=2, threads=1, batch_shapes=config["batch_shapes"],
-                            max_wait_ms=config["max_wait_ms"], max_queue=100000, max_inputs=64, tasks=",".join(TASKS))
+                            max_wait_ms=config["max_wait_ms"], max_batch_size=config["max_batch_size"],
+                            max_queue=100000, max_inputs=64, tasks=",".join(TASKS))
         runtime = Runtime(settings)
         service = engine_side.EngineService(runtime)
         await runtime.open()
@@ -708,7 +711,7 @@ def write_engine_markdown(path: Path, result: dict) -> None:
     m = result["machine"]
     flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx"))]
     lines = [f"# The engine process's loop alone (stand-in pass {result['pass_ms']} ms, batch shapes "
-             f"{result['batch_shapes']})", "",
+             f"{result['batch_shapes']}, up to {result.get('max_batch_size', 128)} rows per batch)", "",
              f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus')} logical CPUs, "
              f"shared with other work (load average at start {m.get('load_average_at_start_1_5_15min')}) · "
              f"`{result['command']}`", "",
@@ -735,6 +738,9 @@ def parse_args(argv=None):
                    help="how the server cuts a batch into passes (TMOD_BATCH_SHAPES): buckets, one pass per batch as "
                         "on a GPU, whose pass the stand-in stands for; length_runs, a CPU's several passes per batch")
     p.add_argument("--max-wait-ms", type=float, default=2.0)
+    p.add_argument("--max-batch-size", type=int, default=512,
+                   help="rows per batch (TMOD_MAX_BATCH_SIZE): default 512, a GPU host's default (server/config.py), "
+                        "whose pass the stand-in stands for")
     p.add_argument("--clients", type=int, default=4, help="load-generator processes")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=6.0)
@@ -793,7 +799,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "bench_frontend", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "command": "python bench/bench_frontend.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": machine_info("cpu"), "pass_ms": args.pass_ms, "batch_shapes": args.batch_shapes,
-              "max_wait_ms": args.max_wait_ms,
+              "max_wait_ms": args.max_wait_ms, "max_batch_size": args.max_batch_size,
               "clients": args.clients, "warmup_s": args.warmup, "duration_s": args.duration, "tasks": TASKS,
               "server_cpus": sorted(args.server_cpus), "generator_cpus": sorted(args.generator_cpus),
               "levels": [], "profiles": {}}

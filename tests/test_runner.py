@@ -80,6 +80,15 @@ def test_buckets_are_bounded_by_the_batch_limit_and_the_token_limit():
     assert shapes.batch_sizes == [1, 8, 64, 128] and shapes.seq_lens == [16, 64, 256, 300]
 
 
+def test_rows_per_batch_default_to_the_device_and_an_explicit_value_wins():
+    # cuda: 512 rows (measured faster per sequence on an H100); a CPU keeps 128; no GPU is needed to check
+    assert Settings().max_batch_size == 128
+    assert Settings(device="cuda").max_batch_size == 512 and Settings(device="cuda:1").max_batch_size == 512
+    assert Settings(device="cuda", max_batch_size=64).max_batch_size == 64
+    shapes = BatchShapes.for_settings(Settings(device="cuda"), torch.device("cpu"), 512)
+    assert shapes.batch_sizes[-1] == 512  # the 256- and 512-row buckets are kept on cuda
+
+
 def test_bucket_choice_covers_each_pass_and_cuts_batches_over_the_largest_size():
     shapes = BatchShapes("buckets", [1, 2, 4, 8], [16, 32, 64])
     assert shapes.bucket(3, 17) == Bucket(4, 32)
