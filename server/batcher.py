@@ -1,9 +1,10 @@
 """Dynamic batching: requests queue up; one backbone pass answers many of them.
 
 A batch takes queued entries of one input signature (single texts or text pairs) until a token
-budget or a row limit is reached (then it goes at once) or `max_wait` has passed since its first entry; rows are sorted by
-length to cut padding; the backbone runs once for the union of the tasks its entries asked for, and
-each entry gets only its own tasks back. The queue is bounded: a full queue refuses at once (429).
+budget or a row limit is reached (then it goes at once) or `max_wait` has passed since its first
+entry; rows are sorted by length to cut padding; the backbone runs once for the union of the tasks
+its entries asked for, and each entry gets only its own tasks back. The queue is bounded: a full
+queue refuses at once (429).
 Entries whose client went away or whose deadline passed are dropped before any compute.
 
 An entry is a tuple `(rows, modules, deadline, enqueued, owner, key, lengths)` (`lengths`: each row's

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from server import workers
 from server.backbone.sources import default_backbone_path
-from server.backbone.tokens import BlockRows, RowBlock, TextEncoder, gather_rows
+from server.backbone.tokens import (CASING, END, IDS, SEGMENT, START, TYPES, WORD, BlockRows, RowBlock, TextEncoder,
+                                   gather_rows)
 
 TEXTS = ["Merkel met Macron in Paris.", "", "  leading and trailing  ", "🙂 Zürich naïve café", "A",
          "The Quick brown FOX jumps over the lazy DOG in NEW York. " * 3, "東京は日本の首都です。"]
@@ -87,3 +88,29 @@ def test_pairs_collate_as_their_encoded_inputs():
     sent = [text.encode(*zip(*PAIRS)), text.encode([PAIRS[0][0]], [PAIRS[0][1]])]
     block, index = gather_rows(frame_of(sent).rows)
     assert_same_batch(text.collate(block.take(index)), text.collate([row for rows in sent for row in rows]))
+
+
+def test_a_batch_makes_its_token_planes_only_when_read_and_they_hold_each_rows_tokens():
+    """collate pads ids and type ids at once; segment, word, offsets and casing are made on first
+    read (a worker server's engine process reads none of them for layer-mix tasks) and then hold, per
+    row, that row's own token columns and padding (-1 segment and word, 0 elsewhere), row by row as
+    plain Python would place them."""
+    text = encoder()
+    requests = [text.encode(TEXTS[:4]), text.encode(*zip(*PAIRS))]
+    sent = [row for rows in requests for row in rows]
+    block, index = gather_rows(frame_of(requests).rows)
+    for rows in (block.take(index), sent):
+        batch = text.collate(rows, shape=(len(sent) + 3, max(len(row) for row in sent) + 5))
+        assert batch.arrays._made is None  # nothing but the pass's inputs made yet
+        width = batch.seq_len
+        for r, row in enumerate(sent):
+            tokens = np.asarray(row.tokens, dtype=np.int64)
+            padding = width - len(row)
+            for plane, column, pad in (("segment", SEGMENT, -1), ("word", WORD, -1), ("start", START, 0), ("end", END, 0),
+                                       ("casing", CASING, 0)):
+                want = tokens[:, column].tolist() + [pad] * padding
+                assert getattr(batch.arrays, plane)[r].tolist() == want, (r, plane)
+            assert batch.input_ids[r].tolist() == tokens[:, IDS].tolist() + [text.pad_id] * padding
+            assert batch.token_type_ids[r].tolist() == tokens[:, TYPES].tolist() + [0] * padding
+        assert batch.arrays.segment.shape == (len(sent), width)  # real rows only
+        assert batch.input_ids[len(sent):].eq(text.pad_id).all() and batch.attention_mask[len(sent):, 1:].eq(0).all()

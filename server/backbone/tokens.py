@@ -7,9 +7,10 @@ column by column with numpy, whose per-call cost only pays off past ~200 tokens)
 it, a request crosses processes as that array (`server/workers.py`'s frames), and `collate` only
 concatenates rows into a padded batch. The engine process keeps a frame's rows as it read them
 (`RowBlock`: the frame's token array and text, each row's first token and length), so sorting a
-batch, cutting it into passes and collate are numpy calls per batch, with no object per row. The
-per-token lists (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the arrays
-only when someone reads them (training, tests, bridges).
+batch, cutting it into passes and collate are numpy calls per batch, with no object per row. Collate
+pads only what the pass reads (ids, type ids); a batch's other per-token planes (`TokenArraysLater`)
+and the per-token lists (`EncodedInput.offsets`, `TokenBatch.sequence_ids`, ...) are made from the
+arrays only when someone reads them (token classes, decoding, training, tests, bridges).
 """
 from __future__ import annotations
 
@@ -244,21 +245,23 @@ def _nones(values: np.ndarray) -> list[int | None]:
 
 
 class TokenLists(Sequence):
-    """Per row, per token: a list made from (rows, T) arrays when a row is read (None where the
-    array holds -1; with `end`, (start, end) pairs)."""
+    """Per row, per token: a list made from planes of a batch's `TokenArrays` when a row is read
+    (None where the plane holds -1; with `end`, (start, end) pairs). The planes are looked up only
+    then: a collated batch makes them on first read (`TokenArraysLater`)."""
 
-    def __init__(self, values: np.ndarray, end: np.ndarray | None = None):
-        self.values, self.end = values, end
+    def __init__(self, arrays, name: str, end: str | None = None):
+        self.arrays, self.name, self.end_name = arrays, name, end
 
     def __len__(self) -> int:
-        return self.values.shape[0]
+        return getattr(self.arrays, self.name).shape[0]
 
     def __getitem__(self, row):
         if isinstance(row, slice):
             return [self[r] for r in range(*row.indices(len(self)))]
-        if self.end is not None:
-            return list(zip(self.values[row].tolist(), self.end[row].tolist()))
-        return _nones(self.values[row])
+        values = getattr(self.arrays, self.name)
+        if self.end_name is not None:
+            return list(zip(values[row].tolist(), getattr(self.arrays, self.end_name)[row].tolist()))
+        return _nones(values[row])
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
@@ -284,7 +287,8 @@ class TokenBatch:
     # per-token classes some heads read (TOKEN_CLASSES: casing, segment), (B, T) each, made once
     # on the host (at collate time or on first use, `token_classes`)
     classes: dict[str, torch.Tensor] = field(default_factory=dict)
-    arrays: TokenArrays | None = None  # the per-token lists as arrays (made by collate, or on first use: `token_arrays`)
+    # the per-token lists as arrays (collate's, made on first read; else made on first use: `token_arrays`)
+    arrays: TokenArrays | TokenArraysLater | None = None
 
     @property
     def size(self) -> int:
@@ -317,7 +321,8 @@ class TokenBatch:
         and kept: decoders work on whole arrays instead of per token in Python."""
         if self.arrays is None:
             self.arrays = TokenArrays.of(self)
-        return self.arrays
+        arrays = self.arrays
+        return arrays.made() if type(arrays) is TokenArraysLater else arrays
 
     @property
     def seq_len(self) -> int:
@@ -348,6 +353,16 @@ class TokenArrays:
     casing: np.ndarray | None = None  # casing classes (CASING_CLASSES), where collate made them
 
     @classmethod
+    def of_tokens(cls, tokens: np.ndarray, places: np.ndarray, rows: int, width: int) -> "TokenArrays":
+        """From a batch's real tokens (tokens, FIELDS) and each one's place in its (rows, width)
+        padded grid (row-major); padding gets -1 in segment and word, 0 elsewhere."""
+        planes = np.zeros((FIELDS - SEGMENT, rows * width), dtype=np.int64)  # segment, word, start, end, casing
+        planes[:WORD - SEGMENT + 1] = -1
+        planes[:, places] = tokens[:, SEGMENT:].T
+        segment, word, start, end, casing = planes.reshape(FIELDS - SEGMENT, rows, width)
+        return cls(segment=segment, word=word, start=start, end=end, casing=casing)
+
+    @classmethod
     def of(cls, batch: TokenBatch) -> "TokenArrays":
         """From a batch built by hand from lists (collate makes the arrays itself)."""
         rows, width = len(batch.offsets), batch.seq_len
@@ -359,6 +374,33 @@ class TokenArrays:
         pairs = itertools.chain.from_iterable(itertools.chain.from_iterable(batch.offsets))
         offsets = np.fromiter(pairs, dtype=np.int64, count=rows * width * 2).reshape(rows, width, 2)
         return cls(ids(batch.sequence_ids), ids(batch.word_ids), offsets[..., 0], offsets[..., 1])
+
+
+class TokenArraysLater:
+    """A collated batch's `TokenArrays`, made on first read of any plane. The pass itself reads only
+    ids and type ids; the other planes are read where a head reads token classes or a task is
+    decoded in this process (never in a worker server's engine process for the shipped layer-mix
+    tasks), and making them was ~40% of collating a batch (issue 37)."""
+
+    __slots__ = ("_source", "_made")
+
+    def __init__(self, source: np.ndarray, taken: np.ndarray | None, places: np.ndarray, rows: int, width: int):
+        """`source` (tokens, FIELDS): the batch's real tokens are its rows `taken` (None: all of them, in
+        order); `places`: each one's place in the (rows, width) grid, row-major."""
+        self._source, self._made = (source, taken, places, rows, width), None
+
+    def made(self) -> TokenArrays:
+        if self._made is None:
+            source, taken, places, rows, width = self._source
+            tokens = source if taken is None else np.take(source, taken, axis=0)
+            self._made, self._source = TokenArrays.of_tokens(tokens, places, rows, width), None
+        return self._made
+
+    segment = property(lambda self: self.made().segment)
+    word = property(lambda self: self.made().word)
+    start = property(lambda self: self.made().start)
+    end = property(lambda self: self.made().end)
+    casing = property(lambda self: self.made().casing)
 
 
 # per character: what str.islower / isupper / istitle / isspace see (CPython's per-character
@@ -578,8 +620,6 @@ class TextEncoder:
         self.device = torch.device(device)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
-        # a padding token's fields (pad id, no segment or word, casing 0), as collate fills a batch with them
-        self._padding = np.array((self.pad_id, 0, -1, -1, 0, 0, 0), dtype=np.int64)[:, None, None]
         self._cutter = None  # the truncating copy of the backend (`_cut`), made on first use
         self._cut_lock = threading.Lock()
         self.plain = self._backend()
@@ -706,23 +746,28 @@ class TextEncoder:
             if shape[0] < height or shape[1] < width:
                 raise ValueError(f"bucket {shape} is smaller than the batch ({height} rows x {width} tokens)")
             height, width = shape
-        # every field of every token in one (FIELDS, rows, T) int64 block, filled with the padding
-        # token (pad id, no segment or word, casing 0) and then every row's tokens in one masked copy:
-        # no Python per row or token, and each tensor and array below is a plane of it (no copy)
-        columns = np.empty((FIELDS, height, width), dtype=np.int64)
-        columns[...] = self._padding
+        # each real token's row in `source` (tokens, FIELDS) and its place in the (n, width) grid of real
+        # rows (row-major, so also in the padded one): no Python per row or token
         real = np.arange(width) < lengths[:, None]
-        if block:  # every row's tokens gathered from the block and put in their places: two index arrays
+        if block:  # the block's token array, and which of its rows: two index arrays
             places, taken = ranges(np.stack((np.arange(0, n * width, width, dtype=np.int64), rows.first)), lengths)
-            columns.reshape(FIELDS, -1)[:, places] = rows.tokens[taken].T
-        else:
-            tokens = np.concatenate([row.tokens for row in rows]) if n > 1 else rows[0].tokens
-            columns[:, :n][:, real] = tokens.T
+            source = rows.tokens
+        else:  # the rows' tokens one after the other, all of them
+            source, taken = np.concatenate([row.tokens for row in rows]) if n > 1 else rows[0].tokens, None
+            places = np.flatnonzero(real)
+        # what the pass reads, ids (and type ids), padded to the whole (height, width) block now, one
+        # column at a time (a column's gather and scatter cost less than a row's); the other per-token
+        # planes when someone reads them (`TokenArraysLater`)
+        columns = (IDS, TYPES) if self.uses_token_types else (IDS,)
+        inputs = np.empty((len(columns), height * width), dtype=np.int64)
+        for plane, column in enumerate(columns):
+            inputs[plane].fill(self.pad_id if column == IDS else 0)
+            inputs[plane, places] = source[:, column] if taken is None else source[:, column][taken]
+        inputs = inputs.reshape(len(columns), height, width)
         attention = np.zeros((height, width), dtype=np.int64)
         attention[:n] = real
         attention[n:, 0] = 1  # filler rows see one token: no attention row is all masked
-        arrays = TokenArrays(segment=columns[SEGMENT, :n], word=columns[WORD, :n], start=columns[START, :n],
-                             end=columns[END, :n], casing=columns[CASING, :n])
+        arrays = TokenArraysLater(source, taken, places, n, width)
         if block:  # texts sliced out of the block's string only when read
             texts, pairs, truncated = rows.texts(), rows.text_pairs(), ((rows.flags & TRUNCATED) != 0).tolist()
         else:
@@ -731,10 +776,10 @@ class TextEncoder:
             if pairs.count(None) == n:
                 pairs = None
         batch = TokenBatch(
-            input_ids=torch.from_numpy(columns[IDS]), attention_mask=torch.from_numpy(attention),
-            token_type_ids=torch.from_numpy(columns[TYPES]) if self.uses_token_types else None,
-            offsets=TokenLists(arrays.start, arrays.end), sequence_ids=TokenLists(arrays.segment),
-            word_ids=TokenLists(arrays.word), texts=texts, text_pairs=pairs, truncated=truncated,
+            input_ids=torch.from_numpy(inputs[0]), attention_mask=torch.from_numpy(attention),
+            token_type_ids=torch.from_numpy(inputs[1]) if self.uses_token_types else None,
+            offsets=TokenLists(arrays, "start", "end"), sequence_ids=TokenLists(arrays, "segment"),
+            word_ids=TokenLists(arrays, "word"), texts=texts, text_pairs=pairs, truncated=truncated,
             filler_rows=height - n, arrays=arrays,
         )
         for name in classes:
