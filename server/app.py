@@ -189,12 +189,12 @@ class Call:
                 return value.decode("latin-1")
         return None
 
-    def query(self, name: str) -> list[str]:
+    def query(self, name: str) -> tuple[str, ...]:
         """The values of `name` in the query string, in order (`?tasks=a&tasks=b`: both)."""
-        text = self.scope["query_string"].decode("latin-1")
-        if "%" in text or "+" in text:  # percent-encoded: the standard reading
-            return [v for k, v in parse_qsl(text, keep_blank_values=True) if k == name]
-        return [v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name]
+        query = self.scope["query_string"]
+        if len(query) <= SHORT_QUERY:  # clients send the same few again and again
+            return query_values(query, name)
+        return query_values.__wrapped__(query, name)
 
     async def is_disconnected(self) -> bool:
         """Whether the client left. Its body is read, so the next ASGI message is a disconnect: one step
@@ -209,6 +209,18 @@ class Call:
             else:
                 step.close()  # it would wait: the client is still there
         return self.gone
+
+
+SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_values`)
+
+
+@functools.lru_cache(maxsize=256)
+def query_values(query: bytes, name: str) -> tuple[str, ...]:
+    """The values of `name` in a query string, in order."""
+    text = query.decode("latin-1")
+    if "%" in text or "+" in text:  # percent-encoded: the standard reading
+        return tuple(v for k, v in parse_qsl(text, keep_blank_values=True) if k == name)
+    return tuple(v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name)
 
 
 async def respond(send, status: int, content: bytes, headers: dict[str, str]) -> None:
