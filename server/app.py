@@ -103,7 +103,7 @@ class TmodApp(FastAPI):
         rid = request_id_for(scope["headers"])
         token = request_id.set(rid)
         started, reply = time.perf_counter(), Reply(send, rid, scope.get(CYCLE))
-        path = scope["path"]
+        path, served = scope["path"], scope
         try:
             scope, receive = limit_body(scope, receive, self.body_limit, self.body_timeout_s)
             handler = self.fast_routes.get(path)
@@ -124,6 +124,10 @@ class TmodApp(FastAPI):
         finally:
             self.access.write(scope, reply.status or 500, time.perf_counter() - started)
             request_id.reset(token)
+            # uvicorn's cycle holds the scope and tmod's protocol put the cycle in it (CYCLE): unlinked here,
+            # the cycle, its scope, headers and event go by reference counting, not left to the garbage
+            # collector (9 objects a request found in its garbage in a worker under load, issue 37)
+            served.pop(CYCLE, None)
 
     async def answer(self, handler, params, scope, receive, reply: "Reply") -> None:
         """An inference route: POST only, its body read once, its answer sent as bytes."""
@@ -185,12 +189,12 @@ class Call:
                 return value.decode("latin-1")
         return None
 
-    def query(self, name: str) -> list[str]:
+    def query(self, name: str) -> tuple[str, ...]:
         """The values of `name` in the query string, in order (`?tasks=a&tasks=b`: both)."""
-        text = self.scope["query_string"].decode("latin-1")
-        if "%" in text or "+" in text:  # percent-encoded: the standard reading
-            return [v for k, v in parse_qsl(text, keep_blank_values=True) if k == name]
-        return [v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name]
+        query = self.scope["query_string"]
+        if len(query) <= SHORT_QUERY:  # clients send the same few again and again
+            return query_values(query, name)
+        return query_values.__wrapped__(query, name)
 
     async def is_disconnected(self) -> bool:
         """Whether the client left. Its body is read, so the next ASGI message is a disconnect: one step
@@ -205,6 +209,18 @@ class Call:
             else:
                 step.close()  # it would wait: the client is still there
         return self.gone
+
+
+SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_values`)
+
+
+@functools.lru_cache(maxsize=256)
+def query_values(query: bytes, name: str) -> tuple[str, ...]:
+    """The values of `name` in a query string, in order."""
+    text = query.decode("latin-1")
+    if "%" in text or "+" in text:  # percent-encoded: the standard reading
+        return tuple(v for k, v in parse_qsl(text, keep_blank_values=True) if k == name)
+    return tuple(v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name)
 
 
 async def respond(send, status: int, content: bytes, headers: dict[str, str]) -> None:
@@ -295,6 +311,41 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                              'as {"text": ..., "text_pair": ...} objects')
         return rest
 
+    # a request's modules by (tasks, pairs), and each such dict's task types and token limit: clients send
+    # the same few task lists again and again, so these are worked out once per snapshot of the loaded
+    # modules (forgotten when a module changes), not once per request
+    planned: dict[tuple, dict[str, LoadedModule]] = {}
+    traits: dict[int, tuple] = {}  # id(modules) -> (modules, task types, token limit): held, so an id is not reused
+    planned_for: list = [None]  # the snapshot both were made against
+
+    def current_modules() -> None:
+        if runtime.modules is not planned_for[0]:
+            planned.clear()
+            traits.clear()
+            planned_for[0] = runtime.modules
+
+    def modules_for(tasks: str | None, has_pairs: bool) -> dict[str, LoadedModule]:
+        """`fit_to_inputs(select_modules(tasks), ...)`, remembered (a refusal is not)."""
+        current_modules()
+        found = planned.get((tasks, has_pairs))
+        if found is None:
+            found = fit_to_inputs(select_modules(tasks), has_pairs, named=tasks is not None)
+            if len(planned) >= 1024:  # task lists a client makes up: the table stays small
+                planned.clear()
+            planned[tasks, has_pairs] = found
+        return found
+
+    def modules_traits(modules: dict) -> tuple[frozenset, int | None]:
+        """`modules`' task types and token limit (`token_limit`), remembered per modules dict."""
+        current_modules()
+        found = traits.get(id(modules))
+        if found is None or found[0] is not modules:
+            if len(traits) >= 1024:
+                traits.clear()
+            found = traits[id(modules)] = (modules, frozenset(task_types(modules)),
+                                           token_limit(modules, settings.max_tokens))
+        return found[1], found[2]
+
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
                             truncate: bool, request: Call, window: int | None = None, stride: int | None = None,
                             controls: AnswerControls | None = None) -> tuple[list[dict], Job, dict[str, str]]:
@@ -362,7 +413,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         check_inputs(texts, text_pairs)
         # a truncated text is read in one row, as long as the backbone reads: the measured (shorter) reading
         # windows of a task type pay off only where a whole text is read in overlapping windows
-        chosen = window_settings(window, stride, max_tokens, () if truncate else task_types(modules or {}))
+        chosen = window_settings(window, stride, max_tokens, () if truncate or not modules else modules_traits(modules)[0])
         read = functools.partial(windows.read, runtime.text, texts, text_pairs, chosen, truncate, budget)
         try:
             if sum(map(len, texts)) + sum(map(len, text_pairs or ())) <= INLINE_TOKENIZE_CHARS:
@@ -382,8 +433,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             if text_pairs is not None:
                 raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
             truncate = "left"  # the tokenizer keeps the end of the text (server/backbone/tokens.py)
-        reading = await read_inputs(texts, text_pairs, truncate, window, stride,
-                                    token_limit(modules, settings.max_tokens), modules, settings.max_request_tokens)
+        reading = await read_inputs(texts, text_pairs, truncate, window, stride, modules_traits(modules)[1], modules,
+                                    settings.max_request_tokens)
         options = controls.options()
         for row in reading.rows + [text.whole for text in reading.texts]:
             row.answer = options
@@ -394,7 +445,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         rows, answers, versions = reading.rows, [], None
         # a request over one batch's budget goes in parts, each to the back of the queue (fair turns);
         # a part not yet run when the request's deadline passes is not run
-        for part in windows.parts(rows, settings.max_batch_size, settings.max_batch_tokens):
+        pieces = windows.parts(rows, settings.max_batch_size, settings.max_batch_tokens)
+        if len(pieces) == 1 and not reading.windowed:  # most requests: one part, the job's own rows
+            pieces = ()
+            job.deadline, job.is_disconnected = deadline, request.is_disconnected
+            answers = await runtime.submit(job)  # sets the job's timings and (in a worker) the versions that answered
+        for part in pieces:
             if time.perf_counter() >= deadline:
                 raise ApiError(503, "deadline_exceeded", "the request ran past its deadline with parts left to run "
                                f"({settings.request_timeout_s}s)")
@@ -429,7 +485,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         named = request.query("tasks")  # ?tasks=a&tasks=b asks for both: the lists are joined
         tasks = ",".join(named) if named else None
         pairs = not isinstance(asked.inputs[0], str)
-        modules = fit_to_inputs(select_modules(tasks), pairs, named=tasks is not None)
+        modules = modules_for(tasks, pairs)
         texts = [item.text for item in asked.inputs] if pairs else asked.inputs
         text_pairs = [item.text_pair for item in asked.inputs] if pairs else None
         results, job, headers = await run_inference(texts, text_pairs, modules, asked.truncate, request,

@@ -81,24 +81,11 @@ def limit_body(scope, receive, limit: int, timeout_s: float):
             return await receive()
         loop = asyncio.get_running_loop()
         deadline = deadline or loop.time() + timeout_s
-        # a timer that cancels this task, not asyncio.wait_for (a task per receive): most bodies are
-        # already in when the route asks, and the timer is then cancelled unused
-        task, expired = asyncio.current_task(), []
-        timer = loop.call_later(max(0.0, deadline - loop.time()), lambda: (expired.append(True), task.cancel()))
-        try:
-            message = await receive()
-        except asyncio.CancelledError:
-            if not expired:
-                raise
-            task.uncancel()
-            # the rest of this body may still come: closed after the 408 (RFC 9110 15.5.9), not left to
-            # uvicorn's keep-alive timeout waiting for a body no route will read
-            if (cycle := scope.get(CYCLE)) is not None:
-                cycle.keep_alive = False
-            raise BodyRefused(408, "request_timeout", f"request body not received within {timeout_s:g} s",
-                              headers=None if cycle is not None else {"connection": "close"}) from None
-        finally:
-            timer.cancel()
+        cycle = scope.get(CYCLE)
+        if cycle is not None and cycle.message_event.is_set():
+            message = await receive()  # what has arrived is read without waiting: nothing to time (most bodies)
+        else:
+            message = await timed_receive(receive, loop, deadline, timeout_s, cycle)
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
@@ -109,6 +96,27 @@ def limit_body(scope, receive, limit: int, timeout_s: float):
         return message
 
     return scope, limited_receive
+
+
+async def timed_receive(receive, loop, deadline: float, timeout_s: float, cycle):
+    """`receive()`, refused with a 408 past `deadline` (the loop's clock). A timer that cancels this task,
+    not asyncio.wait_for (a task per receive); it is cancelled unused when the body comes in time."""
+    task, expired = asyncio.current_task(), []
+    timer = loop.call_later(max(0.0, deadline - loop.time()), lambda: (expired.append(True), task.cancel()))
+    try:
+        return await receive()
+    except asyncio.CancelledError:
+        if not expired:
+            raise
+        task.uncancel()
+        # the rest of this body may still come: closed after the 408 (RFC 9110 15.5.9), not left to
+        # uvicorn's keep-alive timeout waiting for a body no route will read
+        if cycle is not None:
+            cycle.keep_alive = False
+        raise BodyRefused(408, "request_timeout", f"request body not received within {timeout_s:g} s",
+                          headers=None if cycle is not None else {"connection": "close"}) from None
+    finally:
+        timer.cancel()
 
 
 def too_large(limit: int) -> BodyRefused:

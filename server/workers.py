@@ -86,6 +86,7 @@ REQUEST_HEAD = struct.Struct("<c3x6I4x")
 ANSWER_HEAD = struct.Struct("<c3x5I")
 DISCONNECT_CHECK_AFTER = 0.05  # seconds a request waits before its client is asked whether it is still there
 WATCH_EVERY = 0.1  # seconds between two such questions to a waiting request
+YOUNG_COLLECTION_EVERY = 20_000  # a worker's garbage collector: container allocations between young collections
 
 
 def in_flight_limit(settings: Settings) -> int:
@@ -734,6 +735,9 @@ class RemoteRuntime:
         if self._gone is not None:  # the engine died before it said anything: this worker cannot start
             raise RuntimeError("the engine process closed its connection during start-up")
         gc.freeze()  # start-up's objects (libraries, app) out of the collector's passes, as in Runtime.start
+        # a young collection walks every container still alive, and a worker's in-flight requests are many:
+        # at the default 700 allocations it ran every few requests, over the same live objects each time
+        gc.set_threshold(YOUNG_COLLECTION_EVERY, *gc.get_threshold()[1:])
 
     async def shutdown(self) -> None:
         # uvicorn has answered this worker's requests by now
