@@ -376,6 +376,10 @@ def start_server(workdir: Path, store: Path, name: str, args, extra_env: dict | 
            "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
            "TMOD_MAX_BATCH_SIZE": str(args.max_batch_size),
            "BENCH_PASS_MS": str(args.pass_ms), "TMOD_BATCH_SHAPES": args.batch_shapes, "BENCH_SERVER_CODE": str(code),
+           # the forkserver that starts a server's HTTP workers imports from its own path, not the engine's
+           # sys.path: `code` first there too, and not the working directory (this tree), or a --before
+           # server's workers would run this tree's files
+           "PYTHONPATH": str(code), "PYTHONSAFEPATH": "1",
            **(extra_env or {})}
     server = ServerProcess(name, env, workdir / f"{name}.log", [sys.executable, str(Path(__file__).resolve()),
                                                                 "--serve"], cpus=args.server_cpus)
