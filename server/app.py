@@ -316,13 +316,14 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     # modules (forgotten when a module changes), not once per request
     planned: dict[tuple, dict[str, LoadedModule]] = {}
     traits: dict[int, tuple] = {}  # id(modules) -> (modules, task types, token limit): held, so an id is not reused
-    planned_for: list = [None]  # the snapshot both were made against
+    planned_for = None  # the snapshot both were made against
 
     def current_modules() -> None:
-        if runtime.modules is not planned_for[0]:
+        nonlocal planned_for
+        if runtime.modules is not planned_for:
             planned.clear()
             traits.clear()
-            planned_for[0] = runtime.modules
+            planned_for = runtime.modules
 
     def modules_for(tasks: str | None, has_pairs: bool) -> dict[str, LoadedModule]:
         """`fit_to_inputs(select_modules(tasks), ...)`, remembered (a refusal is not)."""
