@@ -128,7 +128,8 @@ def standin_logits(shape: tuple[int, ...]):
 
 def serve(argv: list[str]) -> None:
     code = os.environ.get("BENCH_SERVER_CODE")
-    if code:  # before anything of server/ is imported: that checkout is served (its worker processes inherit the path)
+    if code:  # before anything of server/ is imported: that checkout is served (the HTTP workers get it from
+        # PYTHONPATH, `start_server`: the forkserver that starts them does not see this sys.path)
         sys.path.insert(0, code)
     if int(os.environ.get("TMOD_WORKERS", "1")) > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # tmod-serve points prometheus_client at a folder before anything imports it (server/cli.py); the
