@@ -4,14 +4,16 @@
 # ../shared/gpu/bundle.sh cuts the default backbone's weights into two halves of ~45 MB (.gpu-a, with
 # the wheels, and .gpu-b). The device takes at most 64 MiB per call, this repo's files included, and
 # with the MPNet modules shipped the repo's ~21 MB plus .gpu-a's ~50 MB no longer fit. This script
-# runs bundle.sh, then moves each half's tail past its first 30 MB into .gpu-c, and copies SST-2's
-# validation file (bench_gpu.py's text) into .gpu-data. All four folders are git-ignored.
+# runs bundle.sh, then moves each half's tail (what does not fit beside the repo) into .gpu-c, and
+# .gpu-d when both tails do not fit in one run, and copies SST-2's validation file (bench_gpu.py's
+# text) into .gpu-data. All these folders are git-ignored.
 #
-#   bash bench/gpu_bundle.sh            # here, in the project root, after the README's install
-#   bash bench/gpu_bundle.sh install    # there, in every one of three runs, back to back (a lent
-#                                       # machine goes back ~30 s after a call):
-#       run 1: carry .gpu-a      run 2: carry .gpu-c      run 3: carry .gpu-b .gpu-data
-#   then in run 3 and later: export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=$PWD/.gpu-data
+#   bash bench/gpu_bundle.sh            # here, in the project root, after the README's install;
+#                                       # it prints the runs, each with what it carries
+#   bash bench/gpu_bundle.sh install    # there, in every run, back to back (a lent machine goes
+#                                       # back ~30 s after a call):
+#       carry .gpu-a, then .gpu-c (then .gpu-d, if made), then .gpu-b .gpu-data last
+#   then in the last run and later: export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=$PWD/.gpu-data
 #
 #   bash bench/gpu_bundle.sh mpnet      # here, with the MPNet parts installed: the MPNet tier's zip
 #                                       # (404 MB) cut into .gpu-m01, .gpu-m02, ... (each fits beside
@@ -21,8 +23,8 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 keep=${TMOD_KEEP:-/root/tmod-keep}  # where ../shared/gpu/install.sh keeps the halves between calls
-head_bytes=$((30 * 1000 * 1000))
 limit=$((64 * 1024 * 1024))
+margin=$((1024 * 1024))
 tree_bytes() {  # what every run sends besides its carried folders: tracked and not-ignored files
   git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1
 }
@@ -35,13 +37,14 @@ if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders 
     bash .gpu-a/install.sh
     cp .gpu-a/part-a "$keep/part-a.head"
   fi
-  if [ -d .gpu-c ]; then
-    cp .gpu-c/part-a.tail .gpu-c/part-b.tail "$keep/"
-    echo "tails kept: bring .gpu-b next"
-  fi
+  for tails in .gpu-c .gpu-d; do
+    [ -d "$tails" ] || continue
+    cp "$tails"/part-*.tail "$keep/"
+    echo "kept: $(cd "$tails" && ls part-*.tail | tr '\n' ' ')"
+  done
   if [ -d .gpu-b ]; then
     for f in part-a.head part-a.tail part-b.tail; do
-      [ -f "$keep/$f" ] || { echo "$f is missing: run 1 (.gpu-a) and run 2 (.gpu-c) come first"; exit 1; }
+      [ -f "$keep/$f" ] || { echo "$f is missing: the runs with .gpu-a and .gpu-c (and .gpu-d) come first"; exit 1; }
     done
     cat "$keep/part-a.head" "$keep/part-a.tail" > "$keep/part-a"
     cat .gpu-b/part-b "$keep/part-b.tail" > .gpu-b/part-b.whole && mv .gpu-b/part-b.whole .gpu-b/part-b
@@ -91,17 +94,31 @@ fi
 shared=${TMOD_SHARED:-../shared}
 mkdir -p .git/info  # bundle.sh lists its folders in .git/info/exclude
 bash "$shared/gpu/bundle.sh"
-rm -rf .gpu-c .gpu-data
+# the serving path's compiled parts that bundle.sh (written before them) leaves out, at the lock's pins
+extra=$(grep -oE '^(msgspec|httptools|uvloop)==[0-9.]+' requirements/gpu.lock)
+plat=""; for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do plat="$plat --platform $p"; done
+${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  $plat -d .gpu-a/whl $extra
+rm -rf .gpu-c .gpu-d .gpu-data
 mkdir -p .gpu-c .gpu-data/sst2
+cp "$shared/data/sst2/validation.tsv" .gpu-data/sst2/
+# each half keeps as much as fits beside the repo and .gpu-a's wheels; the rest is its tail
+tree=$(tree_bytes)
+wheels=$(( $(du -cb .gpu-a | tail -1 | cut -f1) - $(stat -c %s .gpu-a/part-a) ))
+head_bytes=$(( limit - tree - wheels - margin ))
 for part in a b; do
   tail -c +$((head_bytes + 1)) ".gpu-$part/part-$part" > ".gpu-c/part-$part.tail"
   truncate -s "$head_bytes" ".gpu-$part/part-$part"
 done
-cp "$shared/data/sst2/validation.tsv" .gpu-data/sst2/
+runs=(".gpu-a" ".gpu-c" ".gpu-b .gpu-data")
+if [ $(( tree + $(du -cb .gpu-c | tail -1 | cut -f1) )) -gt "$limit" ]; then  # the tails one run each
+  mkdir -p .gpu-d && mv .gpu-c/part-b.tail .gpu-d/
+  grep -qx '/.gpu-d/' .git/info/exclude 2>/dev/null || echo '/.gpu-d/' >> .git/info/exclude
+  runs=(".gpu-a" ".gpu-c" ".gpu-d" ".gpu-b .gpu-data")
+fi
 
 # what each run sends: the repo's tracked and not-ignored files plus its carried folders
-tree=$(tree_bytes)
-for carry in ".gpu-a" ".gpu-c" ".gpu-b .gpu-data"; do
+for carry in "${runs[@]}"; do
   bytes=$(( tree + $(du -cb $carry | tail -1 | cut -f1) ))
   verdict=$([ "$bytes" -le "$limit" ] && echo ok || echo "OVER the 64 MiB limit")
   echo "run with carry [$carry]: $((bytes / 1024 / 1024)) MiB ($verdict)"

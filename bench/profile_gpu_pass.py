@@ -1,13 +1,14 @@
 """Where one captured K-head pass's time goes on a GPU (fp16, 128 x 32 and 512 x 32; bench_gpu.py's
 random layer-mix heads, k=64, every state).
 
-Per K (1, 4, 16): `ModelRunner.logits` per call (inputs copied in, the graph replayed, logits copied
+Per K (the arguments; default 1, 4, 16, 64): `ModelRunner.logits` per call (inputs copied in, the graph replayed, logits copied
 out), the thread CPU time of one call started on an idle GPU, and the captured graph's replay alone,
-each against the backbone's own graph (bench_gpu.py's `backbone_graph`). At K=4 also torch.profiler
+each against the backbone's own graph (bench_gpu.py's `backbone_graph`). At every K above 1 also torch.profiler
 tables: the graph path's host calls and kernels, and the eager pass's kernels (a graph's replay hides
 which kernel is which). Prints only; on a lent GPU:
 
     python3 bench/profile_gpu_pass.py | tee $OUT/profile.log
+    python3 bench/profile_gpu_pass.py 16 64   # only these K
 """
 import copy
 import sys
@@ -28,8 +29,9 @@ from server.timings import Timings  # noqa: E402
 
 def main() -> None:
     precision = "fp16"
+    ks = [int(a) for a in sys.argv[1:]] or [1, 4, 16, 64]
     bb = with_precision(Backbone.load(None, device="cuda"), precision)
-    heads = build_modules(ModuleStore(Path(tempfile.mkdtemp()) / precision), bb, 16)
+    heads = build_modules(ModuleStore(Path(tempfile.mkdtemp()) / precision), bb, max(ks))
     names = sorted(heads)
     for size, tokens in ((128, 32), (512, 32)):
         rows = sample_rows(bb, size, tokens)
@@ -39,7 +41,7 @@ def main() -> None:
         with torch.inference_mode(), runner.precision():
             t_backbone = seconds_per_call(backbone_graph(bb, copy.copy(batch).to("cuda"), "cuda"), "cuda", 50)
         print(f"{size}x{tokens} backbone graph {t_backbone * 1e3:.3f} ms")
-        for k in (1, 4, 16):
+        for k in ks:
             modules = {n: heads[n] for n in names[:k]}
 
             def call():
@@ -55,7 +57,7 @@ def main() -> None:
             replay = seconds_per_call(runner.graphs.find(modules, bucket).graph.replay, "cuda", 50)
             print(f"  K={k}: logits {t * 1e3:.3f} ms (x{t_backbone / t:.2f}); thread CPU per call "
                   f"{1e3 * sorted(cpu)[15]:.3f} ms; replay alone {replay * 1e3:.3f} ms (x{t_backbone / replay:.2f})")
-            if k == 4:
+            if k > 1:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
                         call()
