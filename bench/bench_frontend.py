@@ -287,6 +287,8 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     time.sleep(max(0.0, record_from - time.time()))
     if signal_window:
         os.kill(server.proc.pid, signal.SIGUSR1)
+    from tests.helpers import worker_pids
+
     workers = worker_pids(server.proc.pid)  # with --workers: the HTTP worker processes
     metrics0 = server_metrics(server)
     cpu0, threads0, t0 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
@@ -341,28 +343,6 @@ def server_metrics(server) -> dict[str, float]:
     from bench.harness import parse_metrics
 
     return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode())
-
-
-def worker_pids(pid: int) -> list[int]:
-    """A `tmod-serve --workers N` process's worker processes: the children of its forkserver (or, in a
-    checkout from before workers were forked, its spawned children but the resource tracker)."""
-    def children(parent) -> list[str]:
-        try:
-            return Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            return []
-
-    out = []
-    for child in children(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"multiprocessing.forkserver" in cmdline:
-            out += [int(worker) for worker in children(child)]
-        elif b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
-            out.append(int(child))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

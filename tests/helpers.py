@@ -189,6 +189,39 @@ def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, o
 
 
 
+def child_pids(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def worker_pids(engine_pid: int) -> list[int]:
+    """A `tmod-serve --workers N` process's live worker processes: the children of its forkserver
+    (multiprocessing's process that forks each worker), itself a child of the engine; in a checkout
+    from before workers were forked (bench_frontend's --before), its spawned children but the
+    resource tracker."""
+    pids = []
+    for child in child_pids(engine_pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            pids += [pid for pid in child_pids(child) if alive(pid)]
+        elif b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline and alive(child):
+            pids.append(child)
+    return pids
+
+
 def read_http_response(stream) -> tuple[int, dict[str, str], bytes] | None:
     """One HTTP/1.1 response from a socket's file (`sock.makefile("rb")`) framed by Content-Length:
     (status, headers lower-cased, body), or None if the connection ended before a status line."""

@@ -17,39 +17,11 @@ from modules_store import ModuleStore
 from server.config import Settings
 from server.app import create_app
 from server.modules import save_module
-from tests.helpers import (LiveServer, metric_sample, populate_store, random_head, start_tmod_serve,
-                           wait_until)
+from tests.helpers import (LiveServer, alive, child_pids, metric_sample, populate_store, random_head,
+                           start_tmod_serve, wait_until, worker_pids)
 
 TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beautifully acted film.",
          "John lives in New York and works for the United Nations.", "Him be went store."]
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-
-
-def worker_pids(engine_pid: int) -> list[int]:
-    """The engine's live worker processes: the children of its forkserver (multiprocessing's process
-    that forks each worker), itself a child of the engine."""
-    pids = []
-    for child in children(engine_pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except FileNotFoundError:
-            continue
-        if b"multiprocessing.forkserver" in cmdline:
-            pids += [pid for pid in children(child) if alive(pid)]
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def log_records(process) -> list[dict]:
@@ -255,7 +227,7 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
     url, process = serve(store, tiny_backbone_dir, "--engines", "2")
     try:
         def engines():
-            return [pid for pid in children(process.pid) if worker_pids(pid)]
+            return [pid for pid in child_pids(process.pid) if worker_pids(pid)]
 
         wait_until(lambda: len(engines()) == 2 and all(len(worker_pids(e)) == 2 for e in engines()),
                    "two engines with two workers each")
