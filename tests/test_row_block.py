@@ -114,3 +114,21 @@ def test_a_batch_makes_its_token_planes_only_when_read_and_they_hold_each_rows_t
             assert batch.token_type_ids[r].tolist() == tokens[:, TYPES].tolist() + [0] * padding
         assert batch.arrays.segment.shape == (len(sent), width)  # real rows only
         assert batch.input_ids[len(sent):].eq(text.pad_id).all() and batch.attention_mask[len(sent):, 1:].eq(0).all()
+
+
+def test_a_casing_reading_head_gets_the_casing_plane_without_the_other_planes():
+    """A head that reads casing (the shipped ner) has its classes made at collate time from the casing
+    column alone; they equal the casing plane of the whole token arrays, filler rows 0."""
+    text = encoder()
+    requests = [text.encode(TEXTS), text.encode(*zip(*PAIRS))]
+    sent = [row for rows in requests for row in rows]
+    block, index = gather_rows(frame_of(requests).rows)
+    for rows in (block.take(index), sent):
+        batch = text.collate(rows, shape=(len(sent) + 2, max(len(row) for row in sent) + 3), classes={"casing"})
+        assert batch.arrays._made is None  # casing made, the other planes not
+        casing = batch.classes["casing"]
+        want = torch.zeros_like(casing)
+        want[:len(sent)] = torch.from_numpy(batch.arrays.made().casing)
+        assert torch.equal(casing, want) and casing[len(sent):].eq(0).all()
+        assert casing.abs().sum() > 0  # the texts hold cased words
+        assert np.array_equal(batch.arrays.casing_plane(), batch.arrays.made().casing)  # once made, the made one
