@@ -6,10 +6,10 @@ modules that ship with the server.
 """
 from pathlib import Path
 
-from modules_store.manifest import BackboneFingerprint, BridgeManifest, Manifest, TaskType
+from modules_store.manifest import BackboneFingerprint, BridgeManifest, Manifest, TaskType, sha256_file
 
 DEFAULT_STORE = Path(__file__).resolve().parent
-STORE_NAMES = {"ArtifactError", "ModuleStore", "StoredModule", "sha256_file"}
+STORE_NAMES = {"ArtifactError", "ModuleStore", "StoredModule"}
 
 
 def __getattr__(name: str):

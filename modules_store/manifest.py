@@ -1,13 +1,24 @@
 """The manifest: everything needed to decide whether an artifact may be served, and how."""
 from __future__ import annotations
 
+import hashlib
 import re
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
+
+
+def sha256_file(path: Path) -> str:
+    """A file's sha256, read in 1 MiB chunks (weights, and the data files a training run records)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class TaskType(str, Enum):

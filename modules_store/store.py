@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors, save_file
 
-from modules_store.manifest import NAME_PATTERN, BackboneFingerprint, Manifest
+from modules_store.manifest import NAME_PATTERN, BackboneFingerprint, Manifest, sha256_file
 
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -41,14 +41,6 @@ def check_name(name: str) -> None:
         shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:80] + "..."
         raise ArtifactError("invalid_name", f"{shown} is not a valid task or version name: use 1-64 of a-z, 0-9, "
                             "'_' and '-', starting with a letter or digit")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from modules_store import TaskType
 from server.backbone import Backbone
 from training.cli import main
 from training.data import LabelledData, SequenceExample, UsageError, read_conll
-from training.trainer import carve
+from training.splits import carve
 
 
 @pytest.fixture(autouse=True)
@@ -196,3 +197,15 @@ def test_none_threshold_leaves_out_rows_more_often_wrong_than_right():
     assert chosen["answered"] == 6 and chosen["accuracy_answered"] == 1.0 and chosen["coverage"] == 0.6
     assert answered_scores(gold, probs, labels, 0.0) == {"threshold": 0.0, "coverage": 1.0,
                                                           "accuracy_answered": 0.7, "answered": 10}
+
+
+def test_a_mistake_in_the_data_options_is_answered_before_torch_is_imported(tmp_path):
+    """tmod-train checks the user's files and split options first: a missing file is one line and exit 2
+    with neither torch nor transformers imported (importing them took 2-5 s before that line)."""
+    code = ("import sys\nfrom training.cli import main\n"
+            "rc = main(['layermix', '--task', 't', '--train', sys.argv[1], '--split', '0.1', '--no-progress'])\n"
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing.tsv")], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert done.stderr.strip() == f"tmod-train layermix: error: no such file: {tmp_path / 'missing.tsv'}"

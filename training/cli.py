@@ -327,9 +327,15 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace, command: str) -> int:
+    from training.splits import resolve_data
+
+    settings = settings_from_args(args)
+    splits = resolve_data(settings)  # the user's files and options checked before torch is imported
+    quiet_transformers(args)
+
     from training.trainer import train
 
-    result = train(settings_from_args(args), command=command, config_file=args.config)
+    result = train(settings, command=command, config_file=args.config, splits=splits)
 
     def headline(metrics: dict) -> dict:
         return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
@@ -411,10 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "progress", S) is None:  # bars only where someone watches them
         args.progress = sys.stderr.isatty()
-    if not getattr(args, "progress", sys.stderr.isatty()):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # its "Loading weights" bar too
     try:
         return run_command(args, argv)
     except UsageError as exc:
@@ -426,7 +428,19 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def quiet_transformers(args: argparse.Namespace) -> None:
+    """transformers' own progress bars (its "Loading weights" one too) off where ours are; imported
+    only once a command goes on to load a model, not for a usage error."""
+    if not getattr(args, "progress", sys.stderr.isatty()):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.command in ("layermix", "mtb", "lora-mtb"):
+        return cmd_train(args, shlex.join(["tmod-train", *argv]))  # checks the data first, then quiet_transformers
+    quiet_transformers(args)
     if args.command == "align":
         from training.align import cmd_align
 
@@ -439,8 +453,6 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         from training.embedding import cmd_embedding
 
         return cmd_embedding(args, shlex.join(["tmod-train", *argv]))
-    if args.command in ("layermix", "mtb", "lora-mtb"):
-        return cmd_train(args, shlex.join(["tmod-train", *argv]))
     return cmd_eval(args)
 
 

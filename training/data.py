@@ -14,10 +14,12 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from modules_store import TaskType
-from server.backbone.tokens import EncodedInput
+
+if TYPE_CHECKING:  # annotations only: importing the tokens module imports torch (~2 s), and tmod-train's
+    from server.backbone.tokens import EncodedInput  # --help and usage errors need none of it
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IGNORE_INDEX = -100  # label of tokens the loss skips (torch's cross_entropy default)

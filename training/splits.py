@@ -1,0 +1,140 @@
+"""Which examples a training run learns from, selects on and is scored on: a preset's files or the
+user's own (`--train` with `--validation`, or `--split` carved from it, and an optional `--test`), and
+the head's labels. Every user mistake in them is a UsageError raised here, before torch is imported
+(tmod-train checks the data first: a wrong option costs a fraction of a second, not the ~3-5 s of
+importing the training code)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from modules_store import TaskType, sha256_file
+from training.data import PRESETS, DataSpec, LabelledData, UsageError, guess_format, label_order, preset_spec
+
+if TYPE_CHECKING:
+    from training.settings import TrainSettings
+
+
+@dataclass
+class Splits:
+    """What a run learns from, selects on and is finally scored on, with the head's labels."""
+
+    train: LabelledData
+    validation: LabelledData
+    test: LabelledData | None
+    labels: list[str]
+    metric: str | None  # the preset's selection metric, if any
+    provenance: dict
+
+
+def resolve_data(s: TrainSettings) -> Splits:
+    """Train, validation and (optional) test splits, the head's labels, the preset's metric and
+    provenance. Every user mistake found here is a UsageError: nothing has touched a backbone yet."""
+    if s.dataset:
+        if s.train or s.validation or s.split:
+            raise UsageError("give either --dataset or --train/--validation/--split, not both")
+        if s.dataset not in PRESETS:
+            raise UsageError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
+        preset = PRESETS[s.dataset]
+        specs = {split: preset_spec(preset, split, s.data_dir) for split in ("train", "validation")}
+        for spec in specs.values():
+            if not spec.path.is_file():
+                raise UsageError(f"no such file: {spec.path} (the {s.dataset} preset; set --data-dir or TMOD_DATA_DIR)")
+        if s.test:
+            specs["test"] = replace(specs["validation"], path=Path(s.test), format=s.format or guess_format(Path(s.test)))
+        if s.multi_label and not preset.multi_label:
+            raise UsageError(f"--multi-label: preset {s.dataset!r} has one label per example")
+        labels, metric = s.labels or list(preset.labels), preset.metric
+    else:
+        if not s.train:
+            raise UsageError("give --dataset NAME, or --train FILE with --validation FILE or --split VAL[,TEST]")
+        if bool(s.validation) == bool(s.split):
+            raise UsageError("give one of --validation FILE or --split VAL[,TEST] (carved from --train)")
+        if s.split and len(s.split) == 2 and s.test:
+            raise UsageError("--split VAL,TEST carves a test split; give --split VAL with --test FILE")
+        named = {"train": s.train, "validation": s.validation, "test": s.test}
+        specs = {split: file_spec(s, path) for split, path in named.items() if path}
+        labels, metric = s.labels, None
+    data = {split: spec.read() for split, spec in specs.items()}
+    train = data["train"]
+    provenance = {
+        "dataset": s.dataset,
+        **{f"{split}_file": str(spec.path) for split, spec in specs.items()},
+        **{f"{split}_sha256": sha256_file(spec.path) for split, spec in specs.items()},
+        "train_examples_in_file": len(train),
+    }
+    if s.split:
+        train, data["validation"], carved_test = carve(train, s.split, s.seed)
+        if carved_test is not None:
+            data["test"] = carved_test
+        provenance["split"] = {"fractions": s.split, "seed": s.seed,
+                               "stratified": train.task_type == TaskType.sequence_classification,
+                               "carved_from": str(specs["train"].path)}
+    for split, part in data.items():
+        if part.task_type != train.task_type:
+            raise UsageError(f"{part.source} holds {part.task_type.value} data, the training file "
+                             f"{train.task_type.value}: give both in one format (and --multi-label for both)")
+    given = labels
+    labels = label_order(train, labels)
+    check_labels(train, given, labels, train)
+    validation, test = data["validation"], data.get("test")
+    for part in (validation, test):
+        if part is not None:
+            check_labels(part, given, labels, train)
+    provenance["validation_examples_in_file"] = len(validation)
+    train = train.subset(s.max_train, s.seed)
+    validation = validation.subset(s.max_validation, s.seed)
+    provenance.update(train_examples=len(train), validation_examples=len(validation))
+    if test is not None:
+        provenance["test_examples"] = len(test)
+    return Splits(train, validation, test, labels, metric, provenance)
+
+
+def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:
+    """Every label of `data` must be one the head has: from --labels, else from the training data."""
+    unknown = sorted(set(data.labels_seen()) - set(labels))
+    if not unknown:
+        return
+    if given:
+        raise UsageError(f"{data.source}: label(s) {unknown} are not among --labels {labels}")
+    raise UsageError(f"{data.source}: label(s) {unknown} never seen in training ({train.source}); "
+                     f"the head can only answer {labels}")
+
+
+def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[LabelledData, LabelledData, LabelledData | None]:
+    """(train, validation, test or None) out of one split: `fractions` of each label's examples
+    (single-label tasks: stratified) or of all examples, chosen by a seeded shuffle; file order kept."""
+    rng = random.Random(seed)
+    groups: dict = {}
+    for i, ex in enumerate(data.examples):
+        key = ex.label if data.task_type == TaskType.sequence_classification else None
+        groups.setdefault(key, []).append(i)
+    parts: list[list[int]] = [[], [], []]
+    for key in sorted(groups, key=str):
+        rows = groups[key]
+        rng.shuffle(rows)
+        cuts = [round(len(rows) * f) for f in fractions]
+        parts[1] += rows[:cuts[0]]
+        if len(cuts) == 2:
+            parts[2] += rows[cuts[0]:cuts[0] + cuts[1]]
+        parts[0] += rows[sum(cuts):]
+    train, validation, test = (LabelledData(data.task_type, [data.examples[i] for i in sorted(rows)], data.source,
+                                            data.has_pairs) for rows in parts)
+    for name, part in (("training", train), ("validation", validation)):
+        if not len(part):
+            raise UsageError(f"--split {fractions}: the {name} part of {data.source} would be empty")
+    return train, validation, (test if len(fractions) == 2 else None)
+
+
+def file_spec(s: TrainSettings, path: str) -> DataSpec:
+    path = Path(path)
+    fmt = s.format or guess_format(path)
+    by_key = fmt == "jsonl"  # JSON records name their fields; tables default to columns 0 and 1
+    return DataSpec(
+        path=path, format=fmt,
+        text_column=s.text_column if s.text_column is not None else ("text" if by_key else 0),
+        label_column=s.label_column if s.label_column is not None else ("label" if by_key else 1),
+        pair_column=s.pair_column, header=s.header, label_map=s.label_map, multi_label=s.multi_label,
+    )
