@@ -34,6 +34,13 @@ TASK_DEFAULTS: dict[TaskType, dict] = {
     },
 }
 
+# the selection metrics a task type can be trained for (--metric; f1 for a sequence task: two labels only)
+METRICS = {
+    TaskType.sequence_classification: ("accuracy", "f1", "f1_macro", "mcc"),
+    TaskType.multi_label_classification: ("f1_macro", "f1_micro"),
+    TaskType.token_classification: ("f1", "precision", "recall", "word_accuracy"),
+}
+
 
 def parse_layers(value) -> list[int] | None:
     """'all' / None -> None (every state); '6' -> [6]; '0-6' -> [0..6]; '1,3,5' -> [1, 3, 5]."""

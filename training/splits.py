@@ -1,6 +1,7 @@
 """Which examples a training run learns from, selects on and is scored on: a preset's files or the
 user's own (`--train` with `--validation`, or `--split` carved from it, and an optional `--test`), and
-the head's labels. Every user mistake in them is a UsageError raised here, before torch is imported
+the head's labels. Every user mistake in them, and in the options that hang on the data's task type
+(--metric, --none-below), is a UsageError raised here, before torch is imported
 (tmod-train checks the data first: a wrong option costs a fraction of a second, not the ~3-5 s of
 importing the training code)."""
 from __future__ import annotations
@@ -8,13 +9,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from modules_store import TaskType, sha256_file
 from training.data import PRESETS, DataSpec, LabelledData, UsageError, guess_format, label_order, preset_spec
-
-if TYPE_CHECKING:
-    from training.settings import TrainSettings
+from training.settings import METRICS, TASK_DEFAULTS, TrainSettings
 
 
 @dataclass
@@ -89,7 +87,20 @@ def resolve_data(s: TrainSettings) -> Splits:
     provenance.update(train_examples=len(train), validation_examples=len(validation))
     if test is not None:
         provenance["test_examples"] = len(test)
+    check_options(s, train.task_type, labels, metric)
     return Splits(train, validation, test, labels, metric, provenance)
+
+
+def check_options(s: TrainSettings, task_type: TaskType, labels: list[str], preset_metric: str | None) -> None:
+    """The options that depend on the data's task type: the selection metric and --none-below."""
+    metric = s.metric or preset_metric or TASK_DEFAULTS[task_type]["metric"]
+    if metric not in METRICS[task_type] or (metric == "f1" and task_type != TaskType.token_classification
+                                            and len(labels) != 2):
+        raise UsageError(f"--metric {metric!r} is not available for {task_type.value} with {len(labels)} labels; "
+                         f"choose from {METRICS[task_type]}")
+    if s.none_below is not None and task_type != TaskType.sequence_classification:
+        raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
+                         "(multi-label tasks have per-label thresholds)")
 
 
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:

@@ -48,13 +48,6 @@ from training.report import write_report
 from training.settings import TASK_DEFAULTS, TrainSettings
 from training.states import CachedStates, RecomputedStates, Split
 
-METRICS = {
-    TaskType.sequence_classification: ("accuracy", "f1", "f1_macro", "mcc"),
-    TaskType.multi_label_classification: ("f1_macro", "f1_micro"),
-    TaskType.token_classification: ("f1", "precision", "recall", "word_accuracy"),
-}
-
-
 @dataclass
 class TrainResult:
     task: str
@@ -343,13 +336,6 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     metric = s.metric or data.metric or TASK_DEFAULTS[task_type]["metric"]
     progress = s.progress if s.progress is not None else sys.stderr.isatty()
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
-    if metric not in METRICS[task_type] or (metric == "f1" and task_type != TaskType.token_classification
-                                            and len(labels) != 2):
-        raise UsageError(f"--metric {metric!r} is not available for {task_type.value} with {len(labels)} labels; "
-                         f"choose from {METRICS[task_type]}")
-    if s.none_below is not None and task_type != TaskType.sequence_classification:
-        raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
-                         "(multi-label tasks have per-label thresholds)")
     if s.distill_from:
         if task_type != TaskType.token_classification or train_data.examples[0].file_offset is None:
             raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
