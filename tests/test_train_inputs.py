@@ -132,6 +132,13 @@ def test_none_below_on_a_token_task(tmp_path, capsys):
     assert "only single-label classifiers" in line
 
 
+def test_distillation_on_a_sentence_task(tmp_path, capsys, tables):
+    _, train, validation = tables
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation,
+                                             "--distill-from", "ner/mpnet-2"))
+    assert "--distill-from: only token tasks read from a CoNLL file" in line
+
+
 def test_eval_mistakes(tmp_path, capsys, tables):
     _, _, validation = tables
     assert "no such file" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", str(tmp_path / "x.tsv")])

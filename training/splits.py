@@ -1,11 +1,12 @@
 """Which examples a training run learns from, selects on and is scored on: a preset's files or the
 user's own (`--train` with `--validation`, or `--split` carved from it, and an optional `--test`), and
-the head's labels. Every user mistake in them, and in the options that hang on the data's task type
-(--metric, --none-below), is a UsageError raised here, before torch is imported
-(tmod-train checks the data first: a wrong option costs a fraction of a second, not the ~3-5 s of
-importing the training code)."""
+the head's labels. Every user mistake in them, and in the options that hang on the data (--metric,
+--none-below, --distill-from) or on an optional package (peft), is a UsageError raised here, before
+torch is imported (tmod-train checks these first: a wrong option costs a fraction of a second, not
+the ~3-5 s of importing the training code)."""
 from __future__ import annotations
 
+import importlib.util
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -87,12 +88,14 @@ def resolve_data(s: TrainSettings) -> Splits:
     provenance.update(train_examples=len(train), validation_examples=len(validation))
     if test is not None:
         provenance["test_examples"] = len(test)
-    check_options(s, train.task_type, labels, metric)
+    check_options(s, train, labels, metric)
     return Splits(train, validation, test, labels, metric, provenance)
 
 
-def check_options(s: TrainSettings, task_type: TaskType, labels: list[str], preset_metric: str | None) -> None:
-    """The options that depend on the data's task type: the selection metric and --none-below."""
+def check_options(s: TrainSettings, train: LabelledData, labels: list[str], preset_metric: str | None) -> None:
+    """The options that depend on the training data (the selection metric, --none-below,
+    --distill-from) or on an optional package (lora-mtb's peft)."""
+    task_type = train.task_type
     metric = s.metric or preset_metric or TASK_DEFAULTS[task_type]["metric"]
     if metric not in METRICS[task_type] or (metric == "f1" and task_type != TaskType.token_classification
                                             and len(labels) != 2):
@@ -101,6 +104,10 @@ def check_options(s: TrainSettings, task_type: TaskType, labels: list[str], pres
     if s.none_below is not None and task_type != TaskType.sequence_classification:
         raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
                          "(multi-label tasks have per-label thresholds)")
+    if s.distill_from and (task_type != TaskType.token_classification or train.examples[0].file_offset is None):
+        raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
+    if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
+        raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
 
 
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:

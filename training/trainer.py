@@ -7,7 +7,6 @@ metrics are re-measured at the end through the served path (Engine.logits on the
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import platform
 import random
@@ -337,11 +336,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     progress = s.progress if s.progress is not None else sys.stderr.isatty()
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
     if s.distill_from:
-        if task_type != TaskType.token_classification or train_data.examples[0].file_offset is None:
-            raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
-        resolve_teacher(s.distill_from)
-    if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
-        raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
+        resolve_teacher(s.distill_from)  # the data's side was checked with it (training/splits.py)
 
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
