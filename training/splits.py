@@ -24,12 +24,12 @@ class Splits:
     validation: LabelledData
     test: LabelledData | None
     labels: list[str]
-    metric: str | None  # the preset's selection metric, if any
+    metric: str  # the selection metric: --metric, else the preset's, else the task type's default
     provenance: dict
 
 
 def resolve_data(s: TrainSettings) -> Splits:
-    """Train, validation and (optional) test splits, the head's labels, the preset's metric and
+    """Train, validation and (optional) test splits, the head's labels, the selection metric and
     provenance. Every user mistake found here is a UsageError: nothing has touched a backbone yet."""
     if s.dataset:
         if s.train or s.validation or s.split:
@@ -88,13 +88,13 @@ def resolve_data(s: TrainSettings) -> Splits:
     provenance.update(train_examples=len(train), validation_examples=len(validation))
     if test is not None:
         provenance["test_examples"] = len(test)
-    check_options(s, train, labels, metric)
+    metric = check_options(s, train, labels, metric)
     return Splits(train, validation, test, labels, metric, provenance)
 
 
-def check_options(s: TrainSettings, train: LabelledData, labels: list[str], preset_metric: str | None) -> None:
+def check_options(s: TrainSettings, train: LabelledData, labels: list[str], preset_metric: str | None) -> str:
     """The options that depend on the training data (the selection metric, --none-below,
-    --distill-from) or on an optional package (lora-mtb's peft)."""
+    --distill-from) or on an optional package (lora-mtb's peft) -> the selection metric."""
     task_type = train.task_type
     metric = s.metric or preset_metric or TASK_DEFAULTS[task_type]["metric"]
     if metric not in METRICS[task_type] or (metric == "f1" and task_type != TaskType.token_classification
@@ -108,6 +108,7 @@ def check_options(s: TrainSettings, train: LabelledData, labels: list[str], pres
         raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
     if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
         raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
+    return metric
 
 
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:

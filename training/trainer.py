@@ -44,7 +44,7 @@ from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
-from training.settings import TASK_DEFAULTS, TrainSettings
+from training.settings import TrainSettings
 from training.states import CachedStates, RecomputedStates, Split
 
 @dataclass
@@ -332,7 +332,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     data = splits if splits is not None else resolve_data(s)
     train_data, val_data, labels, provenance = data.train, data.validation, data.labels, data.provenance
     task_type = train_data.task_type
-    metric = s.metric or data.metric or TASK_DEFAULTS[task_type]["metric"]
+    metric = data.metric  # --metric, else the preset's, else the task type's (training/splits.py)
     progress = s.progress if s.progress is not None else sys.stderr.isatty()
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
     if s.distill_from:
