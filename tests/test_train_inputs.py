@@ -139,6 +139,13 @@ def test_distillation_on_a_sentence_task(tmp_path, capsys, tables):
     assert "--distill-from: only token tasks read from a CoNLL file" in line
 
 
+def test_distillation_from_a_teacher_not_in_the_store(tmp_path, capsys):
+    conll = write(tmp_path / "train.conll", "Paris B-LOC\nis O\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", conll, "--validation", conll,
+                                             "--distill-from", "ner/nope"))
+    assert "--distill-from 'ner/nope': no such module" in line
+
+
 def test_eval_mistakes(tmp_path, capsys, tables):
     _, _, validation = tables
     assert "no such file" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", str(tmp_path / "x.tsv")])
@@ -216,3 +223,15 @@ def test_a_mistake_in_the_data_options_is_answered_before_torch_is_imported(tmp_
                           cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
     assert done.stderr.strip() == f"tmod-train layermix: error: no such file: {tmp_path / 'missing.tsv'}"
+
+
+def test_a_missing_distillation_teacher_is_answered_before_torch_is_imported(tmp_path):
+    conll = write(tmp_path / "train.conll", "Paris B-LOC\nis O\n")
+    code = ("import sys\nfrom training.cli import main\n"
+            "rc = main(['layermix', '--train', sys.argv[1], '--validation', sys.argv[1], '--distill-from', 'ner/nope',"
+            " '--no-progress'])\n"
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, conll], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert "--distill-from 'ner/nope': no such module" in done.stderr

@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from modules_store import DEFAULT_STORE, ModuleStore, TaskType
+from modules_store import ModuleStore, TaskType
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir
 from server.modules import load_module
 from server.probe import probe_module
 from training.data import UsageError, read_conll, word_first_tokens
 from training.evaluate import served_logits, word_values
+from training.splits import teacher_folder
 from training.states import Split, write_then_rename
 
 TEACHER_FORMAT = 1
@@ -59,16 +60,9 @@ def distill_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor 
 
 
 def resolve_teacher(spec: str) -> tuple[ModuleStore, str, str]:
-    """(store, task, version) of `--distill-from`: a STORE/TASK/VERSION folder, or TASK/VERSION in
-    the shipped store."""
-    path = Path(spec)
-    if (path / "manifest.json").is_file():
-        return ModuleStore(path.parent.parent), path.parent.name, path.name
-    parts = [p for p in spec.split("/") if p]
-    if len(parts) == 2 and (DEFAULT_STORE / parts[0] / parts[1] / "manifest.json").is_file():
-        return ModuleStore(DEFAULT_STORE), parts[0], parts[1]
-    raise UsageError(f"--distill-from {spec!r}: no such module; give TASK/VERSION of the shipped store "
-                     f"(e.g. ner/mpnet-2) or a STORE/TASK/VERSION folder")
+    """(store, task, version) of `--distill-from` (where it lies: `teacher_folder`)."""
+    folder, task, version = teacher_folder(spec)
+    return ModuleStore(folder), task, version
 
 
 @dataclass

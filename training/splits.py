@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from modules_store import TaskType, sha256_file
+from modules_store import DEFAULT_STORE, TaskType, sha256_file
 from training.data import PRESETS, DataSpec, LabelledData, UsageError, guess_format, label_order, preset_spec
 from training.settings import METRICS, TASK_DEFAULTS, TrainSettings
 
@@ -104,11 +104,26 @@ def check_options(s: TrainSettings, train: LabelledData, labels: list[str], pres
     if s.none_below is not None and task_type != TaskType.sequence_classification:
         raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
                          "(multi-label tasks have per-label thresholds)")
-    if s.distill_from and (task_type != TaskType.token_classification or train.examples[0].file_offset is None):
-        raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
+    if s.distill_from:
+        if task_type != TaskType.token_classification or train.examples[0].file_offset is None:
+            raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
+        teacher_folder(s.distill_from)
     if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
         raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
     return metric
+
+
+def teacher_folder(spec: str) -> tuple[Path, str, str]:
+    """(store folder, task, version) of `--distill-from`: a STORE/TASK/VERSION folder, or TASK/VERSION
+    in the shipped store (found from the files alone: the data's checks run before torch is imported)."""
+    path = Path(spec)
+    if (path / "manifest.json").is_file():
+        return path.parent.parent, path.parent.name, path.name
+    parts = [p for p in spec.split("/") if p]
+    if len(parts) == 2 and (DEFAULT_STORE / parts[0] / parts[1] / "manifest.json").is_file():
+        return DEFAULT_STORE, parts[0], parts[1]
+    raise UsageError(f"--distill-from {spec!r}: no such module; give TASK/VERSION of the shipped store "
+                     f"(e.g. ner/mpnet-2) or a STORE/TASK/VERSION folder")
 
 
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:

@@ -39,7 +39,7 @@ from training.data import (
 )
 from training import serving
 from training.splits import Splits, resolve_data
-from training.distill import DistillTargets, resolve_teacher, teacher_words
+from training.distill import DistillTargets, teacher_words
 from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
@@ -335,8 +335,6 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     metric = data.metric  # --metric, else the preset's, else the task type's (training/splits.py)
     progress = s.progress if s.progress is not None else sys.stderr.isatty()
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
-    if s.distill_from:
-        resolve_teacher(s.distill_from)  # the data's side was checked with it (training/splits.py)
 
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
