@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from server.backbone import TokenBatch
+from server.backbone.tokens import ranges
 from server.heads.decode import decode
 from server.modules import LoadedModule
 
@@ -51,14 +52,13 @@ class RowLogits(Sequence):
         """Rows `places`, in that order, as one array: (rows, labels), or a token task's rows' own
         tokens one after the other (tokens, labels) (what `np.concatenate` of their views gives)."""
         if self.lengths is None:
-            return self.array[places]
-        # a token task: one masked copy of the rows' own tokens, each token's labels moved as one item
-        # (a void view; element by element the copy was slower than concatenating per-row views)
+            return np.take(self.array, places, axis=0)
+        # a token task: the rows' own tokens gathered by their flat index, nothing of their padding
+        # copied (a padded gather then a mask wrote the padded rows first: 30 -> 19 µs for 160 rows,
+        # 82 -> 50 for 480, warm; np.take, not fancy indexing, which took 49 for 160)
         array = np.ascontiguousarray(self.array)
-        labels = array.shape[2]
-        tokens = array.view(np.dtype((np.void, array.itemsize * labels)))[..., 0]
-        real = np.arange(array.shape[1]) < self.lengths[places][:, None]
-        return tokens[places][real].view(array.dtype).reshape(-1, labels)
+        _, width, labels = array.shape
+        return np.take(array.reshape(-1, labels), ranges(places * width, self.lengths[places]), axis=0)
 
 
 def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],

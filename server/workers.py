@@ -279,7 +279,8 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
         count_rows.append(column.tobytes())
         block = parts[0] if len(parts) == 1 else np.concatenate(parts)
         widths.append(block.shape[1])
-        blocks.append(np.ascontiguousarray(block, dtype=np.float32).tobytes())
+        # the array's own bytes: write_frame's join is their one copy
+        blocks.append(memoryview(np.ascontiguousarray(block, dtype=np.float32)).cast("B"))
     names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
     pickled = pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL) if tail else b""
     return [ANSWER_HEAD.pack(ANSWERS, n, len(table), len(names), len(pickled), 0), times.tobytes(),
