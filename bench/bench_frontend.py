@@ -268,7 +268,10 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     """One level against `server`, the load generator's processes on `generator_cpus` (None: any).
     CPU per request of the server (the process tmod-serve started: with --workers the engine), of each
     worker process and of the generator, and requests per batch from /metrics."""
+    # here, not at the top: this file is also the served process (`--serve`), which must import server/
+    # from BENCH_SERVER_CODE's checkout, and tests.helpers imports server/
     from bench.harness import metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
+    from tests.helpers import worker_pids
 
     now = time.time()
     start_at = now + 1.0  # every client connected before load starts
@@ -287,8 +290,6 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     time.sleep(max(0.0, record_from - time.time()))
     if signal_window:
         os.kill(server.proc.pid, signal.SIGUSR1)
-    from tests.helpers import worker_pids
-
     workers = worker_pids(server.proc.pid)  # with --workers: the HTTP worker processes
     metrics0 = server_metrics(server)
     cpu0, threads0, t0 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
