@@ -101,7 +101,8 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
 
 
 def write_frame(writer: asyncio.StreamWriter, parts: list) -> None:
-    writer.write(b"".join([LENGTH.pack(sum(map(len, parts))), *parts]))  # one copy of the parts, not two
+    # uvloop writes the parts as they are (one vectored send, no join); asyncio's loop joins them once
+    writer.writelines([LENGTH.pack(sum(map(len, parts))), *parts])
 
 
 def control_frame(messages: list) -> list:
@@ -120,7 +121,7 @@ class _Cursor:
         return array
 
     def raw(self, size: int) -> bytes:
-        out = self.body[self.offset:self.offset + size]
+        out = bytes(self.body[self.offset:self.offset + size])  # (the body may be a memoryview)
         self.offset += size
         return out
 
@@ -279,7 +280,7 @@ def answer_frame(batches: list[tuple], errors: list[tuple]) -> list:
         count_rows.append(column.tobytes())
         block = parts[0] if len(parts) == 1 else np.concatenate(parts)
         widths.append(block.shape[1])
-        # the array's own bytes: write_frame's join is their one copy
+        # the array's own bytes, written as they are (write_frame)
         blocks.append(memoryview(np.ascontiguousarray(block, dtype=np.float32)).cast("B"))
     names = "\n".join(f"{task}\t{version}" for task, version in table).encode()
     pickled = pickle.dumps(tail, protocol=pickle.HIGHEST_PROTOCOL) if tail else b""
@@ -477,13 +478,14 @@ class PeerConnection(asyncio.Protocol):
         self.peer = self.service.connected(transport)
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        if buffer:
-            buffer += data
-            if len(buffer) < self.needed:
+        """Each frame is handed on as a view of the bytes it came in (no copy of a frame that came
+        in one read; one, the buffer's, of a frame that came in several)."""
+        if self.buffer:
+            self.buffer += data
+            if len(self.buffer) < self.needed:
                 return
-            data = bytes(buffer)
-            buffer.clear()
+            data, self.buffer = self.buffer, bytearray()  # the frames' views keep the old buffer
+        view = memoryview(data)
         at, end = 0, len(data)
         while True:
             if end - at < LENGTH.size:
@@ -494,10 +496,10 @@ class PeerConnection(asyncio.Protocol):
             if stop > end:
                 self.needed = stop - at
                 break
-            self.service.frame(self.peer, data[at + LENGTH.size:stop])
+            self.service.frame(self.peer, view[at + LENGTH.size:stop])
             at = stop
         if at < end:
-            buffer += memoryview(data)[at:]
+            self.buffer += view[at:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.service.disconnected(self.peer)
@@ -565,12 +567,12 @@ class EngineService:
         self._send_state(peer, self.state())
         return peer
 
-    def frame(self, peer: Peer, body: bytes) -> None:
+    def frame(self, peer: Peer, body: memoryview) -> None:
         """A frame a worker sent (`PeerConnection`): requests, or control messages."""
         if body[:1] == REQUESTS:
             self._requests(peer, RequestFrame.read(body))
         else:
-            for message in pickle.loads(memoryview(body)[1:]):
+            for message in pickle.loads(body[1:]):
                 self._keep(self._answer(peer, message))
 
     def disconnected(self, peer: Peer) -> None:

@@ -294,3 +294,32 @@ def test_a_frames_requests_decode_together_each_as_on_its_own(tmp_path, tiny_sto
         assert fine == alone
 
     run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_wait_ms=200)
+
+
+def test_frames_in_any_pieces_reach_the_engine_whole_and_in_order():
+    """The engine reads a worker's bytes as they come (`PeerConnection`): a frame split over several
+    reads, several frames in one read, a read ending inside a frame's length prefix. Each frame goes on
+    whole, once, in order, as a view of the bytes it came in (and stays intact once later reads came)."""
+    rng = np.random.default_rng(0)
+    bodies = [workers.REQUESTS + rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in (0, 3, 70_000, 1, 300)]
+    stream = b"".join(workers.LENGTH.pack(len(body)) + body for body in bodies)
+
+    class Service:
+        def __init__(self):
+            self.frames = []
+
+        def connected(self, transport):
+            return "peer"
+
+        def frame(self, peer, body):
+            self.frames.append(body)  # kept as given: a later read must not change it
+
+    for cuts in ([], [1], [2, 5], list(range(1, 40)), [len(stream) - 1], sorted(rng.choice(len(stream), 30, replace=False))):
+        service = Service()
+        connection = workers.PeerConnection(service)
+        connection.connection_made(None)
+        bounds = [0, *cuts, len(stream)]
+        for a, b in zip(bounds, bounds[1:]):
+            connection.data_received(stream[a:b])
+        assert [bytes(body) for body in service.frames] == bodies, cuts
+        assert not connection.buffer
