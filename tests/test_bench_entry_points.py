@@ -79,6 +79,14 @@ def test_bench_frontend_quick_runs(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_frontend_engine_only_runs(tmp_path):
+    out = tmp_path / "engine.json"
+    run_bench("bench/bench_frontend.py", "--engine-only", "--frames", "3", "--out", str(out))
+    levels = json.loads(out.read_text())["levels"]
+    assert levels and all(level["frames"] == 3 and level["batches"] == 3 for level in levels)
+
+
+@pytest.mark.slow
 def test_quality_rescores_one_task(tmp_path):
     for anchor in (REPO / "bench" / "results").glob("finetune-*.json"):
         shutil.copy(anchor, tmp_path)
