@@ -49,6 +49,27 @@ def test_every_bridge_command_of_the_transfer_benchmark_parses():
         build_parser().parse_args(argv[1:])  # a refused command exits (SystemExit): the test fails
 
 
+def test_the_stand_in_pass_draws_its_logits_again_only_when_a_shape_does_not_fit():
+    """bench_frontend's stand-in copies its logits out of a pool drawn once: a batch one row larger than
+    any before must not draw it again (each draw is milliseconds of the engine's CPU), only one that does
+    not fit; every answer is a fresh copy of the asked shape."""
+    import numpy as np
+
+    from bench import bench_frontend
+
+    bench_frontend._POOLS.clear()
+    first = bench_frontend.standin_logits((300, 12, 9))
+    pool = bench_frontend._POOLS[(3, 9)]
+    for shape in [(301, 12, 9), (290, 40, 9), (600, 256, 9)]:
+        out = bench_frontend.standin_logits(shape)
+        assert tuple(out.shape) == shape and out.dtype == first.dtype
+        assert bench_frontend._POOLS[(3, 9)] is pool
+        assert not np.shares_memory(out.numpy(), pool)
+    bench_frontend.standin_logits((601, 12, 9))
+    assert bench_frontend._POOLS[(3, 9)] is not pool and bench_frontend._POOLS[(3, 9)].shape[0] >= 601
+    bench_frontend._POOLS.clear()
+
+
 @pytest.mark.slow
 def test_bench_load_runs_both_servers_at_one_level(tmp_path):
     run_bench("bench/bench_load.py", "--levels", "2", "--rounds", "1", "--warmup", "0.2", "--duration", "1",
