@@ -39,6 +39,10 @@ a CPU's several passes per batch, each with its own sleep and per-pass host work
    1-64 requests fed to EngineService, one batch each, CPU per request at a known batch size (the mean,
    and the median over chunks of 20 frames, which a burst of another job on a shared box moves less).
 
+8. `--spread RESULT.json ...`: several recorded `--workers --before` runs -> each issue-37 figure's median,
+   quartiles, range and how many runs met its target, as a markdown table (no server is started). On a
+   shared box one run's figures move by ~40% within minutes, so one run decides little.
+
 The servers run on --server-cpus and the load generator on --generator-cpus, CPUs apart (default:
 half each; on 2 cores, one each), so the benchmark does not measure itself.
 
@@ -50,6 +54,7 @@ with --engine-only, bench/results/frontend-engine-cpu.{json,md}.
     .venv/bin/python bench/bench_frontend.py --workers --before /tmp/base   # ~4 min
     .venv/bin/python bench/bench_frontend.py --engine-only   # ~1 min
     .venv/bin/python bench/bench_frontend.py --quick     # smoke run
+    .venv/bin/python bench/bench_frontend.py --spread bench/results/frontend-workers-cpu-issue37-session*-run*.json
 """
 from __future__ import annotations
 
@@ -723,6 +728,66 @@ def write_engine_markdown(path: Path, result: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _times_lower(c: int):
+    """One process (`--workers 1`), one-text: the before tree's CPU per request over this tree's."""
+    return lambda levels: (levels[("before", 1, 1, c)]["server_cpu_us_per_request"]
+                           / levels[("after", 1, 1, c)]["server_cpu_us_per_request"])
+
+
+def _after(workers: int, inputs: int, c: int, figure: str):
+    return lambda levels: levels[("after", workers, inputs, c)][figure]
+
+
+# issue 37's CPU targets as a `--workers --before` run records them: (what, the figure, met when)
+SPREAD = [
+    ("one process, one-text, c=64: times lower than before", _times_lower(64), lambda v, levels: v >= 3),
+    ("one process, one-text, c=256: times lower than before", _times_lower(256), lambda v, levels: v >= 3),
+    ("workers, one-text, c=64 (µs per request)", _after(2, 1, 64, "workers_cpu_us_per_request"),
+     lambda v, levels: v <= 300),
+    ("workers, one-text, c=64: times lower than before's workers",
+     lambda levels: (levels[("before", 2, 1, 64)]["workers_cpu_us_per_request"]
+                     / levels[("after", 2, 1, 64)]["workers_cpu_us_per_request"]), None),
+    ("workers, one-text, c=256 (µs per request)", _after(2, 1, 256, "workers_cpu_us_per_request"),
+     lambda v, levels: v <= 300),
+    ("engine, one-text, c=256 (µs per request; met at >= 30 requests per batch)",
+     _after(2, 1, 256, "engine_process_cpu_us_per_request"),
+     lambda v, levels: v <= 40 and levels[("after", 2, 1, 256)]["requests_per_batch"] >= 30),
+    ("engine, one-text, c=256: requests per batch", _after(2, 1, 256, "requests_per_batch"), None),
+    ("engine, 32-text, c=64 (µs per text)", _after(2, 32, 64, "engine_process_cpu_us_per_input"),
+     lambda v, levels: v <= 10),
+    ("engine, 32-text, c=256 (µs per text)", _after(2, 32, 256, "engine_process_cpu_us_per_input"),
+     lambda v, levels: v <= 10),
+]
+SPREAD_TARGETS = [">= 3x", ">= 3x", "<= 300", "", "<= 300", "<= 40 at >= 30/batch", "", "<= 10", "<= 10"]
+
+
+def spread(paths: list[Path]) -> str:
+    """Recorded `--workers --before` runs -> a markdown table: each figure's median, quartiles, range and
+    how many of the runs met its target. A run without a figure's level is a ValueError naming both."""
+    values: list[list[float]] = [[] for _ in SPREAD]
+    met = [0] * len(SPREAD)
+    for path in paths:
+        levels = {(level.get("code", "after"), level["workers"], level["inputs_per_request"], level["concurrency"]): level
+                  for level in json.loads(Path(path).read_text())["levels"]}
+        for i, (what, figure, is_met) in enumerate(SPREAD):
+            try:
+                value = figure(levels)
+            except KeyError as missing:
+                code, workers, inputs, c = missing.args[0]
+                raise ValueError(f"{path}: no level ({code}, --workers {workers}, {inputs} input(s), c={c}); "
+                                 "--spread reads `--workers --before` results") from None
+            values[i].append(value)
+            met[i] += bool(is_met and is_met(value, levels))
+    lines = [f"{len(paths)} run(s): " + ", ".join(Path(p).stem for p in paths), "",
+             "| what | median | quartiles | range | target | met |", "| --- | ---: | --- | --- | --- | --- |"]
+    for i, (what, _, is_met) in enumerate(SPREAD):
+        v = sorted(values[i])
+        quartiles = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0], v[0], v[0]]
+        lines.append(f"| {what} | {statistics.median(v):.4g} | {quartiles[0]:.4g}-{quartiles[2]:.4g} | "
+                     f"{v[0]:.4g}-{v[-1]:.4g} | {SPREAD_TARGETS[i]} | {f'{met[i]} of {len(v)}' if is_met else ''} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pass-ms", type=float, default=1.0, help="stand-in device pass time")
@@ -750,6 +815,9 @@ def parse_args(argv=None):
                         "EngineService as a worker's connection would, one frame per batch "
                         "(bench/results/frontend-engine-cpu.{json,md})")
     p.add_argument("--frames", type=int, default=300, help="--engine-only: frames (batches) per level")
+    p.add_argument("--spread", type=Path, nargs="+", default=None, metavar="RESULT",
+                   help="recorded --workers --before results (JSON): print each issue-37 figure's median, quartiles, "
+                        "range and how many runs met its target; no server is started")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "frontend-cpu.json")
     p.add_argument("--server-cpus", type=cpu_list, default=None,
                    help="CPUs the servers run on, e.g. 0 or 0-7 (default: the first half of the usable CPUs)")
@@ -784,6 +852,13 @@ def main(argv=None) -> int:
     from bench.harness import machine_info, read_sst2_sentences
 
     args = parse_args(argv)
+    if args.spread:
+        try:
+            print(spread(args.spread), end="")
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"bench_frontend --spread: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.quick:
         args.warmup, args.duration = 1.0, 2.0
     sentences = read_sst2_sentences()

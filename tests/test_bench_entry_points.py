@@ -70,6 +70,31 @@ def test_the_stand_in_pass_draws_its_logits_again_only_when_a_shape_does_not_fit
     bench_frontend._POOLS.clear()
 
 
+def test_spread_summarises_recorded_runs_figure_by_figure(tmp_path):
+    """`bench_frontend.py --spread` over session 9's six recorded runs gives what docs/performance.md
+    quotes for them: the c=64 workers 281 / 256 / 281 / 299 / 235 / 257 µs (all six <= 300), the 32-text
+    engine at c=64 10.4 / 10.0 / 10.0 / 10.8 / 9.8 / 12.2 µs per text (three <= 10)."""
+    runs = [str(REPO / f"bench/results/frontend-workers-cpu-issue37-session9-2026-11-27-run{i}.json") for i in range(1, 7)]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")]
+             for line in run_bench("bench/bench_frontend.py", "--spread", *runs).splitlines() if line.startswith("| ")]
+    rows = {what: rest for what, *rest in cells}
+    median, quartiles, extent, target, met = rows["workers, one-text, c=64 (µs per request)"]
+    assert (float(median), extent, target, met) == (268.9, "234.9-299.4", "<= 300", "6 of 6")
+    median, quartiles, extent, target, met = rows["engine, 32-text, c=64 (µs per text)"]
+    assert (float(median), extent, met) == (10.2, "9.8-12.2", "3 of 6")
+    assert rows["engine, one-text, c=256: requests per batch"][-2:] == ["", ""]  # no target, no count
+
+    # a run that is not a --workers --before result: one line naming the run and the missing level
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps({"levels": [{"workers": 1, "inputs_per_request": 1, "concurrency": 64,
+                                              "server_cpu_us_per_request": 200.0}]}))
+    done = subprocess.run([sys.executable, "bench/bench_frontend.py", "--spread", str(alone)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [f"bench_frontend --spread: {alone}: no level (before, --workers 1, "
+                                                "1 input(s), c=64); --spread reads `--workers --before` results"]
+
+
 @pytest.mark.slow
 def test_bench_load_runs_both_servers_at_one_level(tmp_path):
     run_bench("bench/bench_load.py", "--levels", "2", "--rounds", "1", "--warmup", "0.2", "--duration", "1",
