@@ -728,37 +728,36 @@ def write_engine_markdown(path: Path, result: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _times_lower(c: int):
-    """One process (`--workers 1`), one-text: the before tree's CPU per request over this tree's."""
-    return lambda levels: (levels[("before", 1, 1, c)]["server_cpu_us_per_request"]
-                           / levels[("after", 1, 1, c)]["server_cpu_us_per_request"])
+def _times_lower(workers: int, c: int, figure: str):
+    """One-text requests: the before tree's CPU per request over this tree's."""
+    return lambda levels: levels[("before", workers, 1, c)][figure] / levels[("after", workers, 1, c)][figure]
 
 
 def _after(workers: int, inputs: int, c: int, figure: str):
     return lambda levels: levels[("after", workers, inputs, c)][figure]
 
 
-# issue 37's CPU targets as a `--workers --before` run records them: (what, the figure, met when)
+# issue 37's CPU targets as a `--workers --before` run records them: (what, the figure, the target, met when)
 SPREAD = [
-    ("one process, one-text, c=64: times lower than before", _times_lower(64), lambda v, levels: v >= 3),
-    ("one process, one-text, c=256: times lower than before", _times_lower(256), lambda v, levels: v >= 3),
+    ("one process, one-text, c=64: times lower than before", _times_lower(1, 64, "server_cpu_us_per_request"),
+     ">= 3x", lambda v, levels: v >= 3),
+    ("one process, one-text, c=256: times lower than before", _times_lower(1, 256, "server_cpu_us_per_request"),
+     ">= 3x", lambda v, levels: v >= 3),
     ("workers, one-text, c=64 (µs per request)", _after(2, 1, 64, "workers_cpu_us_per_request"),
-     lambda v, levels: v <= 300),
-    ("workers, one-text, c=64: times lower than before's workers",
-     lambda levels: (levels[("before", 2, 1, 64)]["workers_cpu_us_per_request"]
-                     / levels[("after", 2, 1, 64)]["workers_cpu_us_per_request"]), None),
+     "<= 300", lambda v, levels: v <= 300),
+    ("workers, one-text, c=64: times lower than before's workers", _times_lower(2, 64, "workers_cpu_us_per_request"),
+     "", None),
     ("workers, one-text, c=256 (µs per request)", _after(2, 1, 256, "workers_cpu_us_per_request"),
-     lambda v, levels: v <= 300),
+     "<= 300", lambda v, levels: v <= 300),
     ("engine, one-text, c=256 (µs per request; met at >= 30 requests per batch)",
-     _after(2, 1, 256, "engine_process_cpu_us_per_request"),
+     _after(2, 1, 256, "engine_process_cpu_us_per_request"), "<= 40 at >= 30/batch",
      lambda v, levels: v <= 40 and levels[("after", 2, 1, 256)]["requests_per_batch"] >= 30),
-    ("engine, one-text, c=256: requests per batch", _after(2, 1, 256, "requests_per_batch"), None),
+    ("engine, one-text, c=256: requests per batch", _after(2, 1, 256, "requests_per_batch"), "", None),
     ("engine, 32-text, c=64 (µs per text)", _after(2, 32, 64, "engine_process_cpu_us_per_input"),
-     lambda v, levels: v <= 10),
+     "<= 10", lambda v, levels: v <= 10),
     ("engine, 32-text, c=256 (µs per text)", _after(2, 32, 256, "engine_process_cpu_us_per_input"),
-     lambda v, levels: v <= 10),
+     "<= 10", lambda v, levels: v <= 10),
 ]
-SPREAD_TARGETS = [">= 3x", ">= 3x", "<= 300", "", "<= 300", "<= 40 at >= 30/batch", "", "<= 10", "<= 10"]
 
 
 def spread(paths: list[Path]) -> str:
@@ -767,24 +766,32 @@ def spread(paths: list[Path]) -> str:
     values: list[list[float]] = [[] for _ in SPREAD]
     met = [0] * len(SPREAD)
     for path in paths:
-        levels = {(level.get("code", "after"), level["workers"], level["inputs_per_request"], level["concurrency"]): level
-                  for level in json.loads(Path(path).read_text())["levels"]}
-        for i, (what, figure, is_met) in enumerate(SPREAD):
+        try:
+            recorded = json.loads(Path(path).read_text()).get("levels")
+            levels = {(level.get("code", "after"), level["workers"], level["inputs_per_request"], level["concurrency"]):
+                      level for level in recorded}
+        except (json.JSONDecodeError, AttributeError, TypeError, KeyError) as exc:
+            raise ValueError(f"{path}: not a bench_frontend result ({type(exc).__name__}: {exc}); --spread reads "
+                             "`--workers --before` results") from None
+        for i, (what, figure, _, is_met) in enumerate(SPREAD):
             try:
                 value = figure(levels)
+                met[i] += bool(is_met and is_met(value, levels))
             except KeyError as missing:
-                code, workers, inputs, c = missing.args[0]
-                raise ValueError(f"{path}: no level ({code}, --workers {workers}, {inputs} input(s), c={c}); "
-                                 "--spread reads `--workers --before` results") from None
+                key = missing.args[0]
+                if isinstance(key, tuple):
+                    code, workers, inputs, c = key
+                    raise ValueError(f"{path}: no level ({code}, --workers {workers}, {inputs} input(s), c={c}); "
+                                     "--spread reads `--workers --before` results") from None
+                raise ValueError(f"{path}: a level without {key!r} ({what})") from None
             values[i].append(value)
-            met[i] += bool(is_met and is_met(value, levels))
     lines = [f"{len(paths)} run(s): " + ", ".join(Path(p).stem for p in paths), "",
              "| what | median | quartiles | range | target | met |", "| --- | ---: | --- | --- | --- | --- |"]
-    for i, (what, _, is_met) in enumerate(SPREAD):
-        v = sorted(values[i])
+    for (what, _, target, is_met), v, count in zip(SPREAD, values, met):
+        v = sorted(v)
         quartiles = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0], v[0], v[0]]
         lines.append(f"| {what} | {statistics.median(v):.4g} | {quartiles[0]:.4g}-{quartiles[2]:.4g} | "
-                     f"{v[0]:.4g}-{v[-1]:.4g} | {SPREAD_TARGETS[i]} | {f'{met[i]} of {len(v)}' if is_met else ''} |")
+                     f"{v[0]:.4g}-{v[-1]:.4g} | {target} | {f'{count} of {len(v)}' if is_met else ''} |")
     return "\n".join(lines) + "\n"
 
 
@@ -855,7 +862,7 @@ def main(argv=None) -> int:
     if args.spread:
         try:
             print(spread(args.spread), end="")
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError) as exc:
             print(f"bench_frontend --spread: {exc}", file=sys.stderr)
             return 2
         return 0
