@@ -507,7 +507,10 @@ def metric_updates(repeats: int = 20_000) -> dict:
 
 def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[dict]:
     """The same levels on `tmod-serve --workers N` for each N (uvicorn picks httptools + uvloop), and
-    with --before for the other checkout's code too."""
+    with --before for the other checkout's code too. Each level also records how fast the servers'
+    CPUs ran Python just before and after it (`box_loop_ms`)."""
+    from bench.harness import loop_ms_on
+
     codes = {"after": REPO, "before": Path(args.before).resolve()} if args.before else {"after": REPO}
     keys = [(code, n) for code in codes for n in counts]
     runs = []
@@ -518,15 +521,30 @@ def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[di
                                             {"TMOD_WORKERS": str(n)}, codes[code])
         for i, (inputs, c) in enumerate(LEVELS):
             for code, n in (keys if i % 2 == 0 else list(reversed(keys))):  # drift: alternate who goes first
+                speed = loop_ms_on(args.server_cpus)  # the box's speed just before and after (harness.loop_ms_on)
                 run = {"code": code, "workers": n, **measure(servers[code, n], bodies[inputs], inputs, c,
                                                                args.clients, args.warmup, args.duration,
                                                                generator_cpus=args.generator_cpus)}
+                run["box_loop_ms"] = [speed, loop_ms_on(args.server_cpus)]
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     finally:
         for server in servers.values():
             server.stop()
     return runs
+
+
+def python_and_idle(machine: dict) -> str:
+    """'Python 3.11.7 (/path/python, pure-Python loop 40.0 ms) · idle vCPUs poll 0 ns before they halt · '
+    for a result that recorded them (harness.interpreter, harness.cpu_idle); '' for parts it did not."""
+    parts = []
+    python, idle = machine.get("python"), machine.get("cpu_idle") or {}
+    if python:
+        parts.append(f"Python {python['version']} ({python['executable']}, pure-Python loop "
+                     f"{python['interpreter_loop_ms']} ms)")
+    if idle.get("guest_halt_poll_ns") is not None:
+        parts.append(f"idle vCPUs poll {idle['guest_halt_poll_ns']:,} ns before they halt ({idle['driver']})")
+    return "".join(f"{part} · " for part in parts)
 
 
 def write_workers_markdown(path: Path, result: dict) -> None:
@@ -537,23 +555,26 @@ def write_workers_markdown(path: Path, result: dict) -> None:
              "", f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus', '')} "
              f"logical CPUs, shared with other work (load average at start {m.get('load_average_at_start_1_5_15min')}) · "
              f"servers pinned to CPUs {result.get('server_cpus')}, load generator to {result.get('generator_cpus')} · "
-             f"`{result['command']}`",
+             f"{python_and_idle(m)}`{result['command']}`",
              "", "`tmod-serve --workers N`: N HTTP processes (HTTP, JSON, tokenization, decode) and one engine process "
              "(batching, collation, the pass), all on the server's CPUs; the load generator runs on others, so what "
              "is measured is the server. CPU = utime + stime from /proc over the recorded window / answered requests; "
-             "requests per batch from the server's /metrics (tmod_batch_requests) over the same window."
+             "requests per batch from the server's /metrics (tmod_batch_requests) over the same window. Box: a fixed "
+             "pure-Python loop's best time on the servers' CPUs just before and after the level (the machine's speed "
+             "moves; higher is slower)."
              + (f" `before`: the code at {result['before']}; `after`: this tree ({m['versions']['tmod_git']['commit']})."
                 if result.get("before") else ""), "",
              "| code | workers | inputs/request | c | req/s | seq/s | p50 ms | p99 ms | errors | CPU us/request (all) "
              "| engine process us/request | engine us/input | workers us/request | each worker us/request "
-             "| generator us/request | requests/batch |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| generator us/request | requests/batch | box: Python loop ms before / after |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: |"]
     for r in result["levels"]:
         each = " / ".join(str(w) for w in r.get("each_worker_cpu_us_per_request") or []) or "-"
         lines.append(f"| {r.get('code', 'after')} | {r['workers']} | {level_cells(r)} | {r['server_cpu_us_per_request']} | "
                      f"{r['engine_process_cpu_us_per_request']} | {r['engine_process_cpu_us_per_input']} | "
                      f"{r['workers_cpu_us_per_request'] or '-'} | {each} | {r.get('generator_cpu_us_per_request', '-')} | "
-                     f"{r.get('requests_per_batch') or '-'} |")
+                     f"{r.get('requests_per_batch') or '-'} | {' / '.join(map(str, r.get('box_loop_ms') or [])) or '-'} |")
     lines += ["", "Ceilings (labelled, not measured: CPU per request as measured here, every process on a core of "
               "its own):", ""] + [f"- {line}" for line in result["ceilings"]] + [""]
     path.write_text("\n".join(lines))

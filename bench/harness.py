@@ -1,6 +1,8 @@
 """The bench harness: what every benchmark repeats, written once.
 
-- where it ran: `machine_info` (platform, CPU model and flags, device, versions, commit, load average)
+- where it ran: `machine_info` (platform, CPU model and flags, how idle CPUs halt, device, the
+  interpreter and its build, versions, commit, load average); `loop_ms_on` (how fast Python runs on
+  some CPUs right now, beside a level's figures)
 - inputs: `read_sst2_sentences` (the real texts speed benchmarks send), `build_store` (random-weight
   layer-mix heads sized like the tmod-train defaults, saved as real artifacts)
 - a real server: `ServerProcess` (a `tmod-serve` subprocess on a free loopback port, optionally
@@ -69,6 +71,74 @@ def cpu_flags() -> list[str]:
     return (cpuinfo_value("flags") or "").split()
 
 
+def interpreter() -> dict:
+    """Which Python ran the benchmark: the host path's CPU is mostly the interpreter's, and builds
+    differ by more than a fifth. How it was built does not reliably show (Debian's profile-guided,
+    link-time optimised build reports neither in sysconfig), so its speed is measured instead:
+    `interpreter_loop_ms`. On a 2-core AMD EPYC that was 40-44 ms under a pyenv 3.11.7 (configured
+    without optimisations, libpython shared) and 31-34 ms under Debian's 3.11.2, within the same hour
+    (docs/performance.md)."""
+    try:  # the interpreter's own code in a shared libpython (pyenv's default) or in the executable
+        shared = "libpython" in Path("/proc/self/maps").read_text()
+    except OSError:
+        shared = None
+    return {"executable": sys.executable, "version": platform.python_version(),
+            "compiler": platform.python_compiler(), "build": " ".join(platform.python_build()),
+            "libpython_shared": shared, "interpreter_loop_ms": interpreter_loop_ms()}
+
+
+def interpreter_loop_ms() -> float:
+    """Best of five runs of a fixed pure-Python loop (dict stores, arithmetic, small objects), in ms of
+    CPU time: how fast this interpreter on this CPU runs Python, to set beside CPU figures of Python code."""
+    class Box:
+        __slots__ = ("x",)
+
+        def __init__(self, x):
+            self.x = x
+
+    def loop(n: int) -> int:
+        table, total = {}, 0
+        for i in range(n):
+            table[i & 255] = i
+            total += len(table) + (i % 7) + Box(i).x
+        return total
+
+    best = float("inf")
+    for _ in range(5):  # CPU time, not wall time: a CPU shared with other work does not count
+        start = time.process_time()
+        loop(200_000)
+        best = min(best, time.process_time() - start)
+    return round(best * 1e3, 1)
+
+
+def loop_ms_on(cpus: set[int] | None) -> float:
+    """`interpreter_loop_ms` in a process of its own on `cpus`: how fast Python runs there right now.
+    A shared machine's speed moves under a benchmark (on the 2-core box the same loop took 40-44 ms
+    and, within the hour, 74-76 ms), so a level's CPU figures are read beside it. The loop stays in
+    the core's own caches: it shows the core's speed, not contention for the shared cache."""
+    done = subprocess.run([sys.executable, "-c", "from bench.harness import interpreter_loop_ms as f; print(f())"],
+                          cwd=REPO, capture_output=True, text=True, check=True,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    return float(done.stdout.split()[-1])
+
+
+def cpu_idle() -> dict:
+    """How this machine's CPUs idle: the cpuidle driver and, in a KVM guest with the haltpoll driver,
+    how long an idle vCPU polls before it halts (`guest_halt_poll_ns`; 0: it halts at once). A halted
+    vCPU gives its core back to the host, and what runs next starts cold: on the 2-core box the engine
+    loop alone spent less CPU per batch with 3 ms of polling than with 0 in seven of eight pairs
+    (median 0.85x); served, it did not lower the figures in three pairs (issue 37, docs/performance.md)."""
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return None
+
+    poll = read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+    return {"driver": read("/sys/devices/system/cpu/cpuidle/current_driver"),
+            "guest_halt_poll_ns": int(poll) if poll is not None and poll.isdigit() else None}
+
+
 def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -91,6 +161,8 @@ def machine_info(device: str = "cpu", **extra_versions: str) -> dict:
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "load_average_at_start_1_5_15min": loadavg(),
         "device": device,
+        "python": interpreter(),
+        "cpu_idle": cpu_idle(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {
             "python": platform.python_version(),

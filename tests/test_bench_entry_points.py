@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -34,6 +35,29 @@ def test_write_results_writes_the_json_and_a_table_with_machine_and_command(tmp_
     assert recorded["rows"] == [1, 2] and recorded["machine"]["cpu_flags"] and recorded["command"]
     md = path.with_suffix(".md").read_text()
     assert md.startswith("# A title") and "| a | b |" in md and "| 1 | 2 |" in md and "Command: `" in md
+    python = recorded["machine"]["python"]  # which interpreter ran it, and how fast it runs Python
+    assert python["executable"] == sys.executable and python["version"] == platform.python_version()
+    assert python["interpreter_loop_ms"] > 0 and isinstance(python["libpython_shared"], bool)
+    assert set(recorded["machine"]["cpu_idle"]) == {"driver", "guest_halt_poll_ns"}
+
+
+def test_the_box_speed_probe_runs_python_on_the_cpus_asked():
+    from bench.harness import loop_ms_on
+
+    cpu = min(os.sched_getaffinity(0))
+    assert loop_ms_on({cpu}) > 0 and loop_ms_on(None) > 0
+
+
+def test_a_workers_table_names_its_interpreter_and_idle_polling_where_the_result_recorded_them():
+    from bench.bench_frontend import python_and_idle
+
+    python = {"version": "3.11.2", "executable": "/usr/bin/python3.11", "interpreter_loop_ms": 31.2}
+    idle = {"driver": "haltpoll", "guest_halt_poll_ns": 3000000}
+    assert python_and_idle({"python": python, "cpu_idle": idle}) == (
+        "Python 3.11.2 (/usr/bin/python3.11, pure-Python loop 31.2 ms) · "
+        "idle vCPUs poll 3,000,000 ns before they halt (haltpoll) · ")
+    assert python_and_idle({"cpu_idle": {"driver": None, "guest_halt_poll_ns": None}}) == ""  # not a KVM guest
+    assert python_and_idle({}) == ""  # results recorded before either was
 
 
 def test_every_bridge_command_of_the_transfer_benchmark_parses():
