@@ -73,8 +73,8 @@ def cpu_flags() -> list[str]:
 
 def interpreter() -> dict:
     """Which Python ran the benchmark: the host path's CPU is mostly the interpreter's, and builds
-    differ by more than a fifth. How it was built does not reliably show (Debian's profile-guided,
-    link-time optimised build reports neither in sysconfig), so its speed is measured instead:
+    differ by more than a fifth. How it was built does not reliably show (Debian's 3.11, whose
+    changelog records LTO/PGO builds, reports neither in sysconfig), so its speed is measured instead:
     `interpreter_loop_ms`. On a 2-core AMD EPYC that was 40-44 ms under a pyenv 3.11.7 (configured
     without optimisations, libpython shared) and 31-34 ms under Debian's 3.11.2, within the same hour
     (docs/performance.md)."""
