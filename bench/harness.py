@@ -116,9 +116,9 @@ def loop_ms_on(cpus: set[int] | None) -> float:
     A shared machine's speed moves under a benchmark (on the 2-core box the same loop took 40-44 ms
     and, within the hour, 74-76 ms), so a level's CPU figures are read beside it. The loop stays in
     the core's own caches: it shows the core's speed, not contention for the shared cache."""
-    done = subprocess.run([sys.executable, "-c", "from bench.harness import interpreter_loop_ms as f; print(f())"],
-                          cwd=REPO, capture_output=True, text=True, check=True,
-                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    pin = f"import os; os.sched_setaffinity(0, {sorted(cpus)}); " if cpus else ""  # the child pins itself
+    done = subprocess.run([sys.executable, "-c", pin + "from bench.harness import interpreter_loop_ms as f; print(f())"],
+                          cwd=REPO, capture_output=True, text=True, check=True)
     return float(done.stdout.split()[-1])
 
 
