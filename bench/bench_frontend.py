@@ -519,13 +519,14 @@ def compare_workers(args, bodies: dict, workdir: Path, counts=(1, 2)) -> list[di
         for code, n in keys:  # all up for the whole run; the idle ones cost nothing
             servers[code, n] = start_server(workdir, workdir / "store", f"{code}-workers{n}", args,
                                             {"TMOD_WORKERS": str(n)}, codes[code])
+        speed = loop_ms_on(args.server_cpus)  # the box's speed (harness.loop_ms_on) before the first level
         for i, (inputs, c) in enumerate(LEVELS):
             for code, n in (keys if i % 2 == 0 else list(reversed(keys))):  # drift: alternate who goes first
-                speed = loop_ms_on(args.server_cpus)  # the box's speed just before and after (harness.loop_ms_on)
                 run = {"code": code, "workers": n, **measure(servers[code, n], bodies[inputs], inputs, c,
                                                                args.clients, args.warmup, args.duration,
                                                                generator_cpus=args.generator_cpus)}
-                run["box_loop_ms"] = [speed, loop_ms_on(args.server_cpus)]
+                after = loop_ms_on(args.server_cpus)  # also the next level's "before": nothing runs between them
+                run["box_loop_ms"], speed = [speed, after], after
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     finally:

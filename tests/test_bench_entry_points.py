@@ -46,6 +46,8 @@ def test_the_box_speed_probe_runs_python_on_the_cpus_asked():
 
     cpu = min(os.sched_getaffinity(0))
     assert loop_ms_on({cpu}) > 0 and loop_ms_on(None) > 0
+    with pytest.raises(subprocess.CalledProcessError):  # the child does pin itself: a CPU that is not there fails
+        loop_ms_on({(os.cpu_count() or 1) + 7})
 
 
 def test_a_workers_table_names_its_interpreter_and_idle_polling_where_the_result_recorded_them():
