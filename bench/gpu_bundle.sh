@@ -50,6 +50,9 @@ if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders 
     cat .gpu-b/part-b "$keep/part-b.tail" > .gpu-b/part-b.whole && mv .gpu-b/part-b.whole .gpu-b/part-b
     rm -rf .gpu-a  # install.sh would take .gpu-a's cut-short half over the whole one
     bash .gpu-b/install.sh  # assembles the weights and checks their sha256
+    # consumed: left there, a later run (an MPNet piece's) would append part-b's tail a second time
+    # and install.sh would write the wrong weights before finding their sha256 wrong (2026-11-28)
+    rm -rf .gpu-b .gpu-c .gpu-d
   fi
   for chunk in .gpu-m[0-9]*; do  # the MPNet zip, a piece per run
     [ -f "$chunk/piece" ] || continue
@@ -57,7 +60,7 @@ if [ "${1:-}" = "install" ]; then  # on the device: do what the carried folders 
     have=$(ls "$keep/mpnet" | grep -c '^piece[0-9]' || true)
     echo "MPNet piece $(basename "$chunk") kept: $have of $(cat "$keep/mpnet/pieces")"
     if [ "$have" = "$(cat "$keep/mpnet/pieces")" ]; then
-      PYTHONPATH=$PWD ${PYTHON:-python3} - "$keep/mpnet" <<'PY'
+      PYTHONPATH=$PWD:/tmp/tmod-site ${PYTHON:-python3} - "$keep/mpnet" <<'PY'  # the serving packages' site
 import sys
 from pathlib import Path
 from server.backbone.sources import mpnet_path
