@@ -12,7 +12,7 @@
 #                                       # it prints the runs, each with what it carries
 #   bash bench/gpu_bundle.sh install    # there, in every run, back to back (a lent machine goes
 #                                       # back ~30 s after a call):
-#       carry .gpu-a, then .gpu-c (then .gpu-d, if made), then .gpu-b .gpu-data last
+#       carry .gpu-a, then .gpu-c (then .gpu-d, if made), then .gpu-b .gpu-data .gpu-tools last
 #   then in the last run and later: export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=$PWD/.gpu-data
 #
 #   bash bench/gpu_bundle.sh mpnet      # here, with the MPNet parts installed: the MPNet tier's zip
@@ -102,7 +102,12 @@ extra=$(grep -oE '^(msgspec|httptools|uvloop)==[0-9.]+' requirements/gpu.lock)
 plat=""; for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do plat="$plat --platform $p"; done
 ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   $plat -d .gpu-a/whl $extra
-rm -rf .gpu-c .gpu-d .gpu-data
+# py-spy (a static binary in a wheel) for bench/gpu_checks.sh's profile of the engine process
+rm -rf .gpu-c .gpu-d .gpu-data .gpu-tools
+mkdir -p .gpu-tools
+grep -qx '/.gpu-tools/' .git/info/exclude 2>/dev/null || echo '/.gpu-tools/' >> .git/info/exclude
+${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .gpu-tools "py-spy==${PYSPY_VERSION:-0.4.3}"
 mkdir -p .gpu-c .gpu-data/sst2
 cp "$shared/data/sst2/validation.tsv" .gpu-data/sst2/
 # each half keeps as much as fits beside the repo and .gpu-a's wheels; the rest is its tail
@@ -113,11 +118,11 @@ for part in a b; do
   tail -c +$((head_bytes + 1)) ".gpu-$part/part-$part" > ".gpu-c/part-$part.tail"
   truncate -s "$head_bytes" ".gpu-$part/part-$part"
 done
-runs=(".gpu-a" ".gpu-c" ".gpu-b .gpu-data")
+runs=(".gpu-a" ".gpu-c" ".gpu-b .gpu-data .gpu-tools")
 if [ $(( tree + $(du -cb .gpu-c | tail -1 | cut -f1) )) -gt "$limit" ]; then  # the tails one run each
   mkdir -p .gpu-d && mv .gpu-c/part-b.tail .gpu-d/
   grep -qx '/.gpu-d/' .git/info/exclude 2>/dev/null || echo '/.gpu-d/' >> .git/info/exclude
-  runs=(".gpu-a" ".gpu-c" ".gpu-d" ".gpu-b .gpu-data")
+  runs=(".gpu-a" ".gpu-c" ".gpu-d" ".gpu-b .gpu-data .gpu-tools")
 fi
 
 # what each run sends: the repo's tracked and not-ignored files plus its carried folders

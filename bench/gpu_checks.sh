@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Issue 37's open GPU questions (docs/gpu.md, "Measured on an H200 after issue 37"), in one device call
+# after the install runs of bench/README's "On a lent GPU" (py-spy comes in .gpu-tools, with the last):
+#
+#   bash bench/gpu_checks.sh        # results, profiles and logs under $OUT; ~7 minutes on a GPU host
+#
+# Each served run is a fresh tmod-serve --workers 4 with two 20 s levels of one-text requests at c=256,
+# the layout of the H100 and H200 rows. In order:
+#   1. the batch window: TMOD_MAX_WAIT_MS 2 (the default), 0.5 and 0;
+#   2. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone;
+#   3. py-spy on the engine process during one level: the samples holding the GIL, per thread, and all
+#      samples, idle included (which thread runs Python while the compute thread waits for the GIL).
+# DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=${TMOD_DATA_DIR:-$PWD/.gpu-data} PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/gpu-checks}
+mkdir -p "$out"
+device=${DEVICE:-cuda} levels=${LEVELS:-1x256 1x256} duration=${DURATION:-20}
+pyspy=${PYSPY:-/tmp/tmod-tools/py-spy}
+if [ ! -x "$pyspy" ] && compgen -G ".gpu-tools/py_spy-*.whl" > /dev/null; then  # from gpu_bundle.sh's wheel
+  python3 - "$pyspy" .gpu-tools/py_spy-*.whl <<'PY'
+import os, sys, zipfile
+target, wheel = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    name = next(n for n in z.namelist() if n.endswith("/scripts/py-spy"))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, "wb") as out:
+        out.write(z.read(name))
+os.chmod(target, 0o755)
+PY
+fi
+
+served() {  # a name, then bench_gpu.py options
+  local name=$1
+  shift
+  # shellcheck disable=SC2086  # levels are words
+  timeout 150 python3 bench/bench_gpu.py --device "$device" --sections served --workers 4 --levels $levels \
+    --duration "$duration" "$@" --out "$out/served-$name.json" > "$out/served-$name.log" 2>&1
+  echo "[$name] rc $? $(grep -E '^served' "$out/served-$name.log" | sed 's/^served workers=4 //' | tr '\n' ' ')"
+}
+
+for wait in 2 0.5 0; do
+  served "wait$wait" --max-wait-ms "$wait"
+done
+
+# the interval set where Python starts, only in the process started as tmod-serve or server.cli (the
+# engine): its workers come from a forkserver (`-c ...`) and the load generator from bench_gpu.py
+site=$(mktemp -d)
+cat > "$site/sitecustomize.py" <<'PY'
+import os, sys
+if any(arg.endswith(("server.cli", "tmod-serve")) for arg in sys.orig_argv[:3]):
+    sys.setswitchinterval(0.0005)
+    with open(os.environ["TMOD_SWITCH_LOG"], "a") as log:
+        log.write(f"{os.getpid()} {sys.getswitchinterval()} {' '.join(sys.orig_argv[:3])}\n")
+PY
+TMOD_SWITCH_LOG=$out/switch-interval-set.log PYTHONPATH=$site:$PYTHONPATH served engine-switch0.5
+echo "[engine-switch0.5] set in: $(cat "$out/switch-interval-set.log" 2>/dev/null | wc -l) process(es)"
+
+# py-spy: the engine is the oldest process started as tmod-serve or server.cli; its level's recording
+# starts after the server is ready and the level's warm-up (bench_gpu.py), so wait for the first level
+if [ -x "$pyspy" ]; then
+  levels=${levels%% *} served pyspy &
+  bench=$!
+  engine="" port=""
+  for _ in $(seq 600); do  # the server's process, then its port (bench_gpu.py sets TMOD_PORT), then ready
+    [ -n "$engine" ] || engine=$(pgrep -o -f 'server\.cli|tmod-serve' || true)
+    [ -n "$engine" ] && [ -z "$port" ] && port=$(tr '\0' '\n' < "/proc/$engine/environ" | sed -n 's/^TMOD_PORT=//p')
+    [ -n "$port" ] && python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/readyz', timeout=2)" \
+      2> /dev/null && break
+    sleep 0.5
+  done
+  sleep 5  # the level's warm-up (3 s) and its first seconds
+  if [ -n "$engine" ]; then
+    span=$(( duration * 2 / 5 > 1 ? duration * 2 / 5 : 1 ))  # two records within the level
+    "$pyspy" record --pid "$engine" --gil --threads --rate 50 --duration "$span" --format raw \
+      -o "$out/engine-gil.txt" > "$out/py-spy-gil.log" 2>&1
+    "$pyspy" record --pid "$engine" --idle --threads --rate 50 --duration "$span" --format raw \
+      -o "$out/engine-all.txt" > "$out/py-spy-all.log" 2>&1
+    gzip -f "$out"/engine-*.txt 2>/dev/null
+  fi
+  wait "$bench"
+  echo "[py-spy] engine pid ${engine:-none}: $(ls "$out"/engine-*.txt.gz 2>/dev/null | tr '\n' ' ')"
+else
+  echo "[py-spy] $pyspy not here: carry .gpu-tools (bash bench/gpu_bundle.sh makes it)"
+fi
