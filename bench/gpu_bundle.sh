@@ -25,6 +25,10 @@ cd "$(git rev-parse --show-toplevel)"
 keep=${TMOD_KEEP:-/root/tmod-keep}  # where ../shared/gpu/install.sh keeps the halves between calls
 limit=$((64 * 1024 * 1024))
 margin=$((1024 * 1024))
+ignore_here() {  # a bundle folder kept out of git in this checkout (bundle.sh lists its own the same way)
+  mkdir -p .git/info
+  grep -qxF "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude
+}
 tree_bytes() {  # what every run sends besides its carried folders: tracked and not-ignored files
   git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1
 }
@@ -73,8 +77,7 @@ PY
 fi
 
 if [ "${1:-}" = "mpnet" ]; then  # here: the MPNet zip in pieces that each fit beside the repo
-  mkdir -p .git/info
-  grep -qx '/.gpu-m\*/' .git/info/exclude 2>/dev/null || echo '/.gpu-m*/' >> .git/info/exclude
+  ignore_here '.gpu-m*'
   rm -rf .gpu-m[0-9]*
   piece=$(( limit - $(tree_bytes) - 2 * 1024 * 1024 ))
   PYTHONPATH=$PWD ${PYTHON:-.venv/bin/python} - "$piece" <<'PY'
@@ -105,7 +108,7 @@ ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --p
 # py-spy (a static binary in a wheel) for bench/gpu_checks.sh's profile of the engine process
 rm -rf .gpu-c .gpu-d .gpu-data .gpu-tools
 mkdir -p .gpu-tools
-grep -qx '/.gpu-tools/' .git/info/exclude 2>/dev/null || echo '/.gpu-tools/' >> .git/info/exclude
+ignore_here .gpu-tools
 ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .gpu-tools "py-spy==${PYSPY_VERSION:-0.4.3}"
 mkdir -p .gpu-c .gpu-data/sst2
@@ -121,7 +124,7 @@ done
 runs=(".gpu-a" ".gpu-c" ".gpu-b .gpu-data .gpu-tools")
 if [ $(( tree + $(du -cb .gpu-c | tail -1 | cut -f1) )) -gt "$limit" ]; then  # the tails one run each
   mkdir -p .gpu-d && mv .gpu-c/part-b.tail .gpu-d/
-  grep -qx '/.gpu-d/' .git/info/exclude 2>/dev/null || echo '/.gpu-d/' >> .git/info/exclude
+  ignore_here .gpu-d
   runs=(".gpu-a" ".gpu-c" ".gpu-d" ".gpu-b .gpu-data .gpu-tools")
 fi
 
