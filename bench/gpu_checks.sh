@@ -8,7 +8,10 @@
 # the layout of the H100 and H200 rows. In order:
 #   1. the batch window: TMOD_MAX_WAIT_MS 2 (the default), 0.5 and 0;
 #   2. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone;
-#   3. py-spy on the engine process during one level: the samples holding the GIL, per thread, and all
+#   3. the logits' copy to the host waiting for the pass on a CUDA event made with blocking=True (its
+#      thread sleeps) instead of in the copy (which spins its thread for the pass's length), in the
+#      engine process alone: `server.runner.to_host` wrapped when that module is first imported;
+#   4. py-spy on the engine process during one level: the samples holding the GIL, per thread, and all
 #      samples, idle included (which thread runs Python while the compute thread waits for the GIL).
 # DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU.
 set -uo pipefail
@@ -56,6 +59,52 @@ if any(arg.endswith(("server.cli", "tmod-serve")) for arg in sys.orig_argv[:3]):
 PY
 TMOD_SWITCH_LOG=$out/switch-interval-set.log PYTHONPATH=$site:$PYTHONPATH served engine-switch0.5
 echo "[engine-switch0.5] set in: $(cat "$out/switch-interval-set.log" 2>/dev/null | wc -l) process(es)"
+
+# the copy's wait made a sleep: in the engine process alone, server.runner.to_host wrapped when the module is
+# first imported (imported here it would bring prometheus_client in before tmod-serve names its folder)
+site=$(mktemp -d)
+cat > "$site/sitecustomize.py" <<'PY'
+import importlib.abc, importlib.util, os, sys
+
+
+def sleeping_wait(runner):
+    import torch
+
+    copy = runner.to_host
+
+    def to_host(flat):
+        if flat.device.type == "cuda":  # the pass done before the copy starts: the copy finds nothing to wait for
+            done = torch.cuda.Event(blocking=True)
+            done.record(torch.cuda.current_stream(flat.device))
+            done.synchronize()
+        return copy(flat)
+
+    runner.to_host = to_host
+    with open(os.environ["TMOD_WAIT_LOG"], "a") as log:
+        log.write(f"{os.getpid()} server.runner.to_host wrapped\n")
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "server.runner":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            sleeping_wait(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if any(arg.endswith(("server.cli", "tmod-serve")) for arg in sys.orig_argv[:3]):
+    sys.meta_path.insert(0, AfterImport())
+PY
+TMOD_WAIT_LOG=$out/sleeping-wait-set.log PYTHONPATH=$site:$PYTHONPATH served engine-sleeping-wait
+echo "[engine-sleeping-wait] set in: $(cat "$out/sleeping-wait-set.log" 2>/dev/null | wc -l) process(es)"
 
 # py-spy: the engine is the oldest process started as tmod-serve or server.cli; its level's recording
 # starts after the server is ready and the level's warm-up (bench_gpu.py), so wait for the first level
