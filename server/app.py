@@ -50,8 +50,8 @@ from server.schemas import (DEFAULT_CONTROLS, AnswerControls, InferRequest, Infe
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
 # costs more CPU than its tokenization (bench/bench_frontend.py --workers, issues 25 and 37: at 1,000
 # characters, 32-text requests of ~1,700 went to a thread and cost the workers and the engine more per
-# text). Past it, a thread: the tokenizer's batch call releases the GIL, so on a host with cores to spare
-# a long request is tokenized beside the event loop instead of holding it for milliseconds.
+# text). At the limit a request holds the loop 1.8-2.8 ms (2-core EPYC). Past it, a thread: the tokenizer's
+# batch call releases the GIL, so on a host with cores to spare a longer request is read beside the loop.
 INLINE_TOKENIZE_CHARS = 4096
 # C0/C1 controls other than tab, newline and carriage return never belong in text to analyse
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
