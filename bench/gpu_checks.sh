@@ -2,7 +2,7 @@
 # Issue 37's open GPU questions (docs/gpu.md, "Measured on an H200 after issue 37"), in one device call
 # after the install runs of bench/README's "On a lent GPU" (py-spy comes in .gpu-tools, with the last):
 #
-#   bash bench/gpu_checks.sh        # results, profiles and logs under $OUT; ~7 minutes on a GPU host
+#   bash bench/gpu_checks.sh        # results, profiles and logs under $OUT; ~8 minutes on a GPU host
 #
 # Each served run is a fresh tmod-serve --workers 4 with two 20 s levels of one-text requests at c=256,
 # the layout of the H100 and H200 rows. In order:
@@ -13,7 +13,7 @@
 #      engine process alone: `server.runner.to_host` wrapped when that module is first imported;
 #   4. py-spy on the engine process during one level: the samples holding the GIL, per thread, and all
 #      samples, idle included (which thread runs Python while the compute thread waits for the GIL).
-# DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU.
+# PATH=$PWD/.venv/bin:$PATH DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU (its python3 needs torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=${TMOD_DATA_DIR:-$PWD/.gpu-data} PYTHONUNBUFFERED=1
@@ -43,28 +43,37 @@ served() {  # a name, then bench_gpu.py options
   echo "[$name] rc $? $(grep -E '^served' "$out/served-$name.log" | sed 's/^served workers=4 //' | tr '\n' ' ')"
 }
 
+engine_site() {  # a sitecustomize.py (its body on stdin) in a new folder, printed: put it first on PYTHONPATH
+  # its body acts where ENGINE is true: in the process started as tmod-serve or server.cli (the engine), not
+  # in its workers (they come from a forkserver, `-c ...`) nor in bench_gpu.py's load generator
+  local site
+  site=$(mktemp -d)
+  { echo 'import sys'
+    echo 'ENGINE = any(arg.endswith(("server.cli", "tmod-serve")) for arg in sys.orig_argv[:3])'
+    cat; } > "$site/sitecustomize.py"
+  echo "$site"
+}
+
 for wait in 2 0.5 0; do
   served "wait$wait" --max-wait-ms "$wait"
 done
 
-# the interval set where Python starts, only in the process started as tmod-serve or server.cli (the
-# engine): its workers come from a forkserver (`-c ...`) and the load generator from bench_gpu.py
-site=$(mktemp -d)
-cat > "$site/sitecustomize.py" <<'PY'
-import os, sys
-if any(arg.endswith(("server.cli", "tmod-serve")) for arg in sys.orig_argv[:3]):
+# the interval set where Python starts, in the engine process alone
+site=$(engine_site <<'PY'
+import os
+if ENGINE:
     sys.setswitchinterval(0.0005)
     with open(os.environ["TMOD_SWITCH_LOG"], "a") as log:
         log.write(f"{os.getpid()} {sys.getswitchinterval()} {' '.join(sys.orig_argv[:3])}\n")
 PY
+)
 TMOD_SWITCH_LOG=$out/switch-interval-set.log PYTHONPATH=$site:$PYTHONPATH served engine-switch0.5
 echo "[engine-switch0.5] set in: $(cat "$out/switch-interval-set.log" 2>/dev/null | wc -l) process(es)"
 
 # the copy's wait made a sleep: in the engine process alone, server.runner.to_host wrapped when the module is
 # first imported (imported here it would bring prometheus_client in before tmod-serve names its folder)
-site=$(mktemp -d)
-cat > "$site/sitecustomize.py" <<'PY'
-import importlib.abc, importlib.util, os, sys
+site=$(engine_site <<'PY'
+import importlib.abc, importlib.util, os
 
 
 def sleeping_wait(runner):
@@ -100,9 +109,10 @@ class AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if any(arg.endswith(("server.cli", "tmod-serve")) for arg in sys.orig_argv[:3]):
+if ENGINE:
     sys.meta_path.insert(0, AfterImport())
 PY
+)
 TMOD_WAIT_LOG=$out/sleeping-wait-set.log PYTHONPATH=$site:$PYTHONPATH served engine-sleeping-wait
 echo "[engine-sleeping-wait] set in: $(cat "$out/sleeping-wait-set.log" 2>/dev/null | wc -l) process(es)"
 
