@@ -2,24 +2,35 @@
 # Issue 37's open GPU questions (docs/gpu.md, "Measured on an H200 after issue 37"), in one device call
 # after the install runs of bench/README's "On a lent GPU" (py-spy comes in .gpu-tools, with the last):
 #
-#   bash bench/gpu_checks.sh        # results, profiles and logs under $OUT; ~8 minutes on a GPU host
+#   bash bench/gpu_checks.sh        # everything in $OUT/gpu-checks.tgz (one file: a device call returns
+#                                   # at most eight); ~7 minutes on an H200 (2026-11-28: five servers at
+#                                   # DURATION=15 took ~350 s, ~70 s each), so run it in a call of its own
 #
-# Each served run is a fresh tmod-serve --workers 4 with two 20 s levels of one-text requests at c=256,
-# the layout of the H100 and H200 rows. In order:
-#   1. the batch window: TMOD_MAX_WAIT_MS 2 (the default), 0.5 and 0;
-#   2. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone;
-#   3. the logits' copy to the host waiting for the pass on a CUDA event made with blocking=True (its
+# Each served run is a fresh tmod-serve --workers 4 with two 15 s levels of one-text requests at c=256,
+# the layout of the H100 and H200 rows (its first level after a start runs slower: read the second). In order:
+#   1. py-spy on the engine process during one level: the samples holding the GIL, per thread, and all
+#      samples, idle included (which thread runs Python while the compute thread waits for the GIL);
+#   2. the batch window: TMOD_MAX_WAIT_MS 2 (the default), 0.5 and 0;
+#   3. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone;
+#   4. the logits' copy to the host waiting for the pass on a CUDA event made with blocking=True (its
 #      thread sleeps) instead of in the copy (which spins its thread for the pass's length), in the
-#      engine process alone: `server.runner.to_host` wrapped when that module is first imported;
-#   4. py-spy on the engine process during one level: the samples holding the GIL, per thread, and all
-#      samples, idle included (which thread runs Python while the compute thread waits for the GIL).
+#      engine process alone: `server.runner.to_host` wrapped when that module is first imported.
+# On 2026-11-28 (H200) 2-4 ran and py-spy, then last, was cut by the call's timeout: it runs first now.
 # PATH=$PWD/.venv/bin:$PATH DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU (its python3 needs torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=${TMOD_DATA_DIR:-$PWD/.gpu-data} PYTHONUNBUFFERED=1
-out=${OUT:-/tmp/gpu-checks}
-mkdir -p "$out"
-device=${DEVICE:-cuda} levels=${LEVELS:-1x256 1x256} duration=${DURATION:-20}
+results=${OUT:-/tmp/gpu-checks}
+out=$(mktemp -d)  # packed into $results/gpu-checks.tgz on exit, a timeout's too
+mkdir -p "$results"
+trap 'tar czf "$results/gpu-checks.tgz" -C "$out" .' EXIT
+stop() {  # a timeout's TERM: each running bench_gpu.py stops its server and writes what it measured, then the pack
+  pkill -TERM -f "bench/bench_gpu.py" 2>/dev/null
+  wait
+  exit 143
+}
+trap stop TERM
+device=${DEVICE:-cuda} levels=${LEVELS:-1x256 1x256} duration=${DURATION:-15}
 pyspy=${PYSPY:-/tmp/tmod-tools/py-spy}
 if [ ! -x "$pyspy" ] && compgen -G ".gpu-tools/py_spy-*.whl" > /dev/null; then  # from gpu_bundle.sh's wheel
   python3 - "$pyspy" .gpu-tools/py_spy-*.whl <<'PY'
@@ -38,8 +49,10 @@ served() {  # a name, then bench_gpu.py options
   local name=$1
   shift
   # shellcheck disable=SC2086  # levels are words
+  # in the background, waited for: a TERM to this script is handled at once, not after the run
   timeout 150 python3 bench/bench_gpu.py --device "$device" --sections served --workers 4 --levels $levels \
-    --duration "$duration" "$@" --out "$out/served-$name.json" > "$out/served-$name.log" 2>&1
+    --duration "$duration" "$@" --out "$out/served-$name.json" > "$out/served-$name.log" 2>&1 &
+  wait $!
   echo "[$name] rc $? $(grep -E '^served' "$out/served-$name.log" | sed 's/^served workers=4 //' | tr '\n' ' ')"
 }
 
@@ -53,6 +66,34 @@ engine_site() {  # a sitecustomize.py (its body on stdin) in a new folder, print
     cat; } > "$site/sitecustomize.py"
   echo "$site"
 }
+
+# py-spy: the engine is the oldest process started as tmod-serve or server.cli; its level's recording
+# starts after the server is ready and the level's warm-up (bench_gpu.py), so wait for the first level
+if [ -x "$pyspy" ]; then
+  levels=${levels%% *} served pyspy &
+  bench=$!
+  engine="" port=""
+  for _ in $(seq 600); do  # the server's process, then its port (bench_gpu.py sets TMOD_PORT), then ready
+    [ -n "$engine" ] || engine=$(pgrep -o -f 'server\.cli|tmod-serve' || true)
+    [ -n "$engine" ] && [ -z "$port" ] && port=$(tr '\0' '\n' < "/proc/$engine/environ" | sed -n 's/^TMOD_PORT=//p')
+    [ -n "$port" ] && python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/readyz', timeout=2)" \
+      2> /dev/null && break
+    sleep 0.5
+  done
+  sleep 5  # the level's warm-up (3 s) and its first seconds
+  if [ -n "$engine" ]; then
+    span=$(( duration * 2 / 5 > 1 ? duration * 2 / 5 : 1 ))  # two records within the level
+    "$pyspy" record --pid "$engine" --gil --threads --rate 50 --duration "$span" --format raw \
+      -o "$out/engine-gil.txt" > "$out/py-spy-gil.log" 2>&1
+    "$pyspy" record --pid "$engine" --idle --threads --rate 50 --duration "$span" --format raw \
+      -o "$out/engine-all.txt" > "$out/py-spy-all.log" 2>&1
+    gzip -f "$out"/engine-*.txt 2>/dev/null
+  fi
+  wait "$bench"
+  echo "[py-spy] engine pid ${engine:-none}: $(cd "$out" && ls engine-*.txt.gz 2>/dev/null | tr "\n" " ")"
+else
+  echo "[py-spy] $pyspy not here: carry .gpu-tools (bash bench/gpu_bundle.sh makes it)"
+fi
 
 for wait in 2 0.5 0; do
   served "wait$wait" --max-wait-ms "$wait"
@@ -115,31 +156,3 @@ PY
 )
 TMOD_WAIT_LOG=$out/sleeping-wait-set.log PYTHONPATH=$site:$PYTHONPATH served engine-sleeping-wait
 echo "[engine-sleeping-wait] set in: $(cat "$out/sleeping-wait-set.log" 2>/dev/null | wc -l) process(es)"
-
-# py-spy: the engine is the oldest process started as tmod-serve or server.cli; its level's recording
-# starts after the server is ready and the level's warm-up (bench_gpu.py), so wait for the first level
-if [ -x "$pyspy" ]; then
-  levels=${levels%% *} served pyspy &
-  bench=$!
-  engine="" port=""
-  for _ in $(seq 600); do  # the server's process, then its port (bench_gpu.py sets TMOD_PORT), then ready
-    [ -n "$engine" ] || engine=$(pgrep -o -f 'server\.cli|tmod-serve' || true)
-    [ -n "$engine" ] && [ -z "$port" ] && port=$(tr '\0' '\n' < "/proc/$engine/environ" | sed -n 's/^TMOD_PORT=//p')
-    [ -n "$port" ] && python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/readyz', timeout=2)" \
-      2> /dev/null && break
-    sleep 0.5
-  done
-  sleep 5  # the level's warm-up (3 s) and its first seconds
-  if [ -n "$engine" ]; then
-    span=$(( duration * 2 / 5 > 1 ? duration * 2 / 5 : 1 ))  # two records within the level
-    "$pyspy" record --pid "$engine" --gil --threads --rate 50 --duration "$span" --format raw \
-      -o "$out/engine-gil.txt" > "$out/py-spy-gil.log" 2>&1
-    "$pyspy" record --pid "$engine" --idle --threads --rate 50 --duration "$span" --format raw \
-      -o "$out/engine-all.txt" > "$out/py-spy-all.log" 2>&1
-    gzip -f "$out"/engine-*.txt 2>/dev/null
-  fi
-  wait "$bench"
-  echo "[py-spy] engine pid ${engine:-none}: $(ls "$out"/engine-*.txt.gz 2>/dev/null | tr '\n' ' ')"
-else
-  echo "[py-spy] $pyspy not here: carry .gpu-tools (bash bench/gpu_bundle.sh makes it)"
-fi
