@@ -8,8 +8,8 @@
 #
 # Each served run is a fresh tmod-serve --workers 4 with two 15 s levels of one-text requests at c=256,
 # the layout of the H100 and H200 rows (its first level after a start runs slower: read the second). In order:
-#   1. py-spy on the engine process during one level: the samples holding the GIL, per thread, and all
-#      samples, idle included (which thread runs Python while the compute thread waits for the GIL);
+#   1. py-spy on the engine process during the last level: the samples holding the GIL, per thread, and
+#      all samples, idle included (which thread runs Python while the compute thread waits for the GIL);
 #   2. the batch window: TMOD_MAX_WAIT_MS 2 (the default), 0.5 and 0;
 #   3. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone;
 #   4. the logits' copy to the host waiting for the pass on a CUDA event made with blocking=True (its
@@ -67,10 +67,11 @@ engine_site() {  # a sitecustomize.py (its body on stdin) in a new folder, print
   echo "$site"
 }
 
-# py-spy: the engine is the oldest process started as tmod-serve or server.cli; its level's recording
-# starts after the server is ready and the level's warm-up (bench_gpu.py), so wait for the first level
+# py-spy: the engine is the oldest process started as tmod-serve or server.cli. The profile is of the last
+# level (the first after a start ran slow on the H200, p99 ~200 ms in all seven servers): from the server's
+# readiness, each level before it (its warm-up and its seconds), then its own warm-up and a second
 if [ -x "$pyspy" ]; then
-  levels=${levels%% *} served pyspy &
+  served pyspy &
   bench=$!
   engine="" port=""
   for _ in $(seq 600); do  # the server's process, then its port (bench_gpu.py sets TMOD_PORT), then ready
@@ -80,9 +81,10 @@ if [ -x "$pyspy" ]; then
       2> /dev/null && break
     sleep 0.5
   done
-  sleep 5  # the level's warm-up (3 s) and its first seconds
+  before=$(( $(wc -w <<< "$levels") - 1 ))
+  sleep $(( before * (3 + duration) + 4 ))  # bench_gpu.py's warm-up is 3 s a level
   if [ -n "$engine" ]; then
-    span=$(( duration * 2 / 5 > 1 ? duration * 2 / 5 : 1 ))  # two records within the level
+    span=$(( duration / 3 > 1 ? duration / 3 : 1 ))  # two records within the level, with slack
     "$pyspy" record --pid "$engine" --gil --threads --rate 50 --duration "$span" --format raw \
       -o "$out/engine-gil.txt" > "$out/py-spy-gil.log" 2>&1
     "$pyspy" record --pid "$engine" --idle --threads --rate 50 --duration "$span" --format raw \
