@@ -26,7 +26,8 @@ mkdir -p "$results"
 trap 'tar czf "$results/gpu-checks.tgz" -C "$out" .' EXIT
 stop() {  # a timeout's TERM: each running bench_gpu.py stops its server and writes what it measured, then the pack
   pkill -TERM -f "bench/bench_gpu.py" 2>/dev/null
-  wait
+  # not `wait`: a bench_gpu.py started in a subshell (the profile's) is no job of this shell
+  for _ in $(seq 150); do pgrep -f "bench/bench_gpu.py" > /dev/null || break; sleep 0.2; done
   exit 143
 }
 trap stop TERM
@@ -82,7 +83,8 @@ if [ -x "$pyspy" ]; then
     sleep 0.5
   done
   before=$(( $(wc -w <<< "$levels") - 1 ))
-  sleep $(( before * (3 + duration) + 4 ))  # bench_gpu.py's warm-up is 3 s a level
+  sleep $(( before * (3 + duration) + 4 )) &  # bench_gpu.py's warm-up is 3 s a level; waited for, as in served()
+  wait $!
   if [ -n "$engine" ]; then
     span=$(( duration / 3 > 1 ? duration / 3 : 1 ))  # two records within the level, with slack
     "$pyspy" record --pid "$engine" --gil --threads --rate 50 --duration "$span" --format raw \
