@@ -31,7 +31,7 @@ stop() {  # a timeout's TERM: each running bench_gpu.py stops its server and wri
   exit 143
 }
 trap stop TERM
-device=${DEVICE:-cuda} levels=${LEVELS:-1x256 1x256} duration=${DURATION:-15}
+device=${DEVICE:-cuda} levels=${LEVELS:-1x256 1x256} duration=${DURATION:-15} warmup=3  # seconds a level, unrecorded
 pyspy=${PYSPY:-/tmp/tmod-tools/py-spy}
 if [ ! -x "$pyspy" ] && compgen -G ".gpu-tools/py_spy-*.whl" > /dev/null; then  # from gpu_bundle.sh's wheel
   python3 - "$pyspy" .gpu-tools/py_spy-*.whl <<'PY'
@@ -52,7 +52,7 @@ served() {  # a name, then bench_gpu.py options
   # shellcheck disable=SC2086  # levels are words
   # in the background, waited for: a TERM to this script is handled at once, not after the run
   timeout 150 python3 bench/bench_gpu.py --device "$device" --sections served --workers 4 --levels $levels \
-    --duration "$duration" "$@" --out "$out/served-$name.json" > "$out/served-$name.log" 2>&1 &
+    --warmup "$warmup" --duration "$duration" "$@" --out "$out/served-$name.json" > "$out/served-$name.log" 2>&1 &
   wait $!
   echo "[$name] rc $? $(grep -E '^served' "$out/served-$name.log" | sed 's/^served workers=4 //' | tr '\n' ' ')"
 }
@@ -83,7 +83,7 @@ if [ -x "$pyspy" ]; then
     sleep 0.5
   done
   before=$(( $(wc -w <<< "$levels") - 1 ))
-  sleep $(( before * (3 + duration) + 4 )) &  # bench_gpu.py's warm-up is 3 s a level; waited for, as in served()
+  sleep $(( before * (warmup + duration) + warmup + 1 )) &  # waited for, as in served()
   wait $!
   if [ -n "$engine" ]; then
     span=$(( duration / 3 > 1 ? duration / 3 : 1 ))  # two records within the level, with slack
