@@ -177,26 +177,33 @@ class RequestFrame:
     @classmethod
     def read(cls, body: bytes) -> "RequestFrame":
         _, n, count, size, cancelled, names, text_bytes = REQUEST_HEAD.unpack_from(body)
-        at = _Cursor(body, REQUEST_HEAD.size)
-        left = at.take(np.float64, n).tolist()
-        # ids, task sets, rows per request, cancels, token counts and text ends lie one after the other:
-        # one int32 read for all of them
-        ints = at.take(np.int32, 3 * n + cancelled + 3 * count)
-        listed = ints[:3 * n + cancelled + count].tolist()
+        view = memoryview(body)
+        at = REQUEST_HEAD.size
+        # the lists (seconds left; ids, task sets, rows per request, cancels, token counts) read as
+        # Python lists straight from the bytes; the arrays (token counts, text ends, tokens, flags) as
+        # numpy views: a frame often holds one request, so the calls per frame are what cost
+        left = view[at:at + 8 * n].cast("d").tolist()
+        at += 8 * n
+        a = 3 * n + cancelled  # ids, task sets, rows per request and cancels lie first, then token counts, text ends
+        listed = view[at:at + 4 * (a + count)].cast("i").tolist()
         ids, which, per_request = listed[:n], listed[n:2 * n], listed[2 * n:3 * n]
-        a = 3 * n + cancelled
-        cancels, lengths = listed[3 * n:a], listed[a:a + count]
-        tokens = at.take(np.int32, size * FIELDS).reshape(size, FIELDS)
-        flags = at.take(np.uint8, count)
-        task_sets = at.raw(names).decode().split("\n") if n else []
-        text = at.raw(text_bytes).decode("utf-8", "surrogatepass")
-        block = RowBlock.of_frame(tokens, ints[a:a + count], text, ints[a + count:].reshape(count, 2), flags)
-        pairs = (flags & PAIR).tolist()  # a request's rows are all pairs or all single texts: its first says
+        cancels, lengths = listed[3 * n:a], listed[a:]
+        ints = np.frombuffer(body, dtype=np.int32, count=3 * count, offset=at + 4 * a)
+        at += 4 * (a + 3 * count)
+        tokens = np.frombuffer(body, dtype=np.int32, count=size * FIELDS, offset=at).reshape(size, FIELDS)
+        at += 4 * size * FIELDS
+        flags = np.frombuffer(body, dtype=np.uint8, count=count, offset=at)
+        at += count
+        task_sets = str(view[at:at + names], "utf-8").split("\n") if n else []
+        at += names
+        text = str(view[at:at + text_bytes], "utf-8", "surrogatepass")
+        block = RowBlock.of_frame(tokens, ints[:count], text, ints[count:].reshape(count, 2), flags)
+        pairs = view[at - names - count:at - names].tolist()  # each row's flags, to tell pairs
         if count == n:  # one row per request (the common case)
-            return cls(ids, left, task_sets, which, [BlockRows(block, r, r + 1, pairs[r] != 0) for r in range(n)],
+            return cls(ids, left, task_sets, which, [BlockRows(block, r, r + 1, pairs[r] & PAIR != 0) for r in range(n)],
                        [[length] for length in lengths], cancels)
         bounds = [0, *itertools.accumulate(per_request)]
-        return cls(ids, left, task_sets, which, [BlockRows(block, x, y, x < y and pairs[x] != 0)
+        return cls(ids, left, task_sets, which, [BlockRows(block, x, y, x < y and pairs[x] & PAIR != 0)
                                                  for x, y in zip(bounds, bounds[1:])],
                    [lengths[x:y] for x, y in zip(bounds, bounds[1:])], cancels)
 

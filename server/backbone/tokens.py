@@ -99,40 +99,62 @@ class RowBlock(Sequence):
     the rows); a row read one at a time is made an EncodedInput then (rare paths: a bridged task's
     decode, tests)."""
 
-    def __init__(self, tokens: np.ndarray, first: np.ndarray, lengths: np.ndarray, text: str, bounds: np.ndarray,
-                 flags: np.ndarray):
+    def __init__(self, tokens: np.ndarray, first: np.ndarray | None, lengths: np.ndarray, text: str,
+                 bounds: np.ndarray | None, flags: np.ndarray, ends: np.ndarray | None = None):
         self.tokens = tokens  # (tokens, FIELDS) int32
-        self.first = first  # (rows,) int64: each row's first token in `tokens`
+        self._first = first  # (rows,) int64: each row's first token in `tokens`
         self.lengths = lengths  # (rows,) int64: each row's token count
         self.text = text
-        self.bounds = bounds  # (rows, 3) int64 in `text`: text start, text end = pair start, pair end
+        self._bounds = bounds  # (rows, 3) int64 in `text`: text start, text end = pair start, pair end
         self.flags = flags  # (rows,) uint8: TRUNCATED, PAIR
+        # rows laid one after the other (a frame's, or frames' joined): each row's text end and pair end,
+        # from which `first` and `bounds` are made when first read (once per batch, not per frame)
+        self._ends = ends
 
     @classmethod
     def of_frame(cls, tokens: np.ndarray, lengths: np.ndarray, text: str, ends: np.ndarray, flags: np.ndarray
                  ) -> "RowBlock":
         """Rows laid one after the other: `lengths` tokens each in `tokens`, and in `text` each
         row's text then its pair, `ends` (rows, 2) where each of the two ends."""
-        lengths = lengths.astype(np.int64)
-        first = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=first[1:])
-        bounds = np.zeros((len(lengths), 3), dtype=np.int64)
-        bounds[:, 1:] = ends
-        bounds[1:, 0] = ends[:-1, 1]
-        return cls(tokens, first, lengths, text, bounds, flags)
+        return cls(tokens, None, lengths.astype(np.int64), text, None, flags, ends)
+
+    @property
+    def first(self) -> np.ndarray:
+        if self._first is None:
+            first = np.zeros(len(self.lengths), dtype=np.int64)
+            np.cumsum(self.lengths[:-1], out=first[1:])
+            self._first = first
+        return self._first
+
+    @property
+    def bounds(self) -> np.ndarray:
+        if self._bounds is None:
+            ends = self._ends
+            bounds = np.zeros((len(ends), 3), dtype=np.int64)
+            bounds[:, 1:] = ends
+            bounds[1:, 0] = ends[:-1, 1]
+            self._bounds = bounds
+        return self._bounds
 
     @classmethod
     def join(cls, blocks: list["RowBlock"]) -> "RowBlock":
-        """Several blocks' rows, in order, as one block (one copy of their tokens and texts)."""
+        """Several blocks' rows, in order, as one block (one copy of their tokens and texts): numpy
+        calls per join, not per block (a batch of one-request frames joins one block per request)."""
         if len(blocks) == 1:
             return blocks[0]
-        token_base = np.cumsum([0] + [b.tokens.shape[0] for b in blocks[:-1]])
-        text_base = np.cumsum([0] + [len(b.text) for b in blocks[:-1]])
-        return cls(np.concatenate([b.tokens for b in blocks]),
-                   np.concatenate([b.first + base for b, base in zip(blocks, token_base)]),
-                   np.concatenate([b.lengths for b in blocks]), "".join(b.text for b in blocks),
-                   np.concatenate([b.bounds + base for b, base in zip(blocks, text_base)]),
-                   np.concatenate([b.flags for b in blocks]))
+        rows = [b.lengths.shape[0] for b in blocks]
+        text_base = np.repeat(np.cumsum([0] + [len(b.text) for b in blocks[:-1]]), rows)
+        tokens, lengths = np.concatenate([b.tokens for b in blocks]), np.concatenate([b.lengths for b in blocks])
+        text, flags = "".join([b.text for b in blocks]), np.concatenate([b.flags for b in blocks])
+        if all(b._ends is not None for b in blocks):  # laid out one after the other, as the joined rows are
+            ends = np.concatenate([b._ends for b in blocks]).astype(np.int64)
+            ends += text_base[:, None]
+            return cls(tokens, None, lengths, text, None, flags, ends)
+        first = np.concatenate([b.first for b in blocks])
+        first += np.repeat(np.cumsum([0] + [b.tokens.shape[0] for b in blocks[:-1]]), rows)
+        bounds = np.concatenate([b.bounds for b in blocks])
+        bounds += text_base[:, None]
+        return cls(tokens, first, lengths, text, bounds, flags)
 
     def take(self, index) -> "RowBlock":
         """Rows `index` (an index array or a slice), in that order; tokens and text shared, not copied."""
@@ -140,7 +162,7 @@ class RowBlock(Sequence):
                         self.flags[index])
 
     def __len__(self) -> int:
-        return self.first.shape[0]
+        return self.lengths.shape[0]
 
     def __getitem__(self, row):
         if isinstance(row, slice):
@@ -202,10 +224,11 @@ def gather_rows(parts: list[BlockRows]) -> tuple[RowBlock, np.ndarray]:
     if all(part.block is block for part in parts):
         starts = np.array([part.start for part in parts], dtype=np.int64)
     else:  # several frames: their blocks joined, each one's rows after the blocks before it
-        blocks, offsets = [], {}
+        blocks, offsets, at = [], {}, 0
         for part in parts:
             if id(part.block) not in offsets:
-                offsets[id(part.block)] = sum(len(b) for b in blocks)
+                offsets[id(part.block)] = at
+                at += part.block.lengths.shape[0]
                 blocks.append(part.block)
         block = RowBlock.join(blocks)
         starts = np.array([offsets[id(part.block)] + part.start for part in parts], dtype=np.int64)
