@@ -396,8 +396,9 @@ class Runtime:
 
     # ---- inference ---------------------------------------------------------------------------
     def prepare_batch(self, rows: list[EncodedInput], modules: dict[str, LoadedModule]) -> PreparedBatch:
-        """Host work of a batch (passes chosen, rows collated): runs in a tokenizer thread."""
-        return self.runner.prepare(rows, modules)
+        """Host work of a batch (passes chosen, rows collated), then its captured passes launched on
+        the device: runs in a tokenizer thread (a GPU's batches only)."""
+        return self.runner.launch(self.runner.prepare(rows, modules), modules)
 
     def run_batch(self, rows: list[EncodedInput] | PreparedBatch, modules: dict[str, LoadedModule],
                   timings: Timings) -> dict[str, list]:

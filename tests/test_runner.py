@@ -482,6 +482,55 @@ def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(t
     assert sum(1 for e in events if e == ("run", "start")) >= 6  # 24 rows, at most 4 per batch
 
 
+def test_a_pass_launched_from_the_preparing_thread_answers_as_an_eager_pass(tiny_backbone, tiny_store):
+    """`launch` (a tokenizer thread's, after `prepare`) queues a batch's captured pass; `execute` (the
+    compute thread's) only waits for it: the answers are an eager pass's, each pass replayed once.
+    A pass that cannot be launched ahead (its graph's replay raises there) runs in `execute`, and a
+    batch launched before a module change still answers with the heads it was launched with."""
+    import threading
+
+    modules = modules_of(tiny_store, tiny_backbone, ("sentiment", "ner"))
+    engine, ref = Engine(tiny_backbone), []
+    capture, made = record_eager(engine, ref)
+    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="4,8", graph_seq_lens="32,64",
+                                          head_precision="fp32"), capture=capture)
+    ref.append(runner)
+    runner.warm_up(modules)
+    eager = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000)
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    prepared = []
+    worker = threading.Thread(target=lambda: prepared.append(runner.launch(runner.prepare(rows, modules), modules)))
+    worker.start()
+    worker.join()
+    assert all(item.launched is not None for item in prepared[0].passes)
+    replays = runner.graphs.replays
+    assert_same_answers(runner.execute(prepared[0], modules, Timings()), eager.run(rows, modules))
+    assert runner.graphs.replays == replays + len(prepared[0].passes)
+    assert all(item.launched is None for item in prepared[0].passes)  # waited for once
+
+    # launched before the module set changes (graphs dropped, captured anew): the launched pass answers
+    ahead = runner.launch(runner.prepare(rows, modules), modules)
+    runner.forget_plans()
+    runner.warm_up(modules)
+    assert_same_answers(runner.execute(ahead, modules, Timings()), eager.run(rows, modules))
+
+    # a replay that raises while launching: logged, and the compute thread runs the pass itself
+    captured = runner.graphs.find(modules, prepared[0].passes[0].bucket)
+    replay, calls = captured.replay, []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("replay failed")
+        return replay()
+
+    captured.replay = fails_once
+    again = runner.launch(runner.prepare(rows, modules), modules)
+    assert again.passes[0].launched is None
+    assert_same_answers(runner.execute(again, modules, Timings()), eager.run(rows, modules))
+    assert len(calls) == 2
+
+
 def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone):
     """The segment classes a pair-pooling head reads are a static input of the captured pass: a
     replay for a batch with other texts and pairs answers as an eager pass does."""
