@@ -1,0 +1,273 @@
+"""The engine process under a GPU server's load, on a CPU: how often one batch follows another, and
+its CPU per request, with the device a stand-in queue.
+
+A real `Runtime` and `EngineService` in one process, set up as on a GPU (batch shapes "buckets", two
+batches in flight, each collated on a tokenizer thread), its device pass a stand-in: passes run one
+after the other in the order they were queued, `--pass-ms` each, as on a CUDA stream, and queueing
+one lets go of the GIL `--releases` times, as the torch calls of a copy-in and replay do. A driver
+process plays `--conns` HTTP workers over the engine's Unix socket: it keeps `--concurrency` one-text
+requests in the engine (SST-2 sentences; the three shipped tasks) and sends each answered request
+back after a think time drawn around `--think-ms` (what a worker and its client take), in frames of
+the requests due in the same `--tick-ms`, as a worker writes one frame per event-loop iteration.
+Engine on CPU 0, driver on the others.
+
+Why: on an H200 one batch followed another every 6.9 ms against a pass of 3.9 (docs/gpu.md), and a GPU
+is lent to few sessions. This puts the same question to the engine's code on any machine: a code
+whose compute thread launches each pass only after answering the one before shows the gap; the
+batch-to-batch time against `--pass-ms` says how much of it is left.
+
+    python bench/bench_engine_load.py --before /tmp/before --runs 3 --out bench/results/engine-load-cpu.json
+
+`--before`: a checkout of other code run alternately with this tree (same stand-in, same driver);
+`--sequential`: this tree with the launch from the preparing thread left out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # bench.harness (the engine puts the measured code before it)
+TASKS = "sentiment,ner,acceptability"
+
+
+def engine(config: dict) -> None:
+    """The engine process (on the code at config["code"]): serve, then report the window between the
+    driver's two SIGUSR1s."""
+    sys.path.insert(0, config["code"])
+    from bench.bench_frontend import standin_logits
+    from server import workers
+    from server.config import Settings
+    from server.runner import ModelRunner
+    from server.runtime import Runtime, one_host_thread
+
+    one_host_thread()  # as on cuda (server/runtime.py)
+    pass_s, releases, clock, device = config["pass_ms"] / 1000, config["releases"], threading.Lock(), {"end": 0.0}
+
+    def queue_pass() -> float:
+        """A pass queued on the stand-in device -> when it ends there."""
+        for _ in range(releases):
+            time.sleep(0)  # lets go of the GIL and takes it back, as a torch call does
+        with clock:
+            device["end"] = max(time.perf_counter(), device["end"]) + pass_s
+            return device["end"]
+
+    def launch(self, prepared, modules):  # called by code that launches from the preparing thread
+        if config["launch_ahead"]:
+            for item in prepared.passes:
+                item.launched = queue_pass()
+        return prepared
+
+    def device_pass(self, item, rows, modules, timings):  # the compute thread's: wait for the pass, then logits
+        launched = getattr(item, "launched", None)
+        item.launched = None
+        end = launched if launched is not None else queue_pass()
+        time.sleep(max(0.0, end - time.perf_counter()))
+        real = item.batch.real()
+        host = {}
+        for task, module in modules.items():
+            labels = len(module.head.labels)
+            token = module.head.task_type == "token_classification"
+            host[task] = standin_logits((real.size, real.input_ids.shape[1], labels) if token else (real.size, labels))
+        timings.backbone += pass_s
+        item.deepest = 0
+        return host, {task: real for task in modules}
+
+    ModelRunner.launch, ModelRunner._pass = launch, device_pass
+
+    async def main():
+        settings = Settings(store=str(REPO / "modules_store"), workers=config["conns"], tasks=TASKS, max_queue=100000,
+                            batch_shapes="buckets", max_wait_ms=config["max_wait_ms"])
+        runtime = Runtime(settings)
+        runtime.batcher.settings.in_flight = 2  # as on cuda
+        runtime.batcher.prepare = runtime.prepare_batch
+        service = workers.EngineService(runtime)
+        await service.start(config["path"])
+        while not runtime.ready.is_set():
+            await asyncio.sleep(0.05)
+        count = runtime.metrics.registry.get_sample_value
+        marks, done = [], asyncio.Event()
+
+        def mark():
+            marks.append((time.perf_counter(), time.process_time(), count("tmod_batch_requests_count") or 0.0,
+                          count("tmod_batch_requests_sum") or 0.0))
+            if len(marks) == 2:
+                done.set()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, mark)
+        print("READY", flush=True)
+        await done.wait()
+        (t0, c0, b0, r0), (t1, c1, b1, r1) = marks
+        wall, batches, requests = t1 - t0, b1 - b0, r1 - r0
+        print(json.dumps({"requests_per_s": round(requests / wall), "requests_per_batch": round(requests / batches, 1),
+                          "batch_to_batch_ms": round(wall / batches * 1e3, 2), "engine_cores": round((c1 - c0) / wall, 3),
+                          "engine_cpu_us_per_request": round((c1 - c0) / requests * 1e6, 1)}), flush=True)
+        os._exit(0)
+
+    getattr(workers, "run_engine_loop", asyncio.run)(main())
+
+
+def driver(config: dict, engine_pid: int) -> None:
+    """The workers' side: `conns` connections keeping `concurrency` requests in the engine."""
+    import pickle
+
+    from bench.harness import read_sst2_sentences
+    from server import workers
+
+    per_connection = config["concurrency"] // config["conns"]
+    answered = [0]
+
+    async def connection(k: int):
+        reader, writer = await asyncio.open_unix_connection(config["path"])
+        text = None
+        while text is None:  # the engine's state, with its tokenizer, comes first
+            body = await workers.read_frame(reader)
+            for message in pickle.loads(memoryview(body)[1:]):
+                if message[0] == "state" and message[1].text is not None:
+                    text = message[1].text
+        sentences = read_sst2_sentences()
+        sentences = sentences[k * 100:] + sentences[:k * 100]
+        rows = itertools.cycle([text.encode([s], None, True, None) for s in sentences])
+        ids, draw, loop, tick = itertools.count(1), random.Random(k), asyncio.get_running_loop(), config["tick_ms"]
+
+        def send(n: int) -> None:
+            workers.write_frame(writer, workers.request_frame([(next(ids), next(rows), TASKS, 60.0) for _ in range(n)], []))
+
+        def later(n: int) -> None:  # each request back after its think time, those due in one tick in one frame
+            due: dict[int, int] = {}
+            for _ in range(n):
+                t = round(config["think_ms"] * (0.5 + draw.random()) / tick)
+                due[t] = due.get(t, 0) + 1
+            for t, m in due.items():
+                loop.call_later(t * tick / 1000, send, m)
+
+        send(per_connection)
+        while True:
+            body = await workers.read_frame(reader)
+            if body[:1] == workers.ANSWERS:
+                n = workers.ANSWER_HEAD.unpack_from(body)[1]
+                answered[0] += n
+                later(n)
+
+    async def main():
+        for k in range(config["conns"]):
+            asyncio.get_running_loop().create_task(connection(k))
+            await asyncio.sleep(0.3)  # one at a time: each reads a large first frame (the tokenizer)
+        await asyncio.sleep(config["warmup"])
+        a0, c0 = answered[0], time.process_time()
+        os.kill(engine_pid, signal.SIGUSR1)
+        await asyncio.sleep(config["duration"])
+        os.kill(engine_pid, signal.SIGUSR1)
+        print(json.dumps({"driver_answered_per_s": round((answered[0] - a0) / config["duration"]),
+                          "driver_cores": round((time.process_time() - c0) / config["duration"], 3)}), flush=True)
+        os._exit(0)
+
+    import uvloop
+
+    uvloop.run(main())
+
+
+def run_one(config: dict) -> dict:
+    cpus = sorted(os.sched_getaffinity(0))
+    engine_cpus, driver_cpus = {cpus[0]}, set(cpus[1:]) or {cpus[0]}
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    me = str(Path(__file__).resolve())
+    started = subprocess.Popen([sys.executable, me, "--engine", json.dumps(config)], stdout=subprocess.PIPE, text=True,
+                               env=env, cwd=REPO, preexec_fn=lambda: os.sched_setaffinity(0, engine_cpus))
+    for line in started.stdout:
+        if line.startswith("READY"):
+            break
+    else:
+        raise SystemExit(f"the engine ({config['code']}) did not start")
+    drove = subprocess.run([sys.executable, me, "--driver", json.dumps(config), str(started.pid)], capture_output=True,
+                           text=True, env=env, cwd=REPO, preexec_fn=lambda: os.sched_setaffinity(0, driver_cpus))
+    lines = started.stdout.read().splitlines() + drove.stdout.splitlines()
+    started.wait()
+    if drove.returncode:
+        raise SystemExit(f"the driver failed:\n{drove.stderr[-3000:]}")
+    row = {}
+    for line in lines:
+        if line.startswith("{"):
+            row.update(json.loads(line))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", help="a checkout of other code, run alternately with this tree")
+    parser.add_argument("--sequential", action="store_true",
+                        help="compare with this tree whose passes are queued by the compute thread when it reaches "
+                             "them (`ModelRunner.launch` left out), instead of with --before")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each level and code")
+    parser.add_argument("--think-ms", default="20,5", help="levels: the think times (ms), comma-separated")
+    parser.add_argument("--pass-ms", type=float, default=3.9, help="the stand-in pass (H200: 3.9 ms at ~61 rows)")
+    parser.add_argument("--releases", type=int, default=6, help="GIL releases per queued pass")
+    parser.add_argument("--conns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--tick-ms", type=float, default=0.25)
+    parser.add_argument("--max-wait-ms", type=float, default=2.0)
+    parser.add_argument("--warmup", type=float, default=4.0)
+    parser.add_argument("--duration", type=float, default=6.0)
+    parser.add_argument("--out", help="JSON results (and a .md beside it)")
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    parser.add_argument("--driver", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        return engine(json.loads(args.engine))
+    if args.driver:
+        return driver(json.loads(args.driver[0]), int(args.driver[1]))
+    from bench.harness import machine_info
+
+    codes = {"after": str(REPO), **({"before": str(Path(args.before).resolve())} if args.before else {}),
+             **({"sequential": str(REPO)} if args.sequential else {})}
+    rows = []
+    for run in range(args.runs):
+        for think in [float(t) for t in args.think_ms.split(",")]:
+            for code in (list(codes) if run % 2 == 0 else list(reversed(codes))):
+                config = {"code": codes[code], "launch_ahead": code != "sequential",
+                          "path": f"/tmp/tmod-engine-load-{os.getpid()}.sock", "pass_ms": args.pass_ms, "releases": args.releases, "conns": args.conns,
+                          "concurrency": args.concurrency, "think_ms": think, "tick_ms": args.tick_ms,
+                          "max_wait_ms": args.max_wait_ms, "warmup": args.warmup, "duration": args.duration}
+                row = {"code": code, "run": run + 1, "think_ms": think, **run_one(config)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    if args.out:
+        result = {"benchmark": "bench/bench_engine_load.py", "command": " ".join(sys.argv),
+                  "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info("cpu"),
+                  "settings": {k: v for k, v in vars(args).items() if k not in ("engine", "driver", "out")},
+                  "before": args.before, "rows": rows}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_markdown(Path(args.out).with_suffix(".md"), result)
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    m, s = result["machine"], result["settings"]
+    flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx"))]
+    lines = [f"# The engine process under load, its device a stand-in queue ({s['pass_ms']} ms a pass, "
+             f"{s['releases']} GIL releases per queued pass)", "",
+             f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus')} logical CPUs · "
+             f"`{result['command']}`", "",
+             f"{s['conns']} emulated workers keep {s['concurrency']} one-text requests in the engine, each sent back "
+             "after a think time; engine on CPU 0, driver on the rest. `after`: this tree "
+             f"({m['versions']['tmod_git']['commit']}); `before`: the code at {result['before']}; `sequential`: "
+             "this tree with each pass queued by the compute thread when it reaches it.", "",
+             "| code | think ms | run | requests/s | requests/batch | batch to batch, ms | engine cores | "
+             "engine CPU µs/request |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(result["rows"], key=lambda r: (r["think_ms"], r["code"], r["run"])):
+        lines.append(f"| {r['code']} | {r['think_ms']:g} | {r['run']} | {r['requests_per_s']:,} | {r['requests_per_batch']} | "
+                     f"{r['batch_to_batch_ms']} | {r['engine_cores']} | {r['engine_cpu_us_per_request']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
