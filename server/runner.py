@@ -356,29 +356,37 @@ class LaunchedPass:
 
     captured: CapturedPass
     host: torch.Tensor
-    done: object = None  # torch.cuda.Event(blocking=True): a wait on it sleeps, it does not spin
-    started: float = field(default_factory=time.perf_counter)  # when it was queued
+    begun: object = None  # torch.cuda.Event recorded before the copy in (timing)
+    done: object = None  # recorded after the copy out; blocking=True: a wait on it sleeps, it does not spin
+    seconds: float = 0.0  # a CPU's replay: how long it ran (it ran when queued)
 
     @classmethod
     def enqueue(cls, captured: CapturedPass, batch: TokenBatch) -> "LaunchedPass":
         """Copy `batch` in, replay, and copy the packed logits out, all queued (the caller holds the
         runner's graph lock: the graph's static tensors are one per graph)."""
+        if captured.inputs.input_ids.device.type != "cuda":
+            start = time.perf_counter()
+            flat = captured(batch)
+            return cls(captured, flat, seconds=time.perf_counter() - start)
+        stream = torch.cuda.current_stream(captured.inputs.input_ids.device)  # whatever this thread's device
+        begun, done = (torch.cuda.Event(enable_timing=True, blocking=True) for _ in range(2))
+        begun.record(stream)
         flat = captured(batch)
-        if flat.device.type != "cuda":
-            return cls(captured, flat)
         # page-locked (torch's host cache: reused once a batch's answers let go of it), so the copy is
         # queued behind the replay instead of waiting for it; the next replay overwrites the graph's
         # output only after this copy has read it (one stream, in order)
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)
-        done.record(torch.cuda.current_stream(flat.device))  # the stream the replay ran on, whatever this thread's device
-        return cls(captured, host, done)
+        done.record(stream)
+        return cls(captured, host, begun, done)
 
-    def wait(self) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host
+    def wait(self) -> tuple[torch.Tensor, float]:
+        """The packed logits on the host, once there, and the pass's seconds on the device (copies
+        included; not its wait behind the pass before it)."""
+        if self.done is None:
+            return self.host, self.seconds
+        self.done.synchronize()
+        return self.host, self.begun.elapsed_time(self.done) / 1000
 
 
 def static_batch(bucket: Bucket, device: torch.device, token_types: bool, classes: set[str]) -> TokenBatch:
@@ -915,10 +923,9 @@ class ModelRunner:
 
     def _replay(self, launched: LaunchedPass, batch: TokenBatch, tasks, timings: Timings):
         real = batch.real()
-        host = unpack_logits(launched.wait(), launched.captured.layout, real.size, tasks)
-        # a replay: the whole pass (heads included), from its launch (behind the pass before it, if
-        # that was still running) to its logits on the host
-        timings.backbone += time.perf_counter() - launched.started
+        flat, seconds = launched.wait()
+        host = unpack_logits(flat, launched.captured.layout, real.size, tasks)
+        timings.backbone += seconds  # a replay: the whole pass (heads included)
         self.graphs.replays += 1
         return host, {task: real for task in tasks}
 

@@ -478,7 +478,7 @@ def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(t
             running = what == "start"
         elif what == "start" and running:
             overlapped = True  # a batch was being prepared while another ran
-    assert overlapped
+    assert overlapped, events
     assert sum(1 for e in events if e == ("run", "start")) >= 6  # 24 rows, at most 4 per batch
 
 
