@@ -4,18 +4,20 @@
 #
 #   bash bench/gpu_checks.sh        # everything in $OUT/gpu-checks.tgz (one file: a device call returns
 #                                   # at most eight); ~7 minutes on an H200 (2026-11-28: five servers at
-#                                   # DURATION=15 took ~350 s, ~70 s each), so run it in a call of its own
+#                                   # DURATION=15 took ~350 s, ~70 s each; six now), so run it in a call of
+#                                   # its own with timeout_s ~560
 #
 # Each served run is a fresh tmod-serve --workers 4 with two 15 s levels of one-text requests at c=256,
 # the layout of the H100 and H200 rows (its first level after a start runs slower: read the second). In order:
 #   1. py-spy on the engine process during the last level: the samples holding the GIL, per thread, and
 #      all samples, idle included (which thread runs Python while the compute thread waits for the GIL);
-#   2. the batch window: TMOD_MAX_WAIT_MS 2 (the default), 0.5 and 0;
-#   3. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone;
-#   4. the logits' copy to the host waiting for the pass on a CUDA event made with blocking=True (its
-#      thread sleeps) instead of in the copy (which spins its thread for the pass's length), in the
-#      engine process alone: `server.runner.to_host` wrapped when that module is first imported.
-# On 2026-11-28 (H200) 2-4 ran and py-spy, then last, was cut by the call's timeout: it runs first now.
+#   2. launch ahead (this code: the tokenizer thread that prepared a batch launches its captured pass) against
+#      sequential (the compute thread launches each pass once it has answered the one before, the order of
+#      the H100 and H200 runs), alternated, two servers each: the batch-to-batch time against the pass says
+#      whether the device still idles between passes (bench/bench_engine_load.py asks the same on a CPU);
+#   3. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone.
+# On 2026-11-28 (H200) the batch window (2, 0.5, 0 ms) and the copy's wait made a sleep were measured here: the
+# window is not the lever, and a replay's copy now waits on a blocking CUDA event (server/runner.py).
 # PATH=$PWD/.venv/bin:$PATH DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU (its python3 needs torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,43 +101,13 @@ else
   echo "[py-spy] $pyspy not here: carry .gpu-tools (bash bench/gpu_bundle.sh makes it)"
 fi
 
-for wait in 2 0.5 0; do
-  served "wait$wait" --max-wait-ms "$wait"
-done
-
-# the interval set where Python starts, in the engine process alone
-site=$(engine_site <<'PY'
-import os
-if ENGINE:
-    sys.setswitchinterval(0.0005)
-    with open(os.environ["TMOD_SWITCH_LOG"], "a") as log:
-        log.write(f"{os.getpid()} {sys.getswitchinterval()} {' '.join(sys.orig_argv[:3])}\n")
-PY
-)
-TMOD_SWITCH_LOG=$out/switch-interval-set.log PYTHONPATH=$site:$PYTHONPATH served engine-switch0.5
-echo "[engine-switch0.5] set in: $(cat "$out/switch-interval-set.log" 2>/dev/null | wc -l) process(es)"
-
-# the copy's wait made a sleep: in the engine process alone, server.runner.to_host wrapped when the module is
-# first imported (imported here it would bring prometheus_client in before tmod-serve names its folder)
-site=$(engine_site <<'PY'
+# this code's order (each batch's captured pass launched by the tokenizer thread that prepared it) against
+# the order before it (the compute thread launching each pass once it has answered the one before), in the
+# engine process alone: `ModelRunner.launch` made to launch nothing when server.runner is first imported
+# (imported here it would bring prometheus_client in before tmod-serve names its folder); two servers each,
+# alternated, since servers of one code spread by ~2,000 req/s on an H200
+sequential=$(engine_site <<'PY'
 import importlib.abc, importlib.util, os
-
-
-def sleeping_wait(runner):
-    import torch
-
-    copy = runner.to_host
-
-    def to_host(flat):
-        if flat.device.type == "cuda":  # the pass done before the copy starts: the copy finds nothing to wait for
-            done = torch.cuda.Event(blocking=True)
-            done.record(torch.cuda.current_stream(flat.device))
-            done.synchronize()
-        return copy(flat)
-
-    runner.to_host = to_host
-    with open(os.environ["TMOD_WAIT_LOG"], "a") as log:
-        log.write(f"{os.getpid()} server.runner.to_host wrapped\n")
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
@@ -148,7 +120,9 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            sleeping_wait(module)
+            module.ModelRunner.launch = lambda self, prepared, modules: prepared
+            with open(os.environ["TMOD_SEQUENTIAL_LOG"], "a") as log:
+                log.write(f"{os.getpid()} ModelRunner.launch left out\n")
 
         spec.loader.exec_module = exec_module
         return spec
@@ -158,5 +132,20 @@ if ENGINE:
     sys.meta_path.insert(0, AfterImport())
 PY
 )
-TMOD_WAIT_LOG=$out/sleeping-wait-set.log PYTHONPATH=$site:$PYTHONPATH served engine-sleeping-wait
-echo "[engine-sleeping-wait] set in: $(cat "$out/sleeping-wait-set.log" 2>/dev/null | wc -l) process(es)"
+for round in 1 2; do
+  served "launch-ahead-$round"
+  TMOD_SEQUENTIAL_LOG=$out/sequential-set.log PYTHONPATH=$sequential:$PYTHONPATH served "sequential-$round"
+done
+echo "[sequential] set in: $(cat "$out/sequential-set.log" 2>/dev/null | wc -l) process(es)"
+
+# the GIL's switch interval at 0.5 ms, where Python starts, in the engine process alone
+site=$(engine_site <<'PY'
+import os
+if ENGINE:
+    sys.setswitchinterval(0.0005)
+    with open(os.environ["TMOD_SWITCH_LOG"], "a") as log:
+        log.write(f"{os.getpid()} {sys.getswitchinterval()} {' '.join(sys.orig_argv[:3])}\n")
+PY
+)
+TMOD_SWITCH_LOG=$out/switch-interval-set.log PYTHONPATH=$site:$PYTHONPATH served engine-switch0.5
+echo "[engine-switch0.5] set in: $(cat "$out/switch-interval-set.log" 2>/dev/null | wc -l) process(es)"
