@@ -240,8 +240,8 @@ def unpack_logits(flat: torch.Tensor, layout, rows: int, tasks=None) -> dict[str
 
 
 def to_host(flat: torch.Tensor) -> torch.Tensor:
-    """One copy of a pass's packed logits to the host, into fresh pageable memory (the answers may
-    hold views of it after the next pass; nothing is page-locked while serving)."""
+    """One copy of an eager pass's packed logits to the host, into fresh pageable memory (the answers
+    may hold views of it after the next pass); a replay's copy is queued instead (`LaunchedPass`)."""
     if flat.device.type != "cuda":
         return flat
     return flat.to("cpu")  # waits for the pass: the one sync per pass

@@ -200,7 +200,8 @@ class RequestFrame:
         block = RowBlock.of_frame(tokens, ints[:count], text, ints[count:].reshape(count, 2), flags)
         pairs = view[at - names - count:at - names].tolist()  # each row's flags, to tell pairs
         if count == n:  # one row per request (the common case)
-            return cls(ids, left, task_sets, which, [BlockRows(block, r, r + 1, pairs[r] & PAIR != 0) for r in range(n)],
+            return cls(ids, left, task_sets, which,
+                       [BlockRows(block, r, r + 1, pairs[r] & PAIR != 0) for r in range(n)],
                        [[length] for length in lengths], cancels)
         bounds = [0, *itertools.accumulate(per_request)]
         return cls(ids, left, task_sets, which, [BlockRows(block, x, y, x < y and pairs[x] & PAIR != 0)
