@@ -121,11 +121,15 @@ def driver(config: dict, engine_pid: int) -> None:
     """The workers' side: `conns` connections keeping `concurrency` requests in the engine."""
     import pickle
 
+    import numpy as np
+
     from bench.harness import read_sst2_sentences
     from server import workers
 
     per_connection = config["concurrency"] // config["conns"]
     answered = [0]
+    latencies: list[float] = []  # seconds from a request's frame written to its answer's frame read
+    recording = [False]
 
     async def connection(k: int):
         reader, writer = await asyncio.open_unix_connection(config["path"])
@@ -139,9 +143,15 @@ def driver(config: dict, engine_pid: int) -> None:
         sentences = sentences[k * 100:] + sentences[:k * 100]
         rows = itertools.cycle([text.encode([s], None, True, None) for s in sentences])
         ids, draw, loop, tick = itertools.count(1), random.Random(k), asyncio.get_running_loop(), config["tick_ms"]
+        sent: dict[int, float] = {}  # request id -> when its frame was written
 
         def send(n: int) -> None:
-            workers.write_frame(writer, workers.request_frame([(next(ids), next(rows), TASKS, 60.0) for _ in range(n)], []))
+            now, requests = time.perf_counter(), []
+            for _ in range(n):
+                ident = next(ids) & 0x7FFFFFFF
+                sent[ident] = now
+                requests.append((ident, next(rows), TASKS, 60.0))
+            workers.write_frame(writer, workers.request_frame(requests, []))
 
         def later(n: int) -> None:  # each request back after its think time, those due in one tick in one frame
             due: dict[int, int] = {}
@@ -156,6 +166,12 @@ def driver(config: dict, engine_pid: int) -> None:
             body = await workers.read_frame(reader)
             if body[:1] == workers.ANSWERS:
                 n = workers.ANSWER_HEAD.unpack_from(body)[1]
+                now = time.perf_counter()
+                # the ids follow the header and each request's three timings (server/workers.py, answer_frame)
+                done = np.frombuffer(body, dtype=np.int32, count=n, offset=workers.ANSWER_HEAD.size + 24 * n).tolist()
+                took = [now - sent.pop(ident) for ident in done]
+                if recording[0]:
+                    latencies.extend(took)
                 answered[0] += n
                 later(n)
 
@@ -165,11 +181,16 @@ def driver(config: dict, engine_pid: int) -> None:
             await asyncio.sleep(0.3)  # one at a time: each reads a large first frame (the tokenizer)
         await asyncio.sleep(config["warmup"])
         a0, c0 = answered[0], time.process_time()
+        recording[0] = True
         os.kill(engine_pid, signal.SIGUSR1)
         await asyncio.sleep(config["duration"])
         os.kill(engine_pid, signal.SIGUSR1)
+        recording[0] = False
+        p50, p99 = np.percentile(latencies, [50, 99]) * 1e3 if latencies else (None, None)
         print(json.dumps({"driver_answered_per_s": round((answered[0] - a0) / config["duration"]),
-                          "driver_cores": round((time.process_time() - c0) / config["duration"], 3)}), flush=True)
+                          "driver_cores": round((time.process_time() - c0) / config["duration"], 3),
+                          "engine_round_trip_ms": {"p50": round(float(p50), 2), "p99": round(float(p99), 2)}}),
+              flush=True)
         os._exit(0)
 
     import uvloop
@@ -261,11 +282,13 @@ def write_markdown(path: Path, result: dict) -> None:
              "after a think time; engine on CPU 0, driver on the rest. `after`: this tree "
              f"({m['versions']['tmod_git']['commit']}); `before`: the code at {result['before']}; `sequential`: "
              "this tree with each pass queued by the compute thread when it reaches it.", "",
-             "| code | think ms | run | requests/s | requests/batch | batch to batch, ms | engine cores | "
-             "engine CPU µs/request |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| code | think ms | run | requests/s | requests/batch | batch to batch, ms | engine round trip p50 / p99, ms "
+             "| engine cores | engine CPU µs/request |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(result["rows"], key=lambda r: (r["think_ms"], r["code"], r["run"])):
+        trip = r.get("engine_round_trip_ms", {})
         lines.append(f"| {r['code']} | {r['think_ms']:g} | {r['run']} | {r['requests_per_s']:,} | {r['requests_per_batch']} | "
-                     f"{r['batch_to_batch_ms']} | {r['engine_cores']} | {r['engine_cpu_us_per_request']} |")
+                     f"{r['batch_to_batch_ms']} | {trip.get('p50')} / {trip.get('p99')} | {r['engine_cores']} | "
+                     f"{r['engine_cpu_us_per_request']} |")
     path.write_text("\n".join(lines) + "\n")
 
 
