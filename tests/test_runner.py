@@ -531,6 +531,73 @@ def test_a_pass_launched_from_the_preparing_thread_answers_as_an_eager_pass(tiny
     assert len(calls) == 2
 
 
+def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(tiny_backbone, tiny_store,
+                                                                            monkeypatch):
+    """A GPU's pipeline run on the CPU over real HTTP, with the CPU's stand-in capture: two batches in
+    flight, each collated and its captured pass launched on a tokenizer thread, the compute thread
+    waiting and answering. Passes are replayed from the tokenizer threads (not the compute thread), a
+    reload in the middle of the traffic drops and captures the graphs again under the same lock, and
+    every answer is the eager one-at-a-time server's."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from server.app import create_app
+    from server.runner import LaunchedPass
+    from tests.helpers import LiveServer
+
+    token = "t" * 32
+    settings = Settings(store=tiny_store.root, tasks="sentiment,ner", max_batch_size=4, max_wait_ms=5,
+                        head_precision="fp32", admin_token=token)
+    requests = [([TEXTS[i % 6], TEXTS[(i + 1) % 6]], "sentiment,ner") for i in range(32)]
+
+    async def fire(url, reload_after=None):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def one(i, inputs, tasks):
+                if reload_after is not None and i == reload_after:
+                    reloaded = await client.post("/admin/modules/sentiment/reload",
+                                                 headers={"authorization": f"Bearer {token}"})
+                    assert reloaded.status_code == 200, reloaded.text
+                return await client.post("/v1/infer", params={"tasks": tasks}, json={"inputs": inputs})
+            return await asyncio.gather(*(one(i, x, t) for i, (x, t) in enumerate(requests)))
+
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:  # a CPU's server: eager passes
+        want = asyncio.run(fire(server.url))
+
+    original_init, original_enqueue = ModelRunner.__init__, LaunchedPass.enqueue.__func__
+    threads = []
+
+    def init(self, engine, settings, metrics=None, capture=None):
+        capture, _ = record_eager(engine, [self])  # the CPU's stand-in for capture_cuda_graph
+        original_init(self, engine, settings, metrics, capture=capture)
+
+    def enqueue(cls, captured, batch):
+        threads.append(threading.current_thread().name)
+        return original_enqueue(cls, captured, batch)
+
+    monkeypatch.setattr(ModelRunner, "__init__", init)
+    monkeypatch.setattr(LaunchedPass, "enqueue", classmethod(enqueue))
+    graphed = Settings(**{**settings.model_dump(exclude_unset=True), "batch_shapes": "buckets",
+                          "graph_batch_sizes": "1,2,4", "graph_seq_lens": "32,64"})
+    app = create_app(graphed, backbone=tiny_backbone)
+    runtime = app.state.runtime
+    runtime.batcher.prepare, runtime.batcher.settings.in_flight = runtime.prepare_batch, 2  # as on cuda
+    with LiveServer(app) as server:
+        captures = runtime.runner.graphs.captures
+        got = asyncio.run(fire(server.url, reload_after=12))
+        assert runtime.runner.graphs.captures > captures  # the reload dropped the graphs and captured them again
+    for a, b in zip(got, want):
+        assert a.status_code == b.status_code == 200, a.text
+        assert_same_answers({t: [r[t] for r in a.json()["results"]] for t in ("sentiment", "ner")},
+                            {t: [r[t] for r in b.json()["results"]] for t in ("sentiment", "ner")})
+    # launched where they were collated; a batch collated while the reload had dropped the graphs and not yet
+    # captured them again (two at most: two in flight) is replayed, if at all, by the compute thread
+    ahead = sum(name.startswith("tmod-tokenize") for name in threads)
+    assert ahead >= len(threads) - 2 and ahead > len(threads) // 2, threads
+    assert runtime.runner.graphs.replays == len(threads)
+
+
 def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone):
     """The segment classes a pair-pooling head reads are a static input of the captured pass: a
     replay for a batch with other texts and pairs answers as an eager pass does."""
