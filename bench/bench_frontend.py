@@ -278,7 +278,7 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     worker process and of the generator, and requests per batch from /metrics."""
     # here, not at the top: this file is also the served process (`--serve`), which must import server/
     # from BENCH_SERVER_CODE's checkout, and tests.helpers imports server/
-    from bench.harness import metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
+    from bench.harness import busiest_threads, metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
     from tests.helpers import worker_pids
 
     now = time.time()
@@ -342,6 +342,9 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
         # requests per batch over the window (the server's tmod_batch_requests): the engine's per-batch
         # work is shared by this many requests, so its CPU per request falls as batches fill
         "requests_per_batch": round(per_batch, 1) if per_batch else None,
+        # which of the server process's threads used its CPU (with workers: the engine's event loop, compute
+        # thread, tokenizer threads, and any of torch's or the GPU driver's own)
+        "server_busiest_threads": busiest_threads(server.proc.pid, threads0, threads1, window),
     }
 
 

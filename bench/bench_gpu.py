@@ -260,7 +260,9 @@ def served_section(args, sentences: list[str], tmp: Path):
                       f"{run['sequences_per_s']:,} seq/s, p50 {lat['p50'] or 0:.1f} ms, p99 {lat['p99'] or 0:.1f} ms, "
                       f"errors {run['errors']}, mean batch {run['batches']['mean_batch_inputs']} inputs / "
                       f"{run['requests_per_batch']} requests; CPU us/request engine {run['engine_process_cpu_us_per_request']}"
-                      f", workers {run['each_worker_cpu_us_per_request']}, generator {run['generator_cpu_us_per_request']}",
+                      f", workers {run['each_worker_cpu_us_per_request']}, generator {run['generator_cpu_us_per_request']}"
+                      f"; engine threads (cores) " + " ".join(f"{t['name']}{'(main)' if t['main'] else ''}={t['cores']}"
+                                                             for t in run["server_busiest_threads"][:5]),
                       flush=True)
                 yield run
         except BaseException:

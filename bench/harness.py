@@ -252,6 +252,23 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def busiest_threads(pid: int, before: dict[int, float], after: dict[int, float], seconds: float,
+                    top: int = 8) -> list[dict]:
+    """The `top` threads of a process by cores used between two `thread_cpu_seconds` readings, each
+    with its OS name (`comm`: tmod names its compute and tokenizer threads, `server/runtime.py`; a
+    thread started by a named one, such as torch's pool threads, inherits its name) and whether it is
+    the main thread (the event loop's)."""
+    used = sorted(((after[tid] - before.get(tid, 0.0), tid) for tid in after), reverse=True)[:top]
+    out = []
+    for cpu, tid in used:
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            name = "?"
+        out.append({"tid": tid, "name": name, "main": tid == pid, "cores": round(cpu / seconds, 3)})
+    return out
+
+
 def system_cpu() -> tuple[float, float, float] | None:
     """(busy, total, steal) jiffies over all CPUs since boot (busy excludes idle, iowait, steal)."""
     try:

@@ -73,7 +73,7 @@ from server.errors import ApiError
 from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics
-from server.runtime import Runtime, one_host_thread
+from server.runtime import Runtime, name_os_thread, one_host_thread
 
 log = logging.getLogger("tmod.workers")
 
@@ -727,7 +727,8 @@ class RemoteRuntime:
         self.text: TextEncoder | None = None
         self._model: tuple[str, str] | None = None
         self._seen: dict[tuple[str, str], ModuleView] = {}  # (task, version) -> view, for answers of a replaced version
-        self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize")
+        self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize",
+                                                    initializer=name_os_thread)
         self._pending: dict[int, asyncio.Future] = {}
         self._waiting: dict[int, Job] = {}  # inference requests in the engine, watched for clients that left
         self.limit = in_flight_limit(settings)

@@ -598,6 +598,22 @@ def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(ti
     assert runtime.runner.graphs.replays == len(threads)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="thread names are read from Linux's /proc")
+def test_the_runtime_threads_carry_their_names_to_the_os(tiny_backbone, tiny_store):
+    """`top -H`, profilers and the served benchmark's busiest threads see tmod-compute and
+    tmod-tokenize_N, not the process's name on every thread."""
+    import threading
+
+    runtime = Runtime(Settings(store=tiny_store.root, tasks="sentiment"), backbone=tiny_backbone)
+    try:
+        runtime.executor.submit(lambda: None).result()
+        runtime.tokenize_executor.submit(lambda: None).result()
+        names = {Path(f"/proc/self/task/{t.native_id}/comm").read_text().strip() for t in threading.enumerate()}
+        assert {"tmod-compute", "tmod-tokenize_0"} <= names, names
+    finally:
+        runtime.close()
+
+
 def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone):
     """The segment classes a pair-pooling head reads are a static input of the captured pass: a
     replay for a batch with other texts and pairs answers as an eager pass does."""
