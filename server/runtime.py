@@ -88,7 +88,7 @@ def name_os_thread() -> None:
     Linux's prctl; elsewhere nothing."""
     try:
         ctypes.CDLL(None).prctl(15, threading.current_thread().name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
+    except Exception:  # noqa: BLE001 - a name is not worth a thread: an executor's initializer that raises breaks it
         pass
 
 
