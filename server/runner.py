@@ -709,17 +709,14 @@ class ModelRunner:
         captures anew for the new module set)."""
         self.engine.forget_plans()
         with self._graph_lock:
-            self._forget_graphs()
-
-    def _forget_graphs(self) -> None:
-        self.graphs.forget()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()  # the dropped graphs' pool goes back to the driver: later captures measure theirs
-            if hasattr(self, "_pool"):
-                # a fresh pool: capturing into the released one trips the caching allocator's
-                # use-count assertion (seen on an H100, torch 2.11), and every later shape ran eager
-                self._pool = torch.cuda.graph_pool_handle()
+            self.graphs.forget()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()  # the dropped graphs' pool goes back to the driver: later captures measure theirs
+                if hasattr(self, "_pool"):
+                    # a fresh pool: capturing into the released one trips the caching allocator's
+                    # use-count assertion (seen on an H100, torch 2.11), and every later shape ran eager
+                    self._pool = torch.cuda.graph_pool_handle()
         self._observe_graphs()
 
     def warm_up(self, modules: dict[str, LoadedModule]) -> None:
@@ -793,13 +790,17 @@ class ModelRunner:
             if item.bucket is None:
                 continue
             try:
-                with self._graph_lock:
-                    captured = self.graphs.find(modules, item.bucket)
-                    if captured is not None:
-                        item.launched = LaunchedPass.enqueue(captured, item.batch)
+                item.launched = self._enqueue(modules, item.bucket, item.batch)
             except Exception:  # noqa: BLE001 - the compute thread runs it, and meets the error its own way
                 log.warning("a pass could not be launched ahead; it runs on the compute thread", exc_info=True)
         return prepared
+
+    def _enqueue(self, modules: dict[str, LoadedModule], bucket: Bucket, batch: TokenBatch) -> "LaunchedPass | None":
+        """The pass of a captured graph running every one of `modules` at `bucket`, queued on the
+        device under the graph lock; None: no such graph (the pass runs eager)."""
+        with self._graph_lock:
+            captured = self.graphs.find(modules, bucket)
+            return LaunchedPass.enqueue(captured, batch) if captured is not None else None
 
     # ---- device side ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -901,11 +902,8 @@ class ModelRunner:
         launched, item.launched = item.launched, None  # waited for once: a retry (`_answer_apart`) replays anew
         if item.bucket is not None:
             native = native_part(modules)
-            if launched is None:
-                captured = self.graphs.find(native, item.bucket) if native else None
-                if captured is not None:
-                    with self._graph_lock:
-                        launched = LaunchedPass.enqueue(captured, item.batch)
+            if launched is None and native:
+                launched = self._enqueue(native, item.bucket, item.batch)
             if launched is not None:
                 host, batches = self._replay(launched, item.batch, native, timings)
                 rest = {task: m for task, m in modules.items() if task not in native}

@@ -193,12 +193,12 @@ class RequestFrame:
         tokens = np.frombuffer(body, dtype=np.int32, count=size * FIELDS, offset=at).reshape(size, FIELDS)
         at += 4 * size * FIELDS
         flags = np.frombuffer(body, dtype=np.uint8, count=count, offset=at)
+        pairs = view[at:at + count].tolist()  # each row's flags, to tell pairs (a request's first row says)
         at += count
         task_sets = str(view[at:at + names], "utf-8").split("\n") if n else []
         at += names
         text = str(view[at:at + text_bytes], "utf-8", "surrogatepass")
         block = RowBlock.of_frame(tokens, ints[:count], text, ints[count:].reshape(count, 2), flags)
-        pairs = view[at - names - count:at - names].tolist()  # each row's flags, to tell pairs
         if count == n:  # one row per request (the common case)
             return cls(ids, left, task_sets, which,
                        [BlockRows(block, r, r + 1, pairs[r] & PAIR != 0) for r in range(n)],

@@ -138,23 +138,16 @@ class RowBlock(Sequence):
 
     @classmethod
     def join(cls, blocks: list["RowBlock"]) -> "RowBlock":
-        """Several blocks' rows, in order, as one block (one copy of their tokens and texts): numpy
-        calls per join, not per block (a batch of one-request frames joins one block per request)."""
+        """Several frames' blocks (rows laid one after the other, `of_frame`), in order, as one such block
+        (one copy of their tokens and texts): numpy calls per join, not per block (a batch of one-request
+        frames joins one block per request)."""
         if len(blocks) == 1:
             return blocks[0]
-        rows = [b.lengths.shape[0] for b in blocks]
-        text_base = np.repeat(np.cumsum([0] + [len(b.text) for b in blocks[:-1]]), rows)
-        tokens, lengths = np.concatenate([b.tokens for b in blocks]), np.concatenate([b.lengths for b in blocks])
-        text, flags = "".join([b.text for b in blocks]), np.concatenate([b.flags for b in blocks])
-        if all(b._ends is not None for b in blocks):  # laid out one after the other, as the joined rows are
-            ends = np.concatenate([b._ends for b in blocks]).astype(np.int64)
-            ends += text_base[:, None]
-            return cls(tokens, None, lengths, text, None, flags, ends)
-        first = np.concatenate([b.first for b in blocks])
-        first += np.repeat(np.cumsum([0] + [b.tokens.shape[0] for b in blocks[:-1]]), rows)
-        bounds = np.concatenate([b.bounds for b in blocks])
-        bounds += text_base[:, None]
-        return cls(tokens, first, lengths, text, bounds, flags)
+        text_base = np.repeat(np.cumsum([0] + [len(b.text) for b in blocks[:-1]]), [len(b) for b in blocks])
+        ends = np.concatenate([b._ends for b in blocks]).astype(np.int64)
+        ends += text_base[:, None]
+        return cls(np.concatenate([b.tokens for b in blocks]), None, np.concatenate([b.lengths for b in blocks]),
+                   "".join([b.text for b in blocks]), None, np.concatenate([b.flags for b in blocks]), ends)
 
     def take(self, index) -> "RowBlock":
         """Rows `index` (an index array or a slice), in that order; tokens and text shared, not copied."""
