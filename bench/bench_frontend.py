@@ -94,20 +94,27 @@ def install_standin(pass_s: float) -> None:
     from server.runner import ModelRunner
 
     def standin_pass(self, item, rows, modules, timings):
-        real = item.batch.real()
         start = time.perf_counter()
         time.sleep(pass_s)
-        host = {}
-        for task, module in modules.items():
-            labels = len(module.head.labels)
-            shape = (real.size, real.input_ids.shape[1], labels) if module.head.task_type == "token_classification" \
-                else (real.size, labels)
-            host[task] = standin_logits(shape)
+        out = standin_outputs(item, modules)
         timings.backbone += time.perf_counter() - start
-        item.deepest = 0
-        return host, {task: real for task in modules}
+        return out
 
     ModelRunner._pass = standin_pass
+
+
+def standin_outputs(item, modules: dict) -> tuple[dict, dict]:
+    """What `ModelRunner._pass` returns for a pass (`item`: a PreparedPass) of `modules`: host logits
+    of each task's shape (`standin_logits`) and the batch they lie on; the pass's depth set to 0."""
+    real = item.batch.real()
+    host = {}
+    for task, module in modules.items():
+        labels = len(module.head.labels)
+        shape = (real.size, real.input_ids.shape[1], labels) if module.head.task_type == "token_classification" \
+            else (real.size, labels)
+        host[task] = standin_logits(shape)
+    item.deepest = 0
+    return host, {task: real for task in modules}
 
 
 _POOLS: dict = {}  # random logits drawn once per kind of shape, grown when a shape needs more
