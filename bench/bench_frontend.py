@@ -281,12 +281,13 @@ def _client_process(args, queue, cpus=None):
 def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients: int, warmup: float,
             duration: float, signal_window: bool = False, generator_cpus: set[int] | None = None) -> dict:
     """One level against `server`, the load generator's processes on `generator_cpus` (None: any).
-    CPU per request of the server (the process tmod-serve started: with --workers the engine), of each
-    worker process and of the generator, and requests per batch from /metrics."""
+    CPU per request of the server (the process tmod-serve started: with --workers the engine; with
+    --engines N its N engines, summed and each), of each worker process and of the generator, and
+    requests per batch from /metrics."""
     # here, not at the top: this file is also the served process (`--serve`), which must import server/
     # from BENCH_SERVER_CODE's checkout, and tests.helpers imports server/
     from bench.harness import busiest_threads, metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
-    from tests.helpers import worker_pids
+    from tests.helpers import engine_pids, worker_pids
 
     now = time.time()
     start_at = now + 1.0  # every client connected before load starts
@@ -305,12 +306,17 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     time.sleep(max(0.0, record_from - time.time()))
     if signal_window:
         os.kill(server.proc.pid, signal.SIGUSR1)
-    workers = worker_pids(server.proc.pid)  # with --workers: the HTTP worker processes
+    engines = engine_pids(server.proc.pid)  # tmod-serve's process, or with --engines N its N engines
+    workers = [pid for engine in engines for pid in worker_pids(engine)]  # with --workers: the HTTP workers
+    # with --engines N, the process that started them (it holds the port) counts with them
+    counted = engines if engines == [server.proc.pid] else [*engines, server.proc.pid]
     metrics0 = server_metrics(server)
-    cpu0, threads0, t0 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
+    cpu0, threads0, t0 = ([proc_cpu_seconds(pid) or 0.0 for pid in counted],
+                          [thread_cpu_seconds(pid) for pid in engines], time.time())
     each0 = [proc_cpu_seconds(pid) or 0.0 for pid in workers]
     time.sleep(max(0.0, stop_at - time.time()))
-    cpu1, threads1, t1 = proc_cpu_seconds(server.proc.pid), thread_cpu_seconds(server.proc.pid), time.time()
+    cpu1, threads1, t1 = ([proc_cpu_seconds(pid) or 0.0 for pid in counted],
+                          [thread_cpu_seconds(pid) for pid in engines], time.time())
     each1 = [proc_cpu_seconds(pid) or 0.0 for pid in workers]
     metrics1 = server_metrics(server)
     parts = [queue.get(timeout=120) for _ in procs]
@@ -324,12 +330,17 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     ok = sum(part["ok_in_window"] for part in parts)
     window = t1 - t0
     per_batch = metrics_delta(metrics0, metrics1)["mean_batch_requests"]
-    engine_cpu = cpu1 - cpu0  # the process tmod-serve started: everything, or with workers the engine
+    # the process tmod-serve started: everything, or with workers the engine (with --engines, the engines)
+    each_engine = [b - a for a, b in zip(cpu0, cpu1)]
+    engine_cpu = sum(each_engine)
     each = [b - a for a, b in zip(each0, each1)]
     workers_cpu = sum(each)
     generator_cpu = sum(part["cpu_s"] for part in parts)
     server_cpu = engine_cpu + workers_cpu
-    main_thread = threads1.get(server.proc.pid, 0.0) - threads0.get(server.proc.pid, 0.0)
+    main_thread = sum(after.get(pid, 0.0) - before.get(pid, 0.0) for pid, before, after in zip(engines, threads0, threads1))
+    busiest = sorted(({**thread, "engine": i} if len(engines) > 1 else thread
+                      for i, (pid, before, after) in enumerate(zip(engines, threads0, threads1))
+                      for thread in busiest_threads(pid, before, after, window)), key=lambda t: -t["cores"])[:8]
     return {
         "inputs_per_request": inputs, "concurrency": concurrency, "window_s": round(window, 2),
         "requests": ok, "requests_per_s": round(ok / window, 1), "sequences_per_s": round(ok * inputs / window, 1),
@@ -339,8 +350,11 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
         "server_cpu_us_per_request": round(server_cpu / ok * 1e6, 1) if ok else None,
         "server_cpu_us_per_input": round(server_cpu / (ok * inputs) * 1e6, 1) if ok else None,
         "event_loop_cpu_us_per_request": round(main_thread / ok * 1e6, 1) if ok else None,
-        "worker_processes": len(workers),
-        "engine_process_cpu_us_per_request": round(engine_cpu / ok * 1e6, 1) if ok else None,
+        "worker_processes": len(workers), "engine_processes": len(engines),
+        "engine_process_cpu_us_per_request": round(engine_cpu / ok * 1e6, 1) if ok else None,  # all engines
+        # with --engines N: each engine's part, and that of the process holding the port (it takes no request)
+        **({"each_engine_cpu_us_per_request": [round(e / ok * 1e6, 1) for e in each_engine[:len(engines)]],
+            "port_holder_cpu_us_per_request": round(each_engine[-1] / ok * 1e6, 1)} if ok and len(engines) > 1 else {}),
         "engine_process_cpu_us_per_input": round(engine_cpu / (ok * inputs) * 1e6, 1) if ok else None,
         "workers_cpu_us_per_request": round(workers_cpu / ok * 1e6, 1) if ok and workers else None,
         "each_worker_cpu_us_per_request": [round(w / ok * 1e6, 1) for w in each] if ok else None,
@@ -350,8 +364,9 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
         # work is shared by this many requests, so its CPU per request falls as batches fill
         "requests_per_batch": round(per_batch, 1) if per_batch else None,
         # which of the server process's threads used its CPU (with workers: the engine's event loop, compute
-        # thread, tokenizer threads, and any of torch's or the GPU driver's own)
-        "server_busiest_threads": busiest_threads(server.proc.pid, threads0, threads1, window),
+        # thread, tokenizer threads, and any of torch's or the GPU driver's own; with --engines, every
+        # engine's, each tagged with its engine's index)
+        "server_busiest_threads": busiest,
     }
 
 

@@ -16,6 +16,8 @@
   req/s, p50/p99, errors, the achieved batch size from /metrics, and CPU per request of the engine
   process, each worker and the load generator. The server and the generator run on CPUs apart
   (--server-cpus, --generator-cpus; default half each), so the benchmark does not measure itself.
+  --engines N serves with N engine processes (tmod-serve --engines, each with its --workers):
+  their CPU is summed in the engine figure and listed apart.
 
 Writes bench/results/gpu-<device name>.json, rewritten after every row (with each section's seconds),
 so a run stopped at a time limit keeps what it measured.
@@ -240,7 +242,8 @@ def served_section(args, sentences: list[str], tmp: Path):
               for n in {n for n, _ in levels}}
     for workers in args.workers:
         env = {"TMOD_STORE": str(REPO / "modules_store"), "TMOD_TASKS": ",".join(TASKS), "TMOD_DEVICE": args.device,
-               "TMOD_WORKERS": str(workers), "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64",
+               "TMOD_WORKERS": str(workers), "TMOD_ENGINES": str(args.engines), "TMOD_LOG_LEVEL": "warning",
+               "TMOD_MAX_INPUTS": "64",
                "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
                **({"TMOD_BACKBONE": str(args.backbone)} if args.backbone else {})}
         server = ServerProcess(f"served-w{workers}", env, tmp / f"served-w{workers}.log", serve_command(),
@@ -254,13 +257,15 @@ def served_section(args, sentences: list[str], tmp: Path):
                 run = measure(server, bodies[inputs], inputs, concurrency, args.clients, args.warmup, args.duration,
                               generator_cpus=args.generator_cpus)
                 after = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
-                run = {"workers": workers, **run, "batches": metrics_delta(before, after)}
+                run = {"workers": workers, "engines": args.engines, **run, "batches": metrics_delta(before, after)}
                 lat = run["latency_ms"]
-                print(f"served workers={workers} {inputs} input(s) x c={concurrency}: {run['requests_per_s']:,} req/s, "
+                engines = f" engines={args.engines}" if args.engines > 1 else ""
+                print(f"served workers={workers}{engines} {inputs} input(s) x c={concurrency}: {run['requests_per_s']:,} req/s, "
                       f"{run['sequences_per_s']:,} seq/s, p50 {lat['p50'] or 0:.1f} ms, p99 {lat['p99'] or 0:.1f} ms, "
                       f"errors {run['errors']}, mean batch {run['batches']['mean_batch_inputs']} inputs / "
                       f"{run['requests_per_batch']} requests; CPU us/request engine {run['engine_process_cpu_us_per_request']}"
-                      f", workers {run['each_worker_cpu_us_per_request']}, generator {run['generator_cpu_us_per_request']}"
+                      + (f" {run.get('each_engine_cpu_us_per_request')}" if args.engines > 1 else "")
+                      + f", workers {run['each_worker_cpu_us_per_request']}, generator {run['generator_cpu_us_per_request']}"
                       f"; engine threads (cores) " + " ".join(f"{t['name']}{'(main)' if t['main'] else ''}={t['cores']}"
                                                              for t in run["server_busiest_threads"][:5]),
                       flush=True)
@@ -341,6 +346,9 @@ def main(argv=None) -> None:
     p.add_argument("--levels", nargs="+", default=["1x64", "1x256", "32x64", "32x256"],
                    help="served: inputs per request x concurrency")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4], help="served: tmod-serve --workers counts")
+    p.add_argument("--engines", type=int, default=1,
+                   help="served: tmod-serve --engines (engine processes, each with --workers workers; N > 1 needs "
+                        "workers >= 2; on one GPU with NVIDIA MPS where its daemon runs, docs/gpu.md)")
     p.add_argument("--clients", type=int, default=8, help="served: load-generator processes")
     p.add_argument("--warmup", type=float, default=3.0, help="served: unrecorded seconds per level")
     p.add_argument("--duration", type=float, default=10.0, help="served: recorded seconds per level")

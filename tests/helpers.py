@@ -222,6 +222,12 @@ def worker_pids(engine_pid: int) -> list[int]:
     return pids
 
 
+def engine_pids(server_pid: int) -> list[int]:
+    """The engine processes of a `tmod-serve` process: itself (`--workers N`, or one process), or with
+    `--engines N` its N engine children (the processes that have HTTP workers of their own)."""
+    return [pid for pid in child_pids(server_pid) if worker_pids(pid)] or [server_pid]
+
+
 def read_http_response(stream) -> tuple[int, dict[str, str], bytes] | None:
     """One HTTP/1.1 response from a socket's file (`sock.makefile("rb")`) framed by Content-Length:
     (status, headers lower-cased, body), or None if the connection ended before a status line."""

@@ -16,7 +16,7 @@ from modules_store import ModuleStore
 from server.config import Settings
 from server.app import create_app
 from server.modules import save_module
-from tests.helpers import (LiveServer, alive, child_pids, metric_sample, populate_store, random_head,
+from tests.helpers import (LiveServer, alive, engine_pids, metric_sample, populate_store, random_head,
                            start_tmod_serve, wait_until, worker_pids)
 
 TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beautifully acted film.",
@@ -225,20 +225,17 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
     both answer; SIGTERM stops all of them and the parent exits 0."""
     url, process = serve(store, tiny_backbone_dir, "--engines", "2")
     try:
-        def engines():
-            return [pid for pid in child_pids(process.pid) if worker_pids(pid)]
-
-        wait_until(lambda: len(engines()) == 2 and all(len(worker_pids(e)) == 2 for e in engines()),
-                   "two engines with two workers each")
-        engine_pids = engines()
-        workers_of = {engine: set(worker_pids(engine)) for engine in engine_pids}
+        wait_until(lambda: len(engine_pids(process.pid)) == 2
+                   and all(len(worker_pids(e)) == 2 for e in engine_pids(process.pid)), "two engines with two workers each")
+        engines = engine_pids(process.pid)
+        workers_of = {engine: set(worker_pids(engine)) for engine in engines}
         for i in range(40):  # a new connection each: the kernel spreads them over both engines' listeners
             with httpx.Client() as client:
                 answer = client.post(url + "/v1/infer", json={"inputs": [TEXTS[i % 4]]}, timeout=60)
             assert answer.status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0
-        assert not [pid for pid in engine_pids if alive(pid)]
+        assert not [pid for pid in engines if alive(pid)]
         serving = {r["pid"] for r in log_records(process) if r["logger"] == "tmod.access" and r["path"] == "/v1/infer"}
         assert all(serving & workers for workers in workers_of.values()), (serving, workers_of)  # both engines answered
     finally:
