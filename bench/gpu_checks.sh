@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Issue 37's open GPU questions (docs/gpu.md, "Measured on an H200 after issue 37"), in one device call
-# after the install runs of bench/README's "On a lent GPU" (py-spy comes in .gpu-tools, with the last):
+# Issue 37's open GPU question, one-text requests >= 8,000 req/s at p99 <= 50 ms (docs/gpu.md), and what
+# to read if this code misses it, in one device call after the install runs of bench/README's "On a lent
+# GPU" (py-spy comes in .gpu-tools, with the last):
 #
 #   bash bench/gpu_checks.sh        # everything in $OUT/gpu-checks.tgz (one file: a device call returns
-#                                   # at most eight); ~7 minutes on an H200 (2026-11-28: five servers at
-#                                   # DURATION=15 took ~350 s, ~70 s each; six now), so run it in a call of
+#                                   # at most eight); ~70 s a check on an H200 (2026-11-28: five servers
+#                                   # at DURATION=15 took ~350 s), six by default, so run it in a call of
 #                                   # its own with timeout_s ~560
 #
-# Each served run is a fresh tmod-serve --workers 4 with two 15 s levels of one-text requests at c=256,
-# the layout of the H100 and H200 rows (its first level after a start runs slower: read the second). In order:
-#   1. py-spy on the engine process during the last level: the samples holding the GIL, per thread, and
-#      all samples, idle included (which thread runs Python while the compute thread waits for the GIL);
-#   2. launch ahead (this code: the tokenizer thread that prepared a batch launches its captured pass) against
-#      sequential (the compute thread launches each pass once it has answered the one before, the order of
-#      the H100 and H200 runs), alternated, two servers each: the batch-to-batch time against the pass says
-#      whether the device still idles between passes (bench/bench_engine_load.py asks the same on a CPU);
-#   3. the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine process alone.
+# Each check is a fresh tmod-serve (--workers 4 unless said) with two 15 s levels of one-text requests at
+# c=256, the layout of the H100 and H200 rows (its first level after a start runs slower: read the second).
+# CHECKS names them, in order (a timeout cuts the last first); the default:
+#   launch-ahead-1    this code as shipped: the tokenizer thread that prepared a batch launches its captured
+#                     pass (the issue's target is read here and in launch-ahead-2);
+#   sequential-1      the order before it (the compute thread launches each pass once it has answered the
+#                     one before, the order of the H100 and H200 runs), in the engine process alone: the
+#                     batch-to-batch time against the pass says whether the device still idles between passes
+#                     (bench/bench_engine_load.py asks the same on a CPU);
+#   engines2          tmod-serve --engines 2 --workers 3 (two engine processes on the GPU, NVIDIA MPS when its
+#                     control daemon is here and starts; never run on a GPU yet): the lever where one engine
+#                     process's CPU is the cap;
+#   pyspy             this code under py-spy on the engine process during its last level: the samples holding
+#                     the GIL, per thread, and all samples, idle included (py-spy slows it: not a rate to read);
+#   launch-ahead-2, sequential-2   the pair again, alternated (servers of one code spread by ~2,000 req/s);
+# and on request: switch0.5, the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine alone.
 # On 2026-11-28 (H200) the batch window (2, 0.5, 0 ms) and the copy's wait made a sleep were measured here: the
 # window is not the lever, and a replay's copy now waits on a blocking CUDA event (server/runner.py).
 # PATH=$PWD/.venv/bin:$PATH DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU (its python3 needs torch).
@@ -25,7 +33,11 @@ export PYTHONPATH=$PWD:/tmp/tmod-site TMOD_DATA_DIR=${TMOD_DATA_DIR:-$PWD/.gpu-d
 results=${OUT:-/tmp/gpu-checks}
 out=$(mktemp -d)  # packed into $results/gpu-checks.tgz on exit, a timeout's too
 mkdir -p "$results"
-trap 'tar czf "$results/gpu-checks.tgz" -C "$out" .' EXIT
+mps_quit() {  # the MPS daemon engines2 may start goes with the run (a daemon outlives the device call)
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+trap 'mps_quit; tar czf "$results/gpu-checks.tgz" -C "$out" .' EXIT
 stop() {  # a timeout's TERM: each running bench_gpu.py stops its server and writes what it measured, then the pack
   pkill -TERM -f "bench/bench_gpu.py" 2>/dev/null
   # not `wait`: a bench_gpu.py started in a subshell (the profile's) is no job of this shell
@@ -56,7 +68,7 @@ served() {  # a name, then bench_gpu.py options
   timeout 150 python3 bench/bench_gpu.py --device "$device" --sections served --workers 4 --levels $levels \
     --warmup "$warmup" --duration "$duration" "$@" --out "$out/served-$name.json" > "$out/served-$name.log" 2>&1 &
   wait $!
-  echo "[$name] rc $? $(grep -E '^served' "$out/served-$name.log" | sed 's/^served workers=4 //' | tr '\n' ' ')"
+  echo "[$name] rc $? $(grep -E '^served' "$out/served-$name.log" | sed 's/^served //' | tr '\n' ' ')"
 }
 
 engine_site() {  # a sitecustomize.py (its body on stdin) in a new folder, printed: put it first on PYTHONPATH
@@ -70,13 +82,16 @@ engine_site() {  # a sitecustomize.py (its body on stdin) in a new folder, print
   echo "$site"
 }
 
-# py-spy: the engine is the oldest process started as tmod-serve or server.cli. The profile is of the last
-# level (the first after a start ran slow on the H200, p99 ~200 ms in all seven servers): from the server's
-# readiness, each level before it (its warm-up and its seconds), then its own warm-up and a second
-if [ -x "$pyspy" ]; then
+check_pyspy() {
+  # the engine is the oldest process started as tmod-serve or server.cli. The profile is of the last level
+  # (the first after a start ran slow on the H200, p99 ~200 ms in all seven servers): from the server's
+  # readiness, each level before it (its warm-up and its seconds), then its own warm-up and a second
+  if [ ! -x "$pyspy" ]; then
+    echo "[pyspy] $pyspy not here: carry .gpu-tools (bash bench/gpu_bundle.sh makes it)"
+    return
+  fi
   served pyspy &
-  bench=$!
-  engine="" port=""
+  local bench=$! engine="" port="" before span
   for _ in $(seq 600); do  # the server's process, then its port (bench_gpu.py sets TMOD_PORT), then ready
     [ -n "$engine" ] || engine=$(pgrep -o -f 'server\.cli|tmod-serve' || true)
     [ -n "$engine" ] && [ -z "$port" ] && port=$(tr '\0' '\n' < "/proc/$engine/environ" | sed -n 's/^TMOD_PORT=//p')
@@ -96,16 +111,12 @@ if [ -x "$pyspy" ]; then
     gzip -f "$out"/engine-*.txt 2>/dev/null
   fi
   wait "$bench"
-  echo "[py-spy] engine pid ${engine:-none}: $(cd "$out" && ls engine-*.txt.gz 2>/dev/null | tr "\n" " ")"
-else
-  echo "[py-spy] $pyspy not here: carry .gpu-tools (bash bench/gpu_bundle.sh makes it)"
-fi
+  echo "[pyspy] engine pid ${engine:-none}: $(cd "$out" && ls engine-*.txt.gz 2>/dev/null | tr "\n" " ")"
+}
 
-# this code's order (each batch's captured pass launched by the tokenizer thread that prepared it) against
-# the order before it (the compute thread launching each pass once it has answered the one before), in the
-# engine process alone: `ModelRunner.launch` made to launch nothing when server.runner is first imported
-# (imported here it would bring prometheus_client in before tmod-serve names its folder); two servers each,
-# alternated, since servers of one code spread by ~2,000 req/s on an H200
+# the order before this code's, in the engine process alone: `ModelRunner.launch` made to launch nothing
+# when server.runner is first imported (imported here it would bring prometheus_client in before tmod-serve
+# names its folder)
 sequential=$(engine_site <<'PY'
 import importlib.abc, importlib.util, os
 
@@ -132,14 +143,32 @@ if ENGINE:
     sys.meta_path.insert(0, AfterImport())
 PY
 )
-for round in 1 2; do
-  served "launch-ahead-$round"
-  TMOD_SEQUENTIAL_LOG=$out/sequential-set.log PYTHONPATH=$sequential:$PYTHONPATH served "sequential-$round"
-done
-echo "[sequential] set in: $(cat "$out/sequential-set.log" 2>/dev/null | wc -l) process(es)"
+check_sequential() {  # a name
+  TMOD_SEQUENTIAL_LOG=$out/sequential-set.log PYTHONPATH=$sequential:$PYTHONPATH served "$1"
+  echo "[$1] launch left out in: $(wc -l < "$out/sequential-set.log" 2>/dev/null || echo 0) process(es) so far"
+}
+
+# two engine processes, each with three workers (8 processes on the server's 8 CPUs), under NVIDIA MPS when
+# its control daemon is here and starts (docs/gpu.md, "Several engine processes on one GPU"); without it
+# the two CUDA contexts time-slice the GPU, and the name says which ran
+check_engines2() {
+  local mps="" name=engines2
+  if command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=$out/mps-pipe CUDA_MPS_LOG_DIRECTORY=$out/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d > "$out/mps-start.log" 2>&1; then  # a process: the GPU's settings stay as found
+      mps=on name=engines2-mps
+    else
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+  fi
+  echo "[engines2] NVIDIA MPS: ${mps:-not here or did not start}"
+  served "$name" --workers 3 --engines 2
+  mps_quit
+}
 
 # the GIL's switch interval at 0.5 ms, where Python starts, in the engine process alone
-site=$(engine_site <<'PY'
+switch=$(engine_site <<'PY'
 import os
 if ENGINE:
     sys.setswitchinterval(0.0005)
@@ -147,5 +176,18 @@ if ENGINE:
         log.write(f"{os.getpid()} {sys.getswitchinterval()} {' '.join(sys.orig_argv[:3])}\n")
 PY
 )
-TMOD_SWITCH_LOG=$out/switch-interval-set.log PYTHONPATH=$site:$PYTHONPATH served engine-switch0.5
-echo "[engine-switch0.5] set in: $(cat "$out/switch-interval-set.log" 2>/dev/null | wc -l) process(es)"
+check_switch() {
+  TMOD_SWITCH_LOG=$out/switch-interval-set.log PYTHONPATH=$switch:$PYTHONPATH served engine-switch0.5
+  echo "[engine-switch0.5] set in: $(wc -l < "$out/switch-interval-set.log" 2>/dev/null || echo 0) process(es)"
+}
+
+for check in ${CHECKS:-launch-ahead-1 sequential-1 engines2 pyspy launch-ahead-2 sequential-2}; do
+  case $check in
+    launch-ahead-*) served "$check" ;;
+    sequential-*) check_sequential "$check" ;;
+    engines2) check_engines2 ;;
+    pyspy) check_pyspy ;;
+    switch0.5) check_switch ;;
+    *) echo "[$check] no such check (launch-ahead-N, sequential-N, engines2, pyspy, switch0.5)" ;;
+  esac
+done
