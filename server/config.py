@@ -88,12 +88,14 @@ class Settings(BaseSettings):
         30.0, gt=0, description="one deadline per request, from when its body has been read: a request (every "
         "part of a long one) not taken into a batch by then is answered 503 and its parts not yet run are not run")
     # ---- the model runner (server/runner.py): batch shapes, CUDA graphs, head precision ----------
-    batch_shapes: Literal["auto", "length_runs", "buckets"] = Field(
+    batch_shapes: Literal["auto", "length_runs", "buckets", "bucket_runs"] = Field(
         "auto", description="how a batch becomes backbone passes: length_runs (rows cut into runs within "
         "max_padding_ratio, one pass each: right on a CPU, where compute scales with padded tokens); buckets (one "
         "pass per batch, rows padded up to a bucket length and the batch up to a bucket size from graph_seq_lens x "
-        "graph_batch_sizes: right on a GPU, where a pass costs launches, not padding); auto: buckets on cuda, "
-        "length_runs on the CPU")
+        "graph_batch_sizes: right on a GPU, where a pass costs launches, not padding); bucket_runs (buckets, but a "
+        "batch is cut where its rows' bucket length changes when the captured graphs' pass times, measured at "
+        "capture, sum to less than the one pass; GPU only, not yet measured served: docs/gpu.md); auto: buckets on "
+        "cuda, length_runs on the CPU")
     cuda_graphs: bool = Field(
         True, description="on a cuda device with backend torch, capture the whole pass (backbone and heads) of the "
         "task sets default requests run as one CUDA graph per reachable bucket shape, at start and after each module "

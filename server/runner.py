@@ -12,7 +12,9 @@ decodes). The engine knows how one pass of a plan runs and nothing of shapes, gr
   one pass with its rows padded up to a bucket length and the batch up to a bucket size, filler rows
   added (each sees one token; their outputs are dropped). Both lists of bucket sizes come from
   the settings, bounded by `max_batch_size` and the backbone's token limit; `reachable` lists every
-  bucket a pass can land in (the ones captured at start).
+  bucket a pass can land in (the ones captured at start). `bucket_runs` (opt-in) cuts a GPU batch
+  into runs of rows, each padded to its own bucket, where the captured passes' times, measured at
+  capture, say the runs cost less than the one pass (a batch of short rows and one long one).
 - **Graphs** (`GraphCache`, `capture_cuda_graph`). On a cuda device the whole pass of a plan
   (backbone stream, every native head and group) at one bucket shape is captured once as a CUDA
   graph and replayed: inputs are copied into the graph's static input tensors, the replay writes
@@ -53,9 +55,11 @@ decodes). The engine knows how one pass of a plan runs and nothing of shapes, gr
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -169,10 +173,12 @@ def bounded(sizes: list[int], limit: int, hard: bool = False) -> list[int]:
 class BatchShapes:
     """Rows (sorted by length) -> passes: [(rows slice, bucket or None)]. "length_runs": runs within
     `max_padding_ratio`, no bucket; "buckets": one pass per `batch_sizes[-1]` rows, each padded to
-    the smallest bucket covering it (None if its longest row is over every bucket length)."""
+    the smallest bucket covering it (None if its longest row is over every bucket length);
+    "bucket_runs": as "buckets", each pass then cut into the runs of rows whose buckets cost least
+    by `cost` (`cheapest_runs`)."""
 
     def __init__(self, mode: str, batch_sizes: list[int], seq_lens: list[int], max_padding_ratio: float = 1.25):
-        if mode not in ("length_runs", "buckets"):
+        if mode not in ("length_runs", "buckets", "bucket_runs"):
             raise ValueError(f"unknown batch shape mode {mode!r}")
         self.mode = mode
         self.batch_sizes, self.seq_lens = sorted(batch_sizes), sorted(seq_lens)
@@ -191,14 +197,52 @@ class BatchShapes:
         seq_len = next((n for n in self.seq_lens if n >= longest), None)
         return None if size is None or seq_len is None else Bucket(size, seq_len)
 
-    def passes(self, lengths: list[int]) -> list[tuple[slice, Bucket | None]]:
+    @property
+    def bucketed(self) -> bool:
+        """Passes padded to buckets (captured graphs, staging sets): the GPU's modes."""
+        return self.mode != "length_runs"
+
+    def passes(self, lengths: list[int], cost: Callable[[Bucket], float | None] | None = None
+               ) -> list[tuple[slice, Bucket | None]]:
+        """`cost`: with "bucket_runs", a pass's time at a bucket (None: not known, the pass is not cut)."""
         if self.mode == "length_runs":
             return [(run, None) for run in length_runs(lengths, self.max_padding_ratio)]
         out, step = [], self.batch_sizes[-1]
         for start in range(0, len(lengths), step):
             run = slice(start, min(start + step, len(lengths)))
-            out.append((run, self.bucket(run.stop - run.start, max(lengths[run]))))
+            runs = self.cheapest_runs(lengths, run, cost) if self.mode == "bucket_runs" and cost else None
+            out.extend(runs or [(run, self.bucket(run.stop - run.start, max(lengths[run])))])
         return out
+
+    def cheapest_runs(self, lengths: list[int], rows: slice, cost: Callable[[Bucket], float | None]
+                      ) -> list[tuple[slice, Bucket]] | None:
+        """`rows` (sorted by length) cut where a row's bucket length changes, into the runs whose
+        buckets' summed `cost` is least (the whole, one run, on a tie); None where the whole's cost is
+        not known. The cuts are few (one per bucket length), so every way of grouping them is tried
+        (a shortest path over the cut points)."""
+        whole = self.bucket(rows.stop - rows.start, lengths[rows.stop - 1])
+        if whole is None or cost(whole) is None:
+            return None
+        cuts = [rows.start]
+        for seq_len in self.seq_lens:  # the first row over each bucket length starts a group
+            at = bisect.bisect_right(lengths, seq_len, rows.start, rows.stop)
+            if cuts[-1] < at < rows.stop:
+                cuts.append(at)
+        cuts.append(rows.stop)
+        best = [0.0] + [math.inf] * (len(cuts) - 1)  # best[j]: the least cost of the rows before cuts[j]
+        came_from = [0] * len(cuts)
+        for j in range(1, len(cuts)):
+            for i in range(j):  # i = 0 first: on a tie, fewer passes
+                bucket = self.bucket(cuts[j] - cuts[i], lengths[cuts[j] - 1])
+                c = cost(bucket) if bucket is not None else None
+                if c is not None and best[i] + c < best[j]:
+                    best[j], came_from[j] = best[i] + c, i
+        runs, j = [], len(cuts) - 1
+        while j > 0:
+            i = came_from[j]
+            runs.append((slice(cuts[i], cuts[j]), self.bucket(cuts[j] - cuts[i], lengths[cuts[j] - 1])))
+            j = i
+        return runs[::-1]
 
     def reachable(self, max_batch_tokens: int, max_request_rows: int, max_row_tokens: int) -> list[Bucket]:
         """Every bucket a pass can land in, largest first (captured at start). The batcher adds a
@@ -332,6 +376,7 @@ class CapturedPass:
     memory_bytes: int = 0
     graph: object = None  # the torch.cuda.CUDAGraph (kept alive with its pool blocks)
     deepest: int | None = None  # the last backbone state the captured plan computes (set by GraphCache)
+    seconds: float | None = None  # a replay's time, measured at capture (`time_replay`): what bucket_runs weighs
 
     def __call__(self, batch: TokenBatch) -> torch.Tensor:
         if tuple(batch.input_ids.shape) != tuple(self.inputs.input_ids.shape):
@@ -476,7 +521,31 @@ def capture_cuda_graph(engine: Engine, plan, bucket: Bucket,
         graph.replay()
         return output
 
-    return CapturedPass(inputs, replay, layout, max(grown, 0), graph)
+    try:
+        seconds = time_replay(graph, device)
+    except Exception as exc:  # noqa: BLE001 - only bucket_runs reads the time: the graph still serves without it
+        if is_device_failure(exc):
+            raise
+        log.warning("graph %s: its replay could not be timed (%s); bucket_runs will not cut at it", bucket,
+                    error_text(exc))
+        seconds = None
+    return CapturedPass(inputs, replay, layout, max(grown, 0), graph, seconds=seconds)
+
+
+def time_replay(graph, device: torch.device, repeats: int = 3) -> float:
+    """What one more pass at a graph's shape costs: from an event recorded on the idle stream before
+    the replay is launched to one after it (the launch and the run), the median of `repeats` (at
+    capture, between batches)."""
+    stream = torch.cuda.current_stream(device)
+    begun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        begun.record(stream)
+        graph.replay()
+        done.record(stream)
+        done.synchronize()
+        times.append(begun.elapsed_time(done) / 1000)
+    return sorted(times)[len(times) // 2]
 
 
 @dataclass
@@ -500,6 +569,7 @@ class GraphCache:
         self.memory_bytes = 0
         self.captures = 0  # captures made since start (a test counts recaptures with it)
         self.replays = 0
+        self.generation = 0  # counts every change to the graphs held (a capture, a drop): caches key on it
         self._plans: dict[int, _PlanGraphs] = {}
 
     @property
@@ -559,6 +629,7 @@ class GraphCache:
         entry.graphs[bucket] = captured
         self.memory_bytes += captured.memory_bytes
         self.captures += 1
+        self.generation += 1
         log.debug("graph %s captured in %.0f ms (%d graphs, %.1f MiB)", bucket, 1000 * (time.perf_counter() - t0),
                   len(self), self.memory_bytes / 2**20)
         return captured
@@ -574,6 +645,7 @@ class GraphCache:
         """Drop every graph (module load / unload / reload: plans change, heads may be freed)."""
         self._plans.clear()
         self.memory_bytes = 0
+        self.generation += 1
 
     def describe(self) -> dict:
         return {"graphs": len(self), "plans": len(self._plans), "memory_bytes": self.memory_bytes,
@@ -667,6 +739,7 @@ class ModelRunner:
         self.head_precision = head_precision(settings)
         self.staging = StagingBuffers(pin=self.device.type == "cuda")
         self._classes: tuple[dict | None, set[str]] = (None, set())  # the last modules dict prepared, its token classes
+        self._costs: tuple = (None, -1, None)  # bucket_runs: the last modules dict prepared, the graphs' generation, costs
         self.staged = self.device.type == "cuda"  # inputs through staging sets (page-locked) on cuda
         # with HTTP worker processes (settings.workers > 1) the workers decode: answers leave as each
         # row's logits, and the engine process spends its CPU on passes (bench/bench_frontend.py)
@@ -723,7 +796,7 @@ class ModelRunner:
         """Between batches (start-up, every module change): staging sets for every reachable bucket
         and, with graphs, the native part of every task set a request naming no tasks runs
         (`served_task_sets`) captured at every reachable bucket, with progress in the log."""
-        if not modules or self.shapes.mode != "buckets":
+        if not modules or not self.shapes.bucketed:
             return
         buckets = self.reachable_buckets()
         if self.staged:
@@ -768,13 +841,31 @@ class ModelRunner:
         else:
             lengths = rows.lengths if type(rows) is SortedRows else [len(row) for row in rows]
         passes = []
-        for run, bucket in self.shapes.passes(lengths):
+        cost = self._pass_costs(modules) if self.shapes.mode == "bucket_runs" else None
+        for run, bucket in self.shapes.passes(lengths, cost):
             batch = self.engine.backbone.text.collate(
                 rows[run], shape=(bucket.size, bucket.seq_len) if bucket else None, device="cpu", classes=classes,
                 lengths=lengths[run])
             taken = self.staging.take(batch, bucket) if staged and self.staged and bucket is not None else None
             passes.append(PreparedPass(run, bucket, *taken) if taken else PreparedPass(run, bucket, batch))
         return PreparedBatch(rows, passes, lengths)
+
+    def _pass_costs(self, modules: dict[str, LoadedModule]) -> Callable[[Bucket], float | None] | None:
+        """bucket_runs: each bucket's pass time for `modules`, measured when its graph was captured
+        (None: no graph; None for all with a foreign task: such passes are not launched whole). Made
+        once per modules dict and graph change (prepare runs on a tokenizer thread: one tuple, swapped whole)."""
+        cached = self._costs
+        if cached[0] is modules and cached[1] == self.graphs.generation:
+            return cached[2]
+        table = None
+        with self._graph_lock:
+            generation = self.graphs.generation
+            if not any(m.bridge for m in modules.values()):
+                found = ((bucket, self.graphs.find(modules, bucket)) for bucket in self.reachable_buckets())
+                table = {bucket: captured.seconds for bucket, captured in found
+                         if captured is not None and captured.seconds is not None}.get
+        self._costs = (modules, generation, table)
+        return table
 
     @torch.inference_mode()
     def launch(self, prepared: PreparedBatch, modules: dict[str, LoadedModule]) -> PreparedBatch:

@@ -103,6 +103,55 @@ def test_bucket_choice_covers_each_pass_and_cuts_batches_over_the_largest_size()
     assert all(b is None for _, b in runs) and len(runs) > 1
 
 
+def test_bucket_runs_cut_a_batch_where_the_measured_passes_cost_least():
+    """`bucket_runs` against brute force: every way of cutting sorted rows where their bucket length
+    changes, each run padded to its bucket, priced by a table of pass times (some buckets without
+    one); the cheapest is chosen, the whole batch on a tie, and nothing is cut where the whole
+    batch's time is not known."""
+    import itertools
+    import random
+
+    sizes, lens = [1, 2, 4, 8, 16, 32, 64, 128], [16, 32, 64, 128]
+    shapes = BatchShapes("bucket_runs", sizes, lens)
+    rng = random.Random(7)
+
+    def brute(lengths, rows, cost):
+        seq = [next(n for n in lens if n >= lengths[r]) for r in range(rows.start, rows.stop)]
+        cuts = [rows.start + i for i in range(1, len(seq)) if seq[i] != seq[i - 1]]
+        best = None
+        for k in range(len(cuts) + 1):
+            for chosen in itertools.combinations(cuts, k):
+                bounds = [rows.start, *chosen, rows.stop]
+                runs = [(a, b, shapes.bucket(b - a, max(lengths[a:b]))) for a, b in zip(bounds, bounds[1:])]
+                prices = [cost(bucket) for _, _, bucket in runs]
+                if None not in prices and (best is None or sum(prices) < best[0] - 1e-12):
+                    best = (sum(prices), runs)
+        return best
+
+    for trial in range(300):
+        floor, per_token = rng.uniform(0.1, 1.0), rng.uniform(1e-4, 1e-2)
+        missing = set(rng.sample([(b, n) for b in sizes for n in lens], rng.randrange(0, 6)))
+        table = {Bucket(b, n): floor + per_token * b * n * (1 + n / 256) for b in sizes for n in lens
+                 if (b, n) not in missing}
+        lengths = sorted(rng.choice([rng.randint(3, 16), rng.randint(17, 40), rng.randint(41, 128)])
+                         for _ in range(rng.randint(1, 128)))
+        whole = slice(0, len(lengths))
+        got = shapes.cheapest_runs(lengths, whole, table.get)
+        if table.get(shapes.bucket(len(lengths), lengths[-1])) is None:
+            assert got is None
+            continue
+        price, runs = brute(lengths, whole, table.get)
+        assert [(r.start, r.stop, b) for r, b in got] == [(a, b, bucket) for a, b, bucket in runs], trial
+        assert abs(sum(table[b] for _, b in got) - price) < 1e-9
+    # the served case: 65 short rows and one long one -> the short ones at 128x16 and the long one at 1x64
+    lengths = [12] * 65 + [50]
+    table = {Bucket(b, n): 0.6 + 0.0003 * b * n for b in sizes for n in lens}
+    assert shapes.passes(lengths, table.get) == [(slice(0, 65), Bucket(128, 16)), (slice(65, 66), Bucket(1, 64))]
+    assert shapes.passes(lengths, None) == [(slice(0, 66), Bucket(128, 64))]  # no times: as "buckets"
+    flat = {bucket: 1.0 for bucket in table}  # every pass the same time: one pass
+    assert shapes.passes(lengths, flat.get) == [(slice(0, 66), Bucket(128, 64))]
+
+
 def test_reachable_buckets_are_every_bucket_a_pass_can_land_in():
     """Brute force over every pass the batcher can form (rows x longest within the token budget, or
     one request of up to max_inputs rows whatever its tokens; rows no longer than the token limit):
@@ -355,6 +404,7 @@ def test_cuda_graph_replay_equals_eager(tiny_backbone_dir, tmp_path):
     prepared = graphs.prepare(rows, modules)
     got, _ = graphs.logits(prepared.passes[0].batch, prepared.passes[0].bucket, modules, Timings())
     assert graphs.graphs.captures == 1 and graphs.graphs.memory_bytes >= 0
+    assert graphs.graphs.find(modules, Bucket(8, 64)).seconds > 0  # timed at capture (bucket_runs weighs it)
     want, _ = eager.logits(eager.prepare(rows, modules).passes[0].batch, Bucket(8, 64), modules, Timings())
     for task in modules:
         torch.testing.assert_close(got[task], want[task], atol=1e-5, rtol=1e-5)
@@ -529,6 +579,44 @@ def test_a_pass_launched_from_the_preparing_thread_answers_as_an_eager_pass(tiny
     assert again.passes[0].launched is None
     assert_same_answers(runner.execute(again, modules, Timings()), eager.run(rows, modules))
     assert len(calls) == 2
+
+
+def test_bucket_runs_launch_each_run_and_answer_as_an_eager_pass(tiny_backbone, tiny_store):
+    """`bucket_runs` with pass times that make a cut pay: the batch's short rows and its long one go
+    in passes of their own buckets, each launched ahead, and the answers are an eager pass's; with
+    times that do not, one pass; with no times (graphs that were not timed), one pass."""
+    import threading
+
+    modules = modules_of(tiny_store, tiny_backbone, ("sentiment", "ner"))
+    engine, ref = Engine(tiny_backbone), []
+    eager_capture, _ = record_eager(engine, ref)
+    times = {}
+
+    def capture(plan, bucket):
+        captured = eager_capture(plan, bucket)
+        captured.seconds = times.get(bucket)
+        return captured
+
+    runner = ModelRunner(engine, Settings(batch_shapes="bucket_runs", graph_batch_sizes="1,2,4,8",
+                                          graph_seq_lens="16,32,64", head_precision="fp32"), capture=capture)
+    ref.append(runner)
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    lengths = [len(row) for row in rows]
+    assert lengths[-2] <= 16 < lengths[-1] <= 32  # five short texts and one long
+    eager = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000).run(rows, modules)
+    for per_token, want in ((0.01, [Bucket(8, 16), Bucket(1, 32)]), (0.0, [Bucket(8, 32)]), (None, [Bucket(8, 32)])):
+        times.clear()
+        if per_token is not None:
+            times.update({Bucket(b, n): 0.01 + per_token * b * n for b in (1, 2, 4, 8) for n in (16, 32, 64)})
+        runner.forget_plans()
+        runner.warm_up(modules)
+        prepared = []
+        worker = threading.Thread(target=lambda: prepared.append(runner.launch(runner.prepare(rows, modules), modules)))
+        worker.start()
+        worker.join()
+        assert [item.bucket for item in prepared[0].passes] == want, per_token
+        assert all(item.launched is not None for item in prepared[0].passes)
+        assert_same_answers(runner.execute(prepared[0], modules, Timings()), eager)
 
 
 def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(tiny_backbone, tiny_store,
