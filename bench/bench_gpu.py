@@ -242,7 +242,8 @@ def served_section(args, sentences: list[str], tmp: Path):
               for n in {n for n, _ in levels}}
     for workers in args.workers:
         env = {"TMOD_STORE": str(REPO / "modules_store"), "TMOD_TASKS": ",".join(TASKS), "TMOD_DEVICE": args.device,
-               "TMOD_WORKERS": str(workers), "TMOD_ENGINES": str(args.engines), "TMOD_LOG_LEVEL": "warning",
+               "TMOD_WORKERS": str(workers), "TMOD_ENGINES": str(args.engines), "TMOD_BATCH_SHAPES": args.batch_shapes,
+               "TMOD_LOG_LEVEL": "warning",
                "TMOD_MAX_INPUTS": "64",
                "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
                **({"TMOD_BACKBONE": str(args.backbone)} if args.backbone else {})}
@@ -257,7 +258,8 @@ def served_section(args, sentences: list[str], tmp: Path):
                 run = measure(server, bodies[inputs], inputs, concurrency, args.clients, args.warmup, args.duration,
                               generator_cpus=args.generator_cpus)
                 after = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
-                run = {"workers": workers, "engines": args.engines, **run, "batches": metrics_delta(before, after)}
+                run = {"workers": workers, "engines": args.engines, "batch_shapes": args.batch_shapes, **run,
+                       "batches": metrics_delta(before, after)}
                 lat = run["latency_ms"]
                 engines = f" engines={args.engines}" if args.engines > 1 else ""
                 print(f"served workers={workers}{engines} {inputs} input(s) x c={concurrency}: {run['requests_per_s']:,} req/s, "
@@ -349,6 +351,8 @@ def main(argv=None) -> None:
     p.add_argument("--engines", type=int, default=1,
                    help="served: tmod-serve --engines (engine processes, each with --workers workers; N > 1 needs "
                         "workers >= 2; on one GPU with NVIDIA MPS where its daemon runs, docs/gpu.md)")
+    p.add_argument("--batch-shapes", default="auto", choices=["auto", "buckets", "bucket_runs", "length_runs"],
+                   help="served: TMOD_BATCH_SHAPES (auto: buckets on cuda)")
     p.add_argument("--clients", type=int, default=8, help="served: load-generator processes")
     p.add_argument("--warmup", type=float, default=3.0, help="served: unrecorded seconds per level")
     p.add_argument("--duration", type=float, default=10.0, help="served: recorded seconds per level")

@@ -5,24 +5,27 @@
 #
 #   bash bench/gpu_checks.sh        # everything in $OUT/gpu-checks.tgz (one file: a device call returns
 #                                   # at most eight); ~70 s a check on an H200 (2026-11-28: five servers
-#                                   # at DURATION=15 took ~350 s), six by default, so run it in a call of
-#                                   # its own with timeout_s ~560
+#                                   # at DURATION=15 took ~350 s), seven by default, ~490 s, so run it in a
+#                                   # call of its own with timeout_s ~580
 #
 # Each check is a fresh tmod-serve (--workers 4 unless said) with two 15 s levels of one-text requests at
 # c=256, the layout of the H100 and H200 rows (its first level after a start runs slower: read the second).
 # CHECKS names them, in order (a timeout cuts the last first); the default:
 #   launch-ahead-1    this code as shipped: the tokenizer thread that prepared a batch launches its captured
 #                     pass (the issue's target is read here and in launch-ahead-2);
-#   sequential-1      the order before it (the compute thread launches each pass once it has answered the
-#                     one before, the order of the H100 and H200 runs), in the engine process alone: the
-#                     batch-to-batch time against the pass says whether the device still idles between passes
-#                     (bench/bench_engine_load.py asks the same on a CPU);
+#   bucket-runs-1     this code with --batch-shapes bucket_runs: a batch cut into runs of rows, each padded to
+#                     its own bucket, where the graphs' pass times measured at capture say it pays (the H200's
+#                     one-text batches of ~65 SST-2 rows, 13.5 tokens on average, were padded to ~6,100 tokens);
 #   engines2          tmod-serve --engines 2 --workers 3 (two engine processes on the GPU, NVIDIA MPS when its
 #                     control daemon is here and starts; never run on a GPU yet): the lever where one engine
 #                     process's CPU is the cap;
 #   pyspy             this code under py-spy on the engine process during its last level: the samples holding
 #                     the GIL, per thread, and all samples, idle included (py-spy slows it: not a rate to read);
-#   launch-ahead-2, sequential-2   the pair again, alternated (servers of one code spread by ~2,000 req/s);
+#   launch-ahead-2, bucket-runs-2   the first pair again, alternated (servers of one code spread by ~2,000 req/s);
+#   sequential-1      the order before launch-ahead (the compute thread launches each pass once it has answered
+#                     the one before, the order of the H100 and H200 runs), in the engine process alone: the
+#                     batch-to-batch time against the pass says whether the device still idles between passes
+#                     (bench/bench_engine_load.py asks the same on a CPU); last, so a timeout cuts it first;
 # and on request: switch0.5, the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine alone.
 # On 2026-11-28 (H200) the batch window (2, 0.5, 0 ms) and the copy's wait made a sleep were measured here: the
 # window is not the lever, and a replay's copy now waits on a blocking CUDA event (server/runner.py).
@@ -181,13 +184,14 @@ check_switch() {
   echo "[engine-switch0.5] set in: $(wc -l < "$out/switch-interval-set.log" 2>/dev/null || echo 0) process(es)"
 }
 
-for check in ${CHECKS:-launch-ahead-1 sequential-1 engines2 pyspy launch-ahead-2 sequential-2}; do
+for check in ${CHECKS:-launch-ahead-1 bucket-runs-1 engines2 pyspy launch-ahead-2 bucket-runs-2 sequential-1}; do
   case $check in
     launch-ahead-*) served "$check" ;;
+    bucket-runs-*) served "$check" --batch-shapes bucket_runs ;;
     sequential-*) check_sequential "$check" ;;
     engines2) check_engines2 ;;
     pyspy) check_pyspy ;;
     switch0.5) check_switch ;;
-    *) echo "[$check] no such check (launch-ahead-N, sequential-N, engines2, pyspy, switch0.5)" ;;
+    *) echo "[$check] no such check (launch-ahead-N, bucket-runs-N, sequential-N, engines2, pyspy, switch0.5)" ;;
   esac
 done
