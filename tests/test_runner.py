@@ -418,6 +418,33 @@ def test_cuda_graph_replay_equals_eager(tiny_backbone_dir, tmp_path):
 
 
 @pytest.mark.cuda
+def test_cuda_bucket_runs_time_every_graph_and_cut_passes_answer_as_eager(tiny_backbone_dir, tmp_path):
+    """On a GPU: warm-up times every captured graph (seconds > 0); with times that make a cut pay, a
+    batch of short rows and a long one runs as two launched replays whose answers are an eager pass's."""
+    backbone = Backbone.load(tiny_backbone_dir, device="cuda")
+    from tests.helpers import populate_store
+
+    populate_store(tmp_path, backbone)
+    store = ModuleStore(tmp_path)
+    modules = {t: load_module(store, t, None, backbone, "cuda") for t in ("sentiment", "ner", "acceptability")}
+    runner = ModelRunner(Engine(backbone), Settings(device="cuda", batch_shapes="bucket_runs", head_precision="fp32",
+                                                    graph_batch_sizes="1,2,4,8", graph_seq_lens="16,32,64"))
+    runner.warm_up(modules)
+    captured = {bucket: runner.graphs.find(modules, bucket) for bucket in runner.reachable_buckets()}
+    assert captured and all(c is not None and c.seconds > 0 for c in captured.values()), captured
+    for bucket, c in captured.items():  # times that make cutting off a long row pay
+        c.seconds = 0.01 + 0.01 * bucket.size * bucket.seq_len
+    runner.graphs.generation += 1  # the runner's table of times is made anew
+    rows = sorted_rows(backbone, TEXTS)
+    prepared = runner.launch(runner.prepare(rows, modules), modules)
+    assert [item.bucket for item in prepared.passes] == [Bucket(8, 16), Bucket(1, 32)]
+    assert all(item.launched is not None for item in prepared.passes)
+    eager = ModelRunner(Engine(backbone), Settings(device="cuda", cuda_graphs=False, batch_shapes="length_runs",
+                                                   max_padding_ratio=1000, head_precision="fp32"))
+    assert_same_answers(runner.execute(prepared, modules, Timings()), eager.run(rows, modules))
+
+
+@pytest.mark.cuda
 def test_cuda_reload_under_load_switches_answers_and_drops_no_request(tiny_backbone_dir, tmp_path):
     """A real server on cuda with graphs: requests keep coming while sentiment is switched between
     two versions; every request is answered 200, each with the answers of the version it names."""
