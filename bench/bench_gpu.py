@@ -243,9 +243,8 @@ def served_section(args, sentences: list[str], tmp: Path):
     for workers in args.workers:
         env = {"TMOD_STORE": str(REPO / "modules_store"), "TMOD_TASKS": ",".join(TASKS), "TMOD_DEVICE": args.device,
                "TMOD_WORKERS": str(workers), "TMOD_ENGINES": str(args.engines), "TMOD_BATCH_SHAPES": args.batch_shapes,
-               "TMOD_LOG_LEVEL": "warning",
-               "TMOD_MAX_INPUTS": "64",
-               "TMOD_MAX_QUEUE": "100000", "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
+               "TMOD_LOG_LEVEL": "warning", "TMOD_MAX_INPUTS": "64", "TMOD_MAX_QUEUE": "100000",
+               "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
                **({"TMOD_BACKBONE": str(args.backbone)} if args.backbone else {})}
         server = ServerProcess(f"served-w{workers}", env, tmp / f"served-w{workers}.log", serve_command(),
                                cpus=args.server_cpus)
