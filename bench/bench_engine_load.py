@@ -19,7 +19,11 @@ batch-to-batch time against `--pass-ms` says how much of it is left.
     python bench/bench_engine_load.py --before /tmp/before --runs 3 --out bench/results/engine-load-cpu.json
 
 `--before`: a checkout of other code run alternately with this tree (same stand-in, same driver);
-`--sequential`: this tree with the launch from the preparing thread left out.
+`--sequential`: this tree with the launch from the preparing thread left out; `--bucket-runs`: this
+tree with batch shapes "bucket_runs", whose pass times (the graphs' measured times on a GPU) are then
+`--pass-model`'s, as are the stand-in passes of every code: FLOOR,PER_TOKEN ms, a pass at bucket
+B x T taking FLOOR + PER_TOKEN x B x T (a model, not a measurement: what the engine's own CPU does
+with the passes a GPU's times would ask for is what is measured).
 """
 from __future__ import annotations
 
@@ -53,35 +57,44 @@ def engine(config: dict) -> None:
     from server.runtime import Runtime, one_host_thread
 
     one_host_thread()  # as on cuda (server/runtime.py)
-    pass_s, releases, clock, device = config["pass_ms"] / 1000, config["releases"], threading.Lock(), {"end": 0.0}
+    releases, clock, device, model = config["releases"], threading.Lock(), {"end": 0.0, "busy": 0.0}, config["pass_model"]
 
-    def queue_pass() -> float:
+    def pass_seconds(bucket) -> float:
+        """A pass's time on the stand-in device: --pass-ms, or --pass-model's at its bucket."""
+        if model is None:
+            return config["pass_ms"] / 1000
+        return (model[0] + model[1] * bucket.size * bucket.seq_len) / 1000
+
+    def queue_pass(seconds: float) -> float:
         """A pass queued on the stand-in device -> when it ends there."""
         for _ in range(releases):
             time.sleep(0)  # lets go of the GIL and takes it back, as a torch call does
         with clock:
-            device["end"] = max(time.perf_counter(), device["end"]) + pass_s
+            device["end"] = max(time.perf_counter(), device["end"]) + seconds
+            device["busy"] += seconds
             return device["end"]
 
     def launch(self, prepared, modules):  # called by code that launches from the preparing thread
         if config["launch_ahead"]:
             for item in prepared.passes:
-                item.launched = queue_pass()
+                item.launched = queue_pass(pass_seconds(item.bucket))
         return prepared
 
     def device_pass(self, item, rows, modules, timings):  # the compute thread's: wait for the pass, then logits
         launched = getattr(item, "launched", None)
         item.launched = None
-        end = launched if launched is not None else queue_pass()
+        end = launched if launched is not None else queue_pass(pass_seconds(item.bucket))
         time.sleep(max(0.0, end - time.perf_counter()))
-        timings.backbone += pass_s
+        timings.backbone += pass_seconds(item.bucket)
         return standin_outputs(item, modules)
 
     ModelRunner.launch, ModelRunner._pass = launch, device_pass
+    if config["batch_shapes"] == "bucket_runs":  # the graphs' measured times, on a GPU
+        ModelRunner._pass_costs = lambda self, modules: pass_seconds
 
     async def main():
         settings = Settings(store=str(REPO / "modules_store"), workers=config["conns"], tasks=TASKS, max_queue=100000,
-                            batch_shapes="buckets", max_wait_ms=config["max_wait_ms"])
+                            batch_shapes=config["batch_shapes"], max_wait_ms=config["max_wait_ms"])
         runtime = Runtime(settings)
         runtime.batcher.settings.in_flight = 2  # as on cuda
         runtime.batcher.prepare = runtime.prepare_batch
@@ -94,18 +107,22 @@ def engine(config: dict) -> None:
 
         def mark():
             marks.append((time.perf_counter(), time.process_time(), count("tmod_batch_requests_count") or 0.0,
-                          count("tmod_batch_requests_sum") or 0.0))
+                          count("tmod_batch_requests_sum") or 0.0, count("tmod_batch_tokens_count") or 0.0,
+                          count("tmod_batch_tokens_sum") or 0.0, device["busy"]))
             if len(marks) == 2:
                 done.set()
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, mark)
         print("READY", flush=True)
         await done.wait()
-        (t0, c0, b0, r0), (t1, c1, b1, r1) = marks
-        wall, batches, requests = t1 - t0, b1 - b0, r1 - r0
+        (t0, c0, b0, r0, p0, k0, d0), (t1, c1, b1, r1, p1, k1, d1) = marks
+        wall, batches, requests, passes = t1 - t0, b1 - b0, r1 - r0, p1 - p0
         print(json.dumps({"requests_per_s": round(requests / wall), "requests_per_batch": round(requests / batches, 1),
                           "batch_to_batch_ms": round(wall / batches * 1e3, 2), "engine_cores": round((c1 - c0) / wall, 3),
-                          "engine_cpu_us_per_request": round((c1 - c0) / requests * 1e6, 1)}), flush=True)
+                          "engine_cpu_us_per_request": round((c1 - c0) / requests * 1e6, 1),
+                          "passes_per_batch": round(passes / batches, 2),
+                          "padded_tokens_per_batch": round((k1 - k0) / batches),
+                          "device_busy": round((d1 - d0) / wall, 3)}), flush=True)
         os._exit(0)
 
     getattr(workers, "run_engine_loop", asyncio.run)(main())
@@ -223,6 +240,10 @@ def main() -> None:
     parser.add_argument("--sequential", action="store_true",
                         help="compare with this tree whose passes are queued by the compute thread when it reaches "
                              "them (`ModelRunner.launch` left out), instead of with --before")
+    parser.add_argument("--bucket-runs", action="store_true",
+                        help="compare with this tree whose batch shapes are bucket_runs, its pass times --pass-model's")
+    parser.add_argument("--pass-model", help="FLOOR,PER_TOKEN (ms): every stand-in pass takes FLOOR + PER_TOKEN x "
+                                             "its bucket's rows x tokens, instead of --pass-ms (needed by --bucket-runs)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each level and code")
     parser.add_argument("--think-ms", default="20,5", help="levels: the think times (ms), comma-separated")
     parser.add_argument("--pass-ms", type=float, default=3.9, help="the stand-in pass (H200: 3.9 ms at ~61 rows)")
@@ -243,13 +264,18 @@ def main() -> None:
         return driver(json.loads(args.driver[0]), int(args.driver[1]))
     from bench.harness import machine_info
 
+    if args.bucket_runs and not args.pass_model:
+        parser.error("--bucket-runs needs --pass-model (the times bucket_runs weighs passes by)")
+    model = [float(x) for x in args.pass_model.split(",")] if args.pass_model else None
     codes = {"after": str(REPO), **({"before": str(Path(args.before).resolve())} if args.before else {}),
-             **({"sequential": str(REPO)} if args.sequential else {})}
+             **({"sequential": str(REPO)} if args.sequential else {}),
+             **({"bucket_runs": str(REPO)} if args.bucket_runs else {})}
     rows = []
     for run in range(args.runs):
         for think in [float(t) for t in args.think_ms.split(",")]:
             for code in (list(codes) if run % 2 == 0 else list(reversed(codes))):
                 config = {"code": codes[code], "launch_ahead": code != "sequential",
+                          "batch_shapes": "bucket_runs" if code == "bucket_runs" else "buckets", "pass_model": model,
                           "path": f"/tmp/tmod-engine-load-{os.getpid()}.sock", "pass_ms": args.pass_ms, "releases": args.releases, "conns": args.conns,
                           "concurrency": args.concurrency, "think_ms": think, "tick_ms": args.tick_ms,
                           "max_wait_ms": args.max_wait_ms, "warmup": args.warmup, "duration": args.duration}
@@ -268,21 +294,26 @@ def main() -> None:
 def write_markdown(path: Path, result: dict) -> None:
     m, s = result["machine"], result["settings"]
     flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx"))]
-    lines = [f"# The engine process under load, its device a stand-in queue ({s['pass_ms']} ms a pass, "
+    model = s.get("pass_model")
+    passes = f"a pass at B x T: {model.replace(',', ' + ')} x B x T ms" if model else f"{s['pass_ms']} ms a pass"
+    lines = [f"# The engine process under load, its device a stand-in queue ({passes}, "
              f"{s['releases']} GIL releases per queued pass)", "",
              f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus')} logical CPUs · "
              f"`{result['command']}`", "",
              f"{s['conns']} emulated workers keep {s['concurrency']} one-text requests in the engine, each sent back "
              "after a think time; engine on CPU 0, driver on the rest. `after`: this tree "
              f"({m['versions']['tmod_git']['commit']}); `before`: the code at {result['before']}; `sequential`: "
-             "this tree with each pass queued by the compute thread when it reaches it.", "",
+             "this tree with each pass queued by the compute thread when it reaches it; `bucket_runs`: this tree with "
+             "batch shapes bucket_runs, weighing passes by the same times as the stand-in's.", "",
              "| code | think ms | run | requests/s | requests/batch | batch to batch, ms | engine round trip p50 / p99, ms "
-             "| engine cores | engine CPU µs/request |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| engine cores | engine CPU µs/request | passes/batch | padded tokens/batch | device busy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(result["rows"], key=lambda r: (r["think_ms"], r["code"], r["run"])):
         trip = r.get("engine_round_trip_ms", {})
         lines.append(f"| {r['code']} | {r['think_ms']:g} | {r['run']} | {r['requests_per_s']:,} | {r['requests_per_batch']} | "
                      f"{r['batch_to_batch_ms']} | {trip.get('p50')} / {trip.get('p99')} | {r['engine_cores']} | "
-                     f"{r['engine_cpu_us_per_request']} |")
+                     f"{r['engine_cpu_us_per_request']} | {r.get('passes_per_batch')} | {r.get('padded_tokens_per_batch')} | "
+                     f"{r.get('device_busy')} |")
     path.write_text("\n".join(lines) + "\n")
 
 
