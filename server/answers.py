@@ -48,6 +48,24 @@ class RowLogits(Sequence):
             return [self[i] for i in range(*r.indices(len(self)))]
         return self.array[r] if self.lengths is None else self.array[r, :self.lengths[r]]
 
+    @classmethod
+    def joined(cls, parts: list["RowLogits"]) -> "RowLogits":
+        """Several passes' RowLogits of one task, their rows one after the other, as one (a batch cut
+        into passes answers as one array, so its answer frame gathers rows with numpy, not a view per
+        row). A token task's passes differ in width: each is copied into the widest, whose padding is
+        never read (rows are read over their own lengths)."""
+        if len(parts) == 1:
+            return parts[0]
+        if parts[0].lengths is None:
+            return cls(np.concatenate([part.array for part in parts]))
+        width = max(part.array.shape[1] for part in parts)
+        array = np.zeros((sum(len(part) for part in parts), width, parts[0].array.shape[2]), dtype=parts[0].array.dtype)
+        at = 0
+        for part in parts:
+            array[at:at + len(part), :part.array.shape[1]] = part.array
+            at += len(part)
+        return cls(array, np.concatenate([part.lengths for part in parts]))
+
     def take(self, places: np.ndarray) -> np.ndarray:
         """Rows `places`, in that order, as one array: (rows, labels), or a token task's rows' own
         tokens one after the other (tokens, labels) (what `np.concatenate` of their views gives)."""
@@ -77,6 +95,22 @@ def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor]
             out[task] = RowLogits(logits[task].numpy(), token_lengths)
         else:
             out[task] = RowLogits(logits[task].numpy())
+    return out
+
+
+def joined_answers(parts: list[dict[str, Sequence]]) -> dict[str, Sequence]:
+    """Several passes' answers (each `answers`' result, for the same tasks), their rows one after
+    the other: a task answered as RowLogits in every pass stays one RowLogits (`RowLogits.joined`);
+    any other (decoded answers, refusals) becomes one list."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for task in parts[0]:
+        values = [part[task] for part in parts]
+        if all(type(v) is RowLogits for v in values):
+            out[task] = RowLogits.joined(values)
+        else:
+            out[task] = [answer for v in values for answer in v]
     return out
 
 

@@ -260,6 +260,42 @@ def test_the_answer_frame_gathers_row_logits_as_the_rows_one_by_one():
     assert isinstance(answers[101], ApiError) and answers[101].status == 503
     assert all(not isinstance(answers[100 + i], ApiError) for i in (0, 2, 3, 4))
 
+def test_a_batch_cut_into_passes_answers_as_one_array_per_task():
+    """A batch cut into passes (CPU length runs, GPU bucket_runs, an out-of-memory split) joins its
+    passes' RowLogits into one per task, the token task's passes of different widths included: its
+    answer frame is byte for byte the one made from each row's own view, and a pass answered otherwise
+    (a refusal) leaves that task a list."""
+    from types import SimpleNamespace
+
+    from server.answers import RowLogits, joined_answers
+    from server.timings import Timings
+
+    rng = np.random.default_rng(1)
+    cuts = [(0, 4, 6), (4, 9, 11), (9, 12, 3)]  # each pass's rows and its width (its bucket length)
+    parts, one_by_one = [], {"sentiment": [], "ner": []}
+    for start, stop, width in cuts:
+        lengths = rng.integers(1, width + 1, stop - start)
+        sequence = rng.normal(size=(stop - start, 3)).astype(np.float32)
+        tokens = rng.normal(size=(stop - start, width, 5)).astype(np.float32)
+        parts.append({"sentiment": RowLogits(sequence), "ner": RowLogits(tokens, lengths)})
+        one_by_one["sentiment"] += [sequence[r] for r in range(stop - start)]
+        one_by_one["ner"] += [tokens[r, :lengths[r]] for r in range(stop - start)]
+    joined = joined_answers(parts)
+    assert all(type(joined[task]) is RowLogits for task in joined)
+    module = SimpleNamespace(version="1")
+    both, ner_only = {"sentiment": module, "ner": module}, {"ner": module}
+    requests = [[3, 0], [5], [1, 2, 4], [6], [11, 7, 8, 9, 10]]
+    items = [((None, both if i % 2 == 0 else ner_only, 0.0, 0.5, None, 100 + i, [0] * len(places)), places)
+             for i, places in enumerate(requests)]
+    timings = Timings()
+    frame = b"".join(workers.answer_frame([(items, joined, timings, 1.0)], []))
+    assert frame == b"".join(workers.answer_frame([(items, one_by_one, timings, 1.0)], []))
+    refused = [parts[0], {task: [ApiError(503, "out_of_memory", "too long")] * 5 for task in parts[1]}, parts[2]]
+    mixed = joined_answers(refused)
+    assert type(mixed["ner"]) is list and len(mixed["ner"]) == 12 and isinstance(mixed["ner"][4], ApiError)
+    np.testing.assert_array_equal(mixed["ner"][11], one_by_one["ner"][11])
+
+
 def test_a_frames_requests_decode_together_each_as_on_its_own(tmp_path, tiny_store, tiny_backbone, monkeypatch):
     """A worker decodes every request of an answer frame in one call per module: each request still
     gets its own answers, its tasks in the order it named them, equal to one process's; one request
