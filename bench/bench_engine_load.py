@@ -294,6 +294,10 @@ def main() -> None:
 def write_markdown(path: Path, result: dict) -> None:
     m, s = result["machine"], result["settings"]
     flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx"))]
+    codes = {"after": f"`after`: this tree ({m['versions']['tmod_git']['commit']})",
+             "before": f"`before`: the code at {result['before']}",
+             "sequential": "`sequential`: this tree with each pass queued by the compute thread when it reaches it",
+             "bucket_runs": "`bucket_runs`: this tree with batch shapes bucket_runs, weighing passes by the stand-in's times"}
     model = s.get("pass_model")
     passes = f"a pass at B x T: {model.replace(',', ' + ')} x B x T ms" if model else f"{s['pass_ms']} ms a pass"
     lines = [f"# The engine process under load, its device a stand-in queue ({passes}, "
@@ -301,10 +305,8 @@ def write_markdown(path: Path, result: dict) -> None:
              f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus')} logical CPUs · "
              f"`{result['command']}`", "",
              f"{s['conns']} emulated workers keep {s['concurrency']} one-text requests in the engine, each sent back "
-             "after a think time; engine on CPU 0, driver on the rest. `after`: this tree "
-             f"({m['versions']['tmod_git']['commit']}); `before`: the code at {result['before']}; `sequential`: "
-             "this tree with each pass queued by the compute thread when it reaches it; `bucket_runs`: this tree with "
-             "batch shapes bucket_runs, weighing passes by the same times as the stand-in's.", "",
+             "after a think time; engine on CPU 0, driver on the rest. "
+             + "; ".join(what for code, what in codes.items() if code in {r["code"] for r in result["rows"]}) + ".", "",
              "| code | think ms | run | requests/s | requests/batch | batch to batch, ms | engine round trip p50 / p99, ms "
              "| engine cores | engine CPU µs/request | passes/batch | padded tokens/batch | device busy |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
