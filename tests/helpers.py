@@ -340,14 +340,18 @@ def rows_swapped(data: bytes) -> bytes:
     return swapped
 
 
-def rewrite_until(target: Path, versions: list[bytes], how: str, stop: threading.Event) -> None:
+def rewrite_until(target: Path, versions: list[bytes], how: str, stop: threading.Event, calm_every: int = 0
+                  ) -> None:
     """Until `stop`: write each of `versions` in turn over `target`, 0-20 ms apart, in place (truncate,
-    then write, as `cp` does) or as a new file renamed over it (store race checks)."""
+    then write, as `cp` does) or as a new file renamed over it (store race checks). `calm_every` N:
+    every Nth round, the first version stays whole for 0.25 s (a reload can read it complete: on a busy
+    box, 25 reloads between back-to-back writes of a 16 MB file all met a half-written or swapped one)."""
     import os
     import random
 
     staging, pauses, turn = target.with_name(".incoming"), random.Random(0), 0
-    while not stop.wait(pauses.uniform(0, 0.02)):
+    calm = len(versions) * calm_every
+    while not stop.wait(0.25 if calm and turn % calm == 1 else pauses.uniform(0, 0.02)):
         data = versions[turn % len(versions)]
         turn += 1
         if how == "in_place":

@@ -61,7 +61,7 @@ def test_reloads_while_the_weights_file_is_rewritten_never_crash_nor_serve_other
     url, process, target, versions, expected = race_server
     checked = versions[0]
     stop = threading.Event()
-    writer = threading.Thread(target=rewrite_until, args=(target, versions, how, stop), daemon=True)
+    writer = threading.Thread(target=rewrite_until, args=(target, versions, how, stop, 3), daemon=True)
     statuses, wrong = [], []
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
