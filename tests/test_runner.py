@@ -540,7 +540,9 @@ def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(t
             return out
         return call
 
-    runtime.batcher.prepare = logged("prepare", runtime.prepare_batch)
+    # both take a while (a slow tokenizer thread, a slow device), so that a batch prepared while another
+    # runs shows as overlapping spans, whichever of the two threads logs its start first once a slot frees
+    runtime.batcher.prepare = logged("prepare", runtime.prepare_batch, pause=0.03)
     runtime.batcher.run_batch = logged("run", runtime.run_batch, pause=0.05)
     runtime.batcher.settings.in_flight = 2
     with LiveServer(app) as server:
@@ -549,12 +551,10 @@ def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(t
         assert a.status_code == b.status_code == 200
         assert_same_answers({t: [r[t] for r in a.json()["results"]] for t in ("sentiment", "ner")},
                             {t: [r[t] for r in b.json()["results"]] for t in ("sentiment", "ner")})
-    running, overlapped = False, False
+    active, overlapped = {"prepare": 0, "run": 0}, False
     for name, what in events:
-        if name == "run":
-            running = what == "start"
-        elif what == "start" and running:
-            overlapped = True  # a batch was being prepared while another ran
+        active[name] += 1 if what == "start" else -1
+        overlapped = overlapped or (active["prepare"] > 0 and active["run"] > 0)  # prepared while another ran
     assert overlapped, events
     assert sum(1 for e in events if e == ("run", "start")) >= 6  # 24 rows, at most 4 per batch
 
