@@ -489,10 +489,12 @@ def pool_bytes(snapshot: list[dict], pool, device_index: int) -> int:
 
 
 def capture_cuda_graph(engine: Engine, plan, bucket: Bucket,
-                       precision: Callable[[], contextlib.AbstractContextManager], pool) -> CapturedPass:
+                       precision: Callable[[], contextlib.AbstractContextManager], pool, timed: bool = False
+                       ) -> CapturedPass:
     """Capture `plan`'s whole pass at `bucket` as one CUDA graph (warm-up on the capture stream
     first, as torch.cuda.graph asks: lazy initialisation and autotuning must not happen inside
-    capture). `memory_bytes`: what the pool grew by, read from the pool's segments."""
+    capture). `memory_bytes`: what the pool grew by, read from the pool's segments; `timed`: its
+    replay timed too (`seconds`, which only bucket_runs reads)."""
     device = torch.device(engine.backbone.device)
     torch.cuda.set_device(device)  # cuda:N: the capture stream, the pool and the graph on device N
     inputs = static_batch(bucket, device, engine.backbone.text.uses_token_types, token_classes_read(plan.modules))
@@ -521,14 +523,15 @@ def capture_cuda_graph(engine: Engine, plan, bucket: Bucket,
         graph.replay()
         return output
 
-    try:
-        seconds = time_replay(graph, device)
-    except Exception as exc:  # noqa: BLE001 - only bucket_runs reads the time: the graph still serves without it
-        if is_device_failure(exc):
-            raise
-        log.warning("graph %s: its replay could not be timed (%s); bucket_runs will not cut at it", bucket,
-                    error_text(exc))
-        seconds = None
+    seconds = None
+    if timed:
+        try:
+            seconds = time_replay(graph, device)
+        except Exception as exc:  # noqa: BLE001 - only bucket_runs reads the time: the graph still serves without it
+            if is_device_failure(exc):
+                raise
+            log.warning("graph %s: its replay could not be timed (%s); bucket_runs will not cut at it", bucket,
+                        error_text(exc))
     return CapturedPass(inputs, replay, layout, max(grown, 0), graph, seconds=seconds)
 
 
@@ -748,7 +751,9 @@ class ModelRunner:
             self._pool = torch.cuda.graph_pool_handle()  # one pool for every capture of a module set
 
             def capture(plan, bucket):
-                return capture_cuda_graph(engine, plan, bucket, self.precision, self._pool)
+                # replays timed only where bucket_runs weighs passes by them (3 replays a graph at start-up)
+                return capture_cuda_graph(engine, plan, bucket, self.precision, self._pool,
+                                          timed=self.shapes.mode == "bucket_runs")
         self.graphs = GraphCache(capture, settings.graph_memory_mb * 2**20)
         # graphs are replayed from the tokenizer thread that prepared a batch (`launch`) and from the
         # compute thread, and captured and dropped on the compute thread: one thread at a time
