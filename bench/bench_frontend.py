@@ -124,7 +124,7 @@ def standin_logits(shape: tuple[int, ...]):
     """Random logits of `shape`, copied out of a pool drawn once (from a random first row): the host
     side of a device pass costs a copy of its logits (the runner's to_host), not drawing them.
     Drawing them anew (torch.randn) cost ~300 us of CPU per 128-text batch of the three tasks,
-    about 2.4 us per text, more than the engine's own per-text work (issue 37, docs/performance.md)."""
+    about 2.4 us per text, more than the engine's own per-text work (issue 37, docs/host-path-log.md)."""
     import numpy as np
     import torch
 

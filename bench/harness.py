@@ -77,7 +77,7 @@ def interpreter() -> dict:
     changelog records LTO/PGO builds, reports neither in sysconfig), so its speed is measured instead:
     `interpreter_loop_ms`. On a 2-core AMD EPYC that was 40-44 ms under a pyenv 3.11.7 (configured
     without optimisations, libpython shared) and 31-34 ms under Debian's 3.11.2, within the same hour
-    (docs/performance.md)."""
+    (docs/host-path-log.md)."""
     try:  # the interpreter's own code in a shared libpython (pyenv's default) or in the executable
         shared = "libpython" in Path("/proc/self/maps").read_text()
     except OSError:
@@ -127,7 +127,7 @@ def cpu_idle() -> dict:
     how long an idle vCPU polls before it halts (`guest_halt_poll_ns`; 0: it halts at once). A halted
     vCPU gives its core back to the host, and what runs next starts cold: on the 2-core box the engine
     loop alone spent less CPU per batch with 3 ms of polling than with 0 in seven of eight pairs
-    (median 0.85x); served, it did not lower the figures in three pairs (issue 37, docs/performance.md)."""
+    (median 0.85x); served, it did not lower the figures in three pairs (issue 37, docs/host-path-log.md)."""
     def read(path: str) -> str | None:
         try:
             return Path(path).read_text().strip()

@@ -124,7 +124,7 @@ class Settings(BaseSettings):
         100.0, ge=0, description="most access-log lines (one per request, at info) a process writes per second: "
         "beyond it lines are sampled and the next one written says how many were skipped; a written line costs ~16-24 "
         "us of CPU, a skipped one under 1 us: at the default ~1-2 us per request at 1,000-2,000 requests a second "
-        "(docs/performance.md). 0: none. Metrics count every request either way")
+        "(docs/host-path-log.md). 0: none. Metrics count every request either way")
 
     @model_validator(mode="after")
     def _precision_fits_backend(self) -> "Settings":

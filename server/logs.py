@@ -60,7 +60,7 @@ def request_id_for(headers) -> str:
 
 class AccessLog:
     """One access line per request (`tmod.access`, at info), at most `per_second` lines a second in
-    this process: a JSON line costs ~24 us of CPU written to /dev/null (docs/performance.md, issue 37's
+    this process: a JSON line costs ~24 us of CPU written to /dev/null (docs/host-path-log.md, issue 37's
     worker side; ~120 us in the issue's first study), so at high rates lines are sampled (a token
     bucket holding one second's lines); the next line written says how many were `skipped` since the
     one before. 0: no access lines. The metrics count every request."""

@@ -97,7 +97,7 @@ def test_the_stand_in_pass_draws_its_logits_again_only_when_a_shape_does_not_fit
 
 
 def test_spread_summarises_recorded_runs_figure_by_figure(tmp_path):
-    """`bench_frontend.py --spread` over session 9's six recorded runs gives what docs/performance.md
+    """`bench_frontend.py --spread` over session 9's six recorded runs gives what docs/host-path-log.md
     quotes for them: the c=64 workers 281 / 256 / 281 / 299 / 235 / 257 µs (all six <= 300), the 32-text
     engine at c=64 10.4 / 10.0 / 10.0 / 10.8 / 9.8 / 12.2 µs per text (three <= 10)."""
     runs = [str(REPO / f"bench/results/frontend-workers-cpu-issue37-session9-2026-11-27-run{i}.json") for i in range(1, 7)]

@@ -534,7 +534,7 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
 
 # A request of at most this many tokens is made into its array in Python (`few_token_rows`): the
 # numpy path costs ~45 calls whatever the length (~38 µs plus ~0.4 µs a token on a 2-core EPYC),
-# Python ~0.6 µs a token; they cost the same near 200 tokens (docs/performance.md, issue 37).
+# Python ~0.6 µs a token; they cost the same near 200 tokens (docs/host-path-log.md, issue 37).
 FEW_TOKENS = 128
 
 
@@ -645,7 +645,7 @@ class TextEncoder:
     Requests are tokenized by the `tokenizers` library directly (`plain`, a copy of the wrapper's
     backend that never truncates or pads), not through the transformers wrapper, whose per-call
     argument handling and per-token conversions cost several times the tokenization itself (issue
-    37, docs/performance.md#the-host-path-per-request-issue-37). `tokenizer`, the wrapper, stays for
+    37, docs/host-path-log.md#the-host-path-per-request-issue-37). `tokenizer`, the wrapper, stays for
     what is not per request (token names, saving, the vocabulary hash)."""
 
     def __init__(self, tokenizer, max_tokens: int, uses_token_types: bool, device: torch.device | str = "cpu"):
