@@ -389,6 +389,21 @@ class ServerProcess:
             time.sleep(0.2)
         raise SystemExit(f"{self.name} server not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
+    def wait_engines(self, engines: int, workers: int, timeout: float) -> None:
+        """With `--engines N`, until every engine has its workers: /readyz answers once engine 0 is
+        loaded, and the others join the port only when loaded (server/workers.py `_serve`)."""
+        from tests.helpers import engine_pids, worker_pids
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            found = engine_pids(self.proc.pid)
+            if len(found) == engines and all(len(worker_pids(pid)) == workers for pid in found):
+                return
+            time.sleep(0.2)
+        raise SystemExit(f"{self.name}: not every engine joined the port after {timeout:.0f}s:\n{self.log_tail()}")
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

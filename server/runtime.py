@@ -283,6 +283,7 @@ class Runtime:
     # ---- start-up ----------------------------------------------------------------------------
     def start(self) -> None:
         """Load backbone and modules (called in the compute thread; /readyz answers when done)."""
+        began = time.perf_counter()
         try:
             set_host_threads(self.settings)
             if torch.device(self.settings.device).type == "cpu":
@@ -337,6 +338,7 @@ class Runtime:
             # rows unpickled in half the CPU: bench/results/frontend-workers-cpu.md)
             gc.freeze()
             self.ready.set()
+            log.info("ready in %.1fs: %d tasks", time.perf_counter() - began, len(loaded))
         except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")

@@ -1083,9 +1083,10 @@ def _forget_process(pid: int) -> None:
         multiprocess.mark_process_dead(pid)
 
 
-def serve(settings: Settings) -> None:
-    """`tmod-serve` with workers > 1, in the process that becomes the engine process."""
-    run_engine_loop(_serve(settings))
+def serve(settings: Settings, index: int = 0, first_loaded=None) -> None:
+    """`tmod-serve` with workers > 1, in the process that becomes the engine process (`index`: which
+    engine of `serve_engines`, `first_loaded` their event that engine 0 is loaded: `_serve`)."""
+    run_engine_loop(_serve(settings, index, first_loaded))
 
 
 def run_engine_loop(main):
@@ -1110,7 +1111,8 @@ def serve_engines(settings: Settings) -> None:
     port = reserve.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
     context = multiprocessing.get_context("spawn")
-    engines = [context.Process(target=run_engine, args=(settings,), name=f"tmod-engine-{i}")
+    first_loaded = context.Event()
+    engines = [context.Process(target=run_engine, args=(settings, i, first_loaded), name=f"tmod-engine-{i}")
                for i in range(settings.engines)]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -1134,30 +1136,77 @@ def serve_engines(settings: Settings) -> None:
         raise SystemExit(f"tmod-serve: an engine process exited with {failed[0]}")
 
 
-def run_engine(settings: Settings) -> None:
-    """One engine of `serve_engines` (a spawned process): `serve`, exiting 1 where start-up or the
+async def until_loaded(runtime: Runtime, stop: asyncio.Event, also=lambda: True) -> bool:
+    """True once this engine is loaded and `also()` holds; False if it is stopped first."""
+    while not stop.is_set():
+        if runtime.ready.is_set() and also():
+            return True
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+    return False
+
+
+async def announce_loaded(runtime: Runtime, stop: asyncio.Event, first_loaded) -> None:
+    if await until_loaded(runtime, stop):
+        first_loaded.set()
+
+
+def run_engine(settings: Settings, index: int, first_loaded) -> None:
+    """Engine `index` of `serve_engines` (a spawned process): `serve`, exiting 1 where start-up or the
     device failed (as `tmod-serve` does)."""
     from server import runtime
 
     configure_logging(settings.log_level)
     runtime.on_device_failure = lambda: os.kill(os.getpid(), signal.SIGTERM)
-    serve(settings)
+    serve(settings, index, first_loaded)
     if runtime.startup_failure() or runtime.device_failure():
         raise SystemExit(1)
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings, index: int = 0, first_loaded=None) -> None:
     loop = asyncio.get_running_loop()
     folder = Path(tempfile.mkdtemp(prefix="tmod-engine-"))  # mode 0700: only this user reaches the engine
     engine_path = folder / "engine.sock"
-    # several engines (`serve_engines`) each listen on the port: the kernel spreads connections over them
-    listener = socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=settings.engines > 1)
+    # bound before anything loads (a port in use fails at once); a further engine binds once loaded
+    listener = listen(settings) if index == 0 else None
     runtime = Runtime(settings)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before start-up runs: a failed start-up stops the process by SIGTERM
         loop.add_signal_handler(sig, stop.set)
     service = EngineService(runtime)
     await service.start(engine_path)
+    # With `--engines N` the kernel hands each connection to any engine listening on the port, so /readyz
+    # (answered by whichever) is true only while every listening engine is loaded or none is. Engine 0
+    # listens at once (/healthz answers through a long start-up such as CUDA graphs' capture, /readyz says
+    # "loading") and sets `first_loaded` once loaded; a further engine joins the port once it is loaded
+    # and engine 0 is: it never answers 503 not_ready while a loaded engine's /readyz says ready.
+    announcing = None  # (a task the loop holds only by a weak reference: held here)
+    if first_loaded is not None and index == 0:
+        announcing = loop.create_task(announce_loaded(runtime, stop, first_loaded))
+    elif first_loaded is not None:
+        await until_loaded(runtime, stop, first_loaded.is_set)
+    if not stop.is_set():  # (stopped, or start-up failed, before it joined the port: no workers to stop)
+        await _serve_port(settings, engine_path, listener if listener is not None else listen(settings), stop)
+    elif listener is not None:
+        listener.close()
+    if announcing is not None:
+        announcing.cancel()
+    await service.stop()
+    await runtime.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
+    log.info("tmod-serve: stopped")
+
+
+def listen(settings: Settings) -> socket.socket:
+    # several engines (`serve_engines`) each listen on the port: the kernel spreads connections over them
+    return socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=settings.engines > 1)
+
+
+async def _serve_port(settings: Settings, engine_path: Path, listener: socket.socket, stop: asyncio.Event) -> None:
+    """This engine's HTTP workers on `listener` until `stop`; then they drain."""
+    loop = asyncio.get_running_loop()
     pool = WorkerPool(settings, engine_path, listener)
     pool.start_all()
     host, port = listener.getsockname()[:2]
@@ -1178,7 +1227,3 @@ async def _serve(settings: Settings) -> None:
     else:  # no socket filter here: this copy goes first, the workers' close ends the listener
         listener.close()
         await loop.run_in_executor(None, pool.stop, settings.request_timeout_s + 5)
-    await service.stop()
-    await runtime.shutdown()
-    shutil.rmtree(folder, ignore_errors=True)
-    log.info("tmod-serve: stopped")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -239,5 +240,112 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
         serving = {r["pid"] for r in log_records(process) if r["logger"] == "tmod.access" and r["path"] == "/v1/infer"}
         assert all(serving & workers for workers in workers_of.values()), (serving, workers_of)  # both engines answered
     finally:
+        if process.poll() is None:
+            process.kill()
+
+
+# A start-up held (tests below): in the engine process named HOLD_ENGINE, `Runtime.start` waits until the
+# file HOLD_RELEASE exists. Put first on PYTHONPATH, every process of the server imports it.
+HOLD_START = '''
+import importlib.machinery, multiprocessing, os, sys, time
+
+
+class HeldRuntime:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "server.runtime":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            start = module.Runtime.start
+
+            def held_start(self):
+                if multiprocessing.current_process().name == os.environ["HOLD_ENGINE"]:
+                    while not os.path.exists(os.environ["HOLD_RELEASE"]):
+                        time.sleep(0.05)
+                start(self)
+
+            module.Runtime.start = held_start
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, HeldRuntime)
+'''
+
+
+@pytest.mark.parametrize("held", [0, 1])
+def test_an_engine_takes_connections_only_while_every_listening_engine_is_loaded(store, tiny_backbone_dir, tmp_path,
+                                                                                  held):
+    """`--engines 2`, one engine's start-up held. Every connection goes to any engine listening on the port,
+    so one that listened while loading would answer some requests 503 not_ready while the other's /readyz
+    said ready. Engine 1 held: engine 0 serves alone, every request on a new connection answered, and engine
+    1 has no workers. Engine 0 held: engine 1, loaded, stays off the port; /readyz says loading every time.
+    Released: engine 1 joins, and both take connections and answer."""
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_START)
+    release = tmp_path / "release"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_WAIT_MS": "2", "HOLD_ENGINE": f"tmod-engine-{held}",
+           "HOLD_RELEASE": str(release), "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), "--workers", "2",
+                                    "--engines", "2", "--backbone", str(tiny_backbone_dir), "--store", str(store.root),
+                                    "--tasks", "sentiment,ner,acceptability", "--log-level", "info"],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+
+    def status(path: str) -> int | None:
+        try:  # a new connection each: the kernel picks among the engines listening
+            if path == "/readyz":
+                return httpx.get(url + path, timeout=30).status_code
+            return httpx.post(url + path, json={"inputs": [TEXTS[0]]}, timeout=30).status_code
+        except httpx.TransportError:
+            return None
+
+    try:
+        def engines_in_order() -> list[int] | None:  # tmod-serve logs its engines' pids, engine 0 first
+            said = [re.search(r"engine processes \(pids \[(\d+), (\d+)\]\)", r["message"]) for r in records()]
+            return next(([int(m[1]), int(m[2])] for m in said if m), None)
+
+        wait_until(lambda: engines_in_order() is not None, "the engines' pids logged", timeout=120)
+        first, second = engines_in_order()
+        loaded = second if held == 0 else first
+        wait_until(lambda: any(r["pid"] == loaded and r["message"].startswith("ready in") for r in records()),
+                   f"engine {1 - held} loaded", timeout=120)
+        if held == 1:  # engine 0 serves alone
+            wait_until(lambda: status("/readyz") == 200, "engine 0 ready", timeout=60)
+            assert [status("/v1/infer") for _ in range(30)] == [200] * 30
+        else:  # engine 0 listens, loading; engine 1, loaded, waits for it
+            wait_until(lambda: status("/readyz") is not None, "engine 0 listening", timeout=60)
+            assert [status("/readyz") for _ in range(20)] == [503] * 20
+        assert worker_pids(second) == [] and alive(second) and len(worker_pids(first)) == 2
+        release.touch()
+        wait_until(lambda: len(worker_pids(second)) == 2 and status("/readyz") == 200, "engine 1 joined", timeout=120)
+        served = set()
+        for _ in range(60):
+            assert status("/v1/infer") == 200
+            served = {r["pid"] for r in records() if r.get("logger") == "tmod.access" and r.get("path") == "/v1/infer"}
+            if served & set(worker_pids(second)):
+                break
+        assert served & set(worker_pids(second)), "engine 1, joined late, took connections"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+    finally:
+        release.touch()
         if process.poll() is None:
             process.kill()
