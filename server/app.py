@@ -514,6 +514,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         version (or the one named) again from the store; unload: stop serving the task.
         A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
         require_admin(request)
+        if settings.engines > 1:  # each engine holds its own modules: a change would reach the one that took it
+            raise ApiError(409, "several_engines", f"module changes through /admin are off with --engines "
+                           f"{settings.engines}: each engine process holds its own modules, and this request would "
+                           "change only the one that took it; change --tasks or the store and restart the server "
+                           "(in Kubernetes, a rolling restart)")
         require_ready()
         if not NAME_PATTERN.fullmatch(task):  # it names a folder of the store: nothing else may reach the disk
             raise ApiError(400, "invalid_name", f"task {clip(task)} is not a module name: use 1-64 of a-z, 0-9, "

@@ -223,7 +223,7 @@ def test_a_worker_whose_engine_closes_during_start_up_gives_up(tmp_path):
 
 def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_dir):
     """`--engines 2`: two engine processes, each with its own two workers, on one port (SO_REUSEPORT);
-    both answer; SIGTERM stops all of them and the parent exits 0."""
+    both answer; admin module changes are refused (409); SIGTERM stops all of them and the parent exits 0."""
     url, process = serve(store, tiny_backbone_dir, "--engines", "2")
     try:
         wait_until(lambda: len(engine_pids(process.pid)) == 2
@@ -234,6 +234,14 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
             with httpx.Client() as client:
                 answer = client.post(url + "/v1/infer", json={"inputs": [TEXTS[i % 4]]}, timeout=60)
             assert answer.status_code == 200
+        # a hot change would reach one engine of the two: refused, and every engine keeps serving version 1
+        for action in ("load", "reload", "unload"):
+            refused = httpx.post(url + f"/admin/modules/sentiment/{action}", json={"version": "2"},
+                                 headers={"authorization": "Bearer secret"}, timeout=60)
+            assert refused.status_code == 409 and refused.json()["error"]["type"] == "several_engines", refused.text
+            assert "--engines 2" in refused.json()["error"]["message"]
+        for _ in range(8):
+            assert httpx.get(url + "/v1/tasks/sentiment", timeout=60).json()["version"] == "1"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0
         assert not [pid for pid in engines if alive(pid)]
