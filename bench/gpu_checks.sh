@@ -20,7 +20,8 @@
 #                     control daemon is here and starts; never run on a GPU yet): the lever where one engine
 #                     process's CPU is the cap;
 #   pyspy             this code under py-spy on the engine process during its last level: the samples holding
-#                     the GIL, per thread, and all samples, idle included (py-spy slows it: not a rate to read);
+#                     the GIL, per thread; all samples, idle included; and the running ones with their C frames
+#                     (torch, CUDA) (py-spy slows it: not a rate to read);
 #   launch-ahead-2, bucket-runs-2   the first pair again, alternated (servers of one code spread by ~2,000 req/s);
 #   sequential-1      the order before launch-ahead (the compute thread launches each pass once it has answered
 #                     the one before, the order of the H100 and H200 runs), in the engine process alone: the
@@ -106,11 +107,15 @@ check_pyspy() {
   sleep $(( before * (warmup + duration) + warmup + 1 )) &  # waited for, as in served()
   wait $!
   if [ -n "$engine" ]; then
-    span=$(( duration / 3 > 1 ? duration / 3 : 1 ))  # two records within the level, with slack
+    span=$(( duration / 4 > 1 ? duration / 4 : 1 ))  # three records within the level, with slack
     "$pyspy" record --pid "$engine" --gil --threads --rate 50 --duration "$span" --format raw \
       -o "$out/engine-gil.txt" > "$out/py-spy-gil.log" 2>&1
     "$pyspy" record --pid "$engine" --idle --threads --rate 50 --duration "$span" --format raw \
       -o "$out/engine-all.txt" > "$out/py-spy-all.log" 2>&1
+    # with the C frames (torch, the CUDA runtime): where the engine's CPU goes beneath Python, e.g. a
+    # thread spinning in a synchronize, or the graph launches and copies themselves
+    "$pyspy" record --pid "$engine" --native --threads --rate 50 --duration "$span" --format raw \
+      -o "$out/engine-native.txt" > "$out/py-spy-native.log" 2>&1
     gzip -f "$out"/engine-*.txt 2>/dev/null
   fi
   wait "$bench"
