@@ -91,11 +91,9 @@ def stop_on_device_failure(stop=None) -> None:
 
 def exit_status() -> None:
     runtime = sys.modules.get("server.runtime")  # not imported: nothing ran, nothing failed
-    if runtime is not None and runtime.startup_failure() is not None:
-        raise SystemExit(f"tmod-serve: cannot serve: {runtime.startup_failure()}")
-    failure = runtime.device_failure() if runtime is not None else None
-    if failure is not None:
-        raise SystemExit(f"tmod-serve: stopped after a device failure: {failure}")
+    reason = runtime.exit_reason() if runtime is not None else None
+    if reason is not None:
+        raise SystemExit(f"tmod-serve: {reason}")
 
 
 if __name__ == "__main__":

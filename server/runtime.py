@@ -62,6 +62,16 @@ def device_failure() -> str | None:
     return _device_failure
 
 
+def exit_reason() -> str | None:
+    """Why this process stops with a non-zero status, as tmod-serve says it in one line; None: it
+    did not fail."""
+    if _startup_failure is not None:
+        return f"cannot serve: {_startup_failure}"
+    if _device_failure is not None:
+        return f"stopped after a device failure: {_device_failure}"
+    return None
+
+
 def set_host_threads(settings: Settings) -> None:
     """Torch's intra-op threads: `threads` when set. On cuda, unset: one thread, and the tokenizers
     library's own thread pool off. The host side of a GPU server works on small tensors and short

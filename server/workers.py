@@ -1111,8 +1111,8 @@ def serve_engines(settings: Settings) -> None:
     port = reserve.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
     context = multiprocessing.get_context("spawn")
-    first_loaded = context.Event()
-    engines = [context.Process(target=run_engine, args=(settings, i, first_loaded), name=f"tmod-engine-{i}")
+    first_loaded, reasons = context.Event(), context.SimpleQueue()
+    engines = [context.Process(target=run_engine, args=(settings, i, first_loaded, reasons), name=f"tmod-engine-{i}")
                for i in range(settings.engines)]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -1132,8 +1132,9 @@ def serve_engines(settings: Settings) -> None:
         engine.join()
     reserve.close()
     failed = [e.exitcode for e in engines if e.exitcode not in (0, -signal.SIGTERM)]
-    if failed:
-        raise SystemExit(f"tmod-serve: an engine process exited with {failed[0]}")
+    if failed:  # in the one line a single engine gives (server/cli.py), the first engine's to fail
+        raise SystemExit(f"tmod-serve: {reasons.get()}" if not reasons.empty()
+                         else f"tmod-serve: an engine process exited with {failed[0]}")
 
 
 async def until_loaded(runtime: Runtime, stop: asyncio.Event, also=lambda: True) -> bool:
@@ -1153,15 +1154,17 @@ async def announce_loaded(runtime: Runtime, stop: asyncio.Event, first_loaded) -
         first_loaded.set()
 
 
-def run_engine(settings: Settings, index: int, first_loaded) -> None:
+def run_engine(settings: Settings, index: int, first_loaded, reasons) -> None:
     """Engine `index` of `serve_engines` (a spawned process): `serve`, exiting 1 where start-up or the
-    device failed (as `tmod-serve` does)."""
+    device failed (as `tmod-serve` does), the reason put on `reasons` for the parent to say."""
     from server import runtime
 
     configure_logging(settings.log_level)
     runtime.on_device_failure = lambda: os.kill(os.getpid(), signal.SIGTERM)
     serve(settings, index, first_loaded)
-    if runtime.startup_failure() or runtime.device_failure():
+    reason = runtime.exit_reason()
+    if reason is not None:
+        reasons.put(reason)
         raise SystemExit(1)
 
 

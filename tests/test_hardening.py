@@ -327,13 +327,13 @@ def test_store_refuses_names_that_are_not_plain_names(tmp_path):
 
 
 # ---- start-up: a process that cannot serve exits ----------------------------------------------------------
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_backbone_that_cannot_load_exits_non_zero_with_the_reason_on_stderr(tmp_path, workers):
+@pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"], ["--workers", "2", "--engines", "2"]])
+def test_a_backbone_that_cannot_load_exits_non_zero_with_the_reason_on_stderr(tmp_path, layout):
     empty = tmp_path / "empty-backbone"
     empty.mkdir()
     process = subprocess.run(
         [sys.executable, "-m", "server.cli", "--port", "0", "--backbone", str(empty), "--store", str(tmp_path),
-         "--workers", str(workers)],
+         *layout],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120)
     assert process.returncode != 0
     lines = [line for line in process.stderr.splitlines() if line.startswith("tmod-serve: cannot serve")]
