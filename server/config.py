@@ -25,7 +25,7 @@ class Settings(BaseSettings):
         1, ge=1, le=16, description="engine processes, each with its own `workers` HTTP workers and its own copy of "
         "the backbone and modules, all on one port (SO_REUSEPORT: the kernel spreads connections over them): for "
         "when one engine process's CPU is what caps the rate. On one GPU, run NVIDIA MPS (docs/gpu.md). N > 1 needs "
-        "workers >= 2")
+        "workers >= 2; its engines join the port as they load (engine 0 first), and /admin module changes are off")
     store: Path = Field(DEFAULT_STORE, description="module store directory")
     backbone: Path | None = Field(None, description="local Hugging Face model directory, or a named offline backbone: "
                                   "minilm (all-MiniLM-L6-v2, the default), mpnet (all-mpnet-base-v2, the quality "
