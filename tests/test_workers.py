@@ -234,6 +234,13 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
             with httpx.Client() as client:
                 answer = client.post(url + "/v1/infer", json={"inputs": [TEXTS[i % 4]]}, timeout=60)
             assert answer.status_code == 200
+        # /metrics, from a worker of either engine, counts every engine's requests (a worker writes its
+        # tallies once per event-loop iteration: waited for)
+        def answered() -> float:
+            return metric_sample(httpx.get(url + "/metrics", timeout=60).text, 'tmod_requests_total{outcome="success"}')
+
+        wait_until(lambda: answered() == 40, "the 40 answers counted")
+        assert {answered() for _ in range(8)} == {40.0}
         # a hot change would reach one engine of the two: refused, and every engine keeps the version it serves
         served = httpx.get(url + "/v1/tasks/sentiment", timeout=60).json()["version"]
         for action in ("load", "reload", "unload"):
