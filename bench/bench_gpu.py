@@ -269,6 +269,7 @@ def served_section(args, sentences: list[str], tmp: Path):
                       f"{run['requests_per_batch']} requests; CPU us/request engine {run['engine_process_cpu_us_per_request']}"
                       + (f" {run.get('each_engine_cpu_us_per_request')}" if args.engines > 1 else "")
                       + f", workers {run['each_worker_cpu_us_per_request']}, generator {run['generator_cpu_us_per_request']}"
+                      f"; passes {run['batches']['passes_by_path']}, pageable {run['batches']['pageable_passes']}"
                       f"; engine threads (cores) " + " ".join(f"{t['name']}{'(main)' if t['main'] else ''}={t['cores']}"
                                                              for t in run["server_busiest_threads"][:5]),
                       flush=True)

@@ -769,6 +769,15 @@ class ModelRunner:
                                        registry=r, multiprocess_mode="livemax")
             self._oom = Counter("tmod_out_of_memory", "Passes that ran out of memory, by what followed",
                                 ["outcome"], registry=r)
+            # how passes ran, to read a GPU run by: launched ahead or not, inputs page-locked or not
+            passes = Counter("tmod_passes", "Device passes by how they ran: graph_ahead (a captured graph queued "
+                             "by the thread that prepared its batch), graph (queued by the compute thread), eager",
+                             ["path"], registry=r)
+            self._counted = {path: passes.labels(path) for path in ("graph_ahead", "graph", "eager")}
+            self._counted["pageable"] = Counter(
+                "tmod_pageable_passes", "Passes padded to a bucket whose inputs stayed in pageable memory (no "
+                "page-locked set free, or the halves of a pass split for memory): on cuda their copy in waits for "
+                "the device", registry=r)
 
     # ---- precision ------------------------------------------------------------------------------
     def precision(self) -> contextlib.AbstractContextManager:
@@ -988,11 +997,15 @@ class ModelRunner:
         rest = modules
         host, batches, deepest = {}, {}, 0
         launched, item.launched = item.launched, None  # waited for once: a retry (`_answer_apart`) replays anew
+        path = "graph_ahead"
         if item.bucket is not None:
+            if self.staged and item.staging is None:
+                self._count("pageable")
             native = native_part(modules)
             if launched is None and native:
-                launched = self._enqueue(native, item.bucket, item.batch)
+                launched, path = self._enqueue(native, item.bucket, item.batch), "graph"
             if launched is not None:
+                self._count(path)
                 host, batches = self._replay(launched, item.batch, native, timings)
                 rest = {task: m for task, m in modules.items() if task not in native}
                 deepest = launched.captured.deepest or 0
@@ -1000,6 +1013,7 @@ class ModelRunner:
             batch = item.batch
             if item.bucket is not None and len(native_part(rest)) < len(rest):
                 batch = self.engine.backbone.text.collate(rows, device="cpu", classes=token_classes_read(rest))
+            self._count("eager")
             more_host, more_batches, eager_deepest = self._eager(batch, rest, timings)
             host.update(more_host)
             batches.update(more_batches)
@@ -1045,3 +1059,8 @@ class ModelRunner:
     def _count_oom(self, outcome: str) -> None:
         if self.metrics is not None:
             self._oom.labels(outcome).inc()
+
+    def _count(self, what: str) -> None:
+        """A pass by how it ran (graph_ahead, graph, eager), or one whose inputs were pageable."""
+        if self.metrics is not None:
+            self._counted[what].inc()

@@ -30,7 +30,7 @@ from server.runner import (
 )
 from server.runtime import Runtime
 from server.timings import Timings
-from tests.helpers import random_head
+from tests.helpers import metric_sample, random_head
 
 TEXTS = ["Peter Blackburn met Angela Merkel in Brussels.", "A dull film.", "ok",
          "The European Commission said on Thursday it disagreed with German advice to consumers.",
@@ -646,6 +646,33 @@ def test_bucket_runs_launch_each_run_and_answer_as_an_eager_pass(tiny_backbone, 
         assert_same_answers(runner.execute(prepared[0], modules, Timings()), eager)
 
 
+def test_passes_whose_inputs_found_no_page_locked_set_are_counted(tiny_backbone, tiny_store):
+    """Two page-locked input sets per bucket: a third batch prepared while both are taken stays in
+    pageable memory (on cuda its copy in would wait for the device) and `tmod_pageable_passes` counts
+    it; the sets, given back once their batches ran, serve the next batches."""
+    from server.metrics import Metrics
+
+    modules = modules_of(tiny_store, tiny_backbone, ("sentiment", "ner"))
+    engine, ref = Engine(tiny_backbone), []
+    capture, _ = record_eager(engine, ref)
+    metrics = Metrics()
+    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="8", graph_seq_lens="64",
+                                          head_precision="fp32"), metrics=metrics, capture=capture)
+    ref.append(runner)
+    runner.staged = True  # a GPU's staging, in ordinary memory here
+    runner.warm_up(modules)
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    eager = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000).run(rows, modules)
+    prepared = [runner.prepare(rows, modules) for _ in range(3)]
+    assert [item.staging is not None for batch in prepared for item in batch.passes] == [True, True, False]
+    for batch in prepared:
+        assert_same_answers(runner.execute(batch, modules, Timings()), eager)
+    assert runner.prepare(rows, modules).passes[0].staging is not None  # given back
+    page = metrics.exposition().decode()
+    assert metric_sample(page, "tmod_pageable_passes_total") == 1
+    assert metric_sample(page, 'tmod_passes_total{path="graph"}') == 3
+
+
 def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(tiny_backbone, tiny_store,
                                                                             monkeypatch):
     """A GPU's pipeline run on the CPU over real HTTP, with the CPU's stand-in capture: two batches in
@@ -702,6 +729,7 @@ def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(ti
         captures = runtime.runner.graphs.captures
         got = asyncio.run(fire(server.url, reload_after=12))
         assert runtime.runner.graphs.captures > captures  # the reload dropped the graphs and captured them again
+        metrics = httpx.get(server.url + "/metrics").text
     for a, b in zip(got, want):
         assert a.status_code == b.status_code == 200, a.text
         assert_same_answers({t: [r[t] for r in a.json()["results"]] for t in ("sentiment", "ner")},
@@ -711,6 +739,9 @@ def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(ti
     ahead = sum(name.startswith("tmod-tokenize") for name in threads)
     assert ahead >= len(threads) - 2 and ahead > len(threads) // 2, threads
     assert runtime.runner.graphs.replays == len(threads)
+    # /metrics says how the passes ran
+    assert metric_sample(metrics, 'tmod_passes_total{path="graph_ahead"}') == ahead
+    assert metric_sample(metrics, 'tmod_passes_total{path="graph"}') == len(threads) - ahead
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="thread names are read from Linux's /proc")
