@@ -19,8 +19,8 @@ class Settings(BaseSettings):
         1, ge=1, le=64, description="HTTP worker processes. 1: one process does everything. N > 1: N processes "
         "share the port and do HTTP, JSON, validation, tokenization and decode; one engine process owns the "
         "backbone and the device and batches every worker's requests (as vLLM splits API server and engine). "
-        "Size it by CPU: ~1,000 1-input requests/s or ~5,000 inputs/s in 32-input requests "
-        "per worker core (bench/results/frontend-workers-cpu.md), plus a core for the engine process")
+        "Size it by CPU: ~3,000 1-input requests/s or ~7,000 inputs/s in 32-input requests "
+        "per worker core, plus a core for the engine process (deploy/README.md, Sizing)")
     engines: int = Field(
         1, ge=1, le=16, description="engine processes, each with its own `workers` HTTP workers and its own copy of "
         "the backbone and modules, all on one port (SO_REUSEPORT: the kernel spreads connections over them): for "
