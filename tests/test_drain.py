@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from server.workers import queued_connections, stop_taking_connections
-from tests.helpers import populate_store, sigterm_under_load, start_tmod_serve
+from tests.helpers import engine_pids, populate_store, sigterm_under_load, start_tmod_serve, wait_until, worker_pids
 
 CLIENTS = 12
 BODY = json.dumps({"inputs": ["The European Commission said on Thursday it disagreed with German advice."] * 4})
@@ -63,15 +63,21 @@ def test_a_listener_stops_taking_connections_and_keeps_the_queued_ones():
     queued.close()
 
 
-@pytest.mark.parametrize("workers, reconnecting_clients", [(1, 4 * CLIENTS), (2, CLIENTS)], ids=["1", "2"])
-def test_sigterm_answers_keep_alive_and_reconnecting_clients_and_loses_none(store, tiny_backbone_dir, workers,
+@pytest.mark.parametrize("layout, reconnecting_clients", [(["--workers", "1"], 4 * CLIENTS), (["--workers", "2"], CLIENTS),
+                                                         (["--workers", "2", "--engines", "2"], CLIENTS)],
+                         ids=["1", "2", "2x2"])
+def test_sigterm_answers_keep_alive_and_reconnecting_clients_and_loses_none(store, tiny_backbone_dir, layout,
                                                                            reconnecting_clients):
     """Both kinds of client at once on one server: CLIENTS keep-alive clients, and clients that open a
     connection for every request, so that at SIGTERM some connections are accepted and their request
     sent, but not yet read by the event loop (uvicorn's own httptools protocol closed those at once:
     7-36 of 500 requests lost in bench/bench_attack.py's SIGTERM check); with `--workers 2`, some are
-    in the shared socket's accept queue. Every request of either kind is answered."""
-    url, process = serve(store, tiny_backbone_dir, "--workers", str(workers))
+    in the shared socket's accept queue; with `--engines 2`, two engines' listeners share the port and
+    each drains its own. Every request of either kind is answered."""
+    url, process = serve(store, tiny_backbone_dir, *layout)
+    if "--engines" in layout:  # ready once engine 0 is; the load waits until engine 1 has joined the port too
+        wait_until(lambda: len(engine_pids(process.pid)) == 2
+                   and all(len(worker_pids(e)) == 2 for e in engine_pids(process.pid)), "both engines on the port")
     clients = {REQUEST: CLIENTS, RECONNECTING: reconnecting_clients}
     # on average every keep-alive client has been answered more than once, so each holds a connection
     run = sigterm_under_load(url, process, clients, answers_before=2 * sum(clients.values()))
