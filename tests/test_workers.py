@@ -365,3 +365,21 @@ def test_an_engine_takes_connections_only_while_every_listening_engine_is_loaded
         release.touch()
         if process.poll() is None:
             process.kill()
+
+
+def test_an_engine_that_dies_stops_the_others_and_the_server_exits_non_zero(store, tiny_backbone_dir):
+    """`--engines 2`: one engine killed (-9, as the OOM killer would) takes the server down, with a line
+    saying so, for the supervisor to start afresh: the other engine and every worker stop, none left behind."""
+    url, process = serve(store, tiny_backbone_dir, "--engines", "2")
+    try:
+        wait_until(lambda: len(engine_pids(process.pid)) == 2
+                   and all(len(worker_pids(e)) == 2 for e in engine_pids(process.pid)), "two engines with two workers each")
+        engines = engine_pids(process.pid)
+        everyone = [*engines, *(w for e in engines for w in worker_pids(e))]
+        os.kill(engines[1], signal.SIGKILL)
+        assert process.wait(timeout=120) != 0
+        assert "tmod-serve: an engine process exited with -9" in process.stdout.read()
+        wait_until(lambda: not [pid for pid in everyone if alive(pid)], "every engine and worker gone", timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
