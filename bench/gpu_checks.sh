@@ -107,7 +107,9 @@ check_pyspy() {
   sleep $(( before * (warmup + duration) + warmup + 1 )) &  # waited for, as in served()
   wait $!
   if [ -n "$engine" ]; then
-    span=$(( duration / 4 > 1 ? duration / 4 : 1 ))  # three records within the level, with slack
+    # three records within the level, with slack for py-spy's start-up (~1 s each): DURATION >= 8 fits them
+    # (at the default 15, 3 s each); a shorter level ends before the last, the native one
+    span=$(( duration / 4 > 1 ? duration / 4 : 1 ))
     "$pyspy" record --pid "$engine" --gil --threads --rate 50 --duration "$span" --format raw \
       -o "$out/engine-gil.txt" > "$out/py-spy-gil.log" 2>&1
     "$pyspy" record --pid "$engine" --idle --threads --rate 50 --duration "$span" --format raw \
