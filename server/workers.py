@@ -60,6 +60,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -514,10 +515,12 @@ class PeerConnection(asyncio.Protocol):
 
 
 class EngineService:
-    """Serves one Runtime to the worker processes' connections."""
+    """Serves one Runtime to the worker processes' connections. `on_loaded`: called once the runtime
+    has loaded (not if its start-up failed)."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Runtime, on_loaded: Callable[[], None] | None = None):
         self.runtime = runtime
+        self.on_loaded = on_loaded
         self.peers: set[Peer] = set()
         self.limit = in_flight_limit(runtime.settings)
         self.server: asyncio.AbstractServer | None = None
@@ -546,6 +549,8 @@ class EngineService:
         while not (self.runtime.ready.is_set() or self.runtime.startup_error):
             await asyncio.sleep(0.05)
         self.broadcast()
+        if self.runtime.ready.is_set() and self.on_loaded is not None:
+            self.on_loaded()
 
     def state(self) -> EngineState:
         rt = self.runtime
@@ -1137,21 +1142,13 @@ def serve_engines(settings: Settings) -> None:
                          else f"tmod-serve: an engine process exited with {failed[0]}")
 
 
-async def until_loaded(runtime: Runtime, stop: asyncio.Event, also=lambda: True) -> bool:
-    """True once this engine is loaded and `also()` holds; False if it is stopped first."""
-    while not stop.is_set():
-        if runtime.ready.is_set() and also():
-            return True
+async def until_both_loaded(runtime: Runtime, first_loaded, stop: asyncio.Event) -> None:
+    """Until this engine and engine 0 (`first_loaded`, set in its process) are loaded, or `stop`."""
+    while not (stop.is_set() or (runtime.ready.is_set() and first_loaded.is_set())):
         try:
             await asyncio.wait_for(stop.wait(), 0.1)
         except asyncio.TimeoutError:
             pass
-    return False
-
-
-async def announce_loaded(runtime: Runtime, stop: asyncio.Event, first_loaded) -> None:
-    if await until_loaded(runtime, stop):
-        first_loaded.set()
 
 
 def run_engine(settings: Settings, index: int, first_loaded, reasons) -> None:
@@ -1178,24 +1175,19 @@ async def _serve(settings: Settings, index: int = 0, first_loaded=None) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before start-up runs: a failed start-up stops the process by SIGTERM
         loop.add_signal_handler(sig, stop.set)
-    service = EngineService(runtime)
-    await service.start(engine_path)
     # With `--engines N` the kernel hands each connection to any engine listening on the port, so /readyz
     # (answered by whichever) is true only while every listening engine is loaded or none is. Engine 0
     # listens at once (/healthz answers through a long start-up such as CUDA graphs' capture, /readyz says
     # "loading") and sets `first_loaded` once loaded; a further engine joins the port once it is loaded
     # and engine 0 is: it never answers 503 not_ready while a loaded engine's /readyz says ready.
-    announcing = None  # (a task the loop holds only by a weak reference: held here)
-    if first_loaded is not None and index == 0:
-        announcing = loop.create_task(announce_loaded(runtime, stop, first_loaded))
-    elif first_loaded is not None:
-        await until_loaded(runtime, stop, first_loaded.is_set)
+    service = EngineService(runtime, first_loaded.set if first_loaded is not None and index == 0 else None)
+    await service.start(engine_path)
+    if first_loaded is not None and index > 0:
+        await until_both_loaded(runtime, first_loaded, stop)
     if not stop.is_set():  # (stopped, or start-up failed, before it joined the port: no workers to stop)
         await _serve_port(settings, engine_path, listener if listener is not None else listen(settings), stop)
     elif listener is not None:
         listener.close()
-    if announcing is not None:
-        announcing.cancel()
     await service.stop()
     await runtime.shutdown()
     shutil.rmtree(folder, ignore_errors=True)
