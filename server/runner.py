@@ -767,13 +767,15 @@ class ModelRunner:
                                       multiprocess_mode="livemax")
             self._graph_memory = Gauge("tmod_cuda_graph_memory_bytes", "GPU memory held by captured graphs",
                                        registry=r, multiprocess_mode="livemax")
-            self._oom = Counter("tmod_out_of_memory", "Passes that ran out of memory, by what followed",
-                                ["outcome"], registry=r)
+            # the counters `_count` adds to, by name
+            oom = Counter("tmod_out_of_memory", "Passes that ran out of memory, by what followed", ["outcome"],
+                          registry=r)
+            self._counted = {f"out_of_memory_{outcome}": oom.labels(outcome) for outcome in ("split", "refused")}
             # how passes ran, to read a GPU run by: launched ahead or not, inputs page-locked or not
             passes = Counter("tmod_passes", "Device passes by how they ran: graph_ahead (a captured graph queued "
                              "by the thread that prepared its batch), graph (queued by the compute thread), eager",
                              ["path"], registry=r)
-            self._counted = {path: passes.labels(path) for path in ("graph_ahead", "graph", "eager")}
+            self._counted.update({path: passes.labels(path) for path in ("graph_ahead", "graph", "eager")})
             self._counted["pageable"] = Counter(
                 "tmod_pageable_passes", "Passes padded to a bucket whose inputs stayed in pageable memory (no "
                 "page-locked set free, or the halves of a pass split for memory): on cuda their copy in waits for "
@@ -964,10 +966,10 @@ class ModelRunner:
             torch.cuda.empty_cache()
         if len(rows) == 1:
             log.warning("refused: an input of %d tokens does not fit in %s memory alone", lengths[0], self.device)
-            self._count_oom("refused")
+            self._count("out_of_memory_refused")
             refusal = OutOfMemory(lengths[0], self.device, failure)
             return {task: [refusal] for task in modules}
-        self._count_oom("split")
+        self._count("out_of_memory_split")
         half = len(rows) // 2
         log.warning("out of memory on a pass of %d rows (%s); retrying as two halves", len(rows), failure)
         # pageable inputs: this batch's staging set is still taken, the other may be the next batch's
@@ -1056,11 +1058,8 @@ class ModelRunner:
             bucket = None
         return self._pass(PreparedPass(slice(0, batch.real_rows), bucket, batch), rows, modules, timings)
 
-    def _count_oom(self, outcome: str) -> None:
-        if self.metrics is not None:
-            self._oom.labels(outcome).inc()
-
     def _count(self, what: str) -> None:
-        """A pass by how it ran (graph_ahead, graph, eager), or one whose inputs were pageable."""
+        """A pass by how it ran (graph_ahead, graph, eager), one whose inputs were pageable, or one
+        that ran out of memory (out_of_memory_split, out_of_memory_refused)."""
         if self.metrics is not None:
             self._counted[what].inc()
