@@ -251,9 +251,7 @@ def served_section(args, sentences: list[str], tmp: Path):
         server.start()
         LIVE_SERVERS.append(server)
         try:
-            server.wait_ready(900)
-            if args.engines > 1:
-                server.wait_engines(args.engines, workers, 900)
+            server.wait_ready(900, args.engines, workers)
             for inputs, concurrency in levels:
                 before = parse_metrics(httpx.get(server.url + "/metrics", timeout=30).text)
                 run = measure(server, bodies[inputs], inputs, concurrency, args.clients, args.warmup, args.duration,

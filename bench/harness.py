@@ -373,8 +373,12 @@ class ServerProcess:
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=(lambda: pin_to(cpus)) if cpus else None)
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, engines: int = 1, workers: int = 0) -> None:
+        """Until /readyz answers 200; with `engines` > 1 also until every engine has its `workers`
+        (/readyz answers once engine 0 is loaded, the others join the port once loaded)."""
         import httpx
+
+        from tests.helpers import engines_on_port
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -382,27 +386,13 @@ class ServerProcess:
                 raise SystemExit(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 r = httpx.get(self.url + "/readyz", timeout=2)
-                if r.status_code == 200:
+                if r.status_code == 200 and (engines == 1 or engines_on_port(self.proc.pid, engines, workers)):
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        raise SystemExit(f"{self.name} server not ready after {timeout:.0f}s:\n{self.log_tail()}")
-
-    def wait_engines(self, engines: int, workers: int, timeout: float) -> None:
-        """With `--engines N`, until every engine has its workers: /readyz answers once engine 0 is
-        loaded, and the others join the port only when loaded (server/workers.py `_serve`)."""
-        from tests.helpers import engine_pids, worker_pids
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            found = engine_pids(self.proc.pid)
-            if len(found) == engines and all(len(worker_pids(pid)) == workers for pid in found):
-                return
-            time.sleep(0.2)
-        raise SystemExit(f"{self.name}: not every engine joined the port after {timeout:.0f}s:\n{self.log_tail()}")
+        raise SystemExit(f"{self.name} server not ready (every engine on the port) after {timeout:.0f}s:\n"
+                         f"{self.log_tail()}")
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -228,6 +228,13 @@ def engine_pids(server_pid: int) -> list[int]:
     return [pid for pid in child_pids(server_pid) if worker_pids(pid)] or [server_pid]
 
 
+def engines_on_port(server_pid: int, engines: int, workers: int) -> bool:
+    """Whether `tmod-serve --engines N` has its N engines each with its `workers` HTTP workers: an engine
+    starts its workers as it joins the port, engine 0 at once, the others once loaded (server/workers.py)."""
+    found = engine_pids(server_pid)
+    return len(found) == engines and all(len(worker_pids(pid)) == workers for pid in found)
+
+
 def read_http_response(stream) -> tuple[int, dict[str, str], bytes] | None:
     """One HTTP/1.1 response from a socket's file (`sock.makefile("rb")`) framed by Content-Length:
     (status, headers lower-cased, body), or None if the connection ended before a status line."""

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from server.workers import queued_connections, stop_taking_connections
-from tests.helpers import engine_pids, populate_store, sigterm_under_load, start_tmod_serve, wait_until, worker_pids
+from tests.helpers import engines_on_port, populate_store, sigterm_under_load, start_tmod_serve, wait_until
 
 CLIENTS = 12
 BODY = json.dumps({"inputs": ["The European Commission said on Thursday it disagreed with German advice."] * 4})
@@ -76,8 +76,7 @@ def test_sigterm_answers_keep_alive_and_reconnecting_clients_and_loses_none(stor
     each drains its own. Every request of either kind is answered."""
     url, process = serve(store, tiny_backbone_dir, *layout)
     if "--engines" in layout:  # ready once engine 0 is; the load waits until engine 1 has joined the port too
-        wait_until(lambda: len(engine_pids(process.pid)) == 2
-                   and all(len(worker_pids(e)) == 2 for e in engine_pids(process.pid)), "both engines on the port")
+        wait_until(lambda: engines_on_port(process.pid, 2, 2), "both engines on the port")
     clients = {REQUEST: CLIENTS, RECONNECTING: reconnecting_clients}
     # on average every keep-alive client has been answered more than once, so each holds a connection
     run = sigterm_under_load(url, process, clients, answers_before=2 * sum(clients.values()))

@@ -17,7 +17,7 @@ from modules_store import ModuleStore
 from server.config import Settings
 from server.app import create_app
 from server.modules import save_module
-from tests.helpers import (LiveServer, alive, engine_pids, metric_sample, populate_store, random_head,
+from tests.helpers import (LiveServer, alive, engine_pids, engines_on_port, metric_sample, populate_store, random_head,
                            start_tmod_serve, wait_until, worker_pids)
 
 TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beautifully acted film.",
@@ -226,8 +226,7 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
     both answer; admin module changes are refused (409); SIGTERM stops all of them and the parent exits 0."""
     url, process = serve(store, tiny_backbone_dir, "--engines", "2")
     try:
-        wait_until(lambda: len(engine_pids(process.pid)) == 2
-                   and all(len(worker_pids(e)) == 2 for e in engine_pids(process.pid)), "two engines with two workers each")
+        wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
         engines = engine_pids(process.pid)
         workers_of = {engine: set(worker_pids(engine)) for engine in engines}
         for i in range(40):  # a new connection each: the kernel spreads them over both engines' listeners
@@ -372,8 +371,7 @@ def test_an_engine_that_dies_stops_the_others_and_the_server_exits_non_zero(stor
     saying so, for the supervisor to start afresh: the other engine and every worker stop, none left behind."""
     url, process = serve(store, tiny_backbone_dir, "--engines", "2")
     try:
-        wait_until(lambda: len(engine_pids(process.pid)) == 2
-                   and all(len(worker_pids(e)) == 2 for e in engine_pids(process.pid)), "two engines with two workers each")
+        wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
         engines = engine_pids(process.pid)
         everyone = [*engines, *(w for e in engines for w in worker_pids(e))]
         os.kill(engines[1], signal.SIGKILL)
