@@ -42,9 +42,9 @@ from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
-from server.schemas import (DEFAULT_CONTROLS, AnswerControls, InferRequest, InferResponse, ModelInfo, ModuleAction,
-                            ModuleActionResult, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
-                            openapi_components)
+from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
+                            ModuleAction, ModuleActionResult, TaskDetail, TaskList, TeiTokenizeRequest,
+                            TokenizeRequest, decode, openapi_components)
 
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
@@ -507,12 +507,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.admin_token.encode()):
             raise ApiError(401, "unauthorized", "admin endpoints need 'Authorization: Bearer <admin token>'")
 
-    @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
-              responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
-    async def manage_module(task: str, action: str, request: Request, body: ModuleAction | None = None):
-        """load: load or replace with a store version (default: the latest for this backbone); reload: read the loaded
-        version (or the one named) again from the store; unload: stop serving the task.
-        A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
+    def require_module_changes(request: Request) -> None:
+        """The admin routes' common gate: the token, one engine, the backbone loaded."""
         require_admin(request)
         if settings.engines > 1:  # each engine holds its own modules: a change would reach the one that took it
             raise ApiError(409, "several_engines", f"module changes through /admin are off with --engines "
@@ -520,6 +516,22 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                            "change only the one that took it; change --tasks or the store and restart the server "
                            "(in Kubernetes, a rolling restart)")
         require_ready()
+
+    @app.get("/admin/modules", response_model=AdminModules, tags=["admin"], responses={401: {}, 403: {}, 409: {}})
+    async def admin_modules(request: Request):
+        """Where this server loads modules from and what it serves: what `tmod-train --load-into` checks
+        before training (the token, the store it writes to, the backbone it trains on)."""
+        require_module_changes(request)
+        return AdminModules(store=str(settings.store.resolve()), backbone=msgspec.structs.asdict(model_info()),
+                            tasks={task: module.version for task, module in sorted(runtime.modules.items())})
+
+    @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
+              responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
+    async def manage_module(task: str, action: str, request: Request, body: ModuleAction | None = None):
+        """load: load or replace with a store version (default: the latest for this backbone); reload: read the loaded
+        version (or the one named) again from the store; unload: stop serving the task.
+        A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
+        require_module_changes(request)
         if not NAME_PATTERN.fullmatch(task):  # it names a folder of the store: nothing else may reach the disk
             raise ApiError(400, "invalid_name", f"task {clip(task)} is not a module name: use 1-64 of a-z, 0-9, "
                                                 "'_' and '-', starting with a letter or digit")

@@ -212,3 +212,10 @@ class ModuleActionResult(BaseModel):
     action: str
     version: str
     previous_version: str | None = None
+
+
+class AdminModules(BaseModel):
+    store: str = Field(description="the module store this server loads from, as an absolute path on its machine")
+    backbone: dict[str, str] = Field(description="the backbone's name and fingerprint: a module loads only if "
+                                     "trained on the same")
+    tasks: dict[str, str] = Field(description="each served task's version")

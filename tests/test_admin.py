@@ -52,6 +52,15 @@ def test_admin_needs_the_token(live, store, tiny_backbone):
         assert response.status_code == 403 and response.json()["error"]["type"] == "admin_disabled"
 
 
+def test_the_module_listing_says_where_modules_come_from(live, store, tiny_backbone):
+    assert live.get("/admin/modules").status_code == 401
+    listing = live.get("/admin/modules", headers=AUTH).json()
+    assert listing == {"store": str(store.root.resolve()), "tasks": {"sentiment": "2"},
+                       "backbone": {"backbone": tiny_backbone.name, "fingerprint": tiny_backbone.fingerprint.short}}
+    admin(live, "sentiment", "unload")
+    assert live.get("/admin/modules", headers=AUTH).json()["tasks"] == {}
+
+
 def test_load_switch_and_unload(live):
     version, v2_scores = scores(live)
     assert version == "2"  # latest at start

@@ -83,3 +83,19 @@ def test_tfidf_logreg_more_than_two_classes():
     linear = tfidf_logreg([e.text for e in train], args[0], [e.text for e in evaluation], args[1])
     assert linear["examples"] == len(evaluation) > 50 and "f1" not in linear  # no binary F1 for 3 labels
     assert linear["accuracy"] > majority(*args)["accuracy"] + 0.2
+
+
+@pytest.mark.parametrize("head, majority_score, linear_score, expected", [
+    (0.653, 0.66, 0.60, "no better than the majority answer on the test split (accuracy 0.6530 against 0.6600)"),
+    (0.70, 0.66, 0.72, "no better than the linear model (tfidf_logreg)"),
+    (0.80, 0.66, 0.72, "above both baselines on the test split: accuracy +0.1400 over the majority answer, "
+                       "+0.0800 over the linear model (tfidf_logreg)"),
+])
+def test_the_verdict_names_the_first_baseline_the_head_fails_to_beat(head, majority_score, linear_score, expected):
+    from modules_store import TaskType
+    from training.assess import verdict
+    baselines = {"split": "test", "metric": "accuracy", "head": head, "majority": {"accuracy": majority_score},
+                 "tfidf_logreg": {"accuracy": linear_score}}
+    line = verdict(baselines, TaskType.sequence_classification)
+    assert expected in line
+    assert ("imbalanced" in line) == (head <= majority_score)  # the majority class alone scores 0.66 in accuracy

@@ -260,6 +260,7 @@ CASES = [
     ("tei-tokenize-gzip-bomb", "POST", "/tokenize", {**gzipped(b""), "content": ZIP_BOMB}, 413, "tei"),
     # ---- /admin --------------------------------------------------------------------------------------
     ("admin-no-token", "POST", "/admin/modules/sentiment/reload", {}, 401, "v1"),
+    ("admin-list-wrong-token", "GET", "/admin/modules", {"headers": {"authorization": "Bearer no"}}, 401, "v1"),
     ("admin-wrong-token", "POST", "/admin/modules/sentiment/reload", {"headers": {"authorization": "Bearer no"}}, 401, "v1"),
     ("admin-basic-auth", "POST", "/admin/modules/sentiment/reload", {"headers": {"authorization": "Basic eDp5"}}, 401, "v1"),
     ("admin-huge-token", "POST", "/admin/modules/sentiment/reload",

@@ -37,9 +37,13 @@ def test_load_into_serves_the_new_task_beside_the_shipped_ones(server, train_bac
             "--epochs", "1", "--batch-size", "16", "--backbone", str(train_backbone_dir), "--store", str(store.root),
             "--run-dir", str(tmp_path / "run"), "--threads", "1", "--none-below", "0.6", "--load-into", url]
     assert main(argv) == 0
-    summary = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out)
     assert summary["loaded_into"] == url and "tasks=mood," in summary["query"]
     assert {"majority", "tfidf_logreg", "margin_over_majority"} <= set(summary["baselines"])
+    verdict = summary["baselines"]["verdict"]  # one line on the head against both baselines, where users read
+    assert f"against simple baselines: {verdict}" in printed.err
+    assert f"- against simple baselines: {verdict}" in (tmp_path / "run" / "report" / "report.md").read_text()
 
     text = "a gorgeous , witty , seductive movie ."
     response = httpx.post(url + "/v1/infer", params={"tasks": "mood,ner,sentiment"}, json={"inputs": [text]}, timeout=60)
@@ -58,3 +62,49 @@ def test_load_into_serves_the_new_task_beside_the_shipped_ones(server, train_bac
         answer = httpx.post(url + "/v1/infer", params={"tasks": "mood"},
                             json={"inputs": [text], "threshold": threshold}, timeout=60).json()["results"][0]["mood"]
         assert (answer["label"] is None) == expect_none, answer
+
+
+def sst2_args(tmp_path, backbone_dir, store_root, url, task):
+    if not preset_spec(PRESETS["sst2"], "validation").path.is_file():
+        pytest.skip(f"shared data not found at {default_data_dir()}")
+    return ["layermix", "--dataset", "sst2", "--task", task, "--max-train", "64", "--max-validation", "32",
+            "--epochs", "1", "--batch-size", "16", "--backbone", str(backbone_dir), "--store", str(store_root),
+            "--run-dir", str(tmp_path / "run"), "--threads", "1", "--load-into", url]
+
+
+def error_line(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()  # training's progress lines, then the error
+    last = err.splitlines()[-1]
+    assert last.startswith("tmod-train layermix: error: ") and "Traceback" not in err, err
+    return last
+
+
+def test_load_into_refuses_another_store_or_a_wrong_token_before_training(server, train_backbone_dir, tmp_path,
+                                                                         monkeypatch, capsys):
+    url, store = server
+    monkeypatch.setenv("TMOD_ADMIN_TOKEN", TOKEN)
+    elsewhere = tmp_path / "my-store"
+    elsewhere.mkdir()
+    line = error_line(capsys, sst2_args(tmp_path, train_backbone_dir, elsewhere, url, "elsewhere"))
+    assert f"reads its modules from {store.root.resolve()}, not from --store {elsewhere}" in line
+    monkeypatch.setenv("TMOD_ADMIN_TOKEN", "not-" + TOKEN)
+    line = error_line(capsys, sst2_args(tmp_path, train_backbone_dir, store.root, url, "wrong-token"))
+    assert "refused the admin token in $TMOD_ADMIN_TOKEN" in line
+    # refused before training: no module written, no run folder
+    assert not (elsewhere / "elsewhere").exists() and not (store.root / "wrong-token").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_load_keeps_the_trained_module_and_its_report(server, tiny_backbone_dir, tmp_path, monkeypatch,
+                                                                 capsys):
+    url, store = server
+    monkeypatch.setenv("TMOD_ADMIN_TOKEN", TOKEN)
+    # trained on another backbone than the server's (and no bridge there): the server refuses to load it
+    line = error_line(capsys, sst2_args(tmp_path, tiny_backbone_dir, store.root, url, "foreign"))
+    assert "the server did not load foreign/1 (409)" in line and "the module is saved in" in line
+    assert (store.root / "foreign" / "1" / "manifest.json").is_file()
+    report = tmp_path / "run" / "report"
+    assert f"its report in {report}" in line
+    assert "once a tmod-serve with this store runs" in (report / "report.md").read_text()  # not "loaded into"
+    assert "foreign" not in httpx.get(url + "/v1/tasks", timeout=30).json()["tasks"]

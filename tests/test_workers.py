@@ -247,6 +247,8 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
                                  headers={"authorization": "Bearer secret"}, timeout=60)
             assert refused.status_code == 409 and refused.json()["error"]["type"] == "several_engines", refused.text
             assert "--engines 2" in refused.json()["error"]["message"]
+        listing = httpx.get(url + "/admin/modules", headers={"authorization": "Bearer secret"}, timeout=60)
+        assert listing.status_code == 409 and listing.json()["error"]["type"] == "several_engines", listing.text
         for _ in range(8):  # a new connection each: both engines asked
             assert httpx.get(url + "/v1/tasks/sentiment", timeout=60).json()["version"] == served
         process.send_signal(signal.SIGTERM)

@@ -44,6 +44,7 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
     for run in runs:
         baselines[run["baseline"]] = run
         baselines[f"margin_over_{run['baseline']}"] = head[metric] - run[metric]
+    baselines["verdict"] = verdict(baselines, kind)
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
     if kind == TaskType.sequence_classification:
         probs = np.stack(probabilities)
@@ -61,6 +62,24 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
     else:
         out["per_label"] = head["per_label"]
     return out
+
+
+def verdict(baselines: dict, kind: TaskType) -> str:
+    """One line a user reads first: does the head beat the majority answer and the linear model?"""
+    split, metric, head = baselines["split"], baselines["metric"], baselines["head"]
+    linear = "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
+    majority_score, linear_score = baselines["majority"][metric], baselines[linear][metric]
+    if head <= majority_score:
+        imbalanced = metric == "accuracy" and majority_score >= 0.6  # the majority answer alone scores well
+        return (f"no better than the majority answer on the {split} split ({metric} {head:.4f} against "
+                f"{majority_score:.4f}): the head has not learnt this task from these rows"
+                + ("; the classes are imbalanced, so --metric f1_macro or mcc judges a head better" if imbalanced
+                   else ""))
+    if head <= linear_score:
+        return (f"above the majority answer but no better than the linear model ({linear}) on the {split} split "
+                f"({metric} {head:.4f} against {linear_score:.4f}): not worth a backbone pass for this task alone")
+    return (f"above both baselines on the {split} split: {metric} {head - majority_score:+.4f} over the majority "
+            f"answer, {head - linear_score:+.4f} over the linear model ({linear})")
 
 
 def _text(example):

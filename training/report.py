@@ -78,6 +78,7 @@ def report_text(result) -> str:
     lines.append(f"- kept epoch {best} of {run} run" + (" (the last: validation was still improving; train longer)"
                                                        if result.training.get("still_improving") else ""))
     b = m["baselines"]
+    lines.append(f"- against simple baselines: {b['verdict']}")
     lines += ["", f"## Baselines on the {b['split']} split ({metric})", "",
               "| model | " + metric + " | head's margin |", "| --- | ---: | ---: |",
               f"| this head | {b['head']:.4f} | |"]

@@ -8,6 +8,7 @@ import os
 import shlex
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from modules_store import DEFAULT_STORE, ModuleStore
 from training.data import UsageError
@@ -33,19 +34,29 @@ def _error_message(exc: urllib.error.HTTPError) -> str:
 
 
 def check_server(url: str, store: str | None) -> dict:
-    """Before any training: the token is set, a tmod-serve answers at `url`, and the module will be
-    written where it reads. Returns {"tasks": the tasks it serves}."""
-    if not os.environ.get(TOKEN_VARIABLE):
+    """Before any training: a tmod-serve answers at `url`, takes the token in $TMOD_ADMIN_TOKEN and
+    allows module changes, and reads its modules from `store` (where this server's machine shares the
+    folder). Returns GET /admin/modules' answer: {"store", "backbone", "tasks": {task: version}}."""
+    token = os.environ.get(TOKEN_VARIABLE)
+    if not token:
         raise UsageError(f"--load-into needs the server's admin token in ${TOKEN_VARIABLE}")
     if not store:
         raise UsageError("--load-into needs --store: the module store the server reads (its --store / TMOD_STORE)")
     try:
-        tasks = _call(url.rstrip("/") + "/v1/tasks")["tasks"]
+        listing = _call(url.rstrip("/") + "/admin/modules", token=token)
+        served = Path(listing["store"])
     except urllib.error.HTTPError as exc:
-        raise UsageError(f"--load-into {url}: GET /v1/tasks answered {exc.code}: {_error_message(exc)}") from None
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        if exc.code == 401:
+            raise UsageError(f"--load-into {url}: the server refused the admin token in ${TOKEN_VARIABLE} "
+                             "(use the one it was started with)") from None
+        raise UsageError(f"--load-into {url}: GET /admin/modules answered {exc.code}: {_error_message(exc)}") from None
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--load-into {url}: no tmod-serve answers there ({getattr(exc, 'reason', exc)})") from None
-    return {"tasks": [t["task"] for t in tasks]}
+    # A server on another machine may mount the store elsewhere; where its folder is here too, it must be --store.
+    if served.is_dir() and not (Path(store).is_dir() and served.samefile(store)):
+        raise UsageError(f"--load-into {url}: that server reads its modules from {served}, not from --store {store}; "
+                         f"train with --store {served}")
+    return listing
 
 
 def load_into(url: str, task: str, version: str) -> dict:

@@ -406,6 +406,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed,
                         cache=default_cache_dir() / "baselines" if s.state_cache else None)
     metrics["baselines"] = assessment["baselines"]
+    tqdm.write(f"against simple baselines: {metrics['baselines']['verdict']}", file=sys.stderr)
     still_improving = s.select == "best" and result.best_epoch == len(result.history) == s.epochs
     if still_improving:
         tqdm.write(f"the kept epoch is the last one ({s.epochs}): validation {metric} was still improving; "
@@ -446,12 +447,19 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
     example = val_data.examples[0]
     request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task,
-                                      server["tasks"] if server else None, example.text,
+                                      list(server["tasks"]) if server else None, example.text,
                                       getattr(example, "text_pair", None))
+    loaded_into, refusal = None, None
     if server:
-        serving.load_into(s.load_into, task, s.version)
+        try:
+            serving.load_into(s.load_into, task, s.version)
+            loaded_into = s.load_into
+        except UsageError as exc:  # the trained module and its report are kept either way
+            refusal = exc
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
                           history=result.history, layer_weights=weights, training=training, decoding=decoding,
-                          assessment=assessment, request=request, loaded_into=s.load_into if server else None)
+                          assessment=assessment, request=request, loaded_into=loaded_into)
     write_report(report_dir, outcome)
+    if refusal:
+        raise UsageError(f"{refusal} (the module is saved in {artifact}, its report in {report_dir})")
     return outcome
