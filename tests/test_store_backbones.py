@@ -14,6 +14,7 @@ from server.backbone import Backbone
 from server.config import Settings
 from server.modules import save_module
 from tests.helpers import NER_LABELS, LiveServer, make_tiny_backbone_dir, random_head
+from training.serving import served_at_start
 
 SENTIMENT = ["negative", "positive"]
 ENTAILMENT = ["entailment", "not_entailment"]
@@ -109,3 +110,5 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
         assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment", "sentiment"]
     with LiveServer(create_app(Settings(store=store.root), backbone=mpnet)) as server:
         assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment"]
+    # tmod-train's example request (no --load-into) names the tasks such a server answers, no others
+    assert served_at_start(store, bert) == ["sentiment"] and served_at_start(store, mpnet) == ["entailment"]

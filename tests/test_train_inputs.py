@@ -2,6 +2,7 @@
 loaded (Backbone.load fails these tests if called), and carves --split as documented."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,17 @@ def test_empty_label_names_its_line(tmp_path, capsys, tables):
     bad = write(tmp_path / "bad.tsv", "text\tlabel\nfine\tHUM\nno label here\t \n")
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", bad))
     assert line.endswith(f"{bad}:3: empty label")
+
+
+def test_a_json_list_of_labels_needs_multi_label(tmp_path, capsys):
+    rows = [{"text": "what a day", "labels": ["joy", "surprise"]}, {"text": "fine", "labels": ["neutral"]}]
+    train = write(tmp_path / "emo.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    # without --multi-label the key is "label": named, then refused as a list, never trained as the label '["joy", ...]'
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.5"))
+    assert "no key 'label' in ['labels', 'text']" in line
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.5", "--label-column", "labels"))
+    assert line.endswith(f'{train}:1: the label is a list (["joy", "surprise"]): give --multi-label for a task whose '
+                         "texts have any number of labels")
 
 
 def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):

@@ -1,7 +1,8 @@
 """From a labelled file to a served task in one step: `tmod-train layermix --load-into URL` against a
 real tmod-serve on loopback (tiny random backbone with the MiniLM tokenizer, real SST-2 rows); the
 new task is answered beside `ner` and `sentiment` in one request, and its "none of these"
-threshold (manifest decoding.threshold, or the request's threshold) answers label null."""
+threshold (manifest decoding.threshold, or the request's threshold) answers label null. A wrong
+--store or token is one line before training; a load the server refuses keeps the module and report."""
 from __future__ import annotations
 
 import json

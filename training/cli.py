@@ -35,7 +35,7 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
                    help="file format (default: from the extension; .txt means CoNLL)")
     g.add_argument("--text-column", default=default, help="text column: name or 0-based index (default 0 / 'text')")
     g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
-    g.add_argument("--label-column", default=default, help="label column: name or index (default 1 / 'label')")
+    g.add_argument("--label-column", default=default, help="label column: name or index (default 1 / 'label'; 'labels' with --multi-label)")
     g.add_argument("--header", action=argparse.BooleanOptionalAction, default=default,
                    help="the table's first line names its columns (default: yes)")
     g.add_argument("--label-map", default=default, help="rename raw labels: '0=negative,1=positive'")

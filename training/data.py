@@ -192,6 +192,9 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
         raw = label if isinstance(label, list) else str(label).split(",")
         label = tuple(_label_name(str(item).strip(), label_map, where) for item in raw if str(item).strip())
     else:
+        if isinstance(label, list):  # str() of it would train on labels such as "['joy']"
+            raise UsageError(f"{where}: the label is a list ({json.dumps(label)[:80]}): give --multi-label for a task whose "
+                             "texts have any number of labels")
         if label is None or not str(label).strip():
             raise UsageError(f"{where}: empty label")
         label = _label_name(str(label).strip(), label_map, where)

@@ -10,7 +10,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from modules_store import DEFAULT_STORE, ModuleStore
+from modules_store import ArtifactError, ModuleStore
+from server.modules import servable_version
 from training.data import UsageError
 
 TOKEN_VARIABLE = "TMOD_ADMIN_TOKEN"  # what tmod-serve reads its admin token from
@@ -71,9 +72,22 @@ def load_into(url: str, task: str, version: str) -> dict:
         raise UsageError(f"--load-into {url}: {getattr(exc, 'reason', exc)}") from None
 
 
-def example_request(url: str, task: str, tasks: list[str] | None, text: str, text_pair: str | None = None) -> str:
-    """A curl command asking the new task and the others served (default: the shipped ones) in one request."""
-    others = tasks if tasks is not None else ModuleStore(DEFAULT_STORE).tasks()
+def served_at_start(store: ModuleStore, backbone) -> list[str]:
+    """The tasks a tmod-serve started on `store` and `backbone` answers without --tasks: those with a
+    module for this backbone whose newest is not opt-in (bridges aside: training does not know them)."""
+    served = []
+    for task in store.tasks():
+        try:
+            manifest = store.read_manifest(task, servable_version(store, task, backbone))
+        except ArtifactError:
+            continue
+        if not manifest.opt_in:
+            served.append(task)
+    return served
+
+
+def example_request(url: str, task: str, others: list[str], text: str, text_pair: str | None = None) -> str:
+    """A curl command asking the new task and `others` (the served ones) in one request."""
     names = [task, *sorted(t for t in others if t not in (task, "embedding"))]
     item = {"text": text, "text_pair": text_pair} if text_pair else text
     body = json.dumps({"inputs": [item]}, ensure_ascii=False)

@@ -169,6 +169,7 @@ def file_spec(s: TrainSettings, path: str) -> DataSpec:
     return DataSpec(
         path=path, format=fmt,
         text_column=s.text_column if s.text_column is not None else ("text" if by_key else 0),
-        label_column=s.label_column if s.label_column is not None else ("label" if by_key else 1),
+        label_column=s.label_column if s.label_column is not None else (
+            ("labels" if s.multi_label else "label") if by_key else 1),
         pair_column=s.pair_column, header=s.header, label_map=s.label_map, multi_label=s.multi_label,
     )

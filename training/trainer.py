@@ -446,8 +446,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
                            description=description, overwrite=s.overwrite, decoding=decoding)
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
     example = val_data.examples[0]
-    request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task,
-                                      list(server["tasks"]) if server else None, example.text,
+    others = list(server["tasks"]) if server else serving.served_at_start(store, backbone)
+    request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task, others, example.text,
                                       getattr(example, "text_pair", None))
     loaded_into, refusal = None, None
     if server:
