@@ -14,7 +14,7 @@ import pytest
 from modules_store import TaskType
 from server.backbone import Backbone
 from training.cli import main
-from training.data import LabelledData, SequenceExample, UsageError, read_conll
+from training.data import LabelledData, SequenceExample, UsageError, file_spec, read_conll
 from training.splits import carve
 
 
@@ -69,6 +69,26 @@ def test_empty_label_names_its_line(tmp_path, capsys, tables):
     bad = write(tmp_path / "bad.tsv", "text\tlabel\nfine\tHUM\nno label here\t \n")
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", bad))
     assert line.endswith(f"{bad}:3: empty label")
+
+
+def test_a_label_column_of_text_is_refused(tmp_path, capsys):
+    rows = "".join(f"{i}\tsentence number {i} here\tsentence {i} there\t{'yes' if i % 2 else 'no'}\n" for i in range(40))
+    train = write(tmp_path / "pairs.tsv", "index\tfirst\tsecond\tgold\n" + rows)
+    # no label column named: column 1 (the first sentence) is taken, and every row is its own label
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--text-column", "first",
+                                             "--pair-column", "second"))
+    assert "pairs.tsv: 40 different labels in 40 rows ('sentence number 0 here'," in line
+    assert "the label column (column 1, the default) looks like text; name the labels' column with --label-column" in line
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--label-column", "second"))
+    assert "the label column ('second') looks like text" in line
+
+
+def test_a_table_whose_header_names_text_and_label_needs_no_column_options(tmp_path):
+    table = write(tmp_path / "t.csv", "id,label,text\n1,yes,a fine day\n2,no,a dull day\n")
+    spec = file_spec(table)
+    assert [(ex.text, ex.label) for ex in spec.read().examples] == [("a fine day", "yes"), ("a dull day", "no")]
+    no_names = write(tmp_path / "u.csv", "sentence,gold\na fine day,yes\n")
+    assert [(ex.text, ex.label) for ex in file_spec(no_names).read().examples] == [("a fine day", "yes")]
 
 
 def test_a_json_list_of_labels_needs_multi_label(tmp_path, capsys):

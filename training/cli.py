@@ -33,9 +33,11 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
                    "(default: $TMOD_DATA_DIR, else ../shared/data from the repository root)")
     g.add_argument("--format", choices=["tsv", "csv", "jsonl", "conll"], default=default,
                    help="file format (default: from the extension; .txt means CoNLL)")
-    g.add_argument("--text-column", default=default, help="text column: name or 0-based index (default 0 / 'text')")
+    g.add_argument("--text-column", default=default, help="text column: name or 0-based index (default: the header's 'text' column, else 0; "
+                        "key 'text' in JSONL)")
     g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
-    g.add_argument("--label-column", default=default, help="label column: name or index (default 1 / 'label'; 'labels' with --multi-label)")
+    g.add_argument("--label-column", default=default, help="label column: name or index (default: the header's 'label' column, else 1; key 'label' "
+                        "in JSONL, 'labels' with --multi-label)")
     g.add_argument("--header", action=argparse.BooleanOptionalAction, default=default,
                    help="the table's first line names its columns (default: yes)")
     g.add_argument("--label-map", default=default, help="rename raw labels: '0=negative,1=positive'")
@@ -361,7 +363,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from server.backbone import Backbone
     from server.modules import load_module
     from server.probe import probe_module
-    from training.data import PRESETS, DataSpec, UsageError, guess_format, preset_spec
+    from modules_store import TaskType
+    from training.data import PRESETS, UsageError, file_spec, preset_spec
     from training.evaluate import score_module
     from training.settings import parse_label_map
     from training.states import Split
@@ -369,24 +372,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # the user's mistakes first, before a backbone is loaded
     if bool(args.dataset) == bool(args.file):
         raise UsageError("give exactly one of --dataset NAME or --file FILE")
+    store = ModuleStore(args.store or DEFAULT_STORE)
+    if args.task not in store.tasks():
+        raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
+    manifest = store.read_manifest(args.task, args.version)
     if args.dataset:
         if args.dataset not in PRESETS:
             raise UsageError(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
         spec = preset_spec(PRESETS[args.dataset], args.split, args.data_dir)
     else:
-        path = Path(args.file)
-        fmt = args.format or guess_format(path)
-        by_key = fmt == "jsonl"
-        spec = DataSpec(path, fmt,
-                        text_column=args.text_column or ("text" if by_key else 0),
-                        label_column=args.label_column or ("label" if by_key else 1),
-                        pair_column=args.pair_column, header=args.header is not False,
-                        label_map=parse_label_map(args.label_map))
+        spec = file_spec(args.file, args.format, args.text_column, args.label_column, args.pair_column,
+                         args.header is not False, parse_label_map(args.label_map),
+                         multi_label=manifest.task_type == TaskType.multi_label_classification)
     data = spec.read().subset(args.max_examples, seed=0)
-    store = ModuleStore(args.store or DEFAULT_STORE)
-    if args.task not in store.tasks():
-        raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
-    head_labels = store.read_manifest(args.task, args.version).labels
+    head_labels = manifest.labels
     unknown = sorted(set(data.labels_seen()) - set(head_labels))
     if unknown:
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}")

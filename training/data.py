@@ -117,6 +117,13 @@ def _column_index(column: Column, header: list[str] | None, path: Path) -> int:
     return header.index(column)
 
 
+def _by_default(column: Column | None, name: str, index: int, header: list[str] | None) -> Column:
+    """A column not named by the user: the one the header calls `name`, else the `index`th."""
+    if column is not None:
+        return column
+    return name if header and name in header else index
+
+
 def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
     """(line number, cells) of each non-blank row."""
     with open(path, encoding="utf-8", newline="") as fh:
@@ -139,11 +146,12 @@ def _lines(path: Path):
                          f"e.g. iconv -f latin1 -t utf-8") from None
 
 
-def read_table(path: str | Path, *, text_column: Column, label_column: Column, pair_column: Column | None = None,
+def read_table(path: str | Path, *, text_column: Column | None, label_column: Column | None,
+               pair_column: Column | None = None,
                fmt: str | None = None, header: bool = True, label_map: dict[str, str] | None = None,
                multi_label: bool = False) -> LabelledData:
     """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
-    0-based indices; `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a
+    0-based indices (None in a table: the header's `text` / `label` column, else columns 0 / 1); `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a
     label cell holds any number of labels, comma-separated (a JSON list in JSONL)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
@@ -167,8 +175,8 @@ def read_table(path: str | Path, *, text_column: Column, label_column: Column, p
         list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
         names = rows.pop(0)[1] if header and rows else None
-        text_i = _column_index(text_column, names, path)
-        label_i = _column_index(label_column, names, path)
+        text_i = _column_index(_by_default(text_column, "text", 0, names), names, path)
+        label_i = _column_index(_by_default(label_column, "label", 1, names), names, path)
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
         needed = max(i for i in (text_i, label_i, pair_i) if i is not None)
         for line_no, row in rows:
@@ -372,8 +380,8 @@ class DataSpec:
 
     path: Path
     format: str
-    text_column: Column = 0
-    label_column: Column = 1
+    text_column: Column | None = None  # None: the table's column named text, else 0 (read_table)
+    label_column: Column | None = None  # None: the column named label, else 1
     pair_column: Column | None = None
     header: bool = True
     label_map: dict[str, str] | None = None
@@ -386,6 +394,18 @@ class DataSpec:
         return read_table(self.path, text_column=self.text_column, label_column=self.label_column,
                           pair_column=self.pair_column, fmt=self.format, header=self.header, label_map=self.label_map,
                           multi_label=self.multi_label)
+
+
+def file_spec(path: str | Path, fmt: str | None = None, text_column: Column | None = None,
+              label_column: Column | None = None, pair_column: Column | None = None, header: bool = True,
+              label_map: dict[str, str] | None = None, multi_label: bool = False) -> DataSpec:
+    """A user's file, read as the options say (tmod-train's training and eval files alike)."""
+    path = Path(path)
+    fmt = fmt or guess_format(path)
+    if fmt == "jsonl":  # JSON records name their fields; a table's default columns come from its header
+        text_column = "text" if text_column is None else text_column
+        label_column = ("labels" if multi_label else "label") if label_column is None else label_column
+    return DataSpec(path, fmt, text_column, label_column, pair_column, header, label_map, multi_label)
 
 
 def preset_spec(preset: DatasetPreset, split: str, data_dir: Path | None = None) -> DataSpec:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modules_store import DEFAULT_STORE, TaskType, sha256_file
-from training.data import PRESETS, DataSpec, LabelledData, UsageError, guess_format, label_order, preset_spec
+from training.data import PRESETS, DataSpec, LabelledData, UsageError, file_spec, guess_format, label_order, preset_spec
 from training.settings import METRICS, TASK_DEFAULTS, TrainSettings
 
 
@@ -54,10 +55,12 @@ def resolve_data(s: TrainSettings) -> Splits:
         if s.split and len(s.split) == 2 and s.test:
             raise UsageError("--split VAL,TEST carves a test split; give --split VAL with --test FILE")
         named = {"train": s.train, "validation": s.validation, "test": s.test}
-        specs = {split: file_spec(s, path) for split, path in named.items() if path}
+        specs = {split: file_spec(path, s.format, s.text_column, s.label_column, s.pair_column, s.header,
+                                  s.label_map, s.multi_label) for split, path in named.items() if path}
         labels, metric = s.labels, None
     data = {split: spec.read() for split, spec in specs.items()}
     train = data["train"]
+    check_label_column(train, specs["train"])
     provenance = {
         "dataset": s.dataset,
         **{f"{split}_file": str(spec.path) for split, spec in specs.items()},
@@ -126,6 +129,19 @@ def teacher_folder(spec: str) -> tuple[Path, str, str]:
                      f"(e.g. ner/mpnet-2) or a STORE/TASK/VERSION folder")
 
 
+def check_label_column(train: LabelledData, spec: DataSpec) -> None:
+    """A label column holding text (a wrong --label-column, or a default column that is not the
+    labels) makes nearly every row its own class: refuse it before any training."""
+    if train.task_type != TaskType.sequence_classification:
+        return
+    seen = Counter(ex.label for ex in train.examples)
+    if len(seen) > 20 and len(seen) > len(train) / 2:  # under two rows a label: nothing to learn
+        examples = ", ".join(repr(label[:40]) for label in list(seen)[:3])
+        raise UsageError(f"{train.source}: {len(seen)} different labels in {len(train)} rows ({examples}, ...): "
+                         f"the label column ({'column 1, the default' if spec.label_column is None else repr(spec.label_column)})"
+                         " looks like text; name the labels' column with --label-column")
+
+
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:
     """Every label of `data` must be one the head has: from --labels, else from the training data."""
     unknown = sorted(set(data.labels_seen()) - set(labels))
@@ -160,16 +176,3 @@ def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[Labell
         if not len(part):
             raise UsageError(f"--split {fractions}: the {name} part of {data.source} would be empty")
     return train, validation, (test if len(fractions) == 2 else None)
-
-
-def file_spec(s: TrainSettings, path: str) -> DataSpec:
-    path = Path(path)
-    fmt = s.format or guess_format(path)
-    by_key = fmt == "jsonl"  # JSON records name their fields; tables default to columns 0 and 1
-    return DataSpec(
-        path=path, format=fmt,
-        text_column=s.text_column if s.text_column is not None else ("text" if by_key else 0),
-        label_column=s.label_column if s.label_column is not None else (
-            ("labels" if s.multi_label else "label") if by_key else 1),
-        pair_column=s.pair_column, header=s.header, label_map=s.label_map, multi_label=s.multi_label,
-    )
