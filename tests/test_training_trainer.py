@@ -112,6 +112,15 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     manifest = ModuleStore(run / "store").read_manifest("sentiment")
     for key in ("accuracy", "f1", "mcc", "examples"):
         assert result["metrics"][key] == pytest.approx(manifest.metrics[key])
+    assert result["file_role"].startswith("validation: this file chose the epoch")
+    assert f"{sentiment_files[1]}: validation: " in capsys.readouterr().err
+    # the training file: said to be no held-out score, in the JSON and on stderr
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[0]),
+                 "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
+                 "--backbone", str(train_backbone_dir), "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["file_role"].startswith("training: the head was trained on this file")
+    assert "not held out" in printed.err
 
 
 def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train_backbone_dir):

@@ -359,13 +359,13 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from modules_store import DEFAULT_STORE, ModuleStore
+    from modules_store import DEFAULT_STORE, ModuleStore, sha256_file
     from server.backbone import Backbone
     from server.modules import load_module
     from server.probe import probe_module
     from modules_store import TaskType
     from training.data import PRESETS, UsageError, file_spec, preset_spec
-    from training.evaluate import score_module
+    from training.evaluate import file_role, score_module
     from training.settings import parse_label_map
     from training.states import Split
 
@@ -396,7 +396,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     module = load_module(store, args.task, args.version, backbone, device=device, probe=probe_module)
     split = Split(data, module.head.labels, backbone)
     metrics = score_module(split, module, args.batch_size, progress=args.progress)
-    result = {"task": module.task, "version": module.version, "file": str(spec.path),
+    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path))
+    if not role.startswith(("test", "not a file")):
+        print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
+    result = {"task": module.task, "version": module.version, "file": str(spec.path), "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
               "metrics": metrics}
     text = json.dumps(result, indent=2)
