@@ -13,6 +13,7 @@ import sys
 import tempfile
 import typing
 
+from pydantic import ValidationError
 
 from server.config import Settings, device_problem
 from server.logs import configure_logging
@@ -43,8 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     overrides = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:  # a setting out of range, from a flag or TMOD_*: one line, no traceback
+        raise SystemExit(f"tmod-serve: {setting_problem(exc)}") from None
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
+    if not problem and not settings.store.is_dir():  # a typo would serve nothing, quietly
+        problem = f"the module store {settings.store} is not a directory (--store / TMOD_STORE)"
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
@@ -52,6 +58,15 @@ def main(argv=None) -> None:
         serve_settings(settings)
     finally:
         exit_status()
+
+
+def setting_problem(exc: ValidationError) -> str:
+    """The first wrong setting, named as its flag and variable: `--port / TMOD_PORT: Input should be ...`."""
+    first = exc.errors()[0]
+    if not first["loc"]:  # a check across settings (Settings' model validator) says what it is itself
+        return str(first["msg"]).removeprefix("Value error, ")
+    name = str(first["loc"][0])
+    return f"--{name.replace('_', '-')} / TMOD_{name.upper()}: {first['msg']} (got {first.get('input')!r})"
 
 
 def serve_settings(settings: Settings) -> None:

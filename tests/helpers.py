@@ -128,8 +128,10 @@ def free_port() -> int:
 class LiveServer:
     """A real uvicorn server on loopback, in a thread, for API tests."""
 
-    def __init__(self, app, ready_timeout: float = 120.0):
+    def __init__(self, app, ready_timeout: float = 120.0, ready_when=lambda response: response.status_code == 200):
+        """`ready_when(GET /readyz's response)`: started (default: ready to serve)."""
         self.port = free_port()
+        self.ready_when = ready_when
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -140,7 +142,7 @@ class LiveServer:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if self.ready_when(httpx.get(self.url + "/readyz", timeout=2)):
                     return self
             except httpx.TransportError:
                 pass

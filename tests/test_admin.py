@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
@@ -59,6 +60,19 @@ def test_the_module_listing_says_where_modules_come_from(live, store, tiny_backb
                        "backbone": {"backbone": tiny_backbone.name, "fingerprint": tiny_backbone.fingerprint.short}}
     admin(live, "sentiment", "unload")
     assert live.get("/admin/modules", headers=AUTH).json()["tasks"] == {}
+
+
+def test_a_start_with_no_module_says_so(store, tiny_backbone, tmp_path, caplog):
+    empty = tmp_path / "empty-store"
+    empty.mkdir()
+    def loaded_nothing(response):  # /readyz: not_ready while loading, then no_modules
+        return response.status_code == 503 and response.json()["error"]["type"] == "no_modules"
+
+    with caplog.at_level(logging.WARNING, logger="tmod"):
+        with LiveServer(create_app(Settings(store=empty, admin_token=TOKEN), backbone=tiny_backbone),
+                        ready_when=loaded_nothing) as server:
+            assert httpx.get(server.url + "/admin/modules", headers=AUTH).json()["tasks"] == {}
+    assert f"no module loaded from the store {empty}: /readyz answers 503 no_modules" in caplog.text
 
 
 def test_load_switch_and_unload(live):

@@ -1,6 +1,7 @@
 """tmod-serve flags come from the Settings model: every setting has a flag and an env var."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -33,3 +34,20 @@ def test_env_vars_feed_settings_and_flags_win(monkeypatch):
 def test_help_runs():
     out = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, check=True)
     assert "TMOD_MAX_BATCH_TOKENS" in out.stdout and "--no-batching" in out.stdout
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["--max-batch-size", "-3"], {}, "tmod-serve: --max-batch-size / TMOD_MAX_BATCH_SIZE: Input should be greater "
+                                     "than or equal to 1 (got -3)"),
+    ([], {"TMOD_PORT": "abc"}, "tmod-serve: --port / TMOD_PORT: Input should be a valid integer"),
+    (["--window-tokens", "64", "--window-stride", "100"], {}, "tmod-serve: window_stride=100 is over window_tokens=64"),
+    (["--store", "no-such-store"], {}, "tmod-serve: the module store no-such-store is not a directory "
+                                       "(--store / TMOD_STORE)"),
+])
+def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, expected):
+    """A flag or TMOD_* variable out of range, or a store that is not there, stops tmod-serve at once:
+    one line on stderr, exit status 1, no traceback, nothing served."""
+    done = subprocess.run([sys.executable, "-m", "server.cli", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, **env})
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(expected), done.stderr
