@@ -267,3 +267,19 @@ def test_a_missing_distillation_teacher_is_answered_before_torch_is_imported(tmp
                           cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
     assert "--distill-from 'ner/nope': no such module" in done.stderr
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("missing.yaml", None, "--config {path}: No such file or directory"),
+    ("bad.yaml", "epochs: [3\n", "--config {path}:2: not valid YAML (expected ',' or ']'"),
+    ("bad.json", '{"epochs": 3,}', "--config {path}:1: not valid JSON (Expecting property name"),
+    ("list.yaml", "- 1\n", "--config {path}: a config file must hold a mapping of settings, got list"),
+    ("zero.yaml", "epochs: 0\n", "--epochs: Input should be greater than or equal to 1"),
+])
+def test_config_file_mistakes(tmp_path, capsys, tables, name, content, expected):
+    _, train, validation = tables
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation, "--config", str(path)))
+    assert expected.format(path=path) in line

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from modules_store import TaskType
+from training.data import UsageError
 
 # Knobs whose sensible value depends on the task type (DESIGN.md section 1: sequence heads use
 # k=64 and alpha=64; token heads k=128, alpha=128, entropy penalty 1e-3, cutoff 1e-2).
@@ -247,10 +248,21 @@ class TrainSettings(BaseModel):
 def read_config_file(path: str | Path) -> dict:
     """A YAML or JSON mapping of settings (keys as in TrainSettings, '-' or '_' both accepted)."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except OSError as exc:
+        raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--config {path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--config {path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise UsageError(f"--config {path}:{mark.line + 1 if mark else '?'}: not valid YAML "
+                         f"({getattr(exc, 'problem', None) or exc})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a config file must hold a mapping of settings, got {type(data).__name__}")
+        raise UsageError(f"--config {path}: a config file must hold a mapping of settings, got {type(data).__name__}")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
