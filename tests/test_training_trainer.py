@@ -327,3 +327,12 @@ def test_precision_setting_trains_on_the_states_served_at_that_precision(tmp_pat
     assert environment["backend"] == "torch" and environment["precision"] == "bf16"
     assert result.training["settings"]["precision"] == "bf16"
     assert train_backbone.backend.precision == "fp32"  # the caller's backbone is left as it was
+
+
+@pytest.mark.parametrize("command", [["layermix", "--dataset", "sst2", "--task", "x"], ["embedding"]])
+def test_a_backbone_that_is_not_there_is_one_line(tmp_path, capsys, command):
+    assert main([*command, "--backbone", str(tmp_path / "no-model"), "--store", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"tmod-train {command[0]}: error: no Hugging Face model at {tmp_path / 'no-model'} " \
+                      "(config.json missing)", err
+    assert not any("Traceback" in line for line in err)

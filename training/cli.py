@@ -424,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args, argv)
     except UsageError as exc:
         print(f"tmod-train {args.command}: error: {exc}", file=sys.stderr)
+    except FileNotFoundError as exc:  # a backbone folder or package not there: Backbone.load names it
+        print(f"tmod-train {args.command}: error: {exc}", file=sys.stderr)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = "--" + "-".join(str(part) for part in first["loc"]).replace("_", "-") if first["loc"] else "settings"
