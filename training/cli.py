@@ -33,10 +33,12 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
                    "(default: $TMOD_DATA_DIR, else ../shared/data from the repository root)")
     g.add_argument("--format", choices=["tsv", "csv", "jsonl", "conll"], default=default,
                    help="file format (default: from the extension; .txt means CoNLL)")
-    g.add_argument("--text-column", default=default, help="text column: name or 0-based index (default: the header's 'text' column, else 0; "
+    g.add_argument("--text-column", default=default,
+                   help="text column: name or 0-based index (default: the header's 'text' column, else 0; "
                         "key 'text' in JSONL)")
     g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
-    g.add_argument("--label-column", default=default, help="label column: name or index (default: the header's 'label' column, else 1; key 'label' "
+    g.add_argument("--label-column", default=default,
+                   help="label column: name or index (default: the header's 'label' column, else 1; key 'label' "
                         "in JSONL, 'labels' with --multi-label)")
     g.add_argument("--header", action=argparse.BooleanOptionalAction, default=default,
                    help="the table's first line names its columns (default: yes)")
@@ -359,11 +361,10 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from modules_store import DEFAULT_STORE, ModuleStore, sha256_file
+    from modules_store import DEFAULT_STORE, ModuleStore, TaskType, sha256_file
     from server.backbone import Backbone
     from server.modules import load_module
     from server.probe import probe_module
-    from modules_store import TaskType
     from training.data import PRESETS, UsageError, file_spec, preset_spec
     from training.evaluate import file_role, score_module
     from training.settings import parse_label_map

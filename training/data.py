@@ -151,8 +151,9 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                fmt: str | None = None, header: bool = True, label_map: dict[str, str] | None = None,
                multi_label: bool = False) -> LabelledData:
     """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
-    0-based indices (None in a table: the header's `text` / `label` column, else columns 0 / 1); `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a
-    label cell holds any number of labels, comma-separated (a JSON list in JSONL)."""
+    0-based indices (None in a table: the header's `text` / `label` column, else columns 0 / 1);
+    `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a label cell holds any
+    number of labels, comma-separated (a JSON list in JSONL)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
     examples = []
@@ -201,8 +202,8 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
         label = tuple(_label_name(str(item).strip(), label_map, where) for item in raw if str(item).strip())
     else:
         if isinstance(label, list):  # str() of it would train on labels such as "['joy']"
-            raise UsageError(f"{where}: the label is a list ({json.dumps(label)[:80]}): give --multi-label for a task whose "
-                             "texts have any number of labels")
+            raise UsageError(f"{where}: the label is a list ({json.dumps(label)[:80]}): give --multi-label for a "
+                             "task whose texts have any number of labels")
         if label is None or not str(label).strip():
             raise UsageError(f"{where}: empty label")
         label = _label_name(str(label).strip(), label_map, where)

@@ -137,9 +137,9 @@ def check_label_column(train: LabelledData, spec: DataSpec) -> None:
     seen = Counter(ex.label for ex in train.examples)
     if len(seen) > 20 and len(seen) > len(train) / 2:  # under two rows a label: nothing to learn
         examples = ", ".join(repr(label[:40]) for label in list(seen)[:3])
+        column = "column 1, the default" if spec.label_column is None else repr(spec.label_column)
         raise UsageError(f"{train.source}: {len(seen)} different labels in {len(train)} rows ({examples}, ...): "
-                         f"the label column ({'column 1, the default' if spec.label_column is None else repr(spec.label_column)})"
-                         " looks like text; name the labels' column with --label-column")
+                         f"the label column ({column}) looks like text; name the labels' column with --label-column")
 
 
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:
