@@ -140,6 +140,18 @@ def test_read_table_formats(tmp_path):
     assert [(ex.text, ex.label) for ex in data.examples] == [("x", "0"), ("z", "1")]
 
 
+@pytest.mark.parametrize("name, body", [
+    ("excel.csv", "text,label\r\nA fine day,yes\r\n\"A dull, grey day\",no\r\n"),
+    ("excel.tsv", "text\tlabel\r\nA fine day\tyes\r\nA dull, grey day\tno\r\n"),
+    ("excel.jsonl", '{"text": "A fine day", "label": "yes"}\r\n{"text": "A dull, grey day", "label": "no"}\r\n'),
+])
+def test_a_spreadsheets_byte_order_mark_and_crlf_lines_read_as_plain_utf8(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())  # what Excel's "CSV UTF-8" writes first
+    data = read_table(path, text_column="text", label_column="label")
+    assert [(ex.text, ex.label) for ex in data.examples] == [("A fine day", "yes"), ("A dull, grey day", "no")]
+
+
 def test_read_table_errors_name_the_problem(tmp_path):
     path = tmp_path / "a.tsv"
     path.write_text("sentence\tlabel\nonly-one-column\n")

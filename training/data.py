@@ -27,6 +27,9 @@ CONLL_TAGS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC
 FORMATS = ("tsv", "csv", "jsonl", "conll")
 
 
+ENCODING = "utf-8-sig"  # UTF-8, with or without the byte-order mark spreadsheets write first
+
+
 class UsageError(ValueError):
     """A mistake in the user's data or options (a missing file, an unknown column, an empty label...):
     `tmod-train` answers it with one line naming the file and line, and exit status 2."""
@@ -126,7 +129,7 @@ def _by_default(column: Column | None, name: str, index: int, header: list[str] 
 
 def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
     """(line number, cells) of each non-blank row."""
-    with open(path, encoding="utf-8", newline="") as fh:
+    with open(path, encoding=ENCODING, newline="") as fh:
         if fmt == "csv":
             reader = csv.reader(fh)
             return [(reader.line_num, row) for row in reader if row]
@@ -139,7 +142,7 @@ def _lines(path: Path):
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding=ENCODING) as fh:
             yield from enumerate(fh, 1)
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); convert it first, "
@@ -260,7 +263,7 @@ def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int
     documents: list[list[TokenExample]] = []
     words, tags = [], []
     seen = 0  # words of the file before the current sentence (TokenExample.file_offset)
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding=ENCODING) as fh:
         for line in [*fh, ""]:
             parts = line.split()
             if parts and parts[0] == "-DOCSTART-":

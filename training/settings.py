@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from modules_store import TaskType
-from training.data import UsageError
+from training.data import ENCODING, UsageError
 
 # Knobs whose sensible value depends on the task type (DESIGN.md section 1: sequence heads use
 # k=64 and alpha=64; token heads k=128, alpha=128, entropy penalty 1e-3, cutoff 1e-2).
@@ -249,7 +249,7 @@ def read_config_file(path: str | Path) -> dict:
     """A YAML or JSON mapping of settings (keys as in TrainSettings, '-' or '_' both accepted)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding=ENCODING)
         data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
     except OSError as exc:
         raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
