@@ -83,6 +83,13 @@ def test_a_label_column_of_text_is_refused(tmp_path, capsys):
     assert "the label column ('second') looks like text" in line
 
 
+def test_a_training_file_with_one_label_is_refused(tmp_path, capsys):
+    train = write(tmp_path / "one.csv", "text,label\n" + "".join(f"sentence {i},yes\n" for i in range(30)))
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2"))
+    assert line.endswith("one.csv: every row is labelled 'yes': a classifier learns to tell two or more labels apart "
+                         "(is --label-column the right column?)")
+
+
 def test_a_table_whose_header_names_text_and_label_needs_no_column_options(tmp_path):
     table = write(tmp_path / "t.csv", "id,label,text\n1,yes,a fine day\n2,no,a dull day\n")
     spec = file_spec(table)
@@ -214,6 +221,21 @@ def test_split_is_stratified_seeded_and_disjoint():
     assert [e.text for e in again[1].examples] == [e.text for e in validation.examples]
     assert [e.text for e in carve(data, [0.1, 0.2], seed=4)[1].examples] != [e.text for e in validation.examples]
     assert carve(data, [0.1], seed=0)[2] is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_rare_label_is_never_carved_away_from_training(seed):
+    """Multi-label and token rows are carved unstratified: a row whose label no training row has goes
+    back to training (else the run ends on 'never seen in training'); every part stays disjoint."""
+    rows = [SequenceExample(f"text {i}", ("common",)) for i in range(60)]
+    rows += [SequenceExample("the only proud one", ("common", "pride")), SequenceExample("rare too", ("rare",))]
+    data = LabelledData(TaskType.multi_label_classification, rows, "mem")
+    train, validation, test = carve(data, [0.5, 0.4], seed=seed)
+    assert set(train.labels_seen()) == {"common", "pride", "rare"}
+    assert set(validation.labels_seen()) | set(test.labels_seen()) <= set(train.labels_seen())
+    texts = [{e.text for e in part.examples} for part in (train, validation, test)]
+    assert sum(map(len, texts)) == len(rows) and not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+    assert len(validation) >= 29 and len(test) >= 23  # only the two rare rows moved (31 and 25 carved)
 
 
 def test_epoch_selection_needs_a_real_improvement():

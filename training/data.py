@@ -84,11 +84,15 @@ class LabelledData:
         return len(self.examples)
 
     def labels_seen(self) -> list[str]:
+        return sorted({label for ex in self.examples for label in self.labels_of(ex)})
+
+    def labels_of(self, example) -> set[str]:
+        """One example's labels: its tags (token tasks), its labels (multi-label), or its label."""
         if self.task_type == TaskType.token_classification:
-            return sorted({tag for ex in self.examples for tag in ex.tags})
+            return set(example.tags)
         if self.task_type == TaskType.multi_label_classification:
-            return sorted({label for ex in self.examples for label in ex.label})
-        return sorted({ex.label for ex in self.examples})
+            return set(example.label)
+        return {example.label}
 
     def texts(self) -> list[str]:
         return [ex.text for ex in self.examples]

@@ -131,10 +131,14 @@ def teacher_folder(spec: str) -> tuple[Path, str, str]:
 
 def check_label_column(train: LabelledData, spec: DataSpec) -> None:
     """A label column holding text (a wrong --label-column, or a default column that is not the
-    labels) makes nearly every row its own class: refuse it before any training."""
+    labels) makes nearly every row its own class, and one holding a single label leaves nothing to
+    tell apart: refuse both before any training."""
     if train.task_type != TaskType.sequence_classification:
         return
     seen = Counter(ex.label for ex in train.examples)
+    if len(seen) < 2:
+        raise UsageError(f"{train.source}: every row is labelled {next(iter(seen))!r}: a classifier learns to tell "
+                         "two or more labels apart (is --label-column the right column?)")
     if len(seen) > 20 and len(seen) > len(train) / 2:  # under two rows a label: nothing to learn
         examples = ", ".join(repr(label[:40]) for label in list(seen)[:3])
         column = "column 1, the default" if spec.label_column is None else repr(spec.label_column)
@@ -155,7 +159,9 @@ def check_labels(data: LabelledData, given: list[str] | None, labels: list[str],
 
 def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[LabelledData, LabelledData, LabelledData | None]:
     """(train, validation, test or None) out of one split: `fractions` of each label's examples
-    (single-label tasks: stratified) or of all examples, chosen by a seeded shuffle; file order kept."""
+    (single-label tasks: stratified) or of all examples, chosen by a seeded shuffle; file order kept.
+    A carved row holding a label (or tag) that no training row has goes back to training: the head
+    cannot answer a label it never saw, and a rare one would otherwise end the run."""
     rng = random.Random(seed)
     groups: dict = {}
     for i, ex in enumerate(data.examples):
@@ -170,6 +176,13 @@ def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[Labell
         if len(cuts) == 2:
             parts[2] += rows[cuts[0]:cuts[0] + cuts[1]]
         parts[0] += rows[sum(cuts):]
+    taught = {label for i in parts[0] for label in data.labels_of(data.examples[i])}
+    for part in parts[1:]:
+        for i in list(part):
+            if not data.labels_of(data.examples[i]) <= taught:
+                part.remove(i)
+                parts[0].append(i)
+                taught |= data.labels_of(data.examples[i])
     train, validation, test = (LabelledData(data.task_type, [data.examples[i] for i in sorted(rows)], data.source,
                                             data.has_pairs) for rows in parts)
     for name, part in (("training", train), ("validation", validation)):
