@@ -62,7 +62,9 @@ def test_the_readme_install_trains_evaluates_and_serves(tmp_path):
          "--text-column", "sentence", "--label-map", "0=negative,1=positive", "--max-examples", "50"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert scored.returncode == 0, scored.stderr
-    assert json.loads(scored.stdout)["metrics"]["examples"] == 50
+    rescored = json.loads(scored.stdout)
+    assert rescored["metrics"]["examples"] == 50
+    assert rescored["file_role"].startswith("training: the file the run carved")  # not held out: said so
 
     port = free_port()
     server = subprocess.Popen([venv / "bin" / "tmod-serve", "--port", str(port), "--store", store], cwd=tmp_path,
