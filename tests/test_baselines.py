@@ -99,3 +99,7 @@ def test_the_verdict_names_the_first_baseline_the_head_fails_to_beat(head, major
     line = verdict(baselines, TaskType.sequence_classification)
     assert expected in line
     assert ("imbalanced" in line) == (head <= majority_score)  # the majority class alone scores 0.66 in accuracy
+    assert "chose the epoch" not in line  # the test split chose nothing
+    on_validation = verdict({**baselines, "split": "validation"}, TaskType.sequence_classification)
+    assert on_validation.endswith("; the validation split also chose the epoch: --test FILE or --split VAL,TEST "
+                                  "gives one that chose nothing")

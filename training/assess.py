@@ -69,17 +69,20 @@ def verdict(baselines: dict, kind: TaskType) -> str:
     split, metric, head = baselines["split"], baselines["metric"], baselines["head"]
     linear = "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
     majority_score, linear_score = baselines["majority"][metric], baselines[linear][metric]
+    caveat = ("; the validation split also chose the epoch: --test FILE or --split VAL,TEST gives one that chose "
+              "nothing" if split == "validation" else "")
     if head <= majority_score:
         imbalanced = metric == "accuracy" and majority_score >= 0.6  # the majority answer alone scores well
         return (f"no better than the majority answer on the {split} split ({metric} {head:.4f} against "
                 f"{majority_score:.4f}): the head has not learnt this task from these rows"
                 + ("; the classes are imbalanced, so --metric f1_macro or mcc judges a head better" if imbalanced
-                   else ""))
+                   else "") + caveat)
     if head <= linear_score:
         return (f"above the majority answer but no better than the linear model ({linear}) on the {split} split "
-                f"({metric} {head:.4f} against {linear_score:.4f}): not worth a backbone pass for this task alone")
+                f"({metric} {head:.4f} against {linear_score:.4f}): not worth a backbone pass for this task alone"
+                + caveat)
     return (f"above both baselines on the {split} split: {metric} {head - majority_score:+.4f} over the majority "
-            f"answer, {head - linear_score:+.4f} over the linear model ({linear})")
+            f"answer, {head - linear_score:+.4f} over the linear model ({linear})" + caveat)
 
 
 def _text(example):
