@@ -219,3 +219,5 @@ class AdminModules(BaseModel):
     backbone: dict[str, str] = Field(description="the backbone's name and fingerprint: a module loads only if "
                                      "trained on the same")
     tasks: dict[str, str] = Field(description="each served task's version")
+    modules_of: dict[str, str] = Field(description="the backbones whose modules this server can load: its own and "
+                                       "those a loaded bridge leads to, each fingerprint with the backbone's name")

@@ -56,8 +56,10 @@ def test_admin_needs_the_token(live, store, tiny_backbone):
 def test_the_module_listing_says_where_modules_come_from(live, store, tiny_backbone):
     assert live.get("/admin/modules").status_code == 401
     listing = live.get("/admin/modules", headers=AUTH).json()
+    fingerprint = tiny_backbone.fingerprint.short
     assert listing == {"store": str(store.root.resolve()), "tasks": {"sentiment": "2"},
-                       "backbone": {"backbone": tiny_backbone.name, "fingerprint": tiny_backbone.fingerprint.short}}
+                       "backbone": {"backbone": tiny_backbone.name, "fingerprint": fingerprint},
+                       "modules_of": {fingerprint: tiny_backbone.name}}
     admin(live, "sentiment", "unload")
     assert live.get("/admin/modules", headers=AUTH).json()["tasks"] == {}
 

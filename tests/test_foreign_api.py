@@ -41,7 +41,8 @@ def setup(tmp_path_factory, tiny_backbone, tiny_llama):
 @pytest.fixture(scope="module")
 def live(setup, tiny_backbone):
     store, bridges, _ = setup
-    settings = Settings(store=store.root, bridges=bridges.root, head_precision="fp32")  # answers compared across paths: fp32 heads (16-bit heads round differently when grouped)
+    settings = Settings(store=store.root, bridges=bridges.root, head_precision="fp32",  # answers compared across
+                        admin_token="admin")  # paths: fp32 heads (16-bit heads round differently when grouped)
     with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             yield client
@@ -54,6 +55,15 @@ def test_tasks_show_the_chain(live):
     assert via["bridge"] == "bert-to-llama" and via["kind"] == "transformer" and via["objective"] == "mse"
     assert len(via["chain"]) == 3 and via["chain"][1] == "bridge bert-to-llama/1"
     assert tasks["llama-ner"]["backbone"]["architecture"] == "LlamaModel"
+
+
+def test_the_admin_listing_names_every_backbone_whose_modules_load_here(live, tiny_backbone, tiny_llama):
+    """What `tmod-train --load-into` checks before training a head on a backbone: the server's own and
+    the bridged one (tiny Llama) are listed."""
+    listing = live.get("/admin/modules", headers={"authorization": "Bearer admin"}).json()
+    assert listing["modules_of"] == {tiny_backbone.fingerprint.short: tiny_backbone.name,
+                                     tiny_llama.fingerprint.short: tiny_llama.name}
+    assert listing["tasks"]["llama-ner"] == "1"
 
 
 def test_foreign_answers_equal_bridge_plus_module_by_hand(live, setup, tiny_backbone, tiny_llama):

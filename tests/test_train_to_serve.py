@@ -97,11 +97,23 @@ def test_load_into_refuses_another_store_or_a_wrong_token_before_training(server
     assert not (tmp_path / "run").exists()
 
 
+def test_a_head_for_another_backbone_is_refused_before_training(server, tiny_backbone_dir, train_backbone,
+                                                                 tmp_path, monkeypatch, capsys):
+    url, store = server
+    monkeypatch.setenv("TMOD_ADMIN_TOKEN", TOKEN)
+    line = error_line(capsys, sst2_args(tmp_path, tiny_backbone_dir, store.root, url, "foreign"))
+    assert (f"that server runs {train_backbone.name} ({train_backbone.fingerprint.short}) and loads modules of "
+            f"['{train_backbone.name}'] only") in line and "give --backbone the server's" in line
+    assert not (store.root / "foreign").exists() and not (tmp_path / "run").exists()  # nothing trained
+
+
 def test_a_refused_load_keeps_the_trained_module_and_its_report(server, tiny_backbone_dir, tmp_path, monkeypatch,
                                                                  capsys):
     url, store = server
     monkeypatch.setenv("TMOD_ADMIN_TOKEN", TOKEN)
-    # trained on another backbone than the server's (and no bridge there): the server refuses to load it
+    # trained on another backbone than the server's (and no bridge there), the check above left out: the
+    # server itself refuses to load it, after training
+    monkeypatch.setattr("training.serving.check_backbone", lambda *args: None)
     line = error_line(capsys, sst2_args(tmp_path, tiny_backbone_dir, store.root, url, "foreign"))
     assert "the server did not load foreign/1 (409)" in line and "the module is saved in" in line
     assert (store.root / "foreign" / "1" / "manifest.json").is_file()

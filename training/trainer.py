@@ -352,6 +352,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     backbone = backbone or Backbone.load(s.backbone, device=str(device))
     if s.precision != "fp32":  # the states the head learns from are the ones served at this precision
         backbone = backbone.use_backend("torch", s.precision)
+    if server:
+        serving.check_backbone(s.load_into, server, backbone)
     head = build_head(s, task_type, labels, backbone).to(device)
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
     if s.document_windows:
