@@ -9,6 +9,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import typing
@@ -51,6 +52,7 @@ def main(argv=None) -> None:
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
     if not problem and not settings.store.is_dir():  # a typo would serve nothing, quietly
         problem = f"the module store {settings.store} is not a directory (--store / TMOD_STORE)"
+    problem = problem or port_problem(settings.host, settings.port)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
@@ -58,6 +60,20 @@ def main(argv=None) -> None:
         serve_settings(settings)
     finally:
         exit_status()
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Another process on the port, or a host that is not this machine's: said before anything loads
+    (one process would log it once start-up began; the workers' listener would raise)."""
+    if port == 0:
+        return None
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no problem
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host / --port)"
+    return None
 
 
 def setting_problem(exc: ValidationError) -> str:

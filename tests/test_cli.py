@@ -1,14 +1,19 @@
-"""tmod-serve flags come from the Settings model: every setting has a flag and an env var."""
+"""tmod-serve flags come from the Settings model: every setting has a flag and an env var; a wrong
+setting, store or port stops it at once with one line."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from server.cli import build_parser
 from server.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]  # the shipped store is modules_store/ here
 
 pytestmark = pytest.mark.smoke  # the quick tier: every test here
 
@@ -51,3 +56,14 @@ def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, 
                           cwd=tmp_path, env={**os.environ, **env})
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(expected), done.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_is_one_line_before_anything_loads(tmp_path, workers):
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another server's port
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(port), "--workers", workers],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == f"tmod-serve: cannot listen on 127.0.0.1:{port}: Address already in use " \
+                                  "(--host / --port)", done.stderr
