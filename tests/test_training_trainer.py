@@ -286,7 +286,8 @@ def test_an_existing_version_is_refused_before_training(sentiment_run, sentiment
     run, _ = sentiment_run
     settings = TrainSettings(train=str(sentiment_files[0]), validation=str(sentiment_files[1]), task="sentiment",
                              store=str(run / "store"), progress=False)
-    with pytest.raises(ValueError, match="already exists"):
+    with pytest.raises(ValueError, match=r"sentiment/1 already exists in .*; pick another --version \(the next free "
+                                         r"number: --version 2\) or --overwrite"):
         train(settings)
 
 

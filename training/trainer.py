@@ -342,7 +342,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
     if store.path(task, s.version).exists() and not s.overwrite:  # say so now, not after training
-        raise UsageError(f"{task}/{s.version} already exists in {store.root}; pick another --version or --overwrite")
+        free = 1 + max((int(v) for v in store.versions(task) if v.isdigit()), default=0)
+        raise UsageError(f"{task}/{s.version} already exists in {store.root}; pick another --version (the next "
+                         f"free number: --version {free}) or --overwrite")
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     if s.threads:
