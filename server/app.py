@@ -37,7 +37,7 @@ from server.config import Settings
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
                                    embeddings_routes)
 from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
-                           protocol_of, refusal, validation_error_handler)
+                           protocol_of, refusal, unknown_tasks, validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
@@ -292,11 +292,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         names = task_names(tasks)
         unknown = [n for n in names if n not in loaded]
         if unknown:
-            raise ApiError(
-                400, "unknown_task", f"unknown task(s) {clip_list(unknown)}"
-                + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "") + f"; loaded tasks: {sorted(loaded)}",
-                loaded_tasks=sorted(loaded),
-            )
+            raise unknown_tasks(unknown, loaded, runtime.load_errors)
         return {n: loaded[n] for n in names}
 
     def fit_to_inputs(modules: dict[str, LoadedModule], has_pairs: bool, named: bool) -> dict[str, LoadedModule]:
@@ -564,7 +560,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     def oip_module(task: str, version: str | None = None) -> LoadedModule:
         module = runtime.modules.get(task)
         if module is None:
-            raise ApiError(404, "unknown_task", f"no model {clip(task)}; loaded: {sorted(runtime.modules)}",
+            why = f" (refused at load: {runtime.load_errors[task]})" if task in runtime.load_errors else ""
+            raise ApiError(404, "unknown_task", f"no model {clip(task)}{why}; loaded: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
         if version is not None and version != module.version:
             raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {clip(version)}")

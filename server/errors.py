@@ -53,6 +53,16 @@ def clip_list(values: list, most: int = 10) -> list:
     return [v if isinstance(v, str) and len(v) <= CLIP else clip(v) for v in values[:most]]
 
 
+def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str]) -> ApiError:
+    """400 unknown_task: the tasks asked that are not loaded (one refused at load says why: its
+    artifact's error, as /readyz lists it) and the tasks that are."""
+    message = f"unknown task(s) {clip_list(unknown)}" + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+    why = [f"{task} was refused at load: {refused[task]}" for task in unknown[:10] if task in refused]
+    if why:
+        message += f" ({'; '.join(why)})"
+    return ApiError(400, "unknown_task", message + f"; loaded tasks: {sorted(loaded)}", loaded_tasks=sorted(loaded))
+
+
 def error_body(type_: str, message: str, **details: Any) -> dict:
     return {"error": {"type": type_, "message": message, **details}}
 

@@ -70,7 +70,7 @@ from server.backbone import EncodedInput
 from server.backbone.tokens import FIELDS, PAIR, TRUNCATED, BlockRows, RowBlock, TextEncoder, plain_rows
 from server.batcher import ENQUEUED, KEY, LENGTHS, MODULES, DeadlineExceeded, Job, Owner, QueueFull
 from server.config import Settings
-from server.errors import ApiError
+from server.errors import ApiError, unknown_tasks
 from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics
@@ -611,9 +611,8 @@ class EngineService:
         if found is None:
             names = tasks.split(",")
             unknown = [t for t in names if t not in loaded]
-            found = self._sets[tasks] = ApiError(
-                400, "unknown_task", f"unknown task(s) {unknown}; loaded tasks: {sorted(loaded)}",
-                loaded_tasks=sorted(loaded)) if unknown else {t: loaded[t] for t in names}
+            found = self._sets[tasks] = (unknown_tasks(unknown, loaded, self.runtime.load_errors) if unknown
+                                         else {t: loaded[t] for t in names})
         return found
 
     def _requests(self, peer: Peer, frame: RequestFrame) -> None:

@@ -318,6 +318,23 @@ def test_restart_with_a_corrupt_newest_version_serves_the_previous_one_and_says_
         assert metric_sample(metrics, 'tmod_module_refusals_total{reason="bad_manifest"}') == 1
 
 
+def test_a_request_for_a_task_refused_at_load_says_why(tmp_path, tiny_backbone):
+    store = populate_store(tmp_path / "store", tiny_backbone)
+    weights = store.path("acceptability", "1") / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-16] + b"\0" * 16)  # its only version: refused, nothing served
+    with LiveServer(live_app(store.root, tiny_backbone)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        v1 = client.post("/v1/infer", params={"tasks": "acceptability,ner"}, json={"inputs": ["A fine film."]})
+        assert v1.status_code == 400 and v1.json()["error"]["type"] == "unknown_task"
+        message = v1.json()["error"]["message"]
+        assert message.startswith("unknown task(s) ['acceptability'] (acceptability was refused at load: "
+                                  "acceptability/1: checksum mismatch"), message
+        assert message.endswith("; loaded tasks: ['ner', 'sentiment']")
+        oip = client.post("/v2/models/acceptability/infer", json={"inputs": [
+            {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["A fine film."]}]})
+        assert oip.status_code == 404 and "(refused at load: acceptability/1: checksum mismatch" in oip.json()["error"]
+
+
 def test_store_refuses_names_that_are_not_plain_names(tmp_path):
     store = ModuleStore(tmp_path)
     for task, version in (("..", "1"), ("sentiment", "../ner/1"), ("sentiment", "/etc"), ("sentiment", "1\n")):
