@@ -350,8 +350,9 @@ class Runtime:
             self.ready.set()
             log.info("ready in %.1fs: %d tasks", time.perf_counter() - began, len(loaded))
             if not loaded:  # e.g. a store of another backbone's modules: say so where operators look
-                log.warning("no module loaded from the store %s: /readyz answers 503 no_modules until one is "
-                            "loaded through /admin", self.settings.store)
+                log.warning("no module loaded from the store %s%s: /readyz answers 503 no_modules until one is "
+                            "loaded through /admin", self.settings.store,
+                            f" (refused: {sorted(self.load_errors)})" if self.load_errors else "")
         except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.exception("start-up failed")
