@@ -305,3 +305,14 @@ def test_config_file_mistakes(tmp_path, capsys, tables, name, content, expected)
         path.write_text(content)
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation, "--config", str(path)))
     assert expected.format(path=path) in line
+
+
+@pytest.mark.parametrize("command", ["layermix", "eval"])
+def test_a_device_torch_cannot_use_is_one_line(tmp_path, capsys, tables, command):
+    _, train, validation = tables
+    if command == "layermix":
+        argv = train_args(tmp_path, "--train", train, "--validation", validation, "--device", "cuda:99")
+    else:  # a module to score first: eval checks the device before loading a backbone
+        argv = ["eval", "--task", "sentiment", "--dataset", "sst2", "--device", "cuda:99"]
+    line = one_line_error(capsys, argv)
+    assert line.startswith(f"tmod-train {command}: error: --device cuda:99: ") and "cuda" in line

@@ -269,10 +269,11 @@ def cmd_align(args, command: str) -> int:
     from modules_store import DEFAULT_STORE
     from server.backbone import Backbone
     from server.bridges import bridge_store, save_bridge
+    from training.settings import pick_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = str(pick_device(args.device))
     t0 = time.perf_counter()
     source = Backbone.load(args.source, device=device)
     target = Backbone.load(args.target, device=device)

@@ -452,7 +452,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from server.backbone import Backbone
     from server.bridges import bridge_store, load_bridge, save_bridge
     from training.pairing import PairedStates
-    from training.trainer import pick_device, safe_name, seed_everything
+    from training.settings import pick_device
+    from training.trainer import safe_name, seed_everything
 
     started = time.perf_counter()
     seed_everything(s.seed)

@@ -359,15 +359,13 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-
     from modules_store import DEFAULT_STORE, ModuleStore, TaskType, sha256_file
     from server.backbone import Backbone
     from server.modules import load_module
     from server.probe import probe_module
     from training.data import PRESETS, UsageError, file_spec, preset_spec
     from training.evaluate import file_role, score_module
-    from training.settings import parse_label_map
+    from training.settings import parse_label_map, pick_device
     from training.states import Split
 
     # the user's mistakes first, before a backbone is loaded
@@ -390,7 +388,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     unknown = sorted(set(data.labels_seen()) - set(head_labels))
     if unknown:
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = str(pick_device(args.device))
     backbone = Backbone.load(args.backbone, device=device)
     if args.precision != "fp32":
         backbone = backbone.use_backend("torch", args.precision)

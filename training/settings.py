@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from modules_store import TaskType
+from server.config import device_problem
 from training.data import ENCODING, UsageError
 
 # Knobs whose sensible value depends on the task type (DESIGN.md section 1: sequence heads use
@@ -243,6 +244,19 @@ class TrainSettings(BaseModel):
             token_mix = self.kind == "layermix" and task_type == TaskType.token_classification
             unset["lr"] = TOKEN_LAYERMIX_LR if token_mix else KIND_LR[self.kind]
         return self.model_copy(update=unset)
+
+
+def pick_device(name: str):
+    """--device: auto (cuda where torch sees a GPU, else cpu), or a device torch can use here; one
+    it cannot (cuda on a CPU-only build, a GPU index not there) is a UsageError naming why."""
+    import torch  # here only: a usage error is answered before torch is imported
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    problem = device_problem(name)
+    if problem:
+        raise UsageError(f"--device {name}: {problem}")
+    return torch.device(name)
 
 
 def read_config_file(path: str | Path) -> dict:

@@ -44,7 +44,7 @@ from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
-from training.settings import TrainSettings
+from training.settings import TrainSettings, pick_device
 from training.states import CachedStates, RecomputedStates, Split
 
 @dataclass
@@ -143,12 +143,6 @@ def make_optimizer(s: TrainSettings, head: Head) -> torch.optim.Optimizer:
     if s.optimizer == "adam":  # Adam's weight decay is the L2 kind (added to the gradient)
         return torch.optim.Adam(groups, lr=s.lr)
     return torch.optim.AdamW(groups, lr=s.lr)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def cache_device(device: torch.device, splits: list[Split], layers: list[int], hidden_size: int) -> torch.device:
