@@ -316,3 +316,10 @@ def test_a_device_torch_cannot_use_is_one_line(tmp_path, capsys, tables, command
         argv = ["eval", "--task", "sentiment", "--dataset", "sst2", "--device", "cuda:99"]
     line = one_line_error(capsys, argv)
     assert line.startswith(f"tmod-train {command}: error: --device cuda:99: ") and "cuda" in line
+
+
+def test_a_distillation_bridge_without_its_module_is_one_line(tmp_path, capsys):
+    line = one_line_error(capsys, ["bridge", "--objective", "distill", "--source", "minilm", "--target", "minilm",
+                                   "--bridge-store", str(tmp_path / "bridges")])
+    assert line == "tmod-train bridge: error: --objective distill needs --module STORE/TASK[/VERSION] (a module of " \
+                   "the target backbone)"

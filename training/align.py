@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from server.bridges.alignment import AlignmentBridge, AlignmentConfig
+from training.data import UsageError
 from training.pairing import PairedStates
 
 MAPPINGS = ("skip", "avg")
@@ -44,12 +45,12 @@ def layer_groups(source_layers: int, target_layers: int, target_states: Sequence
     """{target state j: the source states that feed it} for backbones of `source_layers` and
     `target_layers` layers (states 0..L)."""
     if mapping not in MAPPINGS:
-        raise ValueError(f"mapping must be one of {MAPPINGS}, not {mapping!r}")
+        raise UsageError(f"mapping must be one of {MAPPINGS}, not {mapping!r}")
     l_s, l_t = source_layers, target_layers
     out = {}
     for j in sorted(set(target_states)):
         if not 0 <= j <= l_t:
-            raise ValueError(f"target state {j} outside 0..{l_t}")
+            raise UsageError(f"target state {j} outside 0..{l_t}")
         if j == 0:
             out[j] = [0]
         elif l_s > l_t:  # deeper source: group j is (b_{j-1}, b_j]

@@ -45,7 +45,7 @@ from server.bridges.transformer import BridgeShape, TransformerBridge
 from server.heads.base import head_forward
 from server.modules import LoadedModule, count_parameters, load_module
 from server.probe import probe_module
-from training.data import IGNORE_INDEX, PRESETS, preset_spec, token_labels
+from training.data import IGNORE_INDEX, PRESETS, UsageError, preset_spec, token_labels
 from training.distill import distill_kl
 from training.settings import parse_layers
 
@@ -421,18 +421,18 @@ def parse_module_spec(spec: str) -> tuple[ModuleStore, str, str | None]:
         return ModuleStore(path.parent.parent), path.parent.name, path.name
     if path.is_dir() and ModuleStore(path.parent).versions(path.name):
         return ModuleStore(path.parent), path.name, None
-    raise ValueError(f"--module {spec!r}: expected STORE/TASK/VERSION or STORE/TASK (a stored module folder)")
+    raise UsageError(f"--module {spec!r}: expected STORE/TASK/VERSION or STORE/TASK (a stored module folder)")
 
 
 def read_texts(s: BridgeSettings):
     """(train data, validation data) of the preset; pair datasets are not paired yet."""
     if s.dataset not in PRESETS:
-        raise ValueError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
+        raise UsageError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
     preset = PRESETS[s.dataset]
     train = preset_spec(preset, "train", s.data_dir).read().subset(s.max_texts, s.seed)
     validation = preset_spec(preset, "validation", s.data_dir).read().subset(s.max_validation, s.seed)
     if train.has_pairs:
-        raise ValueError(f"dataset {s.dataset} holds text pairs; bridges are trained on single texts for now")
+        raise UsageError(f"dataset {s.dataset} holds text pairs; bridges are trained on single texts for now")
     return train, validation
 
 
@@ -455,6 +455,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from training.settings import pick_device
     from training.trainer import safe_name, seed_everything
 
+    if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
+        raise UsageError("--objective distill needs --module STORE/TASK[/VERSION] (a module of the target backbone)")
     started = time.perf_counter()
     seed_everything(s.seed)
     if s.threads:
@@ -467,15 +469,13 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     if s.module:
         store, task, version = parse_module_spec(s.module)
         module = load_module(store, task, version, target, device=str(device), probe=probe_module)  # checks the TARGET fingerprint
-    elif s.objective == "distill":
-        raise ValueError("--objective distill needs --module STORE/TASK[/VERSION] (a module of the target backbone)")
 
     source_layers = s.source_layers or list(range(source.num_layers + 1))
     target_layers = s.target_layers or (module.head.layers_read() if module else list(range(target.num_layers + 1)))
     if module is not None:
         missing = sorted(set(module.head.layers_read()) - set(target_layers))
         if missing:
-            raise ValueError(f"module {module.task}/{module.version} reads target states {missing} "
+            raise UsageError(f"module {module.task}/{module.version} reads target states {missing} "
                              f"that --target-layers {target_layers} leaves out")
     s = s.model_copy(update={"source_layers": source_layers, "target_layers": target_layers})
 
@@ -486,7 +486,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
     store = bridge_store(s.bridge_store or DEFAULT_BRIDGE_STORE)
     if store.path(name, s.version).exists() and not s.overwrite:
-        raise ValueError(f"bridge {name}/{s.version} already exists in {store.root}; pick another --version or --overwrite")
+        raise UsageError(f"bridge {name}/{s.version} already exists in {store.root}; pick another --version or --overwrite")
 
     train_data, val_data = read_texts(s)
     t0 = time.perf_counter()
@@ -505,7 +505,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
             if found is not None:
                 labels[split] = found
         if s.objective == "distill" and s.ce_weight and "train" not in labels:
-            raise ValueError(f"--ce-weight needs the dataset's labels to be the module's {module.head.labels}")
+            raise UsageError(f"--ce-weight needs the dataset's labels to be the module's {module.head.labels}")
         probe = ModuleProbe(module, {"train": train_pairs, "validation": val_pairs} if s.objective == "distill"
                             else {"validation": val_pairs}, s.eval_batch_size, device, labels, progress=s.progress)
 
