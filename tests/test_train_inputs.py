@@ -78,7 +78,8 @@ def test_a_label_column_of_text_is_refused(tmp_path, capsys):
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--text-column", "first",
                                              "--pair-column", "second"))
     assert "pairs.tsv: 40 different labels in 40 rows ('sentence number 0 here'," in line
-    assert "the label column (column 1, the default) looks like text; name the labels' column with --label-column" in line
+    assert ("the label column (the default: the header's 'label', else column 1) looks like text; name the labels' "
+            "column with --label-column") in line
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--label-column", "second"))
     assert "the label column ('second') looks like text" in line
 

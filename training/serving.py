@@ -37,7 +37,7 @@ def _error_message(exc: urllib.error.HTTPError) -> str:
 def check_server(url: str, store: str | None) -> dict:
     """Before any training: a tmod-serve answers at `url`, takes the token in $TMOD_ADMIN_TOKEN and
     allows module changes, and reads its modules from `store` (where this server's machine shares the
-    folder). Returns GET /admin/modules' answer: {"store", "backbone", "tasks": {task: version}}."""
+    folder). Returns GET /admin/modules' answer: {"store", "backbone", "tasks": {task: version}, "modules_of"}."""
     token = os.environ.get(TOKEN_VARIABLE)
     if not token:
         raise UsageError(f"--load-into needs the server's admin token in ${TOKEN_VARIABLE}")

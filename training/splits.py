@@ -141,7 +141,8 @@ def check_label_column(train: LabelledData, spec: DataSpec) -> None:
                          "two or more labels apart (is --label-column the right column?)")
     if len(seen) > 20 and len(seen) > len(train) / 2:  # under two rows a label: nothing to learn
         examples = ", ".join(repr(label[:40]) for label in list(seen)[:3])
-        column = "column 1, the default" if spec.label_column is None else repr(spec.label_column)
+        column = ("the default: the header's 'label', else column 1" if spec.label_column is None
+                  else repr(spec.label_column))
         raise UsageError(f"{train.source}: {len(seen)} different labels in {len(train)} rows ({examples}, ...): "
                          f"the label column ({column}) looks like text; name the labels' column with --label-column")
 
