@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
+# a label the font lacks a glyph for (an emoji) is drawn as a box: not worth a warning per glyph
+warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
