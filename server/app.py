@@ -518,11 +518,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """Where this server loads modules from and what it serves: what `tmod-train --load-into` checks
         before training (the token, the store it writes to, the backbone it trains on)."""
         require_module_changes(request)
-        own = runtime.backbone.fingerprint
-        targets = [own, *(bridge.manifest.target for bridge in runtime.bridges.values())]
         return AdminModules(store=str(settings.store.resolve()), backbone=msgspec.structs.asdict(model_info()),
                             tasks={task: module.version for task, module in sorted(runtime.modules.items())},
-                            modules_of={target.short: target.name for target in targets})
+                            modules_of=runtime.modules_of())
 
     @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
               responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})

@@ -202,6 +202,12 @@ class Runtime:
         """(backbone name, fingerprint short form)."""
         return self.backbone.name, self.backbone.fingerprint.short
 
+    def modules_of(self) -> dict[str, str]:
+        """The backbones whose modules this server can load, fingerprint short form -> name: its own,
+        and those a loaded bridge leads to."""
+        targets = [self.backbone.fingerprint, *(bridge.manifest.target for bridge in self.bridges.values())]
+        return {target.short: target.name for target in targets}
+
     def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
         return self.backbone.encode(texts, text_pairs, truncate, max_tokens)
 

@@ -386,6 +386,7 @@ class EngineState:
     ready: bool
     startup_error: str | None
     model: tuple[str, str] | None  # (backbone name, fingerprint short form), once loaded
+    modules_of: dict[str, str] | None  # Runtime.modules_of(), once loaded
     modules: dict[str, ModuleView] = field(default_factory=dict)
     load_errors: dict[str, str] = field(default_factory=dict)
     text: TextEncoder | None = None  # the tokenizer: sent once per worker, in its first ready state
@@ -557,6 +558,7 @@ class EngineService:
         ready = rt.ready.is_set()
         return EngineState(
             ready=ready, startup_error=rt.startup_error, model=rt.model_info() if ready else None,
+            modules_of=rt.modules_of() if ready else None,
             modules={task: self.view(m) for task, m in rt.modules.items()}, load_errors=dict(rt.load_errors),
         )
 
@@ -730,6 +732,7 @@ class RemoteRuntime:
         self.load_errors: dict[str, str] = {}
         self.text: TextEncoder | None = None
         self._model: tuple[str, str] | None = None
+        self._modules_of: dict[str, str] | None = None
         self._seen: dict[tuple[str, str], ModuleView] = {}  # (task, version) -> view, for answers of a replaced version
         self.tokenize_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmod-tokenize",
                                                     initializer=name_os_thread)
@@ -831,7 +834,7 @@ class RemoteRuntime:
     def _apply(self, state: EngineState) -> None:
         if state.text is not None:
             self.text = state.text
-        self._model = state.model
+        self._model, self._modules_of = state.model, state.modules_of
         self.startup_error = state.startup_error
         self.load_errors = state.load_errors
         self.modules = state.modules  # replaced whole: requests keep the snapshot they took
@@ -866,6 +869,9 @@ class RemoteRuntime:
     # ---- the interface the app uses (as Runtime's) ------------------------------------------------
     def model_info(self) -> tuple[str, str]:
         return self._model
+
+    def modules_of(self) -> dict[str, str]:
+        return self._modules_of
 
     def encode(self, texts, text_pairs, truncate: bool, max_tokens: int | None) -> list[EncodedInput]:
         return self.text.encode(texts, text_pairs, truncate, max_tokens)

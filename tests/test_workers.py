@@ -117,6 +117,10 @@ def test_a_reload_reaches_every_worker(served, store, tiny_backbone):
     save_module(store, "sentiment", "2", random_head(tiny_backbone, "sequence_classification",
                                                      ["negative", "positive"], 11), tiny_backbone)
     admin = {"authorization": "Bearer secret"}
+    listing = httpx.get(url + "/admin/modules", headers=admin)  # answered by a worker, from the engine's state
+    assert listing.status_code == 200, listing.text
+    assert listing.json()["tasks"]["sentiment"] == "1" and listing.json()["store"] == str(store.root.resolve())
+    assert listing.json()["modules_of"] == {tiny_backbone.fingerprint.short: tiny_backbone.name}
     text = TEXTS[1]
     before = httpx.post(url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": [text]}).json()
     loaded = httpx.post(url + "/admin/modules/sentiment/load", json={"version": "2"}, headers=admin)
