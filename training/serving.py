@@ -63,7 +63,7 @@ def check_server(url: str, store: str | None) -> dict:
 def check_backbone(url: str, server: dict, backbone) -> None:
     """Before training, once the backbone is loaded: the server can load a module trained on it (its own
     backbone, or one a loaded bridge leads to), else the whole run would end in a refused load."""
-    if "modules_of" in server and backbone.fingerprint.short not in server["modules_of"]:  # (older servers: no list)
+    if backbone.fingerprint.short not in server["modules_of"]:
         served = server["backbone"]
         raise UsageError(f"--load-into {url}: that server runs {served['backbone']} ({served['fingerprint']}) and "
                          f"loads modules of {sorted(server['modules_of'].values())} only; this head would be "
