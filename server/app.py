@@ -35,7 +35,7 @@ from server.backbone import Backbone
 from server.batcher import Job
 from server.config import Settings
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
-                                   embeddings_routes)
+                                   embedding_model_names, embedding_module, embeddings_routes)
 from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
                            protocol_of, refusal, unknown_tasks, validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
@@ -43,7 +43,7 @@ from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
-                            ModuleAction, ModuleActionResult, TaskDetail, TaskList, TeiTokenizeRequest,
+                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, TaskDetail, TaskList, TeiTokenizeRequest,
                             TokenizeRequest, decode, openapi_components)
 
 
@@ -553,6 +553,22 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             raise ApiError(404, "unknown_task", f"no task {clip(name)}; loaded tasks: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
         return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json")}
+
+    # ---- OpenAI's model list: the names /v1/embeddings takes -----------------------------------
+    started_s = int(time.time())
+
+    @app.get("/v1/models", response_model=OpenAIModelList, tags=["embeddings"], responses={503: {}})
+    async def openai_models():
+        """OpenAI's model list (`client.models.list()`): each embedding task, then the backbone's name."""
+        require_ready()
+        return OpenAIModelList(data=[OpenAIModel(id=name, created=started_s) for name in embedding_model_names(runtime)])
+
+    @app.get("/v1/models/{model:path}", response_model=OpenAIModel, tags=["embeddings"], responses={404: {}, 503: {}})
+    async def openai_model(model: str):
+        """One name of the list (`client.models.retrieve(name)`); 404 in OpenAI's shape for any other."""
+        require_ready()
+        embedding_module(runtime, model)
+        return OpenAIModel(id=model, created=started_s)
 
     # ---- Open Inference Protocol v2 (KServe / Triton clients) --------------------------------
     def oip_module(task: str, version: str | None = None) -> LoadedModule:

@@ -5,6 +5,8 @@
   `encoding_format` float or base64, `dimensions` (refused unless the module declares shortened
   sizes); errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (server/errors.py
   picks every refusal's shape from its path, those raised before the route included).
+- `GET /v1/models`, `GET /v1/models/{model}`: OpenAI's model list and lookup (`client.models.list()`):
+  the names `model` takes, each embedding task and then the backbone's name (server/app.py serves them).
 - `POST /embed`: Text Embeddings Inference's route (`huggingface_hub.InferenceClient.feature_extraction`
   pointed at it): `inputs`, `normalize`, `truncate`, `truncation_direction`; answers `[[floats]]`;
   errors in TEI's shape, `{"error", "error_type"}` (as TEI's `/tokenize`).
@@ -23,7 +25,7 @@ import numpy as np
 from msgspec import Meta, Struct
 
 from modules_store import TaskType
-from server.errors import ApiError
+from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
 from server.schemas import decode
 
@@ -76,6 +78,25 @@ def embedding_modules(runtime) -> dict:
     return {task: m for task, m in runtime.modules.items() if m.manifest.task_type == TaskType.embedding}
 
 
+def embedding_model_names(runtime) -> list[str]:
+    """The names `model` takes: each embedding task, then the backbone's name (its default embedding)."""
+    found = embedding_modules(runtime)
+    return sorted(found) + ([runtime.model_info()[0]] if found else [])
+
+
+def embedding_module(runtime, model: str | None):
+    """An embedding task by name; the backbone's name (or None) means the backbone's own embedding
+    (`embedding`, else the first by name); anything else 404 model_not_found."""
+    found = embedding_modules(runtime)
+    if model in found:
+        return found[model]
+    backbone = runtime.model_info()[0]
+    if found and (model is None or model == backbone or model.rsplit("/", 1)[-1] == backbone):
+        return found["embedding"] if "embedding" in found else found[sorted(found)[0]]
+    raise ApiError(404, "model_not_found", f"no embedding model {clip(model)}; embedding tasks loaded: {sorted(found)}"
+                   + (f" (or the backbone's name, {backbone!r})" if found else ""), param="model")
+
+
 def vectors_of(results: list[dict], task: str, normalize: bool | None, dimensions: int | None,
                module) -> np.ndarray:
     """(N, D) float32 vectors from the decoded answers: as the model makes them (`normalize`
@@ -119,17 +140,6 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
     """{path: handler(body, request) -> (answer bytes, headers)}: OpenAI's and TEI's routes over the app's
     runtime and its shared `run_inference` (the app's raw ASGI layer serves them)."""
 
-    def module_for(model: str | None):
-        """An embedding task by name; the backbone's name (or None) means the backbone's own embedding."""
-        found = embedding_modules(runtime)
-        if model in found:
-            return found[model]
-        backbone = runtime.model_info()[0]
-        if found and (model is None or model == backbone or model.rsplit("/", 1)[-1] == backbone):
-            return found["embedding"] if "embedding" in found else found[sorted(found)[0]]
-        raise ApiError(404, "model_not_found", f"no embedding model {model!r}; embedding tasks loaded: {sorted(found)}"
-                       + (f" (or the backbone's name, {backbone!r})" if found else ""), param="model")
-
     async def embed(texts, module, truncate, request):
         results, job, headers = await run_inference(texts, None, {module.task: module}, truncate, request)
         return results, job.modules[module.task], sum(len(row) for row in job.rows), headers
@@ -138,7 +148,7 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         """OpenAI's embeddings API: `data[i].embedding` as floats or base64 (little-endian float32)."""
         require_ready()
         asked = decode(OpenAIEmbeddingRequest, body, 400)
-        module = module_for(asked.model)
+        module = embedding_module(runtime, asked.model)
         check_dimensions(asked.dimensions, module)
         texts = as_texts(asked.input)
         results, module, tokens, headers = await embed(texts, module, asked.truncate, request)
@@ -157,7 +167,7 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         asked = decode(TEIEmbedRequest, body, 422)
         if asked.prompt_name is not None:
             raise ApiError(422, "invalid_request", f"prompt_name {asked.prompt_name!r}: no prompts are configured")
-        module = module_for(None)
+        module = embedding_module(runtime, None)
         check_dimensions(asked.dimensions, module)
         truncate = asked.truncate and asked.truncation_direction.lower()  # False, "right" or "left"
         results, module, _, headers = await embed(as_texts(asked.inputs), module, truncate, request)

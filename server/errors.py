@@ -2,7 +2,7 @@
 
 tmod's own routes: {"error": {"type", "message", ...}}. The Open Inference Protocol (`/v2`): the
 message string in "error" (its clients, tritonclient among them, format that string), the type
-beside it. OpenAI's `/v1/embeddings`: {"error": {"message", "type", "param", "code"}}, a malformed
+beside it. OpenAI's `/v1/embeddings` and `/v1/models`: {"error": {"message", "type", "param", "code"}}, a malformed
 body 400. Text Embeddings Inference's `/embed` and `/tokenize`: {"error", "error_type"}. Every
 refusal goes through `error_response`, which picks the shape from the path, whoever raises it: a
 route, FastAPI's validation, Starlette's routing (404, 405), the body limits, or an exception nobody
@@ -104,6 +104,8 @@ def protocol_of(path: str):
     """(the error body builder, the status of a malformed body) for the protocol `path` belongs to."""
     if is_oip(path):
         return oip_error_body, 422
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return openai_error_body, 400
     return PROTOCOLS.get(path, (tmod_error_body, 422))
 
 

@@ -201,6 +201,18 @@ class TaskList(BaseModel):
                                     "loaded task type (window_by_task_type: measured where docs/windows.md says)")
 
 
+class OpenAIModel(BaseModel):
+    id: str = Field(description="what /v1/embeddings takes as `model`")
+    object: Literal["model"] = "model"
+    created: int = Field(description="when this server started (Unix seconds): the modules carry no date of their own")
+    owned_by: str = "tmod"
+
+
+class OpenAIModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
+
+
 class ModuleAction(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$",

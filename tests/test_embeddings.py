@@ -344,6 +344,25 @@ def test_bf16_vectors_within_cosine_0_999(texts, reference_vectors):
 
 
 # ---- hot loading and worker processes (tiny backbone) ----------------------------------------------------
+def test_openai_client_lists_and_retrieves_the_embedding_models(served):
+    """`client.models.list()` names what `model` takes; each listed name embeds; others 404 in OpenAI's shape."""
+    import openai
+
+    client = openai_client(served)
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == ["embedding", "all-MiniLM-L6-v2"]  # sentiment and ner are no embedding
+    assert {(m.object, m.owned_by) for m in listed.data} == {("model", "tmod")}
+    assert len({m.created for m in listed.data}) == 1 and listed.data[0].created > 1_700_000_000
+    for name in [m.id for m in listed.data] + ["sentence-transformers/all-MiniLM-L6-v2"]:
+        assert client.models.retrieve(name).id == name
+        assert len(client.embeddings.create(model=name, input="A fine film.").data[0].embedding) == 384
+    for name in ["sentiment", "nope"]:
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.models.retrieve(name)
+        assert refused.value.body["code"] == "model_not_found" and "embedding tasks loaded: ['embedding']" in \
+            refused.value.body["message"]
+
+
 def test_hot_loaded_embedding_with_two_workers_equals_in_process(tmp_path, tiny_backbone, tiny_backbone_dir):
     store = populate_store(tmp_path / "store", tiny_backbone)
     save_module(store, "embedding", "1", EmbeddingHead.from_backbone(tiny_backbone, tiny_backbone_dir), tiny_backbone)
@@ -354,8 +373,11 @@ def test_hot_loaded_embedding_with_two_workers_equals_in_process(tmp_path, tiny_
         sample = ["A fine film.", "Peter flew to Brussels.", "Über 😀"]
         missing = httpx.post(url + "/v1/embeddings", json={"model": "embedding", "input": sample})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert httpx.get(url + "/v1/models").json() == {"object": "list", "data": []}
         loaded = httpx.post(url + "/admin/modules/embedding/load", headers={"authorization": "Bearer secret"})
         assert loaded.status_code == 200, loaded.text
+        for _ in range(4):  # either worker lists the module loaded in the engine
+            assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]][0] == "embedding"
         assert "embedding" in {t["task"] for t in httpx.get(url + "/v1/tasks").json()["tasks"]}
         served = [httpx.post(url + "/v1/embeddings", json={"model": "embedding", "input": sample}).json()
                   for _ in range(4)]  # answered by either worker
