@@ -55,6 +55,7 @@ from bench.harness import (  # noqa: E402
     serve_command,
     write_json,
 )
+from bench.live_server import rewrite_until, rows_swapped, sigterm_under_load  # noqa: E402
 
 TOKEN = "bench-attack-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -317,8 +318,6 @@ async def reload_race(server: ServerProcess, weights: Path, how: str, seconds: f
     """Reloads of sentiment back to back while its weights change under the server, and traffic
     comparing every answer with the checked weights' answer (labels exactly, scores within 0.01:
     batch composition moves bf16 scores by ~1e-3, swapped rows move them by far more)."""
-    from tests.helpers import rewrite_until, rows_swapped
-
     checked = weights.read_bytes()
     body = {"inputs": SENTENCES[:3]}
     statuses, admin, wrong, lost = collections.Counter(), collections.Counter(), [], 0
@@ -441,11 +440,9 @@ def smuggling(url: str, rounds: int) -> dict:
 
 
 def drain_with_keep_alive_clients(server: ServerProcess, clients: int, answers_before: int) -> dict:
-    """`clients` keep-alive clients (tests/helpers.py `sigterm_under_load`) until the server stops
+    """`clients` keep-alive clients (bench/live_server.py `sigterm_under_load`) until the server stops
     listening; SIGTERM once `answers_before` requests were answered. Lost: sent on an open connection
     and never answered."""
-    from tests.helpers import sigterm_under_load
-
     body = json.dumps({"inputs": SENTENCES})
     request = (f"POST /v1/infer?tasks=sentiment,ner HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                f"content-length: {len(body)}\r\n\r\n{body}").encode()

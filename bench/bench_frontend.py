@@ -285,9 +285,9 @@ def measure(server, bodies: list[bytes], inputs: int, concurrency: int, clients:
     --engines N its N engines, summed and each), of each worker process and of the generator, and
     requests per batch from /metrics."""
     # here, not at the top: this file is also the served process (`--serve`), which must import server/
-    # from BENCH_SERVER_CODE's checkout, and tests.helpers imports server/
+    # from BENCH_SERVER_CODE's checkout
     from bench.harness import busiest_threads, metrics_delta, proc_cpu_seconds, summarise_latency, thread_cpu_seconds
-    from tests.helpers import engine_pids, worker_pids
+    from bench.live_server import engine_pids, worker_pids
 
     now = time.time()
     start_at = now + 1.0  # every client connected before load starts

@@ -8,7 +8,8 @@
 - a real server: `ServerProcess` (a `tmod-serve` subprocess on a free loopback port, optionally
   pinned to CPUs of its own; `wait_ready` on /readyz; `stop` with SIGTERM, as Kubernetes does);
   `running_server` (one, ready, stopped on leaving); `split_cpus` / `pin_to` keep the load
-  generator off the server's cores
+  generator off the server's cores; its process tree, raw keep-alive clients, a SIGTERM under load
+  and a module file rewritten under it: bench/live_server.py
 - load: `measure` (a closed-loop httpx load generator at one concurrency, one keep-alive connection
   per client) and its latency summary; /metrics read before and after (`parse_metrics`,
   `metrics_delta`); CPU time from /proc (`CpuWindow`, per process and per thread)
@@ -26,12 +27,13 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bench.live_server import engines_on_port, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -324,12 +326,6 @@ class CpuWindow:
 
 
 # ---- the servers ----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_command() -> list[str]:
     """`tmod-serve` beside this Python, or `python -m server.cli` where the script is not installed."""
     script = Path(sys.executable).parent / "tmod-serve"
@@ -377,8 +373,6 @@ class ServerProcess:
         """Until /readyz answers 200; with `engines` > 1 also until every engine has its `workers`
         (/readyz answers once engine 0 is loaded, the others join the port once loaded)."""
         import httpx
-
-        from tests.helpers import engines_on_port
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -9,7 +9,8 @@ import pytest
 
 from server.app import create_app
 from server.config import Settings
-from tests.helpers import LiveServer, metric_sample, wait_until
+from bench.live_server import wait_until
+from tests.helpers import LiveServer, metric_sample
 
 TEXTS = ["Peter Blackburn met Angela Merkel in Brussels.", "A dull film.", "Great acting, poor plot, fine music.",
          "ok", "The European Commission said on Thursday it disagreed with German advice."]

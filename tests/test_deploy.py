@@ -42,7 +42,8 @@ from server.app import create_app
 from server.config import Settings
 from server.metrics import Metrics
 from server.modules import save_module
-from tests.helpers import LiveServer, free_port, random_head
+from bench.live_server import free_port
+from tests.helpers import LiveServer, random_head
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

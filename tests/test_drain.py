@@ -1,7 +1,7 @@
 """SIGTERM with keep-alive clients, against a real `tmod-serve` (`--workers 1` and `--workers 2`).
 
 Each client sends requests one after another on one connection and opens a new one only after an
-answer that said `Connection: close` (`tests/helpers.py`, `keep_alive_client`). While the server
+answer that said `Connection: close` (`bench/live_server.py`, `keep_alive_client`). While the server
 drains, the requests in flight must be answered with `Connection: close`, so no client sends its
 next request into a connection being closed: 0 lost, every client ends on a refused connection
 (the server no longer listens). Before the fix, 64 of 64 keep-alive connections lost their next
@@ -27,7 +27,8 @@ import httpx
 import pytest
 
 from server.workers import queued_connections, stop_taking_connections
-from tests.helpers import engines_on_port, populate_store, sigterm_under_load, start_tmod_serve, wait_until
+from bench.live_server import engines_on_port, sigterm_under_load, wait_until
+from tests.helpers import populate_store, start_tmod_serve
 
 CLIENTS = 12
 BODY = json.dumps({"inputs": ["The European Commission said on Thursday it disagreed with German advice."] * 4})

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers import metric_sample, populate_store, start_tmod_serve, wait_until
+from bench.live_server import wait_until
+from tests.helpers import metric_sample, populate_store, start_tmod_serve
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import free_port
+from bench.live_server import free_port
 from training.data import PRESETS, default_data_dir, preset_spec
 
 ROOT = Path(__file__).resolve().parents[1]

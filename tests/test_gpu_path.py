@@ -35,7 +35,8 @@ from server.runner import (
 )
 from server.timings import Timings
 from tests.device_failure_head import MESSAGE, TRIGGER, DeviceFailureHead
-from tests.helpers import LiveServer, free_port, populate_store, random_head, wait_until
+from bench.live_server import free_port, wait_until
+from tests.helpers import LiveServer, populate_store, random_head
 from tests.test_runner import TEXTS, assert_same_answers, record_eager, sorted_rows
 
 PAIRS = ["He met her.", "It was dull.", "fine", "They agreed.", "Mixed reviews.", "A meeting."]

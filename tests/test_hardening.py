@@ -26,7 +26,8 @@ from server.logs import JsonFormatter
 from server.modules import load_module, save_module
 from server.probe import probe_module
 from server.timings import Timings
-from tests.helpers import LiveServer, metric_sample, populate_store, random_head, wait_until
+from bench.live_server import wait_until
+from tests.helpers import LiveServer, metric_sample, populate_store, random_head
 
 TOKEN = "hardening-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -23,7 +23,8 @@ import pytest
 
 from modules_store import ModuleStore
 from server.modules import save_module
-from tests.helpers import random_head, read_until_closed, start_tmod_serve
+from bench.live_server import read_until_closed
+from tests.helpers import random_head, start_tmod_serve
 
 ADMIN = {"authorization": "Bearer hostile-admin-token"}
 MAX_BODY = 65536

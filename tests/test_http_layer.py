@@ -15,7 +15,7 @@ import uvicorn
 from server.config import Settings
 from server.http_limits import uvicorn_config
 from server.logs import AccessLog
-from tests.helpers import free_port, read_until_closed, wait_until
+from bench.live_server import free_port, read_until_closed, wait_until
 
 LIMIT = 4096
 

@@ -17,7 +17,8 @@ from server.app import create_app
 from server.config import Settings
 from server.modules import save_module
 from tests import slow_head
-from tests.helpers import LiveServer, free_port, metric_sample, random_head, wait_until
+from bench.live_server import free_port, wait_until
+from tests.helpers import LiveServer, metric_sample, random_head
 
 TIMEOUT_S = 1.5
 INPUTS = 12  # one part each (max_batch_size 1): 12 x SECONDS of passes, well past TIMEOUT_S

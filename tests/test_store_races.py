@@ -17,7 +17,8 @@ import torch
 from modules_store import ModuleStore
 from modules_store.store import WEIGHTS_FILE
 from server.modules import save_module
-from tests.helpers import random_head, rewrite_until, rows_swapped, start_tmod_serve
+from bench.live_server import rewrite_until, rows_swapped
+from tests.helpers import random_head, start_tmod_serve
 
 TOKEN = "race-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

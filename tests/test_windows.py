@@ -15,7 +15,8 @@ from server.app import create_app
 from server.config import Settings
 from server.windows import (MEASURED_WINDOWS, TextWindows, WindowSettings, cut, furthest_from_edge, mean_by_tokens,
                             mean_of_pooled_vectors, parts, split)
-from tests.helpers import LiveServer, wait_until
+from bench.live_server import wait_until
+from tests.helpers import LiveServer
 
 ODD = ["Zoë met 東京の友達 in Köln 😀👍🏽 and e\u0301 ñ Ångström", "Ça va ? 北京 🇫🇷 Mañana", "naïve café 你好世界 🙂"]
 

@@ -17,8 +17,8 @@ from modules_store import ModuleStore
 from server.config import Settings
 from server.app import create_app
 from server.modules import save_module
-from tests.helpers import (LiveServer, alive, engine_pids, engines_on_port, metric_sample, populate_store, random_head,
-                           start_tmod_serve, wait_until, worker_pids)
+from bench.live_server import alive, engine_pids, engines_on_port, wait_until, worker_pids
+from tests.helpers import LiveServer, metric_sample, populate_store, random_head, start_tmod_serve
 
 TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beautifully acted film.",
          "John lives in New York and works for the United Nations.", "Him be went store."]
@@ -310,7 +310,7 @@ def test_an_engine_takes_connections_only_while_every_listening_engine_is_loaded
     import subprocess
     import sys
 
-    from tests.helpers import free_port
+    from bench.live_server import free_port
 
     hook = tmp_path / "hook"
     hook.mkdir()
