@@ -146,3 +146,25 @@ def test_the_checks_fail_on_a_circle_and_an_upward_import():
              "modules_store.store": {("server.app", 3)}, "server.app": set()}
     assert circles(graph) == [["server.engine", "server.runner"]]
     assert [line.split(" ")[0] for line in upward_imports(graph)] == ["modules_store.store:3", "server.engine:1"]
+
+
+def imports_of_tests(folder: Path) -> list[str]:
+    """Every import of the test suite (`tests`, `tests.*`) in the .py files below `folder`, wherever it stands."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.relative_to(folder.parent)}:{node.lineno} imports {n}" for n in names
+                      if n == "tests" or n.startswith("tests.")]
+    return found
+
+
+def test_the_product_benchmarks_and_deployment_never_import_the_tests(tmp_path):
+    """Tests sit on top: they import bench/ (bench/live_server.py), never the other way round."""
+    assert [line for folder in (*PACKAGES, "bench", "deploy", "scripts") if (ROOT / folder).is_dir()
+            for line in imports_of_tests(ROOT / folder)] == []
+    probe = tmp_path / "tool"
+    probe.mkdir()
+    (probe / "run.py").write_text("import os\n\ndef f():\n    from tests.helpers import free_port\n")
+    assert imports_of_tests(probe) == ["tool/run.py:4 imports tests.helpers"]
