@@ -358,6 +358,16 @@ def test_a_backbone_that_cannot_load_exits_non_zero_with_the_reason_on_stderr(tm
     assert len(lines) == 1 and str(empty) in lines[0], process.stderr[-2000:]
 
 
+def test_a_backbone_name_tmod_does_not_know_is_named_in_one_line(tmp_path):
+    process = subprocess.run([sys.executable, "-m", "server.cli", "--port", "0", "--backbone", "MiniLM", "--store",
+                              str(tmp_path)], env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                             timeout=120)
+    assert process.returncode != 0
+    assert [line for line in process.stderr.splitlines() if line.startswith("tmod-serve:")] == [
+        "tmod-serve: cannot serve: FileNotFoundError: no backbone 'MiniLM': name one of minilm, smollm2, mpnet, or a "
+        "local Hugging Face model folder (nothing is downloaded from a model hub)"], process.stderr[-2000:]
+
+
 def test_cache_dir_is_where_a_named_backbone_is_found(tmp_path):
     from server.backbone.sources import MPNET_FOLDER, MPNET_ZIP_SHA256
     from server.runtime import Runtime

@@ -332,8 +332,14 @@ def test_precision_setting_trains_on_the_states_served_at_that_precision(tmp_pat
 
 @pytest.mark.parametrize("command", [["layermix", "--dataset", "sst2", "--task", "x"], ["embedding"]])
 def test_a_backbone_that_is_not_there_is_one_line(tmp_path, capsys, command):
-    assert main([*command, "--backbone", str(tmp_path / "no-model"), "--store", str(tmp_path / "store")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main([*command, "--backbone", str(tmp_path / "empty"), "--store", str(tmp_path / "store")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"tmod-train {command[0]}: error: no Hugging Face model at {tmp_path / 'no-model'} " \
+    assert err[-1] == f"tmod-train {command[0]}: error: no Hugging Face model at {tmp_path / 'empty'} " \
                       "(config.json missing)", err
-    assert not any("Traceback" in line for line in err)
+    for typo in ["MiniLM", "sentence-transformers/all-MiniLM-L6-v2"]:  # a name tmod does not know, a hub name
+        assert main([*command, "--backbone", typo, "--store", str(tmp_path / "store")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == f"tmod-train {command[0]}: error: no backbone {typo!r}: name one of minilm, smollm2, " \
+                          "mpnet, or a local Hugging Face model folder (nothing is downloaded from a model hub)", err
+        assert not any("Traceback" in line for line in err)
