@@ -10,7 +10,9 @@ from contextvars import ContextVar
 
 request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
 _VALID_ID = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
-_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+# a record's attributes that are not extra fields: the standard ones, and uvicorn's `color_message`
+# (its message with terminal colour codes, for a console, not a JSON line)
+_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):

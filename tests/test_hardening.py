@@ -240,6 +240,13 @@ class CapturedLog(logging.Handler):
         self.lines.append(json.loads(self.format(record)))
 
 
+def test_json_log_lines_keep_extra_fields_but_not_uvicorns_colour_codes():
+    record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "Finished server process [%d]", (7,), None)
+    record.color_message, record.task = "Finished server process [\x1b[36m%d\x1b[0m]", "ner"  # as uvicorn logs it
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "Finished server process [7]" and line["task"] == "ner" and "color_message" not in line
+
+
 def raw_get(sock: socket.socket, path: str) -> tuple[int, dict, bytes]:
     sock.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
     data = b""
