@@ -154,7 +154,17 @@ def decode(kind: type, body: bytes, malformed_status: int = 422):
             refused = exc
     text, _, where = str(refused).partition(" - at `")
     where = where.rstrip("`").removeprefix("$").removeprefix(".").replace("][", ".").replace("[", ".").replace("]", "")
-    raise malformed(malformed_status, where.lstrip(".") or "body", text)
+    where = where.lstrip(".") or "body"
+    hint = HINTS.get((kind, where, text))
+    raise malformed(malformed_status, where, f"{text} ({hint})" if hint else text)
+
+
+# the first mistakes of a newcomer to /v1/infer, and what to send instead: (body kind, location, msgspec's message)
+HINTS = {
+    (InferRequest, "body", "Object contains unknown field `tasks`"):
+        "tasks are named in the query string: /v1/infer?tasks=ner,emotion",
+    (InferRequest, "inputs", "Expected `array`, got `str`"): 'send a list, even of one text: {"inputs": ["..."]}',
+}
 
 
 def malformed(status: int, location: str, message: str) -> ApiError:

@@ -109,6 +109,18 @@ def test_malformed_bodies_are_422(live, payload):
     assert_error(response, 422, "invalid_request")
 
 
+def test_a_newcomers_first_mistakes_say_what_to_send(live):
+    """A single string for `inputs`, the tasks in the body: each 422 says what to send instead."""
+    error = assert_error(live.post("/v1/infer", json={"inputs": "Peter flew."}), 422, "invalid_request")
+    assert error["message"] == 'request is malformed: inputs: Expected `array`, got `str` (send a list, even of one ' \
+                               'text: {"inputs": ["..."]})'
+    error = assert_error(live.post("/v1/infer", json={"inputs": ["Peter flew."], "tasks": ["ner"]}), 422, "invalid_request")
+    assert error["message"].endswith("unknown field `tasks` (tasks are named in the query string: "
+                                     "/v1/infer?tasks=ner,emotion)")
+    error = assert_error(live.post("/v1/infer", json={"inputs": ["Peter flew."], "taks": 1}), 422, "invalid_request")
+    assert error["message"] == "request is malformed: body: Object contains unknown field `taks`"  # no hint to give
+
+
 def test_limits_are_413(live):
     error = assert_error(infer(live, ["x"] * 9), 413, "too_many_inputs")
     assert "at most 8" in error["message"]
