@@ -307,7 +307,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         rest = {t: m for t, m in modules.items() if t not in pair_tasks}
         if pair_tasks and (named or not rest):
             raise ApiError(422, "pair_task", f"task(s) {pair_tasks} compare a text with a text pair: send inputs "
-                                             'as {"text": ..., "text_pair": ...} objects')
+                                             'as {"text": ..., "text_pair": ...} objects (on /v2: a text_pair input, '
+                                             "BYTES [N] beside text)")
         return rest
 
     # a request's modules by (tasks, pairs), and each such dict's task types and token limit: clients send

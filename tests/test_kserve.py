@@ -387,6 +387,9 @@ def test_pair_task(served, binary):
     by_name = {o.name: o for o in response.outputs}
     assert strings(by_name["label"]) == [e["label"] for e in expected]
     assert by_name["score"].as_numpy().tolist() == pytest.approx([e["score"] for e in expected], abs=1e-5)
+    with pytest.raises(httpx.HTTPStatusError, match=r"on /v2: a text_pair input, BYTES \[N\] beside text") as refused:
+        infer(served, "entailment", {"text": texts}, binary)  # the pair left out: what to send, in this protocol's words
+    assert refused.value.response.status_code == 422
 
 
 def test_through_kserves_host_routing_and_errors(served):
