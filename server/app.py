@@ -58,6 +58,9 @@ CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 JSON_TYPES = (b"application/json",)
+# what stays open with an API key set: probes, scrapers and the schema (/admin has its own token)
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs",
+                        "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 OIP_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
 
@@ -99,6 +102,7 @@ class TmodApp(FastAPI):
     def configure(self, settings: Settings) -> None:
         self.body_limit, self.body_timeout_s = settings.max_body_bytes, settings.body_timeout_s
         self.access = AccessLog(settings.access_log_per_s)
+        self.api_key = settings.api_key.encode() if settings.api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":  # lifespan
@@ -108,6 +112,10 @@ class TmodApp(FastAPI):
         started, reply = time.perf_counter(), Reply(send, rid, scope.get(CYCLE))
         path, served = scope["path"], scope
         try:
+            if self.api_key is not None and path not in OPEN_PATHS and not path.startswith("/admin/") \
+                    and not bearer_matches(scope["headers"], self.api_key):
+                raise ApiError(401, "unauthorized", "this server needs 'Authorization: Bearer <API key>'",
+                               headers={"www-authenticate": "Bearer"})
             scope, receive = limit_body(scope, receive, self.body_limit, self.body_timeout_s)
             handler = self.fast_routes.get(path)
             if handler is not None:
@@ -234,6 +242,15 @@ async def respond(send, status: int, content: bytes, headers: dict[str, str]) ->
     head += [(name.encode(), value.encode()) for name, value in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": content})
+
+
+def bearer_matches(headers, secret: bytes) -> bool:
+    """Whether the request says `Authorization: Bearer <secret>` (compared in constant time)."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), secret)
+    return False
 
 
 def require_json(scope) -> None:
@@ -500,8 +517,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     def require_admin(request: Request) -> None:
         if not settings.admin_token:
             raise ApiError(403, "admin_disabled", "the admin API is disabled: set TMOD_ADMIN_TOKEN to enable it")
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.admin_token.encode()):
+        if not bearer_matches(request.scope["headers"], settings.admin_token.encode()):
             raise ApiError(401, "unauthorized", "admin endpoints need 'Authorization: Bearer <admin token>'")
 
     def require_module_changes(request: Request) -> None:

@@ -119,6 +119,11 @@ class Settings(BaseSettings):
         "(with 16 heads beside an fp32 backbone, 0.85x the backbone's throughput against 0.74x for fp32 heads, "
         "see docs/gpu.md)")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
+    api_key: str | None = Field(
+        None, description="bearer token every other route asks for ('Authorization: Bearer <key>', "
+        "as the openai, tritonclient, kserve and huggingface_hub clients send their key or token): 401 without it; "
+        "health (/healthz, /readyz, /v2/health/*), /metrics and the schema (/docs, /openapi.json) stay open for "
+        "probes and scrapers, /admin keeps its own token (unset or empty: no key asked)")
     log_level: str = Field("info", description="log level (uvicorn's and tmod's JSON lines)")
     access_log_per_s: float = Field(
         100.0, ge=0, description="most access-log lines (one per request, at info) a process writes per second: "

@@ -163,7 +163,7 @@ def container(objects: list[dict]) -> dict:
 
 def container_env(objects: list[dict], c: dict | None = None) -> dict[str, str]:
     """The environment a container (default: the Deployment's) gets: ConfigMaps from envFrom, then env
-    (Secret refs resolved)."""
+    (Secret refs resolved; an optional one whose Secret is not there is left out, as Kubernetes does)."""
     c = container(objects) if c is None else c
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
@@ -173,6 +173,8 @@ def container_env(objects: list[dict], c: dict | None = None) -> dict[str, str]:
             env[item["name"]] = item["value"]
         else:
             ref = item["valueFrom"]["secretKeyRef"]
+            if ref.get("optional") and not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == ref["name"]]:
+                continue
             secret = one(objects, "Secret", ref["name"])
             assert ref["key"] in secret["data"], f"Secret {ref['name']} has no key {ref['key']}"
             env[item["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
