@@ -3,12 +3,15 @@ Bearer <key>`, refused 401 in each protocol's shape; the clients of each protoco
 own way. One real `tmod-serve --workers 2` (the key is checked in the worker processes)."""
 from __future__ import annotations
 
+import json
 import os
+import socket
 
 import httpx
 import numpy as np
 import pytest
 
+from bench.live_server import read_http_response
 from server.heads.embedding import EmbeddingHead
 from server.modules import save_module
 from tests.helpers import populate_store, start_tmod_serve
@@ -100,3 +103,23 @@ def test_each_protocols_client_passes_the_key(served, monkeypatch):
     assert huggingface_hub.InferenceClient(model=served + "/embed", token=KEY).feature_extraction(TEXTS).shape[0] == 2
     with pytest.raises(huggingface_hub.errors.HfHubHTTPError, match="401"):
         huggingface_hub.InferenceClient(model=served + "/embed", token="wrong").feature_extraction(TEXTS)
+
+
+def test_a_refused_requests_unread_body_is_not_read_as_the_next_request(served):
+    """Refused before its body is read, a request's body must not be taken for the next request on the
+    connection: the next one (pipelined, and sent later) is answered as itself."""
+    body = json.dumps({"inputs": TEXTS * 20}).encode()
+
+    def post(headers: str) -> bytes:
+        return (f"POST /v1/infer?tasks=sentiment HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n{headers}\r\n").encode() + body
+
+    host, port = served.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        stream = sock.makefile("rb")
+        sock.sendall(post("") + post(f"authorization: Bearer {KEY}\r\n"))
+        assert read_http_response(stream)[0] == 401
+        status, _, answer = read_http_response(stream)
+        assert status == 200 and len(json.loads(answer)["results"]) == 40
+        sock.sendall(post(f"authorization: Bearer {KEY}\r\n"))
+        assert read_http_response(stream)[0] == 200
