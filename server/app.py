@@ -43,8 +43,8 @@ from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
-                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, TaskDetail, TaskList, TeiTokenizeRequest,
-                            TokenizeRequest, decode, openapi_components)
+                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, TaskDetail, TaskList,
+                            TeiTokenizeRequest, TokenizeRequest, decode, openapi_components)
 
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
