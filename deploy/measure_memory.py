@@ -13,12 +13,18 @@ their resident memory from /proc (VmRSS now, VmHWM = peak):
    requests at the limits (inputs of max_chars characters, as many as max_request_tokens word pieces
    admit, every task), tokenize requests at max_tokenize_chars, and short requests, for
    `--worst-seconds`, at each number of long-document clients given; RSS is sampled every 50 ms and
-   VmHWM read at the end of each level (one fresh server per level).
+   VmHWM read at the end of each level (one fresh server per level);
+4. sustained mixed traffic (`--mixed-rounds`): 8 clients sending requests of 1, 4 or 16 texts of 3 to
+   400 words for varied task sets, tokenize requests and refused ones, the RSS read after each round of
+   `--mixed-requests`, one fresh server per oneDNN primitive cache capacity in `--onednn-cache`
+   (`default`: oneDNN's 1024; the cache of compiled bf16 matrix-product kernels grows with the
+   distinct batch shapes a server meets, so it is what sustained traffic adds over one peak).
 Head sizes are the servers' own `parameters` from GET /v1/tasks (x 4 bytes, fp32).
 
     .venv/bin/python deploy/measure_memory.py --out deploy/results/memory-cpu.json
     .venv/bin/python deploy/measure_memory.py --worst-only --worst-clients 1,8,32 --out deploy/results/memory-worst-minilm.json
     .venv/bin/python deploy/measure_memory.py --worst-only --backbone mpnet --out deploy/results/memory-worst-mpnet.json
+    .venv/bin/python deploy/measure_memory.py --mixed-only --out deploy/results/memory-mixed-minilm.json
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_load import build_store, default_data_dir, free_port, read_sentences  # noqa: E402
+from bench.harness import build_store, cpu_flags, cpu_model, read_sst2_sentences  # noqa: E402
+from bench.live_server import free_port  # noqa: E402
 
 
 def proc_memory_mib(pid: int) -> dict[str, float]:
@@ -52,9 +59,11 @@ def proc_memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
-def serve(store: Path, threads: int = 1, backbone: str | None = None):
+def serve(store: Path, threads: int = 1, backbone: str | None = None, onednn_cache: str = "default"):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TMOD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TMOD_") and k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if onednn_cache != "default":
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = onednn_cache
     env.update({"TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(port), "TMOD_STORE": str(store),
                 "TMOD_THREADS": str(threads), "TMOD_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1",
                 **({"TMOD_BACKBONE": backbone} if backbone else {})})
@@ -161,6 +170,61 @@ def measure_worst(report: dict, tmp: Path, sentences: list[str], args) -> None:
     report["worst_mix"] = levels
 
 
+async def mixed_round(url: str, words: list[str], requests: int, seed: int) -> dict:
+    """`requests` requests from 8 clients, varied in size, tasks and kind: what each was answered."""
+    import random
+
+    pick = random.Random(seed)
+    answered: dict[str, int] = {}
+
+    def text() -> str:
+        return " ".join(pick.choices(words, k=pick.choice([3, 10, 30, 120, 400])))
+
+    async def one_client(client, count):
+        for _ in range(count):
+            kind = pick.random()
+            if kind < 0.75:
+                tasks = pick.choice(["ner", "ner,sentiment", "acceptability,sentiment", "sentiment", ""])
+                body = {"inputs": [text() for _ in range(pick.choice([1, 1, 4, 16]))]}
+                response = await client.post("/v1/infer" + (f"?tasks={tasks}" if tasks else ""), json=body)
+            elif kind < 0.85:
+                response = await client.post("/v1/tokenize", json={"inputs": [text()]})
+            elif kind < 0.93:
+                response = await client.post("/v1/infer?tasks=nope", json={"inputs": ["x"]})
+            else:
+                response = await client.post("/v1/infer", content=b'{"inputs": [1')
+            answered[str(response.status_code)] = answered.get(str(response.status_code), 0) + 1
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await asyncio.gather(*(one_client(client, requests // 8) for _ in range(8)))
+    return answered
+
+
+def measure_mixed(report: dict, tmp: Path, sentences: list[str], args) -> None:
+    """Phase 4, one fresh server per oneDNN primitive cache capacity."""
+    store = Path(tmp) / "store"
+    if not store.exists():
+        report["store"] = build_store(store, args.backbone, seed=0)
+    words = " ".join(sentences).split()
+    levels = []
+    for capacity in args.onednn_cache.split(","):
+        process, url = serve(store, backbone=args.backbone, onednn_cache=capacity)
+        try:
+            level = {"onednn_primitive_cache_capacity": capacity, "after_start_mib": proc_memory_mib(process.pid),
+                     "rounds": []}
+            for round_ in range(args.mixed_rounds):
+                began = time.monotonic()
+                answered = asyncio.run(mixed_round(url, words, args.mixed_requests, seed=round_))
+                level["rounds"].append({"requests": args.mixed_requests, "seconds": round(time.monotonic() - began, 1),
+                                        "answered": answered, **proc_memory_mib(process.pid)})
+                print(json.dumps({"capacity": capacity, **level["rounds"][-1]}), flush=True)
+            levels.append(level)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    report["mixed"] = levels
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Memory of one tmod-serve replica (RSS from /proc).")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
@@ -170,8 +234,13 @@ def main(argv=None) -> int:
     parser.add_argument("--worst-tokenize-clients", type=int, default=8)
     parser.add_argument("--worst-short-clients", type=int, default=8)
     parser.add_argument("--worst-seconds", type=float, default=60.0)
+    parser.add_argument("--mixed-only", action="store_true", help="measure only phase 4, sustained mixed traffic")
+    parser.add_argument("--mixed-rounds", type=int, default=3)
+    parser.add_argument("--mixed-requests", type=int, default=800, help="requests a round (8 clients)")
+    parser.add_argument("--onednn-cache", default="default,8",
+                        help="oneDNN primitive cache capacities, one fresh server each (default: oneDNN's own)")
     args = parser.parse_args(argv)
-    sentences = read_sentences(default_data_dir())
+    sentences = read_sst2_sentences()
     import torch
     import transformers
 
@@ -180,10 +249,12 @@ def main(argv=None) -> int:
               "backbone": args.backbone or "minilm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.platform(), "logical_cpus": os.cpu_count(), "python": platform.python_version(),
               "torch": torch.__version__, "transformers": transformers.__version__, "tmod_git": commit,
-              "threads": 1}
+              "threads": 1, "cpu": cpu_model(), "cpu_flags": [f for f in cpu_flags() if f.startswith(("avx", "amx"))]}
     with tempfile.TemporaryDirectory(prefix="tmod-memory-") as tmp:
         if args.worst_only:
             measure_worst(report, Path(tmp), sentences, args)
+        elif args.mixed_only:
+            measure_mixed(report, Path(tmp), sentences, args)
         else:
             measure_baseline(report, Path(tmp), sentences)
             measure_worst(report, Path(tmp), sentences, args)

@@ -191,3 +191,18 @@ def test_head_precision_scores_one_task_in_fp32_and_int8(tmp_path):
     assert entry["examples"] == 40 and set(entry["variants"]) == {"fp32", "int8"}
     assert entry["variants"]["int8"]["value"] > 0.5 and recorded["decision"]["int8"]["lowest_agreement"] >= 0.9
     assert "| sentiment (accuracy, 40 examples) |" in (tmp_path / "heads.md").read_text()
+
+
+@pytest.mark.slow
+def test_measure_memory_mixed_traffic_runs_small(tmp_path):
+    """deploy/measure_memory.py (deploy/README.md "Sizing"): the sustained mixed-traffic phase, one tiny
+    round on a server per oneDNN cache capacity."""
+    run_bench("deploy/measure_memory.py", "--mixed-only", "--mixed-rounds", "1", "--mixed-requests", "16",
+              "--onednn-cache", "default,8", "--out", str(tmp_path / "memory.json"))
+    recorded = json.loads((tmp_path / "memory.json").read_text())
+    assert [level["onednn_primitive_cache_capacity"] for level in recorded["mixed"]] == ["default", "8"]
+    for level in recorded["mixed"]:
+        (only,) = level["rounds"]
+        assert sum(only["answered"].values()) == 16 and only["VmRSS"] > level["after_start_mib"]["VmRSS"] / 2
+        assert set(only["answered"]) <= {"200", "400", "422"}
+    assert "avx2" in recorded["cpu_flags"] or platform.machine() != "x86_64"
