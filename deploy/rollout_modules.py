@@ -4,7 +4,8 @@ Each replica is told to load the version from its (shared) store through the adm
 (`POST /admin/modules/{task}/{action}`, bearer token from the TMOD_ADMIN_TOKEN environment
 variable, never from the command line); a load swaps the head between batches, so no request is
 dropped, and a refused artifact (checksum, backbone fingerprint, shapes) changes nothing on that
-replica. After each call the replica's `GET /v1/tasks/{task}` must report the new version.
+replica. After each call the replica's `GET /admin/modules` (the same token: it works whether or not the
+server asks for an API key on its other routes) must report the new version.
 
 Replicas are named by --hosts (HOST:PORT,...) or found by --dns NAME: a headless Service
 (deploy/k8s/base/service-headless.yaml) resolves to the address of every ready pod. The images
@@ -64,15 +65,14 @@ def roll_out(hosts: list[str], task: str, version: str | None, action: str, toke
         if status != 200:
             log(f"{host}: {action} {task} failed: HTTP {status} {json.dumps(body)}")
             return False
+        status, listing = call(opener, "GET", f"{base}/admin/modules", token, timeout=timeout)
+        served = ((listing or {}).get("tasks") or {}).get(task) if status == 200 else None
         if action == "unload":
-            status, _ = call(opener, "GET", f"{base}/v1/tasks/{task}", timeout=timeout)
-            if status != 404:
-                log(f"{host}: {task} still listed after unload (HTTP {status})")
+            if status != 200 or served is not None:
+                log(f"{host}: {task} still served after unload (HTTP {status}, version {served!r})")
                 return False
             log(f"{host}: unloaded {task} (was version {body.get('version')})")
             continue
-        status, info = call(opener, "GET", f"{base}/v1/tasks/{task}", timeout=timeout)
-        served = (info or {}).get("version") if status == 200 else None
         if served != body.get("version") or (version is not None and served != version):
             log(f"{host}: {task} serves version {served!r} after {action}, expected {version or body.get('version')!r}")
             return False

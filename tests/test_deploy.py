@@ -568,7 +568,8 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
     save_module(store, "sentiment", "1", random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 1),
                 tiny_backbone)
     script = DEPLOY / "rollout_modules.py"
-    settings = Settings(store=store.root, admin_token=token)
+    # inference behind an API key: the script checks versions through /admin, with the admin token alone
+    settings = Settings(store=store.root, admin_token=token, api_key="inference-key")
     with LiveServer(create_app(settings, backbone=tiny_backbone)) as a, \
             LiveServer(create_app(settings, backbone=tiny_backbone)) as b:
         hosts = f"127.0.0.1:{a.port},127.0.0.1:{b.port}"
@@ -581,7 +582,8 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
                                   timeout=120)
 
         def versions():
-            return [httpx.get(f"{s.url}/v1/tasks/sentiment").json()["version"] for s in (a, b)]
+            return [httpx.get(f"{s.url}/v1/tasks/sentiment", headers={"authorization": "Bearer inference-key"}
+                              ).json()["version"] for s in (a, b)]
 
         assert versions() == ["1", "1"]
         # the new version is written into the shared store, then rolled out replica by replica
@@ -601,3 +603,6 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         # --dns: every address the name resolves to (here, loopback)
         dns = run("sentiment", "--version", "2", "--dns", "127.0.0.1", "--port", str(a.port))
         assert dns.returncode == 0 and versions() == ["2", "1"]
+        # unload: the replica no longer lists the task
+        gone = run("sentiment", "--action", "unload", "--hosts", f"127.0.0.1:{a.port}")
+        assert gone.returncode == 0 and "unloaded sentiment (was version 2)" in gone.stdout, gone.stdout + gone.stderr
