@@ -237,7 +237,7 @@ async def reloads_under_load(url: str, total: int, concurrency: int, bad: dict[s
     return {"load": load, "admin": dict(admin), "bad_versions": bad}
 
 
-async def sigterm_under_load(server: ServerProcess, total: int, concurrency: int) -> dict:
+async def sigterm_with_fresh_connections(server: ServerProcess, total: int, concurrency: int) -> dict:
     outcomes = collections.Counter()
     kinds = [k for k in request_kinds() if k[0] in ("v1-all", "v1-ner", "v2-json")]
     # one connection per request: a request written onto a keep-alive connection the server is
@@ -536,7 +536,8 @@ def main(argv=None) -> int:
                 if server.proc.poll() is None:
                     layout["healthy_after"] = httpx.post(server.url + "/v1/infer", json={"inputs": SENTENCES}).status_code
                 if "sigterm" in checks and server.proc.poll() is None:
-                    layout["sigterm"] = asyncio.run(sigterm_under_load(server, args.requests // 4, args.concurrency))
+                    layout["sigterm"] = asyncio.run(
+                        sigterm_with_fresh_connections(server, args.requests // 4, args.concurrency))
             if "framing_and_drain" in checks:
                 layout["framing_and_drain"] = framing_and_drain(f"workers{workers}-drain", env, tmp / f"drain{workers}.log",
                                                                 args.concurrency, 60)
