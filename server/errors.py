@@ -82,8 +82,8 @@ def openai_error_body(status: int, type_: str, message: str, **details: Any) -> 
     return {"error": {"message": message, "type": kind, "param": details.get("param"), "code": type_}}
 
 
-TEI_ERROR_TYPES = {401: "Unauthorized", 400: "Validation", 408: "Validation", 413: "Validation", 415: "Validation", 422: "Validation",
-                   429: "Overloaded", 503: "Unhealthy"}
+TEI_ERROR_TYPES = {400: "Validation", 401: "Unauthorized", 408: "Validation", 413: "Validation", 415: "Validation",
+                   422: "Validation", 429: "Overloaded", 503: "Unhealthy"}
 
 
 def tei_error_body(status: int, type_: str, message: str, **details: Any) -> dict:

@@ -173,7 +173,8 @@ def container_env(objects: list[dict], c: dict | None = None) -> dict[str, str]:
             env[item["name"]] = item["value"]
         else:
             ref = item["valueFrom"]["secretKeyRef"]
-            if ref.get("optional") and not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == ref["name"]]:
+            secrets = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == ref["name"]]
+            if ref.get("optional") and not secrets:
                 continue
             secret = one(objects, "Secret", ref["name"])
             assert ref["key"] in secret["data"], f"Secret {ref['name']} has no key {ref['key']}"

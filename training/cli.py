@@ -421,9 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         args.progress = sys.stderr.isatty()
     try:
         return run_command(args, argv)
-    except UsageError as exc:
-        print(f"tmod-train {args.command}: error: {exc}", file=sys.stderr)
-    except FileNotFoundError as exc:  # a backbone folder or package not there: Backbone.load names it
+    except (UsageError, FileNotFoundError) as exc:  # FileNotFoundError: a backbone not there, as Backbone.load names it
         print(f"tmod-train {args.command}: error: {exc}", file=sys.stderr)
     except ValidationError as exc:
         first = exc.errors()[0]
