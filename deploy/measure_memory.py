@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -46,7 +44,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import build_store, cpu_flags, cpu_model, read_sst2_sentences  # noqa: E402
+from bench.harness import build_store, machine_info, read_sst2_sentences  # noqa: E402
 from bench.live_server import free_port  # noqa: E402
 
 
@@ -241,15 +239,8 @@ def main(argv=None) -> int:
                         help="oneDNN primitive cache capacities, one fresh server each (default: oneDNN's own)")
     args = parser.parse_args(argv)
     sentences = read_sst2_sentences()
-    import torch
-    import transformers
-
-    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     report = {"command": "python deploy/measure_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "backbone": args.backbone or "minilm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.platform(), "logical_cpus": os.cpu_count(), "python": platform.python_version(),
-              "torch": torch.__version__, "transformers": transformers.__version__, "tmod_git": commit,
-              "threads": 1, "cpu": cpu_model(), "cpu_flags": [f for f in cpu_flags() if f.startswith(("avx", "amx"))]}
+              "backbone": args.backbone or "minilm", "threads": 1, "machine": machine_info()}
     with tempfile.TemporaryDirectory(prefix="tmod-memory-") as tmp:
         if args.worst_only:
             measure_worst(report, Path(tmp), sentences, args)
