@@ -6,6 +6,7 @@ defaults cannot drift apart. Flags override environment variables, which overrid
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shutil
 import signal
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
     if not problem and not settings.store.is_dir():  # a typo would serve nothing, quietly
         problem = f"the module store {settings.store} is not a directory (--store / TMOD_STORE)"
-    problem = problem or port_problem(settings.host, settings.port)
+    problem = problem or tasks_problem(settings) or port_problem(settings.host, settings.port)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
@@ -60,6 +61,29 @@ def main(argv=None) -> None:
         serve_settings(settings)
     finally:
         exit_status()
+
+
+def tasks_problem(settings: Settings) -> str | None:
+    """A --tasks name the store has no folder for is a typo: said before anything loads (the server
+    would otherwise start without it, the name only listed under /readyz "refused"). A task that is
+    there but whose module is broken is refused at load as before, and the others serve."""
+    if settings.tasks is None:
+        return None
+    wanted = settings.task_list()
+    if not wanted:
+        return f"--tasks / TMOD_TASKS names no task (got {settings.tasks!r}); leave it unset to serve the whole store"
+    from modules_store.store import ModuleStore  # here, not at the top: --help stays fast
+
+    held = ModuleStore(settings.store).tasks()
+    missing = [task for task in wanted if task not in held]
+    if not missing:
+        return None
+    task = missing[0]
+    close = difflib.get_close_matches(task.split("/")[0], held, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    version = " (the version is chosen per backbone; pin one with POST /admin/modules/{task}/load)" if "/" in task else ""
+    return (f"--tasks / TMOD_TASKS: no task {task!r} in the store {settings.store}{version}; "
+            f"{hint}its tasks: {', '.join(held) or 'none'}")
 
 
 def port_problem(host: str, port: int) -> str | None:

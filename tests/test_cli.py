@@ -48,6 +48,8 @@ def test_help_runs():
     (["--window-tokens", "64", "--window-stride", "100"], {}, "tmod-serve: window_stride=100 is over window_tokens=64"),
     (["--store", "no-such-store"], {}, "tmod-serve: the module store no-such-store is not a directory "
                                        "(--store / TMOD_STORE)"),
+    (["--tasks", "ner,sentimnt"], {}, "tmod-serve: --tasks / TMOD_TASKS: no task 'sentimnt' in the store "),
+    ([], {"TMOD_TASKS": " , "}, "tmod-serve: --tasks / TMOD_TASKS names no task (got ' , ')"),
 ])
 def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, expected):
     """A flag or TMOD_* variable out of range, or a store that is not there, stops tmod-serve at once:
@@ -56,6 +58,8 @@ def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, 
                           cwd=tmp_path, env={**os.environ, **env})
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(expected), done.stderr
+    if "sentimnt" in expected:  # the likely name, and what the store holds
+        assert "did you mean 'sentiment'? its tasks: " in done.stderr and "ner, " in done.stderr
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
