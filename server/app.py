@@ -639,7 +639,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """Body: OIP v2 JSON, or the binary data extension (Inference-Header-Content-Length)."""
         require_ready()
         module = oip_module(task, version)
-        parsed, texts, text_pairs = oip.parse_request(body, request.header(oip.HEADER.encode()))
+        parsed, texts, text_pairs, shape = oip.parse_request(body, request.header(oip.HEADER.encode()))
         oip.check_declared_inputs(module, text_pairs)
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
         parameters = parsed.get("parameters") or {}
@@ -651,7 +651,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride,
                                                     decoded)
         module = job.modules[task]  # the version that answered
-        content, extra = oip.encode_response(module, parsed, [r[task] for r in results], top_k=controls.top_k)
+        content, extra = oip.encode_response(module, parsed, [r[task] for r in results], controls.top_k, shape)
         return content, {**headers, **extra}
 
     # ---- tokenization: what the server reads (server/windows.py) --------------------------------

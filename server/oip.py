@@ -1,6 +1,8 @@
 """Open Inference Protocol v2 (KServe / Triton REST) for each task, with the binary data extension.
 
-Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, same shape). Outputs per
+Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, as many texts); another shape
+(e.g. tritonclient's [1, N]) is read as its texts in row-major order, and every output then leads
+with that shape instead of [N]. Outputs per
 task type: sequence tasks `label` (BYTES [N]), `score` (FP32 [N]), `scores` (FP32 [N, C], columns in
 the order of the model's `labels` parameter); token tasks `entities` (BYTES [N], each a JSON list
 of {text, label, start, end, score}; with aggregation "none" the list of word pieces); multi-label
@@ -166,8 +168,8 @@ def _flatten(data: Any, name: str) -> list:
     return out
 
 
-def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[str], list[str] | None]:
-    """-> (the JSON header, texts, text pairs or None)."""
+def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[str], list[str] | None, list[int]]:
+    """-> (the JSON header, texts, text pairs or None, the shape of `text`)."""
     if header_length is not None:
         if not DIGITS.fullmatch(header_length) or int(header_length) > len(body):
             raise ApiError(400, "invalid_request", f"bad {HEADER} header {clip(header_length)}")
@@ -183,6 +185,7 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[st
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
         raise ApiError(422, "invalid_request", "request needs a non-empty 'inputs' list")
     tensors: dict[str, list[str]] = {}
+    shapes: dict[str, list[int]] = {}
     offset = 0
     for tensor in request["inputs"]:
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
@@ -194,7 +197,7 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[st
             raise ApiError(400, "invalid_request", f"input {name!r} is given twice")
         if tensor.get("datatype") != "BYTES":
             raise ApiError(400, "invalid_request", f"input {name!r} must have datatype BYTES")
-        shape = _shape(tensor, name)
+        shape = shapes[name] = _shape(tensor, name)
         size = _parameters(tensor, f"input {name!r}").get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
@@ -214,7 +217,7 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[st
     pairs = tensors.get("text_pair")
     if pairs is not None and len(pairs) != len(tensors["text"]):
         raise ApiError(400, "invalid_request", "inputs 'text' and 'text_pair' must have the same length")
-    return request, tensors["text"], pairs
+    return request, tensors["text"], pairs, shapes["text"]
 
 
 # ---- encoding responses ----------------------------------------------------------------------
@@ -277,11 +280,12 @@ def _classification_count(name: str, parameters: dict, arrays: dict) -> int | No
     return k
 
 
-def encode_response(module: LoadedModule, request: dict, results: list[dict],
-                    top_k: int | None = None) -> tuple[bytes, dict[str, str]]:
+def encode_response(module: LoadedModule, request: dict, results: list[dict], top_k: int | None = None,
+                    shape: list[int] | None = None) -> tuple[bytes, dict[str, str]]:
     """-> (body, extra headers). Binary where the request asked for it, JSON otherwise. Outputs asked
     for with `"classification": k` (or `scores` when the request's `top_k` is k and it names no
-    outputs) come back in the classification extension's form."""
+    outputs) come back in the classification extension's form. Each output leads with the shape
+    of the request's `text` (default [N]): texts sent as [1, N] get labels [1, N], scores [1, N, C]."""
     arrays = _output_arrays(module, results)
     wanted = _requested_outputs(request)
     binary_default = bool_parameter(_parameters(request, "request"), "binary_data_output")
@@ -299,6 +303,8 @@ def encode_response(module: LoadedModule, request: dict, results: list[dict],
         datatype, array = arrays[name]
         if count is not None:
             datatype, array = "BYTES", classification(array, module.manifest.labels, count)
+        if shape is not None:
+            array = array.reshape([*shape, *array.shape[1:]])
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary:
             blob = _serialize_bytes(array) if datatype == "BYTES" else array.astype("<f4").tobytes()

@@ -63,6 +63,29 @@ def test_tritonclient_token_task_default_outputs(live, v1_answers):
         assert [e["score"] for e in row] == pytest.approx([e["score"] for e in expected_row], abs=1e-5)
 
 
+@pytest.mark.parametrize("binary", [True, False])
+def test_texts_sent_as_a_row_come_back_as_a_row(live, v1_answers, binary):
+    """Texts in a [1, N] tensor (as a client built for batched Triton models sends them) are read in
+    order, and every output leads with [1, N], so that `as_numpy` gives each text's answer where its
+    text was: labels [1, N], scores [1, N, C], the classification extension [1, N, k]."""
+    client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
+    tensor = tritonclient_http.InferInput("text", [1, len(TEXTS)], "BYTES")
+    tensor.set_data_from_numpy(np.array([[t.encode() for t in TEXTS]], dtype=object), binary_data=binary)
+    outputs = [tritonclient_http.InferRequestedOutput("label", binary_data=binary),
+               tritonclient_http.InferRequestedOutput("scores", binary_data=binary),
+               tritonclient_http.InferRequestedOutput("scores", binary_data=binary, class_count=1)]
+    result = client.infer("sentiment", [tensor], outputs=outputs[:2])
+    labels = client.get_model_metadata("sentiment")["parameters"]["labels"]
+    assert result.as_numpy("label").shape == (1, len(TEXTS))
+    assert [l.decode() if isinstance(l, bytes) else l for l in result.as_numpy("label")[0]] == \
+           [r["sentiment"]["label"] for r in v1_answers]
+    assert result.as_numpy("scores").shape == (1, len(TEXTS), len(labels))
+    top = client.infer("sentiment", [tensor], outputs=outputs[2:]).as_numpy("scores")
+    assert top.shape == (1, len(TEXTS), 1)
+    ner = client.infer("ner", [tensor]).as_numpy("entities")
+    assert ner.shape == (1, len(TEXTS))
+
+
 @pytest.mark.smoke
 def test_v2_errors(live):
     client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
