@@ -243,3 +243,5 @@ class AdminModules(BaseModel):
     tasks: dict[str, str] = Field(description="each served task's version")
     modules_of: dict[str, str] = Field(description="the backbones whose modules this server can load: its own and "
                                        "those a loaded bridge leads to, each fingerprint with the backbone's name")
+    api_key: bool = Field(False, description="whether inference routes need `Authorization: Bearer <key>` "
+                          "(--api-key / TMOD_API_KEY): the request `tmod-train --load-into` prints sends it")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import httpx
 import pytest
@@ -121,3 +122,27 @@ def test_a_refused_load_keeps_the_trained_module_and_its_report(server, tiny_bac
     assert f"its report in {report}" in line
     assert "once a tmod-serve with this store runs" in (report / "report.md").read_text()  # not "loaded into"
     assert "foreign" not in httpx.get(url + "/v1/tasks", timeout=30).json()["tasks"]
+
+
+def test_the_printed_request_sends_the_key_a_keyed_server_asks_for(tmp_path, train_backbone_dir, train_backbone,
+                                                                   monkeypatch, capsys):
+    """A server started with --api-key answers inference only with the key: the curl command that
+    `--load-into` prints reads it from $TMOD_API_KEY, and run as printed it is answered."""
+    store = populate_store(tmp_path / "store", train_backbone)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_ADMIN_TOKEN": TOKEN, "TMOD_API_KEY": "inference-key"}
+    url, process = start_tmod_serve(["--backbone", str(train_backbone_dir), "--store", str(store.root)], env)
+    try:
+        monkeypatch.setenv("TMOD_ADMIN_TOKEN", TOKEN)
+        assert main(sst2_args(tmp_path, train_backbone_dir, store.root, url, "keyed")) == 0
+        query = json.loads(capsys.readouterr().out)["query"]
+        assert '-H "authorization: Bearer $TMOD_API_KEY"' in query
+        for key, status in (("inference-key", 200), ("", 401)):
+            answer = subprocess.run(["bash", "-c", query + " -w '\\n%{http_code}'"], capture_output=True, text=True,
+                                    timeout=60, env={**os.environ, "TMOD_API_KEY": key})
+            body, code = answer.stdout.rsplit("\n", 1)
+            assert int(code) == status, answer.stdout
+            if status == 200:
+                assert "keyed" in json.loads(body)["results"][0]
+    finally:
+        process.kill()
+        process.wait(timeout=30)

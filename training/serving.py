@@ -96,10 +96,13 @@ def served_at_start(store: ModuleStore, backbone) -> list[str]:
     return served
 
 
-def example_request(url: str, task: str, others: list[str], text: str, text_pair: str | None = None) -> str:
-    """A curl command asking the new task and `others` (the served ones) in one request."""
+def example_request(url: str, task: str, others: list[str], text: str, text_pair: str | None = None,
+                    api_key: bool = False) -> str:
+    """A curl command asking the new task and `others` (the served ones) in one request; with the key
+    the server asks for (`api_key`) read from $TMOD_API_KEY where it runs."""
     names = [task, *sorted(t for t in others if t not in (task, "embedding"))]
     item = {"text": text, "text_pair": text_pair} if text_pair else text
     body = json.dumps({"inputs": [item]}, ensure_ascii=False)
     return (f"curl -s -X POST {shlex.quote(url.rstrip('/') + '/v1/infer?tasks=' + ','.join(names))} "
-            f"-H 'content-type: application/json' -d {shlex.quote(body)}")
+            + ('-H "authorization: Bearer $TMOD_API_KEY" ' if api_key else "")
+            + f"-H 'content-type: application/json' -d {shlex.quote(body)}")

@@ -446,7 +446,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     example = val_data.examples[0]
     others = list(server["tasks"]) if server else serving.served_at_start(store, backbone)
     request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task, others, example.text,
-                                      getattr(example, "text_pair", None))
+                                      getattr(example, "text_pair", None), bool(server and server.get("api_key")))
     loaded_into, refusal = None, None
     if server:
         try:
