@@ -357,7 +357,9 @@ class ServerProcess:
         self.command = command
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, **env, "TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(self.port)}
+        # the server's settings are those named here, never what the shell happened to export
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("TMOD_", "ONEDNN_"))}
+        self.env = {**inherited, **env, "TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(self.port)}
         self.settings = {k: v for k, v in env.items() if k.startswith("TMOD_")}
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -369,9 +371,10 @@ class ServerProcess:
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=(lambda: pin_to(cpus)) if cpus else None)
 
-    def wait_ready(self, timeout: float, engines: int = 1, workers: int = 0) -> None:
+    def wait_ready(self, timeout: float, engines: int = 1, workers: int = 0, modules: bool = True) -> None:
         """Until /readyz answers 200; with `engines` > 1 also until every engine has its `workers`
-        (/readyz answers once engine 0 is loaded, the others join the port once loaded)."""
+        (/readyz answers once engine 0 is loaded, the others join the port once loaded). `modules`
+        False: a store with none to serve, loaded once /readyz answers 503 no_modules."""
         import httpx
 
         deadline = time.monotonic() + timeout
@@ -380,7 +383,8 @@ class ServerProcess:
                 raise SystemExit(f"{self.name} server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 r = httpx.get(self.url + "/readyz", timeout=2)
-                if r.status_code == 200 and (engines == 1 or engines_on_port(self.proc.pid, engines, workers)):
+                loaded = r.status_code == 200 or (not modules and r.status_code == 503 and "no_modules" in r.text)
+                if loaded and (engines == 1 or engines_on_port(self.proc.pid, engines, workers)):
                     return
             except httpx.TransportError:
                 pass
@@ -408,13 +412,14 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(name: str, env: dict[str, str], log_path: Path, args: list[str] = (), ready_timeout: float = 300):
-    """A `ServerProcess` of `tmod-serve ARGS`, started and ready; stopped (SIGTERM) on leaving, also
-    when it never got ready."""
+def running_server(name: str, env: dict[str, str], log_path: Path, args: list[str] = (), ready_timeout: float = 300,
+                   modules: bool = True):
+    """A `ServerProcess` of `tmod-serve ARGS`, started and ready (`modules` as `wait_ready`'s); stopped
+    (SIGTERM) on leaving, also when it never got ready."""
     server = ServerProcess(name, env, log_path, [*serve_command(), *args])
     server.start()
     try:
-        server.wait_ready(ready_timeout)
+        server.wait_ready(ready_timeout, modules=modules)
         yield server
     finally:
         server.stop()

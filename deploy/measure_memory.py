@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,8 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.harness import build_store, machine_info, read_sst2_sentences  # noqa: E402
-from bench.live_server import free_port  # noqa: E402
+from bench.harness import build_store, machine_info, read_sst2_sentences, running_server  # noqa: E402
 
 
 def proc_memory_mib(pid: int) -> dict[str, float]:
@@ -57,29 +54,15 @@ def proc_memory_mib(pid: int) -> dict[str, float]:
     return out
 
 
-def serve(store: Path, threads: int = 1, backbone: str | None = None, onednn_cache: str = "default"):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TMOD_") and k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
-    if onednn_cache != "default":
-        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = onednn_cache
-    env.update({"TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(port), "TMOD_STORE": str(store),
-                "TMOD_THREADS": str(threads), "TMOD_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1",
-                **({"TMOD_BACKBONE": backbone} if backbone else {})})
-    process = subprocess.Popen([str(Path(sys.executable).parent / "tmod-serve")], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit("tmod-serve exited during start-up")
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit("tmod-serve did not become ready")
+def serve(tmp: Path, store: Path, backbone: str | None = None, onednn_cache: str = "default"):
+    """A fresh tmod-serve replica with one torch thread, loaded (bench/harness.py running_server; its
+    log in `tmp`; an empty store counts as loaded once /readyz says no_modules); stopped with SIGTERM
+    on leaving."""
+    env = {"TMOD_STORE": str(store), "TMOD_THREADS": "1", "TMOD_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1",
+           **({"TMOD_BACKBONE": backbone} if backbone else {}),
+           **({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": onednn_cache} if onednn_cache != "default" else {})}
+    return running_server("memory", env, Path(tmp) / f"server-{store.name}-{onednn_cache}.log",
+                          modules=any(store.iterdir()))
 
 
 class PeakSampler:
@@ -152,19 +135,16 @@ def measure_worst(report: dict, tmp: Path, sentences: list[str], args) -> None:
         report["store"] = build_store(store, args.backbone, seed=0)
     levels = []
     for long_clients in [int(n) for n in args.worst_clients.split(",")]:
-        process, url = serve(store, backbone=args.backbone)
-        try:
+        with serve(tmp, store, args.backbone) as server:
             time.sleep(1)
-            started = proc_memory_mib(process.pid)
-            with PeakSampler(process.pid) as sampler:
-                mix = asyncio.run(worst_mix(url, sentences, long_clients, args.worst_tokenize_clients,
+            pid = server.proc.pid
+            started = proc_memory_mib(pid)
+            with PeakSampler(pid) as sampler:
+                mix = asyncio.run(worst_mix(server.url, sentences, long_clients, args.worst_tokenize_clients,
                                             args.worst_short_clients, args.worst_seconds))
             levels.append({**mix, "after_start_mib": started, "peak_rss_sampled_mib": sampler.peak_mib,
-                           "end_mib": proc_memory_mib(process.pid)})
+                           "end_mib": proc_memory_mib(pid)})
             print(json.dumps(levels[-1]), flush=True)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
     report["worst_mix"] = levels
 
 
@@ -206,20 +186,17 @@ def measure_mixed(report: dict, tmp: Path, sentences: list[str], args) -> None:
     words = " ".join(sentences).split()
     levels = []
     for capacity in args.onednn_cache.split(","):
-        process, url = serve(store, backbone=args.backbone, onednn_cache=capacity)
-        try:
-            level = {"onednn_primitive_cache_capacity": capacity, "after_start_mib": proc_memory_mib(process.pid),
+        with serve(tmp, store, args.backbone, capacity) as server:
+            pid = server.proc.pid
+            level = {"onednn_primitive_cache_capacity": capacity, "after_start_mib": proc_memory_mib(pid),
                      "rounds": []}
             for round_ in range(args.mixed_rounds):
                 began = time.monotonic()
-                answered = asyncio.run(mixed_round(url, words, args.mixed_requests, seed=round_))
+                answered = asyncio.run(mixed_round(server.url, words, args.mixed_requests, seed=round_))
                 level["rounds"].append({"requests": args.mixed_requests, "seconds": round(time.monotonic() - began, 1),
-                                        "answered": answered, **proc_memory_mib(process.pid)})
+                                        "answered": answered, **proc_memory_mib(pid)})
                 print(json.dumps({"capacity": capacity, **level["rounds"][-1]}), flush=True)
             levels.append(level)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
     report["mixed"] = levels
 
 
@@ -261,27 +238,22 @@ def measure_baseline(report: dict, tmp: Path, sentences: list[str]) -> None:
     """Phases 1 and 2."""
     empty = Path(tmp) / "empty"
     empty.mkdir()
-    process, url = serve(empty)
-    try:
+    with serve(tmp, empty) as server:
         time.sleep(1)
-        report["backbone_only_after_start_mib"] = proc_memory_mib(process.pid)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+        report["backbone_only_after_start_mib"] = proc_memory_mib(server.proc.pid)
 
     store = Path(tmp) / "store"
     report["store"] = build_store(store, None, seed=0)
-    process, url = serve(store)
-    try:
+    with serve(tmp, store) as server:
         time.sleep(1)
-        report["three_heads_after_start_mib"] = proc_memory_mib(process.pid)
-        tasks = httpx.get(url + "/v1/tasks", timeout=30).json()["tasks"]
+        report["three_heads_after_start_mib"] = proc_memory_mib(server.proc.pid)
+        tasks = httpx.get(server.url + "/v1/tasks", timeout=30).json()["tasks"]
         report["heads"] = {t["task"]: {"parameters": t["parameters"],
                                        "fp32_mib": round(t["parameters"] * 4 / 2**20, 2)} for t in tasks}
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
             for text in sentences[:300]:
                 client.post("/v1/infer", params={"tasks": "ner,sentiment"}, json={"inputs": [text]}).raise_for_status()
-            report["after_300_short_requests_mib"] = proc_memory_mib(process.pid)
+            report["after_300_short_requests_mib"] = proc_memory_mib(server.proc.pid)
             long_text = " ".join(sentences[:60])  # far beyond the token limit: truncated to it
             body = {"inputs": [long_text[i:] for i in range(64)], "truncate": True}
             for _ in range(3):
@@ -289,10 +261,7 @@ def measure_baseline(report: dict, tmp: Path, sentences: list[str]) -> None:
                 response.raise_for_status()
             report["largest_request"] = {"inputs": 64, "tasks": sorted(response.json()["tasks"]),
                                          "truncated_inputs": len(response.json()["truncated"])}
-            report["after_3_largest_requests_mib"] = proc_memory_mib(process.pid)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+            report["after_3_largest_requests_mib"] = proc_memory_mib(server.proc.pid)
 
 
 if __name__ == "__main__":

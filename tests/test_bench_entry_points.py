@@ -206,3 +206,17 @@ def test_measure_memory_mixed_traffic_runs_small(tmp_path):
         assert sum(only["answered"].values()) == 16 and only["VmRSS"] > level["after_start_mib"]["VmRSS"] / 2
         assert set(only["answered"]) <= {"200", "400", "422"}
     assert "avx2" in recorded["machine"]["cpu_flags"] or platform.machine() != "x86_64"
+
+
+@pytest.mark.slow
+def test_measure_memory_default_phases_run_small(tmp_path):
+    """Its default run: the backbone alone (a server with an empty store, which /readyz answers 503
+    no_modules: it waited for a 200 that never came), three heads, short and largest requests, then
+    one short level of the worst mix."""
+    run_bench("deploy/measure_memory.py", "--worst-clients", "1", "--worst-seconds", "2",
+              "--out", str(tmp_path / "memory.json"))
+    recorded = json.loads((tmp_path / "memory.json").read_text())
+    alone, heads = recorded["backbone_only_after_start_mib"]["VmRSS"], recorded["three_heads_after_start_mib"]["VmRSS"]
+    assert 0 < alone < heads * 1.1 and heads <= recorded["after_3_largest_requests_mib"]["VmHWM"]  # two processes: RSS varies
+    (level,) = recorded["worst_mix"]
+    assert set(level["answered"]["long"]) == {"200"} and level["peak_rss_sampled_mib"] > 0
