@@ -37,7 +37,7 @@ from server.config import Settings
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
                                    embedding_model_names, embedding_module, embeddings_routes)
 from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
-                           protocol_of, refusal, unknown_tasks, validation_error_handler)
+                           protocol_of, refusal, refused_at_load, unknown_tasks, validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
@@ -591,9 +591,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     def oip_module(task: str, version: str | None = None) -> LoadedModule:
         module = runtime.modules.get(task)
         if module is None:
-            why = f" (refused at load: {runtime.load_errors[task]})" if task in runtime.load_errors else ""
-            raise ApiError(404, "unknown_task", f"no model {clip(task)}{why}; loaded: {sorted(runtime.modules)}",
-                           loaded_tasks=sorted(runtime.modules))
+            raise ApiError(404, "unknown_task", f"no model {clip(task)}{refused_at_load([task], runtime.load_errors)}; "
+                                                f"loaded: {sorted(runtime.modules)}", loaded_tasks=sorted(runtime.modules))
         if version is not None and version != module.version:
             raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {clip(version)}")
         return module

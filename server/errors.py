@@ -57,10 +57,15 @@ def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str]) -> ApiErr
     """400 unknown_task: the tasks asked that are not loaded (one refused at load says why: its
     artifact's error, as /readyz lists it) and the tasks that are."""
     message = f"unknown task(s) {clip_list(unknown)}" + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
-    why = [f"{task} was refused at load: {refused[task]}" for task in unknown[:10] if task in refused]
-    if why:
-        message += f" ({'; '.join(why)})"
-    return ApiError(400, "unknown_task", message + f"; loaded tasks: {sorted(loaded)}", loaded_tasks=sorted(loaded))
+    return ApiError(400, "unknown_task", message + refused_at_load(unknown, refused) + f"; loaded tasks: {sorted(loaded)}",
+                    loaded_tasks=sorted(loaded))
+
+
+def refused_at_load(tasks: list[str], refused: dict[str, str]) -> str:
+    """' (x was refused at load: <its artifact's error>)' for those of `tasks` (the first 10) refused at
+    load, as /readyz lists them; '' when none was."""
+    why = [f"{task} was refused at load: {refused[task]}" for task in tasks[:10] if task in refused]
+    return f" ({'; '.join(why)})" if why else ""
 
 
 def error_body(type_: str, message: str, **details: Any) -> dict:

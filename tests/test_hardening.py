@@ -340,7 +340,7 @@ def test_a_request_for_a_task_refused_at_load_says_why(tmp_path, tiny_backbone):
         assert message.endswith("; loaded tasks: ['ner', 'sentiment']")
         oip = client.post("/v2/models/acceptability/infer", json={"inputs": [
             {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["A fine film."]}]})
-        assert oip.status_code == 404 and "(refused at load: acceptability/1: checksum mismatch" in oip.json()["error"]
+        assert oip.status_code == 404 and "(acceptability was refused at load: acceptability/1: checksum mismatch" in oip.json()["error"]
 
 
 def test_store_refuses_names_that_are_not_plain_names(tmp_path):
