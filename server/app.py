@@ -34,6 +34,7 @@ from server import oip, tokenize_api, windows
 from server.backbone import Backbone
 from server.batcher import Job
 from server.config import Settings
+from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
                                    embedding_model_names, embedding_module, embeddings_routes)
 from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
@@ -61,6 +62,7 @@ JSON_TYPES = (b"application/json",)
 # what stays open with an API key set: probes, scrapers and the schema (/admin has its own token)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs",
                         "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+NO_HEADERS: dict[str, str] = {}
 OIP_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
 
@@ -103,6 +105,7 @@ class TmodApp(FastAPI):
         self.body_limit, self.body_timeout_s = settings.max_body_bytes, settings.body_timeout_s
         self.access = AccessLog(settings.access_log_per_s)
         self.api_key = settings.api_key.encode() if settings.api_key else None
+        self.cors = Cors(settings.cors_origins) if settings.cors_origins else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":  # lifespan
@@ -112,6 +115,10 @@ class TmodApp(FastAPI):
         started, reply = time.perf_counter(), Reply(send, rid, scope.get(CYCLE))
         path, served = scope["path"], scope
         try:
+            if self.cors is not None and (origin := self.cors.allowed_origin(scope["headers"])) is not None:
+                reply.extra = self.cors.answer_headers(origin)
+                if scope["method"] == "OPTIONS" and (preflight := self.cors.preflight_headers(scope["headers"])):
+                    return await reply.whole(200, b"", preflight)  # before the key: a browser sends none here
             if self.api_key is not None and path not in OPEN_PATHS and not path.startswith("/admin/") \
                     and not bearer_matches(scope["headers"], self.api_key):
                 raise ApiError(401, "unauthorized", "this server needs 'Authorization: Bearer <API key>'",
@@ -157,28 +164,32 @@ class Reply:
     whole. `whole` answers with bytes made here: through uvicorn's cycle at once where tmod's protocol
     serves the request (server/http_limits.py `answer_whole`), else as two ASGI messages."""
 
-    __slots__ = ("send", "rid", "cycle", "status", "complete")
+    __slots__ = ("send", "rid", "cycle", "status", "complete", "extra")
 
     def __init__(self, send, rid: str, cycle):
         self.send, self.rid, self.cycle = send, rid, cycle
         self.status: int | None = None
         self.complete = False
+        self.extra: dict[str, str] = NO_HEADERS  # on every answer: CORS headers (server/cors.py)
 
     async def __call__(self, message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-            message["headers"] = [*message.get("headers", ()), (b"x-request-id", self.rid.encode())]
+            message["headers"] = [*message.get("headers", ()), (b"x-request-id", self.rid.encode()),
+                                  *((k.encode(), v.encode()) for k, v in self.extra.items())]
         elif not message.get("more_body", False):
             self.complete = True
         await self.send(message)
 
     async def whole(self, status: int, content: bytes, headers: dict[str, str]) -> None:
         """One answer: JSON unless `headers` names its content-type. `headers`: names in lower case,
-        values the app made (numbers, constants): nothing a client sent but the checked request id."""
-        if self.cycle is not None:
+        values the app made (numbers, constants): nothing a client sent but the checked request id and
+        the CORS values server/cors.py checked (an allowed origin, a list of header names)."""
+        if self.cycle is not None:  # (through `respond`, the extra headers are added where it sends, above)
             lines = (f"content-length: {len(content)}\r\n"
                      + ("" if "content-type" in headers else "content-type: application/json\r\n")
                      + "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+                     + "".join([f"{name}: {value}\r\n" for name, value in self.extra.items()])
                      + f"x-request-id: {self.rid}\r\n").encode("latin-1")
             if answer_whole(self.cycle, status, lines, content):
                 self.status, self.complete = status, True

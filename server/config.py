@@ -1,6 +1,7 @@
 """Server settings: command-line flags override TMOD_* environment variables override defaults."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -124,6 +125,10 @@ class Settings(BaseSettings):
         "as the openai, tritonclient, kserve and huggingface_hub clients send their key or token): 401 without it; "
         "health (/healthz, /readyz, /v2/health/*), /metrics and the schema (/docs, /openapi.json) stay open for "
         "probes and scrapers, /admin keeps its own token (unset or empty: no key asked)")
+    cors_origins: str | None = Field(
+        None, description="browser origins allowed to call the API (CORS): comma-separated scheme://host[:port], "
+        "or * for any; preflights from them are answered (before the API key, which browsers send only after) and "
+        "every answer to them names the origin (unset: no CORS headers, so pages on other origins cannot read answers)")
     log_level: str = Field("info", description="log level (uvicorn's and tmod's JSON lines)")
     access_log_per_s: float = Field(
         100.0, ge=0, description="most access-log lines (one per request, at info) a process writes per second: "
@@ -144,6 +149,7 @@ class Settings(BaseSettings):
         problem = problem or head_precision_problem(self.head_precision, self.precision, self.device)
         problem = problem or sizes_problem("graph_batch_sizes", self.graph_batch_sizes)
         problem = problem or sizes_problem("graph_seq_lens", self.graph_seq_lens)
+        problem = problem or (origins_problem(self.cors_origins) if self.cors_origins else None)
         if not problem and self.window_tokens and self.window_stride and self.window_stride > self.window_tokens:
             problem = f"window_stride={self.window_stride} is over window_tokens={self.window_tokens}: windows would skip text"
         if problem:
@@ -155,6 +161,18 @@ class Settings(BaseSettings):
 
     def task_list(self) -> list[str]:
         return [t.strip() for t in (self.tasks or "").split(",") if t.strip()]
+
+
+ORIGIN = re.compile(r"https?://[^/\s,*]+")  # a CORS origin: scheme://host[:port], no path
+
+
+def origins_problem(origins: str) -> str | None:
+    """What is wrong with a --cors-origins value, or None: '*' or comma-separated scheme://host[:port]."""
+    for origin in (o.strip() for o in origins.split(",")):
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            return (f"--cors-origins / TMOD_CORS_ORIGINS: {origin!r} is not an origin: give scheme://host[:port] "
+                    "(no path), comma-separated, or * for any")
+    return None
 
 
 # ---- which backend / precision / device combinations exist -----------------------------------------

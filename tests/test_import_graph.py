@@ -26,7 +26,7 @@ LAYERS = [  # lowest first; patterns over dotted module names
     ("runner", ["server.runner"]),
     ("probe", ["server.probe"]),
     ("runtime", ["server.batcher", "server.windows", "server.runtime"]),
-    ("http", ["server.schemas", "server.http_limits", "server.oip", "server.embeddings_api", "server.tokenize_api",
+    ("http", ["server.schemas", "server.http_limits", "server.cors", "server.oip", "server.embeddings_api", "server.tokenize_api",
               "server.app"]),
     ("processes", ["server.workers", "server.cli"]),
     ("training", ["training", "training.*"]),
