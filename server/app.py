@@ -38,7 +38,8 @@ from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
                                    embedding_model_names, embedding_module, embeddings_routes)
 from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
-                           protocol_of, refusal, refused_at_load, unknown_tasks, validation_error_handler)
+                           did_you_mean, protocol_of, refusal, refused_at_load, unknown_tasks,
+                           validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
@@ -218,6 +219,17 @@ class Call:
             return query_values(query, name)
         return query_values.__wrapped__(query, name)
 
+    def check_query(self, known: frozenset[str], route: str, takes: str) -> None:
+        """400 for a query parameter the route does not read: a misspelt `?task=ner` would otherwise
+        be ignored, and every task answered."""
+        query = self.scope["query_string"]
+        if query:
+            names = query_names(query) if len(query) <= SHORT_QUERY else query_names.__wrapped__(query)
+            unknown = sorted(names - known)
+            if unknown:
+                raise ApiError(400, "invalid_request", f"unknown query parameter(s) {clip_list(unknown)}"
+                               f"{did_you_mean(unknown, known)}: {route} takes {takes}")
+
     async def is_disconnected(self) -> bool:
         """Whether the client left. Its body is read, so the next ASGI message is a disconnect: one step
         of `receive` tells whether it is there without waiting (Starlette's check, an anyio cancel scope
@@ -233,6 +245,7 @@ class Call:
         return self.gone
 
 
+INFER_QUERY = frozenset({"tasks"})
 SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_values`)
 
 
@@ -243,6 +256,12 @@ def query_values(query: bytes, name: str) -> tuple[str, ...]:
     if "%" in text or "+" in text:  # percent-encoded: the standard reading
         return tuple(v for k, v in parse_qsl(text, keep_blank_values=True) if k == name)
     return tuple(v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name)
+
+
+@functools.lru_cache(maxsize=256)
+def query_names(query: bytes) -> frozenset[str]:
+    """The parameter names in a query string."""
+    return frozenset(name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
 
 
 async def respond(send, status: int, content: bytes, headers: dict[str, str]) -> None:
@@ -511,6 +530,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def infer(body: bytes, request: Call) -> tuple[bytes, dict]:
         require_ready()
         asked = decode(InferRequest, body)
+        request.check_query(INFER_QUERY, "/v1/infer", "only ?tasks=a,b (truncate, window and the answer controls "
+                            "go in the JSON body)")
         named = request.query("tasks")  # ?tasks=a&tasks=b asks for both: the lists are joined
         tasks = ",".join(named) if named else None
         pairs = not isinstance(asked.inputs[0], str)

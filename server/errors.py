@@ -11,6 +11,7 @@ caught. `refusal` builds the answer's bytes once for every caller: the raw ASGI 
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import sys
 from typing import Any
@@ -57,8 +58,19 @@ def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str]) -> ApiErr
     """400 unknown_task: the tasks asked that are not loaded (one refused at load says why: its
     artifact's error, as /readyz lists it) and the tasks that are."""
     message = f"unknown task(s) {clip_list(unknown)}" + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
-    return ApiError(400, "unknown_task", message + refused_at_load(unknown, refused) + f"; loaded tasks: {sorted(loaded)}",
-                    loaded_tasks=sorted(loaded))
+    return ApiError(400, "unknown_task", message + refused_at_load(unknown, refused) + did_you_mean(unknown, loaded)
+                    + f"; loaded tasks: {sorted(loaded)}", loaded_tasks=sorted(loaded))
+
+
+def did_you_mean(unknown: list[str], names) -> str:
+    """' (did you mean 'ner' for 'NER'?)' for the first of `unknown` close to one of `names` (case
+    aside), else ''."""
+    by_lower = {name.lower(): name for name in names}
+    for name in unknown[:10]:
+        close = difflib.get_close_matches(name.lower(), by_lower, n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean {by_lower[close[0]]!r} for {clip(name)}?)"
+    return ""
 
 
 def refused_at_load(tasks: list[str], refused: dict[str, str]) -> str:

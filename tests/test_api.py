@@ -121,6 +121,21 @@ def test_a_newcomers_first_mistakes_say_what_to_send(live):
     assert error["message"] == "request is malformed: body: Object contains unknown field `taks`"  # no hint to give
 
 
+def test_a_misspelt_task_or_query_parameter_is_refused_with_the_likely_one(live):
+    """`?task=ner` was ignored and every task answered; `?tasks=NER` named no task. Each is a 400 that
+    names what was probably meant; answer controls in the query are sent to the body."""
+    error = assert_error(live.post("/v1/infer?task=ner", json={"inputs": ["x"]}), 400, "invalid_request")
+    assert error["message"] == ("unknown query parameter(s) ['task'] (did you mean 'tasks' for 'task'?): /v1/infer takes "
+                                "only ?tasks=a,b (truncate, window and the answer controls go in the JSON body)")
+    error = assert_error(live.post("/v1/infer?tasks=ner&top_k=2&truncate", json={"inputs": ["x"]}), 400, "invalid_request")
+    assert error["message"].startswith("unknown query parameter(s) ['top_k', 'truncate']: ")
+    error = assert_error(infer(live, ["x"], "NER"), 400, "unknown_task")
+    assert "(did you mean 'ner' for 'NER'?)" in error["message"]
+    assert "did you mean" not in assert_error(infer(live, ["x"], "telepathy"), 400, "unknown_task")["message"]
+    assert live.post("/v1/infer?tasks=ner&tasks=sentiment", json={"inputs": ["x"]}).status_code == 200
+    assert live.post("/v1/infer?tasks=n%65r", json={"inputs": ["x"]}).json()["tasks"] == {"ner": "1"}
+
+
 def test_limits_are_413(live):
     error = assert_error(infer(live, ["x"] * 9), 413, "too_many_inputs")
     assert "at most 8" in error["message"]
