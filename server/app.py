@@ -105,7 +105,7 @@ class TmodApp(FastAPI):
     def configure(self, settings: Settings) -> None:
         self.body_limit, self.body_timeout_s = settings.max_body_bytes, settings.body_timeout_s
         self.access = AccessLog(settings.access_log_per_s)
-        self.api_key = settings.api_key.encode() if settings.api_key else None
+        self.api_keys = tuple(key.encode() for key in settings.api_keys()) or None
         self.cors = Cors(settings.cors_origins) if settings.cors_origins else None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -120,8 +120,8 @@ class TmodApp(FastAPI):
                 reply.extra = self.cors.answer_headers(origin)
                 if scope["method"] == "OPTIONS" and (preflight := self.cors.preflight_headers(scope["headers"])):
                     return await reply.whole(200, b"", preflight)  # before the key: a browser sends none here
-            if self.api_key is not None and path not in OPEN_PATHS and not path.startswith("/admin/") \
-                    and not bearer_matches(scope["headers"], self.api_key):
+            if self.api_keys is not None and path not in OPEN_PATHS and not path.startswith("/admin/") \
+                    and not bearer_matches(scope["headers"], *self.api_keys):
                 raise ApiError(401, "unauthorized", "this server needs 'Authorization: Bearer <API key>'",
                                headers={"www-authenticate": "Bearer"})
             scope, receive = limit_body(scope, receive, self.body_limit, self.body_timeout_s)
@@ -274,12 +274,14 @@ async def respond(send, status: int, content: bytes, headers: dict[str, str]) ->
     await send({"type": "http.response.body", "body": content})
 
 
-def bearer_matches(headers, secret: bytes) -> bool:
-    """Whether the request says `Authorization: Bearer <secret>` (compared in constant time)."""
+def bearer_matches(headers, *secrets: bytes) -> bool:
+    """Whether the request says `Authorization: Bearer <one of secrets>` (each compared in constant
+    time, every one compared: the time does not say which matched)."""
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
-            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), secret)
+            token = token.strip()
+            return scheme.lower() == b"bearer" and sum(hmac.compare_digest(token, secret) for secret in secrets) > 0
     return False
 
 
@@ -569,7 +571,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         require_module_changes(request)
         return AdminModules(store=str(settings.store.resolve()), backbone=msgspec.structs.asdict(model_info()),
                             tasks={task: module.version for task, module in sorted(runtime.modules.items())},
-                            modules_of=runtime.modules_of(), api_key=settings.api_key is not None)
+                            modules_of=runtime.modules_of(), api_key=bool(settings.api_keys()))
 
     @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
               responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})

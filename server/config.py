@@ -124,7 +124,8 @@ class Settings(BaseSettings):
         None, description="bearer token every other route asks for ('Authorization: Bearer <key>', "
         "as the openai, tritonclient, kserve and huggingface_hub clients send their key or token): 401 without it; "
         "health (/healthz, /readyz, /v2/health/*), /metrics and the schema (/docs, /openapi.json) stay open for "
-        "probes and scrapers, /admin keeps its own token (unset or empty: no key asked)")
+        "probes and scrapers, /admin keeps its own token. Several keys, comma-separated, are each accepted (to "
+        "rotate one: serve new,old, move the clients, then serve new) (unset or empty: no key asked)")
     cors_origins: str | None = Field(
         None, description="browser origins allowed to call the API (CORS): comma-separated scheme://host[:port], "
         "or * for any; preflights from them are answered (before the API key, which browsers send only after) and "
@@ -150,6 +151,8 @@ class Settings(BaseSettings):
         problem = problem or sizes_problem("graph_batch_sizes", self.graph_batch_sizes)
         problem = problem or sizes_problem("graph_seq_lens", self.graph_seq_lens)
         problem = problem or (origins_problem(self.cors_origins) if self.cors_origins else None)
+        if not problem and self.api_key and "," in self.api_key and not self.api_keys():
+            problem = "--api-key / TMOD_API_KEY names no key (only commas): give the key(s), or leave it unset for none"
         if not problem and self.window_tokens and self.window_stride and self.window_stride > self.window_tokens:
             problem = f"window_stride={self.window_stride} is over window_tokens={self.window_tokens}: windows would skip text"
         if problem:
@@ -161,6 +164,10 @@ class Settings(BaseSettings):
 
     def task_list(self) -> list[str]:
         return [t.strip() for t in (self.tasks or "").split(",") if t.strip()]
+
+    def api_keys(self) -> list[str]:
+        """The API keys accepted (none: no key asked)."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
 
 ORIGIN = re.compile(r"https?://[^/\s,*]+")  # a CORS origin: scheme://host[:port], no path

@@ -16,7 +16,7 @@ from server.heads.embedding import EmbeddingHead
 from server.modules import save_module
 from tests.helpers import populate_store, start_tmod_serve
 
-KEY, ADMIN = "k3y-for-tests", "admin-for-tests"
+KEY, ADMIN, OLD_KEY = "k3y-for-tests", "admin-for-tests", "older-k3y"
 TEXTS = ["A fine film.", "Peter flew to Brussels."]
 
 
@@ -24,7 +24,7 @@ TEXTS = ["A fine film.", "Peter flew to Brussels."]
 def served(tmp_path_factory, tiny_backbone, tiny_backbone_dir):
     store = populate_store(tmp_path_factory.mktemp("store"), tiny_backbone)
     save_module(store, "embedding", "1", EmbeddingHead.from_backbone(tiny_backbone, tiny_backbone_dir), tiny_backbone)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_API_KEY": KEY, "TMOD_ADMIN_TOKEN": ADMIN}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_API_KEY": f"{KEY}, {OLD_KEY}", "TMOD_ADMIN_TOKEN": ADMIN}
     url, process = start_tmod_serve(["--workers", "2", "--backbone", str(tiny_backbone_dir), "--store", str(store.root),
                                      "--precision", "fp32", "--log-level", "warning"], env)
     yield url
@@ -71,6 +71,23 @@ def test_listings_and_metadata_need_it_too(served, path):
                                   "/openapi.json", "/docs"])
 def test_probes_scrapers_and_the_schema_stay_open(served, path):
     assert httpx.get(served + path).status_code == 200
+
+
+def test_every_listed_key_is_accepted_as_a_key_rotation_needs(served):
+    """TMOD_API_KEY="new, old" accepts either (a rotation: serve both, move the clients, drop the old),
+    never the list itself or a part of a key."""
+    for key, status in ((KEY, 200), (OLD_KEY, 200), (f"{KEY}, {OLD_KEY}", 401), (f"{KEY},{OLD_KEY}", 401),
+                        (KEY[:-1], 401), (",", 401)):
+        answer = httpx.post(served + "/v1/infer", json={"inputs": TEXTS}, headers=bearer(key))
+        assert answer.status_code == status, (key, answer.text)
+
+
+def test_a_key_list_of_only_commas_is_refused():
+    from server.config import Settings
+
+    with pytest.raises(ValueError, match="--api-key / TMOD_API_KEY names no key"):
+        Settings(api_key=" , ")
+    assert Settings(api_key="").api_keys() == [] and Settings(api_key="a, b").api_keys() == ["a", "b"]
 
 
 def test_admin_keeps_its_own_token(served):
