@@ -61,7 +61,7 @@ CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 JSON_TYPES = (b"application/json",)
 # what stays open with an API key set: probes, scrapers and the schema (/admin has its own token)
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs",
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs",
                         "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 NO_HEADERS: dict[str, str] = {}
 OIP_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
@@ -746,17 +746,32 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     app.oip_infer = oip_infer
     app.openapi = functools.partial(openapi, app)
 
-    def device_failed() -> Response | None:
+    def device_failure() -> ApiError | None:
         """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""
         failure = getattr(runtime, "failure", None)  # a worker's RemoteRuntime has none: its engine exits
-        if failure is None:
+        return None if failure is None else ApiError(503, "device_failed", f"the device failed: {failure}")
+
+    def device_failed() -> Response | None:
+        """`device_failure` as tmod's health routes answer it."""
+        failed = device_failure()
+        if failed is None:
             return None
-        return Response(content=error_content("/healthz", 503, "device_failed", f"the device failed: {failure}"),
-                        status_code=503, media_type="application/json")
+        return Response(content=error_content("/healthz", 503, failed.type, failed.message), status_code=503,
+                        media_type="application/json")
 
     @app.get("/healthz", tags=["health"], responses={503: {}})
     async def healthz():
         return device_failed() or {"status": "ok"}
+
+    @app.get("/health", tags=["embeddings"], responses={503: {}})
+    async def tei_health():
+        """Text Embeddings Inference's health route (huggingface_hub's `health_check`): 200 with an empty
+        body while the server can answer, else 503 in TEI's error shape."""
+        failed = device_failure()
+        if failed is not None:
+            raise failed
+        require_serving()
+        return Response(status_code=200)
 
     @app.get("/readyz", tags=["health"], responses={503: {}})
     async def readyz():
@@ -814,6 +829,8 @@ FAST_ROUTES_DOC = [
      (400, 404, 413, 422, 429, 503)),
     ("/embed", "Text Embeddings Inference's /embed: one vector per input", "embeddings", TEIEmbedRequest,
      list[list[float]], (413, 422, 424, 429, 503)),
+    ("/", "Text Embeddings Inference's root: /embed (what huggingface_hub's InferenceClient posts to a server's URL)",
+     "embeddings", TEIEmbedRequest, list[list[float]], (413, 422, 424, 429, 503)),
     ("/v2/models/{task}/infer", "Open Inference Protocol v2 inference", "oip-v2", None, None, (400, 404, 413, 422, 429)),
     ("/v2/models/{task}/versions/{version}/infer", "Open Inference Protocol v2 inference, naming the version served",
      "oip-v2", None, None, (400, 404, 413, 422, 429)),

@@ -174,4 +174,5 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         vectors = vectors_of(results, module.task, asked.normalize, asked.dimensions, module)
         return msgspec.json.encode(vectors.tolist()), headers
 
-    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed}
+    # TEI's root embeds too: where huggingface_hub's InferenceClient posts, given a server's URL as its model
+    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/": tei_embed}

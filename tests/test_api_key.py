@@ -67,8 +67,8 @@ def test_listings_and_metadata_need_it_too(served, path):
     assert httpx.get(served + path, headers=bearer(KEY)).status_code == (404 if path == "/nowhere" else 200)
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics",
-                                  "/openapi.json", "/docs"])
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/health", "/v2/health/live", "/v2/health/ready",
+                                  "/metrics", "/openapi.json", "/docs"])
 def test_probes_scrapers_and_the_schema_stay_open(served, path):
     assert httpx.get(served + path).status_code == 200
 
@@ -120,6 +120,8 @@ def test_each_protocols_client_passes_the_key(served, monkeypatch):
     assert huggingface_hub.InferenceClient(model=served + "/embed", token=KEY).feature_extraction(TEXTS).shape[0] == 2
     with pytest.raises(huggingface_hub.errors.HfHubHTTPError, match="401"):
         huggingface_hub.InferenceClient(model=served + "/embed", token="wrong").feature_extraction(TEXTS)
+    assert huggingface_hub.InferenceClient(model=served, token=KEY).feature_extraction(TEXTS).shape[0] == 2  # "/"
+    assert huggingface_hub.InferenceClient(model=served, provider="hf-inference").health_check()  # /health: no key
 
 
 def test_a_refused_requests_unread_body_is_not_read_as_the_next_request(served):

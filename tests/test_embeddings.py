@@ -287,6 +287,23 @@ def test_tei_route_with_huggingface_inference_client(served, texts, reference_ve
     assert_equal_vectors(left, expected, 0.99999, 1e-5)
 
 
+def test_the_inference_client_given_the_servers_url_as_with_tei(served, texts, reference_vectors, monkeypatch):
+    """TEI's root: InferenceClient(model=<server URL>) posts to "/" (TEI's embed there) and health_check
+    reads /health; both answered as TEI does, errors in TEI's shape."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # (set for every test) this one is local
+    client = InferenceClient(model=served)
+    assert_equal_vectors(client.feature_extraction(texts[:4]), reference_vectors[:4], 0.99999, 1e-5)
+    assert InferenceClient(model=served, provider="hf-inference").health_check() is True
+    health = httpx.get(served + "/health")
+    assert health.status_code == 200 and health.content == b""
+    refused = httpx.post(served + "/", json={"inputs": ""})
+    assert refused.status_code == 422 and set(refused.json()) == {"error", "error_type"}
+    assert httpx.get(served + "/").status_code == 405  # the root takes POST; GET is /health
+
+
 def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):
     """Past the trained length (256 pieces) a text is read in windows (server/windows.py): by hand,
     each window's pooled vector from the reference library, averaged weighted by the text's pieces
