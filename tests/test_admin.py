@@ -88,13 +88,15 @@ def test_load_switch_and_unload(live):
     assert admin(live, "sentiment", "unload").json()["version"] == "1"
     assert live.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x"]}).status_code == 400
     # every module unloaded: out of service (readiness says so) but still managed through /admin
-    for probe in ("/readyz", "/v2/health/ready"):
+    for probe in ("/readyz", "/v2/health/ready", "/health"):
         assert live.get(probe).status_code == 503
     assert live.get("/readyz").json()["error"]["type"] == "no_modules"
+    assert live.get("/health").json()["error_type"] == "Unhealthy"  # TEI's shape
     assert live.get("/healthz").status_code == 200 and live.get("/v1/tasks").json()["tasks"] == []
     assert admin(live, "sentiment", "unload").status_code == 404
     assert admin(live, "sentiment", "load").json()["version"] == "2"
     assert live.get("/readyz").status_code == 200 and live.get("/v2/health/ready").status_code == 200
+    assert live.get("/health").status_code == 200
     assert scores(live) == ("2", v2_scores)
     assert admin(live, "nope", "load").json()["error"]["type"] == "artifact_not_found"
     assert admin(live, "sentiment", "explode").status_code == 404
