@@ -33,6 +33,7 @@ from modules_store.manifest import NAME_PATTERN
 from server import oip, tokenize_api, windows
 from server.backbone import Backbone
 from server.batcher import Job
+from server.classify_api import ClassifyRequest, ClassifyResponse, classify_routes
 from server.config import Settings
 from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
@@ -742,7 +743,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return await json_answer(lambda: [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens)
                                           for text in reading.texts])
 
-    app.fast_routes = {"/v1/infer": infer, **embeddings_routes(runtime, require_ready, run_inference)}
+    app.fast_routes = {"/v1/infer": infer, **embeddings_routes(runtime, require_ready, run_inference),
+                       **classify_routes(runtime, require_ready, run_inference)}
     app.oip_infer = oip_infer
     app.openapi = functools.partial(openapi, app)
 
@@ -831,6 +833,10 @@ FAST_ROUTES_DOC = [
      list[list[float]], (413, 422, 424, 429, 503)),
     ("/", "Text Embeddings Inference's root: /embed (what huggingface_hub's InferenceClient posts to a server's URL)",
      "embeddings", TEIEmbedRequest, list[list[float]], (413, 422, 424, 429, 503)),
+    ("/classify", "vLLM's classification API: one single-label task on texts", "classification", ClassifyRequest,
+     ClassifyResponse, (400, 404, 413, 429, 503)),
+    ("/v1/classify", "/classify, where SGLang serves it", "classification", ClassifyRequest, ClassifyResponse,
+     (400, 404, 413, 429, 503)),
     ("/v2/models/{task}/infer", "Open Inference Protocol v2 inference", "oip-v2", None, None, (400, 404, 413, 422, 429)),
     ("/v2/models/{task}/versions/{version}/infer", "Open Inference Protocol v2 inference, naming the version served",
      "oip-v2", None, None, (400, 404, 413, 422, 429)),

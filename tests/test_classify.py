@@ -1,0 +1,58 @@
+"""vLLM's classification API (`POST /classify`, SGLang's `/v1/classify`) over a real server on
+loopback: the body vLLM's own example client sends, answered with the same labels and
+probabilities as /v1/infer, errors in OpenAI's shape."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.config import Settings
+from tests.helpers import LiveServer
+
+TEXTS = ["A wonderful, moving film.", "Peter flew to Brussels.", "bad"]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_store, tiny_backbone):
+    settings = Settings(store=tiny_store.root, head_precision="fp32")  # compared with /v1/infer: fp32 heads
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            yield client
+
+
+@pytest.mark.parametrize("path", ["/classify", "/v1/classify"])
+def test_answers_as_v1_infer_does_in_vllms_shape(live, path):
+    answer = live.post(path, json={"model": "sentiment", "input": TEXTS})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["object"] == "list" and body["model"] == "sentiment" and body["id"].startswith("classify-")
+    assert isinstance(body["created"], int) and body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0
+    labels = live.get("/v1/tasks/sentiment").json()["labels"]
+    expected = live.post("/v1/infer?tasks=sentiment", json={"inputs": TEXTS}).json()["results"]
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    for data, result in zip(body["data"], expected):
+        assert data["label"] == result["sentiment"]["label"] and data["num_classes"] == len(labels)
+        assert data["probs"] == pytest.approx([result["sentiment"]["scores"][label] for label in labels], abs=1e-5)
+        assert sum(data["probs"]) == pytest.approx(1.0, abs=1e-5)
+    one = live.post(path, json={"model": "acceptability", "input": TEXTS[0], "user": "someone"}).json()
+    assert len(one["data"]) == 1 and one["model"] == "acceptability"
+
+
+def test_what_it_does_not_answer_is_refused_in_openais_shape(live):
+    def refused(body, status, code):
+        answer = live.post("/classify", json=body)
+        assert answer.status_code == status, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == code and error["type"] == "invalid_request_error"
+        return error
+
+    error = refused({"model": "ner", "input": TEXTS}, 400, "unsupported_model")
+    assert "token classification task" in error["message"] and "/v1/infer?tasks=ner" in error["message"]
+    assert error["param"] == "model"
+    assert "acceptability" in refused({"model": "nope", "input": TEXTS}, 404, "model_not_found")["message"]
+    error = refused({"input": TEXTS}, 400, "invalid_request")  # two classifiers loaded: name one
+    assert "'model': one of ['acceptability', 'sentiment']" in error["message"]
+    refused({"model": "sentiment", "input": [[101, 2054]]}, 400, "invalid_request")  # token arrays
+    refused({"model": "sentiment", "inputs": TEXTS}, 400, "invalid_request")  # /v1/infer's field name
+    assert live.get("/classify").status_code == 405
