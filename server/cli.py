@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 import typing
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -53,7 +54,8 @@ def main(argv=None) -> None:
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
     if not problem and not settings.store.is_dir():  # a typo would serve nothing, quietly
         problem = f"the module store {settings.store} is not a directory (--store / TMOD_STORE)"
-    problem = problem or tasks_problem(settings) or port_problem(settings.host, settings.port)
+    problem = problem or backbone_problem(settings.backbone) or tasks_problem(settings) \
+        or port_problem(settings.host, settings.port)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
@@ -61,6 +63,17 @@ def main(argv=None) -> None:
         serve_settings(settings)
     finally:
         exit_status()
+
+
+def backbone_problem(backbone: str | None) -> str | None:
+    """A --backbone folder that is not there (a typo, a model hub name): said before anything loads.
+    The named backbones are checked as they load (the quality tier unpacks its parts then)."""
+    from server.backbone.sources import NAMED, folder_problem  # here, not at the top: --help stays fast
+
+    if backbone is None or backbone in NAMED:
+        return None
+    problem = folder_problem(Path(backbone))
+    return f"--backbone / TMOD_BACKBONE: {problem}" if problem else None
 
 
 def tasks_problem(settings: Settings) -> str | None:

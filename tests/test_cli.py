@@ -50,6 +50,9 @@ def test_help_runs():
                                        "(--store / TMOD_STORE)"),
     (["--tasks", "ner,sentimnt"], {}, "tmod-serve: --tasks / TMOD_TASKS: no task 'sentimnt' in the store "),
     ([], {"TMOD_TASKS": " , "}, "tmod-serve: --tasks / TMOD_TASKS names no task (got ' , ')"),
+    (["--backbone", "sentence-transformers/all-MiniLM-L6-v2"], {},
+     "tmod-serve: --backbone / TMOD_BACKBONE: no backbone 'sentence-transformers/all-MiniLM-L6-v2': name one of "),
+    (["--backbone", "."], {}, "tmod-serve: --backbone / TMOD_BACKBONE: no Hugging Face model at . (config.json missing)"),
 ])
 def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, expected):
     """A flag or TMOD_* variable out of range, or a store that is not there, stops tmod-serve at once:

@@ -354,8 +354,9 @@ def test_store_refuses_names_that_are_not_plain_names(tmp_path):
 # ---- start-up: a process that cannot serve exits ----------------------------------------------------------
 @pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"], ["--workers", "2", "--engines", "2"]])
 def test_a_backbone_that_cannot_load_exits_non_zero_with_the_reason_on_stderr(tmp_path, layout):
-    empty = tmp_path / "empty-backbone"
+    empty = tmp_path / "empty-backbone"  # a model folder (what is checked before start-up) without weights
     empty.mkdir()
+    (empty / "config.json").write_text('{"model_type": "bert"}')
     process = subprocess.run(
         [sys.executable, "-m", "server.cli", "--port", "0", "--backbone", str(empty), "--store", str(tmp_path),
          *layout],
@@ -371,8 +372,9 @@ def test_a_backbone_name_tmod_does_not_know_is_named_in_one_line(tmp_path):
                              timeout=120)
     assert process.returncode != 0
     assert [line for line in process.stderr.splitlines() if line.startswith("tmod-serve:")] == [
-        "tmod-serve: cannot serve: FileNotFoundError: no backbone 'MiniLM': name one of minilm, smollm2, mpnet, or a "
-        "local Hugging Face model folder (nothing is downloaded from a model hub)"], process.stderr[-2000:]
+        "tmod-serve: --backbone / TMOD_BACKBONE: no backbone 'MiniLM': name one of minilm, smollm2, mpnet, or a "
+        "local Hugging Face model folder (nothing is downloaded from a model hub)"]  # before anything loads
+    assert process.stderr.startswith("tmod-serve:"), process.stderr[-2000:]
 
 
 def test_cache_dir_is_where_a_named_backbone_is_found(tmp_path):

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer
 from modules_store import BackboneFingerprint
 from server.backbone.architectures import adapter_for
 from server.backbone.backends.torch_backend import TorchBackend
-from server.backbone.sources import NAMED, default_backbone_path, resolve_backbone  # noqa: F401
+from server.backbone.sources import default_backbone_path, folder_problem, resolve_backbone  # noqa: F401
 from server.backbone.tokens import EncodedInput, InputTooLong, TextEncoder, TokenBatch  # noqa: F401
 
 
@@ -78,11 +78,9 @@ class Backbone:
         """A local Hugging Face folder, or a named offline backbone ('minilm', the default;
         'smollm2', 'mpnet'): see server/backbone/sources.py. Weights are computed in float32."""
         path, default_name = resolve_backbone(path, cache_dir)
-        if not path.exists():  # a typo, or a model hub name: nothing is downloaded
-            raise FileNotFoundError(f"no backbone {str(path)!r}: name one of {', '.join(NAMED)}, or a local Hugging "
-                                    "Face model folder (nothing is downloaded from a model hub)")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"no Hugging Face model at {path} (config.json missing)")
+        problem = folder_problem(path)
+        if problem:
+            raise FileNotFoundError(problem)
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         model = AutoModel.from_pretrained(path, config=config, local_files_only=True, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)

