@@ -65,12 +65,12 @@ def main(argv=None) -> None:
         exit_status()
 
 
-def backbone_problem(backbone: str | None) -> str | None:
+def backbone_problem(backbone: Path | str | None) -> str | None:
     """A --backbone folder that is not there (a typo, a model hub name): said before anything loads.
     The named backbones are checked as they load (the quality tier unpacks its parts then)."""
     from server.backbone.sources import NAMED, folder_problem  # here, not at the top: --help stays fast
 
-    if backbone is None or backbone in NAMED:
+    if backbone is None or str(backbone) in NAMED:
         return None
     problem = folder_problem(Path(backbone))
     return f"--backbone / TMOD_BACKBONE: {problem}" if problem else None

@@ -41,6 +41,16 @@ def test_help_runs():
     assert "TMOD_MAX_BATCH_TOKENS" in out.stdout and "--no-batching" in out.stdout
 
 
+def test_named_backbones_pass_the_start_up_check():
+    """The check of --backbone before anything loads knows the named backbones (a setting is a Path)."""
+    from server.cli import backbone_problem
+
+    for name in ("minilm", "mpnet", "smollm2"):
+        assert backbone_problem(Settings(backbone=name).backbone) is None
+    assert backbone_problem(Settings().backbone) is None
+    assert backbone_problem(Settings(backbone=str(ROOT)).backbone).endswith("(config.json missing)")
+
+
 @pytest.mark.parametrize("argv, env, expected", [
     (["--max-batch-size", "-3"], {}, "tmod-serve: --max-batch-size / TMOD_MAX_BATCH_SIZE: Input should be greater "
                                      "than or equal to 1 (got -3)"),
