@@ -37,7 +37,7 @@ from server.classify_api import ClassifyRequest, ClassifyResponse, classify_rout
 from server.config import Settings
 from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
-                                   embedding_model_names, embedding_module, embeddings_routes)
+                                   embedding_model_names, embedding_module, embeddings_routes, tei_info)
 from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
                            did_you_mean, protocol_of, refusal, refused_at_load, unknown_tasks,
                            validation_error_handler)
@@ -764,6 +764,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.get("/healthz", tags=["health"], responses={503: {}})
     async def healthz():
         return device_failed() or {"status": "ok"}
+
+    @app.get("/info", tags=["embeddings"], responses={503: {}})
+    async def tei_endpoint_info():
+        """Text Embeddings Inference's /info (huggingface_hub's `get_endpoint_info`): the backbone, its
+        precision, the embedding's pooling and this server's limits, in TEI's field names."""
+        require_ready()
+        return tei_info(runtime, settings, app.version)
 
     @app.get("/health", tags=["embeddings"], responses={503: {}})
     async def tei_health():

@@ -59,6 +59,10 @@ class ClassifyResponse(Struct):
     usage: ClassifyUsage
 
 
+KINDS = {TaskType.multi_label_classification: "a multi-label", TaskType.token_classification: "a token",
+         TaskType.embedding: "an embedding", TaskType.regression: "a regression"}
+
+
 def classifiers(modules: dict) -> list[str]:
     """The tasks /classify answers: single-label classification of single texts."""
     return sorted(task for task, m in modules.items()
@@ -78,7 +82,7 @@ def classify_module(modules: dict, model: str | None):
         raise ApiError(404, "model_not_found", f"no model {clip(model)}; /classify answers {choices}", param="model")
     if model not in choices:
         kind = "compares a text with a text pair" if compares_pairs(module.manifest) else \
-            f"is a {module.manifest.task_type.value.replace('_', ' ')} task"
+            f"is {KINDS.get(module.manifest.task_type, 'another kind of')} task"
         raise ApiError(400, "unsupported_model", f"model {model!r} {kind}: /classify answers single-label tasks on "
                        f"single texts ({choices}); ask it through /v1/infer?tasks={model}", param="model")
     return module

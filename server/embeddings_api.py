@@ -27,6 +27,7 @@ from msgspec import Meta, Struct
 from modules_store import TaskType
 from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
+from server.modules import token_limit
 from server.schemas import decode
 
 
@@ -134,6 +135,25 @@ def as_texts(inputs) -> list[str]:
     if any(not isinstance(item, str) for item in inputs):
         raise ApiError(400, "invalid_request", "token arrays are not accepted: send the text itself", param="input")
     return list(inputs)
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8"}
+
+
+def tei_info(runtime, settings, version: str) -> dict:
+    """Text Embeddings Inference's /info (huggingface_hub's `get_endpoint_info`), for the TEI routes
+    (`/embed`, `/`): the backbone, its precision, the embedding's pooling (null: no embedding task
+    loaded), and the limits a TEI client sizes its batches by, each this server's own setting."""
+    found = embedding_modules(runtime)
+    module = found.get("embedding") or (found[sorted(found)[0]] if found else None)
+    limit = token_limit({module.task: module} if module else {}, settings.max_tokens) or runtime.text.max_tokens
+    return {"model_id": runtime.model_info()[0], "model_sha": None,
+            "model_dtype": DTYPES.get(settings.precision, settings.precision),
+            "model_type": {"embedding": {"pooling": "+".join(module.manifest.config["pooling"]) if module else None}},
+            "max_concurrent_requests": settings.max_queue, "max_input_length": limit,
+            "max_batch_tokens": settings.max_batch_tokens, "max_batch_requests": settings.max_batch_size,
+            "max_client_batch_size": settings.max_inputs, "auto_truncate": False,
+            "tokenization_workers": settings.workers, "version": version, "sha": None, "docker_label": None}
 
 
 def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference) -> dict:

@@ -48,7 +48,7 @@ def test_what_it_does_not_answer_is_refused_in_openais_shape(live):
         return error
 
     error = refused({"model": "ner", "input": TEXTS}, 400, "unsupported_model")
-    assert "token classification task" in error["message"] and "/v1/infer?tasks=ner" in error["message"]
+    assert "'ner' is a token task" in error["message"] and "/v1/infer?tasks=ner" in error["message"]
     assert error["param"] == "model"
     assert "acceptability" in refused({"model": "nope", "input": TEXTS}, 404, "model_not_found")["message"]
     error = refused({"input": TEXTS}, 400, "invalid_request")  # two classifiers loaded: name one

@@ -302,6 +302,10 @@ def test_the_inference_client_given_the_servers_url_as_with_tei(served, texts, r
     refused = httpx.post(served + "/", json={"inputs": ""})
     assert refused.status_code == 422 and set(refused.json()) == {"error", "error_type"}
     assert httpx.get(served + "/").status_code == 405  # the root takes POST; GET is /health
+    info = InferenceClient(model=served, provider="hf-inference").get_endpoint_info()  # GET /info
+    assert info["model_id"] == "all-MiniLM-L6-v2" and info["model_dtype"] == "float32"
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["max_input_length"] == 256
+    assert info["max_client_batch_size"] == 64 and info["max_batch_tokens"] == 16384 and info["auto_truncate"] is False
 
 
 def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):
