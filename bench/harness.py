@@ -349,6 +349,17 @@ def pin_to(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+def inherited_environment() -> dict[str, str]:
+    """This process's environment without the server's settings (TMOD_<setting>, oneDNN's ONEDNN_*):
+    a benchmark's server runs with the settings it names and records, never with what the shell happened
+    to export. Other variables pass (TMOD_DATA_DIR; the TMOD_*_LOG files bench/gpu_checks.sh's engine
+    patches write to)."""
+    from server.config import Settings
+
+    settings = {f"TMOD_{name.upper()}" for name in Settings.model_fields}
+    return {k: v for k, v in os.environ.items() if k not in settings and not k.startswith("ONEDNN_")}
+
+
 class ServerProcess:
     def __init__(self, name: str, env: dict[str, str], log_path: Path, command: list[str],
                  cpus: set[int] | None = None):
@@ -357,9 +368,7 @@ class ServerProcess:
         self.command = command
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # the server's settings are those named here, never what the shell happened to export
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("TMOD_", "ONEDNN_"))}
-        self.env = {**inherited, **env, "TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(self.port)}
+        self.env = {**inherited_environment(), **env, "TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(self.port)}
         self.settings = {k: v for k, v in env.items() if k.startswith("TMOD_")}
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None

@@ -41,6 +41,21 @@ def test_write_results_writes_the_json_and_a_table_with_machine_and_command(tmp_
     assert set(recorded["machine"]["cpu_idle"]) == {"driver", "guest_halt_poll_ns"}
 
 
+def test_a_benchmarks_server_gets_only_the_settings_it_names(monkeypatch, tmp_path):
+    """Server settings the shell exported (TMOD_TASKS, oneDNN's) stay out of a benchmark's server, which
+    runs and records the ones it names; other variables pass, such as the log files bench/gpu_checks.sh's
+    engine patches write to (TMOD_SWITCH_LOG), which a server without them fails on."""
+    from bench.harness import ServerProcess
+
+    for name, value in (("TMOD_TASKS", "ner"), ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8"), ("TMOD_SWITCH_LOG", "/x"),
+                        ("TMOD_DATA_DIR", "/d")):
+        monkeypatch.setenv(name, value)
+    server = ServerProcess("s", {"TMOD_THREADS": "1"}, tmp_path / "s.log", ["true"])
+    assert "TMOD_TASKS" not in server.env and "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in server.env
+    assert server.env["TMOD_SWITCH_LOG"] == "/x" and server.env["TMOD_DATA_DIR"] == "/d"
+    assert server.env["TMOD_THREADS"] == "1" and server.settings == {"TMOD_THREADS": "1"}
+
+
 def test_the_box_speed_probe_runs_python_on_the_cpus_asked():
     from bench.harness import loop_ms_on
 
