@@ -23,20 +23,20 @@ class Cors:
     def __init__(self, origins: str):
         listed = [o.strip() for o in origins.split(",") if o.strip()]
         self.any = "*" in listed
-        self.origins = frozenset(o.encode() for o in listed if o != "*")
+        self.origins = frozenset(o.lower().encode() for o in listed if o != "*")  # scheme and host: any case
 
     def allowed_origin(self, headers) -> bytes | None:
         """The request's Origin when it may call the API, else None (no Origin: not a cross-origin call)."""
         for name, value in headers:
             if name == b"origin":
-                return value if self.any or value in self.origins else None
+                return value if self.any or value.lower() in self.origins else None
         return None
 
     def answer_headers(self, origin: bytes) -> dict[str, str]:
         """What every answer to `origin` carries."""
         if self.any:
             return {"access-control-allow-origin": "*", "access-control-expose-headers": EXPOSED}
-        # the value is one of the configured origins (checked above): safe to send back as it is
+        # the value is one of the configured origins but for case (checked above): safe to send back as it is
         return {"access-control-allow-origin": origin.decode("latin-1"), "access-control-expose-headers": EXPOSED,
                 "vary": "origin"}
 

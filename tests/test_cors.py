@@ -87,3 +87,13 @@ def test_any_origin_and_no_setting(tiny_store, tiny_backbone):
 def test_a_value_that_is_not_an_origin_is_refused(value):
     with pytest.raises(ValueError, match="--cors-origins / TMOD_CORS_ORIGINS: .* is not an origin"):
         Settings(cors_origins=value)
+
+
+def test_origins_match_whatever_their_case_and_nothing_else():
+    from server.cors import Cors
+
+    cors = Cors("https://App.example:8443, http://localhost:3000")
+    assert cors.allowed_origin([(b"origin", b"https://app.example:8443")]) == b"https://app.example:8443"
+    for other in (b"https://app.example", b"https://app.example:8443.evil", b"http://localhost:3001", b"null"):
+        assert cors.allowed_origin([(b"origin", other)]) is None
+    assert cors.allowed_origin([(b"host", b"x")]) is None  # no Origin: not a cross-origin call
