@@ -127,7 +127,7 @@ class TmodApp(FastAPI):
                                headers={"www-authenticate": "Bearer"})
             scope, receive = limit_body(scope, receive, self.body_limit, self.body_timeout_s)
             handler = self.fast_routes.get(path)
-            if handler is not None:
+            if handler is not None and not (path == "/" and scope["method"] == "GET"):  # TEI's root: GET is health
                 await self.answer(handler, (), scope, receive, reply)
             elif path.startswith("/v2/models/") and (found := OIP_INFER.fullmatch(path)):
                 await self.answer(self.oip_infer, found.groups(), scope, receive, reply)
@@ -773,9 +773,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return tei_info(runtime, settings, app.version)
 
     @app.get("/health", tags=["embeddings"], responses={503: {}})
+    @app.get("/", tags=["embeddings"], responses={503: {}})
     async def tei_health():
-        """Text Embeddings Inference's health route (huggingface_hub's `health_check`): 200 with an empty
-        body while the server can answer, else 503 in TEI's error shape."""
+        """Text Embeddings Inference's health route (huggingface_hub's `health_check`; TEI answers it at
+        `GET /` too): 200 with an empty body while the server can answer, else 503 in TEI's error shape."""
         failed = device_failure()
         if failed is not None:
             raise failed

@@ -88,7 +88,7 @@ def test_load_switch_and_unload(live):
     assert admin(live, "sentiment", "unload").json()["version"] == "1"
     assert live.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x"]}).status_code == 400
     # every module unloaded: out of service (readiness says so) but still managed through /admin
-    for probe in ("/readyz", "/v2/health/ready", "/health"):
+    for probe in ("/readyz", "/v2/health/ready", "/health", "/"):
         assert live.get(probe).status_code == 503
     assert live.get("/readyz").json()["error"]["type"] == "no_modules"
     assert live.get("/health").json()["error_type"] == "Unhealthy"  # TEI's shape

@@ -275,7 +275,7 @@ CASES = [
     ("openai-classify-get", "GET", "/classify", {}, 405, "openai"),
     *refused_before_the_route("tei-root", "/", "inputs", 422),
     ("tei-root-malformed", "POST", "/", {"json": {"inputs": 5}}, 422, "tei"),
-    ("tei-root-get", "GET", "/", {}, 405, "tei"),
+    ("tei-root-put", "PUT", "/", {"json": {"inputs": "a"}}, 405, "tei"),
     ("tei-info-post", "POST", "/info", {}, 405, "tei"),
     ("tei-health-post", "POST", "/health", {}, 405, "tei"),
     # ---- /admin --------------------------------------------------------------------------------------
