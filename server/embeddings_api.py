@@ -85,15 +85,23 @@ def embedding_model_names(runtime) -> list[str]:
     return sorted(found) + ([runtime.model_info()[0]] if found else [])
 
 
+def backbone_embedding(found: dict):
+    """Among the loaded embedding tasks `found`, the backbone's own: `embedding`, else the first by
+    name; None when there is none."""
+    if not found:
+        return None
+    return found["embedding"] if "embedding" in found else found[sorted(found)[0]]
+
+
 def embedding_module(runtime, model: str | None):
     """An embedding task by name; the backbone's name (or None) means the backbone's own embedding
-    (`embedding`, else the first by name); anything else 404 model_not_found."""
+    (`backbone_embedding`); anything else 404 model_not_found."""
     found = embedding_modules(runtime)
     if model in found:
         return found[model]
     backbone = runtime.model_info()[0]
     if found and (model is None or model == backbone or model.rsplit("/", 1)[-1] == backbone):
-        return found["embedding"] if "embedding" in found else found[sorted(found)[0]]
+        return backbone_embedding(found)
     raise ApiError(404, "model_not_found", f"no embedding model {clip(model)}; embedding tasks loaded: {sorted(found)}"
                    + (f" (or the backbone's name, {backbone!r})" if found else ""), param="model")
 
@@ -144,8 +152,7 @@ def tei_info(runtime, settings, version: str) -> dict:
     """Text Embeddings Inference's /info (huggingface_hub's `get_endpoint_info`), for the TEI routes
     (`/embed`, `/`): the backbone, its precision, the embedding's pooling (null: no embedding task
     loaded), and the limits a TEI client sizes its batches by, each this server's own setting."""
-    found = embedding_modules(runtime)
-    module = found.get("embedding") or (found[sorted(found)[0]] if found else None)
+    module = backbone_embedding(embedding_modules(runtime))
     limit = token_limit({module.task: module} if module else {}, settings.max_tokens) or runtime.text.max_tokens
     return {"model_id": runtime.model_info()[0], "model_sha": None,
             "model_dtype": DTYPES.get(settings.precision, settings.precision),
