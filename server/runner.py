@@ -69,6 +69,7 @@ import torch
 
 from server.answers import answers, joined_answers
 from server.backbone import EncodedInput, TokenBatch
+from server.backbone.backends.torch_backend import DTYPES  # the 16-bit precisions and their torch dtypes
 from server.backbone.tokens import RowBlock, window_rows
 from server.config import Settings, parse_sizes
 from server.engine import Engine
@@ -79,7 +80,6 @@ from server.timings import Timings
 
 log = logging.getLogger("tmod")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # 16-bit head precisions that passed the accuracy rule (>= 99% labels equal to fp32, metric change
 # < 0.3 points) on every shipped module of both tiers (bench/README.md names the command):
 # bench/results/head-precision-cpu.json and head-precision-cpu-mpnet.json (fp16 computed on the CPU)
