@@ -1,11 +1,13 @@
 """Tokenization with offsets as server/backbone/tokens.py did it before issue 37 (commit 31ec5ac),
 frozen here purely as the oracle of tests/test_tokens.py: the transformers wrapper called per request,
 a Python generator per token for the None -> -1 columns, and the first numpy version of the span
-trimming and casing classes. Not used by the server."""
+trimming and casing classes; plus one rule added since, `claim_marks`, a plain loop here. Not used by
+the server."""
 from __future__ import annotations
 
 import copy
 import itertools
+import unicodedata
 
 import numpy as np
 
@@ -74,7 +76,26 @@ def token_array(encodings, texts, pairs) -> np.ndarray:
     row = np.repeat(np.arange(len(encodings)), [len(e) for e in encodings])
     out[:, START], out[:, END], out[:, CASING] = token_spans(texts, pairs, row, out[:, SEGMENT].astype(np.int64),
                                                              offsets[:, 0], offsets[:, 1])
+    claim_marks(out, encodings, texts, pairs)
     return out
+
+
+def claim_marks(out: np.ndarray, encodings, texts, pairs) -> None:
+    """A non-empty span's end moves past the combining marks (Unicode category M*) after it, up to
+    where the next token of its text starts or the text ends."""
+    at = 0
+    for r, encoding in enumerate(encodings):
+        segments = encoding.sequence_ids
+        for i, segment in enumerate(segments):
+            start, end = int(out[at + i, START]), int(out[at + i, END])
+            if segment is None or end <= start:
+                continue
+            source = pairs[r] if segment == 1 else texts[r]
+            limit = encoding.offsets[i + 1][0] if i + 1 < len(segments) and segments[i + 1] == segment else len(source)
+            while end < limit and unicodedata.category(source[end]).startswith("M"):
+                end += 1
+            out[at + i, END] = end
+        at += len(segments)
 
 
 def keep_last_tokens(tokens: np.ndarray, limit: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
+import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -437,8 +438,9 @@ class TokenArraysLater:
 
 
 # per character: what str.islower / isupper / istitle / isspace see (CPython's per-character
-# properties), looked up in a table so that a whole text is classified by numpy
-_LOWER, _UPPER, _TITLE, _SPACE = 1, 2, 4, 8
+# properties), and whether it is a combining mark (Unicode category M*), looked up in a table so that
+# a whole text is classified by numpy
+_LOWER, _UPPER, _TITLE, _SPACE, _MARK = 1, 2, 4, 8, 16
 _TABLE: np.ndarray | None = None  # flags of the Basic Multilingual Plane, made on first use (~30 ms)
 # a character's lower, upper and title-case counts packed in one int64 (21 bits each), by its flags:
 # one cumulative sum counts all three, and a span's counts are one difference (no field of a span's
@@ -447,14 +449,18 @@ _BITS = 21
 _FIELD = (1 << _BITS) - 1
 _NOT_UPPER = ~np.int64(_FIELD << _BITS)  # the lower and title fields
 _PACKED = np.array([((f & _LOWER) != 0) | (((f & _UPPER) != 0) << _BITS) | (((f & _TITLE) != 0) << 2 * _BITS)
-                    for f in range(16)], dtype=np.int64)
+                    for f in range(32)], dtype=np.int64)
 _PACKED_LIMIT = 1 << _BITS
 
 
 def _flags_of(char: str) -> int:
     upper = char.isupper()
     return (char.islower() * _LOWER) | (upper * _UPPER) | ((char.istitle() and not upper) * _TITLE) \
-        | (char.isspace() * _SPACE)
+        | (char.isspace() * _SPACE) | (is_mark(char) * _MARK)
+
+
+def is_mark(char: str) -> bool:
+    return unicodedata.category(char)[0] == "M"
 
 
 def char_flags(text: str) -> np.ndarray:
@@ -484,15 +490,18 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     NER leans on; this gives it back. All texts of the batch are classified at once, with a few
     numpy calls whatever the number of tokens (a one-text request is dominated by their count)."""
     sources = texts + (pairs or [])
-    flags = char_flags(sources[0] if len(sources) == 1 else "".join(sources))
+    joined = sources[0] if len(sources) == 1 else "".join(sources)
+    flags = char_flags(joined)
     real = segment >= 0
     if len(sources) == 1:
         a, z = np.where(real, start, 0), np.where(real, end, 0)
-        base = 0
+        base, source_end = 0, len(sources[0])
     else:
         bases = np.array([0, *itertools.accumulate(len(t) for t in sources)], dtype=np.int64)
-        base = np.where(real, bases[np.where(segment == 1, row + len(texts), row)], 0)
+        source = np.where(segment == 1, row + len(texts), row)
+        base, source_end = np.where(real, bases[source], 0), np.where(real, bases[source + 1], 0)
         a, z = base + np.where(real, start, 0), base + np.where(real, end, 0)
+    given_start = a  # where the tokenizer said each span starts, before trimming
     empty = z <= a
     first = flags[a]
     # flags[-1] is the 0 after the text: an empty span at 0 reads it (a false alarm only costs time)
@@ -529,7 +538,27 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     casing[capital] = 2
     casing[lower_only] = 1
     casing[empty | ~real] = 0
+    if trim and not joined.isascii():  # (str.isascii reads a flag: no pass over the text)
+        ends_before_mark = ~empty & real & ((flags[z] & _MARK) != 0)
+        if ends_before_mark.any():
+            end = np.where(ends_before_mark, claim_marks(flags, z, given_start, row, segment, real, source_end) - base,
+                           end)
     return start, end, casing
+
+
+def claim_marks(flags: np.ndarray, z: np.ndarray, given_start: np.ndarray, row, segment: np.ndarray,
+                real: np.ndarray, source_end) -> np.ndarray:
+    """Span ends moved past the combining marks that follow them and that no token holds: an
+    accent-stripping tokenizer (BERT's uncased ones) drops a decomposed accent from every token, so
+    "Bogota\u0301" (NFD, as macOS and some PDFs write it) would end an entity at "Bogota", and Hindi's
+    "में" at "म". A mark stays outside where the next token of the same text starts, or the text ends."""
+    positions = np.arange(len(flags))
+    next_unmarked = np.minimum.accumulate(np.where((flags & _MARK) == 0, positions, len(flags) - 1)[::-1])[::-1]
+    limit = np.broadcast_to(source_end, z.shape).copy()
+    row = np.broadcast_to(row, z.shape)  # 0: one text
+    same_text = real[1:] & (row[1:] == row[:-1]) & (segment[1:] == segment[:-1])
+    limit[:-1] = np.where(same_text, np.minimum(limit[:-1], given_start[1:]), limit[:-1])
+    return np.maximum(z, np.minimum(next_unmarked[z], limit))
 
 
 # A request of at most this many tokens is made into its array in Python (`few_token_rows`): the
@@ -547,6 +576,7 @@ def few_token_rows(encodings, texts: list[str], pairs: list[str] | None) -> np.n
     values = []  # the rows' fields one after the other (numpy reads a flat list faster than a list of rows)
     for r, encoding in enumerate(encodings):
         text, pair = texts[r], pairs[r] if pairs is not None else None
+        first = len(values)
         for token, kind, segment, word, (start, end) in zip(encoding.ids, encoding.type_ids, encoding.sequence_ids,
                                                             encoding.word_ids, encoding.offsets):
             if word is None:
@@ -561,7 +591,24 @@ def few_token_rows(encodings, texts: list[str], pairs: list[str] | None) -> np.n
                 span = span.rstrip()
                 end = start + len(span)
             values += (token, kind, segment, word, start, end, span_casing(span))
+        if not (text.isascii() and (pair is None or pair.isascii())):
+            claim_marks_of_row(values, first, encoding, text, pair)
     return np.array(values, dtype=np.int32).reshape(-1, FIELDS)
+
+
+def claim_marks_of_row(values: list, first: int, encoding, text: str, pair: str | None) -> None:
+    """`claim_marks` for one row of `few_token_rows`' flat list (its fields from `values[first]` on)."""
+    segments, offsets = encoding.sequence_ids, encoding.offsets
+    for i, segment in enumerate(segments):
+        at = first + i * FIELDS
+        start, end = values[at + START], values[at + END]
+        source = pair if segment == 1 else text
+        if segment is None or end <= start or end >= len(source) or not is_mark(source[end]):
+            continue
+        limit = offsets[i + 1][0] if i + 1 < len(segments) and segments[i + 1] == segment else len(source)
+        while end < limit and is_mark(source[end]):
+            end += 1
+        values[at + END] = end
 
 
 def span_casing(span: str) -> int:
