@@ -33,6 +33,11 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "info") -> None:
+    """Every line the process writes is one JSON object (a log collector parses each): tmod's,
+    uvicorn's, transformers' (which has a handler of its own) and Python warnings; transformers'
+    "Loading weights" progress bar is off (the log says how long loading took)."""
+    from transformers.utils import logging as transformers_logging
+
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
@@ -41,6 +46,10 @@ def configure_logging(level: str = "info") -> None:
     for name in ("uvicorn", "uvicorn.error"):  # uvicorn's own lines in the same shape
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    transformers_logging.disable_progress_bar()
+    logging.captureWarnings(True)
 
 
 def _clipped(query: bytes, limit: int = 1024) -> str:
