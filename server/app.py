@@ -418,21 +418,21 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if len(texts) > settings.max_inputs:
             raise ApiError(413, "too_many_inputs", f"{len(texts)} inputs; at most {settings.max_inputs} per request")
         for i, text in enumerate(texts + (text_pairs or [])):
-            row = i % len(texts)
+            row = f"input {i}" if i < len(texts) else f"input {i - len(texts)}'s text_pair"
             if len(text) > settings.max_chars:
                 raise ApiError(413, "input_too_long",
-                               f"input {row} has {len(text)} characters; at most {settings.max_chars}")
+                               f"{row} has {len(text)} characters; at most {settings.max_chars}")
             if not text.strip():
-                raise ApiError(422, "invalid_request", f"input {row} is empty or only whitespace")
+                raise ApiError(422, "invalid_request", f"{row} is empty or only whitespace")
             bad = CONTROL_CHARS.search(text)
             if bad:
-                raise ApiError(422, "invalid_request", f"input {row} has control character "
+                raise ApiError(422, "invalid_request", f"{row} has control character "
                                f"U+{ord(bad.group()):04X} at position {bad.start()}")
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise ApiError(422, "invalid_request",
-                               f"input {row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
+                               f"{row} is not valid Unicode (lone surrogate at position {exc.start})") from exc
 
     # what window_settings answered, by its arguments and the encoder itself (a worker's encoder is replaced
     # when the engine sends a new one; the key holds the old one, so its id cannot be reused by the next)

@@ -156,7 +156,38 @@ def decode(kind: type, body: bytes, malformed_status: int = 422):
     where = where.rstrip("`").removeprefix("$").removeprefix(".").replace("][", ".").replace("[", ".").replace("]", "")
     where = where.lstrip(".") or "body"
     hint = HINTS.get((kind, where, text))
+    if hint is None and text.startswith("Invalid enum value") and (choices := literal_values(kind, where)):
+        hint = "expected one of " + ", ".join(map(repr, choices))
     raise malformed(malformed_status, where, f"{text} ({hint})" if hint else text)
+
+
+def literal_values(kind: type, where: str) -> list | None:
+    """The values the field at `where` (a dotted location: `aggregation`, `inputs.0.datatype`) takes
+    when its type is a Literal, so that "Invalid enum value 'simple'" can say what is valid."""
+    info: Any = msgspec.inspect.type_info(kind)
+    for part in where.split("."):
+        for option in _options(info):
+            if isinstance(option, msgspec.inspect.StructType):
+                info = next((f.type for f in option.fields if f.encode_name == part), None)
+            elif isinstance(option, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)) and part.isdigit():
+                info = option.item_type
+            elif isinstance(option, msgspec.inspect.DictType):
+                info = option.value_type
+            else:
+                continue
+            break
+        else:
+            return None
+    values = [v for option in _options(info) if isinstance(option, msgspec.inspect.LiteralType) for v in option.values]
+    return values or None
+
+
+def _options(info) -> list:
+    """A type's alternatives (a Union's members, else itself), without Annotated's metadata."""
+    while isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    members = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    return [m.type if isinstance(m, msgspec.inspect.Metadata) else m for m in members]
 
 
 # the first mistakes of a newcomer to /v1/infer, and what to send instead: (body kind, location, msgspec's message)

@@ -196,6 +196,26 @@ def test_control_characters_and_bad_unicode_are_422(live, text, fragment):
     assert "input 1" in error["message"] and fragment in error["message"]
 
 
+@pytest.mark.parametrize("pair, fragment", [
+    ("   ", "input 1's text_pair is empty or only whitespace"),
+    ("tab\u0000nul", "input 1's text_pair has control character U+0000 at position 3"),
+])
+def test_a_refused_text_pair_is_named_as_the_pair(live, pair, fragment):
+    inputs = [{"text": "fine", "text_pair": "fine"}, {"text": "fine", "text_pair": pair}]
+    error = assert_error(live.post("/v1/infer", json={"inputs": inputs}), 422, "invalid_request")
+    assert fragment in error["message"]
+
+
+@pytest.mark.parametrize("body, location, choices", [
+    ({"inputs": ["x"], "aggregation": "simple"}, "aggregation", "'average', 'first', 'max', 'none'"),
+    ({"inputs": ["x"], "truncate": True, "truncation_direction": "up"}, "truncation_direction", "'left', 'right'"),
+])
+def test_a_value_outside_a_fields_choices_is_answered_with_the_choices(live, body, location, choices):
+    error = assert_error(live.post("/v1/infer", json=body), 422, "invalid_request")
+    assert error["message"].endswith(f"(expected one of {choices})")
+    assert error["problems"][0]["location"] == location
+
+
 def test_invalid_utf8_body_is_422(live):
     response = live.post("/v1/infer", content=b'{"inputs": ["caf\xe9"]}', headers={"content-type": "application/json"})
     assert_error(response, 422, "invalid_request")
