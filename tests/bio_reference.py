@@ -8,11 +8,12 @@ import numpy as np
 
 
 def allowed_after(labels: list[str], before: int | None, tag: int) -> bool:
-    """The BIO rule: an I-X (where the labels have a B-X) only after B-X or I-X (None: the start)."""
+    """The BIO rule: an I-X, or an E-X / L-X that ends an entity (where the labels have a B-X), only
+    after B-X or I-X (None: the start)."""
     name = labels[tag]
-    if not name.startswith("I-") or "B-" + name[2:] not in labels:
+    if name[:2] not in ("I-", "E-", "L-") or "B-" + name[2:] not in labels:
         return True
-    return before is not None and labels[before] in (name, "B-" + name[2:])
+    return before is not None and labels[before] in ("I-" + name[2:], "B-" + name[2:])
 
 
 def reference_tags(labels: list[str], probs: list[list[float]]) -> list[int]:

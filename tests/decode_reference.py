@@ -1,7 +1,7 @@
 """server/heads/decode.py as it was before issue 37 (commit 31ec5ac: softmax and sigmoid in torch,
 numpy after), frozen here purely as the oracle of tests/test_decode_numpy.py, which holds the numpy
-decoder to the same answers on random logits and on the shipped modules' real outputs. Not used by
-the server."""
+decoder to the same answers on random logits and on the shipped modules' real outputs; with one
+change since, the BIOES / BILOU reading of tags (E- and S- close an entity). Not used by the server."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -146,8 +146,8 @@ def split_tag(tag: str) -> tuple[str, str]:
     (training/metrics.py) both use it."""
     if tag == "O":
         return "O", ""
-    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIE":
-        return tag[0], tag[2:]
+    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIELSU":
+        return {"L": "E", "U": "S"}.get(tag[0], tag[0]), tag[2:]
     return "I", tag
 
 
@@ -223,12 +223,13 @@ def word_tags(probs: np.ndarray, starts: np.ndarray, labels: list[str]) -> np.nd
 
 def bio_constraints(labels: list[str]) -> np.ndarray | None:
     """Which tag may follow which, (C + 1, C) booleans: [i, j] may tag j follow tag i; the last row:
-    may tag j open a sequence. An `I-X` may only follow `B-X` or `I-X`, where the labels have a `B-X`
-    (a label set without B- tags, or other prefixes, is not constrained). None: nothing is."""
+    may tag j open a sequence. An `I-X` (and an `E-X` / `L-X`) may only follow `B-X` or `I-X`, where the
+    labels have a `B-X` (a label set without B- tags, or other prefixes, is not constrained). None:
+    nothing is."""
     allowed = np.ones((len(labels) + 1, len(labels)), dtype=bool)
     for j, tag in enumerate(labels):
-        if tag.startswith("I-") and "B-" + tag[2:] in labels:
-            allowed[:, j] = [label in (tag, "B-" + tag[2:]) for label in labels] + [False]
+        if tag[:2] in ("I-", "E-", "L-") and "B-" + tag[2:] in labels:
+            allowed[:, j] = [label in ("I-" + tag[2:], "B-" + tag[2:]) for label in labels] + [False]
     return None if allowed.all() else allowed
 
 
@@ -274,7 +275,7 @@ def viterbi(log_probs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray) -> 
     return path
 
 
-OUTSIDE, INSIDE = 0, 1  # tag prefix codes (B and E are 2 and 3: they only ever start an entity)
+OUTSIDE, INSIDE, BEGIN, LAST = 0, 1, 2, 3  # tag prefix codes (S is 4)
 
 
 def _token_answers(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggregation: str
@@ -313,15 +314,15 @@ def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, aggreg
     words = word_predictions(probs, batch, labels, aggregation)
     tags = [split_tag(tag) for tag in labels]
     kinds = sorted({kind for _, kind in tags})
-    prefix = np.array(["OIBE".index(p) for p, _ in tags])[words.label]
+    prefix = np.array(["OIBES".index(p) for p, _ in tags])[words.label]
     kind = np.array([kinds.index(k) for _, k in tags])[words.label]
 
-    # A word continues the open entity when it is an I- of the same type in the same row and segment
-    # and the word before it was in an entity (any word but an O- leaves one open).
+    # A word continues the open entity when it is an I- or E- of the same type in the same row and
+    # segment and the word before it left one open (a B- or an I-).
     after = np.zeros(len(words.row), dtype=bool)
-    after[1:] = ((words.row[1:] == words.row[:-1]) & (prefix[:-1] != OUTSIDE) & (kind[1:] == kind[:-1])
+    after[1:] = ((words.row[1:] == words.row[:-1]) & np.isin(prefix[:-1], (INSIDE, BEGIN)) & (kind[1:] == kind[:-1])
                  & (words.segment[1:] == words.segment[:-1]))
-    continues = after & (prefix == INSIDE)
+    continues = after & np.isin(prefix, (INSIDE, LAST))
     starts = (prefix != OUTSIDE) & ~continues
     ends_here = (starts | continues) & ~np.append(continues[1:], False)
     firsts, lasts = np.nonzero(starts)[0].tolist(), np.nonzero(ends_here)[0].tolist()

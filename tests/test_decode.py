@@ -48,8 +48,8 @@ def _classification(labels: list[str], row: torch.Tensor) -> dict[str, Any]:
 def _split_tag(tag: str) -> tuple[str, str]:
     if tag == "O":
         return "O", ""
-    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIE":
-        return tag[0], tag[2:]
+    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIESLU":
+        return {"L": "E", "U": "S"}.get(tag[0], tag[0]), tag[2:]
     return "I", tag
 
 
@@ -90,9 +90,12 @@ def _entities(labels: list[str], logits: torch.Tensor, batch: TokenBatch, row: i
             entities.append(current)
         current = None
 
+    left_open = False  # the word before was a B- or an I- (E- and S- close an entity)
     for seq, start, end, tag, score in word_predictions(labels, logits, batch, row):
         prefix, kind = _split_tag(tag)
-        continues = current is not None and prefix == "I" and kind == current["label"] and seq == current["segment"]
+        continues = current is not None and left_open and prefix in ("I", "E") and kind == current["label"] \
+            and seq == current["segment"]
+        left_open = prefix in ("B", "I")
         if continues:
             current["end"] = end
             word_scores.append(score)
@@ -117,9 +120,11 @@ def assert_same(task_type, labels, logits, batch) -> list[dict]:
 
 BIO = CONLL_TAGS
 PLAIN = ["O", "PER", "LOC", "ORG"]  # no prefixes: every non-O tag reads as I-, so equal tags join
-# E- starts an entity, S-X is a type of its own, "" is an I- of the type "" (which O has too)
+# E- ends an entity, S- is one of a word, "X" an I-X, "" is an I- of the type "" (which O has too)
 ODD = ["O", "B-X", "I-X", "E-X", "S-X", "X", "I-Y", "B-", "I", ""]
-LABEL_SETS = [BIO, PLAIN, ODD, ["O"], ["B-A", "I-A"]]
+BIOES = ["O", "B-PER", "I-PER", "E-PER", "S-PER", "B-LOC", "I-LOC", "E-LOC", "S-LOC"]
+BILOU = ["O", "B-PER", "I-PER", "L-PER", "U-PER", "B-LOC", "I-LOC", "L-LOC", "U-LOC"]
+LABEL_SETS = [BIO, PLAIN, ODD, BIOES, BILOU, ["O"], ["B-A", "I-A"]]
 
 WORDS = ["Angela", "Merkel", "visited", "Schwarzenegger", "unbelievably", "U.S.", "New", "York", "EU", "'s",
          "naïve", "café", "—", "3.14", "e-mail", "a", "I", "ok", "Zürich", "東京", "🙂", ",", "(", ")",
@@ -342,7 +347,7 @@ def follows_the_rules(labels: list[str], tags: list[int]) -> bool:
     return all(allowed_after(labels, tags[i - 1] if i else None, tags[i]) for i in range(len(tags)))
 
 
-CONSTRAINED = [BIO, ["O", "B-A", "I-A"], ["B-A", "I-A", "I-B", "B-B", "O", "E-A", "I-C"]]
+CONSTRAINED = [BIO, ["O", "B-A", "I-A"], ["B-A", "I-A", "I-B", "B-B", "O", "E-A", "I-C"], BIOES, BILOU]
 
 
 @settings(max_examples=300, deadline=None)

@@ -39,7 +39,8 @@ from training.data import default_data_dir, read_conll
 SCORE_TOLERANCE = 2e-6
 BIO = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
 LABEL_SETS = [BIO, ["O", "PER", "LOC", "ORG"], ["O", "B-X", "I-X", "E-X", "S-X", "X", "I-Y", "B-", "I", ""], ["O"],
-              ["B-A", "I-A"]]
+              ["B-A", "I-A"], ["O", "B-PER", "I-PER", "E-PER", "S-PER", "B-LOC", "I-LOC", "E-LOC", "S-LOC"],
+              ["O", "B-PER", "I-PER", "L-PER", "U-PER"]]
 WORDS = ["Angela", "Merkel", "visited", "Schwarzenegger", "unbelievably", "U.S.", "New", "York", "EU", "'s", "naïve",
          "café", "—", "3.14", "e-mail", "a", "I", "Zürich", "東京", "🙂", ",", "(", "supercalifragilistic"]
 

@@ -86,8 +86,10 @@ def test_entity_scores_by_hand():
     assert scores["word_accuracy"] == pytest.approx(5 / 7)
 
 
-# B-/I-/O tags, bare types, E- and S- prefixes, an empty type: every way a label set can read
+# B-/I-/O tags, bare types, BIOES and BILOU, E- and S- prefixes, an empty type: every way a label set can read
 LABEL_SETS = [["O", "B-PER", "I-PER", "B-LOC", "I-LOC"], ["O", "PER", "LOC"],
+              ["O", "B-PER", "I-PER", "E-PER", "S-PER", "B-LOC", "I-LOC", "E-LOC", "S-LOC"],
+              ["O", "B-PER", "I-PER", "L-PER", "U-PER", "B-LOC", "I-LOC", "L-LOC", "U-LOC"],
               ["O", "B-X", "I-X", "E-X", "S-X", "X", "I-Y", "B-", "I", ""]]
 
 
@@ -104,14 +106,28 @@ def served_entities(labels: list[str], tags: list[str]) -> list[tuple[str, int, 
 
 
 def within_the_rules(labels: list[str], tags: list[str]) -> list[str]:
-    """`tags` with every I-X that follows neither B-X nor I-X made B-X, where the labels have a B-X:
-    what the server and tmod-train both decode to never breaks those rules (server.heads.decode.word_tags)."""
+    """`tags` with every I-X or E-X / L-X that follows neither B-X nor I-X made B-X, where the labels
+    have a B-X: what the server and tmod-train both decode to never breaks those rules
+    (server.heads.decode.word_tags)."""
     out = []
     for tag in tags:
-        if tag.startswith("I-") and "B-" + tag[2:] in labels and (not out or out[-1] not in (tag, "B-" + tag[2:])):
-            tag = "B-" + tag[2:]
+        kind = tag[2:]
+        if tag[:2] in ("I-", "E-", "L-") and "B-" + kind in labels and (not out or out[-1] not in ("I-" + kind, "B-" + kind)):
+            tag = "B-" + kind
         out.append(tag)
     return out
+
+
+@pytest.mark.parametrize("tags, found", [
+    ("B-PER I-PER E-PER S-LOC O", [("PER", 0, 2), ("LOC", 3, 3)]),
+    ("B-PER E-PER B-PER E-PER", [("PER", 0, 1), ("PER", 2, 3)]),  # two names side by side
+    ("S-PER S-PER E-PER", [("PER", 0, 0), ("PER", 1, 1), ("PER", 2, 2)]),  # S- and E- close; a stray E- is one
+    ("B-PER L-PER U-LOC B-LOC I-LOC L-LOC", [("PER", 0, 1), ("LOC", 2, 2), ("LOC", 3, 5)]),  # BILOU
+    ("B-PER I-PER O B-LOC", [("PER", 0, 1), ("LOC", 3, 3)]),  # BIO as before
+])
+def test_bioes_and_bilou_entities(tags, found):
+    """A BIOES / BILOU file's entities: "B-PER E-PER" is one name, not two (as an E- opening an entity read it)."""
+    assert entities(tags.split()) == found
 
 
 def test_reported_f1_counts_the_entities_the_server_answers():

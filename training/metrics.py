@@ -2,9 +2,9 @@
 
 Entity extraction follows conlleval (and seqeval's default mode): an entity starts at a B- tag,
 or at an I- tag whose type differs from the entity before it (IOB1 and ill-formed BIO); it ends
-at O, at a B- tag, or where the type changes. Scores count exact (type, start, end) matches. Tags
-are read as tmod-serve reads them (`split_tag`; an E- tag starts an entity there), so the score
-describes the spans that are served.
+at O, at a B- tag, or where the type changes; BIOES / BILOU tags are read too (an E- / L- tag ends
+the entity, an S- / U- tag is one of its own). Scores count exact (type, start, end) matches. Tags
+are read as tmod-serve reads them (`split_tag`), so the score describes the spans that are served.
 """
 from __future__ import annotations
 
@@ -190,16 +190,19 @@ def choose_none_threshold(gold: Sequence[str], probs: np.ndarray, labels: Sequen
 def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
     """(type, first, last) word indices of each entity in one sentence's tags (last inclusive): the
     spans tmod-serve answers for those tags (server/heads/decode.py). A word continues the open
-    entity only as an I- of its type; any other tag but O starts one (B-, and E- as the server reads it)."""
+    entity only as an I- or E- of its type after a B- or I- (E- and S- close an entity); any other
+    tag but O starts one."""
     found = []
     current = None  # [type, first]
+    left_open = False
     for i, tag in enumerate(tags):
         prefix, kind = split_tag(tag)
-        if current is not None and (prefix != "I" or kind != current[0]):
+        if current is not None and not (left_open and prefix in ("I", "E") and kind == current[0]):
             found.append((current[0], current[1], i - 1))
             current = None
         if prefix != "O" and current is None:
             current = [kind, i]
+        left_open = prefix in ("B", "I")
     if current is not None:
         found.append((current[0], current[1], len(tags) - 1))
     return found

@@ -7,7 +7,7 @@ per-token arrays (`Tokens`: row, segment, word, offsets) and take a softmax only
 (each word's first piece for the default aggregation); Python
 runs per answer and per entity, never per token. Token tags are decoded under the BIO rules
 (`constrained_labels`, the rules of a label set made once and kept): an answer never holds an `I-X`
-that does not follow `B-X` or `I-X`.
+(or a BIOES `E-X`) that does not follow `B-X` or `I-X`.
 
 Probabilities are float32 as torch computed them before (issue 37), to within a few units in the
 last place (a vectorised exp differs between libraries and between AVX2 and AVX-512):
@@ -180,14 +180,20 @@ def embeddings(logits: np.ndarray) -> list[dict[str, Any]]:
 
 
 # ---- token classification ---------------------------------------------------------------------------
+# tag prefixes of the schemes read: BIO (IOB2, and IOB1, whose I- may open an entity), BIOES / IOBES
+# and BILOU (L- ends an entity as E- does, U- is a one-word entity as S- is)
+PREFIXES = {"B": "B", "I": "I", "E": "E", "L": "E", "S": "S", "U": "S"}
+
+
 def split_tag(tag: str) -> tuple[str, str]:
-    """BIO tag -> (prefix, type): 'B-PER' -> ('B', 'PER'), 'O' -> ('O', ''), 'PER' -> ('I', 'PER').
-    The one reading of a tag: the served entities and the entity F1 that tmod-train reports for them
-    (training/metrics.py) both use it."""
+    """Tag -> (prefix, type): 'B-PER' -> ('B', 'PER'), 'E-PER' and 'L-PER' -> ('E', 'PER'), 'S-PER'
+    and 'U-PER' -> ('S', 'PER'), 'O' -> ('O', ''), 'PER' -> ('I', 'PER'). The one reading of a tag:
+    the served entities and the entity F1 that tmod-train reports for them (training/metrics.py) both
+    use it. An entity goes on through I- and E- tags of its type after a B- or I-; E- and S- close it."""
     if tag == "O":
         return "O", ""
-    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIE":
-        return tag[0], tag[2:]
+    if len(tag) > 2 and tag[1] == "-" and tag[0] in PREFIXES:
+        return PREFIXES[tag[0]], tag[2:]
     return "I", tag
 
 
@@ -324,9 +330,9 @@ def _breaks_rules(best: np.ndarray, starts: np.ndarray, allowed: np.ndarray) -> 
 
 def bio_constraints(labels: Sequence[str]) -> np.ndarray | None:
     """Which tag may follow which, (C + 1, C) booleans: [i, j] may tag j follow tag i; the last row:
-    may tag j open a sequence. An `I-X` may only follow `B-X` or `I-X`, where the labels have a `B-X`
-    (a label set without B- tags, or other prefixes, is not constrained). None: nothing is. Made once
-    per label set and kept (read-only)."""
+    may tag j open a sequence. An `I-X`, and an `E-X` (`L-X`) that ends an entity, may only follow
+    `B-X` or `I-X`, where the labels have a `B-X` (a label set without B- tags, or other prefixes, is
+    not constrained). None: nothing is. Made once per label set and kept (read-only)."""
     return _constraints(tuple(labels))
 
 
@@ -334,8 +340,8 @@ def bio_constraints(labels: Sequence[str]) -> np.ndarray | None:
 def _constraints(labels: tuple[str, ...]) -> np.ndarray | None:
     allowed = np.ones((len(labels) + 1, len(labels)), dtype=bool)
     for j, tag in enumerate(labels):
-        if tag.startswith("I-") and "B-" + tag[2:] in labels:
-            allowed[:, j] = [label in (tag, "B-" + tag[2:]) for label in labels] + [False]
+        if tag[:2] in ("I-", "E-", "L-") and "B-" + tag[2:] in labels:
+            allowed[:, j] = [label in ("B-" + tag[2:], "I-" + tag[2:]) for label in labels] + [False]
     if allowed.all():
         return None
     allowed.flags.writeable = False
@@ -404,15 +410,15 @@ def viterbi(log_probs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray) -> 
     return out
 
 
-OUTSIDE, INSIDE = 0, 1  # tag prefix codes (B and E are 2 and 3: they only ever start an entity)
+OUTSIDE, INSIDE, BEGIN, LAST, SINGLE = range(5)  # tag prefix codes: O, I, B, E (L), S (U) (`split_tag`)
 
 
 @lru_cache(maxsize=256)
 def _tag_codes(labels: tuple[str, ...]) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
-    """Per label: its (prefix, type), its prefix code (OIBE) and its type's index (read-only)."""
+    """Per label: its (prefix, type), its prefix code (OIBES) and its type's index (read-only)."""
     tags = [split_tag(tag) for tag in labels]
     kinds = sorted({kind for _, kind in tags})
-    prefix = np.array(["OIBE".index(p) for p, _ in tags])
+    prefix = np.array(["OIBES".index(p) for p, _ in tags])
     kind = np.array([kinds.index(k) for _, k in tags])
     prefix.flags.writeable = kind.flags.writeable = False
     return tags, prefix, kind
@@ -456,11 +462,12 @@ def _entities(labels: list[str], logits: np.ndarray, tokens: Tokens, rows: int, 
         return out
     kind = kind_of[words.label]
 
-    # A word continues the open entity when it is an I- of the same type in the same row and segment
-    # and the word before it was in an entity (any word but an O- leaves one open).
-    continues = prefix == INSIDE
+    # A word continues the open entity when it is an I- or E- of the same type in the same row and
+    # segment and the word before it left one open (a B- or an I-; E- and S- close theirs).
+    continues = (prefix == INSIDE) | (prefix == LAST)
     continues[:1] = False
-    continues[1:] &= ~words.opens[1:] & inside[:-1] & (kind[1:] == kind[:-1])
+    left_open = (prefix == INSIDE) | (prefix == BEGIN)
+    continues[1:] &= ~words.opens[1:] & left_open[:-1] & (kind[1:] == kind[:-1])
     starts = inside & ~continues
     closes = np.empty(len(continues), dtype=bool)  # the next word does not continue this one
     closes[-1:] = True
