@@ -110,6 +110,47 @@ def test_a_json_list_of_labels_needs_multi_label(tmp_path, capsys):
                          "texts have any number of labels")
 
 
+def hf_rows(path, rows) -> str:
+    """A Hugging Face token-classification dataset as `Dataset.to_json` writes it."""
+    return write(path, "".join(json.dumps({"id": str(i), "tokens": words, "ner_tags": tags}) + "\n"
+                               for i, (words, tags) in enumerate(rows)))
+
+
+def test_jsonl_word_lists_are_a_token_task_like_a_conll_file(tmp_path):
+    """`tokens` + `ner_tags` (numbers named by --label-map, or names) read as the same CoNLL file reads."""
+    conll = write(tmp_path / "t.conll", "Angela B-PER\nMerkel I-PER\nvisited O\nParis B-LOC\n\nOK O\n")
+    numbered = hf_rows(tmp_path / "t.jsonl", [(["Angela", "Merkel", "visited", "Paris"], [1, 2, 0, 5]), (["OK"], [0])])
+    named = write(tmp_path / "n.jsonl", json.dumps({"words": ["Angela", "Merkel", "visited", "Paris"],
+                                                    "tags": ["B-PER", "I-PER", "O", "B-LOC"]}) + "\n")
+    want = read_conll(conll)
+    got = file_spec(numbered, label_map={"0": "O", "1": "B-PER", "2": "I-PER", "5": "B-LOC"}).read()
+    assert got.task_type == TaskType.token_classification
+    assert [(ex.words, ex.tags) for ex in got.examples] == [(ex.words, ex.tags) for ex in want.examples]
+    assert got.texts() == want.texts() and got.examples[0].spans == want.examples[0].spans
+    first = file_spec(named, text_column="words", label_column="tags").read().examples[0]
+    assert (first.words, first.tags) == (want.examples[0].words, want.examples[0].tags)
+
+
+@pytest.mark.parametrize("rows, extra, expected", [
+    ([(["Paris", "is"], [5, 0])], (), ":1: the tags are numbers ([5, 0]): name them with --label-map 0=O,1=B-PER,..."),
+    ([(["Paris", "is"], ["B-LOC"])], (), ":1: 2 words need a list of 2 tags, got [\"B-LOC\"]"),
+    ([(["Paris", " "], ["B-LOC", "O"])], (), ':1: word 1 is " ": a word is a non-empty string without surrounding spaces'),
+    ([(["Paris"], ["B-LOC"]), (["ok"], ["O"])], ("--document-windows", "128"),
+     "--document-windows: only token tasks read from a CoNLL file"),
+])
+def test_jsonl_word_list_mistakes_are_one_line(tmp_path, capsys, rows, extra, expected):
+    train = hf_rows(tmp_path / "t.jsonl", rows)
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", train, *extra))
+    assert expected in line
+
+
+def test_jsonl_mixing_texts_and_word_lists_is_one_line(tmp_path, capsys):
+    train = write(tmp_path / "m.jsonl", json.dumps({"tokens": ["Paris"], "ner_tags": ["B-LOC"]}) + "\n"
+                  + json.dumps({"text": "a text", "label": "x"}) + "\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.5"))
+    assert line.endswith(f"{train}:2: a text where the first record had a list of words")
+
+
 def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):
     _, train, _ = tables
     validation = write(tmp_path / "v.tsv", "text\tlabel\nhow many ?\tNUM\n")

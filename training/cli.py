@@ -35,14 +35,15 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
                    help="file format (default: from the extension; .txt means CoNLL)")
     g.add_argument("--text-column", default=default,
                    help="text column: name or 0-based index (default: the header's 'text' column, else 0; "
-                        "key 'text' in JSONL)")
+                        "key 'text' in JSONL, else 'tokens': a list of words, a token task)")
     g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
     g.add_argument("--label-column", default=default,
                    help="label column: name or index (default: the header's 'label' column, else 1; key 'label' "
-                        "in JSONL, 'labels' with --multi-label)")
+                        "in JSONL, 'labels' with --multi-label, 'ner_tags' or 'tags' beside 'tokens')")
     g.add_argument("--header", action=argparse.BooleanOptionalAction, default=default,
                    help="the table's first line names its columns (default: yes)")
-    g.add_argument("--label-map", default=default, help="rename raw labels: '0=negative,1=positive'")
+    g.add_argument("--label-map", default=default,
+                   help="rename raw labels: '0=negative,1=positive' (tags given as numbers: '0=O,1=B-PER,...')")
 
 
 def add_train_command(commands, kind: str, help_text: str) -> None:

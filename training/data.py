@@ -160,7 +160,9 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
     0-based indices (None in a table: the header's `text` / `label` column, else columns 0 / 1);
     `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a label cell holds any
-    number of labels, comma-separated (a JSON list in JSONL)."""
+    number of labels, comma-separated (a JSON list in JSONL). A JSONL record whose text is a list of
+    words is a token example, its label the list of their tags (a Hugging Face dataset's rows as
+    `to_json` writes them: `tokens` and `ner_tags`, the keys taken when `text` and `label` are absent)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
     examples = []
@@ -172,13 +174,22 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UsageError(f"{path}:{line_no}: not a JSON record ({exc.msg})") from None
+            where = f"{path}:{line_no}"
             try:
-                text, label = record[text_column], record[label_column]
+                text_key, label_key = _json_keys(record, text_column, label_column, multi_label)
+                text, label = record[text_key], record[label_key]
                 pair = record[pair_column] if pair_column is not None else None
             except (KeyError, TypeError) as exc:
-                raise UsageError(f"{path}:{line_no}: no key {exc} in {sorted(record) if isinstance(record, dict) else record}; "
+                raise UsageError(f"{where}: no key {exc} in {sorted(record) if isinstance(record, dict) else record}; "
                                  f"name it with --text-column / --label-column / --pair-column") from None
-            examples.append(_example(text, label, pair, label_map, multi_label, f"{path}:{line_no}"))
+            words = isinstance(text, list)
+            if examples and words != isinstance(examples[0], TokenExample):
+                raise UsageError(f"{where}: {'a list of words' if words else 'a text'} where the first record had "
+                                 f"{'a text' if words else 'a list of words'}")
+            if words:
+                examples.append(_token_example(text, label, label_map, where))
+            else:
+                examples.append(_example(text, label, pair, label_map, multi_label, where))
     elif fmt in ("tsv", "csv"):
         list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
@@ -197,8 +208,46 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
     if not examples:
         raise UsageError(f"{path}: no examples")
+    if isinstance(examples[0], TokenExample):
+        if multi_label or pair_column is not None:
+            raise UsageError(f"{path}: word tags are one per word: no --multi-label or --pair-column")
+        return LabelledData(TaskType.token_classification, examples, str(path))
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _json_keys(record: dict, text_column: Column | None, label_column: Column | None, multi_label: bool
+               ) -> tuple[Column, Column]:
+    """A JSONL record's text and label keys: as named, else `text` (or `tokens`) and `label` (`labels`
+    with --multi-label; or `ner_tags`, then `tags`, beside `tokens`)."""
+    text = text_column if text_column is not None else "tokens" if "text" not in record and "tokens" in record \
+        else "text"
+    if label_column is not None:
+        return text, label_column
+    label = "labels" if multi_label else "label"
+    if label not in record and text == "tokens":
+        label = next((key for key in ("ner_tags", "tags") if key in record), label)
+    return text, label
+
+
+def _token_example(words: list, tags, label_map: dict[str, str] | None, where: str) -> TokenExample:
+    """One JSONL record's words and their tags (names, or numbers named by `label_map`)."""
+    if not isinstance(tags, list) or len(tags) != len(words):
+        raise UsageError(f"{where}: {len(words)} words need a list of {len(words)} tags, got {json.dumps(tags)[:80]}")
+    if not words:
+        raise UsageError(f"{where}: no words")
+    for i, word in enumerate(words):
+        if not isinstance(word, str) or not word.strip() or word != word.strip():
+            raise UsageError(f"{where}: word {i} is {json.dumps(word)[:40]}: a word is a non-empty string without "
+                             "surrounding spaces")
+    if not label_map and not all(isinstance(tag, str) for tag in tags):
+        raise UsageError(f"{where}: the tags are numbers ({json.dumps(tags)[:60]}): name them with --label-map "
+                         "0=O,1=B-PER,... (a Hugging Face dataset's names, in order: "
+                         "ds.features['ner_tags'].feature.names)")
+    names = [_label_name(str(tag).strip(), label_map, where) for tag in tags]
+    if not all(names):
+        raise UsageError(f"{where}: empty tag")
+    return TokenExample(words=list(words), tags=names)
 
 
 def _example(text, label, pair, label_map, multi_label: bool = False, where: str = "") -> SequenceExample:
@@ -388,8 +437,8 @@ class DataSpec:
 
     path: Path
     format: str
-    text_column: Column | None = None  # None: the table's column named text, else 0 (read_table)
-    label_column: Column | None = None  # None: the column named label, else 1
+    text_column: Column | None = None  # None: the table's column named text, else 0 (JSONL: key text or tokens)
+    label_column: Column | None = None  # None: the column named label, else 1 (JSONL: label, labels, ner_tags, tags)
     pair_column: Column | None = None
     header: bool = True
     label_map: dict[str, str] | None = None
@@ -410,9 +459,6 @@ def file_spec(path: str | Path, fmt: str | None = None, text_column: Column | No
     """A user's file, read as the options say (tmod-train's training and eval files alike)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
-    if fmt == "jsonl":  # JSON records name their fields; a table's default columns come from its header
-        text_column = "text" if text_column is None else text_column
-        label_column = ("labels" if multi_label else "label") if label_column is None else label_column
     return DataSpec(path, fmt, text_column, label_column, pair_column, header, label_map, multi_label)
 
 

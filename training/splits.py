@@ -107,10 +107,13 @@ def check_options(s: TrainSettings, train: LabelledData, labels: list[str], pres
     if s.none_below is not None and task_type != TaskType.sequence_classification:
         raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
                          "(multi-label tasks have per-label thresholds)")
+    conll_tokens = task_type == TaskType.token_classification and train.examples[0].file_offset is not None
     if s.distill_from:
-        if task_type != TaskType.token_classification or train.examples[0].file_offset is None:
+        if not conll_tokens:
             raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
         teacher_folder(s.distill_from)
+    if s.document_windows and not conll_tokens:
+        raise UsageError("--document-windows: only token tasks read from a CoNLL file (its documents are read in windows)")
     if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
         raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
     return metric
