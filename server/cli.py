@@ -6,7 +6,6 @@ defaults cannot drift apart. Flags override environment variables, which overrid
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import shutil
 import signal
@@ -86,17 +85,16 @@ def tasks_problem(settings: Settings) -> str | None:
     if not wanted:
         return f"--tasks / TMOD_TASKS names no task (got {settings.tasks!r}); leave it unset to serve the whole store"
     from modules_store.store import ModuleStore  # here, not at the top: --help stays fast
+    from server.errors import did_you_mean
 
     held = ModuleStore(settings.store).tasks()
     missing = [task for task in wanted if task not in held]
     if not missing:
         return None
     task = missing[0]
-    close = difflib.get_close_matches(task.split("/")[0], held, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
     version = " (the version is chosen per backbone; pin one with POST /admin/modules/{task}/load)" if "/" in task else ""
-    return (f"--tasks / TMOD_TASKS: no task {task!r} in the store {settings.store}{version}; "
-            f"{hint}its tasks: {', '.join(held) or 'none'}")
+    return (f"--tasks / TMOD_TASKS: no task {task!r} in the store {settings.store}{version}"
+            f"{did_you_mean([task.split('/')[0]], held)}; its tasks: {', '.join(held) or 'none'}")
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -72,7 +72,7 @@ def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, 
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(expected), done.stderr
     if "sentimnt" in expected:  # the likely name, and what the store holds
-        assert "did you mean 'sentiment'? its tasks: " in done.stderr and "ner, " in done.stderr
+        assert "(did you mean 'sentiment' for 'sentimnt'?); its tasks: " in done.stderr and "ner, " in done.stderr
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
