@@ -141,7 +141,8 @@ def as_texts(inputs) -> list[str]:
     if isinstance(inputs, str):
         return [inputs]
     if any(not isinstance(item, str) for item in inputs):
-        raise ApiError(400, "invalid_request", "token arrays are not accepted: send the text itself", param="input")
+        raise ApiError(400, "invalid_request", "token arrays are not accepted: send the text itself (LangChain's "
+                       "OpenAIEmbeddings sends tiktoken ids: give it check_embedding_ctx_length=False)", param="input")
     return list(inputs)
 
 

@@ -236,6 +236,9 @@ def test_openai_errors_in_openai_shape(served):
         client.embeddings.create(model="sentiment", input="A fine film.")
     raw = httpx.post(served + "/v1/embeddings", json={"model": "embedding", "input": 5})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as refused:  # tiktoken ids, as LangChain's OpenAIEmbeddings sends
+        client.embeddings.create(model="embedding", input=[[32, 7060, 4632, 13]])
+    assert "check_embedding_ctx_length=False" in refused.value.message and refused.value.body["param"] == "input"
     for bad in ["", "   ", "a\x00b"]:  # as /v1/infer answers them
         assert httpx.post(served + "/v1/embeddings", json={"model": "embedding", "input": bad}).status_code == 422
 
