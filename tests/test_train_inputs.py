@@ -151,6 +151,16 @@ def test_jsonl_mixing_texts_and_word_lists_is_one_line(tmp_path, capsys):
     assert line.endswith(f"{train}:2: a text where the first record had a list of words")
 
 
+def test_labels_that_are_numbers_are_pointed_at_label_map(tmp_path, capsys):
+    """A Hugging Face export's class ids ("label": 1) would be served as "1": said before training."""
+    rows = [{"sentence": text, "label": i % 2} for i, text in enumerate(["good", "bad", "fine", "awful"])]
+    train = write(tmp_path / "sst.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(AssertionError, match="a backbone was loaded"):  # the notice comes before the backbone
+        main(train_args(tmp_path, "--train", train, "--validation", train, "--text-column", "sentence"))
+    assert "the labels are numbers (0, 1): the server will answer them as they are; --label-map 0=...,1=... names them" \
+        in capsys.readouterr().err
+
+
 def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):
     _, train, _ = tables
     validation = write(tmp_path / "v.tsv", "text\tlabel\nhow many ?\tNUM\n")
