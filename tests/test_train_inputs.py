@@ -14,7 +14,7 @@ import pytest
 from modules_store import TaskType
 from server.backbone import Backbone
 from training.cli import main
-from training.data import LabelledData, SequenceExample, UsageError, file_spec, read_conll
+from training.data import LabelledData, SequenceExample, UsageError, file_spec, read_conll, word_spans
 from training.splits import carve
 
 
@@ -148,7 +148,75 @@ def test_jsonl_mixing_texts_and_word_lists_is_one_line(tmp_path, capsys):
     train = write(tmp_path / "m.jsonl", json.dumps({"tokens": ["Paris"], "ner_tags": ["B-LOC"]}) + "\n"
                   + json.dumps({"text": "a text", "label": "x"}) + "\n")
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.5"))
-    assert line.endswith(f"{train}:2: a text where the first record had a list of words")
+    assert line.endswith(f"{train}:2: a labelled text where the first record had tagged words")
+
+
+def test_entity_spans_of_annotation_tools_read_as_tagged_words(tmp_path):
+    """doccano's [start, end, label] lists (and its start_offset / end_offset records), spaCy's and
+    Prodigy's spans: a text's entities as characters become its words' BIO tags, the words split as
+    the server's tokenizer splits them; a text without entities is all O."""
+    text = "Angela Merkel visited Munich's U.S. office (New York)."
+    at = {name: (text.index(name), text.index(name) + len(name)) for name in ("Angela Merkel", "Munich", "U.S.", "New York")}
+    rows = [
+        {"text": text, "label": [[*at["Angela Merkel"], "PER"], [*at["New York"], "LOC"], [*at["U.S."], "LOC"]]},
+        {"id": 7, "text": text, "entities": [{"id": 1, "start_offset": at["U.S."][0], "end_offset": at["U.S."][1] + 1,
+                                              "label": "LOC"}]},  # a trailing space inside the span: trimmed
+        {"text": "Nothing here.", "spans": []},
+    ]
+    path = write(tmp_path / "doccano.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    data = file_spec(path).read()
+    assert data.task_type == TaskType.token_classification
+    first, second, third = data.examples
+    assert first.words == ["Angela", "Merkel", "visited", "Munich", "'", "s", "U", ".", "S", ".", "office", "(", "New",
+                           "York", ")", "."]
+    assert first.tags == ["B-PER", "I-PER", "O", "O", "O", "O", "B-LOC", "I-LOC", "I-LOC", "I-LOC", "O", "O", "B-LOC",
+                          "I-LOC", "O", "O"]
+    assert second.tags[6:10] == ["B-LOC", "I-LOC", "I-LOC", "I-LOC"] and second.tags.count("O") == len(second.tags) - 4
+    assert (third.words, third.tags) == (["Nothing", "here", "."], ["O", "O", "O"])
+
+
+def test_word_splitting_is_the_tokenizers(minilm_tokenizer_texts):
+    """The words spans are tagged on start where MiniLM's tokenizer starts its words, on SST-2 and RTE
+    texts and awkward ones (CJK, symbols, accents)."""
+    tokenizer, texts = minilm_tokenizer_texts
+    for text in texts:
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        starts = {}
+        for word, (start, _) in zip(encoding.word_ids, encoding.offsets):
+            starts.setdefault(word, start)
+        assert [start for start, _ in word_spans(text)] == list(starts.values()), text
+
+
+@pytest.fixture
+def minilm_tokenizer_texts():
+    import csv
+
+    from transformers import AutoTokenizer
+
+    from server.backbone.sources import default_backbone_path
+    from training.data import default_data_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_backbone_path(), local_files_only=True)._tokenizer
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    with open(default_data_dir() / "sst2" / "validation.tsv", encoding="utf-8", newline="") as f:
+        texts = [row[0] for row in list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]]
+    with open(default_data_dir() / "rte" / "dev.tsv", encoding="utf-8") as f:
+        texts += [line.split("\t")[1] for line in f.read().splitlines()[1:]]
+    return tokenizer, texts + ["東京は日本の首都です。 北京 서울", "naïve café — 🙂 ok_go ~x $5 @home #tag ½ ©2020 x²",
+                               "e\u0301te\u0301 à la carte", "tab\tsep  double  spaces"]
+
+
+@pytest.mark.parametrize("spans, expected", [
+    ([[7, 11, "PER"]], "entity [7, 11, \"PER\"] ('Merk') starts or ends inside the word 'Merkel'"),
+    ([[0, 13, "PER"], [7, 21, "X"]], "overlaps another"),
+    ([[0, 99, "PER"]], "is not a span of the text (28 characters)"),
+])
+def test_entity_span_mistakes_are_one_line(tmp_path, capsys, spans, expected):
+    row = {"text": "Angela Merkel visited Paris.", "label": spans}
+    train = write(tmp_path / "d.jsonl", json.dumps(row) + "\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", train))
+    assert f"{train}:1: " in line and expected in line
 
 
 def test_labels_that_are_numbers_are_pointed_at_label_map(tmp_path, capsys):

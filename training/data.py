@@ -12,6 +12,8 @@ import csv
 import json
 import os
 import random
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -182,14 +184,17 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             except (KeyError, TypeError) as exc:
                 raise UsageError(f"{where}: no key {exc} in {sorted(record) if isinstance(record, dict) else record}; "
                                  f"name it with --text-column / --label-column / --pair-column") from None
-            words = isinstance(text, list)
-            if examples and words != isinstance(examples[0], TokenExample):
-                raise UsageError(f"{where}: {'a list of words' if words else 'a text'} where the first record had "
-                                 f"{'a text' if words else 'a list of words'}")
-            if words:
-                examples.append(_token_example(text, label, label_map, where))
+            if isinstance(text, list):
+                example = _token_example(text, label, label_map, where)
+            elif isinstance(label, list) and not multi_label and all(map(_is_span, label)):
+                example = _span_example(text, label, label_map, where)
             else:
-                examples.append(_example(text, label, pair, label_map, multi_label, where))
+                example = _example(text, label, pair, label_map, multi_label, where)
+            if examples and isinstance(example, TokenExample) != isinstance(examples[0], TokenExample):
+                kinds = ("tagged words", "a labelled text")
+                raise UsageError(f"{where}: {kinds[isinstance(examples[0], TokenExample)]} where the first record "
+                                 f"had {kinds[not isinstance(examples[0], TokenExample)]}")
+            examples.append(example)
     elif fmt in ("tsv", "csv"):
         list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
@@ -225,9 +230,85 @@ def _json_keys(record: dict, text_column: Column | None, label_column: Column | 
     if label_column is not None:
         return text, label_column
     label = "labels" if multi_label else "label"
-    if label not in record and text == "tokens":
-        label = next((key for key in ("ner_tags", "tags") if key in record), label)
+    if label not in record:  # a token dataset's tags, or an annotation tool's entity spans
+        others = ("ner_tags", "tags") if text == "tokens" else ("entities", "spans")
+        label = next((key for key in others if key in record), label)
     return text, label
+
+
+def _is_span(item) -> bool:
+    """An entity span as annotation tools write them: doccano's [start, end, label], or a record
+    with start / end (doccano's start_offset / end_offset, spaCy's and Prodigy's start / end) and label."""
+    if isinstance(item, list):
+        return len(item) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in item[:2]) \
+            and isinstance(item[2], str)
+    return isinstance(item, dict) and "label" in item and (("start" in item and "end" in item)
+                                                           or ("start_offset" in item and "end_offset" in item))
+
+
+def _span_bounds(item) -> tuple:
+    if isinstance(item, list):
+        return tuple(item)
+    return (item.get("start", item.get("start_offset")), item.get("end", item.get("end_offset")), item["label"])
+
+
+# CJK ideographs, each a word of its own to BERT's pre-tokenizer (its `handle_chinese_chars`)
+_CJK = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2A6DF), (0x2A700, 0x2CEAF),
+        (0x2F800, 0x2FA1F))
+
+
+def _own_word(char: str) -> bool:
+    """A character BERT's pre-tokenizer makes a word of its own: punctuation (ASCII's symbols too) or CJK."""
+    code = ord(char)
+    return (33 <= code <= 47 or 58 <= code <= 64 or 91 <= code <= 96 or 123 <= code <= 126
+            or unicodedata.category(char).startswith("P") or any(a <= code <= b for a, b in _CJK))
+
+
+def word_spans(text: str) -> list[tuple[int, int]]:
+    """The words of a text as BERT's pre-tokenizer splits them (at white space; every punctuation
+    character and CJK ideograph a word of its own), so that tags given to them line up with the words
+    the server tags."""
+    spans = []
+    for chunk in re.finditer(r"\S+", text):
+        start = chunk.start()
+        for i in range(chunk.start(), chunk.end()):
+            if _own_word(text[i]):
+                if start < i:
+                    spans.append((start, i))
+                spans.append((i, i + 1))
+                start = i + 1
+        if start < chunk.end():
+            spans.append((start, chunk.end()))
+    return spans
+
+
+def _span_example(text, spans: list, label_map: dict[str, str] | None, where: str) -> TokenExample:
+    """A text and its entities as character spans (an annotation tool's export) -> its words tagged
+    BIO. A span is trimmed of surrounding white space and must start and end at word boundaries."""
+    if not isinstance(text, str) or not text.strip():
+        raise UsageError(f"{where}: empty text")
+    words = word_spans(text)
+    starts, ends = [a for a, _ in words], [b for _, b in words]
+    tags = ["O"] * len(words)
+    for item in sorted(spans, key=lambda item: _span_bounds(item)[0]):
+        start, end, label = _span_bounds(item)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(text)):
+            raise UsageError(f"{where}: entity {json.dumps(item)[:80]} is not a span of the text "
+                             f"({len(text)} characters)")
+        piece = text[start:end]
+        start, end = start + len(piece) - len(piece.lstrip()), end - len(piece) + len(piece.rstrip())
+        first, last = bisect.bisect_left(starts, start), bisect.bisect_left(ends, end)
+        if first >= len(words) or last >= len(words) or starts[first] != start or ends[last] != end:
+            word = next((text[a:b] for a, b in words if a < end and b > start and (a < start or b > end)), text[start:end])
+            raise UsageError(f"{where}: entity {json.dumps(item)[:80]} ({text[start:end]!r}) starts or ends inside "
+                             f"the word {word!r}; the words are split at white space and punctuation")
+        if any(tag != "O" for tag in tags[first:last + 1]):
+            raise UsageError(f"{where}: entity {json.dumps(item)[:80]} overlaps another; BIO tags hold one entity a word")
+        kind = _label_name(str(label).strip(), label_map, where)
+        if not kind:
+            raise UsageError(f"{where}: entity {json.dumps(item)[:80]} has an empty label")
+        tags[first:last + 1] = [f"B-{kind}"] + [f"I-{kind}"] * (last - first)
+    return TokenExample(words=[text[a:b] for a, b in words], tags=tags)
 
 
 def _token_example(words: list, tags, label_map: dict[str, str] | None, where: str) -> TokenExample:
