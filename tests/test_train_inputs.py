@@ -219,6 +219,18 @@ def test_entity_span_mistakes_are_one_line(tmp_path, capsys, spans, expected):
     assert f"{train}:1: " in line and expected in line
 
 
+def test_a_json_file_holding_a_list_of_records_reads_as_its_lines_would(tmp_path, capsys):
+    """pandas' to_json(orient="records"), indented or not: the same examples as the JSONL file."""
+    rows = [{"text": "a fine day", "label": "yes"}, {"text": "a dull day", "label": "no"}]
+    lines = file_spec(write(tmp_path / "r.jsonl", "".join(json.dumps(row) + "\n" for row in rows))).read()
+    for indent in (None, 2):
+        listed = file_spec(write(tmp_path / f"r{indent}.json", json.dumps(rows, indent=indent))).read()
+        assert listed.examples == lines.examples
+    broken = write(tmp_path / "b.json", '[{"text": "a", "label": "x"},\n {"text": "b" "label": "y"}]')
+    line = one_line_error(capsys, train_args(tmp_path, "--train", broken, "--split", "0.5"))
+    assert line.endswith(f"{broken}:2: not JSON (Expecting ',' delimiter)")
+
+
 def test_labels_that_are_numbers_are_pointed_at_label_map(tmp_path, capsys):
     """A Hugging Face export's class ids ("label": 1) would be served as "1": said before training."""
     rows = [{"sentence": text, "label": i % 2} for i, text in enumerate(["good", "bad", "fine", "awful"])]

@@ -169,14 +169,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     fmt = fmt or guess_format(path)
     examples = []
     if fmt == "jsonl":
-        for line_no, line in _lines(path):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{path}:{line_no}: not a JSON record ({exc.msg})") from None
-            where = f"{path}:{line_no}"
+        for where, record in _json_records(path):
             try:
                 text_key, label_key = _json_keys(record, text_column, label_column, multi_label)
                 text, label = record[text_key], record[label_key]
@@ -219,6 +212,27 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         return LabelledData(TaskType.token_classification, examples, str(path))
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _json_records(path: Path):
+    """(where, record) of a JSONL file's lines; or of a JSON file holding one list of records (what
+    pandas' `to_json(orient="records")` and `Dataset.to_json(lines=False)` write), by its index."""
+    lines = list(_lines(path))  # a missing or undecodable file: one clear line
+    if next((line.lstrip()[:1] for _, line in lines if line.strip()), "") == "[":
+        try:
+            records = json.loads("".join(line for _, line in lines))
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+        yield from ((f"{path}: record {i}", record) for i, record in enumerate(records))
+        return
+    for line_no, line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{line_no}: not a JSON record ({exc.msg})") from None
+        yield f"{path}:{line_no}", record
 
 
 def _json_keys(record: dict, text_column: Column | None, label_column: Column | None, multi_label: bool
