@@ -275,6 +275,9 @@ def test_format_not_guessable(tmp_path, capsys, tables):
     odd = write(tmp_path / "dev.annotated", "Paris B-LOC\n")
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", odd))
     assert "give --format" in line
+    shard = write(tmp_path / "train-00000.parquet", "PAR1")  # a Hugging Face dataset's file
+    line = one_line_error(capsys, train_args(tmp_path, "--train", shard, "--validation", train))
+    assert "parquet is not read; write it as JSONL first, e.g. datasets.load_dataset('parquet', " in line
 
 
 @pytest.mark.parametrize("extra, expected", [

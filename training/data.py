@@ -470,6 +470,9 @@ def guess_format(path: Path) -> str:
         return "jsonl"
     if suffix in ("txt", "conll", "bio", "iob"):
         return "conll"
+    if suffix in ("parquet", "arrow"):  # a Hugging Face dataset's files
+        raise UsageError(f"{path}: {suffix} is not read; write it as JSONL first, e.g. "
+                         f"datasets.load_dataset('{suffix}', data_files='{path.name}')['train'].to_json('train.jsonl')")
     raise UsageError(f"{path}: cannot tell the format from the extension; give --format ({'/'.join(FORMATS)})")
 
 
