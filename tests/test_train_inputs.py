@@ -162,11 +162,13 @@ def test_entity_spans_of_annotation_tools_read_as_tagged_words(tmp_path):
         {"id": 7, "text": text, "entities": [{"id": 1, "start_offset": at["U.S."][0], "end_offset": at["U.S."][1] + 1,
                                               "label": "LOC"}]},  # a trailing space inside the span: trimmed
         {"text": "Nothing here.", "spans": []},
+        {"text": text, "label": [{"start": 0, "end": 13, "text": "Angela Merkel", "labels": ["PER"]}]},  # Label Studio
     ]
     path = write(tmp_path / "doccano.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     data = file_spec(path).read()
     assert data.task_type == TaskType.token_classification
-    first, second, third = data.examples
+    first, second, third, fourth = data.examples
+    assert fourth.tags[:3] == ["B-PER", "I-PER", "O"] and set(fourth.tags[2:]) == {"O"}
     assert first.words == ["Angela", "Merkel", "visited", "Munich", "'", "s", "U", ".", "S", ".", "office", "(", "New",
                            "York", ")", "."]
     assert first.tags == ["B-PER", "I-PER", "O", "O", "O", "O", "B-LOC", "I-LOC", "I-LOC", "I-LOC", "O", "O", "B-LOC",

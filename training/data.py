@@ -252,18 +252,21 @@ def _json_keys(record: dict, text_column: Column | None, label_column: Column | 
 
 def _is_span(item) -> bool:
     """An entity span as annotation tools write them: doccano's [start, end, label], or a record
-    with start / end (doccano's start_offset / end_offset, spaCy's and Prodigy's start / end) and label."""
+    with start / end (doccano's start_offset / end_offset; spaCy's, Prodigy's and Label Studio's start /
+    end) and a label (Label Studio's JSON-MIN: a list of one label, `labels`)."""
     if isinstance(item, list):
         return len(item) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in item[:2]) \
             and isinstance(item[2], str)
-    return isinstance(item, dict) and "label" in item and (("start" in item and "end" in item)
-                                                           or ("start_offset" in item and "end_offset" in item))
+    return isinstance(item, dict) and ("label" in item or (isinstance(item.get("labels"), list)
+                                                           and len(item["labels"]) == 1)) \
+        and (("start" in item and "end" in item) or ("start_offset" in item and "end_offset" in item))
 
 
 def _span_bounds(item) -> tuple:
     if isinstance(item, list):
         return tuple(item)
-    return (item.get("start", item.get("start_offset")), item.get("end", item.get("end_offset")), item["label"])
+    label = item["label"] if "label" in item else item["labels"][0]
+    return item.get("start", item.get("start_offset")), item.get("end", item.get("end_offset")), label
 
 
 # CJK ideographs, each a word of its own to BERT's pre-tokenizer (its `handle_chinese_chars`)
