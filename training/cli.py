@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    add_train_command(commands, "layermix", "train a layer-mix head (DESIGN.md section 1)")
+    add_train_command(commands, "layermix", "train a layer-mix head: a learned mix of the backbone's layers read by a "
+                      "small classifier or tagger (start here; docs/training.md)")
     add_train_command(commands, "mtb", "train a Modular Transformer Block head (copies of the last blocks)")
     add_train_command(commands, "lora-mtb", "train a LoRA-MTB head (frozen block copies + low-rank updates)")
 
