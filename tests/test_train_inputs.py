@@ -221,6 +221,18 @@ def test_entity_span_mistakes_are_one_line(tmp_path, capsys, spans, expected):
     assert f"{train}:1: " in line and expected in line
 
 
+def test_a_conll_file_named_tsv_is_not_trained_as_one_word_sentences(tmp_path, capsys):
+    """BioBERT's NER sets ship as train.tsv in CoNLL's layout: read as a table, each word would be a
+    text and its tag a class."""
+    train = write(tmp_path / "train.tsv", ("Famil\tO\nadenomatous\tB-Disease\npolyposis\tI-Disease\ncoli\tI-Disease\n\n"
+                                           "In\tO\nthe\tO\ngene\tO\n.\tO\n\n") * 3)
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.3"))
+    assert "one word a row with BIO tags ('B-Disease', 'I-Disease', 'O', ...): a CoNLL file" in line
+    assert line.endswith("give --format conll to train a token task")
+    with pytest.raises(AssertionError, match="a backbone was loaded"):  # as CoNLL, its checks pass
+        main(train_args(tmp_path, "--train", train, "--split", "0.5", "--format", "conll"))
+
+
 def test_a_json_file_holding_a_list_of_records_reads_as_its_lines_would(tmp_path, capsys):
     """pandas' to_json(orient="records"), indented or not: the same examples as the JSONL file."""
     rows = [{"text": "a fine day", "label": "yes"}, {"text": "a dull day", "label": "no"}]
@@ -327,6 +339,11 @@ def test_eval_mistakes(tmp_path, capsys, tables):
     assert "no such file" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", str(tmp_path / "x.tsv")])
     assert "no task 'nope'" in one_line_error(capsys, ["eval", "--task", "nope", "--file", validation])
     assert "not among sentiment's labels" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", validation])
+    # a token task scored on a table (a CoNLL file named .tsv): it was a traceback from the scorer
+    conll_like = write(tmp_path / "dev.tsv", "EU\tB-ORG\nrejects\tO\n\nPeter\tB-PER\nBlackburn\tI-PER\n")
+    line = one_line_error(capsys, ["eval", "--task", "ner", "--file", conll_like])
+    assert line.endswith("holds sequence_classification data and ner is a token_classification task "
+                         "(a CoNLL file under another name? give --format conll)")
 
 
 def test_the_console_script_answers_in_one_line(tmp_path, tables):

@@ -387,6 +387,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          args.header is not False, parse_label_map(args.label_map),
                          multi_label=manifest.task_type == TaskType.multi_label_classification)
     data = spec.read().subset(args.max_examples, seed=0)
+    token_task = manifest.task_type == TaskType.token_classification
+    if (data.task_type == TaskType.token_classification) != token_task:
+        hint = " (a CoNLL file under another name? give --format conll)" if token_task else ""
+        raise UsageError(f"{spec.path}: holds {data.task_type.value} data and {args.task} is a "
+                         f"{manifest.task_type.value} task{hint}")
     head_labels = manifest.labels
     unknown = sorted(set(data.labels_seen()) - set(head_labels))
     if unknown:

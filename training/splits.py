@@ -139,6 +139,12 @@ def check_label_column(train: LabelledData, spec: DataSpec) -> None:
     if train.task_type != TaskType.sequence_classification:
         return
     seen = Counter(ex.label for ex in train.examples)
+    tags = sum(n for label, n in seen.items() if label == "O" or label[:2] in ("B-", "I-", "E-", "S-", "L-", "U-"))
+    one_word = sum(1 for ex in train.examples if not any(char.isspace() for char in ex.text))
+    if "O" in seen and tags >= 0.9 * len(train) and one_word >= 0.9 * len(train):  # BioBERT's NER sets: train.tsv
+        examples = ", ".join(repr(label) for label in list(seen)[:3])
+        raise UsageError(f"{train.source}: one word a row with BIO tags ({examples}, ...): a CoNLL file (one word a "
+                         "line, a blank line between sentences); give --format conll to train a token task")
     if len(seen) < 2:
         raise UsageError(f"{train.source}: every row is labelled {next(iter(seen))!r}: a classifier learns to tell "
                          "two or more labels apart (is --label-column the right column?)")
