@@ -233,6 +233,14 @@ def test_a_conll_file_named_tsv_is_not_trained_as_one_word_sentences(tmp_path, c
         main(train_args(tmp_path, "--train", train, "--split", "0.5", "--format", "conll"))
 
 
+def test_a_table_named_txt_is_not_trained_as_one_long_sentence(tmp_path, capsys):
+    """.txt means CoNLL: a text<TAB>label table would be read as words tagged with their line's label."""
+    table = write(tmp_path / "reviews.txt", "a fine film\tpos\nnot good at all\tneg\n" * 4)
+    line = one_line_error(capsys, train_args(tmp_path, "--train", table, "--validation", table))
+    assert line.endswith("most lines hold a text with spaces before a tab ('a fine film'): a table (text, tab, label), "
+                         "not a CoNLL file (one word a line); give --format tsv")
+
+
 def test_a_json_file_holding_a_list_of_records_reads_as_its_lines_would(tmp_path, capsys):
     """pandas' to_json(orient="records"), indented or not: the same examples as the JSONL file."""
     rows = [{"text": "a fine day", "label": "yes"}, {"text": "a dull day", "label": "no"}]

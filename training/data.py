@@ -406,6 +406,11 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
     end_sentence()
     if not examples:
         raise UsageError(f"{path}: no sentences")
+    lines = sum(len(ex.words) for ex in examples)
+    spaced = [cell for _, line in _lines(path) if " " in (cell := line.split("\t")[0].strip()) and "\t" in line]
+    if len(spaced) > lines / 2:  # "good film<TAB>pos" lines: a table read as words and tags
+        raise UsageError(f"{path}: most lines hold a text with spaces before a tab ({spaced[0][:40]!r}): a table "
+                         "(text, tab, label), not a CoNLL file (one word a line); give --format tsv")
     return LabelledData(TaskType.token_classification, examples, str(path))
 
 
