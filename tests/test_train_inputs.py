@@ -233,6 +233,14 @@ def test_a_conll_file_named_tsv_is_not_trained_as_one_word_sentences(tmp_path, c
         main(train_args(tmp_path, "--train", train, "--split", "0.5", "--format", "conll"))
 
 
+def test_a_score_column_is_refused_as_a_score_not_as_text(tmp_path, capsys):
+    """STS-B's similarities: many different numbers are a regression target, which no head is."""
+    rows = "".join(f"sentence number {i}\t{i * 0.173:.3f}\n" for i in range(30))
+    train = write(tmp_path / "sts.tsv", "text\tlabel\n" + rows)
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2"))
+    assert "30 different numbers in 30 rows ('0.000', '0.173', '0.346', ...): a score to predict" in line
+
+
 def test_a_table_named_txt_is_not_trained_as_one_long_sentence(tmp_path, capsys):
     """.txt means CoNLL: a text<TAB>label table would be read as words tagged with their line's label."""
     table = write(tmp_path / "reviews.txt", "a fine film\tpos\nnot good at all\tneg\n" * 4)

@@ -132,6 +132,14 @@ def teacher_folder(spec: str) -> tuple[Path, str, str]:
                      f"(e.g. ner/mpnet-2) or a STORE/TASK/VERSION folder")
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_label_column(train: LabelledData, spec: DataSpec) -> None:
     """A label column holding text (a wrong --label-column, or a default column that is not the
     labels) makes nearly every row its own class, and one holding a single label leaves nothing to
@@ -150,6 +158,10 @@ def check_label_column(train: LabelledData, spec: DataSpec) -> None:
                          "two or more labels apart (is --label-column the right column?)")
     if len(seen) > 20 and len(seen) > len(train) / 2:  # under two rows a label: nothing to learn
         examples = ", ".join(repr(label[:40]) for label in list(seen)[:3])
+        if all(_is_number(label) for label in seen):  # STS-B's similarities, a price
+            raise UsageError(f"{train.source}: {len(seen)} different numbers in {len(train)} rows ({examples}, ...): a "
+                             "score to predict, which tmod's heads do not (they choose among labels); bin it into "
+                             "a few labels first (e.g. low,mid,high)")
         column = ("the default: the header's 'label', else column 1" if spec.label_column is None
                   else repr(spec.label_column))
         raise UsageError(f"{train.source}: {len(seen)} different labels in {len(train)} rows ({examples}, ...): "
