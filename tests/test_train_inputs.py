@@ -233,6 +233,25 @@ def test_a_conll_file_named_tsv_is_not_trained_as_one_word_sentences(tmp_path, c
         main(train_args(tmp_path, "--train", train, "--split", "0.5", "--format", "conll"))
 
 
+def test_multi_label_from_one_0_1_column_per_label(tmp_path, capsys):
+    """Jigsaw's layout: the labels of a row are the names of its columns holding 1."""
+    table = write(tmp_path / "toxic.csv", "id,comment_text,toxic,obscene,insult\n1,you fool,1,0,1\n2,nice work,0,0,0\n"
+                                          "3,\"what, a mess\",1,1,0\n")
+    data = file_spec(table, text_column="comment_text", label_column="toxic,obscene,insult", multi_label=True).read()
+    assert data.task_type == TaskType.multi_label_classification
+    assert [(ex.text, ex.label) for ex in data.examples] == [("you fool", ("toxic", "insult")), ("nice work", ()),
+                                                            ("what, a mess", ("toxic", "obscene"))]
+    rows = [{"text": "you fool", "toxic": True, "insult": 1}, {"text": "ok", "toxic": False, "insult": 0}]
+    lines = write(tmp_path / "toxic.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    assert [ex.label for ex in file_spec(lines, label_column="toxic,insult", multi_label=True).read().examples] == [
+        ("toxic", "insult"), ()]
+    bad = write(tmp_path / "bad.csv", "text,toxic,insult\nyou fool,1,maybe\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", bad, "--split", "0.5", "--multi-label",
+                                             "--label-column", "toxic,insult"))
+    assert line.endswith(f"{bad}:2: column 'insult' holds 'maybe'; each of several --label-column columns says "
+                         "whether its label is present: 0 or 1")
+
+
 def test_a_score_column_is_refused_as_a_score_not_as_text(tmp_path, capsys):
     """STS-B's similarities: many different numbers are a regression target, which no head is."""
     rows = "".join(f"sentence number {i}\t{i * 0.173:.3f}\n" for i in range(30))

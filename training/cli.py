@@ -40,7 +40,8 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
     g.add_argument("--label-column", default=default,
                    help="label column: name or index (default: the header's 'label' column, else 1; key 'label' "
                         "in JSONL, 'labels' with --multi-label, 'ner_tags' or 'tags' beside 'tokens', "
-                        "'entities' or 'spans' for entity spans)")
+                        "'entities' or 'spans' for entity spans; with --multi-label, several 0/1 columns, one a "
+                        "label: 'toxic,obscene,insult')")
     g.add_argument("--header", action=argparse.BooleanOptionalAction, default=default,
                    help="the table's first line names its columns (default: yes)")
     g.add_argument("--label-map", default=default,

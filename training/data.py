@@ -168,11 +168,15 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     path = Path(path)
     fmt = fmt or guess_format(path)
     examples = []
+    # --multi-label with --label-column a,b,c: one 0/1 column per label (Jigsaw's toxic, obscene, ...)
+    flags = [c.strip() for c in label_column.split(",")] if multi_label and isinstance(label_column, str) \
+        and "," in label_column else None
     if fmt == "jsonl":
         for where, record in _json_records(path):
             try:
-                text_key, label_key = _json_keys(record, text_column, label_column, multi_label)
-                text, label = record[text_key], record[label_key]
+                text_key, label_key = _json_keys(record, text_column, flags[0] if flags else label_column, multi_label)
+                text = record[text_key]
+                label = [c for c in flags if _present(record[c], c, where)] if flags else record[label_key]
                 pair = record[pair_column] if pair_column is not None else None
             except (KeyError, TypeError) as exc:
                 raise UsageError(f"{where}: no key {exc} in {sorted(record) if isinstance(record, dict) else record}; "
@@ -193,15 +197,18 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         rows = _rows(path, fmt)
         names = rows.pop(0)[1] if header and rows else None
         text_i = _column_index(_by_default(text_column, "text", 0, names), names, path)
-        label_i = _column_index(_by_default(label_column, "label", 1, names), names, path)
+        label_is = [_column_index(c, names, path) for c in flags] if flags else \
+            [_column_index(_by_default(label_column, "label", 1, names), names, path)]
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
-        needed = max(i for i in (text_i, label_i, pair_i) if i is not None)
+        needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
         for line_no, row in rows:
+            where = f"{path}:{line_no}"
             if len(row) <= needed:
                 hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
-                raise UsageError(f"{path}:{line_no}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
-            examples.append(_example(row[text_i], row[label_i], row[pair_i] if pair_i is not None else None, label_map,
-                                     multi_label, f"{path}:{line_no}"))
+                raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
+            label = [c for c, i in zip(flags, label_is) if _present(row[i], c, where)] if flags else row[label_is[0]]
+            examples.append(_example(row[text_i], label, row[pair_i] if pair_i is not None else None, label_map,
+                                     multi_label, where))
     else:
         raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
     if not examples:
@@ -212,6 +219,17 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         return LabelledData(TaskType.token_classification, examples, str(path))
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _present(value, column: str, where: str) -> bool:
+    """A 0/1 label column's cell: is its label present?"""
+    text = str(value).strip().lower()
+    if text in ("1", "1.0", "true", "yes"):
+        return True
+    if text in ("0", "0.0", "false", "no", ""):
+        return False
+    raise UsageError(f"{where}: column {column!r} holds {str(value)[:40]!r}; each of several --label-column columns "
+                     "says whether its label is present: 0 or 1")
 
 
 def _json_records(path: Path):
