@@ -233,6 +233,15 @@ def test_a_conll_file_named_tsv_is_not_trained_as_one_word_sentences(tmp_path, c
         main(train_args(tmp_path, "--train", train, "--split", "0.5", "--format", "conll"))
 
 
+def test_a_csv_file_separated_by_semicolons_reads_as_with_commas(tmp_path):
+    """What a spreadsheet in a comma-decimal locale (German, French) saves as CSV."""
+    commas = write(tmp_path / "c.csv", 'text,label\n"a fine day, really",yes\na dull day,no\n')
+    semicolons = write(tmp_path / "s.csv", 'text;label\n"a fine day; really";yes\na fine day, really;yes\na dull day;no\n')
+    assert [(ex.text, ex.label) for ex in file_spec(semicolons).read().examples] == [
+        ("a fine day; really", "yes"), ("a fine day, really", "yes"), ("a dull day", "no")]
+    assert [ex.text for ex in file_spec(commas).read().examples] == ["a fine day, really", "a dull day"]
+
+
 def test_multi_label_from_one_0_1_column_per_label(tmp_path, capsys):
     """Jigsaw's layout: the labels of a row are the names of its columns holding 1."""
     table = write(tmp_path / "toxic.csv", "id,comment_text,toxic,obscene,insult\n1,you fool,1,0,1\n2,nice work,0,0,0\n"

@@ -137,7 +137,10 @@ def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
     """(line number, cells) of each non-blank row."""
     with open(path, encoding=ENCODING, newline="") as fh:
         if fmt == "csv":
-            reader = csv.reader(fh)
+            first = fh.readline()
+            fh.seek(0)
+            # a spreadsheet set to a comma-decimal locale writes "text;label": its first line says so
+            reader = csv.reader(fh, delimiter=";" if ";" in first and "," not in first else ",")
             return [(reader.line_num, row) for row in reader if row]
         # TSV has no quoting (texts contain '"'): split on tabs only
         return [(n, line.rstrip("\r\n").split("\t")) for n, line in enumerate(fh, 1) if line.strip()]
