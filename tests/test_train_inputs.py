@@ -328,6 +328,19 @@ def test_file_not_utf8(tmp_path, capsys, tables):
     assert "not UTF-8" in line and "iconv" in line
 
 
+def test_excel_unicode_text_utf16_reads_as_utf8_would(tmp_path):
+    """Excel's "Unicode text" export: a TSV in UTF-16 with its byte-order mark and Windows line ends."""
+    content = "text\tlabel\r\nZürich café naïve\tyes\r\n東京\tno\r\n"
+    utf8, utf16 = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    utf8.write_bytes(content.encode("utf-8"))
+    utf16.write_bytes(content.encode("utf-16"))  # little-endian, with the mark
+    assert utf16.read_bytes()[:2] == b"\xff\xfe"
+    assert file_spec(utf16).read().examples == file_spec(utf8).read().examples
+    conll = tmp_path / "c.conll"
+    conll.write_bytes("Zürich B-LOC\r\nis O\r\n".encode("utf-16"))
+    assert read_conll(conll).examples[0].words == ["Zürich", "is"]
+
+
 def test_format_not_guessable(tmp_path, capsys, tables):
     _, train, _ = tables
     odd = write(tmp_path / "dev.annotated", "Paris B-LOC\n")

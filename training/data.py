@@ -32,6 +32,13 @@ FORMATS = ("tsv", "csv", "jsonl", "conll")
 ENCODING = "utf-8-sig"  # UTF-8, with or without the byte-order mark spreadsheets write first
 
 
+def encoding_of(path: Path) -> str:
+    """UTF-8 (ENCODING), or UTF-16 where the file starts with its byte-order mark (Excel's "Unicode
+    text", a TSV)."""
+    with open(path, "rb") as fh:
+        return "utf-16" if fh.read(2) in (b"\xff\xfe", b"\xfe\xff") else ENCODING
+
+
 class UsageError(ValueError):
     """A mistake in the user's data or options (a missing file, an unknown column, an empty label...):
     `tmod-train` answers it with one line naming the file and line, and exit status 2."""
@@ -135,7 +142,7 @@ def _by_default(column: Column | None, name: str, index: int, header: list[str] 
 
 def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
     """(line number, cells) of each non-blank row."""
-    with open(path, encoding=ENCODING, newline="") as fh:
+    with open(path, encoding=encoding_of(path), newline="") as fh:
         if fmt == "csv":
             first = fh.readline()
             fh.seek(0)
@@ -151,11 +158,11 @@ def _lines(path: Path):
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
     try:
-        with open(path, encoding=ENCODING) as fh:
+        with open(path, encoding=encoding_of(path)) as fh:
             yield from enumerate(fh, 1)
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); convert it first, "
-                         f"e.g. iconv -f latin1 -t utf-8") from None
+        raise UsageError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}) nor UTF-16 with "
+                         f"its byte-order mark; convert it first, e.g. iconv -f latin1 -t utf-8") from None
 
 
 def read_table(path: str | Path, *, text_column: Column | None, label_column: Column | None,
@@ -440,7 +447,7 @@ def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int
     documents: list[list[TokenExample]] = []
     words, tags = [], []
     seen = 0  # words of the file before the current sentence (TokenExample.file_offset)
-    with open(path, encoding=ENCODING) as fh:
+    with open(path, encoding=encoding_of(path)) as fh:
         for line in [*fh, ""]:
             parts = line.split()
             if parts and parts[0] == "-DOCSTART-":
