@@ -1,5 +1,8 @@
-"""Labelled data for training and scoring heads: table and CoNLL readers, dataset presets, and
-the mapping of word-level tags onto sub-word tokens and back.
+"""Labelled data for training and scoring heads: table (TSV, CSV, JSON/JSONL) and CoNLL readers,
+dataset presets, and the mapping of word-level tags onto sub-word tokens and back. Token tasks come
+from CoNLL files, from JSONL word lists with their tags (a Hugging Face dataset's rows), or from texts
+with their entities as character spans (annotation tools' exports), split into words as BERT's
+pre-tokenizer splits them (`word_spans`).
 
 Token tasks build their text by joining the words with single spaces and keep each word's
 character span, so training tokenizes exactly as the server does (`Backbone.tokenize` on a plain
@@ -172,9 +175,11 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
     0-based indices (None in a table: the header's `text` / `label` column, else columns 0 / 1);
     `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a label cell holds any
-    number of labels, comma-separated (a JSON list in JSONL). A JSONL record whose text is a list of
-    words is a token example, its label the list of their tags (a Hugging Face dataset's rows as
-    `to_json` writes them: `tokens` and `ner_tags`, the keys taken when `text` and `label` are absent)."""
+    number of labels, comma-separated (a JSON list in JSONL), or `label_column` names one 0/1 column per
+    label ("toxic,obscene"). A JSONL record whose text is a list of words is a token example, its label
+    the list of their tags (a Hugging Face dataset's rows as `to_json` writes them: `tokens` and
+    `ner_tags`, the keys taken when `text` and `label` are absent); one whose label is a list of
+    character spans (`label`, `entities` or `spans`) is a token example too (`_span_example`)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
     examples = []
