@@ -132,7 +132,8 @@ def test_jsonl_word_lists_are_a_token_task_like_a_conll_file(tmp_path):
 
 
 @pytest.mark.parametrize("rows, extra, expected", [
-    ([(["Paris", "is"], [5, 0])], (), ":1: the tags are numbers ([5, 0]): name them with --label-map 0=O,1=B-PER,..."),
+    ([(["Paris", "is"], [5, 0]), (["Bob"], [1])], (), ": the tags are class ids (0, 1, 5): name them with --labels "
+     "O,B-PER,I-PER,... in their order"),
     ([(["Paris", "is"], ["B-LOC"])], (), ":1: 2 words need a list of 2 tags, got [\"B-LOC\"]"),
     ([(["Paris", " "], ["B-LOC", "O"])], (), ':1: word 1 is " ": a word is a non-empty string without surrounding spaces'),
     ([(["Paris"], ["B-LOC"]), (["ok"], ["O"])], ("--document-windows", "128"),
@@ -142,6 +143,27 @@ def test_jsonl_word_list_mistakes_are_one_line(tmp_path, capsys, rows, extra, ex
     train = hf_rows(tmp_path / "t.jsonl", rows)
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", train, *extra))
     assert expected in line
+
+
+def test_class_ids_are_named_by_their_place_in_labels(tmp_path, capsys):
+    """A Hugging Face export's ids with the dataset's names in --labels: tags and labels named by
+    position; labels that are themselves names (star ratings 1-5) are left as they are."""
+    from training.splits import resolve_data
+    from training.settings import TrainSettings
+
+    tags = hf_rows(tmp_path / "t.jsonl", [(["Angela", "Merkel", "in", "Paris"], [1, 2, 0, 5]), (["OK"], [0])] * 3)
+    names = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC"]
+    data = resolve_data(TrainSettings(train=tags, split=[0.34], labels=names))
+    assert data.labels == names
+    assert {tuple(ex.tags) for ex in data.train.examples + data.validation.examples} == {
+        ("B-PER", "I-PER", "O", "B-LOC"), ("O",)}
+    stars = write(tmp_path / "stars.tsv", "text\tlabel\n" + "".join(f"review {i}\t{1 + i % 5}\n" for i in range(20)))
+    data = resolve_data(TrainSettings(train=stars, split=[0.25], labels=["1", "2", "3", "4", "5"]))
+    assert {ex.label for ex in data.train.examples} == {"1", "2", "3", "4", "5"}
+    sentiment = write(tmp_path / "s.jsonl", "".join(json.dumps({"text": f"text {i}", "label": i % 2}) + "\n"
+                                                      for i in range(8)))
+    data = resolve_data(TrainSettings(train=sentiment, split=[0.25], labels=["negative", "positive"]))
+    assert {ex.label for ex in data.train.examples} == {"negative", "positive"}
 
 
 def test_jsonl_mixing_texts_and_word_lists_is_one_line(tmp_path, capsys):
@@ -295,8 +317,8 @@ def test_labels_that_are_numbers_are_pointed_at_label_map(tmp_path, capsys):
     train = write(tmp_path / "sst.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(AssertionError, match="a backbone was loaded"):  # the notice comes before the backbone
         main(train_args(tmp_path, "--train", train, "--validation", train, "--text-column", "sentence"))
-    assert "the labels are numbers (0, 1): the server will answer them as they are; --label-map 0=...,1=... names them" \
-        in capsys.readouterr().err
+    assert "the labels are numbers (0, 1): the server will answer them as they are; --labels NAME,NAME,... (in their " \
+        "order) or --label-map 0=...,1=... names them" in capsys.readouterr().err
 
 
 def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):

@@ -61,7 +61,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--split", default=S, metavar="VAL[,TEST]",
                    help="carve validation (and test) fractions out of --train, seeded and stratified by label: "
                         "'0.1,0.1' (for a single labelled file)")
-    g.add_argument("--labels", type=_csv_list, default=S, help="label order, comma-separated")
+    g.add_argument("--labels", type=_csv_list, default=S,
+                   help="label order, comma-separated; class ids in the files (0, 1, ...) are named by their place")
     g.add_argument("--multi-label", action="store_true", default=S,
                    help="independent labels, one sigmoid each (binary cross-entropy); a label cell holds "
                         "comma-separated labels; per-label or global decision threshold chosen on validation "
@@ -396,7 +397,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     head_labels = manifest.labels
     unknown = sorted(set(data.labels_seen()) - set(head_labels))
     if unknown:
-        raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}")
+        # (class ids are not named by the module's label order: it need not be the dataset's id order)
+        hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) else ""
+        raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
     device = str(pick_device(args.device))
     backbone = Backbone.load(args.backbone, device=device)
     if args.precision != "fp32":

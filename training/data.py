@@ -17,7 +17,7 @@ import os
 import random
 import re
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -118,6 +118,22 @@ class LabelledData:
             return self
         keep = sorted(random.Random(seed).sample(range(len(self.examples)), n))
         return LabelledData(self.task_type, [self.examples[i] for i in keep], self.source, self.has_pairs)
+
+    def named_by_position(self, names: Sequence[str]) -> "LabelledData":
+        """Labels written as class ids (0, 1, ..., as a Hugging Face dataset's ClassLabel writes them)
+        named by their place in `names`, where every label is such an id and none is a name itself
+        (star ratings 1-5 named 1-5 stay as they are); else the data as it is."""
+        seen = set(self.labels_seen())
+        if not seen or seen <= set(names) or not all(label.isdigit() and int(label) < len(names) for label in seen):
+            return self
+        name = {str(i): label for i, label in enumerate(names)}.__getitem__
+        if self.task_type == TaskType.token_classification:
+            examples = [replace(ex, tags=[name(tag) for tag in ex.tags]) for ex in self.examples]
+        elif self.task_type == TaskType.multi_label_classification:
+            examples = [replace(ex, label=tuple(name(label) for label in ex.label)) for ex in self.examples]
+        else:
+            examples = [replace(ex, label=name(ex.label)) for ex in self.examples]
+        return LabelledData(self.task_type, examples, self.source, self.has_pairs)
 
 
 # ---- readers ----------------------------------------------------------------------------------
@@ -371,11 +387,9 @@ def _token_example(words: list, tags, label_map: dict[str, str] | None, where: s
         if not isinstance(word, str) or not word.strip() or word != word.strip():
             raise UsageError(f"{where}: word {i} is {json.dumps(word)[:40]}: a word is a non-empty string without "
                              "surrounding spaces")
-    if not label_map and not all(isinstance(tag, str) for tag in tags):
-        raise UsageError(f"{where}: the tags are numbers ({json.dumps(tags)[:60]}): name them with --label-map "
-                         "0=O,1=B-PER,... (a Hugging Face dataset's names, in order: "
-                         "ds.features['ner_tags'].feature.names)")
-    names = [_label_name(str(tag).strip(), label_map, where) for tag in tags]
+    if not all(isinstance(tag, (str, int)) and not isinstance(tag, bool) for tag in tags):
+        raise UsageError(f"{where}: tags are names or class ids, got {json.dumps(tags)[:60]}")
+    names = [_label_name(str(tag).strip(), label_map, where) for tag in tags]  # ids: named by --labels later
     if not all(names):
         raise UsageError(f"{where}: empty tag")
     return TokenExample(words=list(words), tags=names)

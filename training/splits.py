@@ -59,7 +59,10 @@ def resolve_data(s: TrainSettings) -> Splits:
                                   s.label_map, s.multi_label) for split, path in named.items() if path}
         labels, metric = s.labels, None
     data = {split: spec.read() for split, spec in specs.items()}
+    if labels and not s.label_map:  # class ids (0, 1, ...) named by their place in --labels
+        data = {split: part.named_by_position(labels) for split, part in data.items()}
     train = data["train"]
+    check_tag_names(train)
     check_label_column(train, specs["train"])
     provenance = {
         "dataset": s.dataset,
@@ -130,6 +133,17 @@ def teacher_folder(spec: str) -> tuple[Path, str, str]:
         return DEFAULT_STORE, parts[0], parts[1]
     raise UsageError(f"--distill-from {spec!r}: no such module; give TASK/VERSION of the shipped store "
                      f"(e.g. ner/mpnet-2) or a STORE/TASK/VERSION folder")
+
+
+def check_tag_names(train: LabelledData) -> None:
+    """Word tags given as class ids (a Hugging Face token dataset's `ner_tags`) need their names: as
+    ids, no tag says where an entity begins."""
+    if train.task_type == TaskType.token_classification and all(tag.isdigit() for tag in train.labels_seen()):
+        seen = train.labels_seen()
+        raise UsageError(f"{train.source}: the tags are class ids ({', '.join(sorted(seen, key=int)[:6])}"
+                         f"{', ...' if len(seen) > 6 else ''}): name them with --labels O,B-PER,I-PER,... in their "
+                         "order (a Hugging Face dataset's ds.features['ner_tags'].feature.names), or --label-map "
+                         "0=O,1=B-PER,...")
 
 
 def _is_number(text: str) -> bool:

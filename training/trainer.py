@@ -344,7 +344,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if task_type != TaskType.token_classification and all(label.isdigit() for label in labels) and not s.label_map:
         example = ",".join(f"{label}=..." for label in labels[:3]) + (",..." if len(labels) > 3 else "")
         print(f"the labels are numbers ({', '.join(labels[:5])}{', ...' if len(labels) > 5 else ''}): the server will "
-              f"answer them as they are; --label-map {example} names them", file=sys.stderr)
+              f"answer them as they are; --labels NAME,NAME,... (in their order) or --label-map {example} names them",
+              file=sys.stderr)
     if s.threads:
         torch.set_num_threads(s.threads)
     device = pick_device(s.device)
