@@ -194,6 +194,24 @@ def test_select_last_trains_every_epoch_and_keeps_the_last(tmp_path, train_backb
     assert (tmp_path / "run" / "report" / "metrics.json").is_file()
 
 
+def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):
+    """Training cuts a text at the backbone's limit (the server would read it in windows): said on
+    stderr and recorded in the manifest, never silent."""
+    limit = train_backbone.text.max_tokens
+    rows = ["sentence\tlabel"] + [f"{'the cat sat ' * (limit if i % 3 == 0 else 2)}{i}\t{'a' if i % 2 else 'b'}"
+                                    for i in range(12)]
+    path = tmp_path / "long.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    settings = TrainSettings(train=str(path), validation=str(path), text_column="sentence", label_column="label",
+                             backbone=str(train_backbone_dir), task="long", run_dir=str(tmp_path / "run"), project_dim=16,
+                             epochs=1, progress=False)
+    result = train(settings, backbone=train_backbone)
+    assert result.training["data"]["training_examples_cut"] == result.training["data"]["validation_examples_cut"] == 4
+    err = capsys.readouterr().err
+    assert f"4 of 12 training examples are longer than the backbone reads at once ({limit} word pieces): learnt on " \
+        f"their first {limit}" in err and "4 of 12 validation examples" in err
+
+
 @pytest.mark.parametrize("budget,epochs_run", [(1e-6, 1), (600.0, 3)])
 def test_max_minutes_starts_no_epoch_past_the_budget(tmp_path, sentiment_files, train_backbone, train_backbone_dir,
                                                      budget, epochs_run):

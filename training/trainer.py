@@ -360,6 +360,14 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if s.document_windows:
         train_data = add_document_windows(train_data, provenance, backbone, s.document_windows)
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
+    for name, split in (("training", train_split), ("validation", val_split)):
+        cut = sum(row.truncated for row in split.encoded)
+        provenance[f"{name}_examples_cut"] = cut
+        if cut:  # said, not silent: the server reads such texts whole, in windows
+            print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
+                  f"({backbone.text.max_tokens} word pieces): {'learnt' if name == 'training' else 'scored'} on their "
+                  f"first {backbone.text.max_tokens}; the server reads long texts in windows (docs/windows.md)",
+                  file=sys.stderr)
     teacher, distillation = None, None
     if s.distill_from:
         words = teacher_words(s.distill_from, provenance["train_file"], s.distill_backbone, device=str(device),
