@@ -264,6 +264,15 @@ def test_a_csv_file_separated_by_semicolons_reads_as_with_commas(tmp_path):
     assert [ex.text for ex in file_spec(commas).read().examples] == ["a fine day, really", "a dull day"]
 
 
+def test_multi_label_cells_separated_by_bars_or_semicolons(tmp_path):
+    """MovieLens's genres ("Action|Comedy"): where no cell holds a comma, `|` (or `;`) separates labels."""
+    bars = write(tmp_path / "m.tsv", "text\tlabel\nToy Story\tAdventure|Animation|Comedy\nHeat\tAction\nNone\t\n")
+    assert [ex.label for ex in file_spec(bars, multi_label=True).read().examples] == [
+        ("Adventure", "Animation", "Comedy"), ("Action",), ()]
+    mixed = write(tmp_path / "c.tsv", "text\tlabel\na\tjoy,love\nb\tRock|Pop\n")  # a comma somewhere: commas
+    assert [ex.label for ex in file_spec(mixed, multi_label=True).read().examples] == [("joy", "love"), ("Rock|Pop",)]
+
+
 def test_multi_label_from_one_0_1_column_per_label(tmp_path, capsys):
     """Jigsaw's layout: the labels of a row are the names of its columns holding 1."""
     table = write(tmp_path / "toxic.csv", "id,comment_text,toxic,obscene,insult\n1,you fool,1,0,1\n2,nice work,0,0,0\n"

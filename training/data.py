@@ -232,6 +232,8 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             [_column_index(_by_default(label_column, "label", 1, names), names, path)]
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
         needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
+        separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
+            if multi_label and not flags else ","
         for line_no, row in rows:
             where = f"{path}:{line_no}"
             if len(row) <= needed:
@@ -239,7 +241,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
             label = [c for c, i in zip(flags, label_is) if _present(row[i], c, where)] if flags else row[label_is[0]]
             examples.append(_example(row[text_i], label, row[pair_i] if pair_i is not None else None, label_map,
-                                     multi_label, where))
+                                     multi_label, where, separator))
     else:
         raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
     if not examples:
@@ -395,11 +397,20 @@ def _token_example(words: list, tags, label_map: dict[str, str] | None, where: s
     return TokenExample(words=list(words), tags=names)
 
 
-def _example(text, label, pair, label_map, multi_label: bool = False, where: str = "") -> SequenceExample:
+def label_separator(cells: list[str]) -> str:
+    """What separates a multi-label cell's labels: a comma, or where no cell holds one, the `|` or `;`
+    that some do (MovieLens writes genres "Action|Comedy")."""
+    if any("," in cell for cell in cells):
+        return ","
+    return next((sep for sep in "|;" if any(sep in cell for cell in cells)), ",")
+
+
+def _example(text, label, pair, label_map, multi_label: bool = False, where: str = "", separator: str = ","
+             ) -> SequenceExample:
     if text is None or not str(text).strip():
         raise UsageError(f"{where}: empty text")
     if multi_label:  # an empty cell is an example with no label
-        raw = label if isinstance(label, list) else str(label).split(",")
+        raw = label if isinstance(label, list) else str(label).split(separator)
         label = tuple(_label_name(str(item).strip(), label_map, where) for item in raw if str(item).strip())
     else:
         if isinstance(label, list):  # str() of it would train on labels such as "['joy']"
