@@ -436,6 +436,7 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
     path = Path(path)
     examples, words, tags = [], [], []
     seen = 0  # words of the file before the current sentence
+    spaced = []  # the lines whose text before a tab holds a space: a table's rows, not a word and its tag
 
     def end_sentence():
         nonlocal seen
@@ -446,6 +447,8 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
         tags.clear()
 
     for line_no, line in _lines(path):
+        if "\t" in line and " " in (cell := line.split("\t")[0].strip()):
+            spaced.append(cell)
         parts = line.split()
         if not parts:
             end_sentence()
@@ -464,9 +467,7 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
     end_sentence()
     if not examples:
         raise UsageError(f"{path}: no sentences")
-    lines = sum(len(ex.words) for ex in examples)
-    spaced = [cell for _, line in _lines(path) if " " in (cell := line.split("\t")[0].strip()) and "\t" in line]
-    if len(spaced) > lines / 2:  # "good film<TAB>pos" lines: a table read as words and tags
+    if len(spaced) > seen / 2:  # "good film<TAB>pos" lines: a table read as words and tags (seen: all words)
         raise UsageError(f"{path}: most lines hold a text with spaces before a tab ({spaced[0][:40]!r}): a table "
                          "(text, tab, label), not a CoNLL file (one word a line); give --format tsv")
     return LabelledData(TaskType.token_classification, examples, str(path))
