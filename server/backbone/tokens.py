@@ -495,11 +495,11 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     real = segment >= 0
     if len(sources) == 1:
         a, z = np.where(real, start, 0), np.where(real, end, 0)
-        base, source_end = 0, len(sources[0])
+        base = 0
     else:
         bases = np.array([0, *itertools.accumulate(len(t) for t in sources)], dtype=np.int64)
         source = np.where(segment == 1, row + len(texts), row)
-        base, source_end = np.where(real, bases[source], 0), np.where(real, bases[source + 1], 0)
+        base = np.where(real, bases[source], 0)
         a, z = base + np.where(real, start, 0), base + np.where(real, end, 0)
     given_start = a  # where the tokenizer said each span starts, before trimming
     empty = z <= a
@@ -540,7 +540,8 @@ def token_spans(texts: list[str], pairs: list[str] | None, row: np.ndarray, segm
     casing[empty | ~real] = 0
     if trim and not joined.isascii():  # (str.isascii reads a flag: no pass over the text)
         ends_before_mark = ~empty & real & ((flags[z] & _MARK) != 0)
-        if ends_before_mark.any():
+        if ends_before_mark.any():  # (each span's text ends at the next text's base: made here, where it is read)
+            source_end = len(joined) if len(sources) == 1 else np.where(real, bases[source + 1], 0)
             end = np.where(ends_before_mark, claim_marks(flags, z, given_start, row, segment, real, source_end) - base,
                            end)
     return start, end, casing
