@@ -410,7 +410,7 @@ def viterbi(log_probs: np.ndarray, lengths: np.ndarray, allowed: np.ndarray) -> 
     return out
 
 
-OUTSIDE, INSIDE, BEGIN, LAST, SINGLE = range(5)  # tag prefix codes: O, I, B, E (L), S (U) (`split_tag`)
+OUTSIDE, INSIDE, BEGIN, LAST = range(4)  # tag prefix codes: O, I, B, E (L); S (U) is 4 (`split_tag`)
 
 
 @lru_cache(maxsize=256)
