@@ -126,6 +126,8 @@ class TmodApp(FastAPI):
                 raise ApiError(401, "unauthorized", "this server needs 'Authorization: Bearer <API key>'",
                                headers={"www-authenticate": "Bearer"})
             scope, receive = limit_body(scope, receive, self.body_limit, self.body_timeout_s)
+            if scope["method"] == "HEAD":  # as GET: HTTP servers must answer HEAD where they answer GET (RFC
+                scope = {**scope, "method": "GET"}  # 9110, 9.1); uvicorn's scope, still HEAD, sends no body
             handler = self.fast_routes.get(path)
             if handler is not None and not (path == "/" and scope["method"] == "GET"):  # TEI's root: GET is health
                 await self.answer(handler, (), scope, receive, reply)
@@ -142,7 +144,7 @@ class TmodApp(FastAPI):
                 status, headers, content = refusal(self, path, exc)
                 await reply.whole(status, content, headers)
         finally:
-            self.access.write(scope, reply.status or 500, time.perf_counter() - started)
+            self.access.write(served, reply.status or 500, time.perf_counter() - started)
             request_id.reset(token)
             # uvicorn's cycle holds the scope and tmod's protocol put the cycle in it (CYCLE): unlinked here,
             # the cycle, its scope, headers and event go by reference counting, not left to the garbage

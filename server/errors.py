@@ -201,4 +201,7 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
         return error_response(path, status, "invalid_request", "request body is not valid UTF-8 encoded JSON")
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     count_error(request.app, type_)
-    return error_response(path, exc.status_code, type_, str(exc.detail)[:200], headers=exc.headers)
+    headers = exc.headers
+    if headers and headers.get("Allow") == "GET":  # the raw layer answers HEAD as GET (server/app.py)
+        headers = {**headers, "Allow": "GET, HEAD"}
+    return error_response(path, exc.status_code, type_, str(exc.detail)[:200], headers=headers)

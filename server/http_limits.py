@@ -331,6 +331,8 @@ def answer_whole(cycle: RequestResponseCycle, status: int, lines: bytes, body: b
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     close = not cycle.keep_alive
+    if cycle.scope["method"] == "HEAD":  # the head a GET would get, no body (as uvicorn's send)
+        body = b""
     cycle.transport.write_whole(b"".join((STATUS_LINE[status], _default_lines[1], lines,
                                           b"connection: close\r\n\r\n" if close else b"\r\n", body)))
     cycle.response_complete = True

@@ -583,6 +583,28 @@ def test_content_length_with_chunked_is_refused_and_the_request_in_its_body_neve
     assert "Transfer-Encoding" in str(json.loads(answer))
 
 
+def test_head_is_answered_as_get_without_a_body_and_the_connection_stays_in_step(server, client):
+    """RFC 9110 9.1: HEAD where GET is answered (uptime monitors and some load balancers probe with
+    it; it was 405). A HEAD answer has a head only: the inference routes' refusal once wrote its body
+    after it, and a keep-alive client read those bytes as the start of its next answer."""
+    heads = [("/v1/infer", 405), ("/healthz", 200), ("/readyz", 200), ("/v2/health/ready", 200),
+             ("/v1/tasks", 200), ("/metrics", 200), ("/", 200), ("/nope", 404)]
+    sent = b"".join(f"HEAD {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode() for path, _ in heads)
+    sent += b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    address = urlsplit(server)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(sent)
+        received = read_until_closed(sock)
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert [int(a[:3]) for a in answers] == [status for _, status in heads] + [200], received[:2000]
+    for (path, _), answer in zip(heads, answers):
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        assert rest == b"" and b"content-length: " in head, (path, answer[:400])
+    assert answers[-1].endswith(b"\r\n\r\n" + client.get("/healthz").content)
+    assert b"allow: POST" in answers[0]
+    assert client.post("/healthz").headers["allow"] == "GET, HEAD"
+
+
 def test_a_repeated_tasks_parameter_asks_for_every_task_named(client):
     both = client.post("/v1/infer?tasks=sentiment&tasks=ner", json={"inputs": ["A fine film in Paris."]})
     assert both.status_code == 200 and set(both.json()["results"][0]) == {"sentiment", "ner"}
