@@ -5,10 +5,15 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from modules_store import DEFAULT_STORE
+
+
+class SettingError(ValueError):
+    """A setting that cannot work with what start-up found (the backbone's limits): tmod-serve says it
+    in one line and exits, without a traceback."""
 
 
 class Settings(BaseSettings):
@@ -55,12 +60,12 @@ class Settings(BaseSettings):
         None, ge=16, description="word pieces per window (special tokens and a text pair included): a longer text is "
         "read in overlapping windows and answered as one (docs/windows.md); truncate cuts a text at one window. "
         "Default: per request, the window measured best for its task types on this backbone where all of them "
-        "have one (token tasks: MiniLM 64, MPNet 256; server/windows.py MEASURED_WINDOWS), else the backbone's "
+        "have one (token tasks: MiniLM 128, MPNet 256; server/windows.py MEASURED_WINDOWS), else the backbone's "
         "trained length where its "
         "sentence-transformers config states one (MiniLM 256, MPNet 384), else its limit")
     window_stride: int | None = Field(
         None, ge=1, description="how far each window starts after the one before (neighbours share window - stride "
-        "word pieces; default: three quarters of the window)")
+        "word pieces), with --window-tokens: window/8 to window (default: three quarters of the window)")
     max_request_tokens: int = Field(
         131072, ge=1, description="most word pieces one request may have read, all its windows counted (413 above)")
     max_tokenize_chars: int = Field(
@@ -130,12 +135,19 @@ class Settings(BaseSettings):
         None, description="browser origins allowed to call the API (CORS): comma-separated scheme://host[:port], "
         "or * for any; preflights from them are answered (before the API key, which browsers send only after) and "
         "every answer to them names the origin (unset: no CORS headers, so pages on other origins cannot read answers)")
-    log_level: str = Field("info", description="log level (uvicorn's and tmod's JSON lines)")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="log level of uvicorn's and tmod's JSON lines: critical, error, warning, info or debug "
+        "(either case)")
     access_log_per_s: float = Field(
         100.0, ge=0, description="most access-log lines (one per request, at info) a process writes per second: "
         "beyond it lines are sampled and the next one written says how many were skipped; a written line costs ~16-24 "
         "us of CPU, a skipped one under 1 us: at the default ~1-2 us per request at 1,000-2,000 requests a second "
         "(docs/host-path-log.md). 0: none. Metrics count every request either way")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_lower_case(cls, value):  # INFO as Python's logging writes it: one name, either case
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _precision_fits_backend(self) -> "Settings":
@@ -153,6 +165,9 @@ class Settings(BaseSettings):
         problem = problem or (origins_problem(self.cors_origins) if self.cors_origins else None)
         if not problem and self.api_key and "," in self.api_key and not self.api_keys():
             problem = "--api-key / TMOD_API_KEY names no key (only commas): give the key(s), or leave it unset for none"
+        if not problem and self.window_stride and not self.window_tokens:
+            problem = ("--window-stride / TMOD_WINDOW_STRIDE needs --window-tokens (the window it steps through): "
+                       "without it each request's window is chosen by its tasks, and one stride does not fit them all")
         if not problem and self.window_tokens and self.window_stride and self.window_stride > self.window_tokens:
             problem = f"window_stride={self.window_stride} is over window_tokens={self.window_tokens}: windows would skip text"
         if problem:

@@ -23,7 +23,7 @@ import torch
 
 from modules_store import ArtifactError, ModuleStore
 from server.backbone import Backbone, EncodedInput
-from server.config import Settings
+from server.config import SettingError, Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine
 from server.errors import ApiError, clip
@@ -40,7 +40,7 @@ from server.runner import (  # noqa: F401  (length_runs: re-exported)
     length_runs,
 )
 from server.timings import Timings
-from server.windows import rule_for
+from server.windows import rule_for, server_window_problem
 
 log = logging.getLogger("tmod")
 
@@ -315,6 +315,10 @@ class Runtime:
                     self.settings.backend, self.settings.precision, self.settings.cache_dir, self.settings.threads)
                 log.info("backend %s %s ready in %.1fs (%s)", self.settings.backend, self.settings.precision,
                          time.perf_counter() - t0, self.backbone.backend.describe())
+            problem = server_window_problem(self.backbone.text, self.settings.max_tokens, self.settings.window_tokens,
+                                            self.settings.window_stride)
+            if problem:  # known only now: the backbone's limit
+                raise SettingError(f"{problem} ({self.backbone.name})")
             self.bridges = self.load_bridges()
             self.engine = Engine(self.backbone, bridges=self.bridges, int8=head_precision(self.settings) == "int8")
             self.runner = ModelRunner(self.engine, self.settings, self.metrics)
@@ -360,8 +364,12 @@ class Runtime:
                             "loaded through /admin", self.settings.store,
                             f" (refused: {sorted(self.load_errors)})" if self.load_errors else "")
         except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
-            self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.exception("start-up failed")
+            if isinstance(exc, SettingError):  # the operator's setting: its one line says it all
+                self.startup_error = str(exc)
+                log.error("start-up failed: %s", exc)
+            else:
+                self.startup_error = f"{type(exc).__name__}: {exc}"
+                log.exception("start-up failed")
             if is_device_failure(exc):  # a dead device does not come back in this process
                 self.fail(error_text(exc))
             else:  # nothing to serve: under tmod-serve the process stops and exits 1 (server/cli.py)

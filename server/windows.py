@@ -109,14 +109,34 @@ def settings_for(text: TextEncoder, max_tokens: int | None, window: int | None =
         window = min(server_window or task_window or trained_length(str(getattr(text.tokenizer, "name_or_path", "")))
                      or limit, limit)
         stride = stride if stride is not None else server_stride
-    if not MIN_WINDOW <= window <= limit:
-        raise ApiError(422, "invalid_request", f"window={window}: a window holds {MIN_WINDOW} to {limit} word pieces "
-                                               "on this backbone")
     stride = stride if stride is not None else default_stride(window)
-    if not max(1, window // 8) <= stride <= window:
-        raise ApiError(422, "invalid_request", f"stride={stride}: with window={window} the stride is "
-                                               f"{max(1, window // 8)} to {window} word pieces")
+    problem = window_problem(window, stride, limit)
+    if problem:
+        raise ApiError(422, "invalid_request", problem)
     return WindowSettings(window, stride, limit)
+
+
+def window_problem(window: int, stride: int, limit: int, names=("window", "stride")) -> str | None:
+    """Why a window and stride cannot read text on a backbone whose rows hold at most `limit` word
+    pieces (each named as `names` says: a request's fields, or the server's flags); None where they can."""
+    if not MIN_WINDOW <= window <= limit:
+        return f"{names[0]}={window}: a window holds {MIN_WINDOW} to {limit} word pieces on this backbone"
+    if not max(1, window // 8) <= stride <= window:
+        return f"{names[1]}={stride}: with {names[0]}={window} the stride is {max(1, window // 8)} to {window} word pieces"
+    return None
+
+
+def server_window_problem(text: TextEncoder, max_tokens: int | None, window_tokens: int | None,
+                          window_stride: int | None) -> str | None:
+    """A server's `window_tokens` / `window_stride` checked against its backbone at start-up: a window
+    over its limit was quietly cut to it, and a stride that did not fit a request's window made every
+    such request 422 for a setting the client never sent."""
+    if window_tokens is None:
+        return None
+    limit = min(text.max_tokens, max_tokens) if max_tokens else text.max_tokens
+    stride = window_stride if window_stride is not None else default_stride(window_tokens)
+    problem = window_problem(window_tokens, stride, limit, names=("--window-tokens", "--window-stride"))
+    return f"{problem} with --max-tokens {max_tokens}" if problem and limit < text.max_tokens else problem
 
 
 def whole_number(parameters: dict, name: str) -> int | None:

@@ -41,6 +41,10 @@ def test_help_runs():
     assert "TMOD_MAX_BATCH_TOKENS" in out.stdout and "--no-batching" in out.stdout
 
 
+def test_log_level_is_read_in_either_case():
+    assert Settings(log_level="DEBUG").log_level == "debug" and Settings(log_level="Warning").log_level == "warning"
+
+
 def test_named_backbones_pass_the_start_up_check():
     """The check of --backbone before anything loads knows the named backbones (a setting is a Path)."""
     from server.cli import backbone_problem
@@ -56,6 +60,9 @@ def test_named_backbones_pass_the_start_up_check():
                                      "than or equal to 1 (got -3)"),
     ([], {"TMOD_PORT": "abc"}, "tmod-serve: --port / TMOD_PORT: Input should be a valid integer"),
     (["--window-tokens", "64", "--window-stride", "100"], {}, "tmod-serve: window_stride=100 is over window_tokens=64"),
+    (["--window-stride", "200"], {}, "tmod-serve: --window-stride / TMOD_WINDOW_STRIDE needs --window-tokens "),
+    (["--log-level", "verbose"], {}, "tmod-serve: --log-level / TMOD_LOG_LEVEL: Input should be 'critical', 'error', "
+                                     "'warning', 'info' or 'debug' (got 'verbose')"),
     (["--store", "no-such-store"], {}, "tmod-serve: the module store no-such-store is not a directory "
                                        "(--store / TMOD_STORE)"),
     (["--tasks", "ner,sentimnt"], {}, "tmod-serve: --tasks / TMOD_TASKS: no task 'sentimnt' in the store "),

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -229,6 +232,33 @@ def test_limits(live):
     for extra in ({"window": 8}, {"window": 129}, {"window": 64, "stride": 7}, {"window": 64, "stride": 65}):
         bad = infer(live, ["fine"], **extra)
         assert bad.status_code == 422 and bad.json()["error"]["type"] == "invalid_request", extra
+
+
+def test_server_window_settings_are_checked_against_the_backbone(tiny_backbone):
+    """--window-tokens over the backbone's limit was cut to it without a word; a stride that did not
+    fit made every request 422 for a setting its client never sent. Both now stop start-up."""
+    from server.windows import server_window_problem
+
+    text = tiny_backbone.text
+    assert server_window_problem(text, None, None, None) is None
+    assert server_window_problem(text, None, text.max_tokens, None) is None
+    assert server_window_problem(text, None, 64, 8) is None and server_window_problem(text, None, 64, 64) is None
+    assert server_window_problem(text, None, text.max_tokens + 1, None) == (
+        f"--window-tokens={text.max_tokens + 1}: a window holds 16 to {text.max_tokens} word pieces on this backbone")
+    assert server_window_problem(text, 32, 64, None).endswith("16 to 32 word pieces on this backbone with --max-tokens 32")
+    assert server_window_problem(text, None, 64, 7) == "--window-stride=7: with --window-tokens=64 the stride is 8 to 64 word pieces"
+
+
+def test_tmod_serve_with_a_window_over_the_backbones_limit_exits_in_one_line(tiny_backbone_dir, tiny_backbone, tmp_path):
+    over = tiny_backbone.text.max_tokens + 100
+    done = subprocess.run([sys.executable, "-m", "server.cli", "--port", "0", "--backbone", str(tiny_backbone_dir),
+                           "--store", str(tmp_path), "--window-tokens", str(over)],
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    said = [line for line in done.stderr.splitlines() if line.startswith("tmod-serve:")]
+    assert said == [f"tmod-serve: cannot serve: --window-tokens={over}: a window holds 16 to "
+                    f"{tiny_backbone.text.max_tokens} word pieces on this backbone ({tiny_backbone.name})"], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 def test_a_request_over_its_token_budget_is_refused_before_it_is_tokenized_whole(tiny_backbone, monkeypatch):
