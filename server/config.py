@@ -54,8 +54,8 @@ class Settings(BaseSettings):
                                    "(default: $XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
     max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
-    max_tokens: int | None = Field(None, ge=8, description="most word pieces in one backbone row: the longest window "
-                                   "a request may ask for (default: the backbone's limit)")
+    max_tokens: int | None = Field(None, ge=16, description="most word pieces in one backbone row: the longest window "
+                                   "a request may ask for, 16 or more (the shortest window) (default: the backbone's limit)")
     window_tokens: int | None = Field(
         None, ge=16, description="word pieces per window (special tokens and a text pair included): a longer text is "
         "read in overlapping windows and answered as one (docs/windows.md); truncate cuts a text at one window. "

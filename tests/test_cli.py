@@ -60,6 +60,8 @@ def test_named_backbones_pass_the_start_up_check():
                                      "than or equal to 1 (got -3)"),
     ([], {"TMOD_PORT": "abc"}, "tmod-serve: --port / TMOD_PORT: Input should be a valid integer"),
     (["--window-tokens", "64", "--window-stride", "100"], {}, "tmod-serve: window_stride=100 is over window_tokens=64"),
+    (["--max-tokens", "8"], {}, "tmod-serve: --max-tokens / TMOD_MAX_TOKENS: Input should be greater than or equal "
+                                "to 16 (got 8)"),  # was served, every request 422: "a window holds 16 to 8 word pieces"
     (["--window-stride", "200"], {}, "tmod-serve: --window-stride / TMOD_WINDOW_STRIDE needs --window-tokens "),
     (["--log-level", "verbose"], {}, "tmod-serve: --log-level / TMOD_LOG_LEVEL: Input should be 'critical', 'error', "
                                      "'warning', 'info' or 'debug' (got 'verbose')"),
