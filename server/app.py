@@ -418,7 +418,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if not texts:
             raise ApiError(422, "invalid_request", "no inputs: send at least one text")
         if len(texts) > settings.max_inputs:
-            raise ApiError(413, "too_many_inputs", f"{len(texts)} inputs; at most {settings.max_inputs} per request")
+            raise ApiError(413, "too_many_inputs", f"{len(texts)} inputs; at most {settings.max_inputs} per request on "
+                           f"this server (its --max-inputs): send them in requests of {settings.max_inputs} or fewer (a "
+                           "client's batch size, e.g. LangChain OpenAIEmbeddings' chunk_size, default 1000)")
         for i, text in enumerate(texts + (text_pairs or [])):
             row = f"input {i}" if i < len(texts) else f"input {i - len(texts)}'s text_pair"
             if len(text) > settings.max_chars:

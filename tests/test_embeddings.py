@@ -241,6 +241,11 @@ def test_openai_errors_in_openai_shape(served):
     assert "check_embedding_ctx_length=False" in refused.value.message and refused.value.body["param"] == "input"
     for bad in ["", "   ", "a\x00b"]:  # as /v1/infer answers them
         assert httpx.post(served + "/v1/embeddings", json={"model": "embedding", "input": bad}).status_code == 422
+    with pytest.raises(openai.APIStatusError) as refused:  # OpenAI takes 2048 a request; LangChain sends 1000
+        client.embeddings.create(model="embedding", input=[f"document {i}" for i in range(65)])
+    assert refused.value.status_code == 413 and refused.value.body["code"] == "too_many_inputs"
+    assert "65 inputs; at most 64 per request on this server (its --max-inputs)" in refused.value.message
+    assert "chunk_size" in refused.value.message
 
 
 def test_infer_route_gives_the_same_vector_beside_other_tasks(served, texts):
