@@ -144,6 +144,12 @@ def test_tmod_train_mtb_kinds_learn_and_ship_loadable_artifacts(tmp_path, train_
     assert manifest.kind == kind and manifest.layers == [train_backbone.num_layers - 1]
     history = manifest.training["history"]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
+    # it reads one fixed state: no "learned layer distribution" plot of a single bar at 1.00
+    report = tmp_path / "report"
+    assert (report / "curves.png").is_file() and not (report / "layer_weights.png").exists()
+    assert "layer_weights" not in history[0]
+    assert f"reads backbone state L{train_backbone.num_layers - 1} (the input of its copied blocks: fixed, not learnt)" \
+        in (report / "report.md").read_text()
     training = manifest.training
     if kind == "lora-mtb":
         # only factors and the task layer are trained and stored; serving merges them into full blocks

@@ -87,6 +87,8 @@ def test_training_lowers_the_loss_and_writes_a_loadable_artifact(sentiment_run, 
     assert summary["validation"]["accuracy"] == manifest.metrics["accuracy"]
     for png in ("layer_weights.png", "curves.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(history[0]["layer_weights"]) == len(summary["layer_weights"])  # learnt, epoch by epoch
+    assert "how much of each it learnt: layer_weights.png" in (report / "report.md").read_text()
 
 
 def test_manifest_records_command_and_settings_with_cli_over_config(sentiment_run, train_backbone):

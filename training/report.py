@@ -1,4 +1,5 @@
-"""A run's report: metrics JSON and PNG plots (learned layer distribution, loss/metric curves)."""
+"""A run's report: metrics JSON, report.md and PNG plots (loss/metric curves; a layer-mix head's learned layer
+distribution)."""
 from __future__ import annotations
 
 import json
@@ -18,15 +19,17 @@ def state_name(index: int) -> str:
     return "emb" if index == 0 else f"L{index}"
 
 
+def learns_its_layer_mix(result) -> bool:
+    """A layer-mix head learns how much of each state it reads; an MTB or LoRA-MTB head reads one
+    fixed state (its copied blocks' input), so it has no distribution to plot."""
+    return result.training.get("settings", {}).get("kind", "layermix") == "layermix"
+
+
 def write_report(report_dir: Path, result) -> dict[str, Path]:
-    """Write metrics.json, layer_weights.png and curves.png; return their paths."""
+    """Write metrics.json, report.md, curves.png and, for a layer-mix head, layer_weights.png; return their paths."""
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "metrics": report_dir / "metrics.json",
-        "layer_weights": report_dir / "layer_weights.png",
-        "curves": report_dir / "curves.png",
-    }
+    paths = {"metrics": report_dir / "metrics.json", "curves": report_dir / "curves.png"}
     metrics = {k: v for k, v in result.metrics.items() if k not in ("test", "baselines")}
     summary = {
         "task": result.task,
@@ -57,7 +60,9 @@ def write_report(report_dir: Path, result) -> dict[str, Path]:
                        f"{result.task}: confusion on the {result.assessment['split']} split")
     paths["report"] = report_dir / "report.md"
     paths["report"].write_text(report_text(result))
-    plot_layer_weights(result.layer_weights, paths["layer_weights"], f"{result.task}: learned layer distribution")
+    if learns_its_layer_mix(result):
+        paths["layer_weights"] = report_dir / "layer_weights.png"
+        plot_layer_weights(result.layer_weights, paths["layer_weights"], f"{result.task}: learned layer distribution")
     plot_curves(result.history, sorted(result.layer_weights), result.metrics.get("metric", ""), paths["curves"],
                 result.task, result.training.get("best_epoch"))
     return paths
@@ -80,6 +85,11 @@ def report_text(result) -> str:
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
     lines.append(f"- kept epoch {best} of {run} run" + (" (the last: validation was still improving; train longer)"
                                                        if result.training.get("still_improving") else ""))
+    if learns_its_layer_mix(result):
+        lines.append("- the backbone states it reads, and how much of each it learnt: layer_weights.png")
+    else:
+        lines.append(f"- reads backbone state {', '.join(state_name(i) for i in sorted(result.layer_weights))} "
+                     "(the input of its copied blocks: fixed, not learnt)")
     b = m["baselines"]
     lines.append(f"- against simple baselines: {b['verdict']}")
     lines += ["", f"## Baselines on the {b['split']} split ({metric})", "",
@@ -175,19 +185,20 @@ def plot_layer_weights(weights: dict[int, float], path: Path, title: str) -> Non
 def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path, task: str,
                 best_epoch: int | None = None) -> None:
     epochs = [h["epoch"] for h in history]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.4))
+    mixed = bool(history and history[0].get("layer_weights"))  # a layer-mix head's learnt weights, epoch by epoch
+    fig, axes = plt.subplots(1, 3 if mixed else 2, figsize=(14 if mixed else 9.5, 3.4))
     axes[0].plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     axes[0].plot(epochs, [h["validation_loss"] for h in history], marker="o", label="validation")
     axes[0].set_title("loss")
     axes[0].legend()
     axes[1].plot(epochs, [h[metric] for h in history], marker="o", color="#55a868")
     axes[1].set_title(f"validation {metric}")
-    if history and history[0].get("layer_weights"):
+    if mixed:
         per_state = list(zip(*[h["layer_weights"] for h in history]))
         for i, series in zip(layers, per_state):
             axes[2].plot(epochs, series, marker=".", label=state_name(i))
         axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    axes[2].set_title("layer weights")
+        axes[2].set_title("layer weights")
     for ax in axes:
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

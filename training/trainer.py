@@ -294,7 +294,7 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
         history.append({
             "epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, s.metric: value,
             "lr": optimizer.param_groups[0]["lr"],
-            **({"layer_weights": list(layer_distribution(model).values())} if isinstance(model, Head) else {}),
+            **({"layer_weights": list(layer_distribution(model).values())} if isinstance(model, LayerMixHead) else {}),
             "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2),
         })
         if s.select == "best":
