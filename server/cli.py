@@ -87,14 +87,22 @@ def tasks_problem(settings: Settings) -> str | None:
     from modules_store.store import ModuleStore  # here, not at the top: --help stays fast
     from server.errors import did_you_mean
 
-    held = ModuleStore(settings.store).tasks()
-    missing = [task for task in wanted if task not in held]
-    if not missing:
-        return None
-    task = missing[0]
-    version = " (the version is chosen per backbone; pin one with POST /admin/modules/{task}/load)" if "/" in task else ""
-    return (f"--tasks / TMOD_TASKS: no task {task!r} in the store {settings.store}{version}"
-            f"{did_you_mean([task.split('/')[0]], held)}; its tasks: {', '.join(held) or 'none'}")
+    store = ModuleStore(settings.store)
+    held = store.tasks()
+    named = [name.partition("/")[0].strip() for name in wanted]
+    twice = sorted({task for task in named if named.count(task) > 1})
+    if twice:
+        return f"--tasks / TMOD_TASKS names {twice[0]!r} twice (got {settings.tasks!r}): name each task once"
+    missing = [task for task in named if task not in held]
+    if missing:
+        task = missing[0]
+        return (f"--tasks / TMOD_TASKS: no task {task!r} in the store {settings.store}"
+                f"{did_you_mean([task], held)}; its tasks: {', '.join(held) or 'none'}")
+    for task, version in settings.task_versions().items():
+        if version is not None and version not in store.versions(task):
+            return (f"--tasks / TMOD_TASKS: no version {version!r} of {task!r} in the store {settings.store}; "
+                    f"its versions: {', '.join(store.versions(task)) or 'none'}")
+    return None
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -40,7 +40,9 @@ class Settings(BaseSettings):
                                  "another backbone serve here (default: <store>/_bridges)")
     device: str = Field("cpu", description="torch device for backbone and heads: cpu, cuda or cuda:N "
                         "(backend onnx then uses ONNX Runtime's CUDAExecutionProvider)")
-    tasks: str | None = Field(None, description="comma-separated tasks to load at start (default: every task in the store)")
+    tasks: str | None = Field(None, description="comma-separated tasks to load at start, each its newest version this "
+                              "backbone serves, or the version named after a slash: 'ner/2,emotion' (a pin holds across "
+                              "restarts: a rollback stays rolled back) (default: every task in the store)")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads, and ONNX Runtime's with backend onnx (default: the library's choice)")
     backend: Literal["torch", "onnx"] = Field(
         "torch", description="what runs the backbone's layers: torch (PyTorch eager) or onnx (ONNX Runtime, "
@@ -178,7 +180,16 @@ class Settings(BaseSettings):
         return self.bridges if self.bridges is not None else self.store / "_bridges"
 
     def task_list(self) -> list[str]:
+        """The tasks named in `tasks`, as named (a pinned version included: 'ner/2')."""
         return [t.strip() for t in (self.tasks or "").split(",") if t.strip()]
+
+    def task_versions(self) -> dict[str, str | None]:
+        """{task: the version pinned in `tasks` ('ner/2'), or None for the newest this backbone serves}."""
+        pinned = {}
+        for name in self.task_list():
+            task, _, version = name.partition("/")
+            pinned[task.strip()] = version.strip() or None
+        return pinned
 
     def api_keys(self) -> list[str]:
         """The API keys accepted (none: no key asked)."""

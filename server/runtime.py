@@ -325,13 +325,16 @@ class Runtime:
             log.info("passes on %s: backbone %s %s, heads %s", self.settings.device, self.backbone.backend.name,
                      self.backbone.backend.precision, self.runner.head_precision)
             asked = self.settings.tasks is not None
-            wanted = self.settings.task_list() if asked else self.store.tasks()
+            wanted = self.settings.task_versions() if asked else dict.fromkeys(self.store.tasks())
             loaded = {}
-            for task in wanted:
+            for task, pinned in wanted.items():
                 try:
-                    # the newest version that passes its checks; each newer one refused is reported
-                    module, refused = load_servable(self.store, task, self.backbone, self.settings.device,
-                                                    self.bridges, probe_module)
+                    if pinned is not None:  # the version named, or none: a pin falls back to no other
+                        module, refused = load_module(self.store, task, pinned, self.backbone, self.settings.device,
+                                                      self.bridges, probe_module), []
+                    else:  # the newest version that passes its checks; each newer one refused is reported
+                        module, refused = load_servable(self.store, task, self.backbone, self.settings.device,
+                                                        self.bridges, probe_module)
                     if not asked and module.manifest.opt_in:  # served when named, not on a start-up over the store
                         log.info("module %s/%s skipped: opt-in (%s); name it in --tasks to serve it", task,
                                  module.version, module.manifest.opt_in)

@@ -69,6 +69,8 @@ def test_named_backbones_pass_the_start_up_check():
                                        "(--store / TMOD_STORE)"),
     (["--tasks", "ner,sentimnt"], {}, "tmod-serve: --tasks / TMOD_TASKS: no task 'sentimnt' in the store "),
     ([], {"TMOD_TASKS": " , "}, "tmod-serve: --tasks / TMOD_TASKS names no task (got ' , ')"),
+    (["--tasks", "ner/9"], {}, "tmod-serve: --tasks / TMOD_TASKS: no version '9' of 'ner' in the store "),
+    (["--tasks", "ner,emotion,ner/2"], {}, "tmod-serve: --tasks / TMOD_TASKS names 'ner' twice (got 'ner,emotion,ner/2')"),
     (["--backbone", "sentence-transformers/all-MiniLM-L6-v2"], {},
      "tmod-serve: --backbone / TMOD_BACKBONE: no backbone 'sentence-transformers/all-MiniLM-L6-v2': name one of "),
     (["--backbone", "."], {}, "tmod-serve: --backbone / TMOD_BACKBONE: no Hugging Face model at . (config.json missing)"),

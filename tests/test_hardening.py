@@ -326,6 +326,28 @@ def test_restart_with_a_corrupt_newest_version_serves_the_previous_one_and_says_
         assert metric_sample(metrics, 'tmod_module_refusals_total{reason="bad_manifest"}') == 1
 
 
+def test_a_version_pinned_in_tasks_is_served_and_never_swapped_for_another(tmp_path, tiny_backbone):
+    """--tasks sentiment/1: a rollback that holds across restarts (the newest, sentiment/2, was what
+    every start loaded); a pinned version that fails its checks is refused, not replaced."""
+    store = populate_store(tmp_path / "store", tiny_backbone)
+    save_module(store, "sentiment", "2", random_head(tiny_backbone, "sequence_classification",
+                                                     ["negative", "positive"], 4), tiny_backbone)
+    folder = save_module(store, "ner", "2", random_head(tiny_backbone, "token_classification",
+                                                        ["O", "B-PER", "I-PER"], 5), tiny_backbone)
+    weights = folder / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-16] + b"\0" * 16)  # corrupted on disk: its checksum fails
+    with LiveServer(live_app(store.root, tiny_backbone, tasks="sentiment/1,ner/2,acceptability")) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        served = {t["task"]: t["version"] for t in client.get("/v1/tasks").json()["tasks"]}
+        assert served == {"sentiment": "1", "acceptability": "1"}  # not sentiment/2; ner/1 not served instead
+        refused = client.get("/readyz").json()["refused"]
+        assert set(refused) == {"ner"} and "ner/2" in refused["ner"] and "checksum" in refused["ner"]
+        answer = client.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["A fine film."]})
+        assert answer.json()["tasks"] == {"sentiment": "1"}
+        reloaded = client.post("/admin/modules/sentiment/reload", headers=AUTH)  # the loaded version again
+        assert reloaded.status_code == 200 and reloaded.json()["version"] == "1"
+
+
 def test_a_request_for_a_task_refused_at_load_says_why(tmp_path, tiny_backbone):
     store = populate_store(tmp_path / "store", tiny_backbone)
     weights = store.path("acceptability", "1") / WEIGHTS_FILE
