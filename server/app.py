@@ -141,7 +141,8 @@ class TmodApp(FastAPI):
                     raise  # an answer cut off midway: the server closes the connection
                 # answered already: a FastAPI route's error, answered by `api_error_handler` and raised on
             else:
-                status, headers, content = refusal(self, path, exc)
+                inference = path in self.fast_routes or OIP_INFER.fullmatch(path) is not None
+                status, headers, content = refusal(self, path, exc, inference)
                 await reply.whole(status, content, headers)
         finally:
             self.access.write(served, reply.status or 500, time.perf_counter() - started)

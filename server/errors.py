@@ -140,10 +140,11 @@ def error_response(path: str, status: int, type_: str, message: str, headers: di
                     media_type="application/json")
 
 
-def refusal(app, path: str, exc: Exception) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) answering `exc` on `path`, counted in the metrics: an ApiError or a body
-    refusal with its own status (a 429 says when to come back: the app's `retry_after_s`), anything
-    else a 500 whose traceback is logged with the request id."""
+def refusal(app, path: str, exc: Exception, inference: bool = False) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) answering `exc` on `path`, counted in the metrics (`inference`: on an
+    inference route, also as a failed inference request): an ApiError or a body refusal with its own
+    status (a 429 says when to come back: the app's `retry_after_s`), anything else a 500 whose
+    traceback is logged with the request id."""
     if isinstance(exc, (ApiError, BodyRefused)):
         status, type_, headers = exc.status, exc.type, dict(exc.headers or {})
         message, details = exc.message, getattr(exc, "details", {})
@@ -153,14 +154,18 @@ def refusal(app, path: str, exc: Exception) -> tuple[int, dict[str, str], bytes]
         log.error("unhandled error on %s", path, exc_info=exc)
         status, type_, headers, details = 500, "internal_error", {}, {}
         message = f"{type(exc).__name__}: {str(exc)[:200]}"
-    count_error(app, type_)
+    count_error(app, type_, inference)
     return status, headers, error_content(path, status, type_, message, **details)
 
 
-def count_error(app, type_: str) -> None:
+def count_error(app, type_: str, inference: bool = False) -> None:
+    """A refusal, by type, on any route; and where it refused an inference request, an inference
+    request that failed (a scanner's 404 or a 401 on /admin would otherwise inflate the error ratio
+    of tmod_requests_total, whose successes are inference answers)."""
     runtime = getattr(getattr(app, "state", None), "runtime", None)
     if runtime is not None:
-        runtime.metrics.requests.labels("error").inc()
+        if inference:
+            runtime.metrics.requests.labels("error").inc()
         runtime.metrics.errors.labels(type_).inc()
 
 

@@ -34,8 +34,9 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("tmod_requests", "Inference requests by outcome", ["outcome"], registry=r)
-        self.errors = Counter("tmod_request_errors", "Failed requests by error type", ["type"], registry=r)
+        self.requests = Counter("tmod_requests", "Inference requests (/v1/infer, embeddings, classify, OIP infer) "
+                                "by outcome", ["outcome"], registry=r)
+        self.errors = Counter("tmod_request_errors", "Refused requests by error type, on every route", ["type"], registry=r)
         self.task_requests = Counter("tmod_task_requests", "Requests per task", ["task"], registry=r)
         self.inputs = Counter("tmod_inputs", "Input texts processed", registry=r)
         self.duration = Histogram(

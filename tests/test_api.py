@@ -6,7 +6,7 @@ import httpx
 
 from server.app import create_app
 from server.config import Settings
-from tests.helpers import LiveServer
+from tests.helpers import LiveServer, metric_sample
 
 pytestmark = pytest.mark.smoke  # the quick tier: every test here
 
@@ -161,6 +161,25 @@ def test_server_survives_errors_and_counts_them(live):
     assert 'tmod_request_errors_total{type="invalid_request"}' in metrics
     assert 'tmod_requests_total{outcome="success"}' in metrics
     assert "tmod_request_duration_seconds_bucket" in metrics and "tmod_modules_loaded 3.0" in metrics
+
+
+def test_only_inference_requests_count_as_failed_inference_requests(live):
+    """tmod_requests_total{outcome} counts inference requests (its successes are answers): a refusal
+    on another route (a scanner's 404, a 401 on /admin) is counted by type only; it once counted as a
+    failed inference request too."""
+    def samples():  # (failed inference requests, refusals of every type)
+        page = live.get("/metrics").text
+        refusals = sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                       if line.startswith("tmod_request_errors_total{"))
+        return metric_sample(page, 'tmod_requests_total{outcome="error"}'), refusals
+    errors, refusals = samples()
+    for path in ("/wp-login.php", "/v1/tasks/nothing", "/v2/models/nothing"):
+        assert live.get(path).status_code == 404
+    assert live.post("/admin/modules/ner/reload").status_code in (401, 403)
+    assert samples() == (errors, refusals + 4)
+    assert infer(live, ["a"], "nothing").status_code == 400  # an inference request refused
+    assert live.post("/v2/models/nothing/infer", json={"inputs": []}).status_code == 404
+    assert samples() == (errors + 2, refusals + 6)
 
 
 def test_task_listing_and_details(live):
