@@ -78,7 +78,13 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes (400 above, "
                                   "connection closed)")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection that has not sent a whole request head "
-                                    "this long after connecting (or after its previous answer) gets 408 and is closed")
+                                    "this long after connecting (on a kept-alive connection: after the head's first "
+                                    "byte) gets 408 and is closed")
+    keep_alive_s: float = Field(5.0, gt=0, description="how long a kept-alive connection may stay idle between "
+                                "requests before it is closed (uvicorn's timeout_keep_alive). Behind a proxy or load "
+                                "balancer that keeps connections to tmod open, set it above the proxy's idle timeout "
+                                "(nginx upstream keepalive 60 s, AWS ALB 60 s): else the proxy can send a request into "
+                                "a connection tmod is closing, and its client gets a 502 or 503 (deploy/README.md)")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body still arriving this long after it began: 408")
     retry_after_s: int = Field(1, ge=0, description="the Retry-After header (seconds) on a 429 (queue full)")
     batching: bool = Field(True, description="batch concurrent requests into one backbone pass")

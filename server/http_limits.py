@@ -8,10 +8,10 @@
   connection (`Connection: close`): what is left of that body is never read.
 - `header_timeout_protocol` (uvicorn's httptools protocol, subclassed; tmod-serve runs it on uvloop,
   `uvicorn_config`): a connection that has not sent a whole request head within
-  `header_timeout_s` (from connecting, or from the end of its previous response) is answered 408
-  and closed; a client trickling headers a byte at a time holds nothing for long. uvicorn's own
-  `timeout_keep_alive` covers idle connections between requests only once a first request was
-  answered, and no timer at all covers a request head still arriving. A head over
+  `header_timeout_s` (from connecting; on a kept-alive connection, from the head's first byte) is
+  answered 408 and closed; a client trickling headers a byte at a time holds nothing for long.
+  uvicorn's own `timeout_keep_alive` (`keep_alive_s`) covers idle connections between requests only
+  once a first request was answered, and no timer at all covers a request head still arriving. A head over
   `max_header_bytes` (httptools sets no limit of its own) and a request the parser refuses get
   a 400 as JSON, in tmod's shape, and the connection closed. A request with both Content-Length
   and Transfer-Encoding is refused by the parser before its body is read (RFC 9112 section 6.1: a
@@ -386,7 +386,7 @@ def uvicorn_config(app, settings) -> uvicorn.Config:
     than h11 on asyncio's loop, issue 37), our JSON lines replace its access log, request heads have a
     deadline and a size limit and the drain loses nothing (`header_timeout_protocol`)."""
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                          log_config=None, access_log=False, loop="uvloop",
+                          log_config=None, access_log=False, loop="uvloop", timeout_keep_alive=settings.keep_alive_s,
                           proxy_headers=False,  # X-Forwarded-For is never read: no middleware rewriting it per request
                           http=header_timeout_protocol(settings.header_timeout_s, settings.max_header_bytes))
 

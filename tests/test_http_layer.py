@@ -150,6 +150,39 @@ def test_keep_alive_answers_come_whole_through_the_protocol(port):
     assert b"connection: close" in answers[3]
 
 
+def test_an_idle_kept_alive_connection_lasts_keep_alive_s_and_gets_no_408():
+    """`keep_alive_s` is the idle time between requests (behind a proxy it must outlast the proxy's:
+    deploy/README.md); the head deadline does not cut an idle connection, it starts at a head's first byte."""
+    import time
+
+    def serve(**limits):
+        settings = Settings(port=free_port(), log_level="warning", **limits)
+        server = uvicorn.Server(uvicorn_config(ok_app, settings))
+        threading.Thread(target=server.run, daemon=True).start()
+        wait_until(lambda: server.started, "the server to start")
+        return server, settings.port
+
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    for keep_alive_s, idle_s, kept in ((30.0, 1.0, True), (0.3, 2.0, False)):
+        server, port = serve(keep_alive_s=keep_alive_s, header_timeout_s=0.3)
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(request)
+                assert sock.recv(4096).endswith(b"\r\n\r\nok")
+                time.sleep(idle_s)  # idle past the head deadline (0.3 s) in both; past keep_alive_s in the second
+                try:
+                    sock.sendall(request)
+                    answer = sock.recv(4096)
+                except ConnectionError:  # sent into the closed connection: the peer reset it
+                    answer = b""
+                if kept:
+                    assert answer.startswith(b"HTTP/1.1 200 ")  # not a 408
+                else:
+                    assert answer == b""  # closed by the server, nothing written (no 408 either)
+        finally:
+            server.should_exit = True
+
+
 def test_a_served_request_leaves_no_reference_cycle():
     """uvicorn's request cycle holds its scope and tmod's protocol puts the cycle in the scope: the app
     unlinks them once the request is answered, so a request's objects go by reference counting and a
