@@ -151,7 +151,8 @@ def test_class_ids_are_named_by_their_place_in_labels(tmp_path, capsys):
     from training.splits import resolve_data
     from training.settings import TrainSettings
 
-    tags = hf_rows(tmp_path / "t.jsonl", [(["Angela", "Merkel", "in", "Paris"], [1, 2, 0, 5]), (["OK"], [0])] * 3)
+    tags = hf_rows(tmp_path / "t.jsonl", [row for i in range(3) for row in (  # distinct texts: --split keeps a text's rows together
+        (["Angela", "Merkel", "in", f"Paris{i}"], [1, 2, 0, 5]), ([f"OK{i}"], [0]))])
     names = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC"]
     data = resolve_data(TrainSettings(train=tags, split=[0.34], labels=names))
     assert data.labels == names
@@ -246,8 +247,8 @@ def test_entity_span_mistakes_are_one_line(tmp_path, capsys, spans, expected):
 def test_a_conll_file_named_tsv_is_not_trained_as_one_word_sentences(tmp_path, capsys):
     """BioBERT's NER sets ship as train.tsv in CoNLL's layout: read as a table, each word would be a
     text and its tag a class."""
-    train = write(tmp_path / "train.tsv", ("Famil\tO\nadenomatous\tB-Disease\npolyposis\tI-Disease\ncoli\tI-Disease\n\n"
-                                           "In\tO\nthe\tO\ngene\tO\n.\tO\n\n") * 3)
+    train = write(tmp_path / "train.tsv", "".join(f"Famil{i}\tO\nadenomatous\tB-Disease\npolyposis\tI-Disease\ncoli\tI-Disease\n\n"
+                                                  f"In\tO\nthe\tO\ngene{i}\tO\n.\tO\n\n" for i in range(3)))
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.3"))
     assert "one word a row with BIO tags ('B-Disease', 'I-Disease', 'O', ...): a CoNLL file" in line
     assert line.endswith("give --format conll to train a token task")
@@ -478,6 +479,38 @@ def test_a_rare_label_is_never_carved_away_from_training(seed):
     texts = [{e.text for e in part.examples} for part in (train, validation, test)]
     assert sum(map(len, texts)) == len(rows) and not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
     assert len(validation) >= 29 and len(test) >= 23  # only the two rare rows moved (31 and 25 carved)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_repeated_text_is_carved_into_one_part(seed):
+    """A file that holds a text several times (SST-2's training file: 361 texts twice) must not put
+    one copy in training and another in validation or test: the head would be scored on what it learnt."""
+    rows = [SequenceExample(f"text {i}", "a" if i % 4 else "b") for i in range(80)]
+    rows += [SequenceExample(f"text {i}", "a" if i % 4 else "b") for i in range(0, 80, 3)]  # 27 texts twice
+    rows += [SequenceExample("a pair", "a", "its second text"), SequenceExample("a pair", "b", "another one")]
+    data = LabelledData(TaskType.sequence_classification, rows, "mem", has_pairs=True)
+    parts = carve(data, [0.2, 0.2], seed=seed)
+    keys = [{(e.text, e.text_pair) for e in part.examples} for part in parts]
+    assert not (keys[0] & keys[1] or keys[0] & keys[2] or keys[1] & keys[2])
+    assert sum(map(len, parts)) == len(rows) and min(len(parts[1]), len(parts[2])) >= 15
+    once = LabelledData(TaskType.sequence_classification, rows[:80], "mem")  # no text repeated: as before
+    assert [e.text for e in carve(once, [0.2, 0.2], seed=seed)[1].examples] == [
+        f"text {i}" for i in sorted(old_carve_rows(once, seed))]
+
+
+def old_carve_rows(data, seed):
+    """The validation rows carve chose row by row before it kept a text's rows together."""
+    import random
+
+    rng, chosen = random.Random(seed), []
+    groups: dict = {}
+    for i, ex in enumerate(data.examples):
+        groups.setdefault(ex.label, []).append(i)
+    for key in sorted(groups):
+        rows = groups[key]
+        rng.shuffle(rows)
+        chosen += rows[:round(len(rows) * 0.2)]
+    return chosen
 
 
 def test_epoch_selection_needs_a_real_improvement():

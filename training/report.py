@@ -82,6 +82,11 @@ def report_text(result) -> str:
                      f"never used to choose anything)")
     else:
         lines.append("- test: none (give --test FILE, or --split VAL,TEST): only the validation number above exists")
+    data = result.training.get("data", {})
+    for name in ("validation", "test"):
+        if data.get(f"{name}_rows_also_in_training"):
+            lines.append(f"- {data[f'{name}_rows_also_in_training']} of the {data[f'{name}_examples']} {name} rows hold "
+                         f"a text the training rows hold too: the {name} number counts them, and so flatters the head")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
     lines.append(f"- kept epoch {best} of {run} run" + (" (the last: validation was still improving; train longer)"
                                                        if result.training.get("still_improving") else ""))

@@ -94,6 +94,10 @@ def resolve_data(s: TrainSettings) -> Splits:
     provenance.update(train_examples=len(train), validation_examples=len(validation))
     if test is not None:
         provenance["test_examples"] = len(test)
+    learnt = {text_key(ex) for ex in train.examples}
+    for name, part in (("validation", validation), ("test", test)):  # given as files, they may share texts
+        if part is not None:
+            provenance[f"{name}_rows_also_in_training"] = sum(text_key(ex) in learnt for ex in part.examples)
     metric = check_options(s, train, labels, metric)
     return Splits(train, validation, test, labels, metric, provenance)
 
@@ -193,32 +197,44 @@ def check_labels(data: LabelledData, given: list[str] | None, labels: list[str],
                      f"the head can only answer {labels}")
 
 
+def text_key(example) -> tuple:
+    """What makes two examples the same text: the text, and its pair's."""
+    return example.text, getattr(example, "text_pair", None)
+
+
 def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[LabelledData, LabelledData, LabelledData | None]:
     """(train, validation, test or None) out of one split: `fractions` of each label's examples
     (single-label tasks: stratified) or of all examples, chosen by a seeded shuffle; file order kept.
-    A carved row holding a label (or tag) that no training row has goes back to training: the head
-    cannot answer a label it never saw, and a rare one would otherwise end the run."""
+    The rows of one text go to one part (a text the head learnt, scored again, would flatter it: SST-2's
+    training file holds 361 texts twice). A carved row holding a label (or tag) that no training row
+    has goes back to training: the head cannot answer a label it never saw, and a rare one would
+    otherwise end the run."""
     rng = random.Random(seed)
-    groups: dict = {}
+    units: dict = {}  # a text -> its rows (one, unless the file repeats it)
     for i, ex in enumerate(data.examples):
-        key = ex.label if data.task_type == TaskType.sequence_classification else None
-        groups.setdefault(key, []).append(i)
+        units.setdefault(text_key(ex), []).append(i)
+    groups: dict = {}
+    for rows in units.values():
+        first = data.examples[rows[0]]
+        key = first.label if data.task_type == TaskType.sequence_classification else None
+        groups.setdefault(key, []).append(rows)
     parts: list[list[int]] = [[], [], []]
     for key in sorted(groups, key=str):
-        rows = groups[key]
-        rng.shuffle(rows)
-        cuts = [round(len(rows) * f) for f in fractions]
-        parts[1] += rows[:cuts[0]]
+        texts = groups[key]
+        rng.shuffle(texts)  # with no text repeated, the same shuffle (and so the same split) as row by row
+        cuts = [round(len(texts) * f) for f in fractions]
+        parts[1] += [i for rows in texts[:cuts[0]] for i in rows]
         if len(cuts) == 2:
-            parts[2] += rows[cuts[0]:cuts[0] + cuts[1]]
-        parts[0] += rows[sum(cuts):]
+            parts[2] += [i for rows in texts[cuts[0]:cuts[0] + cuts[1]] for i in rows]
+        parts[0] += [i for rows in texts[sum(cuts):] for i in rows]
     taught = {label for i in parts[0] for label in data.labels_of(data.examples[i])}
     for part in parts[1:]:
         for i in list(part):
-            if not data.labels_of(data.examples[i]) <= taught:
-                part.remove(i)
-                parts[0].append(i)
-                taught |= data.labels_of(data.examples[i])
+            if i in part and not data.labels_of(data.examples[i]) <= taught:
+                for j in units[text_key(data.examples[i])]:  # the text's every row, as carved
+                    part.remove(j)
+                    parts[0].append(j)
+                    taught |= data.labels_of(data.examples[j])
     train, validation, test = (LabelledData(data.task_type, [data.examples[i] for i in sorted(rows)], data.source,
                                             data.has_pairs) for rows in parts)
     for name, part in (("training", train), ("validation", validation)):

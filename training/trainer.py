@@ -346,6 +346,12 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         print(f"the labels are numbers ({', '.join(labels[:5])}{', ...' if len(labels) > 5 else ''}): the server will "
               f"answer them as they are; --labels NAME,NAME,... (in their order) or --label-map {example} names them",
               file=sys.stderr)
+    for name in ("validation", "test"):
+        shared = provenance.get(f"{name}_rows_also_in_training")
+        if shared:  # said, not silent: scores on texts the head learnt flatter it
+            print(f"{shared} of {provenance[f'{name}_examples']} {name} rows hold a text the training rows hold too: "
+                  f"the {name} scores count them, so they flatter the head; drop them from one of the files (--split "
+                  "keeps a text's rows in one part)", file=sys.stderr)
     if s.threads:
         torch.set_num_threads(s.threads)
     device = pick_device(s.device)
