@@ -59,8 +59,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--test", default=S, help="test file: scored once at the end with the baselines, never used to "
                    "choose anything")
     g.add_argument("--split", default=S, metavar="VAL[,TEST]",
-                   help="carve validation (and test) fractions out of --train, seeded and stratified by label: "
-                        "'0.1,0.1' (for a single labelled file)")
+                   help="carve validation (and test) fractions out of --train, seeded and stratified by label, a "
+                        "repeated text's rows kept in one part: '0.1,0.1' (for a single labelled file)")
     g.add_argument("--labels", type=_csv_list, default=S,
                    help="label order, comma-separated; class ids in the files (0, 1, ...) are named by their place")
     g.add_argument("--multi-label", action="store_true", default=S,
