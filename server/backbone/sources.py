@@ -173,6 +173,20 @@ def mpnet_path(cache_dir: Path | None = None, parts: list[Path] | None = None) -
     return unpack_parts(parts, target, MPNET_FOLDER, MPNET_ZIP_SIZE, MPNET_ZIP_SHA256)
 
 
+def named_problem(name: str, cache_dir: Path | None = None) -> str | None:
+    """Why a named backbone cannot load here (its PyPI package missing), found from installed file
+    lists alone, before anything loads; None where it can (or is cached already)."""
+    cached = (cache_dir or default_cache_dir()) / "backbones"
+    try:
+        if name == "smollm2" and not any(cached.glob("smollm2-135m-instruct-*/config.json")):
+            smollm2_gguf()
+        elif name == "mpnet" and not (cached / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}" / "config.json").is_file():
+            mpnet_parts()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
 def folder_problem(path: Path) -> str | None:
     """Why `path` is not a backbone to load (said before anything loads, and by `Backbone.load`), or None."""
     if not path.exists():  # a typo, or a model hub name: nothing is downloaded
