@@ -39,7 +39,7 @@ from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
                                    embedding_model_names, embedding_module, embeddings_routes, tei_info)
 from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
-                           did_you_mean, protocol_of, refusal, refused_at_load, unknown_tasks,
+                           did_you_mean, not_loaded, protocol_of, refusal, unknown_tasks,
                            validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
@@ -345,7 +345,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         names = task_names(tasks)
         unknown = [n for n in names if n not in loaded]
         if unknown:
-            raise unknown_tasks(unknown, loaded, runtime.load_errors)
+            raise unknown_tasks(unknown, loaded, runtime.load_errors, runtime.skipped)
         return {n: loaded[n] for n in names}
 
     def fit_to_inputs(modules: dict[str, LoadedModule], has_pairs: bool, named: bool) -> dict[str, LoadedModule]:
@@ -631,7 +631,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     def oip_module(task: str, version: str | None = None) -> LoadedModule:
         module = runtime.modules.get(task)
         if module is None:
-            raise ApiError(404, "unknown_task", f"no model {clip(task)}{refused_at_load([task], runtime.load_errors)}; "
+            raise ApiError(404, "unknown_task", f"no model {clip(task)}{not_loaded([task], runtime.load_errors, runtime.skipped)}; "
                                                 f"loaded: {sorted(runtime.modules)}", loaded_tasks=sorted(runtime.modules))
         if version is not None and version != module.version:
             raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {clip(version)}")

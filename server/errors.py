@@ -54,11 +54,13 @@ def clip_list(values: list, most: int = 10) -> list:
     return [v if isinstance(v, str) and len(v) <= CLIP else clip(v) for v in values[:most]]
 
 
-def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str]) -> ApiError:
+def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str], skipped: dict[str, str] | None = None) -> ApiError:
     """400 unknown_task: the tasks asked that are not loaded (one refused at load says why: its
-    artifact's error, as /readyz lists it) and the tasks that are."""
+    artifact's error, as /readyz lists it; one the store holds but start-up left out says why: opt-in,
+    or no module for this backbone) and the tasks that are."""
     message = f"unknown task(s) {clip_list(unknown)}" + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
-    return ApiError(400, "unknown_task", message + refused_at_load(unknown, refused) + did_you_mean(unknown, loaded)
+    return ApiError(400, "unknown_task", message + not_loaded(unknown, refused, skipped)
+                    + did_you_mean([t for t in unknown if t not in refused and t not in (skipped or {})], loaded)
                     + f"; loaded tasks: {sorted(loaded)}", loaded_tasks=sorted(loaded))
 
 
@@ -73,10 +75,13 @@ def did_you_mean(unknown: list[str], names) -> str:
     return ""
 
 
-def refused_at_load(tasks: list[str], refused: dict[str, str]) -> str:
-    """' (x was refused at load: <its artifact's error>)' for those of `tasks` (the first 10) refused at
-    load, as /readyz lists them; '' when none was."""
-    why = [f"{task} was refused at load: {refused[task]}" for task in tasks[:10] if task in refused]
+def not_loaded(tasks: list[str], refused: dict[str, str], skipped: dict[str, str] | None = None) -> str:
+    """' (x was refused at load: <its artifact's error>; y is not served: <why start-up left it out>)'
+    for those of `tasks` (the first 10) refused at load, as /readyz lists them, or left out at start
+    (`skipped`); '' when none was."""
+    skipped = skipped or {}
+    why = [f"{task} was refused at load: {refused[task]}" if task in refused else f"{task} is not served: {skipped[task]}"
+           for task in tasks[:10] if task in refused or task in skipped]
     return f" ({'; '.join(why)})" if why else ""
 
 

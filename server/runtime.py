@@ -164,6 +164,7 @@ class Runtime:
         self.modules: dict[str, LoadedModule] = {}  # replaced whole, never mutated: readers see a snapshot
         self.bridges: dict = {}  # name -> LoadedBridge from this backbone (foreign modules are served through them)
         self.load_errors: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}  # task -> why start-up left the store's task out (opt-in, another backbone's)
         self.ready = threading.Event()
         self.startup_error: str | None = None
         self.failure: str | None = None  # a sticky device error: not ready, not live, the process stops
@@ -338,6 +339,9 @@ class Runtime:
                     if not asked and module.manifest.opt_in:  # served when named, not on a start-up over the store
                         log.info("module %s/%s skipped: opt-in (%s); name it in --tasks to serve it", task,
                                  module.version, module.manifest.opt_in)
+                        why = module.manifest.opt_in.split("; ")[0]  # its first reason; the log has them all
+                        self.skipped[task] = (f"{task}/{module.version} is opt-in ({why}): name it in --tasks, or load "
+                                              f"it with POST /admin/modules/{task}/load")
                         continue
                     loaded[task] = module
                     via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
@@ -349,6 +353,7 @@ class Runtime:
                     if exc.reason == "other_backbone" and not asked:
                         # one store serves several backbones: another backbone's module is not a refusal
                         log.info("module %s skipped: %s", task, exc.message)
+                        self.skipped[task] = exc.message
                         continue
                     # one broken artifact must not keep the others from serving
                     self.refuse(task, exc.message, exc)
@@ -420,6 +425,7 @@ class Runtime:
         self.runner.forget_plans()  # plans and graphs: none may serve the replaced head
         self.runner.warm_up(self.modules)
         self.load_errors.pop(task, None)
+        self.skipped.pop(task, None)
         self.metrics.modules_refused.set(len(self.load_errors))
         self.metrics.modules_loaded.set(len(self.modules))
         log.info("module %s/%s loaded", task, module.version)

@@ -389,6 +389,7 @@ class EngineState:
     modules_of: dict[str, str] | None  # Runtime.modules_of(), once loaded
     modules: dict[str, ModuleView] = field(default_factory=dict)
     load_errors: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # Runtime.skipped
     text: TextEncoder | None = None  # the tokenizer: sent once per worker, in its first ready state
 
 
@@ -560,6 +561,7 @@ class EngineService:
             ready=ready, startup_error=rt.startup_error, model=rt.model_info() if ready else None,
             modules_of=rt.modules_of() if ready else None,
             modules={task: self.view(m) for task, m in rt.modules.items()}, load_errors=dict(rt.load_errors),
+            skipped=dict(rt.skipped),
         )
 
     def view(self, module) -> ModuleView:
@@ -613,7 +615,7 @@ class EngineService:
         if found is None:
             names = tasks.split(",")
             unknown = [t for t in names if t not in loaded]
-            found = self._sets[tasks] = (unknown_tasks(unknown, loaded, self.runtime.load_errors) if unknown
+            found = self._sets[tasks] = (unknown_tasks(unknown, loaded, self.runtime.load_errors, self.runtime.skipped) if unknown
                                          else {t: loaded[t] for t in names})
         return found
 
@@ -730,6 +732,7 @@ class RemoteRuntime:
         self.startup_error: str | None = None
         self.modules: dict[str, ModuleView] = {}
         self.load_errors: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}
         self.text: TextEncoder | None = None
         self._model: tuple[str, str] | None = None
         self._modules_of: dict[str, str] | None = None
@@ -836,7 +839,7 @@ class RemoteRuntime:
             self.text = state.text
         self._model, self._modules_of = state.model, state.modules_of
         self.startup_error = state.startup_error
-        self.load_errors = state.load_errors
+        self.load_errors, self.skipped = state.load_errors, state.skipped
         self.modules = state.modules  # replaced whole: requests keep the snapshot they took
         self._seen.update({(v.task, v.version): v for v in state.modules.values()})
         self.metrics.modules_loaded.set(len(state.modules))

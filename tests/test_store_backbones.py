@@ -106,6 +106,15 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
     with LiveServer(create_app(Settings(store=store.root), backbone=bert)) as server:
         ready = httpx.get(server.url + "/readyz").json()
         assert ready["tasks"] == ["sentiment"] and ready["refused"] == {}
+        # asked for, it says why it is not served, and suggests no other task for it (it once offered 'sentiment')
+        pair = [{"text": "A man plays a guitar.", "text_pair": "Someone makes music."}]
+        asked = httpx.post(server.url + "/v1/infer", params={"tasks": "entailment"}, json={"inputs": pair}).json()
+        assert asked["error"]["message"] == (
+            "unknown task(s) ['entailment'] (entailment is not served: entailment/1 is opt-in (58.1% on RTE, TF-IDF "
+            "57.0%): name it in --tasks, or load it with POST /admin/modules/entailment/load); loaded tasks: ['sentiment']")
+        oip = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
+        assert "entailment is not served: entailment/1 is opt-in" in httpx.post(
+            server.url + "/v2/models/entailment/infer", json=oip).json()["error"]
     with LiveServer(create_app(Settings(store=store.root, tasks="sentiment,entailment"), backbone=bert)) as server:
         assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment", "sentiment"]
     with LiveServer(create_app(Settings(store=store.root), backbone=mpnet)) as server:

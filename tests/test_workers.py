@@ -93,6 +93,23 @@ def test_refusals_are_the_same_precise_answers(served):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "artifact_not_found"
 
 
+def test_a_task_left_out_at_start_says_why_through_the_workers(tmp_path, tiny_backbone, tiny_backbone_dir):
+    """The engine's reasons for leaving a store's task out (opt-in) reach the workers' refusals."""
+    store = populate_store(tmp_path / "store", tiny_backbone)
+    path = store.path("acceptability", "1") / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "opt_in": "no better than its baseline"}))
+    url, process = start_tmod_serve(["--workers", "2", "--backbone", str(tiny_backbone_dir), "--store", str(store.root)],
+                                    {**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        for _ in range(4):  # each worker answers some of them
+            asked = httpx.post(url + "/v1/infer", params={"tasks": "acceptability"}, json={"inputs": ["a"]})
+            assert asked.status_code == 400 and "acceptability is not served: acceptability/1 is opt-in (no better " \
+                "than its baseline)" in asked.json()["error"]["message"]
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_requests_from_both_workers_share_passes_and_metrics_add_up(served):
     url, process = served
     page = httpx.get(url + "/metrics").text
