@@ -607,7 +607,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         require_ready()
         module = runtime.modules.get(name)
         if module is None:
-            raise ApiError(404, "unknown_task", f"no task {clip(name)}; loaded tasks: {sorted(runtime.modules)}",
+            why = not_loaded([name], runtime.load_errors, runtime.skipped)
+            raise ApiError(404, "unknown_task", f"no task {clip(name)}{why}; loaded tasks: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
         return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json")}
 
@@ -631,8 +632,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     def oip_module(task: str, version: str | None = None) -> LoadedModule:
         module = runtime.modules.get(task)
         if module is None:
-            raise ApiError(404, "unknown_task", f"no model {clip(task)}{not_loaded([task], runtime.load_errors, runtime.skipped)}; "
-                                                f"loaded: {sorted(runtime.modules)}", loaded_tasks=sorted(runtime.modules))
+            why = not_loaded([task], runtime.load_errors, runtime.skipped)
+            raise ApiError(404, "unknown_task", f"no model {clip(task)}{why}; loaded: {sorted(runtime.modules)}",
+                           loaded_tasks=sorted(runtime.modules))
         if version is not None and version != module.version:
             raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {clip(version)}")
         return module

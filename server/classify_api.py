@@ -21,7 +21,7 @@ from msgspec import Meta, Struct
 
 from modules_store import TaskType
 from server.embeddings_api import OpenAIUsage, as_texts
-from server.errors import ApiError, clip
+from server.errors import ApiError, clip, not_loaded
 from server.modules import compares_pairs
 from server.schemas import decode
 
@@ -69,9 +69,10 @@ def classifiers(modules: dict) -> list[str]:
                   if m.manifest.task_type == TaskType.sequence_classification and not compares_pairs(m.manifest))
 
 
-def classify_module(modules: dict, model: str | None):
+def classify_module(modules: dict, model: str | None, runtime=None):
     """The task `model` names (or the only classifier loaded); 404 model_not_found for a name not
-    loaded, 400 for a task /classify does not answer, saying which route does."""
+    loaded (saying why, where `runtime` refused it or left it out), 400 for a task /classify does not
+    answer, saying which route does."""
     choices = classifiers(modules)
     if model is None:
         if len(choices) == 1:
@@ -79,7 +80,8 @@ def classify_module(modules: dict, model: str | None):
         raise ApiError(400, "invalid_request", f"name the task in 'model': one of {choices}", param="model")
     module = modules.get(model)
     if module is None:
-        raise ApiError(404, "model_not_found", f"no model {clip(model)}; /classify answers {choices}", param="model")
+        why = not_loaded([model], runtime.load_errors, runtime.skipped) if runtime is not None else ""
+        raise ApiError(404, "model_not_found", f"no model {clip(model)}{why}; /classify answers {choices}", param="model")
     if model not in choices:
         kind = "compares a text with a text pair" if compares_pairs(module.manifest) else \
             f"is {KINDS.get(module.manifest.task_type, 'another kind of')} task"
@@ -94,7 +96,7 @@ def classify_routes(runtime, require_ready: Callable[[], None], run_inference) -
     async def classify(body: bytes, request) -> tuple[bytes, dict]:
         require_ready()
         asked = decode(ClassifyRequest, body, 400)
-        module = classify_module(runtime.modules, asked.model)
+        module = classify_module(runtime.modules, asked.model, runtime)
         texts = as_texts(asked.input)
         results, job, headers = await run_inference(texts, None, {module.task: module}, asked.truncate, request)
         module = job.modules[module.task]  # the version that answered

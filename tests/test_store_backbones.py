@@ -115,6 +115,10 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
         oip = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]}
         assert "entailment is not served: entailment/1 is opt-in" in httpx.post(
             server.url + "/v2/models/entailment/infer", json=oip).json()["error"]
+        assert "entailment is not served: entailment/1 is opt-in" in httpx.get(
+            server.url + "/v1/tasks/entailment").json()["error"]["message"]
+        assert "entailment is not served: entailment/1 is opt-in" in httpx.post(
+            server.url + "/classify", json={"model": "entailment", "input": "x"}).json()["error"]["message"]
     with LiveServer(create_app(Settings(store=store.root, tasks="sentiment,entailment"), backbone=bert)) as server:
         assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment", "sentiment"]
     with LiveServer(create_app(Settings(store=store.root), backbone=mpnet)) as server:
