@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import sys
 from typing import Any
 
@@ -59,9 +60,20 @@ def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str], skipped: 
     artifact's error, as /readyz lists it; one the store holds but start-up left out says why: opt-in,
     or no module for this backbone) and the tasks that are."""
     message = f"unknown task(s) {clip_list(unknown)}" + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+    explained = [t for t in unknown if t not in refused and t not in (skipped or {})]
     return ApiError(400, "unknown_task", message + not_loaded(unknown, refused, skipped)
-                    + did_you_mean([t for t in unknown if t not in refused and t not in (skipped or {})], loaded)
+                    + (comma_hint(explained, loaded) or did_you_mean(explained, loaded))
                     + f"; loaded tasks: {sorted(loaded)}", loaded_tasks=sorted(loaded))
+
+
+def comma_hint(unknown: list[str], names) -> str:
+    """' (tasks are separated by commas: ner,emotion)' where an unknown name is loaded tasks joined by
+    another separator ('ner;emotion', 'ner emotion': a '+' in a query string), else ''."""
+    for name in unknown[:10]:
+        parts = [p for p in re.split(r"[;| ]+", name) if p]
+        if len(parts) > 1 and all(p in names for p in parts):
+            return f" (tasks are separated by commas: {','.join(parts)})"
+    return ""
 
 
 def did_you_mean(unknown: list[str], names) -> str:

@@ -132,6 +132,9 @@ def test_a_misspelt_task_or_query_parameter_is_refused_with_the_likely_one(live)
     error = assert_error(infer(live, ["x"], "NER"), 400, "unknown_task")
     assert "(did you mean 'ner' for 'NER'?)" in error["message"]
     assert "did you mean" not in assert_error(infer(live, ["x"], "telepathy"), 400, "unknown_task")["message"]
+    for joined in ("ner;sentiment", "ner+sentiment", "ner|sentiment"):  # '+' is a space in a query string
+        error = assert_error(live.post(f"/v1/infer?tasks={joined}", json={"inputs": ["x"]}), 400, "unknown_task")
+        assert "(tasks are separated by commas: ner,sentiment)" in error["message"], error
     assert live.post("/v1/infer?tasks=ner&tasks=sentiment", json={"inputs": ["x"]}).status_code == 200
     assert live.post("/v1/infer?tasks=n%65r", json={"inputs": ["x"]}).json()["tasks"] == {"ner": "1"}
 
