@@ -60,9 +60,9 @@ def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str], skipped: 
     artifact's error, as /readyz lists it; one the store holds but start-up left out says why: opt-in,
     or no module for this backbone) and the tasks that are."""
     message = f"unknown task(s) {clip_list(unknown)}" + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
-    explained = [t for t in unknown if t not in refused and t not in (skipped or {})]
+    unexplained = [t for t in unknown if t not in refused and t not in (skipped or {})]  # typos, perhaps
     return ApiError(400, "unknown_task", message + not_loaded(unknown, refused, skipped)
-                    + (comma_hint(explained, loaded) or did_you_mean(explained, loaded))
+                    + (comma_hint(unexplained, loaded) or did_you_mean(unexplained, loaded))
                     + f"; loaded tasks: {sorted(loaded)}", loaded_tasks=sorted(loaded))
 
 

@@ -615,7 +615,8 @@ class EngineService:
         if found is None:
             names = tasks.split(",")
             unknown = [t for t in names if t not in loaded]
-            found = self._sets[tasks] = (unknown_tasks(unknown, loaded, self.runtime.load_errors, self.runtime.skipped) if unknown
+            rt = self.runtime
+            found = self._sets[tasks] = (unknown_tasks(unknown, loaded, rt.load_errors, rt.skipped) if unknown
                                          else {t: loaded[t] for t in names})
         return found
 
