@@ -115,7 +115,17 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     for key in ("accuracy", "f1", "mcc", "examples"):
         assert result["metrics"][key] == pytest.approx(manifest.metrics[key])
     assert result["file_role"].startswith("validation: this file chose the epoch")
-    assert f"{sentiment_files[1]}: validation: " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{sentiment_files[1]}: validation: " in err
+    # beside the simplest answer on the same rows: the file's most frequent label for every row
+    labels = [line.rsplit("\t", 1)[1] for line in sentiment_files[1].read_text().splitlines()[1:]]
+    share = max(labels.count("0"), labels.count("1")) / len(labels)
+    baseline = result["baseline"]
+    assert baseline["metric"] == manifest.metrics["metric"] == "accuracy" and baseline["head"] == result["metrics"]["accuracy"]
+    assert baseline["majority_in_file"] == pytest.approx(share) and baseline["margin"] == pytest.approx(
+        result["metrics"]["accuracy"] - share)
+    assert f"accuracy {result['metrics']['accuracy']:.4f} against {share:.4f} for every row answered with the file's " \
+        "most frequent label" in err
     # the training file: said to be no held-out score, in the JSON and on stderr
     assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[0]),
                  "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",

@@ -368,6 +368,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from server.backbone import Backbone
     from server.modules import load_module
     from server.probe import probe_module
+    from training.baselines import majority
     from training.data import PRESETS, UsageError, file_spec, preset_spec
     from training.evaluate import file_role, score_module
     from training.settings import parse_label_map, pick_device
@@ -410,9 +411,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path))
     if not role.startswith(("test", "not a file")):
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
+    # the simplest answer on the same rows: every row given the file's own most frequent label (chosen on
+    # this file, so the best any constant answer scores here: no head should need a backbone to beat it)
+    gold = [ex.tags if token_task else ex.label for ex in data.examples]
+    constant = majority(gold, gold, multi_label=manifest.task_type == TaskType.multi_label_classification,
+                        labels=module.head.labels)
+    metric = module.manifest.metrics.get("metric") or next(k for k in ("f1", "accuracy", "f1_macro") if k in metrics)
+    answered = {TaskType.token_classification: "every word tagged with the file's most frequent tag",
+                TaskType.multi_label_classification: "every row answered with the file's most frequent label set"
+                }.get(manifest.task_type, "every row answered with the file's most frequent label")
+    baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
+                "margin": metrics[metric] - constant[metric], "majority_in_file_is": f"{answered} (chosen on it)"}
+    print(f"tmod-train eval: {metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} "
+          f"({baseline['margin']:+.4f})", file=sys.stderr)
     result = {"task": module.task, "version": module.version, "file": str(spec.path), "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
-              "metrics": metrics}
+              "metrics": metrics, "baseline": baseline}
     text = json.dumps(result, indent=2)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
