@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # TMOD_* variables read by tmod's other tools, not by tmod-serve (training and benchmark data)
 OTHER_TOOLS_VARIABLES = frozenset({"TMOD_DATA_DIR"})
+# what Kubernetes puts in a pod for each Service of its namespace named tmod[-...] (unless the pod sets
+# enableServiceLinks: false, as deploy/ does): TMOD_SERVICE_HOST, TMOD_HEADLESS_PORT_80_TCP_ADDR, ...
+SERVICE_LINK = re.compile(r"TMOD(_[A-Z0-9_]+?)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_[A-Z]+)?)?)")
 
 
 def unknown_variables(environ) -> list[str]:
@@ -56,7 +60,8 @@ def unknown_variables(environ) -> list[str]:
 
     known = {f"TMOD_{name.upper()}" for name in Settings.model_fields} | OTHER_TOOLS_VARIABLES
     return [f"environment variable {name} is not a tmod-serve setting{did_you_mean([name], known)}: ignored"
-            for name in sorted(environ) if name.startswith("TMOD_") and name not in known]
+            for name in sorted(environ) if name.startswith("TMOD_") and name not in known
+            and not SERVICE_LINK.fullmatch(name)]
 
 
 def main(argv=None) -> None:

@@ -77,6 +77,10 @@ def test_a_tmod_variable_that_names_no_setting_is_warned_of_with_the_likely_one(
     from server.cli import unknown_variables
 
     assert unknown_variables({"TMOD_PORT": "1", "TMOD_DATA_DIR": "x", "PATH": "/bin"}) == []
+    links = {"TMOD_SERVICE_HOST": "10.0.0.7", "TMOD_SERVICE_PORT": "80", "TMOD_SERVICE_PORT_HTTP": "80",
+             "TMOD_PORT_80_TCP": "tcp://10.0.0.7:80", "TMOD_PORT_80_TCP_ADDR": "10.0.0.7", "TMOD_HEADLESS_PORT":
+             "tcp://10.0.0.8:80", "TMOD_PREDICTOR_SERVICE_HOST": "10.0.0.9"}  # what Kubernetes adds per Service
+    assert unknown_variables(links) == []
 
 
 def test_log_level_is_read_in_either_case():
