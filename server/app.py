@@ -577,7 +577,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         require_module_changes(request)
         return AdminModules(store=str(settings.store.resolve()), backbone=msgspec.structs.asdict(model_info()),
                             tasks={task: module.version for task, module in sorted(runtime.modules.items())},
-                            modules_of=runtime.modules_of(), api_key=bool(settings.api_keys()))
+                            modules_of=runtime.modules_of(), api_key=bool(settings.api_keys()),
+                            not_served=dict(sorted(runtime.skipped.items())))
 
     @app.post("/admin/modules/{task}/{action}", response_model=ModuleActionResult, tags=["admin"],
               responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})

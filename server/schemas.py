@@ -276,3 +276,6 @@ class AdminModules(BaseModel):
                                        "those a loaded bridge leads to, each fingerprint with the backbone's name")
     api_key: bool = Field(False, description="whether inference routes need `Authorization: Bearer <key>` "
                           "(--api-key / TMOD_API_KEY): the request `tmod-train --load-into` prints sends it")
+    not_served: dict[str, str] = Field(default_factory=dict, description="tasks of the store that start-up left "
+                                       "out, each with why (an opt-in module, or none for this backbone) and how to "
+                                       "serve it; /readyz's `refused` lists those whose artifact failed its checks")

@@ -59,7 +59,7 @@ def test_the_module_listing_says_where_modules_come_from(live, store, tiny_backb
     fingerprint = tiny_backbone.fingerprint.short
     assert listing == {"store": str(store.root.resolve()), "tasks": {"sentiment": "2"},
                        "backbone": {"backbone": tiny_backbone.name, "fingerprint": fingerprint},
-                       "modules_of": {fingerprint: tiny_backbone.name}, "api_key": False}
+                       "modules_of": {fingerprint: tiny_backbone.name}, "api_key": False, "not_served": {}}
     admin(live, "sentiment", "unload")
     assert live.get("/admin/modules", headers=AUTH).json()["tasks"] == {}
 

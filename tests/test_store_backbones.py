@@ -103,7 +103,7 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
                                                             pooling="pair"), mpnet)
     path = store.path("entailment", "1") / "manifest.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "opt_in": "58.1% on RTE, TF-IDF 57.0%"}))
-    with LiveServer(create_app(Settings(store=store.root), backbone=bert)) as server:
+    with LiveServer(create_app(Settings(store=store.root, admin_token="t"), backbone=bert)) as server:
         ready = httpx.get(server.url + "/readyz").json()
         assert ready["tasks"] == ["sentiment"] and ready["refused"] == {}
         # asked for, it says why it is not served, and suggests no other task for it (it once offered 'sentiment')
@@ -119,6 +119,9 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
             server.url + "/v1/tasks/entailment").json()["error"]["message"]
         assert "entailment is not served: entailment/1 is opt-in" in httpx.post(
             server.url + "/classify", json={"model": "entailment", "input": "x"}).json()["error"]["message"]
+        admin = httpx.get(server.url + "/admin/modules", headers={"authorization": "Bearer t"}).json()
+        assert admin["tasks"] == {"sentiment": "1"} and list(admin["not_served"]) == ["entailment"]
+        assert admin["not_served"]["entailment"].startswith("entailment/1 is opt-in (58.1% on RTE, TF-IDF 57.0%)")
     with LiveServer(create_app(Settings(store=store.root, tasks="sentiment,entailment"), backbone=bert)) as server:
         assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment", "sentiment"]
     with LiveServer(create_app(Settings(store=store.root), backbone=mpnet)) as server:
