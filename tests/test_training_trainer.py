@@ -206,22 +206,30 @@ def test_select_last_trains_every_epoch_and_keeps_the_last(tmp_path, train_backb
     assert (tmp_path / "run" / "report" / "metrics.json").is_file()
 
 
-def test_validation_rows_whose_text_was_trained_on_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir,
+def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_are_said(tmp_path, train_backbone, train_backbone_dir,
                                                                          capsys):
     """A validation (or test) file sharing texts with the training file scores the head on what it
-    learnt: said on stderr, in the manifest's data and in report.md, never silent."""
+    learnt, and a text labelled two ways in training teaches both: each said on stderr, in the
+    manifest's data and in report.md, never silent."""
     train_file = write_sentiment(tmp_path / "train.tsv", 24, 0)
     rows = train_file.read_text().splitlines()
     validation_file = write_sentiment(tmp_path / "validation.tsv", 8, 1)
     validation_file.write_text(validation_file.read_text() + "\n".join(rows[1:4]) + "\n")  # 3 training rows again
+    text, label = rows[5].rsplit("\t", 1)
+    train_file.write_text(train_file.read_text() + f"{text}\t{1 - int(label)}\n")  # one text taught both labels
+    rows = train_file.read_text().splitlines()
     settings = TrainSettings(train=str(train_file), validation=str(validation_file), text_column="sentence",
                              label_column="label", layers="2", backbone=str(train_backbone_dir), task="sentiment",
                              run_dir=str(tmp_path / "run"), project_dim=16, epochs=1, states="recompute", progress=False)
     result = train(settings, backbone=train_backbone)
     assert result.training["data"]["validation_rows_also_in_training"] == 3
-    assert "3 of 11 validation rows hold a text the training rows hold too" in capsys.readouterr().err
+    assert result.training["data"]["train_texts_labelled_two_ways"] == 1
+    err = capsys.readouterr().err
+    assert "3 of 11 validation rows hold a text the training rows hold too" in err
+    assert "training texts labelled more than one way (the same text, different labels): 1; check them" in err
     report = (tmp_path / "run" / "report" / "report.md").read_text()
     assert "- 3 of the 11 validation rows hold a text the training rows hold too" in report
+    assert "- training texts labelled more than one way (the same text, different labels): 1" in report
 
 
 def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):

@@ -83,6 +83,9 @@ def report_text(result) -> str:
     else:
         lines.append("- test: none (give --test FILE, or --split VAL,TEST): only the validation number above exists")
     data = result.training.get("data", {})
+    if data.get("train_texts_labelled_two_ways"):
+        lines.append("- training texts labelled more than one way (the same text, different labels): "
+                     f"{data['train_texts_labelled_two_ways']}")
     for name in ("validation", "test"):
         if data.get(f"{name}_rows_also_in_training"):
             lines.append(f"- {data[f'{name}_rows_also_in_training']} of the {data[f'{name}_examples']} {name} rows hold "

@@ -98,6 +98,11 @@ def resolve_data(s: TrainSettings) -> Splits:
     for name, part in (("validation", validation), ("test", test)):  # given as files, they may share texts
         if part is not None:
             provenance[f"{name}_rows_also_in_training"] = sum(text_key(ex) in learnt for ex in part.examples)
+    if train.task_type != TaskType.token_classification:  # the same text taught two answers: label noise
+        answers: dict = {}
+        for ex in train.examples:
+            answers.setdefault(text_key(ex), set()).add(ex.label)
+        provenance["train_texts_labelled_two_ways"] = sum(len(labels) > 1 for labels in answers.values())
     metric = check_options(s, train, labels, metric)
     return Splits(train, validation, test, labels, metric, provenance)
 

@@ -346,6 +346,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         print(f"the labels are numbers ({', '.join(labels[:5])}{', ...' if len(labels) > 5 else ''}): the server will "
               f"answer them as they are; --labels NAME,NAME,... (in their order) or --label-map {example} names them",
               file=sys.stderr)
+    if provenance.get("train_texts_labelled_two_ways"):  # said: the head cannot learn both answers
+        print(f"training texts labelled more than one way (the same text, different labels): "
+              f"{provenance['train_texts_labelled_two_ways']}; check them, or keep one label each", file=sys.stderr)
     for name in ("validation", "test"):
         shared = provenance.get(f"{name}_rows_also_in_training")
         if shared:  # said, not silent: scores on texts the head learnt flatter it
