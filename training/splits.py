@@ -101,7 +101,7 @@ def resolve_data(s: TrainSettings) -> Splits:
     if train.task_type != TaskType.token_classification:  # the same text taught two answers: label noise
         answers: dict = {}
         for ex in train.examples:
-            answers.setdefault(text_key(ex), set()).add(ex.label)
+            answers.setdefault(text_key(ex), set()).add(ex.label if isinstance(ex.label, str) else frozenset(ex.label))
         provenance["train_texts_labelled_two_ways"] = sum(len(labels) > 1 for labels in answers.values())
     metric = check_options(s, train, labels, metric)
     return Splits(train, validation, test, labels, metric, provenance)
