@@ -498,6 +498,20 @@ def test_a_repeated_text_is_carved_into_one_part(seed):
         f"text {i}" for i in sorted(old_carve_rows(once, seed))]
 
 
+def test_rows_shared_across_given_files_are_counted(tmp_path):
+    """--validation and --test given as files may share texts with training, or with each other."""
+    from training.settings import TrainSettings
+    from training.splits import resolve_data
+
+    train = write(tmp_path / "train.tsv", "text\tlabel\n" + "".join(f"train {i}\t{'ab'[i % 2]}\n" for i in range(20)))
+    validation = write(tmp_path / "validation.tsv", "text\tlabel\nval 0\ta\nval 1\tb\ntrain 3\tb\n")
+    test = write(tmp_path / "test.tsv", "text\tlabel\ntest 0\ta\nval 0\ta\nval 1\tb\ntrain 4\ta\ntrain 5\tb\n")
+    data = resolve_data(TrainSettings(train=train, validation=validation, test=test))
+    counts = {k: v for k, v in data.provenance.items() if k.endswith(("_in_training", "_in_validation"))}
+    assert counts == {"validation_rows_also_in_training": 1, "test_rows_also_in_training": 2,
+                      "test_rows_also_in_validation": 2}
+
+
 def old_carve_rows(data, seed):
     """The validation rows carve chose row by row before it kept a text's rows together."""
     import random

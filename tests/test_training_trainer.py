@@ -218,18 +218,24 @@ def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_a
     text, label = rows[5].rsplit("\t", 1)
     train_file.write_text(train_file.read_text() + f"{text}\t{1 - int(label)}\n")  # one text taught both labels
     rows = train_file.read_text().splitlines()
-    settings = TrainSettings(train=str(train_file), validation=str(validation_file), text_column="sentence",
-                             label_column="label", layers="2", backbone=str(train_backbone_dir), task="sentiment",
-                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=1, states="recompute", progress=False)
+    test_file = write_sentiment(tmp_path / "test.tsv", 6, 2)
+    test_file.write_text(test_file.read_text() + "\n".join(validation_file.read_text().splitlines()[1:3]) + "\n")
+    settings = TrainSettings(train=str(train_file), validation=str(validation_file), test=str(test_file),
+                             text_column="sentence", label_column="label", layers="2", backbone=str(train_backbone_dir),
+                             task="sentiment", run_dir=str(tmp_path / "run"), project_dim=16, epochs=1,
+                             states="recompute", progress=False)
     result = train(settings, backbone=train_backbone)
     assert result.training["data"]["validation_rows_also_in_training"] == 3
+    assert result.training["data"]["test_rows_also_in_validation"] == 2
     assert result.training["data"]["train_texts_labelled_two_ways"] == 1
     err = capsys.readouterr().err
     assert "3 of 11 validation rows hold a text the training rows hold too" in err
     assert "training texts labelled more than one way (the same text, different labels): 1; check them" in err
+    assert "2 of 8 test rows hold a text the validation rows hold too: the epoch was chosen on them" in err
     report = (tmp_path / "run" / "report" / "report.md").read_text()
     assert "- 3 of the 11 validation rows hold a text the training rows hold too" in report
     assert "- training texts labelled more than one way (the same text, different labels): 1" in report
+    assert "- 2 of the 8 test rows hold a text the validation rows hold too: the epoch was chosen on them" in report
 
 
 def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):

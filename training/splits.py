@@ -98,6 +98,9 @@ def resolve_data(s: TrainSettings) -> Splits:
     for name, part in (("validation", validation), ("test", test)):  # given as files, they may share texts
         if part is not None:
             provenance[f"{name}_rows_also_in_training"] = sum(text_key(ex) in learnt for ex in part.examples)
+    if test is not None:  # validation chose the epoch: a test row it holds too is not wholly unseen
+        chose = {text_key(ex) for ex in validation.examples}
+        provenance["test_rows_also_in_validation"] = sum(text_key(ex) in chose for ex in test.examples)
     if train.task_type != TaskType.token_classification:  # the same text taught two answers: label noise
         answers: dict = {}
         for ex in train.examples:

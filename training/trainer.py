@@ -355,6 +355,10 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
             print(f"{shared} of {provenance[f'{name}_examples']} {name} rows hold a text the training rows hold too: "
                   f"the {name} scores count them, so they flatter the head; drop them from one of the files (--split "
                   "keeps a text's rows in one part)", file=sys.stderr)
+    if provenance.get("test_rows_also_in_validation"):
+        print(f"{provenance['test_rows_also_in_validation']} of {provenance['test_examples']} test rows hold a text the "
+              "validation rows hold too: the epoch was chosen on them, so the test score is not wholly unseen",
+              file=sys.stderr)
     if s.threads:
         torch.set_num_threads(s.threads)
     device = pick_device(s.device)
