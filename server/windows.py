@@ -104,7 +104,7 @@ def settings_for(text: TextEncoder, max_tokens: int | None, window: int | None =
     the limits), else the server's settings (`window_tokens`, `window_stride`), else the measured
     default of the request's tasks (`task_window`: `measured_window`), else the backbone's default:
     its trained length where it states one, else its token limit; `default_stride`."""
-    limit = min(text.max_tokens, max_tokens) if max_tokens else text.max_tokens
+    limit = text.row_limit(max_tokens)
     if window is None:
         window = min(server_window or task_window or trained_length(str(getattr(text.tokenizer, "name_or_path", "")))
                      or limit, limit)
@@ -133,7 +133,7 @@ def server_window_problem(text: TextEncoder, max_tokens: int | None, window_toke
     such request 422 for a setting the client never sent."""
     if window_tokens is None:
         return None
-    limit = min(text.max_tokens, max_tokens) if max_tokens else text.max_tokens
+    limit = text.row_limit(max_tokens)
     stride = window_stride if window_stride is not None else default_stride(window_tokens)
     problem = window_problem(window_tokens, stride, limit, names=("--window-tokens", "--window-stride"))
     return f"{problem} with --max-tokens {max_tokens}" if problem and limit < text.max_tokens else problem

@@ -730,6 +730,10 @@ class TextEncoder:
         """encode() then collate(): a padded batch in input order."""
         return self.collate(self.encode(texts, text_pairs, truncate, max_tokens))
 
+    def row_limit(self, max_tokens: int | None = None) -> int:
+        """The most word pieces one row may hold: the model's limit, or a lower `max_tokens`."""
+        return min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
+
     def encode(self, texts, text_pairs=None, truncate: bool | str = False, max_tokens: int | None = None,
                whole: bool = False) -> list[EncodedInput]:
         """Tokenize with offsets. Inputs over the token limit (the model's, or a lower
@@ -738,7 +742,7 @@ class TextEncoder:
         (server/windows.py cuts such inputs into windows)."""
         texts = list(texts)
         pairs = list(text_pairs) if text_pairs is not None else None
-        limit = min(max_tokens, self.max_tokens) if max_tokens else self.max_tokens
+        limit = self.row_limit(max_tokens)
         inputs = texts if pairs is None else list(zip(texts, pairs))
         if len(texts) == 1:  # one input: no batch (the library's thread pool is not worth it)
             encodings = [self.plain.encode(texts[0], None if pairs is None else pairs[0])]
