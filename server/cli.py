@@ -114,7 +114,7 @@ def tasks_problem(settings: Settings) -> str | None:
 
     store = ModuleStore(settings.store)
     held = store.tasks()
-    named = [name.partition("/")[0].strip() for name in wanted]
+    named = [task for task, _ in settings.task_pins()]
     twice = sorted({task for task in named if named.count(task) > 1})
     if twice:
         return f"--tasks / TMOD_TASKS names {twice[0]!r} twice (got {settings.tasks!r}): name each task once"

@@ -189,13 +189,15 @@ class Settings(BaseSettings):
         """The tasks named in `tasks`, as named (a pinned version included: 'ner/2')."""
         return [t.strip() for t in (self.tasks or "").split(",") if t.strip()]
 
+    def task_pins(self) -> list[tuple[str, str | None]]:
+        """(task, the version pinned in `tasks` ('ner/2'), or None for the newest this backbone serves),
+        in the order named, a task named twice twice."""
+        return [(task.strip(), version.strip() or None)
+                for task, _, version in (name.partition("/") for name in self.task_list())]
+
     def task_versions(self) -> dict[str, str | None]:
-        """{task: the version pinned in `tasks` ('ner/2'), or None for the newest this backbone serves}."""
-        pinned = {}
-        for name in self.task_list():
-            task, _, version = name.partition("/")
-            pinned[task.strip()] = version.strip() or None
-        return pinned
+        """{task: its pinned version or None} (`task_pins`)."""
+        return dict(self.task_pins())
 
     def api_keys(self) -> list[str]:
         """The API keys accepted (none: no key asked)."""
