@@ -224,6 +224,7 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     count_error(request.app, type_)
     headers = exc.headers
-    if headers and headers.get("Allow") == "GET":  # the raw layer answers HEAD as GET (server/app.py)
-        headers = {**headers, "Allow": "GET, HEAD"}
+    allowed = (headers or {}).get("Allow", "").split(", ")
+    if "GET" in allowed and "HEAD" not in allowed:  # the raw layer answers HEAD as GET (server/app.py)
+        headers = {**headers, "Allow": ", ".join([*allowed, "HEAD"])}
     return error_response(path, exc.status_code, type_, str(exc.detail)[:200], headers=headers)
