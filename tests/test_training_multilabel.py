@@ -15,6 +15,7 @@ from server.modules import load_module
 from training.cli import main
 from training.data import GOEMOTIONS_LABELS, PRESETS, preset_spec, read_table
 from training.metrics import choose_thresholds, label_f1_by_threshold, multilabel_scores
+from training.report import per_label_table
 from training.trainer import task_loss
 
 COLOURS = {"red": "warm", "orange": "warm", "blue": "cold", "ice": "cold", "loud": "noisy", "drum": "noisy"}
@@ -75,6 +76,23 @@ def test_scores_and_threshold_choice_by_hand():
     chosen = choose_thresholds(gold, probs, ["a", "b"], grid)
     assert chosen["rule"] == "per_label" and chosen["thresholds"] == {"a": 0.5, "b": 0.25}
     assert chosen["per_label_f1_macro"] == 1.0 > chosen["global_f1_macro"]
+
+
+def test_a_label_without_validation_evidence_takes_the_global_threshold():
+    # c has no positive row in this split: its F1 is 0 at every threshold, so nothing chose a threshold
+    # for it; the grid's lowest (0.02 in training) would answer it on nearly every text
+    gold = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 0]], dtype=bool)
+    probs = np.array([[0.9, 0.2, 0.3], [0.6, 0.35, 0.3], [0.1, 0.3, 0.3], [0.3, 0.1, 0.3]])
+    chosen = choose_thresholds(gold, probs, ["a", "b", "c"], (0.1, 0.25, 0.5, 0.75))
+    # macro F1 at 0.1, 0.25, 0.5: 0.44, 0.6, 0.33 (c adds 0 to each); a is best at 0.5, b at 0.25
+    assert chosen["rule"] == "per_label" and chosen["global_threshold"] == 0.25
+    assert chosen["thresholds"] == {"a": 0.5, "b": 0.25, "c": 0.25}
+    assert chosen["threshold_rule"].endswith("take the global one: c")
+    # the per-label table says c's F1 0 is the split's, not the head's
+    scores = multilabel_scores(gold, probs >= 0.25, ["a", "b", "c"])
+    table = per_label_table(scores, chosen["thresholds"])
+    assert "No row of the validation split carries c (support 0)" in table
+    assert "carries a" not in table and "carries b" not in table
 
 
 @pytest.fixture(scope="module")

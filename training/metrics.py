@@ -135,11 +135,14 @@ def choose_thresholds(gold: np.ndarray, probs: np.ndarray, labels: Sequence[str]
     """Decision thresholds for a multi-label head, chosen on (validation) data: one global threshold
     (the grid value with the best macro F1) or one per label (each label's best F1 on the grid; macro F1
     is a mean over labels, so this maximises it too), whichever gives the better macro F1 (ties: global,
-    the simpler rule). Returns the manifest's `decoding` entries and what each rule scored."""
+    the simpler rule). A label the split gives no evidence on (F1 0 at every threshold: no positive row,
+    or none found) takes the global threshold, not the grid's lowest, which would answer it on nearly every
+    text. Returns the manifest's `decoding` entries and what each rule scored."""
     table = label_f1_by_threshold(gold, probs, grid)
     macro = table.mean(1)
     best_global = int(np.argmax(macro))  # first of equal maxima: the lowest threshold
-    per_label = table.argmax(0)
+    no_evidence = table.max(0) == 0
+    per_label = np.where(no_evidence, best_global, table.argmax(0))
     per_label_macro = float(table[per_label, np.arange(len(labels))].mean())
     global_macro = float(macro[best_global])
     if per_label_macro > global_macro:
@@ -148,11 +151,15 @@ def choose_thresholds(gold: np.ndarray, probs: np.ndarray, labels: Sequence[str]
     else:
         rule = "global"
         thresholds = {label: float(grid[best_global]) for label in labels}
+    unfitted = [label for label, none in zip(labels, no_evidence) if none]
+    unfitted_note = (f"; {len(unfitted)} label(s) with F1 0 at every threshold there (no positive row, or none "
+                     f"found) take the global one: {', '.join(unfitted)}" if unfitted and rule == "per_label" else "")
     return {
         "thresholds": thresholds,
         "threshold_rule": f"{rule}: of one global threshold (macro F1 {global_macro:.4f} at {grid[best_global]}) and "
                           f"one per label (macro F1 {per_label_macro:.4f}), the better on the validation split; "
-                          f"grid {grid[0]}..{grid[-1]} step {round(grid[1] - grid[0], 4)}, predicted at p >= threshold",
+                          f"grid {grid[0]}..{grid[-1]} step {round(grid[1] - grid[0], 4)}, predicted at p >= threshold"
+                          f"{unfitted_note}",
         "rule": rule, "global_threshold": float(grid[best_global]),
         "global_f1_macro": global_macro, "per_label_f1_macro": per_label_macro,
     }

@@ -116,6 +116,7 @@ def report_text(result) -> str:
                   "| --- | ---: | ---: | ---: | ---: |"]
         lines += [f"| {k} | {r['precision']:.3f} | {r['recall']:.3f} | {r['f1']:.3f} | {r['support']} |"
                   for k, r in rows.items()]
+        lines += absent_note(rows, a["split"])
     if a.get("confusion"):
         lines += ["", "Confusion matrix: confusion.png (rows: gold, columns: predicted)."]
     if a.get("worst"):
@@ -157,7 +158,17 @@ def per_label_table(metrics: dict, thresholds: dict) -> str:
         t = thresholds.get(label)
         lines.append(f"| {label} | {'' if t is None else f'{t:.2f}'} | {row['precision']:.3f} | {row['recall']:.3f} | "
                      f"{row['f1']:.3f} | {row['support']} | {row['predicted']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + absent_note(metrics["per_label"], "validation")) + "\n"
+
+
+def absent_note(rows: dict, split: str) -> list[str]:
+    """A line under a per-label table naming the labels the split has no row of: their F1 0 says
+    nothing about the head, yet counts in the macro mean."""
+    absent = [label for label, row in rows.items() if row["support"] == 0]
+    if not absent:
+        return []
+    return ["", f"No row of the {split} split carries {', '.join(absent)} (support 0): F1 is 0 there whatever the "
+                "head answers, and counts as 0 in the macro mean (scikit-learn's zero_division=0)."]
 
 
 def plot_per_label(per_label: dict, thresholds: dict, path: Path, title: str) -> None:
