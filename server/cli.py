@@ -71,9 +71,7 @@ def main(argv=None) -> None:
     except ValidationError as exc:  # a setting out of range, from a flag or TMOD_*: one line, no traceback
         raise SystemExit(f"tmod-serve: {setting_problem(exc)}") from None
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
-    if not problem and not settings.store.is_dir():  # a typo would serve nothing, quietly
-        problem = f"the module store {settings.store} is not a directory (--store / TMOD_STORE)"
-    problem = problem or backbone_problem(settings.backbone, settings.cache_dir) or tasks_problem(settings) \
+    problem = problem or store_problem(settings.store) or backbone_problem(settings.backbone, settings.cache_dir) or tasks_problem(settings) \
         or port_problem(settings.host, settings.port)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
@@ -84,6 +82,21 @@ def main(argv=None) -> None:
         serve_settings(settings)
     finally:
         exit_status()
+
+
+def store_problem(store: Path) -> str | None:
+    """A --store that is no folder, or is one task's or one module's folder (the store is above it):
+    either would start a server with nothing to serve, quietly."""
+    if not store.is_dir():
+        return f"the module store {store} is not a directory (--store / TMOD_STORE)"
+    if (store / "manifest.json").is_file():
+        return (f"--store / TMOD_STORE: {store} is one module's folder (it holds manifest.json), not a store of "
+                f"tasks; give the store two folders up: --store {store.parent.parent}")
+    versions = sorted(child.name for child in store.iterdir() if (child / "manifest.json").is_file())
+    if versions:
+        return (f"--store / TMOD_STORE: {store} is one task's folder (versions {', '.join(versions)}), not a store of "
+                f"tasks; give the store it is in: --store {store.parent}")
+    return None
 
 
 def backbone_problem(backbone: Path | str | None, cache_dir: Path | None = None) -> str | None:
