@@ -9,6 +9,20 @@ from pathlib import Path
 from modules_store.manifest import BackboneFingerprint, BridgeManifest, Manifest, TaskType, sha256_file
 
 DEFAULT_STORE = Path(__file__).resolve().parent
+
+
+def misplaced_store(root: Path) -> str | None:
+    """Where `root`, given as a store, is one task's or one module's folder (the store is above it):
+    served, it would serve nothing; trained into, the module would land where no store finds it."""
+    if (root / "manifest.json").is_file():
+        return (f"{root} is one module's folder (it holds manifest.json), not a store of tasks; give the store "
+                f"two folders up: {root.parent.parent}")
+    versions = sorted(child.name for child in root.iterdir() if (child / "manifest.json").is_file()) \
+        if root.is_dir() else []
+    if versions:
+        return (f"{root} is one task's folder (versions {', '.join(versions)}), not a store of tasks; give the "
+                f"store it is in: {root.parent}")
+    return None
 STORE_NAMES = {"ArtifactError", "ModuleStore", "StoredModule"}
 
 
@@ -30,5 +44,6 @@ __all__ = [
     "ModuleStore",
     "StoredModule",
     "TaskType",
+    "misplaced_store",
     "sha256_file",
 ]

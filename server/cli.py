@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from modules_store import misplaced_store
 from server.config import Settings, device_problem
 from server.logs import configure_logging
 
@@ -85,18 +86,12 @@ def main(argv=None) -> None:
 
 
 def store_problem(store: Path) -> str | None:
-    """A --store that is no folder, or is one task's or one module's folder (the store is above it):
-    either would start a server with nothing to serve, quietly."""
+    """A --store that is no folder, or is one task's or one module's folder: either would start a
+    server with nothing to serve, quietly."""
     if not store.is_dir():
         return f"the module store {store} is not a directory (--store / TMOD_STORE)"
-    if (store / "manifest.json").is_file():
-        return (f"--store / TMOD_STORE: {store} is one module's folder (it holds manifest.json), not a store of "
-                f"tasks; give the store two folders up: --store {store.parent.parent}")
-    versions = sorted(child.name for child in store.iterdir() if (child / "manifest.json").is_file())
-    if versions:
-        return (f"--store / TMOD_STORE: {store} is one task's folder (versions {', '.join(versions)}), not a store of "
-                f"tasks; give the store it is in: --store {store.parent}")
-    return None
+    misplaced = misplaced_store(store)
+    return f"--store / TMOD_STORE: {misplaced}" if misplaced else None
 
 
 def backbone_problem(backbone: Path | str | None, cache_dir: Path | None = None) -> str | None:

@@ -114,10 +114,10 @@ def test_named_backbones_pass_the_start_up_check():
                                        "(--store / TMOD_STORE)"),
     (["--store", str(ROOT / "modules_store" / "ner")], {},  # served nothing: "no module loaded from the store"
      f"tmod-serve: --store / TMOD_STORE: {ROOT / 'modules_store' / 'ner'} is one task's folder (versions 1, 2, 3, mpnet-1, mpnet-2), "
-     f"not a store of tasks; give the store it is in: --store {ROOT / 'modules_store'}"),
+     f"not a store of tasks; give the store it is in: {ROOT / 'modules_store'}"),
     (["--store", str(ROOT / "modules_store" / "ner" / "3")], {},
      f"tmod-serve: --store / TMOD_STORE: {ROOT / 'modules_store' / 'ner' / '3'} is one module's folder (it holds "
-     f"manifest.json), not a store of tasks; give the store two folders up: --store {ROOT / 'modules_store'}"),
+     f"manifest.json), not a store of tasks; give the store two folders up: {ROOT / 'modules_store'}"),
     (["--tasks", "ner,sentimnt"], {}, "tmod-serve: --tasks / TMOD_TASKS: no task 'sentimnt' in the store "),
     ([], {"TMOD_TASKS": " , "}, "tmod-serve: --tasks / TMOD_TASKS names no task (got ' , ')"),
     (["--tasks", "ner/9"], {}, "tmod-serve: --tasks / TMOD_TASKS: no version '9' of 'ner' in the store "),

@@ -331,6 +331,20 @@ def test_labels_that_are_numbers_are_pointed_at_label_map(tmp_path, capsys):
         "order) or --label-map 0=...,1=... names them" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given, above", [("store/greeting", "store"), ("store/greeting/1", "store")])
+def test_a_store_that_is_a_task_or_module_folder_is_one_line(tmp_path, capsys, tables, given, above):
+    # the new module would have landed in store/greeting/greeting/2, where no store finds it
+    _, train, validation = tables
+    module = tmp_path / "store" / "greeting" / "1"
+    module.mkdir(parents=True)
+    (module / "manifest.json").write_text("{}")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation,
+                                             "--store", str(tmp_path / given), "--task", "greeting"))
+    assert line.endswith(f"not a store of tasks; give the store {'it is in' if given.count('/') == 1 else 'two folders up'}"
+                         f": {tmp_path / above}"), line
+    assert not (tmp_path / given / "greeting").exists()
+
+
 def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):
     _, train, _ = tables
     validation = write(tmp_path / "v.tsv", "text\tlabel\nhow many ?\tNUM\n")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from modules_store import ModuleStore, TaskType
+from modules_store import ModuleStore, TaskType, misplaced_store
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir
 from server.heads import Head
@@ -335,6 +335,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
     store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
+    if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
+        raise UsageError(f"--store: {misplaced}")
     if store.path(task, s.version).exists() and not s.overwrite:  # say so now, not after training
         free = 1 + max((int(v) for v in store.versions(task) if v.isdigit()), default=0)
         raise UsageError(f"{task}/{s.version} already exists in {store.root}; pick another --version (the next "
