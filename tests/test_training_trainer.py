@@ -133,6 +133,30 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     printed = capsys.readouterr()
     assert json.loads(printed.out)["file_role"].startswith("training: the head was trained on this file")
     assert "not held out" in printed.err
+    # without --label-map: the file's class ids are named as the training run named its own (they were
+    # refused: "class ids need their names: --label-map 0=NAME,1=NAME,...")
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                 "--text-column", "sentence", "--label-column", "label", "--backbone", str(train_backbone_dir),
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["metrics"]["accuracy"] == pytest.approx(manifest.metrics["accuracy"])
+    assert f"{sentiment_files[1]}: class ids named by the --label-map of sentiment's training run" in printed.err
+
+
+def test_eval_names_class_ids_by_their_place_in_the_training_labels(sentiment_run, sentiment_files):
+    from training.cli import named_as_in_training
+    from training.data import file_spec
+
+    run, _ = sentiment_run
+    manifest = ModuleStore(run / "store").read_manifest("sentiment")
+    spec = file_spec(sentiment_files[1], None, "sentence", "label")
+    ids = spec.read()
+    assert set(ids.labels_seen()) == {"0", "1"}
+    by_place = manifest.model_copy(update={"training": {"settings": {"labels": ["positive", "negative"]}}})
+    _, named = named_as_in_training(spec, ids, by_place)
+    assert [ex.label for ex in named.examples] == [["positive", "negative"][int(ex.label)] for ex in ids.examples]
+    untold = manifest.model_copy(update={"training": {"settings": {}}})  # the module's label order alone: not used
+    assert named_as_in_training(spec, ids, untold)[1] is ids
 
 
 def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train_backbone_dir):

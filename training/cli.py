@@ -18,6 +18,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 S = argparse.SUPPRESS  # options left out stay out, so the config file and defaults show through
@@ -389,7 +390,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         spec = file_spec(args.file, args.format, args.text_column, args.label_column, args.pair_column,
                          args.header is not False, parse_label_map(args.label_map),
                          multi_label=manifest.task_type == TaskType.multi_label_classification)
-    data = spec.read().subset(args.max_examples, seed=0)
+    data = spec.read()
+    if args.file and not args.label_map and not set(data.labels_seen()) <= set(manifest.labels):
+        spec, data = named_as_in_training(spec, data, manifest)
+    data = data.subset(args.max_examples, seed=0)
     token_task = manifest.task_type == TaskType.token_classification
     if (data.task_type == TaskType.token_classification) != token_task:
         hint = " (a CoNLL file under another name? give --format conll)" if token_task else ""
@@ -398,7 +402,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     head_labels = manifest.labels
     unknown = sorted(set(data.labels_seen()) - set(head_labels))
     if unknown:
-        # (class ids are not named by the module's label order: it need not be the dataset's id order)
         hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) else ""
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
     device = str(pick_device(args.device))
@@ -433,6 +436,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text + "\n")
     print(text)
     return 0
+
+
+def named_as_in_training(spec, data, manifest):
+    """A scored file's class ids (0, 1, ...) named as the module's training run named its own files':
+    by its --label-map, or by their place in its --labels (never by the module's label order alone:
+    that need not be the ids' order). Else the file as read."""
+    trained = manifest.training.get("settings", {})
+    seen = set(data.labels_seen())
+    if trained.get("label_map") and seen <= set(trained["label_map"]):
+        spec = replace(spec, label_map=trained["label_map"])
+        named, how = spec.read(), "by the --label-map"
+    elif trained.get("labels") and (named := data.named_by_position(trained["labels"])) is not data:
+        how = "by their place in the --labels"
+    else:
+        return spec, data
+    print(f"tmod-train eval: {spec.path}: class ids named {how} of {manifest.task}'s training run", file=sys.stderr)
+    return spec, named
 
 
 def main(argv: list[str] | None = None) -> int:
