@@ -46,8 +46,8 @@ from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
-                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, TaskDetail, TaskList,
-                            TeiTokenizeRequest, TokenizeRequest, decode, openapi_components)
+                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, RepositoryIndexRequest,
+                            TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode, openapi_components)
 
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
@@ -642,7 +642,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     @app.get("/v2", tags=["oip-v2"])
     async def oip_server_metadata():
-        return {"name": "tmod", "version": app.version, "extensions": ["binary_tensor_data", "classification"]}
+        return {"name": "tmod", "version": app.version,
+                "extensions": ["binary_tensor_data", "classification", "model_configuration"]}
 
     @app.get("/v2/health/live", tags=["oip-v2"])
     async def oip_live():
@@ -669,6 +670,29 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def oip_model_metadata(task: str, version: str | None = None):
         require_ready()
         return oip.model_metadata(oip_module(task, version))
+
+    @app.get("/v2/models/{task}/config", tags=["oip-v2"], responses={404: {}})
+    @app.get("/v2/models/{task}/versions/{version}/config", tags=["oip-v2"], responses={404: {}})
+    async def oip_model_config(task: str, version: str | None = None):
+        """Triton's model configuration extension (tritonclient's `get_model_config`)."""
+        require_ready()
+        return oip.model_config(oip_module(task, version))
+
+    @app.post("/v2/repository/index", tags=["oip-v2"])
+    async def oip_repository_index(request: Request):
+        """Triton's repository index (tritonclient's `get_model_repository_index`): each served task READY,
+        each the store holds but start-up left out or refused UNAVAILABLE with why; `{"ready": true}` asks
+        the READY ones only. Loading and unloading go through /admin (an admin token), not this route."""
+        require_ready()
+        body = await request.body()
+        ready_only = decode(RepositoryIndexRequest, body or b"{}", protocol_of(request.url.path)[1]).ready
+        index = [{"name": task, "version": module.version, "state": "READY", "reason": ""}
+                 for task, module in sorted(runtime.modules.items())]
+        if not ready_only:
+            left_out = {**runtime.skipped, **runtime.load_errors}
+            index += [{"name": task, "state": "UNAVAILABLE", "reason": why} for task, why in sorted(left_out.items())
+                      if task not in runtime.modules]
+        return index
 
     @app.get("/v2/models/{task}/ready", tags=["oip-v2"], responses={404: {}})
     @app.get("/v2/models/{task}/versions/{version}/ready", tags=["oip-v2"], responses={404: {}})

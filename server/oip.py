@@ -54,6 +54,23 @@ def model_metadata(module: LoadedModule) -> dict[str, Any]:
     }
 
 
+TRITON_TYPES = {"BYTES": "TYPE_STRING", "FP32": "TYPE_FP32"}
+
+
+def model_config(module: LoadedModule) -> dict[str, Any]:
+    """Triton's model configuration extension (`GET .../config`, tritonclient's `get_model_config`):
+    the metadata's tensors as a ModelConfig. `max_batch_size` 0: the batch dimension is the tensors'
+    own first one ([-1]), as the metadata declares it (tmod batches requests together itself)."""
+    def tensors(specs):
+        return [{"name": t["name"], "data_type": TRITON_TYPES[t["datatype"]], "dims": t["shape"]} for t in specs]
+
+    return {"name": module.task, "platform": f"tmod-{module.manifest.kind}", "backend": "tmod",
+            "version_policy": {"specific": {"versions": [module.version]}}, "max_batch_size": 0,
+            "input": tensors(input_specs(module)), "output": tensors(output_specs(module)),
+            "parameters": {"task_type": {"string_value": module.manifest.task_type.value},
+                           "labels": {"string_value": json.dumps(module.manifest.labels)}}}
+
+
 def input_specs(module: LoadedModule) -> list[dict[str, Any]]:
     """`text`; pair tasks (a text with a text pair) also `text_pair`, which they need."""
     inputs = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]

@@ -114,6 +114,11 @@ class TeiTokenizeRequest(Struct):
     add_special_tokens: bool = True
 
 
+class RepositoryIndexRequest(Struct):
+    """Triton's repository index body (`{}` or none: every model; other fields, as Triton's own, ignored)."""
+    ready: bool = False
+
+
 # ---- decoding: one pass, and the messages a client reads ------------------------------------------------
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
 _HUGE_INTEGER = re.compile(rb"[0-9]{%d}" % (sys.get_int_max_str_digits() + 1))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import numpy as np
@@ -106,3 +107,41 @@ def test_v2_errors(live):
                           headers={"inference-header-content-length": "99999"})
     assert response.status_code == 400 and "inference-header-content-length" in response.json()["error"]
     assert httpx.get(live.url + "/v2/models/sentiment/versions/7").status_code == 404
+
+
+def test_tritonclient_reads_model_configs_and_the_repository_index(live):
+    """Triton's model configuration extension and repository index, as tritonclient (and tools built on
+    it) ask for them: each was 404."""
+    client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
+    assert "model_configuration" in client.get_server_metadata()["extensions"]
+    for task in ("sentiment", "ner"):
+        metadata, config = client.get_model_metadata(task), client.get_model_config(task)
+        assert config["name"] == task and config["max_batch_size"] == 0  # the batch is the tensors' own [-1]
+        assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"] + config["output"]] == [
+            (t["name"], {"BYTES": "TYPE_STRING", "FP32": "TYPE_FP32"}[t["datatype"]], t["shape"])
+            for t in metadata["inputs"] + metadata["outputs"]]
+        assert json.loads(config["parameters"]["labels"]["string_value"]) == metadata["parameters"]["labels"]
+        assert client.get_model_config(task, metadata["versions"][0]) == config
+    with pytest.raises(tritonclient_http.InferenceServerException, match="no model 'telepathy'"):
+        client.get_model_config("telepathy")
+    served = {task["task"]: task["version"] for task in httpx.get(live.url + "/v1/tasks").json()["tasks"]}
+    index = client.get_model_repository_index()
+    assert index == [{"name": name, "version": version, "state": "READY", "reason": ""}
+                     for name, version in sorted(served.items())]
+    response = httpx.post(live.url + "/v2/repository/index", json={"ready": "yes"})
+    assert response.status_code == 422 and response.json()["type"] == "invalid_request"
+
+
+def test_the_repository_index_names_what_the_store_holds_but_does_not_serve(tmp_path, tiny_store, tiny_backbone):
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store.root, store)
+    weights = next((store / "ner").glob("*/weights.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-8])  # a broken artifact: refused at start-up, the others serve
+    with LiveServer(create_app(Settings(store=store), backbone=tiny_backbone)) as server:
+        client = tritonclient_http.InferenceServerClient(url=server.url.removeprefix("http://"))
+        index = client.get_model_repository_index()
+        ready = [entry for entry in index if entry["state"] == "READY"]
+        assert "ner" not in {entry["name"] for entry in ready} and ready
+        (refused,) = [entry for entry in index if entry["name"] == "ner"]
+        assert refused["state"] == "UNAVAILABLE" and "weights" in refused["reason"]
+        assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}).json() == ready
