@@ -345,6 +345,20 @@ def test_a_store_that_is_a_task_or_module_folder_is_one_line(tmp_path, capsys, t
     assert not (tmp_path / given / "greeting").exists()
 
 
+@pytest.mark.parametrize("name", ["reviews.xlsx", "reviews.csv"])
+def test_a_spreadsheet_workbook_is_refused_with_how_to_save_it_as_csv(tmp_path, capsys, tables, name):
+    """An Excel workbook, by its name or (renamed .csv) by its bytes: it was 'cannot tell the format' or
+    'not UTF-8 ... iconv', and read as text it is a few garbled rows."""
+    import zipfile
+
+    _, _, validation = tables
+    with zipfile.ZipFile(tmp_path / name, "w") as book:  # an .xlsx is a zip of XML parts
+        book.writestr("xl/worksheets/sheet1.xml", "<worksheet>" + "<row><c t='s'><v>0</v></c></row>" * 50 + "</worksheet>")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", str(tmp_path / name), "--validation", validation))
+    assert line.endswith(f"{tmp_path / name}: a spreadsheet workbook is not read; save the sheet as CSV first (Excel: "
+                         "File > Save As > CSV UTF-8; LibreOffice: Save As > Text CSV), or as tab-separated text")
+
+
 def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):
     _, train, _ = tables
     validation = write(tmp_path / "v.tsv", "text\tlabel\nhow many ?\tNUM\n")

@@ -35,11 +35,23 @@ FORMATS = ("tsv", "csv", "jsonl", "conll")
 ENCODING = "utf-8-sig"  # UTF-8, with or without the byte-order mark spreadsheets write first
 
 
+WORKBOOK_MAGIC = (b"PK\x03\x04", b"\xd0\xcf\x11\xe0")  # .xlsx / .ods (zip), .xls (OLE)
+WORKBOOK_SUFFIXES = ("xlsx", "xlsm", "xls", "ods")
+
+
+def workbook_error(path: Path) -> "UsageError":
+    return UsageError(f"{path}: a spreadsheet workbook is not read; save the sheet as CSV first (Excel: File > Save "
+                      "As > CSV UTF-8; LibreOffice: Save As > Text CSV), or as tab-separated text")
+
+
 def encoding_of(path: Path) -> str:
     """UTF-8 (ENCODING), or UTF-16 where the file starts with its byte-order mark (Excel's "Unicode
-    text", a TSV)."""
+    text", a TSV). A workbook (a zip or OLE file) is refused: read as text it is a few garbled rows."""
     with open(path, "rb") as fh:
-        return "utf-16" if fh.read(2) in (b"\xff\xfe", b"\xfe\xff") else ENCODING
+        start = fh.read(4)
+    if start.startswith(WORKBOOK_MAGIC):
+        raise workbook_error(path)
+    return "utf-16" if start[:2] in (b"\xff\xfe", b"\xfe\xff") else ENCODING
 
 
 class UsageError(ValueError):
@@ -537,6 +549,8 @@ def guess_format(path: Path) -> str:
         return "jsonl"
     if suffix in ("txt", "conll", "bio", "iob"):
         return "conll"
+    if suffix in WORKBOOK_SUFFIXES:
+        raise workbook_error(path)
     if suffix in ("parquet", "arrow"):  # a Hugging Face dataset's files
         raise UsageError(f"{path}: {suffix} is not read; write it as JSONL first, e.g. "
                          f"datasets.load_dataset('{suffix}', data_files='{path.name}')['train'].to_json('train.jsonl')")
