@@ -359,6 +359,23 @@ def test_a_spreadsheet_workbook_is_refused_with_how_to_save_it_as_csv(tmp_path, 
                          "File > Save As > CSV UTF-8; LibreOffice: Save As > Text CSV), or as tab-separated text")
 
 
+def test_gzip_compressed_files_read_as_their_plain_text(tmp_path, capsys, tables):
+    """train.tsv.gz, dev.conll.gz: read through gzip, the format from the name inside (it was 'cannot
+    tell the format', and with --format 'not UTF-8 ... iconv')."""
+    import gzip
+
+    _, train, _ = tables
+    packed = tmp_path / "train.tsv.gz"
+    packed.write_bytes(gzip.compress(Path(train).read_bytes()))
+    assert file_spec(packed).read().examples == file_spec(train).read().examples
+    conll = "EU B-ORG\nrejects O\n\nPeter B-PER\nBlackburn I-PER\n"
+    (tmp_path / "dev.conll.gz").write_bytes(gzip.compress(conll.encode()))
+    assert file_spec(tmp_path / "dev.conll.gz").read().examples == read_conll(write(tmp_path / "dev.conll", conll)).examples
+    (tmp_path / "cut.tsv.gz").write_bytes(packed.read_bytes()[:30])  # a download cut short
+    line = one_line_error(capsys, train_args(tmp_path, "--train", str(tmp_path / "cut.tsv.gz"), "--split", "0.3"))
+    assert f"{tmp_path / 'cut.tsv.gz'}: a broken gzip file (" in line and line.endswith("check it with gzip -t")
+
+
 def test_validation_label_never_seen_in_training(tmp_path, capsys, tables):
     _, train, _ = tables
     validation = write(tmp_path / "v.tsv", "text\tlabel\nhow many ?\tNUM\n")

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import bisect
 import csv
+import gzip
 import json
 import os
 import random
 import re
 import unicodedata
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -44,14 +46,22 @@ def workbook_error(path: Path) -> "UsageError":
                       "As > CSV UTF-8; LibreOffice: Save As > Text CSV), or as tab-separated text")
 
 
-def encoding_of(path: Path) -> str:
-    """UTF-8 (ENCODING), or UTF-16 where the file starts with its byte-order mark (Excel's "Unicode
-    text", a TSV). A workbook (a zip or OLE file) is refused: read as text it is a few garbled rows."""
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_text(path: Path, newline: str | None = None):
+    """The file as text: UTF-8 (ENCODING), or UTF-16 where it starts with its byte-order mark (Excel's
+    "Unicode text", a TSV); gzip-compressed (`train.tsv.gz`, as datasets are often published) or not.
+    A workbook (a zip or OLE file) is refused: read as text it is a few garbled rows."""
     with open(path, "rb") as fh:
+        compressed = fh.read(2) == GZIP_MAGIC
+    binary = gzip.open if compressed else open
+    with binary(path, "rb") as fh:
         start = fh.read(4)
     if start.startswith(WORKBOOK_MAGIC):
         raise workbook_error(path)
-    return "utf-16" if start[:2] in (b"\xff\xfe", b"\xfe\xff") else ENCODING
+    encoding = "utf-16" if start[:2] in (b"\xff\xfe", b"\xfe\xff") else ENCODING
+    return binary(path, "rt", encoding=encoding, newline=newline)
 
 
 class UsageError(ValueError):
@@ -173,7 +183,7 @@ def _by_default(column: Column | None, name: str, index: int, header: list[str] 
 
 def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
     """(line number, cells) of each non-blank row."""
-    with open(path, encoding=encoding_of(path), newline="") as fh:
+    with open_text(path, newline="") as fh:
         if fmt == "csv":
             first = fh.readline()
             fh.seek(0)
@@ -189,11 +199,13 @@ def _lines(path: Path):
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
     try:
-        with open(path, encoding=encoding_of(path)) as fh:
+        with open_text(path) as fh:
             yield from enumerate(fh, 1)
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}) nor UTF-16 with "
                          f"its byte-order mark; convert it first, e.g. iconv -f latin1 -t utf-8") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # cut short in a download, say
+        raise UsageError(f"{path}: a broken gzip file ({exc}); download it again, or check it with gzip -t") from None
 
 
 def read_table(path: str | Path, *, text_column: Column | None, label_column: Column | None,
@@ -490,7 +502,7 @@ def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int
     documents: list[list[TokenExample]] = []
     words, tags = [], []
     seen = 0  # words of the file before the current sentence (TokenExample.file_offset)
-    with open(path, encoding=encoding_of(path)) as fh:
+    with open_text(path) as fh:
         for line in [*fh, ""]:
             parts = line.split()
             if parts and parts[0] == "-DOCSTART-":
@@ -542,6 +554,8 @@ def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[
 
 
 def guess_format(path: Path) -> str:
+    if path.suffix.lower() == ".gz":  # train.tsv.gz: the name inside says what it is (read through gzip)
+        path = path.with_suffix("")
     suffix = path.suffix.lower().lstrip(".")
     if suffix in ("tsv", "csv", "jsonl"):
         return suffix
