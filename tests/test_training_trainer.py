@@ -157,6 +157,9 @@ def test_eval_names_class_ids_by_their_place_in_the_training_labels(sentiment_ru
     assert [ex.label for ex in named.examples] == [["positive", "negative"][int(ex.label)] for ex in ids.examples]
     untold = manifest.model_copy(update={"training": {"settings": {}}})  # the module's label order alone: not used
     assert named_as_in_training(spec, ids, untold)[1] is ids
+    on_a_preset = manifest.model_copy(update={"training": {"settings": {"dataset": "sst2"}}})  # its 0=negative,1=positive
+    _, named = named_as_in_training(spec, ids, on_a_preset)
+    assert [ex.label for ex in named.examples] == [["negative", "positive"][int(ex.label)] for ex in ids.examples]
 
 
 def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train_backbone_dir):

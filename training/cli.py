@@ -440,18 +440,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def named_as_in_training(spec, data, manifest):
     """A scored file's class ids (0, 1, ...) named as the module's training run named its own files':
-    by its --label-map, or by their place in its --labels (never by the module's label order alone:
-    that need not be the ids' order). Else the file as read."""
+    by its --label-map (a preset's own, for a run on a preset), or by their place in its --labels (never
+    by the module's label order alone: that need not be the ids' order). Else the file as read."""
+    from training.data import PRESETS
+
     trained = manifest.training.get("settings", {})
+    preset = PRESETS.get(trained.get("dataset"))
+    label_map = trained.get("label_map") or (dict(preset.label_map) if preset else None)
     seen = set(data.labels_seen())
-    if trained.get("label_map") and seen <= set(trained["label_map"]):
-        spec = replace(spec, label_map=trained["label_map"])
-        named, how = spec.read(), "by the --label-map"
+    if label_map and seen <= set(label_map):
+        spec = replace(spec, label_map=label_map)
+        named = spec.read()
+        how = (f"by the --label-map of {manifest.task}'s training run" if trained.get("label_map") else
+               f"as the {preset.name} preset that {manifest.task} was trained on names them")
     elif trained.get("labels") and (named := data.named_by_position(trained["labels"])) is not data:
-        how = "by their place in the --labels"
+        how = f"by their place in the --labels of {manifest.task}'s training run"
     else:
         return spec, data
-    print(f"tmod-train eval: {spec.path}: class ids named {how} of {manifest.task}'s training run", file=sys.stderr)
+    print(f"tmod-train eval: {spec.path}: class ids named {how}", file=sys.stderr)
     return spec, named
 
 
