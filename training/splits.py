@@ -75,7 +75,9 @@ def resolve_data(s: TrainSettings) -> Splits:
         if carved_test is not None:
             data["test"] = carved_test
         provenance["split"] = {"fractions": s.split, "seed": s.seed,
-                               "stratified": train.task_type == TaskType.sequence_classification,
+                               "stratified": {TaskType.sequence_classification: "by label",
+                                              TaskType.multi_label_classification: "by label sets (iterative)"
+                                              }.get(train.task_type, False),
                                "carved_from": str(specs["train"].path)}
     for split, part in data.items():
         if part.task_type != train.task_type:
@@ -210,9 +212,45 @@ def text_key(example) -> tuple:
     return example.text, getattr(example, "text_pair", None)
 
 
+def label_set_parts(label_sets: list[set], fractions: list[float], rng: random.Random) -> list[int]:
+    """Each label set's part (0 training, 1 validation, 2 test) for a multi-label split, stratified
+    by label as far as label sets allow: iterative stratification (Sechidis, Tsoumakas and Vlahavas,
+    ECML PKDD 2011). The rarest label still to place goes first; each example holding it goes to the
+    part that still wants most of that label (ties: most examples wanted, then by chance). A random cut
+    left rare labels out of validation (GoEmotions' grief), where thresholds are chosen."""
+    shares = [1 - sum(fractions), *fractions]
+    wanted = [len(label_sets) * share for share in shares]  # examples each part still wants
+    count = Counter(label for labels in label_sets for label in labels)
+    wanted_of = {label: [n * share for share in shares] for label, n in count.items()}
+    holders: dict = {label: [] for label in count}
+    for i, labels in enumerate(label_sets):
+        for label in labels:
+            holders[label].append(i)
+    part_of: list[int | None] = [None] * len(label_sets)
+
+    def place(i: int, desire: list[float]) -> None:
+        part = max(range(len(shares)), key=lambda p: (desire[p], wanted[p], rng.random()))
+        part_of[i] = part
+        wanted[part] -= 1
+        for label in label_sets[i]:
+            wanted_of[label][part] -= 1
+            count[label] -= 1
+
+    while any(count.values()):
+        label = min((label for label, n in count.items() if n), key=lambda label: (count[label], str(label)))
+        unplaced = [i for i in holders[label] if part_of[i] is None]
+        rng.shuffle(unplaced)
+        for i in unplaced:
+            place(i, wanted_of[label])
+    for i in [i for i, part in enumerate(part_of) if part is None]:  # no label at all
+        place(i, wanted)
+    return part_of
+
+
 def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[LabelledData, LabelledData, LabelledData | None]:
     """(train, validation, test or None) out of one split: `fractions` of each label's examples
-    (single-label tasks: stratified) or of all examples, chosen by a seeded shuffle; file order kept.
+    (single-label tasks: stratified; multi-label: `label_set_parts`) or of all examples, chosen by a
+    seeded shuffle; file order kept.
     The rows of one text go to one part (a text the head learnt, scored again, would flatter it: SST-2's
     training file holds 361 texts twice). A carved row holding a label (or tag) that no training row
     has goes back to training: the head cannot answer a label it never saw, and a rare one would
@@ -221,20 +259,26 @@ def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[Labell
     units: dict = {}  # a text -> its rows (one, unless the file repeats it)
     for i, ex in enumerate(data.examples):
         units.setdefault(text_key(ex), []).append(i)
-    groups: dict = {}
-    for rows in units.values():
-        first = data.examples[rows[0]]
-        key = first.label if data.task_type == TaskType.sequence_classification else None
-        groups.setdefault(key, []).append(rows)
     parts: list[list[int]] = [[], [], []]
-    for key in sorted(groups, key=str):
-        texts = groups[key]
-        rng.shuffle(texts)  # with no text repeated, the same shuffle (and so the same split) as row by row
-        cuts = [round(len(texts) * f) for f in fractions]
-        parts[1] += [i for rows in texts[:cuts[0]] for i in rows]
-        if len(cuts) == 2:
-            parts[2] += [i for rows in texts[cuts[0]:cuts[0] + cuts[1]] for i in rows]
-        parts[0] += [i for rows in texts[sum(cuts):] for i in rows]
+    if data.task_type == TaskType.multi_label_classification:
+        texts = list(units.values())
+        label_sets = [set().union(*(data.labels_of(data.examples[i]) for i in rows)) for rows in texts]
+        for rows, part in zip(texts, label_set_parts(label_sets, fractions, rng)):
+            parts[part] += rows
+    else:
+        groups: dict = {}
+        for rows in units.values():
+            first = data.examples[rows[0]]
+            key = first.label if data.task_type == TaskType.sequence_classification else None
+            groups.setdefault(key, []).append(rows)
+        for key in sorted(groups, key=str):
+            texts = groups[key]
+            rng.shuffle(texts)  # with no text repeated, the same shuffle (and so the same split) as row by row
+            cuts = [round(len(texts) * f) for f in fractions]
+            parts[1] += [i for rows in texts[:cuts[0]] for i in rows]
+            if len(cuts) == 2:
+                parts[2] += [i for rows in texts[cuts[0]:cuts[0] + cuts[1]] for i in rows]
+            parts[0] += [i for rows in texts[sum(cuts):] for i in rows]
     taught = {label for i in parts[0] for label in data.labels_of(data.examples[i])}
     for part in parts[1:]:
         for i in list(part):
