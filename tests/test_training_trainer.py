@@ -143,6 +143,26 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     assert f"{sentiment_files[1]}: class ids named by the --label-map of sentiment's training run" in printed.err
 
 
+def test_a_state_cache_over_the_free_memory_is_one_line_not_a_killed_run(sentiment_files, train_backbone_dir, tmp_path,
+                                                                        capsys, monkeypatch):
+    """A big file's states (a 500,000-review file: ~270 GB in fp16 on MiniLM) were allocated anyway, and
+    the kernel killed the run with no word; --states recompute trains without the cache."""
+    import training.trainer
+
+    monkeypatch.setattr(training.trainer, "free_memory", lambda: 100_000)  # 100 kB free
+    train_file, validation_file = sentiment_files
+    argv = ["layermix", "--train", str(train_file), "--validation", str(validation_file), "--text-column", "sentence",
+            "--label-column", "label", "--label-map", "0=negative,1=positive", "--backbone", str(train_backbone_dir),
+            "--store", str(tmp_path / "store"), "--run-dir", str(tmp_path / "run"), "--epochs", "1", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tmod-train layermix: error: the backbone states of 48 training and 24 validation examples (")
+    assert err.endswith("GB of memory and 0.0 GB is free: give --states recompute (no cache: the backbone reads the "
+                        "data every epoch), --layers with fewer states, or --max-train N")
+    assert not (tmp_path / "store").exists()
+    assert main([*argv, "--states", "recompute"]) == 0
+
+
 def test_eval_names_class_ids_by_their_place_in_the_training_labels(sentiment_run, sentiment_files):
     from training.cli import named_as_in_training
     from training.data import file_spec

@@ -120,6 +120,30 @@ class RecomputedStates:
                 yield index, hidden.clone()
 
 
+def free_memory() -> int | None:
+    """Bytes of memory this process may still take: the kernel's MemAvailable, or less where a
+    container's cgroup limit (v2, else v1) leaves less; None where neither can be read (not Linux)."""
+    def read(path: str) -> int | None:
+        try:
+            text = Path(path).read_text().split()
+        except OSError:
+            return None
+        return int(text[0]) if text and text[0].isdigit() else None
+
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = read(limit), read(usage)
+        if cap is not None and used is not None:
+            free = min(free, max(cap - used, 0))
+            break
+    return free
+
+
 class TokenStateCache:
     """Backbone states of every real token of a list of encoded inputs, computed once (no grad)
     and kept flat: one (total tokens + 1, H) tensor per state, row `starts[r] + t` holding token t

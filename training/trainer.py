@@ -45,7 +45,7 @@ from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
 from training.settings import TrainSettings, pick_device
-from training.states import CachedStates, RecomputedStates, Split
+from training.states import CachedStates, RecomputedStates, Split, free_memory
 
 @dataclass
 class TrainResult:
@@ -155,6 +155,20 @@ def cache_device(device: torch.device, splits: list[Split], layers: list[int], h
     return device if needed < free / 2 else torch.device("cpu")
 
 
+def check_cache_fits(splits: list[Split], layers: list[int], hidden_size: int, free: int | None = None) -> None:
+    """A state cache over 80 % of the free host memory is refused up front: filling it, the run would
+    be killed by the kernel after the backbone had read most of the data (no message, hours in)."""
+    tokens = sum(sum(split.lengths) + 1 for split in splits)
+    needed = tokens * len(layers) * hidden_size * 2
+    free = free_memory() if free is None else free
+    if free is not None and needed > 0.8 * free:
+        raise UsageError(
+            f"the backbone states of {len(splits[0])} training and {len(splits[1])} validation examples ({tokens:,} word "
+            f"pieces x {len(layers)} states x {hidden_size}, fp16) would take {needed / 1e9:.1f} GB of memory and "
+            f"{free / 1e9:.1f} GB is free: give --states recompute (no cache: the backbone reads the data every epoch), "
+            "--layers with fewer states, or --max-train N")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -231,10 +245,13 @@ def fit(head: Head, train_split: Split, val_split: Split, s: TrainSettings, devi
     """The states the head learns from (cached or recomputed per batch), then `train_epochs`."""
     layers = training_states(head)
     t0 = time.perf_counter()
+    hidden_size = train_split.backbone.hidden_size
+    where = cache_device(device, [train_split, val_split], layers, hidden_size) if s.states == "cache" else None
+    if where is not None and where.type == "cpu":
+        check_cache_fits([train_split, val_split], layers, hidden_size)
     tqdm.write(f"backbone states of {len(train_split)} training and {len(val_split)} validation examples: "
-               f"{'cached once' if s.states == 'cache' else 'recomputed every epoch'}", file=sys.stderr)
-    if s.states == "cache":
-        where = cache_device(device, [train_split, val_split], layers, train_split.backbone.hidden_size)
+               f"{'cached once' if where is not None else 'recomputed every epoch'}", file=sys.stderr)
+    if where is not None:
         disk = default_cache_dir() / "states" if s.state_cache else None
         train_source = CachedStates(train_split, layers, s.eval_batch_size, device=where, progress=s.progress,
                                     desc="caching train states", disk=disk)
