@@ -163,6 +163,41 @@ def test_a_state_cache_over_the_free_memory_is_one_line_not_a_killed_run(sentime
     assert main([*argv, "--states", "recompute"]) == 0
 
 
+def test_ctrl_c_in_a_later_epoch_keeps_the_best_so_far_and_finishes(sentiment_files, train_backbone_dir, tmp_path,
+                                                                     capsys, monkeypatch):
+    """Ctrl-C in epoch 3 of a long run: epochs 1-2 were a result; it was a traceback and nothing saved.
+    Ctrl-C before any epoch is kept: one line, exit status 130."""
+    import training.trainer
+
+    epochs_run = []
+    real_run_epoch = training.trainer.run_epoch
+
+    def interrupted_in_epoch_3(*args, **kwargs):
+        epochs_run.append(kwargs["desc"])
+        if len(epochs_run) == 3:
+            raise KeyboardInterrupt
+        return real_run_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(training.trainer, "run_epoch", interrupted_in_epoch_3)
+    train_file, validation_file = sentiment_files
+    argv = ["layermix", "--train", str(train_file), "--validation", str(validation_file), "--text-column", "sentence",
+            "--label-column", "label", "--label-map", "0=negative,1=positive", "--backbone", str(train_backbone_dir),
+            "--store", str(tmp_path / "store"), "--run-dir", str(tmp_path / "run"), "--epochs", "30", "--lr", "0.01",
+            "--task", "sentiment", "--no-progress"]
+    assert main(argv) == 0
+    manifest = ModuleStore(tmp_path / "store").read_manifest("sentiment")
+    history = manifest.training["history"]
+    assert [h["epoch"] for h in history] == [1, 2] and history[-1]["stopped_by"] == "interrupt"
+    assert manifest.training["best_epoch"] in (1, 2)
+    assert "interrupted in epoch 3/30: keeping epoch " in capsys.readouterr().err
+    assert "of 2 run; the run was stopped by Ctrl-C in epoch 3" in (tmp_path / "run" / "report" / "report.md").read_text()
+    epochs_run.clear()
+    epochs_run.extend(["", ""])  # the next call is the third: Ctrl-C in the first epoch
+    assert main([*argv, "--version", "2"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "tmod-train layermix: interrupted before the run finished"
+    assert ModuleStore(tmp_path / "store").versions("sentiment") == ["1"]
+
+
 def test_eval_names_class_ids_by_their_place_in_the_training_labels(sentiment_run, sentiment_files):
     from training.cli import named_as_in_training
     from training.data import file_spec

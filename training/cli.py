@@ -475,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args, argv)
     except (UsageError, FileNotFoundError) as exc:  # FileNotFoundError: a backbone not there, as Backbone.load names it
         print(f"tmod-train {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:  # before a first epoch was kept (else the run finishes with the best so far)
+        print(f"tmod-train {args.command}: interrupted before the run finished", file=sys.stderr)
+        return 130
     except ValidationError as exc:
         first = exc.errors()[0]
         where = "--" + "-".join(str(part) for part in first["loc"]).replace("_", "-") if first["loc"] else "settings"

@@ -302,11 +302,19 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
                 history[-1]["stopped_by"] = "max_minutes"
                 break
         t0 = time.perf_counter()
-        train_loss = run_epoch(model, train_split, train_source, optimizer, s, rng, device, amp,
-                               desc=f"epoch {epoch}/{s.epochs}", teacher=teacher)
-        train_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        val_loss, val_metrics = validate(model, val_split, val_source, s, device, amp)
+        try:
+            train_loss = run_epoch(model, train_split, train_source, optimizer, s, rng, device, amp,
+                                   desc=f"epoch {epoch}/{s.epochs}", teacher=teacher)
+            train_seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            val_loss, val_metrics = validate(model, val_split, val_source, s, device, amp)
+        except KeyboardInterrupt:  # Ctrl-C on a long run: the best epoch so far is a result, not lost
+            if not history or s.select != "best":  # nothing kept yet, or a fixed epoch count not reached
+                raise
+            tqdm.write(f"interrupted in epoch {epoch}/{s.epochs}: keeping epoch {best_epoch}, the best so far, and "
+                       "finishing the run (Ctrl-C again quits before it is saved)", file=sys.stderr)
+            history[-1]["stopped_by"] = "interrupt"
+            break
         value = val_metrics[s.metric]
         history.append({
             "epoch": epoch, "train_loss": train_loss, "validation_loss": val_loss, s.metric: value,
