@@ -94,8 +94,9 @@ def report_text(result) -> str:
         lines.append(f"- {data['test_rows_also_in_validation']} of the {data['test_examples']} test rows hold a text "
                      "the validation rows hold too: the epoch was chosen on them")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
+    stopped_by = (result.history or [{}])[-1].get("stopped_by")
     stopped = {"interrupt": f"; the run was stopped by Ctrl-C in epoch {run + 1}",
-               "max_minutes": "; the run was stopped by --max-minutes"}.get((result.history or [{}])[-1].get("stopped_by"), "")
+               "max_minutes": "; the run was stopped by --max-minutes"}.get(stopped_by, "")
     lines.append(f"- kept epoch {best} of {run} run" + (" (the last: validation was still improving; train longer)"
                                                        if result.training.get("still_improving") else "") + stopped)
     if learns_its_layer_mix(result):
