@@ -9,6 +9,7 @@ from pathlib import Path
 from modules_store.manifest import BackboneFingerprint, BridgeManifest, Manifest, TaskType, sha256_file
 
 DEFAULT_STORE = Path(__file__).resolve().parent
+STORE_NAMES = {"ArtifactError", "ModuleStore", "StoredModule"}
 
 
 def misplaced_store(root: Path) -> str | None:
@@ -17,13 +18,11 @@ def misplaced_store(root: Path) -> str | None:
     if (root / "manifest.json").is_file():
         return (f"{root} is one module's folder (it holds manifest.json), not a store of tasks; give the store "
                 f"two folders up: {root.parent.parent}")
-    versions = sorted(child.name for child in root.iterdir() if (child / "manifest.json").is_file()) \
-        if root.is_dir() else []
-    if versions:
+    if root.is_dir() and (versions := sorted(child.name for child in root.iterdir()
+                                             if (child / "manifest.json").is_file())):
         return (f"{root} is one task's folder (versions {', '.join(versions)}), not a store of tasks; give the "
                 f"store it is in: {root.parent}")
     return None
-STORE_NAMES = {"ArtifactError", "ModuleStore", "StoredModule"}
 
 
 def __getattr__(name: str):

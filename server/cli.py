@@ -72,8 +72,8 @@ def main(argv=None) -> None:
     except ValidationError as exc:  # a setting out of range, from a flag or TMOD_*: one line, no traceback
         raise SystemExit(f"tmod-serve: {setting_problem(exc)}") from None
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
-    problem = problem or store_problem(settings.store) or backbone_problem(settings.backbone, settings.cache_dir) or tasks_problem(settings) \
-        or port_problem(settings.host, settings.port)
+    problem = problem or store_problem(settings.store) or backbone_problem(settings.backbone, settings.cache_dir) \
+        or tasks_problem(settings) or port_problem(settings.host, settings.port)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)

@@ -35,18 +35,14 @@ FORMATS = ("tsv", "csv", "jsonl", "conll")
 
 
 ENCODING = "utf-8-sig"  # UTF-8, with or without the byte-order mark spreadsheets write first
-
-
 WORKBOOK_MAGIC = (b"PK\x03\x04", b"\xd0\xcf\x11\xe0")  # .xlsx / .ods (zip), .xls (OLE)
 WORKBOOK_SUFFIXES = ("xlsx", "xlsm", "xls", "ods")
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def workbook_error(path: Path) -> "UsageError":
     return UsageError(f"{path}: a spreadsheet workbook is not read; save the sheet as CSV first (Excel: File > Save "
                       "As > CSV UTF-8; LibreOffice: Save As > Text CSV), or as tab-separated text")
-
-
-GZIP_MAGIC = b"\x1f\x8b"
 
 
 def open_text(path: Path, newline: str | None = None):
