@@ -652,6 +652,9 @@ def test_a_missing_distillation_teacher_is_answered_before_torch_is_imported(tmp
     ("bad.json", '{"epochs": 3,}', "--config {path}:1: not valid JSON (Expecting property name"),
     ("list.yaml", "- 1\n", "--config {path}: a config file must hold a mapping of settings, got list"),
     ("zero.yaml", "epochs: 0\n", "--epochs: Input should be greater than or equal to 1"),
+    # a setting's name misspelt, or as transformers' Trainer names it: was "--epoch: Extra inputs are not permitted"
+    ("typo.yaml", "epoch: 3\n", "--config {path}: 'epoch' is not a setting (did you mean 'epochs' for 'epoch'?)"),
+    ("hf.yaml", "learning_rate: 0.01\n", "--config {path}: 'learning_rate' is not a setting (tmod-train calls it 'lr')"),
 ])
 def test_config_file_mistakes(tmp_path, capsys, tables, name, content, expected):
     _, train, validation = tables

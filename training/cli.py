@@ -22,6 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 
 S = argparse.SUPPRESS  # options left out stay out, so the config file and defaults show through
+# transformers' TrainingArguments names for what tmod-train names otherwise (a config file reused from it)
+TRAINING_ARGUMENTS = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_train_batch_size": "batch_size",
+                      "per_device_eval_batch_size": "eval_batch_size", "max_grad_norm": "grad_clip",
+                      "early_stopping_patience": "patience", "output_dir": "run_dir", "optim": "optimizer"}
 
 
 def _csv_list(value: str) -> list[str]:
@@ -481,7 +485,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = "--" + "-".join(str(part) for part in first["loc"]).replace("_", "-") if first["loc"] else "settings"
-        print(f"tmod-train {args.command}: error: {where}: {first['msg']}", file=sys.stderr)
+        if first["type"] == "extra_forbidden" and getattr(args, "config", None):  # only a config file can name one
+            from server.errors import did_you_mean
+            from training.settings import TrainSettings
+
+            name = str(first["loc"][0])
+            ours = TRAINING_ARGUMENTS.get(name)  # a Hugging Face Trainer config's names, reused
+            hint = f" (tmod-train calls it {ours!r})" if ours else did_you_mean([name], TrainSettings.model_fields)
+            print(f"tmod-train {args.command}: error: --config {args.config}: {name!r} is not a setting{hint}",
+                  file=sys.stderr)
+        else:
+            print(f"tmod-train {args.command}: error: {where}: {first['msg']}", file=sys.stderr)
     return 2
 
 
