@@ -119,6 +119,19 @@ def test_a_newcomers_first_mistakes_say_what_to_send(live):
                                      "/v1/infer?tasks=ner,emotion)")
     error = assert_error(live.post("/v1/infer", json={"inputs": ["Peter flew."], "taks": 1}), 422, "invalid_request")
     assert error["message"] == "request is malformed: body: Object contains unknown field `taks`"  # no hint to give
+    # OpenAI's `input`, a bare `text`, a bare list, no `inputs`, a text as an object: each said what to send
+    send = 'send {"inputs": ["...", ...]}'
+    for body, location, expected in [
+        ({"input": ["Peter flew."]}, "body", "Object contains unknown field `input` (/v1/infer reads `inputs`, not "
+                                            f"`input` (that is /v1/embeddings'): {send})"),
+        ({"text": "Peter flew."}, "body", f"Object contains unknown field `text` ({send})"),
+        (["Peter flew."], "body", f"Expected `object`, got `array` (the list goes under `inputs`: {send})"),
+        ({}, "body", f"Object missing required field `inputs` ({send})"),
+        ({"inputs": ["a", {"text": "Peter flew."}]}, "inputs.1", 'Object missing required field `text_pair` (a text '
+         'alone is a string, "inputs": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."})'),
+    ]:
+        error = assert_error(live.post("/v1/infer", json=body), 422, "invalid_request")
+        assert error["message"] == f"request is malformed: {location}: {expected}", body
 
 
 def test_a_misspelt_task_or_query_parameter_is_refused_with_the_likely_one(live):
