@@ -160,7 +160,7 @@ def decode(kind: type, body: bytes, malformed_status: int = 422):
     text, _, where = str(refused).partition(" - at `")
     where = where.rstrip("`").removeprefix("$").removeprefix(".").replace("][", ".").replace("[", ".").replace("]", "")
     where = where.lstrip(".") or "body"
-    hint = HINTS.get((kind, re.sub(r"\.[0-9]+", ".*", where), text))
+    hint = HINTS.get((kind.__name__, re.sub(r"\.[0-9]+", ".*", where), text))
     if hint is None and text.startswith("Invalid enum value") and (choices := literal_values(kind, where)):
         hint = "expected one of " + ", ".join(map(repr, choices))
     raise malformed(malformed_status, where, f"{text} ({hint})" if hint else text)
@@ -195,20 +195,25 @@ def _options(info) -> list:
     return [m.type if isinstance(m, msgspec.inspect.Metadata) else m for m in members]
 
 
-# the first mistakes of a newcomer to /v1/infer, and what to send instead: (body kind, location with any
-# list index as *, msgspec's message)
+# the first mistakes of a newcomer, and what to send instead: (body kind's name, location with any list
+# index as *, msgspec's message)
 SEND_INPUTS = 'send {"inputs": ["...", ...]}'
 HINTS = {
-    (InferRequest, "body", "Object contains unknown field `tasks`"):
+    ("InferRequest", "body", "Object contains unknown field `tasks`"):
         "tasks are named in the query string: /v1/infer?tasks=ner,emotion",
-    (InferRequest, "inputs", "Expected `array`, got `str`"): 'send a list, even of one text: {"inputs": ["..."]}',
-    (InferRequest, "body", "Object contains unknown field `input`"):
+    ("InferRequest", "inputs", "Expected `array`, got `str`"): 'send a list, even of one text: {"inputs": ["..."]}',
+    ("InferRequest", "body", "Object contains unknown field `input`"):
         f"/v1/infer reads `inputs`, not `input` (that is /v1/embeddings'): {SEND_INPUTS}",
-    (InferRequest, "body", "Object contains unknown field `text`"): SEND_INPUTS,
-    (InferRequest, "body", "Object missing required field `inputs`"): SEND_INPUTS,
-    (InferRequest, "body", "Expected `object`, got `array`"): f"the list goes under `inputs`: {SEND_INPUTS}",
-    (InferRequest, "inputs.*", "Object missing required field `text_pair`"):
+    ("InferRequest", "body", "Object contains unknown field `text`"): SEND_INPUTS,
+    ("InferRequest", "body", "Object missing required field `inputs`"): SEND_INPUTS,
+    ("InferRequest", "body", "Expected `object`, got `array`"): f"the list goes under `inputs`: {SEND_INPUTS}",
+    ("InferRequest", "inputs.*", "Object missing required field `text_pair`"):
         'a text alone is a string, "inputs": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
+    # the two embedding APIs' one-letter difference
+    ("OpenAIEmbeddingRequest", "body", "Object contains unknown field `inputs`"):
+        "OpenAI's /v1/embeddings reads `input`; `inputs` is TEI's /embed",
+    ("TEIEmbedRequest", "body", "Object contains unknown field `input`"):
+        "TEI's /embed reads `inputs`; `input` is OpenAI's /v1/embeddings",
 }
 
 

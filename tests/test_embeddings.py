@@ -246,6 +246,13 @@ def test_openai_errors_in_openai_shape(served):
     assert refused.value.status_code == 413 and refused.value.body["code"] == "too_many_inputs"
     assert "65 inputs; at most 64 per request on this server (its --max-inputs)" in refused.value.message
     assert "chunk_size" in refused.value.message
+    # the two embedding APIs' one-letter difference, each way: was only "unknown field"
+    raw = httpx.post(served + "/v1/embeddings", json={"model": "embedding", "inputs": ["A fine film."]})
+    assert raw.json()["error"]["message"] == ("request is malformed: body: Object contains unknown field `inputs` "
+                                              "(OpenAI's /v1/embeddings reads `input`; `inputs` is TEI's /embed)")
+    raw = httpx.post(served + "/embed", json={"input": ["A fine film."]})
+    assert raw.json()["error"] == ("request is malformed: body: Object contains unknown field `input` (TEI's /embed "
+                                   "reads `inputs`; `input` is OpenAI's /v1/embeddings)")
 
 
 def test_infer_route_gives_the_same_vector_beside_other_tasks(served, texts):
