@@ -33,12 +33,13 @@ import numpy as np
 
 from modules_store import TaskType
 
-from server.errors import ApiError, clip, clip_list
+from server.errors import ApiError, clip, clip_list, did_you_mean
 from server.heads.embedding import vector_size
 from server.modules import LoadedModule, compares_pairs
 from server.schemas import AnswerControls
 
 HEADER = "inference-header-content-length"
+INPUTS = ("text", "text_pair")
 DIGITS = re.compile(r"[0-9]{1,18}")  # not str.isdigit(): it is true for '²', which int() refuses
 MAX_DATA_DEPTH = 32  # nesting of a tensor's "data" (row-major lists); deeper is refused, never recursed into
 
@@ -209,11 +210,14 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[st
             raise ApiError(422, "invalid_request", "each input needs a 'name'")
         name = tensor["name"]
         if name not in ("text", "text_pair"):
-            raise ApiError(400, "invalid_request", f"unknown input {clip(name)}; inputs are 'text' and 'text_pair'")
+            raise ApiError(400, "invalid_request", f"unknown input {clip(name)}{did_you_mean([name], INPUTS)}; inputs "
+                                                   "are 'text' and, for a pair task, 'text_pair' (GET /v2/models/<task>)")
         if name in tensors:
             raise ApiError(400, "invalid_request", f"input {name!r} is given twice")
         if tensor.get("datatype") != "BYTES":
-            raise ApiError(400, "invalid_request", f"input {name!r} must have datatype BYTES")
+            got = f"got {clip(tensor['datatype'])}" if "datatype" in tensor else "none given"
+            raise ApiError(400, "invalid_request", f"input {name!r} must have datatype BYTES ({got}; BYTES is the "
+                                                   "protocol's type for strings)")
         shape = shapes[name] = _shape(tensor, name)
         size = _parameters(tensor, f"input {name!r}").get("binary_data_size")
         if size is not None:

@@ -107,6 +107,17 @@ def test_v2_errors(live):
                           headers={"inference-header-content-length": "99999"})
     assert response.status_code == 400 and "inference-header-content-length" in response.json()["error"]
     assert httpx.get(live.url + "/v2/models/sentiment/versions/7").status_code == 404
+    # a Triton user's slips: the input's name cased, a datatype named STRING or left out
+    for tensor, expected in [
+        ({"name": "TEXT", "datatype": "BYTES"}, "unknown input 'TEXT' (did you mean 'text' for 'TEXT'?); inputs are "
+                                                "'text' and, for a pair task, 'text_pair' (GET /v2/models/<task>)"),
+        ({"name": "text", "datatype": "STRING"}, "input 'text' must have datatype BYTES (got 'STRING'; BYTES is the "
+                                                 "protocol's type for strings)"),
+        ({"name": "text"}, "input 'text' must have datatype BYTES (none given; BYTES is the protocol's type for strings)"),
+    ]:
+        body = {"inputs": [{**tensor, "shape": [1], "data": ["A dull film."]}]}
+        response = httpx.post(live.url + "/v2/models/sentiment/infer", json=body)
+        assert response.status_code == 400 and response.json()["error"] == expected
 
 
 def test_tritonclient_reads_model_configs_and_the_repository_index(live):
