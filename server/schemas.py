@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta, Struct
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.errors import CLIP, ApiError
+from server.errors import CLIP, ApiError, did_you_mean
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 
@@ -163,14 +163,34 @@ def decode(kind: type, body: bytes, malformed_status: int = 422):
     hint = HINTS.get((kind.__name__, re.sub(r"\.[0-9]+", ".*", where), text))
     if hint is None and text.startswith("Invalid enum value") and (choices := literal_values(kind, where)):
         hint = "expected one of " + ", ".join(map(repr, choices))
-    raise malformed(malformed_status, where, f"{text} ({hint})" if hint else text)
+    said = f" ({hint})" if hint else ""
+    if not hint and (unknown := UNKNOWN_FIELD.fullmatch(text)):  # `topk` for `top_k`: the likely one
+        said = did_you_mean([unknown[1]], field_names(kind, "" if where == "body" else where))
+    raise malformed(malformed_status, where, text + said)
+
+
+UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`")
+
+
+def field_names(kind: type, where: str) -> list[str]:
+    """The field names of the object at `where` (a dotted location; "" the body itself)."""
+    info = type_at(kind, where)
+    return [] if info is None else [f.encode_name for option in _options(info)
+                                    if isinstance(option, msgspec.inspect.StructType) for f in option.fields]
 
 
 def literal_values(kind: type, where: str) -> list | None:
     """The values the field at `where` (a dotted location: `aggregation`, `inputs.0.datatype`) takes
     when its type is a Literal, so that "Invalid enum value 'simple'" can say what is valid."""
+    info = type_at(kind, where)
+    values = [v for option in _options(info) if isinstance(option, msgspec.inspect.LiteralType) for v in option.values]
+    return values or None
+
+
+def type_at(kind: type, where: str):
+    """msgspec's type info of the value at `where` in a `kind` body ("" the body), or None."""
     info: Any = msgspec.inspect.type_info(kind)
-    for part in where.split("."):
+    for part in where.split(".") if where else ():
         for option in _options(info):
             if isinstance(option, msgspec.inspect.StructType):
                 info = next((f.type for f in option.fields if f.encode_name == part), None)
@@ -183,8 +203,7 @@ def literal_values(kind: type, where: str) -> list | None:
             break
         else:
             return None
-    values = [v for option in _options(info) if isinstance(option, msgspec.inspect.LiteralType) for v in option.values]
-    return values or None
+    return info
 
 
 def _options(info) -> list:

@@ -132,6 +132,13 @@ def test_a_newcomers_first_mistakes_say_what_to_send(live):
     ]:
         error = assert_error(live.post("/v1/infer", json=body), 422, "invalid_request")
         assert error["message"] == f"request is malformed: {location}: {expected}", body
+    # a field's name misspelt, at any depth: the likely one (an answer control's, a pair's)
+    for body, location, name, meant in [({"inputs": ["x"], "topk": 2}, "body", "topk", "top_k"),
+                                        ({"inputs": ["x"], "raw_score": True}, "body", "raw_score", "raw_scores"),
+                                        ({"inputs": [{"text": "a", "textpair": "b"}]}, "inputs.0", "textpair", "text_pair")]:
+        error = assert_error(live.post("/v1/infer", json=body), 422, "invalid_request")
+        assert error["message"] == (f"request is malformed: {location}: Object contains unknown field `{name}` "
+                                    f"(did you mean {meant!r} for {name!r}?)")
 
 
 def test_a_misspelt_task_or_query_parameter_is_refused_with_the_likely_one(live):
