@@ -29,6 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modules_store import ModuleStore
 from modules_store.manifest import NAME_PATTERN
 from server import oip, tokenize_api, windows
 from server.backbone import Backbone
@@ -681,8 +682,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.post("/v2/repository/index", tags=["oip-v2"])
     async def oip_repository_index(request: Request):
         """Triton's repository index (tritonclient's `get_model_repository_index`): each served task READY,
-        each the store holds but start-up left out or refused UNAVAILABLE with why; `{"ready": true}` asks
-        the READY ones only. Loading and unloading go through /admin (an admin token), not this route."""
+        each other task of the store UNAVAILABLE with why (left out or refused at start-up, or not loaded);
+        `{"ready": true}` asks the READY ones only. Loading and unloading go through /admin (an admin
+        token), not this route."""
         require_ready()
         body = await request.body()
         ready_only = decode(RepositoryIndexRequest, body or b"{}", protocol_of(request.url.path)[1]).ready
@@ -690,6 +692,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                  for task, module in sorted(runtime.modules.items())]
         if not ready_only:
             left_out = {**runtime.skipped, **runtime.load_errors}
+            for task in ModuleStore(settings.store).tasks():
+                left_out.setdefault(task, f"not loaded (not named in --tasks, unloaded through /admin, or added to the "
+                                          f"store since start-up): POST /admin/modules/{task}/load serves it")
             index += [{"name": task, "state": "UNAVAILABLE", "reason": why} for task, why in sorted(left_out.items())
                       if task not in runtime.modules]
         return index

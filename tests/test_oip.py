@@ -148,11 +148,12 @@ def test_the_repository_index_names_what_the_store_holds_but_does_not_serve(tmp_
     shutil.copytree(tiny_store.root, store)
     weights = next((store / "ner").glob("*/weights.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-8])  # a broken artifact: refused at start-up, the others serve
-    with LiveServer(create_app(Settings(store=store), backbone=tiny_backbone)) as server:
+    with LiveServer(create_app(Settings(store=store, tasks="sentiment,ner"), backbone=tiny_backbone)) as server:
         client = tritonclient_http.InferenceServerClient(url=server.url.removeprefix("http://"))
-        index = client.get_model_repository_index()
-        ready = [entry for entry in index if entry["state"] == "READY"]
-        assert "ner" not in {entry["name"] for entry in ready} and ready
-        (refused,) = [entry for entry in index if entry["name"] == "ner"]
-        assert refused["state"] == "UNAVAILABLE" and "weights" in refused["reason"]
-        assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}).json() == ready
+        index = {entry["name"]: entry for entry in client.get_model_repository_index()}
+        assert set(index) == set(tiny_store.tasks())  # every task of the store, served or not
+        assert index["sentiment"] == {"name": "sentiment", "version": "1", "state": "READY", "reason": ""}
+        assert index["ner"]["state"] == "UNAVAILABLE" and "weights" in index["ner"]["reason"]  # refused at load
+        assert index["acceptability"]["state"] == "UNAVAILABLE"  # not in --tasks
+        assert index["acceptability"]["reason"].startswith("not loaded (not named in --tasks, ")
+        assert httpx.post(server.url + "/v2/repository/index", json={"ready": True}).json() == [index["sentiment"]]
