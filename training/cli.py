@@ -125,7 +125,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--metric", default=S, help="validation metric to select on (default: per dataset/task)")
     g.add_argument("--seed", type=int, default=S)
     g.add_argument("--states", choices=["cache", "recompute"], default=S,
-                   help="cache backbone states once in fp16, or recompute them every epoch")
+                   help="cache backbone states once in fp16 (in memory: word pieces x states x hidden size x 2 "
+                        "bytes; refused over 80%% of the free memory), or recompute them every epoch")
     g.add_argument("--device", default=S, help="auto, cpu, cuda, cuda:1, ...")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=S,
                    help="backbone precision (backend torch) of the states trained and scored on")
