@@ -198,6 +198,30 @@ def test_ctrl_c_in_a_later_epoch_keeps_the_best_so_far_and_finishes(sentiment_fi
     assert ModuleStore(tmp_path / "store").versions("sentiment") == ["1"]
 
 
+def test_eval_reads_a_file_as_the_training_run_did_and_refuses_a_pair_mismatch(sentiment_run, sentiment_files,
+                                                                                 train_backbone_dir, capsys):
+    """No column options: the training run's (sentence, label) are taken, and said. A pair task given
+    single texts, or a single-text task given pairs, is refused: the pair task was scored on single
+    texts without a word (RTE: 0.505 against 0.689 read as pairs)."""
+    run, _ = sentiment_run
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                 "--backbone", str(train_backbone_dir), "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    manifest = ModuleStore(run / "store").read_manifest("sentiment")
+    assert json.loads(printed.out)["metrics"]["accuracy"] == pytest.approx(manifest.metrics["accuracy"])
+    assert (f"{sentiment_files[1]}: read as sentiment's training run read its files: --text-column sentence "
+            "--label-column label") in printed.err
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                 "--pair-column", "sentence", "--backbone", str(train_backbone_dir), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{sentiment_files[1]}: sentiment reads single texts; leave out "
+                                                    "--pair-column")
+    # the shipped entailment module (RTE, pair pooling) on single texts
+    assert main(["eval", "--task", "entailment", "--version", "1", "--file", str(sentiment_files[1]), "--text-column",
+                 "sentence", "--label-column", "label", "--label-map", "0=entailment,1=not_entailment",
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().endswith("entailment compares a text with a text pair; give --pair-column")
+
+
 def test_eval_names_class_ids_by_their_place_in_the_training_labels(sentiment_run, sentiment_files):
     from training.cli import named_as_in_training
     from training.data import file_spec

@@ -392,12 +392,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UsageError(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
         spec = preset_spec(PRESETS[args.dataset], args.split, args.data_dir)
     else:
+        columns_as_in_training(args, manifest)
         spec = file_spec(args.file, args.format, args.text_column, args.label_column, args.pair_column,
                          args.header is not False, parse_label_map(args.label_map),
                          multi_label=manifest.task_type == TaskType.multi_label_classification)
     data = spec.read()
     if args.file and not args.label_map and not set(data.labels_seen()) <= set(manifest.labels):
         spec, data = named_as_in_training(spec, data, manifest)
+    pairs = trained_on_pairs(manifest)
+    if data.has_pairs != pairs:  # a pair task scored on single texts (or the reverse) scores nothing it answers
+        raise UsageError(f"{spec.path}: {args.task} compares a text with a text pair; give --pair-column" if pairs else
+                         f"{spec.path}: {args.task} reads single texts; leave out --pair-column")
     data = data.subset(args.max_examples, seed=0)
     token_task = manifest.task_type == TaskType.token_classification
     if (data.task_type == TaskType.token_classification) != token_task:
@@ -441,6 +446,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text + "\n")
     print(text)
     return 0
+
+
+def columns_as_in_training(args: argparse.Namespace, manifest) -> None:
+    """The column options not given on the command line, as the module's training run read its files
+    (its manifest records them), so a new file of the same layout needs none; said on stderr."""
+    trained = manifest.training.get("settings", {})
+    if not trained.get("train"):  # trained on a preset, or not by tmod-train: nothing to go by
+        return
+    taken = []
+    for option in ("text_column", "pair_column", "label_column"):
+        if getattr(args, option) is None and trained.get(option) is not None:
+            setattr(args, option, trained[option])
+            taken.append(f"--{option.replace('_', '-')} {trained[option]}")
+    if args.header is None and trained.get("header") is False:
+        args.header = False
+        taken.append("--no-header")
+    if taken:
+        print(f"tmod-train eval: {args.file}: read as {manifest.task}'s training run read its files: {' '.join(taken)}",
+              file=sys.stderr)
+
+
+def trained_on_pairs(manifest) -> bool:
+    """Whether the module was trained on a text with a text pair (pair pooling, a --pair-column, or a
+    pair preset such as RTE)."""
+    from server.modules import compares_pairs
+    from training.data import PRESETS
+
+    trained = manifest.training.get("settings", {})
+    preset = PRESETS.get(trained.get("dataset"))
+    return compares_pairs(manifest) or trained.get("pair_column") is not None or \
+        (preset is not None and preset.pair_column is not None)
 
 
 def named_as_in_training(spec, data, manifest):
