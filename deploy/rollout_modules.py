@@ -38,6 +38,10 @@ def resolve(name: str, port: int) -> list[str]:
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 
+class Unreachable(Exception):
+    """A replica that did not answer at all (refused, timed out, no route): its reason."""
+
+
 def call(opener, method: str, url: str, token: str | None = None, body: dict | None = None, timeout: float = 120):
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method)
@@ -53,30 +57,43 @@ def call(opener, method: str, url: str, token: str | None = None, body: dict | N
             return exc.code, json.loads(exc.read() or b"null")
         except ValueError:
             return exc.code, None
+    except (urllib.error.URLError, OSError) as exc:  # refused, timed out: one line, not a traceback
+        raise Unreachable(str(getattr(exc, "reason", exc))) from None
 
 
 def roll_out(hosts: list[str], task: str, version: str | None, action: str, token: str,
              timeout: float = 120, log=print) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     for host in hosts:
-        base = f"http://{host}"
-        status, body = call(opener, "POST", f"{base}/admin/modules/{task}/{action}", token,
-                            {"version": version}, timeout)
-        if status != 200:
-            log(f"{host}: {action} {task} failed: HTTP {status} {json.dumps(body)}")
-            return False
-        status, listing = call(opener, "GET", f"{base}/admin/modules", token, timeout=timeout)
-        served = ((listing or {}).get("tasks") or {}).get(task) if status == 200 else None
-        if action == "unload":
-            if status != 200 or served is not None:
-                log(f"{host}: {task} still served after unload (HTTP {status}, version {served!r})")
+        try:
+            if not roll_out_one(opener, host, task, version, action, token, timeout, log):
                 return False
-            log(f"{host}: unloaded {task} (was version {body.get('version')})")
-            continue
-        if served != body.get("version") or (version is not None and served != version):
-            log(f"{host}: {task} serves version {served!r} after {action}, expected {version or body.get('version')!r}")
+        except Unreachable as exc:
+            log(f"{host}: no answer ({exc}); the replicas before it have the change, those after it not")
             return False
-        log(f"{host}: {task} version {served} (was {body.get('previous_version')})")
+    return True
+
+
+def roll_out_one(opener, host: str, task: str, version: str | None, action: str, token: str, timeout: float,
+                 log) -> bool:
+    """One replica: the change, then the check that it took. False (said) where it did not."""
+    base = f"http://{host}"
+    status, body = call(opener, "POST", f"{base}/admin/modules/{task}/{action}", token, {"version": version}, timeout)
+    if status != 200:
+        log(f"{host}: {action} {task} failed: HTTP {status} {json.dumps(body)}")
+        return False
+    status, listing = call(opener, "GET", f"{base}/admin/modules", token, timeout=timeout)
+    served = ((listing or {}).get("tasks") or {}).get(task) if status == 200 else None
+    if action == "unload":
+        if status != 200 or served is not None:
+            log(f"{host}: {task} still served after unload (HTTP {status}, version {served!r})")
+            return False
+        log(f"{host}: unloaded {task} (was version {body.get('version')})")
+        return True
+    if served != body.get("version") or (version is not None and served != version):
+        log(f"{host}: {task} serves version {served!r} after {action}, expected {version or body.get('version')!r}")
+        return False
+    log(f"{host}: {task} version {served} (was {body.get('previous_version')})")
     return True
 
 
@@ -95,7 +112,11 @@ def main(argv=None) -> int:
     if not token:
         print("TMOD_ADMIN_TOKEN is not set", file=sys.stderr)
         return 2
-    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else resolve(args.dns, args.port)
+    try:
+        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else resolve(args.dns, args.port)
+    except OSError as exc:  # a name that does not resolve (a typo, another namespace)
+        print(f"--dns {args.dns}: does not resolve ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     if not hosts:
         print("no replicas found", file=sys.stderr)
         return 2

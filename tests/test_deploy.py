@@ -601,6 +601,13 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         assert run("sentiment", "--hosts", hosts, token=None).returncode == 2
         wrong = run("sentiment", "--hosts", hosts, token="wrong")
         assert wrong.returncode == 1 and "401" in wrong.stdout
+        # a replica that does not answer, a name that does not resolve: one line each (they were tracebacks)
+        nobody = free_port()
+        down = run("sentiment", "--version", "2", "--hosts", f"127.0.0.1:{nobody}")
+        assert down.returncode == 1 and "Traceback" not in down.stderr
+        assert f"127.0.0.1:{nobody}: no answer (" in down.stdout and versions() == ["1", "1"]
+        typo = run("sentiment", "--dns", "no-such-replica.invalid")
+        assert typo.returncode == 2 and typo.stderr.startswith("--dns no-such-replica.invalid: does not resolve (")
         # --dns: every address the name resolves to (here, loopback)
         dns = run("sentiment", "--version", "2", "--dns", "127.0.0.1", "--port", str(a.port))
         assert dns.returncode == 0 and versions() == ["2", "1"]
