@@ -215,6 +215,19 @@ def test_eval_reads_a_file_as_the_training_run_did_and_refuses_a_pair_mismatch(s
                  "--pair-column", "sentence", "--backbone", str(train_backbone_dir), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().endswith(f"{sentiment_files[1]}: sentiment reads single texts; leave out "
                                                     "--pair-column")
+    # a layout the file's name does not say (a table named .txt, trained with --format tsv): the format too
+    import argparse
+
+    from training.cli import columns_as_in_training
+
+    txt_run = manifest.model_copy(update={"training": {"settings": {"train": "reviews.txt", "format": "tsv"}}})
+    args = argparse.Namespace(file="new.txt", format=None, text_column=None, pair_column=None, label_column=None,
+                              header=None)
+    columns_as_in_training(args, txt_run)
+    assert args.format == "tsv" and "--format tsv" in capsys.readouterr().err
+    args.file, args.format = "new.csv", None  # another kind of name: its own format
+    columns_as_in_training(args, txt_run)
+    assert args.format is None
     # the shipped entailment module (RTE, pair pooling) on single texts
     assert main(["eval", "--task", "entailment", "--version", "1", "--file", str(sentiment_files[1]), "--text-column",
                  "sentence", "--label-column", "label", "--label-map", "0=entailment,1=not_entailment",

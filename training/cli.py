@@ -462,6 +462,9 @@ def columns_as_in_training(args: argparse.Namespace, manifest) -> None:
     if args.header is None and trained.get("header") is False:
         args.header = False
         taken.append("--no-header")
+    if args.format is None and trained.get("format") and Path(args.file).suffix == Path(trained["train"]).suffix:
+        args.format = trained["format"]  # a layout its name does not say (a table named .txt), as in training
+        taken.append(f"--format {trained['format']}")
     if taken:
         print(f"tmod-train eval: {args.file}: read as {manifest.task}'s training run read its files: {' '.join(taken)}",
               file=sys.stderr)
