@@ -145,12 +145,19 @@ def make_optimizer(s: TrainSettings, head: Head) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=s.lr)
 
 
+def cache_size(splits: list[Split], layers: list[int], hidden_size: int) -> tuple[int, int]:
+    """(rows, bytes) of the fp16 state cache of `splits`: every real token and one zero row a split,
+    each row `layers` states of `hidden_size` (TokenStateCache)."""
+    rows = sum(sum(split.lengths) + 1 for split in splits)
+    return rows, rows * len(layers) * hidden_size * 2
+
+
 def cache_device(device: torch.device, splits: list[Split], layers: list[int], hidden_size: int) -> torch.device:
     """Keep the state cache in GPU memory when it takes under half of what is free (SST-2 with
     every MiniLM state is ~5 GB); otherwise in host memory, copied per batch."""
     if device.type != "cuda":
         return torch.device("cpu")
-    needed = sum(sum(split.lengths) + 1 for split in splits) * len(layers) * hidden_size * 2
+    _, needed = cache_size(splits, layers, hidden_size)
     free, _ = torch.cuda.mem_get_info(device)
     return device if needed < free / 2 else torch.device("cpu")
 
@@ -158,8 +165,7 @@ def cache_device(device: torch.device, splits: list[Split], layers: list[int], h
 def check_cache_fits(splits: list[Split], layers: list[int], hidden_size: int) -> None:
     """A state cache over 80 % of the free host memory is refused up front: allocating it, the kernel
     killed the run with no message (150,000 texts: 74.6 GB on a 24 GB machine)."""
-    tokens = sum(sum(split.lengths) + 1 for split in splits)
-    needed = tokens * len(layers) * hidden_size * 2
+    tokens, needed = cache_size(splits, layers, hidden_size)
     free = free_memory()
     if free is not None and needed > 0.8 * free:
         raise UsageError(
