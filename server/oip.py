@@ -209,7 +209,7 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[st
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
             raise ApiError(422, "invalid_request", "each input needs a 'name'")
         name = tensor["name"]
-        if name not in ("text", "text_pair"):
+        if name not in INPUTS:
             raise ApiError(400, "invalid_request", f"unknown input {clip(name)}{did_you_mean([name], INPUTS)}; inputs "
                                                    "are 'text' and, for a pair task, 'text_pair' (GET /v2/models/<task>)")
         if name in tensors:

@@ -165,7 +165,7 @@ def decode(kind: type, body: bytes, malformed_status: int = 422):
         hint = "expected one of " + ", ".join(map(repr, choices))
     said = f" ({hint})" if hint else ""
     if not hint and (unknown := UNKNOWN_FIELD.fullmatch(text)):  # `topk` for `top_k`: the likely one
-        said = did_you_mean([unknown[1]], field_names(kind, "" if where == "body" else where))
+        said = did_you_mean([unknown[1]], field_names(kind, where))
     raise malformed(malformed_status, where, text + said)
 
 
@@ -173,7 +173,7 @@ UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`")
 
 
 def field_names(kind: type, where: str) -> list[str]:
-    """The field names of the object at `where` (a dotted location; "" the body itself)."""
+    """The field names of the object at `where` (a dotted location; "body" the body itself)."""
     info = type_at(kind, where)
     return [] if info is None else [f.encode_name for option in _options(info)
                                     if isinstance(option, msgspec.inspect.StructType) for f in option.fields]
@@ -188,9 +188,10 @@ def literal_values(kind: type, where: str) -> list | None:
 
 
 def type_at(kind: type, where: str):
-    """msgspec's type info of the value at `where` in a `kind` body ("" the body), or None."""
+    """msgspec's type info of the value at `where` in a `kind` body ("body": the body itself, as
+    `decode` names that location), or None."""
     info: Any = msgspec.inspect.type_info(kind)
-    for part in where.split(".") if where else ():
+    for part in where.split(".") if where != "body" else ():
         for option in _options(info):
             if isinstance(option, msgspec.inspect.StructType):
                 info = next((f.type for f in option.fields if f.encode_name == part), None)
