@@ -448,10 +448,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def training_run(manifest):
+    """(the settings of the tmod-train run that made the module, as its manifest records them; the
+    preset it trained on, or None)."""
+    from training.data import PRESETS
+
+    trained = manifest.training.get("settings", {})
+    return trained, PRESETS.get(trained.get("dataset"))
+
+
 def columns_as_in_training(args: argparse.Namespace, manifest) -> None:
     """The column options not given on the command line, as the module's training run read its files
     (its manifest records them), so a new file of the same layout needs none; said on stderr."""
-    trained = manifest.training.get("settings", {})
+    trained, _ = training_run(manifest)
     if not trained.get("train"):  # trained on a preset, or not by tmod-train: nothing to go by
         return
     taken = []
@@ -474,10 +483,8 @@ def trained_on_pairs(manifest) -> bool:
     """Whether the module was trained on a text with a text pair (pair pooling, a --pair-column, or a
     pair preset such as RTE)."""
     from server.modules import compares_pairs
-    from training.data import PRESETS
 
-    trained = manifest.training.get("settings", {})
-    preset = PRESETS.get(trained.get("dataset"))
+    trained, preset = training_run(manifest)
     return compares_pairs(manifest) or trained.get("pair_column") is not None or \
         (preset is not None and preset.pair_column is not None)
 
@@ -486,10 +493,7 @@ def named_as_in_training(spec, data, manifest):
     """A scored file's class ids (0, 1, ...) named as the module's training run named its own files':
     by its --label-map (a preset's own, for a run on a preset), or by their place in its --labels (never
     by the module's label order alone: that need not be the ids' order). Else the file as read."""
-    from training.data import PRESETS
-
-    trained = manifest.training.get("settings", {})
-    preset = PRESETS.get(trained.get("dataset"))
+    trained, preset = training_run(manifest)
     label_map = trained.get("label_map") or (dict(preset.label_map) if preset else None)
     seen = set(data.labels_seen())
     if label_map and seen <= set(label_map):

@@ -50,14 +50,15 @@ def open_text(path: Path, newline: str | None = None):
     "Unicode text", a TSV); gzip-compressed (`train.tsv.gz`, as datasets are often published) or not.
     A workbook (a zip or OLE file) is refused: read as text it is a few garbled rows."""
     with open(path, "rb") as fh:
-        compressed = fh.read(2) == GZIP_MAGIC
-    binary = gzip.open if compressed else open
-    with binary(path, "rb") as fh:
         start = fh.read(4)
+    compressed = start.startswith(GZIP_MAGIC)
+    if compressed:  # what the file holds starts after its compression
+        with gzip.open(path, "rb") as fh:
+            start = fh.read(4)
     if start.startswith(WORKBOOK_MAGIC):
         raise workbook_error(path)
     encoding = "utf-16" if start[:2] in (b"\xff\xfe", b"\xfe\xff") else ENCODING
-    return binary(path, "rt", encoding=encoding, newline=newline)
+    return (gzip.open if compressed else open)(path, "rt", encoding=encoding, newline=newline)
 
 
 class UsageError(ValueError):
