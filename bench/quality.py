@@ -13,7 +13,9 @@ scores the version it serves. `--tiers mpnet` re-scores one tier and keeps the o
 `--baselines` instead trains and scores the baselines every shipped module must beat, on the same
 train -> validation split (training/baselines.py: the majority answer; TF-IDF + logistic regression
 for sequence tasks, a linear window tagger for token tasks), writes bench/results/baselines.json and
-prints the table of each tier's module against them (from quality.json and the emotion results).
+prints the table of each tier's module against them (from quality.json and the emotion results); then
+gives every stored module without them the `metrics.baselines` and `metrics.role` tmod-train writes
+(`write_module_baselines`).
 
     .venv/bin/python bench/quality.py --baselines
 """
@@ -91,35 +93,64 @@ EMOTION_RESULTS = {"minilm": "emotion-served-minilm.json", "mpnet": "emotion-ser
 
 def baselines(tasks: list[str]) -> dict:
     """Per task: the majority answer and the linear model, trained on the preset's train split and
-    scored on its validation split (what the modules are scored on), with their training seconds."""
+    scored on its validation split (what the modules are scored on), with their training seconds
+    (near 0 where the baselines cache, $TMOD_CACHE_DIR/baselines, held the run)."""
     import time
 
-    from training.baselines import majority, tfidf_logreg, window_tagger
+    from server.backbone.sources import default_cache_dir
+    from training.assess import baseline_runs
     from training.data import PRESETS, preset_spec
 
     out = {}
     for task in tasks:
         dataset, metric = BASELINE_TASKS[task]
         preset = PRESETS[dataset]
-        train, validation = (preset_spec(preset, split).read().examples for split in ("train", "validation"))
-        labels, started = list(preset.labels), time.perf_counter()
-        if dataset == "conll2003":
-            gold = [e.tags for e in validation]
-            base = majority([e.tags for e in train], gold)
-            linear = window_tagger([e.words for e in train], [e.tags for e in train], [e.words for e in validation], gold)
-        else:
-            multi = preset.multi_label
-            texts = [(e.text, e.text_pair) if preset.pair_column else e.text for e in train]
-            eval_texts = [(e.text, e.text_pair) if preset.pair_column else e.text for e in validation]
-            y, y_eval = [e.label for e in train], [e.label for e in validation]
-            base = majority(y, y_eval, multi_label=multi, labels=labels)
-            linear = tfidf_logreg(texts, y, eval_texts, y_eval, multi_label=multi, labels=labels)
+        train, validation = (preset_spec(preset, split).read() for split in ("train", "validation"))
+        started = time.perf_counter()
+        base, linear = baseline_runs(train, validation, list(preset.labels), cache=default_cache_dir() / "baselines")
         seconds = time.perf_counter() - started
         out[task] = {"dataset": dataset, "metric": metric, "train_rows": len(train), "validation_rows": len(validation),
                      "majority": base[metric], "linear": linear[metric], "linear_model": linear["baseline"],
                      "seconds": seconds}
         print(f"{task}: majority {base[metric]:.4f}, {linear['baseline']} {linear[metric]:.4f} ({seconds:.0f} s)", flush=True)
     return out
+
+
+def write_module_baselines(store: Path) -> None:
+    """Give each stored module trained before tmod-train compared heads with baselines what tmod-train
+    writes now: `metrics.role` (what its validation split chose) and `metrics.baselines` (the majority
+    answer and the linear model trained on the rows its recorded settings select, document windows
+    left out, scored on its validation split; the head's margins; the verdict). /v1/tasks shows them
+    beside the head's numbers. Modules that have a verdict are left as they are; one
+    compared before verdicts were written keeps its baselines' runs and gains the rest."""
+    from modules_store import TaskType
+    from server.backbone.sources import default_cache_dir
+    from training.assess import against_baselines, baseline_runs
+    from training.settings import TrainSettings
+    from training.splits import resolve_data
+
+    for path in sorted(store.glob("*/*/manifest.json")):
+        manifest = json.loads(path.read_text())
+        metrics, training = manifest.get("metrics", {}), manifest.get("training") or {}
+        earlier = metrics.get("baselines", {})
+        if "verdict" in earlier or metrics.get("split") != "validation" or not training.get("settings"):
+            continue  # compared already, or nothing trained (an embedding module)
+        kind = TaskType(manifest["task_type"])
+        role = "chose the epoch" + (" and thresholds" if (manifest.get("decoding") or {}).get("thresholds") else "")
+        head = {**metrics, "role": metrics.get("role", role)}
+        if earlier:  # trained by a tmod-train that compared, before it wrote the verdict: its runs kept
+            linear = "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
+            runs = [earlier["majority"], earlier[linear]]
+        else:
+            recorded = training["settings"]
+            settings = TrainSettings(**{k: v for k, v in recorded.items() if k in TrainSettings.model_fields})
+            data = resolve_data(settings)
+            runs = baseline_runs(data.train, data.validation, data.labels, settings.seed,
+                                 default_cache_dir() / "baselines")
+        head["baselines"] = against_baselines(runs, head, metrics["metric"], kind)
+        manifest["metrics"] = head
+        path.write_text(json.dumps(manifest, indent=2) + "\n")
+        print(f"{manifest['task']}/{manifest['version']}: {head['baselines']['verdict']}", flush=True)
 
 
 def module_scores(results: Path) -> dict:
@@ -164,7 +195,8 @@ def main() -> None:
                         "(the others keep their earlier entry)")
     parser.add_argument("--results", default=str(REPO / "bench" / "results"), help="where finetune-*.json are and output goes")
     parser.add_argument("--baselines", action="store_true", help="train and score the baselines (majority, linear) "
-                        "instead, write baselines.json and print each tier's modules against them")
+                        "instead, write baselines.json, print each tier's modules against them and write each "
+                        "stored module's metrics.baselines where it has none")
     args = parser.parse_args()
     results = Path(args.results)
     if args.baselines:
@@ -172,6 +204,7 @@ def main() -> None:
                   "command": "python bench/quality.py --baselines", "tasks": baselines(list(BASELINE_TASKS))}
         (results / "baselines.json").write_text(json.dumps(record, indent=2) + "\n")
         print(baseline_table(record["tasks"], module_scores(results)))
+        write_module_baselines(Path(args.store))
         return
     previous = results / "quality.json"
     earlier = json.loads(previous.read_text()) if previous.is_file() else {}

@@ -103,3 +103,69 @@ def test_the_verdict_names_the_first_baseline_the_head_fails_to_beat(head, major
     on_validation = verdict({**baselines, "split": "validation"}, TaskType.sequence_classification)
     assert on_validation.endswith("; the validation split also chose the epoch: --test FILE or --split VAL,TEST "
                                   "gives one that chose nothing")
+
+
+def test_every_shipped_number_says_what_chose_it_and_what_a_simple_model_scores():
+    """Each shipped module's validation numbers (what /v1/tasks and OIP metadata show) say what that
+    split chose and carry the baselines tmod-train writes: the majority answer and the linear model on
+    the same data, the head's margin over each (its own number minus theirs) and the verdict. Modules
+    trained on a preset's whole training file agree with bench/results/baselines.json."""
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    recorded = json.loads((repo / "bench/results/baselines.json").read_text())["tasks"]
+    checked = 0
+    for path in sorted((repo / "modules_store").glob("*/*/manifest.json")):
+        manifest = json.loads(path.read_text())
+        metrics = manifest["metrics"]
+        if metrics.get("split") != "validation":
+            continue  # an embedding module: nothing trained, nothing chosen
+        name, metric = f"{manifest['task']}/{manifest['version']}", metrics["metric"]
+        thresholds = bool((manifest.get("decoding") or {}).get("thresholds"))
+        assert metrics["role"] == "chose the epoch" + (" and thresholds" if thresholds else ""), name
+        baselines = metrics["baselines"]
+        assert (baselines["split"], baselines["metric"], baselines["head"]) == ("validation", metric, metrics[metric]), name
+        linear = "window_tagger" if manifest["task_type"] == "token_classification" else "tfidf_logreg"
+        for run in ("majority", linear):
+            assert baselines[run]["baseline"] == run, name
+            assert baselines[f"margin_over_{run}"] == pytest.approx(metrics[metric] - baselines[run][metric], abs=1e-12)
+        assert baselines["verdict"].startswith(("above", "no better"))
+        assert f"the validation split also {metrics['role']}:" in baselines["verdict"], name
+        data = manifest["training"]["data"]
+        row = recorded.get(manifest["task"])
+        whole_file = data["train_examples_in_file"] == data["train_examples"] - sum(data.get("document_window_examples", {}).values())
+        if row and whole_file and manifest["training"]["settings"].get("seed", 0) == 0:  # baselines.json's seed
+            assert (baselines["majority"][metric], baselines[linear][metric]) == pytest.approx(
+                (row["majority"], row["linear"]), abs=1e-9), name
+        checked += 1
+    assert checked >= 15  # every trained module of both tiers
+
+
+def test_the_shipped_comparison_is_what_the_baselines_score_again(tmp_path, monkeypatch):
+    """bench/quality.py's write_module_baselines, run afresh (empty cache) on a copy of a shipped module
+    without its comparison, writes the comparison the module ships with (RTE: seconds to train)."""
+    import importlib.util
+    import json
+    import shutil
+    from pathlib import Path
+
+    if not preset_spec(PRESETS["rte"], "validation").path.is_file():
+        pytest.skip(f"shared data not found at {default_data_dir()}")
+    repo = Path(__file__).resolve().parents[1]
+    shipped = json.loads((repo / "modules_store/entailment/1/manifest.json").read_text())
+    shutil.copytree(repo / "modules_store/entailment/1", tmp_path / "store/entailment/1")
+    bare = {**shipped, "metrics": {k: v for k, v in shipped["metrics"].items() if k not in ("role", "baselines")}}
+    (tmp_path / "store/entailment/1/manifest.json").write_text(json.dumps(bare, indent=2) + "\n")
+    monkeypatch.setenv("TMOD_CACHE_DIR", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_quality", repo / "bench/quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    quality.write_module_baselines(tmp_path / "store")
+    written = json.loads((tmp_path / "store/entailment/1/manifest.json").read_text())
+    assert {**written, "metrics": {}} == {**shipped, "metrics": {}}  # nothing but the metrics touched
+    ours, theirs = written["metrics"]["baselines"], shipped["metrics"]["baselines"]
+    assert written["metrics"]["role"] == "chose the epoch" and ours.keys() == theirs.keys()
+    for run in ("majority", "tfidf_logreg"):  # within one of 277 rows: another CPU's float sums may flip a tie
+        assert ours[run]["accuracy"] == pytest.approx(theirs[run]["accuracy"], abs=1.01 / 277)
+    assert any((tmp_path / "cache/baselines").iterdir())  # trained here, not read from an earlier run's cache

@@ -22,29 +22,8 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
     a later run on the same data (`baselines.cached_run`)."""
     examples, labels = evaluated.data.examples, evaluated.labels
     kind = evaluated.data.task_type
-    if kind == TaskType.token_classification:
-        gold = [ex.tags for ex in examples]
-        train_words, train_tags, words = ([ex.words for ex in train.examples], [ex.tags for ex in train.examples],
-                                          [ex.words for ex in examples])
-        runs = [majority(train_tags, gold),
-                cached_run(cache, {"baseline": "window_tagger", "seed": seed, "train": [train_words, train_tags],
-                                   "evaluate": [words, gold]},
-                           lambda: window_tagger(train_words, train_tags, words, gold, seed=seed))]
-    else:
-        multi = kind == TaskType.multi_label_classification
-        texts = [_text(ex) for ex in examples]
-        train_labels, gold = [ex.label for ex in train.examples], [ex.label for ex in examples]
-        train_texts = [_text(ex) for ex in train.examples]
-        runs = [majority(train_labels, gold, multi_label=multi, labels=labels),
-                cached_run(cache, {"baseline": "tfidf_logreg", "seed": seed, "multi_label": multi, "labels": labels,
-                                   "train": [train_texts, train_labels], "evaluate": [texts, gold]},
-                           lambda: tfidf_logreg(train_texts, train_labels, texts, gold, multi_label=multi, seed=seed,
-                                                labels=labels))]
-    baselines = {"split": head["split"], "metric": metric, "head": head[metric]}
-    for run in runs:
-        baselines[run["baseline"]] = run
-        baselines[f"margin_over_{run['baseline']}"] = head[metric] - run[metric]
-    baselines["verdict"] = verdict(baselines, kind)
+    runs = baseline_runs(train, evaluated.data, labels, seed, cache)
+    baselines = against_baselines(runs, head, metric, kind)
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
     if kind == TaskType.sequence_classification:
         probs = np.stack(probabilities)
@@ -64,13 +43,51 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
     return out
 
 
+def baseline_runs(train: LabelledData, evaluated: LabelledData, labels: list[str], seed: int = 0,
+                  cache=None) -> list[dict]:
+    """The majority answer and the linear model (window tagger for token tasks), trained on `train`
+    and scored on `evaluated`, each as the metrics dict `training/baselines.py` returns."""
+    kind = evaluated.task_type
+    if kind == TaskType.token_classification:
+        gold = [ex.tags for ex in evaluated.examples]
+        train_words, train_tags, words = ([ex.words for ex in train.examples], [ex.tags for ex in train.examples],
+                                          [ex.words for ex in evaluated.examples])
+        return [majority(train_tags, gold),
+                cached_run(cache, {"baseline": "window_tagger", "seed": seed, "train": [train_words, train_tags],
+                                   "evaluate": [words, gold]},
+                           lambda: window_tagger(train_words, train_tags, words, gold, seed=seed))]
+    multi = kind == TaskType.multi_label_classification
+    texts, train_texts = [_text(ex) for ex in evaluated.examples], [_text(ex) for ex in train.examples]
+    train_labels, gold = [ex.label for ex in train.examples], [ex.label for ex in evaluated.examples]
+    return [majority(train_labels, gold, multi_label=multi, labels=labels),
+            cached_run(cache, {"baseline": "tfidf_logreg", "seed": seed, "multi_label": multi, "labels": labels,
+                               "train": [train_texts, train_labels], "evaluate": [texts, gold]},
+                       lambda: tfidf_logreg(train_texts, train_labels, texts, gold, multi_label=multi, seed=seed,
+                                            labels=labels))]
+
+
+def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType) -> dict:
+    """What a manifest's `metrics.baselines` holds: the split and metric compared, the head's score,
+    each baseline's metrics and the head's margin over it, and the verdict line. `head`: the head's
+    metrics on that split (its `split`, and on validation its `role`: what that split chose)."""
+    baselines = {"split": head["split"], "metric": metric, "head": head[metric]}
+    if head.get("role"):
+        baselines["role"] = head["role"]
+    for run in runs:
+        baselines[run["baseline"]] = run
+        baselines[f"margin_over_{run['baseline']}"] = head[metric] - run[metric]
+    baselines["verdict"] = verdict(baselines, kind)
+    return baselines
+
+
 def verdict(baselines: dict, kind: TaskType) -> str:
     """One line a user reads first: does the head beat the majority answer and the linear model?"""
     split, metric, head = baselines["split"], baselines["metric"], baselines["head"]
     linear = "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
     majority_score, linear_score = baselines["majority"][metric], baselines[linear][metric]
-    caveat = ("; the validation split also chose the epoch: --test FILE or --split VAL,TEST gives one that chose "
-              "nothing" if split == "validation" else "")
+    role = baselines.get("role", "chose the epoch")
+    caveat = (f"; the validation split also {role}: --test FILE or --split VAL,TEST gives one that chose nothing"
+              if split == "validation" else "")
     if head <= majority_score:
         imbalanced = metric == "accuracy" and majority_score >= 0.6  # the majority answer alone scores well
         return (f"no better than the majority answer on the {split} split ({metric} {head:.4f} against "
