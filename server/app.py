@@ -45,10 +45,12 @@ from server.errors import (ApiError, api_error_handler, clip, clip_list, error_c
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
+from server.predict_api import PREDICT, PredictRequest, PredictResponse, predict_route
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
-                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, RepositoryIndexRequest,
-                            TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode, openapi_components)
+                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList,
+                            RepositoryIndexRequest, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
+                            openapi_components)
 
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
@@ -103,6 +105,7 @@ class TmodApp(FastAPI):
 
     fast_routes: dict  # path -> handler(body, request) -> (answer bytes, headers): the inference routes
     oip_infer = None  # handler(body, request, task, version)
+    v1_predict = None  # handler(body, request, task, verb): KServe's V1 :predict
 
     def configure(self, settings: Settings) -> None:
         self.body_limit, self.body_timeout_s = settings.max_body_bytes, settings.body_timeout_s
@@ -134,6 +137,8 @@ class TmodApp(FastAPI):
                 await self.answer(handler, (), scope, receive, reply)
             elif path.startswith("/v2/models/") and (found := OIP_INFER.fullmatch(path)):
                 await self.answer(self.oip_infer, found.groups(), scope, receive, reply)
+            elif path.startswith("/v1/models/") and (found := PREDICT.fullmatch(path)):
+                await self.answer(self.v1_predict, found.groups(), scope, receive, reply)
             else:
                 await super().__call__(scope, receive, reply)
         except Exception as exc:  # noqa: BLE001 - every failure is answered in the route's shape
@@ -142,7 +147,7 @@ class TmodApp(FastAPI):
                     raise  # an answer cut off midway: the server closes the connection
                 # answered already: a FastAPI route's error, answered by `api_error_handler` and raised on
             else:
-                inference = path in self.fast_routes or OIP_INFER.fullmatch(path) is not None
+                inference = path in self.fast_routes or any(route.fullmatch(path) for route in (OIP_INFER, PREDICT))
                 status, headers, content = refusal(self, path, exc, inference)
                 await reply.whole(status, content, headers)
         finally:
@@ -625,9 +630,18 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     @app.get("/v1/models/{model:path}", response_model=OpenAIModel, tags=["embeddings"], responses={404: {}, 503: {}})
     async def openai_model(model: str):
-        """One name of the list (`client.models.retrieve(name)`); 404 in OpenAI's shape for any other."""
+        """One name of the list (`client.models.retrieve(name)`); 404 in OpenAI's shape for any other. The
+        path is KServe V1's model readiness too: OpenAI's answer is kept (a task is no embedding model),
+        and the 404 of a served task says where KServe's readiness is."""
         require_ready()
-        embedding_module(runtime, model)
+        try:
+            embedding_module(runtime, model)
+        except ApiError as exc:
+            if model not in runtime.modules:
+                raise
+            raise ApiError(404, exc.type, f"{exc.message}; {model!r} is a task: KServe V1 clients predict at POST "
+                           f"/v1/models/{model}:predict and ask its readiness at GET /v2/models/{model}/ready",
+                           **exc.details) from None
         return OpenAIModel(id=model, created=started_s)
 
     # ---- Open Inference Protocol v2 (KServe / Triton clients) --------------------------------
@@ -783,6 +797,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     app.fast_routes = {"/v1/infer": infer, **embeddings_routes(runtime, require_ready, run_inference),
                        **classify_routes(runtime, require_ready, run_inference)}
     app.oip_infer = oip_infer
+    app.v1_predict = predict_route(require_ready, oip_module, fit_to_inputs, run_inference)
     app.openapi = functools.partial(openapi, app)
 
     def device_failure() -> ApiError | None:
@@ -810,14 +825,17 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         return tei_info(runtime, settings, app.version)
 
     @app.get("/health", tags=["embeddings"], responses={503: {}})
-    @app.get("/", tags=["embeddings"], responses={503: {}})
-    async def tei_health():
+    @app.get("/", tags=["embeddings", "kserve-v1"], responses={503: {}})
+    async def tei_health(request: Request):
         """Text Embeddings Inference's health route (huggingface_hub's `health_check`; TEI answers it at
-        `GET /` too): 200 with an empty body while the server can answer, else 503 in TEI's error shape."""
+        `GET /` too): 200 while the server can answer, else 503 in TEI's error shape. The body is empty,
+        but at `/`: KServe V1's liveness there (the kserve client's `is_server_live`) is {"status": "alive"}."""
         failed = device_failure()
         if failed is not None:
             raise failed
         require_serving()
+        if request.url.path == "/":
+            return Response(b'{"status":"alive"}', status_code=200, media_type="application/json")
         return Response(status_code=200)
 
     @app.get("/readyz", tags=["health"], responses={503: {}})
@@ -883,6 +901,8 @@ FAST_ROUTES_DOC = [
     ("/v1/classify", "/classify, where SGLang serves it", "classification", ClassifyRequest, ClassifyResponse,
      (400, 404, 413, 429, 503)),
     ("/v2/models/{task}/infer", "Open Inference Protocol v2 inference", "oip-v2", None, None, (400, 404, 413, 422, 429)),
+    ("/v1/models/{task}:predict", "KServe's V1 predict (the kserve client's default protocol): one task on texts",
+     "kserve-v1", PredictRequest, PredictResponse, (400, 404, 413, 422, 429, 503)),
     ("/v2/models/{task}/versions/{version}/infer", "Open Inference Protocol v2 inference, naming the version served",
      "oip-v2", None, None, (400, 404, 413, 422, 429)),
 ]

@@ -139,6 +139,8 @@ def protocol_of(path: str):
     """(the error body builder, the status of a malformed body) for the protocol `path` belongs to."""
     if is_oip(path):
         return oip_error_body, 422
+    if path.startswith("/v1/models/") and path.endswith((":predict", ":explain")):  # KServe V1: as its servers, and
+        return oip_error_body, 400  # V2's, answer: the message in "error"
     if path == "/v1/models" or path.startswith("/v1/models/"):
         return openai_error_body, 400
     return PROTOCOLS.get(path, (tmod_error_body, 422))

@@ -229,6 +229,10 @@ HINTS = {
     ("InferRequest", "body", "Expected `object`, got `array`"): f"the list goes under `inputs`: {SEND_INPUTS}",
     ("InferRequest", "inputs.*", "Object missing required field `text_pair`"):
         'a text alone is a string, "inputs": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
+    ("PredictRequest", "instances", "Expected `array | null`, got `str`"):
+        'send a list, even of one text: {"instances": ["..."]}',
+    ("PredictRequest", "inputs", "Expected `array | null`, got `str`"):
+        'send a list, even of one text: {"inputs": ["..."]}',
     # the two embedding APIs' one-letter difference
     ("OpenAIEmbeddingRequest", "body", "Object contains unknown field `inputs`"):
         "OpenAI's /v1/embeddings reads `input`; `inputs` is TEI's /embed",

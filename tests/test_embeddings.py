@@ -316,8 +316,8 @@ def test_the_inference_client_given_the_servers_url_as_with_tei(served, texts, r
     assert health.status_code == 200 and health.content == b""
     refused = httpx.post(served + "/", json={"inputs": ""})
     assert refused.status_code == 422 and set(refused.json()) == {"error", "error_type"}
-    root = httpx.get(served + "/")  # GET on TEI's root is its health route
-    assert root.status_code == 200 and root.content == b""
+    root = httpx.get(served + "/")  # GET on TEI's root is its health route (and KServe V1's liveness: its body)
+    assert root.status_code == 200 and root.json() == {"status": "alive"}
     info = InferenceClient(model=served, provider="hf-inference").get_endpoint_info()  # GET /info
     assert info["model_id"] == "all-MiniLM-L6-v2" and info["model_dtype"] == "float32"
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["max_input_length"] == 256

@@ -278,6 +278,18 @@ CASES = [
     ("tei-root-put", "PUT", "/", {"json": {"inputs": "a"}}, 405, "tei"),
     ("tei-info-post", "POST", "/info", {}, 405, "tei"),
     ("tei-health-post", "POST", "/health", {}, 405, "tei"),
+    # ---- KServe V1's :predict: in its servers' shape, as OIP's -------------------------------------------
+    *refused_before_the_route("oip-predict", "/v1/models/sentiment:predict", "instances", 400),
+    ("oip-predict-malformed", "POST", "/v1/models/sentiment:predict", {"json": {"instances": [5]}}, 400, "oip"),
+    ("oip-predict-not-json", "POST", "/v1/models/sentiment:predict", {"content": b"{not json"}, 400, "oip"),
+    ("oip-predict-unknown-task", "POST", "/v1/models/nope:predict", {"json": {"instances": ["a"]}}, 404, "oip"),
+    ("oip-predict-huge-task", "POST", "/v1/models/" + "x" * 20_000 + ":predict", {"json": {"instances": ["a"]}}, 404,
+     "oip"),
+    ("oip-predict-too-many", "POST", "/v1/models/sentiment:predict", {"json": {"instances": ["a"] * 9}}, 413, "oip"),
+    ("oip-predict-control-char", "POST", "/v1/models/sentiment:predict", {"json": {"instances": ["a\x00b"]}}, 422,
+     "oip"),
+    ("oip-predict-get", "GET", "/v1/models/sentiment:predict", {}, 405, "oip"),
+    ("oip-explain", "POST", "/v1/models/sentiment:explain", {"json": {"instances": ["a"]}}, 501, "oip"),
     # ---- /admin --------------------------------------------------------------------------------------
     ("admin-no-token", "POST", "/admin/modules/sentiment/reload", {}, 401, "v1"),
     ("admin-list-wrong-token", "GET", "/admin/modules", {"headers": {"authorization": "Bearer no"}}, 401, "v1"),

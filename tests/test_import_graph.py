@@ -27,7 +27,7 @@ LAYERS = [  # lowest first; patterns over dotted module names
     ("probe", ["server.probe"]),
     ("runtime", ["server.batcher", "server.windows", "server.runtime"]),
     ("http", ["server.schemas", "server.http_limits", "server.cors", "server.oip", "server.embeddings_api",
-              "server.classify_api", "server.tokenize_api",
+              "server.classify_api", "server.predict_api", "server.tokenize_api",
               "server.app"]),
     ("processes", ["server.workers", "server.cli"]),
     ("training", ["training", "training.*"]),

@@ -404,6 +404,43 @@ def test_through_kserves_host_routing_and_errors(served):
         infer(served, "sentiment", {"text": ["a", "b"], "text_pair": ["c"]}, True)
 
 
+def test_the_clients_default_v1_protocol(served):
+    """KServe's V1 data plane, as the kserve client speaks it with its default RESTConfig (protocol
+    "v1"): liveness at /, predictions at :predict, each task's answer as /v1/infer gives it; its
+    mistakes answered with what to send, in KServe's error shape."""
+    async def run(work):
+        async with InferenceRESTClient(RESTConfig(timeout=60)) as client:
+            assert client._config.protocol == "v1"  # what a user who names no protocol gets
+            return await work(client)
+
+    assert asyncio.run(run(lambda client: client.is_server_live(served))) is True
+    # V1's model readiness path is OpenAI's model object (an embedding model's): a task's 404 says where
+    # KServe's readiness is (V2's), which a v2 client asks (test_server_and_model_readiness)
+    with pytest.raises(httpx.HTTPStatusError, match=r"'ner' is a task: .* GET /v2/models/ner/ready"):
+        asyncio.run(run(lambda client: client.is_model_ready(served, "ner")))
+    for task, instances in (("sentiment", TEXTS), ("ner", TEXTS),
+                            ("entailment", [{"text": t, "text_pair": p} for t, p in zip(*PAIR)])):
+        answer = asyncio.run(run(lambda client: client.infer(served, {"instances": instances}, model_name=task)))
+        assert answer == {"predictions": v1(served, task, instances)}
+    kserves_other_name = httpx.post(served + "/v1/models/sentiment:predict", json={"inputs": TEXTS, "top_k": 1})
+    assert [list(p["scores"]) for p in kserves_other_name.json()["predictions"]] == [["positive"]] * 2
+    refusals = [  # (task, body, status, what the message says)
+        ("sentiment", {"instances": "What a film."}, 400, 'send a list, even of one text: {"instances": ["..."]}'),
+        ("sentiment", {"instance": ["What a film."]}, 400, "did you mean 'instances'"),
+        ("sentiment", {}, 400, 'send the texts as "instances" (or "inputs")'),
+        ("sentiment", {"instances": ["a"], "inputs": ["b"]}, 400, "one of the two"),
+        ("entailment", {"instances": TEXTS}, 422, "text_pair"),
+        ("telepathy", {"instances": ["a"]}, 404, "no model 'telepathy'"),
+        ("ner", {"instances": [""]}, 422, "input 0 is empty"),
+    ]
+    for task, body, status, said in refusals:
+        refused = httpx.post(f"{served}/v1/models/{task}:predict", json=body, timeout=60)
+        assert refused.status_code == status and said in refused.json()["error"], (body, refused.text)
+    explain = httpx.post(served + "/v1/models/ner:explain", json={"instances": TEXTS})
+    assert explain.status_code == 501 and ":predict" in explain.json()["error"]
+    assert httpx.get(served + "/v1/models/ner:predict").status_code == 405
+
+
 # ---- deploy/README.md's KServe examples, as written ----------------------------------------------------
 def readme_kserve_block(language: str) -> str:
     section = (DEPLOY / "README.md").read_text().split("\n## KServe\n", 1)[1].split("\n## ", 1)[0]
