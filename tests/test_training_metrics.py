@@ -170,3 +170,24 @@ def test_length_mismatch_is_an_error():
         accuracy([1, 2], [1])
     with pytest.raises(ValueError, match="sentence 0"):
         entity_scores([["O", "O"]], [["O"]])
+
+
+def test_entities_begun_with_i_are_begun_with_b_and_stay_the_same_entities():
+    """IOB1 (CoNLL-2003's original release) and BIO slips: every entity that begins with I- is begun
+    with B- (training/data.py begin_entities_with_b), the entities unchanged, BIOES left as it is."""
+    from server.heads.decode import split_tag
+    from training.data import begin_entities_with_b
+
+    iob1 = ["I-PER", "I-PER", "O", "I-LOC", "B-LOC", "I-LOC", "I-ORG", "PER", "I-PER"]
+    assert begin_entities_with_b(iob1) == (["B-PER", "I-PER", "O", "B-LOC", "B-LOC", "I-LOC", "B-ORG", "PER", "I-PER"], 3)
+    bioes = ["B-PER", "E-PER", "S-LOC", "O", "B-ORG", "I-ORG", "E-ORG"]
+    assert begin_entities_with_b(bioes) == (bioes, 0)
+    rng = random.Random(1)
+    alphabet = ["O", "B-PER", "I-PER", "E-PER", "S-PER", "I-LOC", "B-LOC", "L-LOC", "U-LOC", "MISC"]
+    for _ in range(2000):
+        tags = [rng.choice(alphabet) for _ in range(rng.randint(1, 10))]
+        begun, n = begin_entities_with_b(tags)
+        assert entities(begun) == entities(tags)
+        assert n == sum(a != b for a, b in zip(tags, begun))
+        for before, tag in zip(["O"] + begun, begun):  # an I- only where the entity before it is open, of its type
+            assert not tag.startswith("I-") or split_tag(before) in (("B", tag[2:]), ("I", tag[2:]))

@@ -102,6 +102,23 @@ class TokenExample:
         return out
 
 
+def begin_entities_with_b(tags: Sequence[str]) -> tuple[list[str], int]:
+    """`tags` with each entity that begins with I- begun with B- instead, and how many were: IOB1 tags
+    (B- only where an entity directly follows one of its type, as CoNLL-2003's original release writes
+    them) or slips in BIO. The entities are the same (training/metrics.py reads them so); the head
+    learns the BIO order the server decodes tags in (an I- only after a B- or I- of its type)."""
+    from server.heads.decode import split_tag
+
+    out, begun, open_kind = [], 0, None
+    for tag in tags:
+        prefix, kind = split_tag(tag)
+        if tag.startswith("I-") and kind != open_kind:
+            tag, begun = "B-" + kind, begun + 1
+        out.append(tag)
+        open_kind = kind if prefix in ("B", "I") else None
+    return out, begun
+
+
 @dataclass
 class LabelledData:
     """One split: its examples, the task type they imply and where they came from."""
@@ -137,6 +154,17 @@ class LabelledData:
             return self
         keep = sorted(random.Random(seed).sample(range(len(self.examples)), n))
         return LabelledData(self.task_type, [self.examples[i] for i in keep], self.source, self.has_pairs)
+
+    def with_entities_begun_with_b(self) -> tuple["LabelledData", int]:
+        """Token data with every entity begun with B- (`begin_entities_with_b`), and how many were not."""
+        if self.task_type != TaskType.token_classification:
+            return self, 0
+        examples, begun = [], 0
+        for ex in self.examples:
+            tags, n = begin_entities_with_b(ex.tags)
+            examples.append(replace(ex, tags=tags) if n else ex)
+            begun += n
+        return (LabelledData(self.task_type, examples, self.source, self.has_pairs), begun) if begun else (self, 0)
 
     def named_by_position(self, names: Sequence[str]) -> "LabelledData":
         """Labels written as class ids (0, 1, ..., as a Hugging Face dataset's ClassLabel writes them)
@@ -532,7 +560,8 @@ def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[
         raise ValueError(f"--document-windows: {exc.message}") from None
     out: dict[int, list[TokenExample]] = {window: [] for window in windows}
     for document in read_conll_documents(path):
-        whole = TokenExample([w for s in document for w in s.words], [t for s in document for t in s.tags],
+        whole = TokenExample([w for s in document for w in s.words],
+                             begin_entities_with_b([t for s in document for t in s.tags])[0],
                              file_offset=document[0].file_offset)
         encoded = encoder.encode([whole.text], whole=True)[0]
         offsets, spans = encoded.offsets, whole.spans
@@ -544,8 +573,9 @@ def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[
             for start, end in reading.spans:
                 low, high = offsets[reading.first + start][0], offsets[reading.first + end - 1][1]
                 keep = [i for i, (a, b) in enumerate(spans) if a >= low and b <= high]
-                if keep:  # a run of the document's words (spans are in order)
-                    out[window].append(TokenExample([whole.words[i] for i in keep], [whole.tags[i] for i in keep],
+                if keep:  # a run of the document's words (spans are in order); an entity the window cuts begins
+                    tags = begin_entities_with_b([whole.tags[i] for i in keep])[0]  # where the window does
+                    out[window].append(TokenExample([whole.words[i] for i in keep], tags,
                                                     file_offset=whole.file_offset + keep[0]))
     return out
 

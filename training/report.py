@@ -83,6 +83,10 @@ def report_text(result) -> str:
     else:
         lines.append("- test: none (give --test FILE, or --split VAL,TEST): only the validation number above exists")
     data = result.training.get("data", {})
+    if data.get("entities_begun_with_i"):
+        counts = ", ".join(f"{n} in the {split} file" for split, n in data["entities_begun_with_i"].items())
+        lines.append(f"- entities that begin with I- (IOB1 tags, or slips in BIO): {counts}; learnt and scored as "
+                     "beginning with B- (BIO), the same entities")
     if data.get("train_texts_labelled_two_ways"):
         lines.append("- training texts labelled more than one way (the same text, different labels): "
                      f"{data['train_texts_labelled_two_ways']}")

@@ -61,6 +61,9 @@ def resolve_data(s: TrainSettings) -> Splits:
     data = {split: spec.read() for split, spec in specs.items()}
     if labels and not s.label_map:  # class ids (0, 1, ...) named by their place in --labels
         data = {split: part.named_by_position(labels) for split, part in data.items()}
+    begun = {}  # IOB1 tags (or slips): learnt as BIO, the order the server decodes tags in
+    for split, part in data.items():
+        data[split], begun[split] = part.with_entities_begun_with_b()
     train = data["train"]
     check_tag_names(train)
     check_label_column(train, specs["train"])
@@ -69,6 +72,7 @@ def resolve_data(s: TrainSettings) -> Splits:
         **{f"{split}_file": str(spec.path) for split, spec in specs.items()},
         **{f"{split}_sha256": sha256_file(spec.path) for split, spec in specs.items()},
         "train_examples_in_file": len(train),
+        **({"entities_begun_with_i": {split: n for split, n in begun.items() if n}} if any(begun.values()) else {}),
     }
     if s.split:
         train, data["validation"], carved_test = carve(train, s.split, s.seed)

@@ -379,6 +379,11 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         print(f"the labels are numbers ({', '.join(labels[:5])}{', ...' if len(labels) > 5 else ''}): the server will "
               f"answer them as they are; --labels NAME,NAME,... (in their order) or --label-map {example} names them",
               file=sys.stderr)
+    if provenance.get("entities_begun_with_i"):  # said: the tags the head learns are not the file's
+        counts = ", ".join(f"{n} in the {split} file" for split, n in provenance["entities_begun_with_i"].items())
+        print(f"entities that begin with I- ({counts}): IOB1 tags, as CoNLL-2003's original release writes them, or "
+              "slips in BIO; learnt as beginning with B- (BIO, the order the server decodes tags in), the same "
+              "entities", file=sys.stderr)
     if provenance.get("train_texts_labelled_two_ways"):  # said: the head cannot learn both answers
         print(f"training texts labelled more than one way (the same text, different labels): "
               f"{provenance['train_texts_labelled_two_ways']}; check them, or keep one label each", file=sys.stderr)
