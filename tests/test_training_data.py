@@ -201,7 +201,7 @@ def test_document_windows_read_documents_as_the_server_cuts_long_texts(tmp_path,
     """`--document-windows`: each document is one example if it fits a window, else overlapping
     windows of whole words, each within the window's word pieces, together covering the document."""
     from server.windows import default_stride
-    from training.data import document_windows, read_conll_documents
+    from training.data import begin_entities_with_b, document_windows, read_conll_documents
 
     sentences = [[("Alice", "B-PER"), ("met", "O"), ("Bob", "B-PER"), ("Smith", "I-PER"), ("in", "O"),
                   (f"Paris{i}", "B-LOC"), (".", "O")] for i in range(30)]
@@ -223,10 +223,12 @@ def test_document_windows_read_documents_as_the_server_cuts_long_texts(tmp_path,
     starts = []
     for ex in windows:
         start = next(i for i in range(len(words)) if words[i:i + len(ex.words)] == ex.words)
-        assert ex.tags == tags[start:start + len(ex.words)]  # a contiguous stretch, tags kept
+        # a contiguous stretch, tags kept, but an entity the window cuts begins where the window does
+        assert ex.tags == begin_entities_with_b(tags[start:start + len(ex.words)])[0]
         assert len(train_backbone.text.encode([ex.text])[0]) <= window  # special tokens included
         starts.append((start, start + len(ex.words)))
     assert starts[0][0] == 0 and starts[-1][1] == len(words)
+    assert any(ex.tags[0] == "B-PER" and ex.words[0] == "Smith" for ex in windows)  # a window cut Bob Smith
     for (a, b), (c, d) in zip(starts, starts[1:]):
         assert a < c < b < d  # each window starts inside the one before: neighbours overlap
     overlap = window - default_stride(window)

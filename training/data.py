@@ -106,16 +106,15 @@ def begin_entities_with_b(tags: Sequence[str]) -> tuple[list[str], int]:
     """`tags` with each entity that begins with I- begun with B- instead, and how many were: IOB1 tags
     (B- only where an entity directly follows one of its type, as CoNLL-2003's original release writes
     them) or slips in BIO. The entities are the same (training/metrics.py reads them so); the head
-    learns the BIO order the server decodes tags in (an I- only after a B- or I- of its type)."""
-    from server.heads.decode import split_tag
-
-    out, begun, open_kind = [], 0, None
+    learns the BIO order the server decodes tags in (an I- only after a B- or I- of its type). Read
+    without torch (server/heads/decode.py's split_tag reads tags alike: a bare `PER` continues as an I-)."""
+    out, begun, before = [], 0, "O"
     for tag in tags:
-        prefix, kind = split_tag(tag)
-        if tag.startswith("I-") and kind != open_kind:
+        kind = tag[2:]
+        if tag.startswith("I-") and before not in ("B-" + kind, "I-" + kind, kind):
             tag, begun = "B-" + kind, begun + 1
         out.append(tag)
-        open_kind = kind if prefix in ("B", "I") else None
+        before = tag
     return out, begun
 
 
