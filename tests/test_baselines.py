@@ -169,3 +169,15 @@ def test_the_shipped_comparison_is_what_the_baselines_score_again(tmp_path, monk
     for run in ("majority", "tfidf_logreg"):  # within one of 277 rows: another CPU's float sums may flip a tie
         assert ours[run]["accuracy"] == pytest.approx(theirs[run]["accuracy"], abs=1.01 / 277)
     assert any((tmp_path / "cache/baselines").iterdir())  # trained here, not read from an earlier run's cache
+
+
+def test_tfidf_logreg_on_a_toy_file_whose_words_each_appear_once():
+    """A user's first try, a dozen rows: no term is in two texts, so the usual features (terms in two
+    texts or more) are none; every term is used instead (it was a traceback after the head trained)."""
+    texts = ["love it", "hate that", "great film", "awful plot", "wonderful cast", "terrible acting",
+             "superb music", "boring scenes"]
+    labels = ["pos", "neg"] * 4
+    scores = tfidf_logreg(texts, labels, ["lovely ending", "weak script"], ["pos", "neg"], labels=["neg", "pos"])
+    assert scores["baseline"] == "tfidf_logreg" and scores["examples"] == 2
+    multi = tfidf_logreg(texts, [(label,) for label in labels], ["lovely ending"], [("pos",)], multi_label=True)
+    assert multi["examples"] == 1

@@ -45,12 +45,26 @@ def majority(train_labels: Sequence, eval_labels: Sequence, multi_label: bool = 
     return {"baseline": "majority", **_sequence_scores(train_labels, eval_labels, [answer] * len(eval_labels), labels)}
 
 
-def tfidf_features() -> FeatureUnion:
-    """The linear baselines' text features: TF-IDF of word 1-2-grams and character 2-5-grams (within words)."""
+def tfidf_features(min_df: int = 2) -> FeatureUnion:
+    """The linear baselines' text features: TF-IDF of word 1-2-grams and character 2-5-grams (within
+    words), each seen in at least `min_df` training texts."""
     return FeatureUnion([
-        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True)),
-        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=2, sublinear_tf=True, max_features=200_000)),
+        ("words", TfidfVectorizer(ngram_range=(1, 2), min_df=min_df, sublinear_tf=True)),
+        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), min_df=min_df, sublinear_tf=True,
+                                  max_features=200_000)),
     ])
+
+
+def fit_on_tfidf(learner, train_x: Sequence[str], y):
+    """`learner` fitted on the TF-IDF features of `train_x` (a pipeline): terms seen in two texts or
+    more, or, where no term is (a toy file of a dozen rows, every word in one), every term: a
+    user's first try ends with its baselines, not a traceback after the head is trained."""
+    try:
+        return make_pipeline(tfidf_features(), learner).fit(train_x, y)
+    except ValueError as exc:
+        if "no terms remain" not in str(exc):
+            raise
+        return make_pipeline(tfidf_features(min_df=1), learner).fit(train_x, y)
 
 
 def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence, eval_labels: Sequence,
@@ -58,15 +72,14 @@ def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequ
     """TF-IDF of word 1-2-grams and character 2-5-grams (within words), logistic regression on top
     (one-vs-rest with a 0.5 threshold for multi-label). A text may be a (text, text_pair) pair: the
     two are joined with a separator. Fixed settings, nothing tuned on the evaluation split."""
-    features = tfidf_features()
     train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
     if multi_label:  # one binary model per label; liblinear is the fast solver for those
         learner = OneVsRestClassifier(LogisticRegression(C=10.0, solver="liblinear", random_state=seed))
         binarizer = MultiLabelBinarizer().fit([*train_labels, *eval_labels])
-        model = make_pipeline(features, learner).fit(train_x, binarizer.transform(train_labels))
+        model = fit_on_tfidf(learner, train_x, binarizer.transform(train_labels))
         predicted = [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
         return {"baseline": "tfidf_logreg", **_multi_label_scores(train_labels, eval_labels, predicted, labels)}
-    predicted = _tfidf_logreg_fit_predict(features, train_x, train_labels, eval_x, seed)
+    predicted = _tfidf_logreg_fit_predict(train_x, train_labels, eval_x, seed)
     return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
 
 
@@ -74,13 +87,13 @@ def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval
                              seed: int = 0) -> list:
     """The single-label linear baseline's answer for each evaluation text (the model `tfidf_logreg`
     scores), for paired comparisons row by row."""
-    return _tfidf_logreg_fit_predict(tfidf_features(), [_joined(t) for t in train_texts], train_labels,
-                                     [_joined(t) for t in eval_texts], seed)
+    return _tfidf_logreg_fit_predict([_joined(t) for t in train_texts], train_labels, [_joined(t) for t in eval_texts],
+                                     seed)
 
 
-def _tfidf_logreg_fit_predict(features, train_x, train_labels, eval_x, seed: int) -> list:
+def _tfidf_logreg_fit_predict(train_x, train_labels, eval_x, seed: int) -> list:
     learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed)  # multinomial over the labels
-    model = make_pipeline(features, learner).fit(train_x, list(train_labels))
+    model = fit_on_tfidf(learner, train_x, list(train_labels))
     return list(model.predict(eval_x))
 
 
