@@ -80,7 +80,8 @@ def test_a_label_column_of_text_is_refused(tmp_path, capsys):
     assert "pairs.tsv: 40 different labels in 40 rows ('sentence number 0 here'," in line
     assert ("the label column (the default: the header's 'label', else column 1) looks like text; name the labels' "
             "column with --label-column") in line
-    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--label-column", "second"))
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--label-column", "second",
+                                             "--text-column", "first"))
     assert "the label column ('second') looks like text" in line
 
 
@@ -699,3 +700,21 @@ def test_iob1_tags_are_learnt_as_bio_and_counted(tmp_path):
     assert tags == {("B-PER", "I-PER", "O", "O", "B-LOC"), ("B-LOC", "B-LOC")}
     assert data.provenance["entities_begun_with_i"] == {"train": 13}
     assert set(data.labels) == {"O", "B-PER", "I-PER", "B-LOC", "I-LOC"}
+
+
+def test_with_no_text_column_named_the_longest_column_is_read_and_said(tmp_path, capsys):
+    """A Hugging Face export (`Dataset.to_csv`: `idx,sentence,label`, or pandas' unnamed index column
+    first) named no `text` column, and column 0, the row numbers, was read as the texts: a head learnt
+    on numbers. The longest column is read, and said; a file whose only candidate holds numbers is refused."""
+    rows = [(i, f"a {'fine' if i % 2 else 'dull'} film number {i}", i % 2) for i in range(12)]
+    for first in ("idx", ""):
+        path = write(tmp_path / f"export{first}.csv", f"{first},sentence,label\n" + "".join(f"{i},{s},{y}\n" for i, s, y in rows))
+        data = file_spec(path).read()
+        assert [ex.text for ex in data.examples] == [s for _, s, _ in rows]
+        assert [ex.label for ex in data.examples] == [str(y) for _, _, y in rows]
+        assert "texts read from column 'sentence' (the longest; no column is named 'text')" in capsys.readouterr().err
+    plain = write(tmp_path / "plain.tsv", "".join(f"{s}\t{y}\n" for _, s, y in rows))  # no header: column 0, unsaid
+    assert file_spec(plain, header=False).read().examples[0].text == rows[0][1] and capsys.readouterr().err == ""
+    numbers = write(tmp_path / "numbers.csv", "id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(12)))
+    assert "no column holds texts" in one_line_error(capsys, ["layermix", "--train", str(numbers), "--split", "0.25",
+                                                              "--task", "t"])

@@ -39,7 +39,8 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
     g.add_argument("--format", choices=["tsv", "csv", "jsonl", "conll"], default=default,
                    help="file format (default: from the extension; .txt means CoNLL)")
     g.add_argument("--text-column", default=default,
-                   help="text column: name or 0-based index (default: the header's 'text' column, else 0; "
+                   help="text column: name or 0-based index (default: the header's 'text' column, else the column of "
+                        "longest cells among those the labels and pairs leave, said where it is not 0; "
                         "key 'text' in JSONL, else 'tokens': a list of words, a token task)")
     g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
     g.add_argument("--label-column", default=default,

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import sys
 import unicodedata
 import zlib
 from dataclasses import dataclass, field, replace
@@ -237,7 +238,8 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                fmt: str | None = None, header: bool = True, label_map: dict[str, str] | None = None,
                multi_label: bool = False) -> LabelledData:
     """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
-    0-based indices (None in a table: the header's `text` / `label` column, else columns 0 / 1);
+    0-based indices (None in a table: the header's `text` / `label` column, else the longest column
+    the others leave (`_text_column`) / column 1);
     `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a label cell holds any
     number of labels, comma-separated (a JSON list in JSONL), or `label_column` names one 0/1 column per
     label ("toxic,obscene"). A JSONL record whose text is a list of words is a token example, its label
@@ -275,10 +277,11 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
         names = rows.pop(0)[1] if header and rows else None
-        text_i = _column_index(_by_default(text_column, "text", 0, names), names, path)
         label_is = [_column_index(c, names, path) for c in flags] if flags else \
             [_column_index(_by_default(label_column, "label", 1, names), names, path)]
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
+        text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) \
+            if text_column is not None or (names and "text" in names) else _text_column(path, rows, names, {*label_is, pair_i})
         needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
         separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
             if multi_label and not flags else ","
@@ -300,6 +303,36 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         return LabelledData(TaskType.token_classification, examples, str(path))
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _text_column(path: Path, rows: list, names: list[str] | None, taken: set) -> int:
+    """The texts' column where none is named (no --text-column, no header column `text`): of the columns
+    the labels and text pairs do not take, the one of longest cells (over the first 500 rows), said where
+    it is not the first column: a Hugging Face export's `idx,sentence,label` puts row numbers first, and
+    a head learnt on them answers nothing (refused where every such column holds numbers)."""
+    width = max(len(row) for _, row in rows[:500])
+    free = [i for i in range(width) if i not in taken]
+    if not free:
+        return 0
+    sample = [row for _, row in rows[:500]]
+    lengths = {i: sum(len(row[i]) for row in sample if len(row) > i) for i in free}
+    chosen = max(free, key=lambda i: (lengths[i], -i))  # the longest; of equal ones, the first
+    name = repr(names[chosen]) if names and chosen < len(names) else str(chosen)
+    if all(is_number(row[chosen]) for row in sample if len(row) > chosen):
+        raise UsageError(f"{path}: no column holds texts: column {name}, the longest, holds numbers; name the "
+                         "texts' column with --text-column")
+    if chosen != 0:
+        print(f"{path}: texts read from column {name} (the longest; no column is named 'text'): --text-column names "
+              "another", file=sys.stderr)
+    return chosen
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _present(value, column: str, where: str) -> bool:

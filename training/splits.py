@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modules_store import DEFAULT_STORE, TaskType, sha256_file
-from training.data import PRESETS, DataSpec, LabelledData, UsageError, file_spec, guess_format, label_order, preset_spec
+from training.data import (PRESETS, DataSpec, LabelledData, UsageError, file_spec, guess_format, is_number,
+                           label_order, preset_spec)
 from training.settings import METRICS, TASK_DEFAULTS, TrainSettings
 
 
@@ -164,14 +165,6 @@ def check_tag_names(train: LabelledData) -> None:
                          "0=O,1=B-PER,...")
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def check_label_column(train: LabelledData, spec: DataSpec) -> None:
     """A label column holding text (a wrong --label-column, or a default column that is not the
     labels) makes nearly every row its own class, and one holding a single label leaves nothing to
@@ -190,7 +183,7 @@ def check_label_column(train: LabelledData, spec: DataSpec) -> None:
                          "two or more labels apart (is --label-column the right column?)")
     if len(seen) > 20 and len(seen) > len(train) / 2:  # under two rows a label: nothing to learn
         examples = ", ".join(repr(label[:40]) for label in list(seen)[:3])
-        if all(_is_number(label) for label in seen):  # STS-B's similarities, a price
+        if all(is_number(label) for label in seen):  # STS-B's similarities, a price
             raise UsageError(f"{train.source}: {len(seen)} different numbers in {len(train)} rows ({examples}, ...): a "
                              "score to predict, which tmod's heads do not (they choose among labels); bin it into "
                              "a few labels first (e.g. low,mid,high)")
