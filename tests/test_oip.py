@@ -143,6 +143,19 @@ def test_tritonclient_reads_model_configs_and_the_repository_index(live):
     assert response.status_code == 422 and response.json()["type"] == "invalid_request"
 
 
+def test_triton_statistics_are_refused_saying_where_the_counts_are(live):
+    """tritonclient's get_inference_statistics (Triton's statistics extension, not served: per-model
+    batch counts do not exist where one pass serves every task) is told where tmod's counts are, not a
+    bare 404 or, for all models, "no model 'stats'"."""
+    client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
+    assert "statistics" not in client.get_server_metadata()["extensions"]
+    for model, version in (("", ""), ("sentiment", ""), ("sentiment", "1")):
+        with pytest.raises(tritonclient_http.InferenceServerException,
+                           match=r"statistics extension is not served .* GET /metrics \(tmod_task_requests_total"):
+            client.get_inference_statistics(model, version)
+    assert httpx.get(live.url + "/v2/models/sentiment").status_code == 200  # the model routes are as before
+
+
 def test_the_repository_index_names_what_the_store_holds_but_does_not_serve(tmp_path, tiny_store, tiny_backbone):
     store = tmp_path / "store"
     shutil.copytree(tiny_store.root, store)
