@@ -49,7 +49,7 @@ from server.predict_api import PREDICT, PredictRequest, PredictResponse, predict
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
                             ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList,
-                            RepositoryIndexRequest, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
+                            RepositoryChangeRequest, RepositoryIndexRequest, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
                             openapi_components)
 
 
@@ -67,6 +67,8 @@ JSON_TYPES = (b"application/json",)
 # what stays open with an API key set: probes, scrapers and the schema (/admin has its own token)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs",
                         "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+# the routes that change modules: the admin token guards them (in the same Authorization header), not the API key
+ADMIN_PATHS = ("/admin/", "/v2/repository/models/")
 NO_HEADERS: dict[str, str] = {}
 OIP_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
@@ -125,7 +127,7 @@ class TmodApp(FastAPI):
                 reply.extra = self.cors.answer_headers(origin)
                 if scope["method"] == "OPTIONS" and (preflight := self.cors.preflight_headers(scope["headers"])):
                     return await reply.whole(200, b"", preflight)  # before the key: a browser sends none here
-            if self.api_keys is not None and path not in OPEN_PATHS and not path.startswith("/admin/") \
+            if self.api_keys is not None and path not in OPEN_PATHS and not path.startswith(ADMIN_PATHS) \
                     and not bearer_matches(scope["headers"], *self.api_keys):
                 raise ApiError(401, "unauthorized", "this server needs 'Authorization: Bearer <API key>'",
                                headers={"www-authenticate": "Bearer"})
@@ -576,6 +578,14 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                            "(in Kubernetes, a rolling restart)")
         require_ready()
 
+    async def change_module(request: Request, task: str, action: str, version: str | None):
+        """/admin's module change, and Triton's repository load and unload: the admin token, then the store."""
+        require_module_changes(request)
+        if not NAME_PATTERN.fullmatch(task):  # it names a folder of the store: nothing else may reach the disk
+            raise ApiError(400, "invalid_name", f"task {clip(task)} is not a module name: use 1-64 of a-z, 0-9, "
+                                                "'_' and '-', starting with a letter or digit")
+        return await runtime.manage(task, action, version)
+
     @app.get("/admin/modules", response_model=AdminModules, tags=["admin"], responses={401: {}, 403: {}, 409: {}})
     async def admin_modules(request: Request):
         """Where this server loads modules from and what it serves: what `tmod-train --load-into` checks
@@ -592,11 +602,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """load: load or replace with a store version (default: the latest for this backbone); reload: read the loaded
         version (or the one named) again from the store; unload: stop serving the task.
         A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
-        require_module_changes(request)
-        if not NAME_PATTERN.fullmatch(task):  # it names a folder of the store: nothing else may reach the disk
-            raise ApiError(400, "invalid_name", f"task {clip(task)} is not a module name: use 1-64 of a-z, 0-9, "
-                                                "'_' and '-', starting with a letter or digit")
-        module, previous = await runtime.manage(task, action, body.version if body else None)
+        module, previous = await change_module(request, task, action, body.version if body else None)
         if action == "unload":
             return ModuleActionResult(task=task, action=action, version=module.version)
         return ModuleActionResult(task=task, action=action, version=module.version, previous_version=previous)
@@ -658,7 +664,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @app.get("/v2", tags=["oip-v2"])
     async def oip_server_metadata():
         return {"name": "tmod", "version": app.version,
-                "extensions": ["binary_tensor_data", "classification", "model_configuration"]}
+                "extensions": ["binary_tensor_data", "classification", "model_configuration", "model_repository"]}
 
     @app.get("/v2/health/live", tags=["oip-v2"])
     async def oip_live():
@@ -709,8 +715,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def oip_repository_index(request: Request):
         """Triton's repository index (tritonclient's `get_model_repository_index`): each served task READY,
         each other task of the store UNAVAILABLE with why (left out or refused at start-up, or not loaded);
-        `{"ready": true}` asks the READY ones only. Loading and unloading go through /admin (an admin
-        token), not this route."""
+        `{"ready": true}` asks the READY ones only. Loading and unloading: the routes below, or /admin."""
         require_ready()
         body = await request.body()
         ready_only = decode(RepositoryIndexRequest, body or b"{}", protocol_of(request.url.path)[1]).ready
@@ -719,11 +724,35 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         if not ready_only:
             left_out = {**runtime.skipped, **runtime.load_errors}
             for task in ModuleStore(settings.store).tasks():
-                left_out.setdefault(task, f"not loaded (not named in --tasks, unloaded through /admin, or added to the "
-                                          f"store since start-up): POST /admin/modules/{task}/load serves it")
+                left_out.setdefault(task, f"not loaded (not named in --tasks, unloaded, or added to the store since "
+                                          f"start-up): POST /v2/repository/models/{task}/load (or /admin's) serves it")
             index += [{"name": task, "state": "UNAVAILABLE", "reason": why} for task, why in sorted(left_out.items())
                       if task not in runtime.modules]
         return index
+
+    @app.post("/v2/repository/models/{task}/load", tags=["oip-v2"], responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
+    @app.post("/v2/repository/models/{task}/unload", tags=["oip-v2"], responses={400: {}, 401: {}, 403: {}, 404: {}})
+    async def oip_repository_change(task: str, request: Request):
+        """Triton's repository load and unload (tritonclient's `load_model`, `unload_model`): /admin's load
+        and unload, with its token (`Authorization: Bearer`, tritonclient's `headers=`). Load serves the
+        store's latest version for this backbone, or `{"parameters": {"version": "2"}}`; a model
+        configuration or files sent with the request are refused (tmod loads the store's artifacts)."""
+        action = request.url.path.rsplit("/", 1)[1]
+        body = await request.body()
+        parameters = decode(RepositoryChangeRequest, body or b"{}", protocol_of(request.url.path)[1]).parameters
+        known = {"load": {"version"}, "unload": {"unload_dependents"}}[action]
+        sent = [name for name in parameters if name not in known]
+        if sent:
+            sent_files = any(name == "config" or name.startswith("file:") for name in sent)
+            raise ApiError(400, "invalid_request", f"parameter(s) {clip_list(sent)} not read: "
+                           + ("tmod loads the store's artifacts, not a configuration or files sent with the request "
+                              "(write the module into the store, e.g. tmod-train --store, and load it by name)"
+                              if sent_files else f"{action} takes {sorted(known)}{did_you_mean(sent, known)}"))
+        version = parameters.get("version")
+        if version is not None and not isinstance(version, str):
+            raise ApiError(400, "invalid_request", "parameter 'version' is a string, e.g. \"2\"")
+        await change_module(request, task, action, version)
+        return Response(status_code=200)
 
     @app.get("/v2/models/{task}/ready", tags=["oip-v2"], responses={404: {}})
     @app.get("/v2/models/{task}/versions/{version}/ready", tags=["oip-v2"], responses={404: {}})

@@ -119,6 +119,11 @@ class RepositoryIndexRequest(Struct):
     ready: bool = False
 
 
+class RepositoryChangeRequest(Struct):
+    """Triton's repository load / unload body (`{}` or none; `parameters` as tritonclient sends them)."""
+    parameters: dict[str, Any] = {}
+
+
 # ---- decoding: one pass, and the messages a client reads ------------------------------------------------
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
 _HUGE_INTEGER = re.compile(rb"[0-9]{%d}" % (sys.get_int_max_str_digits() + 1))

@@ -1,6 +1,6 @@
-"""`TMOD_API_KEY`: every route but health, metrics, the schema and /admin asks for `Authorization:
-Bearer <key>`, refused 401 in each protocol's shape; the clients of each protocol pass the key their
-own way. One real `tmod-serve --workers 2` (the key is checked in the worker processes)."""
+"""`TMOD_API_KEY`: every route but health, metrics, the schema, /admin and Triton's repository load /
+unload asks for `Authorization: Bearer <key>`, refused 401 in each protocol's shape; the clients of
+each protocol pass the key their own way. One real `tmod-serve --workers 2` (the key is checked in the worker processes)."""
 from __future__ import annotations
 
 import json
@@ -93,6 +93,32 @@ def test_a_key_list_of_only_commas_is_refused():
 def test_admin_keeps_its_own_token(served):
     assert httpx.get(served + "/admin/modules", headers=bearer(ADMIN)).status_code == 200
     assert httpx.get(served + "/admin/modules", headers=bearer(KEY)).status_code == 401
+
+
+def test_tritons_repository_load_and_unload_take_the_admin_token(served):
+    """tritonclient's unload_model / load_model (Triton's repository API) are /admin's unload and load,
+    with its token in tritonclient's headers (the API key does not change modules); in the worker
+    processes, as every route here. A configuration or files sent with a load are refused, changing nothing."""
+    import tritonclient.http as tritonclient_http
+
+    client = tritonclient_http.InferenceServerClient(url=served.removeprefix("http://"))
+    assert "model_repository" in client.get_server_metadata(headers=bearer(KEY))["extensions"]
+    state = lambda: {e["name"]: e["state"] for e in client.get_model_repository_index(headers=bearer(KEY))}  # noqa: E731
+    for token, said in ((KEY, "admin endpoints need"), (None, "admin endpoints need")):
+        with pytest.raises(tritonclient_http.InferenceServerException, match=said):
+            client.unload_model("sentiment", headers=bearer(token) if token else None)
+    assert state()["sentiment"] == "READY"
+    client.unload_model("sentiment", headers=bearer(ADMIN))
+    assert state()["sentiment"] == "UNAVAILABLE"
+    with pytest.raises(tritonclient_http.InferenceServerException, match="tmod loads the store's artifacts"):
+        client.load_model("sentiment", headers=bearer(ADMIN), config=json.dumps({"backend": "python"}))
+    assert state()["sentiment"] == "UNAVAILABLE"
+    client.load_model("sentiment", headers=bearer(ADMIN))
+    assert state()["sentiment"] == "READY"
+    answered = httpx.post(served + "/v1/infer?tasks=sentiment", json={"inputs": TEXTS}, headers=bearer(KEY))
+    assert answered.status_code == 200
+    with pytest.raises(tritonclient_http.InferenceServerException, match="no module|not in the store|telepathy"):
+        client.load_model("telepathy", headers=bearer(ADMIN))
 
 
 def test_each_protocols_client_passes_the_key(served, monkeypatch):

@@ -22,7 +22,10 @@ def test_schemathesis_finds_no_server_error(tiny_store, tiny_backbone, tmp_path)
         run = subprocess.run(
             [cli, "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
              "--max-examples", "40", "--seed", "1", "--request-timeout", "30",
-             "-H", "Authorization: Bearer fuzz-token", "--no-color"],
+             "-H", "Authorization: Bearer fuzz-token", "--no-color",
+             # with the admin token it unloads every task, and a server with none is not ready: 503 by design
+             # (tests/test_api_key.py covers that route)
+             "--exclude-path", "/v2/repository/models/{task}/unload"],
             capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
