@@ -20,6 +20,7 @@ import re
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -45,7 +46,7 @@ from server.errors import (ApiError, api_error_handler, clip, clip_list, error_c
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
-from server.predict_api import PREDICT, PredictRequest, PredictResponse, predict_route
+from server.predict_api import PREDICT, PredictRequest, PredictResponse, TEIPredictRequest, predict_route, tei_predict_route
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
                             ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList,
@@ -836,7 +837,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                           for text in reading.texts])
 
     app.fast_routes = {"/v1/infer": infer, **embeddings_routes(runtime, require_ready, run_inference),
-                       **classify_routes(runtime, require_ready, run_inference)}
+                       **classify_routes(runtime, require_ready, run_inference),
+                       **tei_predict_route(runtime, require_ready, run_inference)}
     app.oip_infer = oip_infer
     app.v1_predict = predict_route(require_ready, oip_module, fit_to_inputs, run_inference)
     app.openapi = functools.partial(openapi, app)
@@ -941,6 +943,8 @@ FAST_ROUTES_DOC = [
      ClassifyResponse, (400, 404, 413, 429, 503)),
     ("/v1/classify", "/classify, where SGLang serves it", "classification", ClassifyRequest, ClassifyResponse,
      (400, 404, 413, 429, 503)),
+    ("/predict", "Text Embeddings Inference's /predict: one classification task's labels, best first (?tasks= names "
+     "it where several are loaded)", "classification", TEIPredictRequest, list[Any], (400, 413, 422, 424, 429, 503)),
     ("/v2/models/{task}/infer", "Open Inference Protocol v2 inference", "oip-v2", None, None, (400, 404, 413, 422, 429)),
     ("/v1/models/{task}:predict", "KServe's V1 predict (the kserve client's default protocol): one task on texts",
      "kserve-v1", PredictRequest, PredictResponse, (400, 404, 413, 422, 429, 503)),
@@ -973,6 +977,9 @@ def openapi(app: TmodApp) -> dict:
         parameters = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
         if path == "/v1/infer":
             parameters.append(TASKS_QUERY)
+        elif path == "/predict":
+            parameters.append({**TASKS_QUERY, "description": "the task to answer, where several classification tasks "
+                                                            "read such inputs"})
         if parameters:
             operation["parameters"] = parameters
         schema["paths"].setdefault(path, {})["post"] = operation

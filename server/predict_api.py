@@ -1,14 +1,22 @@
-"""KServe's V1 data plane (TensorFlow Serving's REST API): `POST /v1/models/<task>:predict`, what the
-`kserve` package's REST client sends by default (its protocol "v1"), answered by one tmod task.
+"""The one-task prediction APIs of KServe's V1 data plane and of Text Embeddings Inference.
 
-Request `{"instances": [...]}` (or `{"inputs": [...]}`, KServe's other name): texts, or
-`{"text", "text_pair"}` objects for a pair task; tmod's `truncate` and answer controls as on
-/v1/infer. Answer `{"predictions": [...]}`: per instance, the task's answer as /v1/infer gives it
-(`label` / `score` / `scores`, `labels`, `entities`, `embedding`). Errors as KServe's servers give
-them, the message in `error`. Liveness is V1's too (`GET /`: `{"status": "alive"}`), but not model
-readiness: `GET /v1/models/<name>` is OpenAI's model object of an embedding model, and a task there
-is answered 404 naming V2's `GET /v2/models/<task>/ready`. `:explain` is refused: tmod has no
-explainer. One request runs one task: /v1/infer runs several in one pass.
+KServe V1 (TensorFlow Serving's REST API): `POST /v1/models/<task>:predict`, what the `kserve`
+package's REST client sends by default (its protocol "v1"). Request `{"instances": [...]}` (or
+`{"inputs": [...]}`, KServe's other name): texts, or `{"text", "text_pair"}` objects for a pair task;
+tmod's `truncate` and answer controls as on /v1/infer. Answer `{"predictions": [...]}`: per instance,
+the task's answer as /v1/infer gives it (`label` / `score` / `scores`, `labels`, `entities`,
+`embedding`). Errors as KServe's servers give them, the message in `error`. Liveness is V1's too
+(`GET /`: `{"status": "alive"}`), but not model readiness: `GET /v1/models/<name>` is OpenAI's model
+object of an embedding model, and a task there is answered 404 naming V2's `GET
+/v2/models/<task>/ready`. `:explain` is refused: tmod has no explainer.
+
+TEI's `POST /predict`: a classifier's labels, best first, `[{"score", "label"}, ...]` for one input
+(`"inputs"`: a text, or a `[text, text_pair]` pair) or a list of them for a batch (`[[text],
+[text, text_pair], ...]`); `raw_scores` answers logits, `truncate` cuts long inputs. TEI serves one
+model: here the one classification task that reads such inputs (single-label or multi-label), or the
+one `?tasks=<task>` names. Errors in TEI's shape.
+
+One request runs one task: /v1/infer runs several in one pass.
 """
 from __future__ import annotations
 
@@ -18,7 +26,9 @@ from typing import Annotated, Any, Callable, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from server.errors import ApiError
+from modules_store import TaskType
+from server.errors import ApiError, clip, did_you_mean
+from server.modules import compares_pairs
 from server.schemas import AnswerControls, TextPair, decode
 
 PREDICT = re.compile(r"/v1/models/([^/]+):(predict|explain)")
@@ -69,3 +79,78 @@ def predict_route(require_ready: Callable[[], None], module_of, fit_to_inputs, r
         return msgspec.json.encode(PredictResponse([r[task] for r in results])), headers
 
     return predict
+
+
+class TEIPredictRequest(Struct, forbid_unknown_fields=True):
+    """TEI's /predict body, e.g. {"inputs": "A fine film."} or {"inputs": [["A fine film."], ["A man sleeps.",
+    "Nobody sleeps."]]}."""
+    inputs: Annotated[Union[str, list[Union[str, list[str]]]], Meta(
+        description='a text; a pair [text, text_pair]; or a batch of both: [[text], [text, text_pair], ...]')]
+    truncate: bool = False
+    raw_scores: Annotated[bool, Meta(description="the head's logits instead of probabilities")] = False
+
+
+CLASSIFIERS = (TaskType.sequence_classification, TaskType.multi_label_classification)
+
+
+def tei_inputs(inputs) -> tuple[list, bool]:
+    """(the sequences, each a text or a (text, text_pair) tuple; whether the request was a batch), read
+    as TEI reads them: a string is one text, a list of strings one pair, a list of lists a batch."""
+    if isinstance(inputs, str):
+        return [inputs], False
+    if not inputs:
+        raise ApiError(422, "invalid_request", "inputs is empty: send a text, a pair [text, text_pair] or a batch "
+                                               "[[text], [text, text_pair], ...]")
+    if all(isinstance(item, str) for item in inputs):
+        if len(inputs) > 2:
+            raise ApiError(422, "invalid_request", f"inputs has {len(inputs)} texts: a list of strings is one "
+                                                   "pair [text, text_pair]; a batch is a list of lists, [[text], ...]")
+        return [inputs[0] if len(inputs) == 1 else tuple(inputs)], False
+    if any(isinstance(item, str) or len(item) not in (1, 2) for item in inputs):
+        raise ApiError(422, "invalid_request", "a batch is a list of lists, each [text] or [text, text_pair]")
+    return [item[0] if len(item) == 1 else tuple(item) for item in inputs], True
+
+
+def tei_classifier(modules: dict, named: tuple[str, ...], pairs: bool):
+    """The task TEI's /predict answers: the one named (`?tasks=`), else the one classification task
+    loaded that reads these inputs (single texts or pairs); 400 saying which to name otherwise."""
+    fits = sorted(t for t, m in modules.items()
+                  if m.manifest.task_type in CLASSIFIERS and compares_pairs(m.manifest) == pairs)
+    inputs = "text pairs" if pairs else "single texts"
+    if named:
+        task = ",".join(named)
+        if task not in fits:
+            why = "is not loaded" if task not in modules else f"is no classification task on {inputs}"
+            raise ApiError(400, "unknown_task", f"task {clip(task)} {why}{did_you_mean([task], fits)}; /predict "
+                                                f"answers one of {fits}")
+        return modules[task]
+    if len(fits) != 1:
+        raise ApiError(400, "unknown_task", f"/predict answers one classification task on {inputs}, and "
+                       + (f"{len(fits)} are loaded ({fits}): name one, /predict?tasks={fits[0]}" if fits else
+                          "none is loaded"))
+    return modules[fits[0]]
+
+
+def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference):
+    """{path: handler(body, request) -> (answer bytes, headers)} for the app's raw ASGI layer."""
+
+    async def tei_predict(body: bytes, request) -> tuple[bytes, dict]:
+        require_ready()
+        asked = decode(TEIPredictRequest, body, 422)
+        request.check_query(frozenset({"tasks"}), "/predict", "only ?tasks=<task>, the task to answer")
+        sequences, batch = tei_inputs(asked.inputs)
+        pairs = {isinstance(s, tuple) for s in sequences}
+        if len(pairs) > 1:
+            raise ApiError(422, "invalid_request", "a batch of texts and text pairs: each is a different task here; "
+                                                   "send the texts and the pairs in two requests")
+        pairs = pairs.pop()
+        module = tei_classifier(runtime.modules, request.query("tasks"), pairs)
+        texts = [s[0] for s in sequences] if pairs else sequences
+        results, _, headers = await run_inference(texts, [s[1] for s in sequences] if pairs else None,
+                                                  {module.task: module}, asked.truncate, request,
+                                                  controls=AnswerControls(raw_scores=asked.raw_scores))
+        ranked = [sorted(({"score": score, "label": label} for label, score in r[module.task]["scores"].items()),
+                         key=lambda p: -p["score"]) for r in results]
+        return msgspec.json.encode(ranked if batch else ranked[0]), headers
+
+    return {"/predict": tei_predict}

@@ -56,3 +56,38 @@ def test_what_it_does_not_answer_is_refused_in_openais_shape(live):
     refused({"model": "sentiment", "input": [[101, 2054]]}, 400, "invalid_request")  # token arrays
     refused({"model": "sentiment", "inputs": TEXTS}, 400, "invalid_request")  # /v1/infer's field name
     assert live.get("/classify").status_code == 405
+
+
+def test_teis_predict_answers_one_classifier_best_first(live):
+    """Text Embeddings Inference's /predict, as a TEI client sends it: one text, a [text, text_pair]
+    pair or a batch of lists; the labels best first with /v1/infer's probabilities (or logits with
+    raw_scores); the task named with ?tasks= where several read such inputs; errors in TEI's shape."""
+    expected = live.post("/v1/infer?tasks=sentiment", json={"inputs": TEXTS}).json()["results"]
+
+    def ranked(result):
+        return sorted(result["sentiment"]["scores"].items(), key=lambda item: -item[1])
+
+    one = live.post("/predict?tasks=sentiment", json={"inputs": TEXTS[0]})
+    assert one.status_code == 200, one.text
+    assert [p["label"] for p in one.json()] == [label for label, _ in ranked(expected[0])]
+    assert [p["score"] for p in one.json()] == pytest.approx([p for _, p in ranked(expected[0])], abs=1e-5)
+    batch = live.post("/predict?tasks=sentiment", json={"inputs": [[text] for text in TEXTS]}).json()
+    assert [[p["label"] for p in row] for row in batch] == [[label for label, _ in ranked(e)] for e in expected]
+    raw = live.post("/predict?tasks=sentiment", json={"inputs": TEXTS[0], "raw_scores": True}).json()
+    assert [p["label"] for p in raw] == [p["label"] for p in one.json()]  # logits order labels as probabilities do
+    assert sum(p["score"] for p in raw) != pytest.approx(1.0, abs=1e-3)
+
+    def refused(path, body, said):
+        answer = live.post(path, json=body)
+        assert answer.status_code in (400, 422) and set(answer.json()) == {"error", "error_type"}, answer.text
+        assert said in answer.json()["error"], answer.text
+
+    refused("/predict", {"inputs": TEXTS[0]}, "2 are loaded (['acceptability', 'sentiment']): name one, "
+                                              "/predict?tasks=acceptability")
+    refused("/predict?tasks=ner", {"inputs": TEXTS[0]}, "'ner' is no classification task on single texts")
+    refused("/predict?task=sentiment", {"inputs": TEXTS[0]}, "did you mean 'tasks'")
+    refused("/predict", {"inputs": ["a text", "its pair"]}, "on text pairs, and none is loaded")
+    refused("/predict?tasks=sentiment", {"inputs": ["a", "b", "c"]}, "a list of strings is one pair")
+    refused("/predict?tasks=sentiment", {"inputs": [["a"], ["b", "c"]]}, "a batch of texts and text pairs")
+    refused("/predict?tasks=sentiment", {"inputs": []}, "inputs is empty")
+    assert live.get("/predict").status_code == 405

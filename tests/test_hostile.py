@@ -277,6 +277,12 @@ CASES = [
     ("tei-root-malformed", "POST", "/", {"json": {"inputs": 5}}, 422, "tei"),
     ("tei-root-put", "PUT", "/", {"json": {"inputs": "a"}}, 405, "tei"),
     ("tei-info-post", "POST", "/info", {}, 405, "tei"),
+    *refused_before_the_route("tei-predict", "/predict?tasks=sentiment", "inputs", 422),
+    ("tei-predict-malformed", "POST", "/predict?tasks=sentiment", {"json": {"inputs": 5}}, 422, "tei"),
+    ("tei-predict-deep-batch", "POST", "/predict?tasks=sentiment", {"json": {"inputs": [[["a"]]]}}, 422, "tei"),
+    ("tei-predict-unnamed", "POST", "/predict", {"json": {"inputs": "a"}}, 400, "tei"),
+    ("tei-predict-too-many", "POST", "/predict?tasks=sentiment", {"json": {"inputs": [["a"]] * 9}}, 413, "tei"),
+    ("tei-predict-get", "GET", "/predict", {}, 405, "tei"),
     ("tei-health-post", "POST", "/health", {}, 405, "tei"),
     # ---- KServe V1's :predict: in its servers' shape, as OIP's -------------------------------------------
     *refused_before_the_route("oip-predict", "/v1/models/sentiment:predict", "instances", 400),
