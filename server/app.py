@@ -46,11 +46,12 @@ from server.errors import (ApiError, api_error_handler, clip, clip_list, error_c
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
-from server.predict_api import PREDICT, PredictRequest, PredictResponse, TEIPredictRequest, predict_route, tei_predict_route
+from server.predict_api import (PREDICT, PredictRequest, PredictResponse, TEIPredictRequest, predict_route,
+                                tei_predict_route)
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
-                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList,
-                            RepositoryChangeRequest, RepositoryIndexRequest, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
+                            ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, RepositoryChangeRequest,
+                            RepositoryIndexRequest, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
                             openapi_components)
 
 
@@ -65,7 +66,7 @@ CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 JSON_TYPES = (b"application/json",)
-# what stays open with an API key set: probes, scrapers and the schema (/admin has its own token)
+# what stays open with an API key set: probes, scrapers and the schema (module changes have their own token)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs",
                         "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 # the routes that change modules: the admin token guards them (in the same Authorization header), not the API key
@@ -731,7 +732,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                       if task not in runtime.modules]
         return index
 
-    @app.post("/v2/repository/models/{task}/load", tags=["oip-v2"], responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
+    @app.post("/v2/repository/models/{task}/load", tags=["oip-v2"],
+              responses={400: {}, 401: {}, 403: {}, 404: {}, 409: {}})
     @app.post("/v2/repository/models/{task}/unload", tags=["oip-v2"], responses={400: {}, 401: {}, 403: {}, 404: {}})
     async def oip_repository_change(task: str, request: Request):
         """Triton's repository load and unload (tritonclient's `load_model`, `unload_model`): /admin's load

@@ -280,8 +280,9 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         label_is = [_column_index(c, names, path) for c in flags] if flags else \
             [_column_index(_by_default(label_column, "label", 1, names), names, path)]
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
-        text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) \
-            if text_column is not None or (names and "text" in names) else _text_column(path, rows, names, {*label_is, pair_i})
+        named = text_column is not None or (names and "text" in names)
+        text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) if named \
+            else _text_column(path, rows, names, {*label_is, pair_i})
         needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
         separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
             if multi_label and not flags else ","
