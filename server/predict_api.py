@@ -29,7 +29,7 @@ from msgspec import Meta, Struct
 from modules_store import TaskType
 from server.errors import ApiError, clip, did_you_mean
 from server.modules import compares_pairs
-from server.schemas import AnswerControls, TextPair, decode
+from server.schemas import AnswerControls, TextPair, check_one_form, decode
 
 PREDICT = re.compile(r"/v1/models/([^/]+):(predict|explain)")
 Instances = Annotated[list[Union[str, TextPair]], Meta(
@@ -46,9 +46,7 @@ class PredictRequest(AnswerControls, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self):
         if (self.instances is None) == (self.inputs is None):
             raise ValueError('send the texts as "instances" (or "inputs"), one of the two: {"instances": ["..."]}')
-        items = self.items()
-        if any(isinstance(item, str) != isinstance(items[0], str) for item in items):
-            raise ValueError("instances must be all texts or all {text, text_pair} objects, not a mix")
+        check_one_form(self.items(), "instances" if self.instances is not None else "inputs")
 
     def items(self) -> list:
         return self.instances if self.instances is not None else self.inputs

@@ -80,10 +80,16 @@ class InferRequest(AnswerControls, forbid_unknown_fields=True, kw_only=True):
     stride: Union[Stride, None] = None
 
     def __post_init__(self):
-        first = isinstance(self.inputs[0], str)
-        if any(isinstance(item, str) != first for item in self.inputs):
-            raise ValueError("inputs must be all texts or all {text, text_pair} objects, not a mix")
+        check_one_form(self.inputs, "inputs")
         # empty texts and limits are checked where every protocol shares them (app.py)
+
+
+def check_one_form(items: list, field: str) -> None:
+    """A request's texts are all texts or all {text, text_pair} pairs: pairs and single texts are read by
+    different tasks (ValueError, msgspec's refusal of the body naming `field`)."""
+    first = isinstance(items[0], str)
+    if any(isinstance(item, str) != first for item in items):
+        raise ValueError(f"{field} must be all texts or all {{text, text_pair}} objects, not a mix")
 
 
 class ModelInfo(Struct):
