@@ -125,7 +125,7 @@ def write_module_baselines(store: Path) -> None:
     compared before verdicts were written keeps its baselines' runs and gains the rest."""
     from modules_store import TaskType
     from server.backbone.sources import default_cache_dir
-    from training.assess import against_baselines, baseline_runs
+    from training.assess import against_baselines, baseline_runs, linear_baseline
     from training.settings import TrainSettings
     from training.splits import resolve_data
 
@@ -139,8 +139,7 @@ def write_module_baselines(store: Path) -> None:
         role = "chose the epoch" + (" and thresholds" if (manifest.get("decoding") or {}).get("thresholds") else "")
         head = {**metrics, "role": metrics.get("role", role)}
         if earlier:  # trained by a tmod-train that compared, before it wrote the verdict: its runs kept
-            linear = "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
-            runs = [earlier["majority"], earlier[linear]]
+            runs = [earlier["majority"], earlier[linear_baseline(kind)]]
         else:
             recorded = training["settings"]
             settings = TrainSettings(**{k: v for k, v in recorded.items() if k in TrainSettings.model_fields})

@@ -80,10 +80,15 @@ def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType)
     return baselines
 
 
+def linear_baseline(kind: TaskType) -> str:
+    """The name of the linear model a head of this task type is compared with (`baseline_runs`)."""
+    return "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
+
+
 def verdict(baselines: dict, kind: TaskType) -> str:
     """One line a user reads first: does the head beat the majority answer and the linear model?"""
     split, metric, head = baselines["split"], baselines["metric"], baselines["head"]
-    linear = "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
+    linear = linear_baseline(kind)
     majority_score, linear_score = baselines["majority"][metric], baselines[linear][metric]
     role = baselines.get("role", "chose the epoch")
     caveat = (f"; the validation split also {role}: --test FILE or --split VAL,TEST gives one that chose nothing"
