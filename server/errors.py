@@ -230,4 +230,18 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     allowed = (headers or {}).get("Allow", "").split(", ")
     if "GET" in allowed and "HEAD" not in allowed:  # the raw layer answers HEAD as GET (server/app.py)
         headers = {**headers, "Allow": ", ".join([*allowed, "HEAD"])}
-    return error_response(path, exc.status_code, type_, str(exc.detail)[:200], headers=headers)
+    message = str(exc.detail)[:200]
+    if exc.status_code == 404:
+        message = f"no route {clip(path)}{route_hint(request.app, path)}"
+    return error_response(path, exc.status_code, type_, message, headers=headers)
+
+
+def route_hint(app, path: str) -> str:
+    """' (did you mean /v1/embeddings? ...)' for a path one slip away from a route: OpenAI's client given a
+    base_url without /v1 posts to /embeddings; else the closest route of a fixed path, or ''."""
+    routes = {route.path for route in getattr(app, "routes", ()) if "{" not in getattr(route, "path", "{")}
+    routes |= set(getattr(app, "fast_routes", ()))
+    if "/v1" + path in routes:
+        return f" (did you mean /v1{path}? an OpenAI client's base_url ends with /v1: http://host:port/v1)"
+    close = difflib.get_close_matches(path[:200], sorted(routes), n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -453,3 +453,17 @@ def test_mpnet_vectors_equal_sentence_transformers_fp32(tmp_path):
         process.wait()
     assert ours.shape == (300, 768)
     assert_equal_vectors(ours, reference(texts, folder=folder), 0.99999, 1e-5)
+
+
+def test_an_openai_client_whose_base_url_lacks_v1_is_told(served):
+    """OpenAI's client given the server's URL without /v1 posts to /embeddings: the 404 says where the
+    route is and what base_url wants (it was a bare 'Not Found'); a near miss of any route is named too."""
+    import openai
+
+    client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match=r"did you mean /v1/embeddings\? an OpenAI client's base_url ends "
+                                                   r"with /v1"):
+        client.embeddings.create(model="embedding", input="A fine film.")
+    near = httpx.post(served + "/v1/infr", json={"inputs": ["a"]})
+    assert near.status_code == 404 and near.json()["error"]["message"] == "no route '/v1/infr' (did you mean /v1/infer?)"
+    assert httpx.get(served + "/nothing/here").json()["error"]["message"] == "no route '/nothing/here'"
