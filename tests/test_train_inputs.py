@@ -718,3 +718,11 @@ def test_with_no_text_column_named_the_longest_column_is_read_and_said(tmp_path,
     numbers = write(tmp_path / "numbers.csv", "id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(12)))
     assert "no column holds texts" in one_line_error(capsys, ["layermix", "--train", str(numbers), "--split", "0.25",
                                                               "--task", "t"])
+
+
+def test_a_token_file_whose_words_are_all_tagged_alike_is_refused(tmp_path, capsys):
+    """Every word O: a head trained on nothing, then a traceback from the linear tagger (one class);
+    now one line before anything is trained."""
+    conll = write(tmp_path / "all_o.conll", "".join(f"Word{i} O\nmore O\n\n" for i in range(9)))
+    line = one_line_error(capsys, ["layermix", "--train", str(conll), "--split", "0.34", "--task", "t"])
+    assert "all_o.conll: every word is tagged 'O': no entity to learn" in line

@@ -156,7 +156,10 @@ def teacher_folder(spec: str) -> tuple[Path, str, str]:
 
 def check_tag_names(train: LabelledData) -> None:
     """Word tags given as class ids (a Hugging Face token dataset's `ner_tags`) need their names: as
-    ids, no tag says where an entity begins."""
+    ids, no tag says where an entity begins. Words all tagged alike leave nothing to learn."""
+    if train.task_type == TaskType.token_classification and len(train.labels_seen()) == 1:
+        raise UsageError(f"{train.source}: every word is tagged {train.labels_seen()[0]!r}: no entity to learn (a "
+                         "CoNLL file's last column holds each word's tag: B-PER, I-PER, O, ...)")
     if train.task_type == TaskType.token_classification and all(tag.isdigit() for tag in train.labels_seen()):
         seen = train.labels_seen()
         raise UsageError(f"{train.source}: the tags are class ids ({', '.join(sorted(seen, key=int)[:6])}"
