@@ -726,3 +726,11 @@ def test_a_token_file_whose_words_are_all_tagged_alike_is_refused(tmp_path, caps
     conll = write(tmp_path / "all_o.conll", "".join(f"Word{i} O\nmore O\n\n" for i in range(9)))
     line = one_line_error(capsys, ["layermix", "--train", str(conll), "--split", "0.34", "--task", "t"])
     assert "all_o.conll: every word is tagged 'O': no entity to learn" in line
+
+
+def test_a_multi_label_file_with_one_label_set_on_every_row_is_refused(tmp_path, capsys):
+    """Every row labelled joy: nothing to tell apart (it trained, then the linear baseline raised an
+    IndexError); one line before training, as for a single-label file."""
+    table = write(tmp_path / "joy.csv", "text,label\n" + "".join(f"text number {i},joy\n" for i in range(9)))
+    line = one_line_error(capsys, ["layermix", "--train", str(table), "--multi-label", "--split", "0.34", "--task", "t"])
+    assert "joy.csv: every row is labelled joy: a classifier learns to tell labels apart" in line

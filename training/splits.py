@@ -171,7 +171,12 @@ def check_tag_names(train: LabelledData) -> None:
 def check_label_column(train: LabelledData, spec: DataSpec) -> None:
     """A label column holding text (a wrong --label-column, or a default column that is not the
     labels) makes nearly every row its own class, and one holding a single label leaves nothing to
-    tell apart: refuse both before any training."""
+    tell apart: refuse both before any training (multi-label: one label set on every row)."""
+    if train.task_type == TaskType.multi_label_classification:
+        sets = {tuple(sorted(ex.label)) for ex in train.examples}
+        if len(sets) < 2:
+            raise UsageError(f"{train.source}: every row is labelled {', '.join(next(iter(sets)))}: a classifier "
+                             "learns to tell labels apart (is --label-column the right column?)")
     if train.task_type != TaskType.sequence_classification:
         return
     seen = Counter(ex.label for ex in train.examples)
