@@ -46,24 +46,30 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
 def baseline_runs(train: LabelledData, evaluated: LabelledData, labels: list[str], seed: int = 0,
                   cache=None) -> list[dict]:
     """The majority answer and the linear model (window tagger for token tasks), trained on `train`
-    and scored on `evaluated`, each as the metrics dict `training/baselines.py` returns."""
+    and scored on `evaluated`, each as the metrics dict `training/baselines.py` returns. A linear model
+    these rows cannot fit is `{"baseline", "error"}`: the head it is measured for is kept, not lost to a
+    traceback after its training."""
     kind = evaluated.task_type
     if kind == TaskType.token_classification:
         gold = [ex.tags for ex in evaluated.examples]
         train_words, train_tags, words = ([ex.words for ex in train.examples], [ex.tags for ex in train.examples],
                                           [ex.words for ex in evaluated.examples])
-        return [majority(train_tags, gold),
-                cached_run(cache, {"baseline": "window_tagger", "seed": seed, "train": [train_words, train_tags],
-                                   "evaluate": [words, gold]},
-                           lambda: window_tagger(train_words, train_tags, words, gold, seed=seed))]
-    multi = kind == TaskType.multi_label_classification
-    texts, train_texts = [_text(ex) for ex in evaluated.examples], [_text(ex) for ex in train.examples]
-    train_labels, gold = [ex.label for ex in train.examples], [ex.label for ex in evaluated.examples]
-    return [majority(train_labels, gold, multi_label=multi, labels=labels),
-            cached_run(cache, {"baseline": "tfidf_logreg", "seed": seed, "multi_label": multi, "labels": labels,
-                               "train": [train_texts, train_labels], "evaluate": [texts, gold]},
-                       lambda: tfidf_logreg(train_texts, train_labels, texts, gold, multi_label=multi, seed=seed,
-                                            labels=labels))]
+        base = majority(train_tags, gold)
+        key = {"baseline": "window_tagger", "seed": seed, "train": [train_words, train_tags], "evaluate": [words, gold]}
+        fit = lambda: window_tagger(train_words, train_tags, words, gold, seed=seed)  # noqa: E731
+    else:
+        multi = kind == TaskType.multi_label_classification
+        texts, train_texts = [_text(ex) for ex in evaluated.examples], [_text(ex) for ex in train.examples]
+        train_labels, gold = [ex.label for ex in train.examples], [ex.label for ex in evaluated.examples]
+        base = majority(train_labels, gold, multi_label=multi, labels=labels)
+        key = {"baseline": "tfidf_logreg", "seed": seed, "multi_label": multi, "labels": labels,
+               "train": [train_texts, train_labels], "evaluate": [texts, gold]}
+        fit = lambda: tfidf_logreg(train_texts, train_labels, texts, gold, multi_label=multi,  # noqa: E731
+                                   seed=seed, labels=labels)
+    try:
+        return [base, cached_run(cache, key, fit)]
+    except (ValueError, IndexError) as exc:  # scikit-learn's refusal of rows it cannot learn from
+        return [base, {"baseline": key["baseline"], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}]
 
 
 def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType) -> dict:
@@ -75,7 +81,8 @@ def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType)
         baselines["role"] = head["role"]
     for run in runs:
         baselines[run["baseline"]] = run
-        baselines[f"margin_over_{run['baseline']}"] = head[metric] - run[metric]
+        if metric in run:  # not where it could not be trained (`baseline_runs`)
+            baselines[f"margin_over_{run['baseline']}"] = head[metric] - run[metric]
     baselines["verdict"] = verdict(baselines, kind)
     return baselines
 
@@ -89,10 +96,16 @@ def verdict(baselines: dict, kind: TaskType) -> str:
     """One line a user reads first: does the head beat the majority answer and the linear model?"""
     split, metric, head = baselines["split"], baselines["metric"], baselines["head"]
     linear = linear_baseline(kind)
-    majority_score, linear_score = baselines["majority"][metric], baselines[linear][metric]
+    majority_score, linear_score = baselines["majority"][metric], baselines[linear].get(metric)
     role = baselines.get("role", "chose the epoch")
     caveat = (f"; the validation split also {role}: --test FILE or --split VAL,TEST gives one that chose nothing"
               if split == "validation" else "")
+    if linear_score is None:  # these rows could not train it (`baseline_runs`)
+        standing = (f"no better than the majority answer on the {split} split ({metric} {head:.4f} against "
+                    f"{majority_score:.4f})" if head <= majority_score else
+                    f"above the majority answer on the {split} split: {metric} {head - majority_score:+.4f}")
+        return (f"{standing}; the linear model ({linear}) could not be trained on these rows "
+                f"({baselines[linear]['error']})" + caveat)
     if head <= majority_score:
         imbalanced = metric == "accuracy" and majority_score >= 0.6  # the majority answer alone scores well
         return (f"no better than the majority answer on the {split} split ({metric} {head:.4f} against "

@@ -362,7 +362,8 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
                "report": str(result.report_dir), "validation": headline(result.metrics)}
     if "test" in result.metrics:
         summary["test"] = headline(result.metrics["test"])
-    summary["baselines"] = {k: (v[baselines["metric"]] if isinstance(v, dict) else v) for k, v in baselines.items()}
+    summary["baselines"] = {k: (v.get(baselines["metric"], v.get("error")) if isinstance(v, dict) else v)
+                            for k, v in baselines.items()}
     summary["loaded_into" if result.loaded_into else "query"] = result.loaded_into or result.request
     if result.loaded_into:
         summary["query"] = result.request

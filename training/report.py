@@ -114,8 +114,10 @@ def report_text(result) -> str:
               "| model | " + metric + " | head's margin |", "| --- | ---: | ---: |",
               f"| this head | {b['head']:.4f} | |"]
     for name in ("majority", "tfidf_logreg", "window_tagger"):
-        if name in b:
+        if name in b and metric in b[name]:
             lines.append(f"| {name} | {b[name][metric]:.4f} | {b[f'margin_over_{name}']:+.4f} |")
+        elif name in b:
+            lines.append(f"| {name} | not trained: {b[name]['error']} | |")
     rows = a.get("per_class") or a.get("per_type") or a.get("per_label")
     if rows:
         what = "class" if "per_class" in a else "type" if "per_type" in a else "label"
