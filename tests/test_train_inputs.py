@@ -705,7 +705,8 @@ def test_iob1_tags_are_learnt_as_bio_and_counted(tmp_path):
 def test_with_no_text_column_named_the_longest_column_is_read_and_said(tmp_path, capsys):
     """A Hugging Face export (`Dataset.to_csv`: `idx,sentence,label`, or pandas' unnamed index column
     first) named no `text` column, and column 0, the row numbers, was read as the texts: a head learnt
-    on numbers. The longest column is read, and said; a file whose only candidate holds numbers is refused."""
+    on numbers (its JSONL, `to_json`, was one line naming the keys). The longest column (or string) is
+    read, and said; a file whose only candidate holds numbers is refused."""
     rows = [(i, f"a {'fine' if i % 2 else 'dull'} film number {i}", i % 2) for i in range(12)]
     for first in ("idx", ""):
         path = write(tmp_path / f"export{first}.csv", f"{first},sentence,label\n" + "".join(f"{i},{s},{y}\n" for i, s, y in rows))
@@ -713,6 +714,10 @@ def test_with_no_text_column_named_the_longest_column_is_read_and_said(tmp_path,
         assert [ex.text for ex in data.examples] == [s for _, s, _ in rows]
         assert [ex.label for ex in data.examples] == [str(y) for _, _, y in rows]
         assert "texts read from column 'sentence' (the longest; no column is named 'text')" in capsys.readouterr().err
+    records = write(tmp_path / "export.jsonl", "".join(json.dumps({"idx": i, "sentence": s, "label": y}) + "\n"
+                                                        for i, s, y in rows))  # Dataset.to_json: the same keys
+    assert [ex.text for ex in file_spec(records).read().examples] == [s for _, s, _ in rows]
+    assert "texts read from key 'sentence' (the longest string; no key is named 'text')" in capsys.readouterr().err
     plain = write(tmp_path / "plain.tsv", "".join(f"{s}\t{y}\n" for _, s, y in rows))  # no header: column 0, unsaid
     assert file_spec(plain, header=False).read().examples[0].text == rows[0][1] and capsys.readouterr().err == ""
     numbers = write(tmp_path / "numbers.csv", "id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(12)))

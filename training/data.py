@@ -253,7 +253,10 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     flags = [c.strip() for c in label_column.split(",")] if multi_label and isinstance(label_column, str) \
         and "," in label_column else None
     if fmt == "jsonl":
-        for where, record in _json_records(path):
+        records = list(_json_records(path))
+        if text_column is None and records:
+            text_column = _text_key(path, records[0][1], {label_column, pair_column, *(flags or ())})
+        for where, record in records:
             try:
                 text_key, label_key = _json_keys(record, text_column, flags[0] if flags else label_column, multi_label)
                 text = record[text_key]
@@ -304,6 +307,22 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         return LabelledData(TaskType.token_classification, examples, str(path))
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _text_key(path: Path, record, taken: set) -> str | None:
+    """A JSONL file's texts' key where none is named and its first record has no `text` (nor `tokens`,
+    a token task's words): the key of the longest string among those the labels and pairs do not take,
+    said (a Hugging Face export's `{"idx", "sentence", "label"}`); None to read `text` as before."""
+    if not isinstance(record, dict) or "text" in record or "tokens" in record:
+        return None
+    strings = {key: value for key, value in record.items()
+               if isinstance(value, str) and key not in taken and key not in ("label", "labels")}
+    if not strings:
+        return None
+    key = max(strings, key=lambda k: len(strings[k]))
+    print(f"{path}: texts read from key {key!r} (the longest string; no key is named 'text'): --text-column names "
+          "another", file=sys.stderr)
+    return key
 
 
 def _text_column(path: Path, rows: list, names: list[str] | None, taken: set) -> int:
