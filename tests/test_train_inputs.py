@@ -720,6 +720,9 @@ def test_with_no_text_column_named_the_longest_column_is_read_and_said(tmp_path,
     assert "texts read from key 'sentence' (the longest string; no key is named 'text')" in capsys.readouterr().err
     plain = write(tmp_path / "plain.tsv", "".join(f"{s}\t{y}\n" for _, s, y in rows))  # no header: column 0, unsaid
     assert file_spec(plain, header=False).read().examples[0].text == rows[0][1] and capsys.readouterr().err == ""
+    header_only = write(tmp_path / "header_only.csv", "idx,sentence,label\n")
+    assert "header_only.csv: no examples" in one_line_error(capsys, ["layermix", "--train", str(header_only), "--split",
+                                                                     "0.25", "--task", "t"])
     numbers = write(tmp_path / "numbers.csv", "id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(12)))
     assert "no column holds texts" in one_line_error(capsys, ["layermix", "--train", str(numbers), "--split", "0.25",
                                                               "--task", "t"])

@@ -330,7 +330,7 @@ def _text_column(path: Path, rows: list, names: list[str] | None, taken: set) ->
     the labels and text pairs do not take, the one of longest cells (over the first 500 rows), said where
     it is not the first column: a Hugging Face export's `idx,sentence,label` puts row numbers first, and
     a head learnt on them answers nothing (refused where every such column holds numbers)."""
-    width = max(len(row) for _, row in rows[:500])
+    width = max((len(row) for _, row in rows[:500]), default=0)  # no rows: "no examples", said below
     free = [i for i in range(width) if i not in taken]
     if not free:
         return 0
