@@ -17,7 +17,7 @@
 #                     its own bucket, where the graphs' pass times measured at capture say it pays (the H200's
 #                     one-text batches of ~65 SST-2 rows, 13.5 tokens on average, were padded to ~6,100 tokens);
 #   engines2          tmod-serve --engines 2 --workers 3 (two engine processes on the GPU, NVIDIA MPS when its
-#                     control daemon is here and starts; never run on a GPU yet): the lever where one engine
+#                     control daemon is here and starts; first run on an H200 on 2026-11-29): the lever where one engine
 #                     process's CPU is the cap;
 #   pyspy             this code under py-spy on the engine process during its last level: the samples holding
 #                     the GIL, per thread; all samples, idle included; and the running ones with their C frames
