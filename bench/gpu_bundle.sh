@@ -131,6 +131,8 @@ fi
 # what each run sends: the repo's tracked and not-ignored files plus its carried folders
 for carry in "${runs[@]}"; do
   bytes=$(( tree + $(du -cb $carry | tail -1 | cut -f1) ))
-  verdict=$([ "$bytes" -le "$limit" ] && echo ok || echo "OVER the 64 MiB limit")
+  # the device counts a little more than du does: on 2026-11-29 a run of 63.7 MiB by du was refused, 63.0 taken
+  verdict=$([ "$bytes" -le $(( limit - margin )) ] && echo ok || echo "OVER the 64 MiB limit, as the device counts: \
+move modules_store/*/mpnet-* out of the tree for the device calls (git checkout brings them back)")
   echo "run with carry [$carry]: $((bytes / 1024 / 1024)) MiB ($verdict)"
 done
