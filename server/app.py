@@ -40,14 +40,13 @@ from server.config import Settings
 from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
                                    embedding_model_names, embedding_module, embeddings_routes, tei_info)
-from server.errors import (ApiError, api_error_handler, clip, clip_list, error_content, http_error_handler,
-                           did_you_mean, not_loaded, protocol_of, refusal, unknown_tasks,
+from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, clip_list, did_you_mean,
+                           error_content, http_error_handler, not_loaded, protocol_of, refusal, unknown_tasks,
                            validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
-from server.predict_api import (PREDICT, PredictRequest, PredictResponse, TEIPredictRequest, predict_route,
-                                tei_predict_route)
+from server.predict_api import PredictRequest, PredictResponse, TEIPredictRequest, predict_route, tei_predict_route
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
                             ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, RepositoryChangeRequest,
@@ -141,7 +140,7 @@ class TmodApp(FastAPI):
                 await self.answer(handler, (), scope, receive, reply)
             elif path.startswith("/v2/models/") and (found := OIP_INFER.fullmatch(path)):
                 await self.answer(self.oip_infer, found.groups(), scope, receive, reply)
-            elif path.startswith("/v1/models/") and (found := PREDICT.fullmatch(path)):
+            elif path.startswith("/v1/models/") and (found := KSERVE_V1_PREDICT.fullmatch(path)):
                 await self.answer(self.v1_predict, found.groups(), scope, receive, reply)
             else:
                 await super().__call__(scope, receive, reply)
@@ -151,7 +150,8 @@ class TmodApp(FastAPI):
                     raise  # an answer cut off midway: the server closes the connection
                 # answered already: a FastAPI route's error, answered by `api_error_handler` and raised on
             else:
-                inference = path in self.fast_routes or any(route.fullmatch(path) for route in (OIP_INFER, PREDICT))
+                inference = path in self.fast_routes or any(route.fullmatch(path)
+                                                             for route in (OIP_INFER, KSERVE_V1_PREDICT))
                 status, headers, content = refusal(self, path, exc, inference)
                 await reply.whole(status, content, headers)
         finally:

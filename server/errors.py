@@ -136,12 +136,16 @@ PROTOCOLS = {"/v1/embeddings": (openai_error_body, 400), "/classify": (openai_er
              "/tokenize": (tei_error_body, 422), "/health": (tei_error_body, 422), "/info": (tei_error_body, 422)}
 
 
+# KServe V1's inference paths (server/predict_api.py): here, where each path's error shape is chosen
+KSERVE_V1_PREDICT = re.compile(r"/v1/models/([^/]+):(predict|explain)")
+
+
 def protocol_of(path: str):
     """(the error body builder, the status of a malformed body) for the protocol `path` belongs to."""
     if is_oip(path):
         return oip_error_body, 422
-    if path.startswith("/v1/models/") and path.endswith((":predict", ":explain")):  # KServe V1: as its servers, and
-        return oip_error_body, 400  # V2's, answer: the message in "error"
+    if KSERVE_V1_PREDICT.fullmatch(path):  # KServe V1: as its servers, and V2's, answer: the message in "error"
+        return oip_error_body, 400
     if path == "/v1/models" or path.startswith("/v1/models/"):
         return openai_error_body, 400
     return PROTOCOLS.get(path, (tmod_error_body, 422))

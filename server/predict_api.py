@@ -20,7 +20,6 @@ One request runs one task: /v1/infer runs several in one pass.
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Callable, Union
 
 import msgspec
@@ -31,7 +30,6 @@ from server.errors import ApiError, clip, did_you_mean
 from server.modules import compares_pairs
 from server.schemas import AnswerControls, TextPair, check_one_form, decode
 
-PREDICT = re.compile(r"/v1/models/([^/]+):(predict|explain)")
 Instances = Annotated[list[Union[str, TextPair]], Meta(
     min_length=1, description="texts, or {text, text_pair} objects for a pair task; not mixed in one request")]
 
