@@ -14,13 +14,17 @@ TEI's `POST /predict`: a classifier's labels, best first, `[{"score", "label"}, 
 (`"inputs"`: a text, or a `[text, text_pair]` pair) or a list of them for a batch (`[[text],
 [text, text_pair], ...]`); `raw_scores` answers logits, `truncate` cuts long inputs. TEI serves one
 model: here the one classification task that reads such inputs (single-label or multi-label), or the
-one `?tasks=<task>` names. Errors in TEI's shape.
+one `?tasks=<task>` names. Errors in TEI's shape. `huggingface_hub`'s `InferenceClient.text_classification`
+posts here with Hugging Face's `parameters` (`top_k`, `function_to_apply`), which TEI ignores: here they
+are read (`"none"` answers logits, the head's own function its probabilities, the other is refused), and
+the answer takes Hugging Face's shape, a list of labels per input for one input too, so that the client
+returns every label as its documentation says, not only the best one.
 
 One request runs one task: /v1/infer runs several in one pass.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
@@ -77,6 +81,14 @@ def predict_route(require_ready: Callable[[], None], module_of, fit_to_inputs, r
     return predict
 
 
+class TextClassificationParameters(Struct, forbid_unknown_fields=True):
+    """Hugging Face's text-classification parameters, as `InferenceClient.text_classification` sends them."""
+    top_k: Annotated[Union[Annotated[int, Meta(ge=1)], None], Meta(description="only the k best labels")] = None
+    function_to_apply: Annotated[Union[Literal["softmax", "sigmoid", "none"], None], Meta(description=(
+        "'none': the head's logits (as raw_scores); the head's own function (softmax for a single-label task, "
+        "sigmoid for a multi-label one) its probabilities; the other is refused"))] = None
+
+
 class TEIPredictRequest(Struct, forbid_unknown_fields=True):
     """TEI's /predict body, e.g. {"inputs": "A fine film."} or {"inputs": [["A fine film."], ["A man sleeps.",
     "Nobody sleeps."]]}."""
@@ -84,6 +96,8 @@ class TEIPredictRequest(Struct, forbid_unknown_fields=True):
         description='a text; a pair [text, text_pair]; or a batch of both: [[text], [text, text_pair], ...]')]
     truncate: bool = False
     raw_scores: Annotated[bool, Meta(description="the head's logits instead of probabilities")] = False
+    parameters: Annotated[Union[TextClassificationParameters, None], Meta(
+        description="Hugging Face's text-classification parameters (huggingface_hub's InferenceClient)")] = None
 
 
 CLASSIFIERS = (TaskType.sequence_classification, TaskType.multi_label_classification)
@@ -127,6 +141,24 @@ def tei_classifier(modules: dict, named: tuple[str, ...], pairs: bool):
     return modules[fits[0]]
 
 
+def answers_logits(asked: TEIPredictRequest, module) -> bool:
+    """Whether /predict answers the head's logits: `raw_scores`, or Hugging Face's `function_to_apply: "none"`;
+    422 for the function the head does not apply, or for the two fields saying different things."""
+    function = asked.parameters.function_to_apply if asked.parameters else None
+    if function is None or function == "none":
+        return asked.raw_scores or function == "none"
+    multi_label = module.manifest.task_type == TaskType.multi_label_classification
+    own = "sigmoid" if multi_label else "softmax"
+    if function != own:
+        kind = "a multi-label task" if multi_label else "a single-label task"
+        raise ApiError(422, "invalid_request", f"function_to_apply {function!r}: {module.task!r} is {kind} and "
+                                               f"answers {own} probabilities; 'none' gives its logits")
+    if asked.raw_scores:
+        raise ApiError(422, "invalid_request", f"raw_scores asks for logits and function_to_apply for {own} "
+                                               "probabilities: send one of the two")
+    return False
+
+
 def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference):
     """{path: handler(body, request) -> (answer bytes, headers)} for the app's raw ASGI layer."""
 
@@ -144,9 +176,11 @@ def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference)
         texts = [s[0] for s in sequences] if pairs else sequences
         results, _, headers = await run_inference(texts, [s[1] for s in sequences] if pairs else None,
                                                   {module.task: module}, asked.truncate, request,
-                                                  controls=AnswerControls(raw_scores=asked.raw_scores))
+                                                  controls=AnswerControls(raw_scores=answers_logits(asked, module)))
+        top_k = asked.parameters.top_k if asked.parameters else None
         ranked = [sorted(({"score": score, "label": label} for label, score in r[module.task]["scores"].items()),
-                         key=lambda p: -p["score"]) for r in results]
-        return msgspec.json.encode(ranked if batch else ranked[0]), headers
+                         key=lambda p: -p["score"])[:top_k] for r in results]
+        # with Hugging Face's parameters, Hugging Face's shape: a list per input, one input too (the client reads [0])
+        return msgspec.json.encode(ranked if batch or asked.parameters else ranked[0]), headers
 
     return {"/predict": tei_predict}

@@ -91,3 +91,32 @@ def test_teis_predict_answers_one_classifier_best_first(live):
     refused("/predict?tasks=sentiment", {"inputs": [["a"], ["b", "c"]]}, "a batch of texts and text pairs")
     refused("/predict?tasks=sentiment", {"inputs": []}, "inputs is empty")
     assert live.get("/predict").status_code == 405
+
+
+def test_hugging_faces_inference_client_classifies_through_teis_predict(live, monkeypatch):
+    """`huggingface_hub.InferenceClient.text_classification` posts to /predict with Hugging Face's
+    `parameters` (which TEI ignores, and which were refused here as an unknown field): read here, and
+    answered in Hugging Face's shape so that the client returns every label, best first."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # (set for every test) this one is local
+    client = InferenceClient(model=str(live.base_url) + "/predict?tasks=sentiment")
+    expected = live.post("/v1/infer?tasks=sentiment", json={"inputs": TEXTS[:1]}).json()["results"][0]["sentiment"]
+    labels = client.text_classification(TEXTS[0])
+    assert [p.label for p in labels] == sorted(expected["scores"], key=lambda label: -expected["scores"][label])
+    assert [p.score for p in labels] == pytest.approx(sorted(expected["scores"].values(), reverse=True), abs=1e-5)
+    assert [p.label for p in client.text_classification(TEXTS[0], top_k=1)] == [expected["label"]]
+    assert client.text_classification(TEXTS[0], function_to_apply="softmax") == labels
+    logits = live.post("/predict?tasks=sentiment", json={"inputs": TEXTS[0], "raw_scores": True}).json()
+    assert [(p.label, p.score) for p in client.text_classification(TEXTS[0], function_to_apply="none")] == \
+        [(p["label"], pytest.approx(p["score"], abs=1e-4)) for p in logits]
+    with pytest.raises(huggingface_hub.errors.HfHubHTTPError, match="'sentiment' is a single-label task and answers "
+                                                                    "softmax probabilities; 'none' gives its logits"):
+        client.text_classification(TEXTS[0], function_to_apply="sigmoid")
+    for parameters, said in [({"top_k": 0}, "parameters.top_k"), ({"topk": 1}, "unknown field `topk`"),
+                             ({"function_to_apply": "softmax"}, None)]:
+        answer = live.post("/predict?tasks=sentiment", json={"inputs": TEXTS[0], "raw_scores": True,
+                                                              "parameters": parameters})
+        assert answer.status_code == 422 and set(answer.json()) == {"error", "error_type"}, answer.text
+        assert said is None or said in answer.json()["error"]
