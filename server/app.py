@@ -39,7 +39,7 @@ from server.classify_api import ClassifyRequest, ClassifyResponse, classify_rout
 from server.config import Settings
 from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
-                                   embedding_model_names, embedding_module, embeddings_routes, tei_info)
+                                   TEISimilarityRequest, embedding_model_names, embedding_module, embeddings_routes, tei_info)
 from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, clip_list, did_you_mean,
                            error_content, http_error_handler, not_loaded, protocol_of, refusal, unknown_tasks,
                            validation_error_handler)
@@ -939,8 +939,11 @@ FAST_ROUTES_DOC = [
      (400, 404, 413, 422, 429, 503)),
     ("/embed", "Text Embeddings Inference's /embed: one vector per input", "embeddings", TEIEmbedRequest,
      list[list[float]], (413, 422, 424, 429, 503)),
-    ("/", "Text Embeddings Inference's root: /embed (what huggingface_hub's InferenceClient posts to a server's URL)",
-     "embeddings", TEIEmbedRequest, list[list[float]], (413, 422, 424, 429, 503)),
+    ("/similarity", "Text Embeddings Inference's /similarity: each sentence's cosine similarity to the source "
+     "sentence", "embeddings", TEISimilarityRequest, list[float], (413, 422, 424, 429, 503)),
+    ("/", "Text Embeddings Inference's root: /embed, or /similarity where `inputs` is an object (what huggingface_hub's "
+     "InferenceClient posts to a server's URL)", "embeddings", TEIEmbedRequest, list[list[float]],
+     (413, 422, 424, 429, 503)),
     ("/classify", "vLLM's classification API: one single-label task on texts", "classification", ClassifyRequest,
      ClassifyResponse, (400, 404, 413, 429, 503)),
     ("/v1/classify", "/classify, where SGLang serves it", "classification", ClassifyRequest, ClassifyResponse,

@@ -10,6 +10,11 @@
 - `POST /embed`: Text Embeddings Inference's route (`huggingface_hub.InferenceClient.feature_extraction`
   pointed at it): `inputs`, `normalize`, `truncate`, `truncation_direction`; answers `[[floats]]`;
   errors in TEI's shape, `{"error", "error_type"}` (as TEI's `/tokenize`).
+- `POST /similarity`: TEI's sentence similarity (`InferenceClient.sentence_similarity`): `{"inputs":
+  {"source_sentence", "sentences"}, "parameters": {truncate, truncation_direction}}`, answered with the
+  cosine similarity of each sentence's embedding to the source sentence's, `[floats]`. TEI's root (`POST
+  /`) embeds, or answers similarity where `inputs` is such an object (where the client posts, given a
+  server's URL).
 
 Both go through the app's `run_inference` (limits, tokenization, the batcher, metrics, timing
 headers), so they batch with `/v1/infer` requests and work the same with `--workers N`. Their bodies
@@ -72,6 +77,29 @@ class TEIEmbedRequest(Struct, forbid_unknown_fields=True):
     prompt_name: Annotated[Union[str, None], Meta(description="refused: no prompts are configured")] = None
     dimensions: Annotated[Union[int, None], Meta(description="refused unless the module declares shortened sizes")] \
         = None
+
+
+class SimilarityInput(Struct, forbid_unknown_fields=True):
+    source_sentence: str
+    sentences: Annotated[list[str], Meta(min_length=1, description="compared with source_sentence")]
+
+
+class SimilarityParameters(Struct, forbid_unknown_fields=True):
+    truncate: bool = False
+    truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
+    prompt_name: Annotated[Union[str, None], Meta(description="refused: no prompts are configured")] = None
+
+
+class TEISimilarityRequest(Struct, forbid_unknown_fields=True):
+    """Text Embeddings Inference's /similarity body, e.g. {"inputs": {"source_sentence": "A fine film.",
+    "sentences": ["A good movie.", "Rain tomorrow."]}}."""
+    inputs: SimilarityInput
+    parameters: Union[SimilarityParameters, None] = None
+
+
+class InputsOnly(Struct):
+    """TEI's root reads `inputs` first: an object is a similarity request, anything else an embed request."""
+    inputs: msgspec.Raw = msgspec.Raw(b"")
 
 
 # ---- shared ----------------------------------------------------------------------------------------
@@ -193,8 +221,7 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         """Text Embeddings Inference's /embed: one vector per input, `[[floats]]`."""
         require_ready()
         asked = decode(TEIEmbedRequest, body, 422)
-        if asked.prompt_name is not None:
-            raise ApiError(422, "invalid_request", f"prompt_name {asked.prompt_name!r}: no prompts are configured")
+        refuse_prompt(asked.prompt_name)
         module = embedding_module(runtime, None)
         check_dimensions(asked.dimensions, module)
         truncate = asked.truncate and asked.truncation_direction.lower()  # False, "right" or "left"
@@ -202,5 +229,31 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         vectors = vectors_of(results, module.task, asked.normalize, asked.dimensions, module)
         return msgspec.json.encode(vectors.tolist()), headers
 
-    # TEI's root embeds too: where huggingface_hub's InferenceClient posts, given a server's URL as its model
-    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/": tei_embed}
+    async def tei_similarity(body: bytes, request) -> tuple[bytes, dict]:
+        """Text Embeddings Inference's /similarity: each sentence's cosine similarity to the source sentence,
+        from their embeddings, read in one pass."""
+        require_ready()
+        asked = decode(TEISimilarityRequest, body, 422)
+        parameters = asked.parameters or SimilarityParameters()
+        refuse_prompt(parameters.prompt_name)
+        truncate = parameters.truncate and parameters.truncation_direction.lower()
+        texts = [asked.inputs.source_sentence, *asked.inputs.sentences]
+        results, module, _, headers = await embed(texts, embedding_module(runtime, None), truncate, request)
+        vectors = vectors_of(results, module.task, True, None, module)
+        return msgspec.json.encode((vectors[1:] @ vectors[0]).tolist()), headers
+
+    async def tei_root(body: bytes, request) -> tuple[bytes, dict]:
+        """TEI's root, where huggingface_hub's InferenceClient posts given a server's URL as its model:
+        sentence similarity where `inputs` is an object, else /embed (which names what is malformed)."""
+        try:
+            similarity = bytes(msgspec.json.decode(body, type=InputsOnly).inputs)[:1] == b"{"
+        except msgspec.DecodeError:
+            similarity = False
+        return await (tei_similarity if similarity else tei_embed)(body, request)
+
+    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/similarity": tei_similarity, "/": tei_root}
+
+
+def refuse_prompt(prompt_name: str | None) -> None:
+    if prompt_name is not None:
+        raise ApiError(422, "invalid_request", f"prompt_name {prompt_name!r}: no prompts are configured")

@@ -132,7 +132,7 @@ def tmod_error_body(status: int, type_: str, message: str, **details: Any) -> di
 # path -> (error body, status of a body that fails validation); any other path is tmod's own
 PROTOCOLS = {"/v1/embeddings": (openai_error_body, 400), "/classify": (openai_error_body, 400),
              "/v1/classify": (openai_error_body, 400), "/embed": (tei_error_body, 422), "/": (tei_error_body, 422),
-             "/predict": (tei_error_body, 422),
+             "/predict": (tei_error_body, 422), "/similarity": (tei_error_body, 422),
              "/tokenize": (tei_error_body, 422), "/health": (tei_error_body, 422), "/info": (tei_error_body, 422)}
 
 

@@ -12,7 +12,8 @@ object of an embedding model, and a task there is answered 404 naming V2's `GET
 
 TEI's `POST /predict`: a classifier's labels, best first, `[{"score", "label"}, ...]` for one input
 (`"inputs"`: a text, or a `[text, text_pair]` pair) or a list of them for a batch (`[[text],
-[text, text_pair], ...]`); `raw_scores` answers logits, `truncate` cuts long inputs. TEI serves one
+[text, text_pair], ...]`); `raw_scores` answers logits, `truncate` cuts long inputs (at
+`truncation_direction`'s end). TEI serves one
 model: here the one classification task that reads such inputs (single-label or multi-label), or the
 one `?tasks=<task>` names. Errors in TEI's shape. `huggingface_hub`'s `InferenceClient.text_classification`
 posts here with Hugging Face's `parameters` (`top_k`, `function_to_apply`), which TEI ignores: here they
@@ -95,6 +96,7 @@ class TEIPredictRequest(Struct, forbid_unknown_fields=True):
     inputs: Annotated[Union[str, list[Union[str, list[str]]]], Meta(
         description='a text; a pair [text, text_pair]; or a batch of both: [[text], [text, text_pair], ...]')]
     truncate: bool = False
+    truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
     raw_scores: Annotated[bool, Meta(description="the head's logits instead of probabilities")] = False
     parameters: Annotated[Union[TextClassificationParameters, None], Meta(
         description="Hugging Face's text-classification parameters (huggingface_hub's InferenceClient)")] = None
@@ -174,9 +176,11 @@ def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference)
         pairs = pairs.pop()
         module = tei_classifier(runtime.modules, request.query("tasks"), pairs)
         texts = [s[0] for s in sequences] if pairs else sequences
+        direction = asked.truncation_direction.lower()
         results, _, headers = await run_inference(texts, [s[1] for s in sequences] if pairs else None,
                                                   {module.task: module}, asked.truncate, request,
-                                                  controls=AnswerControls(raw_scores=answers_logits(asked, module)))
+                                                  controls=AnswerControls(raw_scores=answers_logits(asked, module),
+                                                                          truncation_direction=direction))
         top_k = asked.parameters.top_k if asked.parameters else None
         ranked = [sorted(({"score": score, "label": label} for label, score in r[module.task]["scores"].items()),
                          key=lambda p: -p["score"])[:top_k] for r in results]

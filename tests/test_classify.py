@@ -76,6 +76,11 @@ def test_teis_predict_answers_one_classifier_best_first(live):
     raw = live.post("/predict?tasks=sentiment", json={"inputs": TEXTS[0], "raw_scores": True}).json()
     assert [p["label"] for p in raw] == [p["label"] for p in one.json()]  # logits order labels as probabilities do
     assert sum(p["score"] for p in raw) != pytest.approx(1.0, abs=1e-3)
+    cut = live.post("/predict?tasks=sentiment", json={"inputs": TEXTS[0], "truncate": True,
+                                                       "truncation_direction": "Left"})  # TEI's field, TEI's spelling
+    assert cut.status_code == 200, cut.text  # a short text: nothing cut
+    assert [(p["label"], pytest.approx(p["score"], abs=1e-5)) for p in one.json()] == \
+        [(p["label"], p["score"]) for p in cut.json()]
 
     def refused(path, body, said):
         answer = live.post(path, json=body)

@@ -324,6 +324,37 @@ def test_the_inference_client_given_the_servers_url_as_with_tei(served, texts, r
     assert info["max_client_batch_size"] == 64 and info["max_batch_tokens"] == 16384 and info["auto_truncate"] is False
 
 
+def test_sentence_similarity_as_teis_similarity_route_answers_it(served, texts, reference_vectors, monkeypatch):
+    """TEI's /similarity, and its root given `{"inputs": {"source_sentence", "sentences"}}` (where
+    `InferenceClient(model=<server URL>).sentence_similarity` posts, refused before as a malformed embed
+    request): each sentence's cosine similarity to the source, as sentence-transformers' vectors give it."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # (set for every test) this one is local
+    expected = reference_vectors[1:6] @ reference_vectors[0]
+    for url in (served, served + "/similarity"):
+        assert InferenceClient(model=url).sentence_similarity(texts[0], texts[1:6]) == \
+            pytest.approx(expected.tolist(), abs=1e-5)
+    assert InferenceClient(model=served).sentence_similarity(texts[7], [texts[7]]) == pytest.approx([1.0], abs=1e-5)
+    long = " ".join(f"w{i}" for i in range(500))
+    cut = httpx.post(served + "/similarity", json={"inputs": {"source_sentence": long, "sentences": [texts[0]]},
+                                                    "parameters": {"truncate": True}})
+    assert cut.json() == pytest.approx((reference([long]) @ reference_vectors[0]).tolist(), abs=1e-5)
+
+    def refused(path, body, said):
+        answer = httpx.post(served + path, json=body)
+        assert answer.status_code == 422 and set(answer.json()) == {"error", "error_type"}, answer.text
+        assert said in answer.json()["error"], answer.text
+
+    refused("/", {"inputs": {"source_sentence": "a"}}, "inputs: Object missing required field `sentences`")
+    refused("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, "inputs.sentences")
+    refused("/similarity", {"inputs": "a"}, "inputs: Expected `object`, got `str`")
+    refused("/", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"prompt_name": "query"}},
+            "prompt_name 'query': no prompts are configured")
+    refused("/", {"inputs": 5}, "inputs: Expected `str | array`, got `int`")  # not an object: /embed's reading
+
+
 def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):
     """Past the trained length (256 pieces) a text is read in windows (server/windows.py): by hand,
     each window's pooled vector from the reference library, averaged weighted by the text's pieces
