@@ -39,7 +39,8 @@ from server.classify_api import ClassifyRequest, ClassifyResponse, classify_rout
 from server.config import Settings
 from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
-                                   TEISimilarityRequest, embedding_model_names, embedding_module, embeddings_routes, tei_info)
+                                   TEISimilarityRequest, embedding_model_names, embedding_module, embeddings_routes,
+                                   refuse_prompt, tei_info)
 from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, clip_list, did_you_mean,
                            error_content, http_error_handler, not_loaded, protocol_of, refusal, unknown_tasks,
                            validation_error_handler)
@@ -832,6 +833,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         offsets; special tokens have no offsets). At most `max_tokenize_chars` characters per request."""
         require_ready()
         body = await body_of(TeiTokenizeRequest, request)
+        refuse_prompt(body.prompt_name)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         check_tokenize_size(texts, None)
         reading = await read_inputs(texts, None, False, None, None)

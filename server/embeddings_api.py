@@ -130,8 +130,11 @@ def embedding_module(runtime, model: str | None):
     backbone = runtime.model_info()[0]
     if found and (model is None or model == backbone or model.rsplit("/", 1)[-1] == backbone):
         return backbone_embedding(found)
+    if not found:  # whatever was asked for: say what would serve it
+        raise ApiError(404, "model_not_found", "no embedding task is loaded: serve one (tmod-serve --tasks "
+                       "embedding,..., or POST /admin/modules/embedding/load)", param="model")
     raise ApiError(404, "model_not_found", f"no embedding model {clip(model)}; embedding tasks loaded: {sorted(found)}"
-                   + (f" (or the backbone's name, {backbone!r})" if found else ""), param="model")
+                   f" (or the backbone's name, {backbone!r})", param="model")
 
 
 def vectors_of(results: list[dict], task: str, normalize: bool | None, dimensions: int | None,

@@ -114,10 +114,11 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True):
     stride: Union[Stride, None] = None
 
 
-class TeiTokenizeRequest(Struct):
+class TeiTokenizeRequest(Struct, forbid_unknown_fields=True):
     """Text Embeddings Inference's /tokenize body."""
     inputs: Union[str, list[str]]
     add_special_tokens: bool = True
+    prompt_name: Annotated[Union[str, None], Meta(description="refused: no prompts are configured")] = None
 
 
 class RepositoryIndexRequest(Struct):

@@ -353,6 +353,8 @@ def test_sentence_similarity_as_teis_similarity_route_answers_it(served, texts, 
     refused("/", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"prompt_name": "query"}},
             "prompt_name 'query': no prompts are configured")
     refused("/", {"inputs": 5}, "inputs: Expected `str | array`, got `int`")  # not an object: /embed's reading
+    too_many = httpx.post(served + "/similarity", json={"inputs": {"source_sentence": "a", "sentences": ["b"] * 64}})
+    assert too_many.status_code == 413 and "65 inputs; at most 64" in too_many.json()["error"], too_many.text
 
 
 def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):

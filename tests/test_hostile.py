@@ -258,6 +258,14 @@ CASES = [
     ("tei-tokenize-control", "POST", "/tokenize", {"json": {"inputs": "a\x00b"}}, 422, "tei"),
     ("tei-tokenize-too-long", "POST", "/tokenize", {"json": {"inputs": "word " * 1000}}, 413, "tei"),
     ("tei-tokenize-get", "GET", "/tokenize", {}, 405, "tei"),
+    ("tei-tokenize-prompt", "POST", "/tokenize", {"json": {"inputs": "a", "prompt_name": "query"}}, 422, "tei"),
+    ("tei-tokenize-unknown-field", "POST", "/tokenize", {"json": {"inputs": "a", "add_special": False}}, 422, "tei"),
+    ("tei-similarity-empty", "POST", "/similarity",
+     {"json": {"inputs": {"source_sentence": "a", "sentences": []}}}, 422, "tei"),
+    ("tei-similarity-no-embedding-task", "POST", "/similarity",  # this store has none
+     {"json": {"inputs": {"source_sentence": "a", "sentences": ["b"]}}}, 404, "tei"),
+    ("tei-predict-parameters", "POST", "/predict?tasks=sentiment",
+     {"json": {"inputs": "a", "parameters": {"function_to_apply": "sigmoid"}}}, 422, "tei"),
     ("tei-tokenize-gzip-bomb", "POST", "/tokenize", {**gzipped(b""), "content": ZIP_BOMB}, 413, "tei"),
     # ---- vLLM's /classify and TEI's root and /info: in OpenAI's and TEI's shapes ---------------------------
     *refused_before_the_route("openai-classify", "/classify", "input", 400, {"model": "sentiment"}),
@@ -648,3 +656,12 @@ def test_tritonclient_request_compression_is_read(server):
     for algorithm in ("gzip", "deflate"):
         compressed = client.infer("ner", [text], request_compression_algorithm=algorithm)
         assert compressed.as_numpy("entities").tolist() == plain, algorithm
+
+
+def test_the_embedding_routes_without_an_embedding_task_say_how_to_serve_one(client):
+    """This store has no embedding task: each embedding route says so (it said 'no embedding model None')."""
+    for path, body in [("/embed", {"inputs": "a"}), ("/v1/embeddings", {"input": "a", "model": "embedding"}),
+                       ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}})]:
+        answer = client.post(path, json=body)
+        assert answer.status_code == 404 and "no embedding task is loaded: serve one" in answer.text, answer.text
+        assert "None" not in answer.text
