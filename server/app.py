@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from modules_store import ModuleStore
 from modules_store.manifest import NAME_PATTERN
-from server import oip, tokenize_api, windows
+from server import oip, oip_grpc, tokenize_api, windows
 from server.backbone import Backbone
 from server.batcher import Job
 from server.classify_api import ClassifyRequest, ClassifyResponse, classify_routes
@@ -322,7 +322,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await runtime.open()
+        grpc_server = None
+        if settings.grpc_port is not None:  # OIP over gRPC beside HTTP, in each process that serves HTTP
+            grpc_server, _ = await oip_grpc.start(app.grpc_service, settings.host, settings.grpc_port,
+                                                  settings.max_body_bytes)
         yield
+        if grpc_server is not None:
+            await grpc_server.stop(grace=settings.request_timeout_s)  # calls under way are answered
         await runtime.shutdown()
 
     app = TmodApp(
@@ -765,11 +771,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         module = oip_module(task, version)
         return {"name": module.task, "version": module.version, "ready": True}
 
-    async def oip_infer(body: bytes, request: Call, task: str, version: str | None) -> tuple[bytes, dict]:
-        """Body: OIP v2 JSON, or the binary data extension (Inference-Header-Content-Length)."""
-        require_ready()
-        module = oip_module(task, version)
-        parsed, texts, text_pairs, shape = oip.parse_request(body, request.header(oip.HEADER.encode()))
+    async def oip_answer(module: LoadedModule, read: tuple, request) -> tuple[LoadedModule, list, dict]:
+        """An OIP inference request, read (`oip.read_request`) over HTTP or gRPC, answered: (the module
+        version that answered, each text's answer, the timing headers). `request`: its `is_disconnected`."""
+        parsed, texts, text_pairs, shape = read
+        task = module.task
         oip.check_declared_inputs(module, text_pairs)
         fit_to_inputs({task: module}, text_pairs is not None, named=True)
         parameters = parsed.get("parameters") or {}
@@ -781,7 +787,15 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         results, job, headers = await run_inference(texts, text_pairs, {task: module}, truncate, request, window, stride,
                                                     decoded)
         module = job.modules[task]  # the version that answered
-        content, extra = oip.encode_response(module, parsed, [r[task] for r in results], controls.top_k, shape)
+        return module, oip.response_tensors(module, parsed, [r[task] for r in results], controls.top_k, shape), headers
+
+    async def oip_infer(body: bytes, request: Call, task: str, version: str | None) -> tuple[bytes, dict]:
+        """Body: OIP v2 JSON, or the binary data extension (Inference-Header-Content-Length)."""
+        require_ready()
+        module = oip_module(task, version)
+        read = oip.parse_request(body, request.header(oip.HEADER.encode()))
+        module, tensors, headers = await oip_answer(module, read, request)
+        content, extra = oip.encode_response(module, read[0], tensors)
         return content, {**headers, **extra}
 
     # ---- tokenization: what the server reads (server/windows.py) --------------------------------
@@ -844,6 +858,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                        **classify_routes(runtime, require_ready, run_inference),
                        **tei_predict_route(runtime, require_ready, run_inference)}
     app.oip_infer = oip_infer
+    app.grpc_service = oip_grpc.service(
+        app, require_ready, require_serving, oip_module, oip_answer,
+        lambda headers: app.api_keys is None or bearer_matches(headers, *app.api_keys))
     app.v1_predict = predict_route(require_ready, oip_module, fit_to_inputs, run_inference)
     app.openapi = functools.partial(openapi, app)
 

@@ -73,7 +73,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"tmod-serve: {setting_problem(exc)}") from None
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
     problem = problem or store_problem(settings.store) or backbone_problem(settings.backbone, settings.cache_dir) \
-        or tasks_problem(settings) or port_problem(settings.host, settings.port)
+        or tasks_problem(settings) or port_problem(settings.host, settings.port) \
+        or (port_problem(settings.host, settings.grpc_port, "--grpc-port") if settings.grpc_port else None)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
     configure_logging(settings.log_level)
@@ -138,7 +139,7 @@ def tasks_problem(settings: Settings) -> str | None:
     return None
 
 
-def port_problem(host: str, port: int) -> str | None:
+def port_problem(host: str, port: int, flag: str = "--port") -> str | None:
     """Another process on the port, or a host that is not this machine's: said before anything loads
     (one process would log it once start-up began; the workers' listener would raise)."""
     if port == 0:
@@ -148,7 +149,7 @@ def port_problem(host: str, port: int) -> str | None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host / --port)"
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host / {flag})"
     return None
 
 

@@ -21,6 +21,9 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="interface to bind")
     port: int = Field(8080, ge=0, le=65535, description="port to bind (0 = any free port)")
+    grpc_port: int | None = Field(None, ge=1, le=65535, description="also serve the Open Inference Protocol v2 over "
+                                  "gRPC on this port (KServe's InferenceGRPCClient, tritonclient.grpc; Triton's "
+                                  "8001, KServe's 8081) (default: none, HTTP only)")
     workers: int = Field(
         1, ge=1, le=64, description="HTTP worker processes. 1: one process does everything. N > 1: N processes "
         "share the port and do HTTP, JSON, validation, tokenization and decode; one engine process owns the "
@@ -178,6 +181,8 @@ class Settings(BaseSettings):
                        "without it each request's window is chosen by its tasks, and one stride does not fit them all")
         if not problem and self.window_tokens and self.window_stride and self.window_stride > self.window_tokens:
             problem = f"window_stride={self.window_stride} is over window_tokens={self.window_tokens}: windows would skip text"
+        if not problem and self.grpc_port is not None and self.grpc_port == self.port:
+            problem = f"--grpc-port / TMOD_GRPC_PORT is --port's {self.port}: gRPC needs a port of its own"
         if problem:
             raise ValueError(problem)
         return self

@@ -187,7 +187,7 @@ def _flatten(data: Any, name: str) -> list:
 
 
 def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[str], list[str] | None, list[int]]:
-    """-> (the JSON header, texts, text pairs or None, the shape of `text`)."""
+    """An HTTP request's body -> (the JSON header, texts, text pairs or None, the shape of `text`)."""
     if header_length is not None:
         if not DIGITS.fullmatch(header_length) or int(header_length) > len(body):
             raise ApiError(400, "invalid_request", f"bad {HEADER} header {clip(header_length)}")
@@ -200,6 +200,13 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[dict, list[st
         raise ApiError(422, "invalid_request", f"request is not valid JSON: {str(exc)[:200]}") from exc
     except RecursionError as exc:
         raise ApiError(400, "invalid_request", "request JSON is nested too deeply") from exc
+    return read_request(request, binary)
+
+
+def read_request(request: Any, binary: bytes) -> tuple[dict, list[str], list[str] | None, list[int]]:
+    """A request's JSON header and its binary part (the binary data extension's tensors, or gRPC's raw
+    contents) -> (the header, texts, text pairs or None, the shape of `text`): every check made here,
+    before any compute, for both transports."""
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or not request["inputs"]:
         raise ApiError(422, "invalid_request", "request needs a non-empty 'inputs' list")
     tensors: dict[str, list[str]] = {}
@@ -277,10 +284,6 @@ def _requested_outputs(request: dict) -> list[dict]:
     return wanted
 
 
-def _serialize_bytes(array: np.ndarray) -> bytes:
-    return b"".join(struct.pack("<I", len(item)) + item for item in array.reshape(-1))
-
-
 def classification(scores: np.ndarray, labels: list[str], k: int) -> np.ndarray:
     """The classification extension: (N, C) scores -> (N, min(k, C)) BYTES "score:index:label", best
     first (equal scores in label order); the score printed as Triton prints it (six decimals)."""
@@ -301,12 +304,13 @@ def _classification_count(name: str, parameters: dict, arrays: dict) -> int | No
     return k
 
 
-def encode_response(module: LoadedModule, request: dict, results: list[dict], top_k: int | None = None,
-                    shape: list[int] | None = None) -> tuple[bytes, dict[str, str]]:
-    """-> (body, extra headers). Binary where the request asked for it, JSON otherwise. Outputs asked
-    for with `"classification": k` (or `scores` when the request's `top_k` is k and it names no
-    outputs) come back in the classification extension's form. Each output leads with the shape
-    of the request's `text` (default [N]): texts sent as [1, N] get labels [1, N], scores [1, N, C]."""
+def response_tensors(module: LoadedModule, request: dict, results: list[dict], top_k: int | None = None,
+                     shape: list[int] | None = None) -> list[tuple[str, str, np.ndarray, bool]]:
+    """The answer's tensors, (name, datatype, array, whether asked for as binary data), those the request
+    names or else every output. Outputs asked for with `"classification": k` (or `scores` when the
+    request's `top_k` is k and it names no outputs) come back in the classification extension's form.
+    Each output leads with the shape of the request's `text` (default [N]): texts sent as [1, N] get
+    labels [1, N], scores [1, N, C]."""
     arrays = _output_arrays(module, results)
     wanted = _requested_outputs(request)
     binary_default = bool_parameter(_parameters(request, "request"), "binary_data_output")
@@ -319,16 +323,34 @@ def encode_response(module: LoadedModule, request: dict, results: list[dict], to
                       or (top_k if o["name"] == "scores" else None)) for o in wanted]
     else:
         selection = [(name, binary_default, top_k if name == "scores" else None) for name in arrays]
-    outputs, blobs = [], []
+    tensors = []
     for name, binary, count in selection:
         datatype, array = arrays[name]
         if count is not None:
             datatype, array = "BYTES", classification(array, module.manifest.labels, count)
         if shape is not None:
             array = array.reshape([*shape, *array.shape[1:]])
+        tensors.append((name, datatype, array, binary))
+    return tensors
+
+
+def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
+    """A tensor as raw bytes (the binary data extension, gRPC's raw contents): BYTES elements each a
+    4-byte little-endian length and the bytes, FP32 little-endian."""
+    if datatype == "BYTES":
+        return b"".join(struct.pack("<I", len(item)) + item for item in array.reshape(-1))
+    return array.astype("<f4").tobytes()
+
+
+def encode_response(module: LoadedModule, request: dict, tensors: list[tuple[str, str, np.ndarray, bool]]
+                    ) -> tuple[bytes, dict[str, str]]:
+    """The HTTP answer, (body, extra headers): `response_tensors` in binary where the request asked for it,
+    JSON otherwise."""
+    outputs, blobs = [], []
+    for name, datatype, array, binary in tensors:
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary:
-            blob = _serialize_bytes(array) if datatype == "BYTES" else array.astype("<f4").tobytes()
+            blob = tensor_bytes(datatype, array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:

@@ -1,6 +1,7 @@
 """Shared test helpers: tiny random backbones and random-weight modules, real files on disk."""
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -98,6 +99,14 @@ def populate_store(store_dir: Path, backbone: Backbone) -> ModuleStore:
     save_module(store, "acceptability", "1", random_head(
         backbone, "sequence_classification", ["unacceptable", "acceptable"], 3, layers=[0, 1]), backbone)
     return store
+
+
+def with_a_pair_task(root: Path, store: ModuleStore, backbone: Backbone) -> Path:
+    """A copy of `store` at `root`, and a pair task (`pairs`: a text with a text pair)."""
+    shutil.copytree(store.root, root)
+    save_module(ModuleStore(root), "pairs", "1", random_head(
+        backbone, "sequence_classification", ["no", "yes"], 7, pooling="pair"), backbone)
+    return root
 
 
 def metric_sample(metrics_text: str, sample: str) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 import socket
 import threading
 import zlib
@@ -21,10 +20,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from modules_store import ModuleStore
-from server.modules import save_module
 from bench.live_server import read_until_closed
-from tests.helpers import random_head, start_tmod_serve
+from tests.helpers import start_tmod_serve, with_a_pair_task
 
 ADMIN = {"authorization": "Bearer hostile-admin-token"}
 MAX_BODY = 65536
@@ -384,12 +381,7 @@ RAW_CASES = [
 
 @pytest.fixture(scope="module")
 def hostile_store(tmp_path_factory, tiny_store, tiny_backbone):
-    """The tiny store, and a pair task (`pairs`: a text with a text pair)."""
-    root = tmp_path_factory.mktemp("hostile") / "store"
-    shutil.copytree(tiny_store.root, root)
-    save_module(ModuleStore(root), "pairs", "1", random_head(
-        tiny_backbone, "sequence_classification", ["no", "yes"], 7, pooling="pair"), tiny_backbone)
-    return root
+    return with_a_pair_task(tmp_path_factory.mktemp("hostile") / "store", tiny_store, tiny_backbone)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,190 @@
+"""Open Inference Protocol v2 over gRPC (`--grpc-port`): what KServe's `InferenceGRPCClient` and
+`tritonclient.grpc` speak, on its own port beside HTTP (Triton's 8001, KServe's 8081).
+
+Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer of
+`inference.GRPCInferenceService` (server/oip_v2.proto); any other RPC of Triton's service (model
+configuration, statistics, repository, shared memory, streaming) is answered UNIMPLEMENTED by gRPC
+itself. A ModelInferRequest is read as its HTTP twin (server/oip.py `read_request`: the same
+inputs, parameters, outputs and checks) and answered through the same path, so a text gets the
+same answer on both transports; the outputs travel as `raw_output_contents`, as Triton sends them.
+
+Refusals carry a gRPC status and the message HTTP would give: 400/413/422 INVALID_ARGUMENT, 401
+UNAUTHENTICATED, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 501 UNIMPLEMENTED, 503 UNAVAILABLE (a passed
+deadline DEADLINE_EXCEEDED), anything else INTERNAL. With an API key (`--api-key`) every RPC but
+ServerLive and ServerReady needs metadata `authorization: Bearer <key>` (tritonclient's `headers=`).
+Messages over `--max-body-bytes` are refused by gRPC (RESOURCE_EXHAUSTED).
+
+The message classes come from the compiled .proto (server/oip_v2_descriptor.py) in a descriptor pool
+of their own: KServe's and Triton's client packages register the same names in protobuf's default
+pool, and a process may hold either beside tmod.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from grpc import aio
+
+from server import oip
+from server.errors import ApiError, count_error
+from server.oip_v2_descriptor import FILE
+
+log = logging.getLogger("tmod")
+
+SERVICE = "inference.GRPCInferenceService"
+_POOL = descriptor_pool.DescriptorPool()
+_POOL.Add(descriptor_pb2.FileDescriptorProto.FromString(FILE))
+
+
+def message(name: str):
+    """The class of the protocol's message `name` (e.g. "ModelInferRequest")."""
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"inference.{name}"))
+
+
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.FAILED_PRECONDITION,
+          413: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+          501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE}
+OPEN_RPCS = frozenset({"ServerLive", "ServerReady"})  # probes: no key, as HTTP's health routes
+
+
+def parameter_values(parameters) -> dict:
+    """A map of InferParameter -> {name: its value} (bool, int, str or float, as JSON would give it)."""
+    values = {}
+    for name, parameter in parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        if kind is not None:
+            values[name] = getattr(parameter, kind)
+    return values
+
+
+def as_oip_request(request) -> tuple[dict, bytes]:
+    """A ModelInferRequest as the HTTP protocol's JSON header and binary part (raw contents become
+    tensors of the binary data extension), for `oip.read_request` to check and read."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise ApiError(400, "invalid_request", f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} "
+                                               "inputs: one per input, or none (then each input's contents)")
+    inputs = []
+    for i, tensor in enumerate(request.inputs):
+        entry = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+                 "parameters": parameter_values(tensor.parameters)}
+        if raw:
+            entry["parameters"]["binary_data_size"] = len(raw[i])
+        else:
+            entry["data"] = list(tensor.contents.bytes_contents)
+        inputs.append(entry)
+    header = {"inputs": inputs, "parameters": parameter_values(request.parameters)}
+    if request.id:
+        header["id"] = request.id
+    if request.outputs:
+        header["outputs"] = [{"name": o.name, "parameters": parameter_values(o.parameters)} for o in request.outputs]
+    return header, b"".join(raw)
+
+
+class GrpcCall:
+    """What the inference path reads of a request besides its content: whether its client left."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context):
+        self.context = context
+
+    async def is_disconnected(self) -> bool:
+        return self.context.cancelled()
+
+
+def service(app, require_ready, require_serving, oip_module, oip_answer, authorized):
+    """The generic handler of `inference.GRPCInferenceService` over the app's own OIP functions (server/app.py):
+    `oip_answer(module, read, call)` answers a read request; `authorized(headers)` checks the API key."""
+
+    def rpc(name, request_type, response_type, answer, inference=False):
+        async def handle(request, context):
+            try:
+                if name not in OPEN_RPCS and not authorized([(k.encode("latin-1"), v.encode("latin-1"))
+                                                              for k, v in context.invocation_metadata()
+                                                              if isinstance(v, str)]):
+                    raise ApiError(401, "unauthorized", "this server needs metadata 'authorization: Bearer <API key>'")
+                return await answer(request, context)
+            except ApiError as exc:
+                count_error(app, exc.type, inference)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.type == "deadline_exceeded" else \
+                    STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
+                await context.abort(code, exc.message)
+            except aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - answered INTERNAL, its traceback logged, as HTTP's 500
+                log.error("unhandled error on gRPC %s", name, exc_info=exc)
+                count_error(app, "internal_error", inference)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {str(exc)[:200]}")
+
+        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=message(request_type).FromString,
+                                                   response_serializer=message(response_type).SerializeToString)
+
+    async def server_live(request, context):
+        return message("ServerLiveResponse")(live=True)
+
+    async def server_ready(request, context):
+        try:
+            require_serving()
+        except ApiError:
+            return message("ServerReadyResponse")(ready=False)
+        return message("ServerReadyResponse")(ready=True)
+
+    async def model_ready(request, context):
+        require_ready()
+        try:
+            oip_module(request.name, request.version or None)
+        except ApiError:
+            return message("ModelReadyResponse")(ready=False)
+        return message("ModelReadyResponse")(ready=True)
+
+    async def server_metadata(request, context):
+        return message("ServerMetadataResponse")(name="tmod", version=app.version,
+                                                 extensions=["binary_tensor_data", "classification"])
+
+    async def model_metadata(request, context):
+        require_ready()
+        found = oip.model_metadata(oip_module(request.name, request.version or None))
+        answer = message("ModelMetadataResponse")(name=found["name"], versions=found["versions"],
+                                                  platform=found["platform"])
+        for field in ("inputs", "outputs"):
+            for tensor in found[field]:
+                getattr(answer, field).add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+        return answer
+
+    async def model_infer(request, context):
+        require_ready()
+        module = oip_module(request.model_name, request.model_version or None)
+        read = oip.read_request(*as_oip_request(request))
+        module, tensors, _ = await oip_answer(module, read, GrpcCall(context))
+        answer = message("ModelInferResponse")(model_name=module.task, model_version=module.version,
+                                               id=read[0].get("id", ""))
+        for name, datatype, array, _ in tensors:
+            answer.outputs.add(name=name, datatype=datatype, shape=array.shape)
+            answer.raw_output_contents.append(oip.tensor_bytes(datatype, array))
+        return answer
+
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "ServerLive": rpc("ServerLive", "ServerLiveRequest", "ServerLiveResponse", server_live),
+        "ServerReady": rpc("ServerReady", "ServerReadyRequest", "ServerReadyResponse", server_ready),
+        "ModelReady": rpc("ModelReady", "ModelReadyRequest", "ModelReadyResponse", model_ready),
+        "ServerMetadata": rpc("ServerMetadata", "ServerMetadataRequest", "ServerMetadataResponse", server_metadata),
+        "ModelMetadata": rpc("ModelMetadata", "ModelMetadataRequest", "ModelMetadataResponse", model_metadata),
+        "ModelInfer": rpc("ModelInfer", "ModelInferRequest", "ModelInferResponse", model_infer, inference=True),
+    })
+
+
+async def start(handler, host: str, port: int, max_message_bytes: int) -> tuple[aio.Server, int]:
+    """A gRPC server with `handler` listening on host:port (SO_REUSEPORT, gRPC's default on Linux, lets
+    every HTTP worker process listen on the one port) -> (the server, the port it listens on)."""
+    server = aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                 ("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((handler,))
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"gRPC cannot listen on {host}:{port} (--host / --grpc-port)")
+    await server.start()
+    return server, bound

@@ -1,0 +1,279 @@
+"""The Open Inference Protocol v2 over gRPC (`--grpc-port`, server/oip_grpc.py) on a real `tmod-serve`,
+through the clients that speak it: `tritonclient.grpc` and KServe's `InferenceGRPCClient`. Every
+answer is compared with the same request's answer over HTTP."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from bench.live_server import free_port, wait_until
+from tests.helpers import metric_sample, start_tmod_serve, with_a_pair_task
+
+KEY = "grpc-test-key"
+TEXTS = ["Angela Merkel visited Munich.", "A wonderful, moving film.", "bad"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_store, tiny_backbone):
+    return with_a_pair_task(tmp_path_factory.mktemp("grpc") / "store", tiny_store, tiny_backbone)
+
+
+def serve(store, backbone_dir, *extra):
+    """(HTTP url, gRPC address, process) of a tmod-serve with --grpc-port and an API key."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_API_KEY": KEY}
+    url, process = start_tmod_serve(["--backbone", str(backbone_dir), "--store", str(store), "--grpc-port", str(port),
+                                     "--head-precision", "fp32", "--max-body-bytes", "100000", *extra], env)
+    return url, f"127.0.0.1:{port}", process
+
+
+@pytest.fixture(scope="module")
+def server(store, tiny_backbone_dir):
+    url, address, process = serve(store, tiny_backbone_dir)
+    yield url, address
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def triton(server):
+    import tritonclient.grpc as triton_grpc
+
+    client = triton_grpc.InferenceServerClient(server[1])
+    yield client
+    client.close()
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def texts_input(name, texts, shape=None):
+    import tritonclient.grpc as triton_grpc
+
+    tensor = triton_grpc.InferInput(name, shape or [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object).reshape(shape or [len(texts)]))
+    return tensor
+
+
+def over_http(server, task, inputs, parameters=None, outputs=None):
+    """The same request over HTTP (JSON): {output name: numpy array}."""
+    body = {"inputs": [{"name": name, "datatype": "BYTES", "shape": [len(texts)], "data": texts}
+                       for name, texts in inputs.items()], "parameters": parameters or {}}
+    if outputs:
+        body["outputs"] = outputs
+    answer = httpx.post(f"{server[0]}/v2/models/{task}/infer", json=body, headers=AUTH, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return {o["name"]: np.array(o["data"], dtype=object if o["datatype"] == "BYTES" else np.float32).reshape(o["shape"])
+            for o in answer.json()["outputs"]}
+
+
+def test_the_compiled_descriptor_is_the_proto_and_the_protocols_numbers():
+    """server/oip_v2_descriptor.py is protoc's reading of server/oip_v2.proto, and every message and
+    field it declares has the number Triton's client gives it (the wire format is the numbers)."""
+    from google.protobuf import descriptor_pb2
+    from tritonclient.grpc import service_pb2
+
+    from server import oip_grpc
+    from server.oip_v2_descriptor import FILE
+
+    out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "server", "--descriptor_set_out=/dev/stdout",
+                          "server/oip_v2.proto"], capture_output=True, check=True).stdout
+    assert descriptor_pb2.FileDescriptorSet.FromString(out).file[0].SerializeToString() == FILE
+
+    def fields(descriptor):
+        found = {f.name: (f.number, f.type, f.is_repeated) for f in descriptor.fields}
+        for nested in descriptor.nested_types:
+            found.update({f"{nested.name}.{k}": v for k, v in fields(nested).items()})
+        return found
+
+    ours = oip_grpc._POOL.FindFileByName("oip_v2.proto")
+    for name, descriptor in ours.message_types_by_name.items():
+        theirs = fields(service_pb2.DESCRIPTOR.message_types_by_name[name])
+        assert fields(descriptor).items() <= theirs.items(), name
+    methods = {m.name: (m.input_type.name, m.output_type.name) for m in ours.services_by_name["GRPCInferenceService"].methods}
+    triton_methods = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
+    assert all((triton_methods[n].input_type.name, triton_methods[n].output_type.name) == io for n, io in methods.items())
+
+
+def test_tritonclient_grpc_gets_what_http_answers(server, triton):
+    assert triton.is_server_live() and triton.is_server_ready(headers=AUTH)
+    assert triton.is_model_ready("ner", headers=AUTH) and not triton.is_model_ready("nope", headers=AUTH)
+    meta = triton.get_server_metadata(headers=AUTH)
+    assert meta.name == "tmod" and list(meta.extensions) == ["binary_tensor_data", "classification"]
+    http_meta = httpx.get(f"{server[0]}/v2/models/pairs", headers=AUTH).json()
+    meta = triton.get_model_metadata("pairs", headers=AUTH)
+    assert [t.name for t in meta.inputs] == [t["name"] for t in http_meta["inputs"]] == ["text", "text_pair"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.outputs] == \
+        [(t["name"], t["datatype"], t["shape"]) for t in http_meta["outputs"]]
+
+    for task in ("sentiment", "ner", "acceptability"):
+        answer = triton.infer(task, [texts_input("text", TEXTS)], headers=AUTH)
+        expected = over_http(server, task, {"text": TEXTS})
+        assert answer.get_response().model_name == task and answer.get_response().model_version == "1"
+        for name, array in expected.items():
+            ours = answer.as_numpy(name)
+            if array.dtype == object:
+                assert [v.decode() for v in ours.reshape(-1)] == list(array.reshape(-1)), (task, name)
+            else:
+                np.testing.assert_allclose(ours, array, atol=1e-6)
+    pairs = triton.infer("pairs", [texts_input("text", TEXTS), texts_input("text_pair", TEXTS[::-1])], headers=AUTH)
+    np.testing.assert_allclose(pairs.as_numpy("scores"), over_http(
+        server, "pairs", {"text": TEXTS, "text_pair": TEXTS[::-1]})["scores"], atol=1e-6)
+    # tritonclient's [1, N] batch shape, Triton's classification extension and request parameters
+    import tritonclient.grpc as triton_grpc
+
+    ranked = triton.infer("sentiment", [texts_input("text", TEXTS, [1, 3])], headers=AUTH, parameters={"truncate": True},
+                          outputs=[triton_grpc.InferRequestedOutput("scores", class_count=1)])
+    expected = over_http(server, "sentiment", {"text": TEXTS}, {"truncate": True},
+                         [{"name": "scores", "parameters": {"classification": 1}}])
+    assert ranked.as_numpy("scores").shape == (1, 3, 1)
+    assert [v.decode() for v in ranked.as_numpy("scores").reshape(-1)] == list(expected["scores"].reshape(-1))
+
+
+KSERVE_CLIENT = """
+import asyncio, json, sys
+import numpy as np
+from kserve import InferenceGRPCClient, InferInput, InferRequest
+
+async def ask(address, texts, headers):
+    client = InferenceGRPCClient(address, timeout=60)
+    try:
+        ready = await client.is_model_ready("acceptability", headers=headers)
+        tensor = InferInput("text", [len(texts)], "BYTES")
+        tensor.set_data_from_numpy(np.array(texts, dtype=object))
+        answer = await client.infer(InferRequest("acceptability", [tensor]), headers=headers)
+        return ready, {o.name: [v.decode() if isinstance(v, bytes) else v for v in o.as_numpy().reshape(-1).tolist()]
+                       for o in answer.outputs}
+    finally:
+        await client.close()
+
+address, texts, headers = json.loads(sys.argv[1])
+print(json.dumps(asyncio.run(ask(address, texts, list(headers.items())))))
+"""
+
+
+def test_kserves_grpc_client_gets_what_http_answers(server):
+    """In a process of its own: KServe's client and Triton's register the same protobuf names, and
+    protobuf's default pool takes one of them per process."""
+    run = subprocess.run([sys.executable, "-c", KSERVE_CLIENT, json.dumps([server[1], TEXTS, AUTH])],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    ready, outputs = json.loads(run.stdout)
+    expected = over_http(server, "acceptability", {"text": TEXTS})
+    assert ready and list(outputs) == list(expected)
+    assert outputs["label"] == list(expected["label"])
+    np.testing.assert_allclose(np.array(outputs["scores"]), expected["scores"].reshape(-1), atol=1e-6)
+
+
+def test_refusals_carry_the_grpc_status_and_the_message_http_gives(server, triton):
+    from tritonclient.utils import InferenceServerException
+
+    def refused(call, status, said):
+        with pytest.raises(InferenceServerException) as caught:
+            call()
+        assert caught.value.status() == f"StatusCode.{status}", caught.value
+        assert said in caught.value.message(), caught.value
+
+    text = [texts_input("text", TEXTS)]
+    refused(lambda: triton.infer("nope", text, headers=AUTH), "NOT_FOUND", "no model 'nope'; loaded: ")
+    refused(lambda: triton.infer("sentiment", [texts_input("txt", TEXTS)], headers=AUTH), "INVALID_ARGUMENT",
+            "unknown input 'txt'")
+    refused(lambda: triton.infer("sentiment", [texts_input("text", TEXTS, [1, 3]), texts_input("text_pair", TEXTS)],
+                                 headers=AUTH), "INVALID_ARGUMENT", "it reads single texts, not 'text_pair'")
+    refused(lambda: triton.infer("sentiment", text, headers=AUTH, parameters={"top_k": 0}), "INVALID_ARGUMENT",
+            "top_k")
+    refused(lambda: triton.infer("sentiment", [texts_input("text", ["x"] * 65)], headers=AUTH), "INVALID_ARGUMENT",
+            "65 inputs; at most 64")
+    refused(lambda: triton.infer("sentiment", [texts_input("text", ["word " * 30_000])], headers=AUTH),
+            "RESOURCE_EXHAUSTED", "")  # over --max-body-bytes: refused by gRPC before tmod reads it
+    refused(lambda: triton.get_model_config("sentiment", headers=AUTH), "UNIMPLEMENTED", "")
+    refused(lambda: triton.infer("sentiment", text), "UNAUTHENTICATED", "authorization: Bearer <API key>")
+    refused(lambda: triton.get_model_metadata("sentiment", headers={"authorization": "Bearer wrong"}),
+            "UNAUTHENTICATED", "")
+
+    import tritonclient.grpc as triton_grpc  # a hand-made request: raw contents that do not fit the inputs
+    request = triton_grpc.service_pb2.ModelInferRequest(model_name="sentiment")
+    request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    request.raw_input_contents.extend([b"\x01\x00\x00\x00a", b"\x01\x00\x00\x00b"])
+    with grpc.insecure_channel(server[1]) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                    request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=triton_grpc.service_pb2.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(request, metadata=list(AUTH.items()))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "raw_input_contents has 2 entries for 1 inputs" in caught.value.details()
+        request.raw_input_contents.pop()
+        request.raw_input_contents[0] = b"\x09\x00\x00\x00a"  # a BYTES length past the end
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(request, metadata=list(AUTH.items()))
+        assert "BYTES element overruns the body" in caught.value.details()
+    # and the server still answers, over both transports
+    assert triton.infer("sentiment", text, headers=AUTH).as_numpy("label").shape == (3,)
+    assert httpx.get(f"{server[0]}/readyz").status_code == 200
+
+
+def test_every_http_worker_serves_grpc_on_the_one_port(store, tiny_backbone_dir):
+    import tritonclient.grpc as triton_grpc
+
+    url, address, process = serve(store, tiny_backbone_dir, "--workers", "2")
+    try:
+        clients = [triton_grpc.InferenceServerClient(address) for _ in range(6)]  # a connection each
+        for client in clients:
+            assert client.infer("sentiment", [texts_input("text", TEXTS)], headers=AUTH).as_numpy("label").shape == (3,)
+            client.close()
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_grpc_port_taken_or_shared_with_http_is_said_in_one_line(store, tiny_backbone_dir):
+    port = free_port()
+    run = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(port), "--grpc-port", str(port)],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert run.returncode != 0 and "gRPC needs a port of its own" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_answers_the_grpc_calls_under_way(workers):
+    """Calls in flight when SIGTERM comes are answered (the gRPC server stops with a grace period, after
+    HTTP has drained); the real backbone, so that a call of eight long documents lasts seconds."""
+    import threading
+
+    import tritonclient.grpc as triton_grpc
+
+    port = free_port()
+    url, process = start_tmod_serve(["--grpc-port", str(port), "--workers", workers, "--tasks", "ner",
+                                     "--log-level", "warning"], {**os.environ, "HF_HUB_OFFLINE": "1"})
+    long = " ".join(["Angela Merkel visited Munich and spoke with the mayor about the city's plans."] * 200)
+    outcomes = []
+
+    def call():
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            outcomes.append(len(client.infer("ner", [texts_input("text", [long] * 8)]).as_numpy("entities")))
+        except Exception as exc:  # noqa: BLE001 - recorded, and the test says which
+            outcomes.append(exc)
+
+    calls = [threading.Thread(target=call) for _ in range(3)]
+    try:
+        for thread in calls:
+            thread.start()
+        wait_until(lambda: metric_sample(httpx.get(url + "/metrics").text, "tmod_requests_in_flight") >= 3,
+                   "three calls in flight")
+        process.send_signal(signal.SIGTERM)
+        for thread in calls:
+            thread.join(timeout=120)
+        assert outcomes == [8, 8, 8]
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        process.kill()
+        process.wait()
