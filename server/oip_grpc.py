@@ -24,6 +24,7 @@ import logging
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from server import oip
@@ -101,12 +102,18 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
     `oip_answer(module, read, call)` answers a read request; `authorized(headers)` checks the API key."""
 
     def rpc(name, request_type, response_type, answer, inference=False):
-        async def handle(request, context):
+        parse = message(request_type).FromString
+
+        async def handle(body: bytes, context):
             try:
                 if name not in OPEN_RPCS and not authorized([(k.encode("latin-1"), v.encode("latin-1"))
                                                               for k, v in context.invocation_metadata()
                                                               if isinstance(v, str)]):
                     raise ApiError(401, "unauthorized", "this server needs metadata 'authorization: Bearer <API key>'")
+                try:  # here, not by gRPC: its own refusal of a malformed message is UNKNOWN, and logged as an error
+                    request = parse(body)
+                except DecodeError:
+                    raise ApiError(400, "invalid_request", f"the message is not a protobuf {request_type}") from None
                 return await answer(request, context)
             except ApiError as exc:
                 count_error(app, exc.type, inference)
@@ -120,8 +127,7 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
                 count_error(app, "internal_error", inference)
                 await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {str(exc)[:200]}")
 
-        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=message(request_type).FromString,
-                                                   response_serializer=message(response_type).SerializeToString)
+        return grpc.unary_unary_rpc_method_handler(handle, response_serializer=message(response_type).SerializeToString)
 
     async def server_live(request, context):
         return message("ServerLiveResponse")(live=True)

@@ -216,6 +216,11 @@ def test_refusals_carry_the_grpc_status_and_the_message_http_gives(server, trito
         with pytest.raises(grpc.RpcError) as caught:
             infer(request, metadata=list(AUTH.items()))
         assert "BYTES element overruns the body" in caught.value.details()
+        garbage = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes as they are
+        with pytest.raises(grpc.RpcError) as caught:
+            garbage(b"\xff\xff\xff\xff\x0f", metadata=list(AUTH.items()))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # was UNKNOWN, and an error in the log
+        assert caught.value.details() == "the message is not a protobuf ModelInferRequest"
     # and the server still answers, over both transports
     assert triton.infer("sentiment", text, headers=AUTH).as_numpy("label").shape == (3,)
     assert httpx.get(f"{server[0]}/readyz").status_code == 200
