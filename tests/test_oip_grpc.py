@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -240,11 +241,19 @@ def test_every_http_worker_serves_grpc_on_the_one_port(store, tiny_backbone_dir)
         process.wait()
 
 
-def test_a_grpc_port_taken_or_shared_with_http_is_said_in_one_line(store, tiny_backbone_dir):
+def test_a_grpc_port_taken_or_shared_with_http_is_said_in_one_line():
+    def refused(*flags):
+        run = subprocess.run([sys.executable, "-m", "server.cli", *flags], capture_output=True, text=True,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+        return run.stderr.strip()
+
     port = free_port()
-    run = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(port), "--grpc-port", str(port)],
-                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
-    assert run.returncode != 0 and "gRPC needs a port of its own" in run.stderr and "Traceback" not in run.stderr
+    assert "gRPC needs a port of its own" in refused("--port", str(port), "--grpc-port", str(port))
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another server there (gRPC's own would share it)
+        taken_port = taken.getsockname()[1]
+        said = refused("--port", str(port), "--grpc-port", str(taken_port))
+    assert said == f"tmod-serve: cannot listen on 127.0.0.1:{taken_port}: Address already in use (--host / --grpc-port)"
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
