@@ -92,6 +92,16 @@ def test_a_training_file_with_one_label_is_refused(tmp_path, capsys):
                          "(is --label-column the right column?)")
 
 
+def test_a_split_that_would_train_on_under_half_the_file_is_refused(tmp_path, capsys):
+    """`--split 0.8` meant as the training share held out 80% and trained on a fifth, without a word."""
+    train = write(tmp_path / "t.csv", "text,label\n" + "".join(f"sentence {i},{i % 2}\n" for i in range(30)))
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.8"))
+    assert line == ("tmod-train layermix: error: --split: 0.8 holds out 80% of the file and trains on 20%: it gives the "
+                    "held-out fractions, VALIDATION[,TEST] (e.g. 0.1 or 0.1,0.1); to train on fewer rows, --max-train N")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "1.5"))
+    assert line.endswith("--split: give one or two fractions between 0 and 1 that sum to under 1: VALIDATION[,TEST]")
+
+
 def test_a_table_whose_header_names_text_and_label_needs_no_column_options(tmp_path):
     table = write(tmp_path / "t.csv", "id,label,text\n1,yes,a fine day\n2,no,a dull day\n")
     spec = file_spec(table)

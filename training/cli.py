@@ -66,7 +66,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
                    "choose anything")
     g.add_argument("--split", default=S, metavar="VAL[,TEST]",
                    help="carve validation (and test) fractions out of --train, seeded and stratified by label, a "
-                        "repeated text's rows kept in one part: '0.1,0.1' (for a single labelled file)")
+                        "repeated text's rows kept in one part: '0.1,0.1' (for a single labelled file; the held-out "
+                        "share, at most half)")
     g.add_argument("--labels", type=_csv_list, default=S,
                    help="label order, comma-separated; class ids in the files (0, 1, ...) are named by their place")
     g.add_argument("--multi-label", action="store_true", default=S,
@@ -541,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tmod-train {args.command}: error: --config {args.config}: {name!r} is not a setting{hint}",
                   file=sys.stderr)
         else:
-            print(f"tmod-train {args.command}: error: {where}: {first['msg']}", file=sys.stderr)
+            print(f"tmod-train {args.command}: error: {where}: {str(first['msg']).removeprefix('Value error, ')}",
+                  file=sys.stderr)
     return 2
 
 

@@ -225,6 +225,10 @@ class TrainSettings(BaseModel):
         parts = [float(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
         if parts is not None and not (1 <= len(parts) <= 2 and all(0 < p < 1 for p in parts) and sum(parts) < 1):
             raise ValueError("give one or two fractions between 0 and 1 that sum to under 1: VALIDATION[,TEST]")
+        if parts is not None and sum(parts) > 0.5:  # '--split 0.8' meant as the training share trains on a fifth
+            raise ValueError(f"{','.join(map(str, parts))} holds out {sum(parts):.0%} of the file and trains on "
+                             f"{1 - sum(parts):.0%}: it gives the held-out fractions, VALIDATION[,TEST] (e.g. 0.1 or "
+                             "0.1,0.1); to train on fewer rows, --max-train N")
         return parts
 
     @field_validator("targets", mode="before")
