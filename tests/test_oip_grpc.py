@@ -1,14 +1,20 @@
 """The Open Inference Protocol v2 over gRPC (`--grpc-port`, server/oip_grpc.py) on a real `tmod-serve`,
 through the clients that speak it: `tritonclient.grpc` and KServe's `InferenceGRPCClient`. Every
-answer is compared with the same request's answer over HTTP."""
+answer is compared with the same request's answer over HTTP.
+
+The clients run in processes of their own (`in_a_fresh_process`): each registers the protocol's
+protobuf names in protobuf's default pool, which takes one set of them per process, and other test
+files that share this process import `kserve`."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import grpc
 import httpx
@@ -45,12 +51,17 @@ def server(store, tiny_backbone_dir):
 
 
 @pytest.fixture(scope="module")
-def triton(server):
+def in_a_fresh_process():
+    """run(function, *args): `function` (of this module) called in a spawned process, its result or
+    its exception (an assertion's message included) brought back."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield lambda function, *args: pool.submit(function, *args)
+
+
+def triton_client(address):
     import tritonclient.grpc as triton_grpc
 
-    client = triton_grpc.InferenceServerClient(server[1])
-    yield client
-    client.close()
+    return triton_grpc.InferenceServerClient(address)
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -76,9 +87,13 @@ def over_http(server, task, inputs, parameters=None, outputs=None):
             for o in answer.json()["outputs"]}
 
 
-def test_the_compiled_descriptor_is_the_proto_and_the_protocols_numbers():
+def test_the_compiled_descriptor_is_the_proto_and_the_protocols_numbers(in_a_fresh_process):
     """server/oip_v2_descriptor.py is protoc's reading of server/oip_v2.proto, and every message and
     field it declares has the number Triton's client gives it (the wire format is the numbers)."""
+    in_a_fresh_process(descriptor_matches_the_proto_and_triton).result(timeout=300)
+
+
+def descriptor_matches_the_proto_and_triton():
     from google.protobuf import descriptor_pb2
     from tritonclient.grpc import service_pb2
 
@@ -104,7 +119,13 @@ def test_the_compiled_descriptor_is_the_proto_and_the_protocols_numbers():
     assert all((triton_methods[n].input_type.name, triton_methods[n].output_type.name) == io for n, io in methods.items())
 
 
-def test_tritonclient_grpc_gets_what_http_answers(server, triton):
+@pytest.mark.smoke
+def test_tritonclient_grpc_gets_what_http_answers(server, in_a_fresh_process):
+    in_a_fresh_process(tritonclient_gets_what_http_answers, server).result(timeout=300)
+
+
+def tritonclient_gets_what_http_answers(server):
+    triton = triton_client(server[1])
     assert triton.is_server_live() and triton.is_server_ready(headers=AUTH)
     assert triton.is_model_ready("ner", headers=AUTH) and not triton.is_model_ready("nope", headers=AUTH)
     meta = triton.get_server_metadata(headers=AUTH)
@@ -174,8 +195,14 @@ def test_kserves_grpc_client_gets_what_http_answers(server):
     np.testing.assert_allclose(np.array(outputs["scores"]), expected["scores"].reshape(-1), atol=1e-6)
 
 
-def test_refusals_carry_the_grpc_status_and_the_message_http_gives(server, triton):
+def test_refusals_carry_the_grpc_status_and_the_message_http_gives(server, in_a_fresh_process):
+    in_a_fresh_process(refusals_carry_the_grpc_status_and_the_message_http_gives, server).result(timeout=300)
+
+
+def refusals_carry_the_grpc_status_and_the_message_http_gives(server):
     from tritonclient.utils import InferenceServerException
+
+    triton = triton_client(server[1])
 
     def refused(call, status, said):
         with pytest.raises(InferenceServerException) as caught:
@@ -227,18 +254,22 @@ def test_refusals_carry_the_grpc_status_and_the_message_http_gives(server, trito
     assert httpx.get(f"{server[0]}/readyz").status_code == 200
 
 
-def test_every_http_worker_serves_grpc_on_the_one_port(store, tiny_backbone_dir):
-    import tritonclient.grpc as triton_grpc
-
+def test_every_http_worker_serves_grpc_on_the_one_port(store, tiny_backbone_dir, in_a_fresh_process):
     url, address, process = serve(store, tiny_backbone_dir, "--workers", "2")
     try:
-        clients = [triton_grpc.InferenceServerClient(address) for _ in range(6)]  # a connection each
-        for client in clients:
-            assert client.infer("sentiment", [texts_input("text", TEXTS)], headers=AUTH).as_numpy("label").shape == (3,)
-            client.close()
+        assert in_a_fresh_process(label_shapes, address, 6).result(timeout=300) == [(3,)] * 6
     finally:
         process.kill()
         process.wait()
+
+
+def label_shapes(address, connections):
+    """Each of `connections` clients (a connection each) asks for sentiment: the shape of its labels."""
+    shapes = []
+    for client in [triton_client(address) for _ in range(connections)]:
+        shapes.append(client.infer("sentiment", [texts_input("text", TEXTS)], headers=AUTH).as_numpy("label").shape)
+        client.close()
+    return shapes
 
 
 def test_a_grpc_port_taken_or_shared_with_http_is_said_in_one_line():
@@ -257,37 +288,41 @@ def test_a_grpc_port_taken_or_shared_with_http_is_said_in_one_line():
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_sigterm_answers_the_grpc_calls_under_way(workers):
+def test_sigterm_answers_the_grpc_calls_under_way(workers, in_a_fresh_process):
     """Calls in flight when SIGTERM comes are answered (the gRPC server stops with a grace period, after
     HTTP has drained); the real backbone, so that a call of eight long documents lasts seconds."""
-    import threading
-
-    import tritonclient.grpc as triton_grpc
-
     port = free_port()
     url, process = start_tmod_serve(["--grpc-port", str(port), "--workers", workers, "--tasks", "ner",
                                      "--log-level", "warning"], {**os.environ, "HF_HUB_OFFLINE": "1"})
-    long = " ".join(["Angela Merkel visited Munich and spoke with the mayor about the city's plans."] * 200)
-    outcomes = []
-
-    def call():
-        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
-        try:
-            outcomes.append(len(client.infer("ner", [texts_input("text", [long] * 8)]).as_numpy("entities")))
-        except Exception as exc:  # noqa: BLE001 - recorded, and the test says which
-            outcomes.append(exc)
-
-    calls = [threading.Thread(target=call) for _ in range(3)]
     try:
-        for thread in calls:
-            thread.start()
+        calls = in_a_fresh_process(long_calls, f"127.0.0.1:{port}", 3)
         wait_until(lambda: metric_sample(httpx.get(url + "/metrics").text, "tmod_requests_in_flight") >= 3,
                    "three calls in flight")
         process.send_signal(signal.SIGTERM)
-        for thread in calls:
-            thread.join(timeout=120)
-        assert outcomes == [8, 8, 8]
+        assert calls.result(timeout=120) == [8, 8, 8]
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         process.kill()
         process.wait()
+
+
+def long_calls(address, count):
+    """`count` calls at once, each of eight long documents: each one's number of answers, or its error."""
+    import threading
+
+    long = " ".join(["Angela Merkel visited Munich and spoke with the mayor about the city's plans."] * 200)
+    outcomes = []
+
+    def call():
+        try:
+            outcomes.append(len(triton_client(address).infer("ner", [texts_input("text", [long] * 8)])
+                                .as_numpy("entities")))
+        except Exception as exc:  # noqa: BLE001 - recorded, and the test says which
+            outcomes.append(repr(exc))
+
+    threads = [threading.Thread(target=call) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return outcomes
