@@ -33,7 +33,7 @@ from modules_store import TaskType
 from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
 from server.modules import token_limit
-from server.schemas import decode
+from server.schemas import PromptName, TEIDirection, decode
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
@@ -73,8 +73,8 @@ class TEIEmbedRequest(Struct, forbid_unknown_fields=True):
     inputs: Union[str, list[str]]
     normalize: bool = True
     truncate: bool = False
-    truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
-    prompt_name: Annotated[Union[str, None], Meta(description="refused: no prompts are configured")] = None
+    truncation_direction: TEIDirection = "right"
+    prompt_name: PromptName = None
     dimensions: Annotated[Union[int, None], Meta(description="refused unless the module declares shortened sizes")] \
         = None
 
@@ -86,8 +86,8 @@ class SimilarityInput(Struct, forbid_unknown_fields=True):
 
 class SimilarityParameters(Struct, forbid_unknown_fields=True):
     truncate: bool = False
-    truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
-    prompt_name: Annotated[Union[str, None], Meta(description="refused: no prompts are configured")] = None
+    truncation_direction: TEIDirection = "right"
+    prompt_name: PromptName = None
 
 
 class TEISimilarityRequest(Struct, forbid_unknown_fields=True):

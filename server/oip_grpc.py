@@ -120,8 +120,6 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.type == "deadline_exceeded" else \
                     STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
                 await context.abort(code, exc.message)
-            except aio.AbortError:
-                raise
             except Exception as exc:  # noqa: BLE001 - answered INTERNAL, its traceback logged, as HTTP's 500
                 log.error("unhandled error on gRPC %s", name, exc_info=exc)
                 count_error(app, "internal_error", inference)

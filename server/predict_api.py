@@ -33,7 +33,7 @@ from msgspec import Meta, Struct
 from modules_store import TaskType
 from server.errors import ApiError, clip, did_you_mean
 from server.modules import compares_pairs
-from server.schemas import AnswerControls, TextPair, check_one_form, decode
+from server.schemas import AnswerControls, TEIDirection, TextPair, check_one_form, decode
 
 Instances = Annotated[list[Union[str, TextPair]], Meta(
     min_length=1, description="texts, or {text, text_pair} objects for a pair task; not mixed in one request")]
@@ -96,7 +96,7 @@ class TEIPredictRequest(Struct, forbid_unknown_fields=True):
     inputs: Annotated[Union[str, list[Union[str, list[str]]]], Meta(
         description='a text; a pair [text, text_pair]; or a batch of both: [[text], [text, text_pair], ...]')]
     truncate: bool = False
-    truncation_direction: Literal["left", "right", "Left", "Right"] = "right"
+    truncation_direction: TEIDirection = "right"
     raw_scores: Annotated[bool, Meta(description="the head's logits instead of probabilities")] = False
     parameters: Annotated[Union[TextClassificationParameters, None], Meta(
         description="Hugging Face's text-classification parameters (huggingface_hub's InferenceClient)")] = None

@@ -114,11 +114,17 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True):
     stride: Union[Stride, None] = None
 
 
+# Text Embeddings Inference's request fields, as its routes read them
+TEIDirection = Annotated[Literal["left", "right", "Left", "Right"], Meta(
+    description="with truncate: cut the end (right) or the start (left) of an input that is too long")]
+PromptName = Annotated[Union[str, None], Meta(description="refused: no prompts are configured")]
+
+
 class TeiTokenizeRequest(Struct, forbid_unknown_fields=True):
     """Text Embeddings Inference's /tokenize body."""
     inputs: Union[str, list[str]]
     add_special_tokens: bool = True
-    prompt_name: Annotated[Union[str, None], Meta(description="refused: no prompts are configured")] = None
+    prompt_name: PromptName = None
 
 
 class RepositoryIndexRequest(Struct):
