@@ -1,10 +1,10 @@
 """Open Inference Protocol v2 over gRPC (`--grpc-port`): what KServe's `InferenceGRPCClient` and
 `tritonclient.grpc` speak, on its own port beside HTTP (Triton's 8001, KServe's 8081).
 
-Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer of
-`inference.GRPCInferenceService` (server/oip_v2.proto); any other RPC of Triton's service (model
-configuration, statistics, repository, shared memory, streaming) is answered UNIMPLEMENTED by gRPC
-itself. A ModelInferRequest is read as its HTTP twin (server/oip.py `read_request`: the same
+Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer and Triton's
+ModelConfig (HTTP's `GET .../config`) of `inference.GRPCInferenceService` (server/oip_v2.proto); any
+other RPC of Triton's service (statistics, repository, shared memory, streaming) is answered
+UNIMPLEMENTED by gRPC itself. A ModelInferRequest is read as its HTTP twin (server/oip.py `read_request`: the same
 inputs, parameters, outputs and checks) and answered through the same path, so a text gets the
 same answer on both transports; the outputs travel as `raw_output_contents`, as Triton sends them.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError
 from grpc import aio
 
@@ -146,8 +146,8 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
         return message("ModelReadyResponse")(ready=True)
 
     async def server_metadata(request, context):
-        return message("ServerMetadataResponse")(name="tmod", version=app.version,
-                                                 extensions=["binary_tensor_data", "classification"])
+        return message("ServerMetadataResponse")(
+            name="tmod", version=app.version, extensions=["binary_tensor_data", "classification", "model_configuration"])
 
     async def model_metadata(request, context):
         require_ready()
@@ -158,6 +158,13 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
             for tensor in found[field]:
                 getattr(answer, field).add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
         return answer
+
+    async def model_config(request, context):
+        require_ready()
+        config = oip.model_config(oip_module(request.name, request.version or None))
+        if not all(v.isdigit() for v in config["version_policy"]["specific"]["versions"]):
+            del config["version_policy"]  # Triton's versions are numbers: "mpnet-2" has no place there
+        return message("ModelConfigResponse")(config=json_format.ParseDict(config, message("ModelConfig")()))
 
     async def model_infer(request, context):
         require_ready()
@@ -178,6 +185,7 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
         "ServerMetadata": rpc("ServerMetadata", "ServerMetadataRequest", "ServerMetadataResponse", server_metadata),
         "ModelMetadata": rpc("ModelMetadata", "ModelMetadataRequest", "ModelMetadataResponse", model_metadata),
         "ModelInfer": rpc("ModelInfer", "ModelInferRequest", "ModelInferResponse", model_infer, inference=True),
+        "ModelConfig": rpc("ModelConfig", "ModelConfigRequest", "ModelConfigResponse", model_config),
     })
 
 

@@ -110,10 +110,16 @@ def descriptor_matches_the_proto_and_triton():
             found.update({f"{nested.name}.{k}": v for k, v in fields(nested).items()})
         return found
 
+    from tritonclient.grpc import model_config_pb2
+
+    triton = model_config_pb2.DESCRIPTOR.pool  # protobuf's default pool: Triton's service and model configuration
     ours = oip_grpc._POOL.FindFileByName("oip_v2.proto")
     for name, descriptor in ours.message_types_by_name.items():
-        theirs = fields(service_pb2.DESCRIPTOR.message_types_by_name[name])
+        theirs = fields(triton.FindMessageTypeByName(f"inference.{name}"))
         assert fields(descriptor).items() <= theirs.items(), name
+    for name, enum in ours.enum_types_by_name.items():
+        theirs = {v.name: v.number for v in triton.FindEnumTypeByName(f"inference.{name}").values}
+        assert {v.name: v.number for v in enum.values}.items() <= theirs.items(), name
     methods = {m.name: (m.input_type.name, m.output_type.name) for m in ours.services_by_name["GRPCInferenceService"].methods}
     triton_methods = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
     assert all((triton_methods[n].input_type.name, triton_methods[n].output_type.name) == io for n, io in methods.items())
@@ -129,7 +135,16 @@ def tritonclient_gets_what_http_answers(server):
     assert triton.is_server_live() and triton.is_server_ready(headers=AUTH)
     assert triton.is_model_ready("ner", headers=AUTH) and not triton.is_model_ready("nope", headers=AUTH)
     meta = triton.get_server_metadata(headers=AUTH)
-    assert meta.name == "tmod" and list(meta.extensions) == ["binary_tensor_data", "classification"]
+    assert meta.name == "tmod" and list(meta.extensions) == ["binary_tensor_data", "classification",
+                                                             "model_configuration"]
+    config = triton.get_model_config("pairs", headers=AUTH, as_json=True)["config"]  # what HTTP's /config says
+    http_config = httpx.get(f"{server[0]}/v2/models/pairs/config", headers=AUTH).json()
+    assert {k: config[k] for k in ("name", "platform", "backend", "parameters")} == \
+        {k: http_config[k] for k in ("name", "platform", "backend", "parameters")}
+    assert config["version_policy"] == {"specific": {"versions": ["1"]}}  # int64 in JSON: a string
+    for field in ("input", "output"):
+        assert [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config[field]] == \
+            [(t["name"], t["data_type"], t["dims"]) for t in http_config[field]]
     http_meta = httpx.get(f"{server[0]}/v2/models/pairs", headers=AUTH).json()
     meta = triton.get_model_metadata("pairs", headers=AUTH)
     assert [t.name for t in meta.inputs] == [t["name"] for t in http_meta["inputs"]] == ["text", "text_pair"]
@@ -222,7 +237,8 @@ def refusals_carry_the_grpc_status_and_the_message_http_gives(server):
             "65 inputs; at most 64")
     refused(lambda: triton.infer("sentiment", [texts_input("text", ["word " * 30_000])], headers=AUTH),
             "RESOURCE_EXHAUSTED", "")  # over --max-body-bytes: refused by gRPC before tmod reads it
-    refused(lambda: triton.get_model_config("sentiment", headers=AUTH), "UNIMPLEMENTED", "")
+    refused(lambda: triton.get_inference_statistics("sentiment", headers=AUTH), "UNIMPLEMENTED", "")
+    refused(lambda: triton.get_model_config("nope", headers=AUTH), "NOT_FOUND", "no model 'nope'")
     refused(lambda: triton.infer("sentiment", text), "UNAUTHENTICATED", "authorization: Bearer <API key>")
     refused(lambda: triton.get_model_metadata("sentiment", headers={"authorization": "Bearer wrong"}),
             "UNAUTHENTICATED", "")
