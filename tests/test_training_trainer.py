@@ -526,15 +526,18 @@ def test_a_backbone_that_is_not_there_is_one_line(tmp_path, capsys, command):
         assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.parametrize("failure", [ValueError("This solver needs samples of at least 2 classes"),
+                                     MemoryError("the TF-IDF matrix of a big file")])
 def test_a_linear_baseline_the_rows_cannot_fit_keeps_the_trained_head(tmp_path, train_backbone, train_backbone_dir,
-                                                                        monkeypatch):
+                                                                        monkeypatch, failure):
     """scikit-learn refusing the rows (the linear tagger on one class, TF-IDF with no term left: the cases
-    found are refused or fixed before training) lost the trained head to a traceback; now the head is
-    saved and the verdict and report say the linear model could not be trained."""
+    found are refused or fixed before training), or the baseline failing otherwise (out of memory on a
+    big file, which was not caught), lost the trained head to a traceback; now the head is saved and
+    the verdict and report say the linear model could not be trained."""
     from training import assess
 
     def refuse(*args, **kwargs):
-        raise ValueError("This solver needs samples of at least 2 classes")
+        raise failure
 
     monkeypatch.setattr(assess, "window_tagger", refuse)
     train_file, validation_file = write_conll(tmp_path / "train.txt", 40, 0), write_conll(tmp_path / "val.txt", 12, 1)
@@ -543,8 +546,8 @@ def test_a_linear_baseline_the_rows_cannot_fit_keeps_the_trained_head(tmp_path, 
                              project_dim=16, ffn_dim=32, epochs=1, batch_size=8, progress=False)
     result = train(settings, backbone=train_backbone)
     baselines = load_module(ModuleStore(tmp_path / "store"), "ner", "1", train_backbone).manifest.metrics["baselines"]
-    assert baselines["window_tagger"] == {"baseline": "window_tagger",
-                                          "error": "ValueError: This solver needs samples of at least 2 classes"}
-    assert "the linear model (window_tagger) could not be trained on these rows" in baselines["verdict"]
+    said = f"{type(failure).__name__}: {failure}"
+    assert baselines["window_tagger"] == {"baseline": "window_tagger", "error": said}
+    assert "the linear model (window_tagger) could not be trained" in baselines["verdict"]
     assert "margin_over_majority" in baselines and "margin_over_window_tagger" not in baselines
-    assert "| window_tagger | not trained: ValueError" in (result.report_dir / "report.md").read_text()
+    assert f"| window_tagger | not trained: {type(failure).__name__}" in (result.report_dir / "report.md").read_text()

@@ -47,8 +47,8 @@ def baseline_runs(train: LabelledData, evaluated: LabelledData, labels: list[str
                   cache=None) -> list[dict]:
     """The majority answer and the linear model (window tagger for token tasks), trained on `train`
     and scored on `evaluated`, each as the metrics dict `training/baselines.py` returns. A linear model
-    these rows cannot fit is `{"baseline", "error"}`: the head it is measured for is kept, not lost to a
-    traceback after its training."""
+    these rows cannot fit (or that fails otherwise) is `{"baseline", "error"}`: the head it is measured
+    for is kept, not lost to a traceback after its training."""
     kind = evaluated.task_type
     if kind == TaskType.token_classification:
         gold = [ex.tags for ex in evaluated.examples]
@@ -68,7 +68,7 @@ def baseline_runs(train: LabelledData, evaluated: LabelledData, labels: list[str
                                    seed=seed, labels=labels)
     try:
         return [base, cached_run(cache, key, fit)]
-    except (ValueError, IndexError) as exc:  # scikit-learn's refusal of rows it cannot learn from
+    except Exception as exc:  # noqa: BLE001 - scikit-learn refusing the rows, memory a big file outgrows: recorded
         return [base, {"baseline": key["baseline"], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}]
 
 
