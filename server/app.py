@@ -727,7 +727,10 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         `{"ready": true}` asks the READY ones only. Loading and unloading: the routes below, or /admin."""
         require_ready()
         body = await request.body()
-        ready_only = decode(RepositoryIndexRequest, body or b"{}", protocol_of(request.url.path)[1]).ready
+        return repository_index(decode(RepositoryIndexRequest, body or b"{}", protocol_of(request.url.path)[1]).ready)
+
+    def repository_index(ready_only: bool) -> list[dict]:
+        """The repository index, over HTTP and gRPC: the served tasks, then (unless `ready_only`) the others."""
         index = [{"name": task, "version": module.version, "state": "READY", "reason": ""}
                  for task, module in sorted(runtime.modules.items())]
         if not ready_only:
@@ -859,7 +862,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                        **tei_predict_route(runtime, require_ready, run_inference)}
     app.oip_infer = oip_infer
     app.grpc_service = oip_grpc.service(
-        app, require_ready, require_serving, oip_module, oip_answer,
+        app, require_ready, require_serving, oip_module, oip_answer, repository_index,
         lambda headers: app.api_keys is None or bearer_matches(headers, *app.api_keys))
     app.v1_predict = predict_route(require_ready, oip_module, fit_to_inputs, run_inference)
     app.openapi = functools.partial(openapi, app)

@@ -1,10 +1,10 @@
 """Open Inference Protocol v2 over gRPC (`--grpc-port`): what KServe's `InferenceGRPCClient` and
 `tritonclient.grpc` speak, on its own port beside HTTP (Triton's 8001, KServe's 8081).
 
-Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer and Triton's
-ModelConfig (HTTP's `GET .../config`) of `inference.GRPCInferenceService` (server/oip_v2.proto); any
-other RPC of Triton's service (statistics, repository, shared memory, streaming) is answered
-UNIMPLEMENTED by gRPC itself. A ModelInferRequest is read as its HTTP twin (server/oip.py `read_request`: the same
+Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, and Triton's
+ModelConfig and RepositoryIndex (HTTP's `GET .../config` and `POST /v2/repository/index`) of
+`inference.GRPCInferenceService` (server/oip_v2.proto); any other RPC of Triton's service (statistics,
+repository load and unload, shared memory, streaming) is answered UNIMPLEMENTED by gRPC itself. A ModelInferRequest is read as its HTTP twin (server/oip.py `read_request`: the same
 inputs, parameters, outputs and checks) and answered through the same path, so a text gets the
 same answer on both transports; the outputs travel as `raw_output_contents`, as Triton sends them.
 
@@ -97,9 +97,10 @@ class GrpcCall:
         return self.context.cancelled()
 
 
-def service(app, require_ready, require_serving, oip_module, oip_answer, authorized):
+def service(app, require_ready, require_serving, oip_module, oip_answer, repository_index, authorized):
     """The generic handler of `inference.GRPCInferenceService` over the app's own OIP functions (server/app.py):
-    `oip_answer(module, read, call)` answers a read request; `authorized(headers)` checks the API key."""
+    `oip_answer(module, read, call)` answers a read request; `repository_index(ready_only)` lists the
+    store's tasks; `authorized(headers)` checks the API key."""
 
     def rpc(name, request_type, response_type, answer, inference=False):
         parse = message(request_type).FromString
@@ -166,6 +167,13 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
             del config["version_policy"]  # Triton's versions are numbers: "mpnet-2" has no place there
         return message("ModelConfigResponse")(config=json_format.ParseDict(config, message("ModelConfig")()))
 
+    async def repository_index_rpc(request, context):
+        require_ready()
+        answer = message("RepositoryIndexResponse")()
+        for model in repository_index(request.ready):
+            answer.models.add(**model)
+        return answer
+
     async def model_infer(request, context):
         require_ready()
         module = oip_module(request.model_name, request.model_version or None)
@@ -186,6 +194,8 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, authori
         "ModelMetadata": rpc("ModelMetadata", "ModelMetadataRequest", "ModelMetadataResponse", model_metadata),
         "ModelInfer": rpc("ModelInfer", "ModelInferRequest", "ModelInferResponse", model_infer, inference=True),
         "ModelConfig": rpc("ModelConfig", "ModelConfigRequest", "ModelConfigResponse", model_config),
+        "RepositoryIndex": rpc("RepositoryIndex", "RepositoryIndexRequest", "RepositoryIndexResponse",
+                               repository_index_rpc),
     })
 
 

@@ -145,6 +145,10 @@ def tritonclient_gets_what_http_answers(server):
     for field in ("input", "output"):
         assert [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config[field]] == \
             [(t["name"], t["data_type"], t["dims"]) for t in http_config[field]]
+    index = triton.get_model_repository_index(headers=AUTH, as_json=True)["models"]  # the repository index
+    http_index = httpx.post(f"{server[0]}/v2/repository/index", json={}, headers=AUTH).json()
+    assert [{"version": "", "reason": "", **m} for m in index] == [{"version": "", **m} for m in http_index]
+    assert {m["state"] for m in index} == {"READY"}  # this store's tasks are all served
     http_meta = httpx.get(f"{server[0]}/v2/models/pairs", headers=AUTH).json()
     meta = triton.get_model_metadata("pairs", headers=AUTH)
     assert [t.name for t in meta.inputs] == [t["name"] for t in http_meta["inputs"]] == ["text", "text_pair"]
