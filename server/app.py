@@ -324,8 +324,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         await runtime.open()
         grpc_server = None
         if settings.grpc_port is not None:  # OIP over gRPC beside HTTP, in each process that serves HTTP
-            grpc_server, _ = await oip_grpc.start(app.grpc_service, settings.host, settings.grpc_port,
-                                                  settings.max_body_bytes)
+            grpc_server = await oip_grpc.start(app.grpc_service, settings.host, settings.grpc_port,
+                                               settings.max_body_bytes)
         yield
         if grpc_server is not None:
             await grpc_server.stop(grace=settings.request_timeout_s)  # calls under way are answered

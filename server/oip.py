@@ -1,4 +1,5 @@
-"""Open Inference Protocol v2 (KServe / Triton REST) for each task, with the binary data extension.
+"""Open Inference Protocol v2 (KServe / Triton REST) for each task, with the binary data extension;
+its gRPC twin (server/oip_grpc.py) reads and answers through the same functions.
 
 Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, as many texts); another shape
 (e.g. tritonclient's [1, N]) is read as its texts in row-major order, and every output then leads

@@ -199,14 +199,13 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
     })
 
 
-async def start(handler, host: str, port: int, max_message_bytes: int) -> tuple[aio.Server, int]:
+async def start(handler, host: str, port: int, max_message_bytes: int) -> aio.Server:
     """A gRPC server with `handler` listening on host:port (SO_REUSEPORT, gRPC's default on Linux, lets
-    every HTTP worker process listen on the one port) -> (the server, the port it listens on)."""
+    every HTTP worker process listen on the one port)."""
     server = aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                  ("grpc.max_send_message_length", -1)])
     server.add_generic_rpc_handlers((handler,))
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-    if bound == 0:
+    if server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}") == 0:
         raise RuntimeError(f"gRPC cannot listen on {host}:{port} (--host / --grpc-port)")
     await server.start()
-    return server, bound
+    return server
