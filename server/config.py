@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 from typing import Literal
 
@@ -14,6 +15,11 @@ from modules_store import DEFAULT_STORE
 class SettingError(ValueError):
     """A setting that cannot work with what start-up found (the backbone's limits): tmod-serve says it
     in one line and exits, without a traceback."""
+
+
+# what stops tmod-serve, its requests drained (server/http_limits.py, server/workers.py): SIGHUP too (a
+# closed terminal or SSH session), whose default action ended the process at once, its requests unanswered
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class Settings(BaseSettings):

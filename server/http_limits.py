@@ -27,18 +27,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import urllib.parse
 import zlib
 
 import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import HANDLED_SIGNALS
 
+from server.config import STOP_SIGNALS
 from server.errors import BodyRefused, error_body, protocol_of
 
 DIGITS = re.compile(rb"[0-9]{1,18}")  # str.isdigit() is true for '²', which int() refuses
@@ -395,7 +400,22 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server whose shutdown first takes in the connections the kernel has already
     completed (its accept queue) and only then closes the listener: closed with them queued, the
     kernel resets them, and a client that had sent its request loses it. Taken in, each gets the
-    drain of `header_timeout_protocol` (its request answered with `Connection: close`)."""
+    drain of `header_timeout_protocol` (its request answered with `Connection: close`). It stops on
+    each of server.config's STOP_SIGNALS: uvicorn's own (SIGTERM, SIGINT), and SIGHUP."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            with super().capture_signals():
+                yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS if sig not in HANDLED_SIGNALS}
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         loop = asyncio.get_running_loop()

@@ -69,7 +69,7 @@ from server.answers import RowLogits
 from server.backbone import EncodedInput
 from server.backbone.tokens import FIELDS, PAIR, TRUNCATED, BlockRows, RowBlock, TextEncoder, plain_rows
 from server.batcher import ENQUEUED, KEY, LENGTHS, MODULES, DeadlineExceeded, Job, Owner, QueueFull
-from server.config import Settings
+from server.config import STOP_SIGNALS, Settings
 from server.errors import ApiError, unknown_tasks
 from server.heads.decode import decode_rows
 from server.logs import configure_logging
@@ -1129,7 +1129,7 @@ def serve_engines(settings: Settings) -> None:
     engines = [context.Process(target=run_engine, args=(settings, i, first_loaded, reasons), name=f"tmod-engine-{i}")
                for i in range(settings.engines)]
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
     for engine in engines:
         engine.start()
@@ -1182,7 +1182,7 @@ async def _serve(settings: Settings, index: int = 0, first_loaded=None) -> None:
     listener = listen(settings) if index == 0 else None
     runtime = Runtime(settings)
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # before start-up runs: a failed start-up stops the process by SIGTERM
+    for sig in STOP_SIGNALS:  # before start-up runs: a failed start-up stops the process by SIGTERM
         loop.add_signal_handler(sig, stop.set)
     # With `--engines N` the kernel hands each connection to any engine listening on the port, so /readyz
     # (answered by whichever) is true only while every listening engine is loaded or none is. Engine 0

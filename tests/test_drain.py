@@ -93,6 +93,19 @@ def test_sigterm_answers_keep_alive_and_reconnecting_clients_and_loses_none(stor
         httpx.get(url + "/healthz", timeout=5)
 
 
+@pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"]], ids=["1", "2"])
+def test_sighup_drains_as_sigterm_does(store, tiny_backbone_dir, layout):
+    """SIGHUP (a closed terminal or SSH session) ended the process at once, its requests in flight
+    unanswered and no line logged: now it stops the server as SIGTERM does, and loses nothing."""
+    url, process = serve(store, tiny_backbone_dir, *layout)
+    run = sigterm_under_load(url, process, {REQUEST: CLIENTS}, answers_before=2 * CLIENTS, sig=signal.SIGHUP)
+    assert run.exit_code in (0, -signal.SIGHUP)
+    outcomes = run.outcomes[REQUEST]
+    assert outcomes["lost"] == 0 and outcomes["refused"] == CLIENTS, outcomes
+    assert set(outcomes) <= {200, "closing", "refused"}, outcomes  # every request answered 200
+    assert outcomes["closing"] >= 1, outcomes  # answers given while draining said so
+
+
 def serve(store, backbone_dir, *extra: str):
     return start_tmod_serve(["--backbone", str(backbone_dir), "--store", str(store.root), "--threads", "1",
                              "--log-level", "warning", *extra], {**os.environ, "HF_HUB_OFFLINE": "1"})
