@@ -264,6 +264,13 @@ def refusals_carry_the_grpc_status_and_the_message_http_gives(server):
         with pytest.raises(grpc.RpcError) as caught:
             infer(request, metadata=list(AUTH.items()))
         assert "BYTES element overruns the body" in caught.value.details()
+        typed = triton_grpc.service_pb2.ModelInferRequest(model_name="sentiment")  # texts as bytes_contents
+        typed.inputs.add(name="text", datatype="BYTES", shape=[3]).contents.bytes_contents.extend(
+            [t.encode() for t in TEXTS])
+        answer = infer(typed, metadata=list(AUTH.items()))
+        label = [o.name for o in answer.outputs].index("label")
+        assert triton_grpc.deserialize_bytes_tensor(answer.raw_output_contents[label]).tolist() == \
+            [v.encode() for v in over_http(server, "sentiment", {"text": TEXTS})["label"]]
         garbage = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes as they are
         with pytest.raises(grpc.RpcError) as caught:
             garbage(b"\xff\xff\xff\xff\x0f", metadata=list(AUTH.items()))
