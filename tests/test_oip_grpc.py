@@ -317,24 +317,27 @@ def test_a_grpc_port_taken_or_shared_with_http_is_said_in_one_line():
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_sigterm_answers_the_grpc_calls_under_way(workers, in_a_fresh_process):
     """Calls in flight when SIGTERM comes are answered (the gRPC server stops with a grace period, after
-    HTTP has drained); the real backbone, so that a call of eight long documents lasts seconds."""
+    HTTP has drained); the real backbone, so that a call of four long documents lasts seconds. The
+    request timeout (the grace, and the engine's wait for its workers) is long: on a CI machine busy with
+    other tests the calls take several times as long (one failed there at the default 30 s)."""
     port = free_port()
     url, process = start_tmod_serve(["--grpc-port", str(port), "--workers", workers, "--tasks", "ner",
-                                     "--log-level", "warning"], {**os.environ, "HF_HUB_OFFLINE": "1"})
+                                     "--request-timeout-s", "300", "--log-level", "warning"],
+                                    {**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         calls = in_a_fresh_process(long_calls, f"127.0.0.1:{port}", 3)
         wait_until(lambda: metric_sample(httpx.get(url + "/metrics").text, "tmod_requests_in_flight") >= 3,
                    "three calls in flight")
         process.send_signal(signal.SIGTERM)
-        assert calls.result(timeout=120) == [8, 8, 8]
-        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert calls.result(timeout=600) == [4, 4, 4]
+        assert process.wait(timeout=300) in (0, -signal.SIGTERM)
     finally:
         process.kill()
         process.wait()
 
 
 def long_calls(address, count):
-    """`count` calls at once, each of eight long documents: each one's number of answers, or its error."""
+    """`count` calls at once, each of four long documents: each one's number of answers, or its error."""
     import threading
 
     long = " ".join(["Angela Merkel visited Munich and spoke with the mayor about the city's plans."] * 200)
@@ -342,14 +345,14 @@ def long_calls(address, count):
 
     def call():
         try:
-            outcomes.append(len(triton_client(address).infer("ner", [texts_input("text", [long] * 8)])
-                                .as_numpy("entities")))
+            answer = triton_client(address).infer("ner", [texts_input("text", [long] * 4)], client_timeout=600)
+            outcomes.append(len(answer.as_numpy("entities")))
         except Exception as exc:  # noqa: BLE001 - recorded, and the test says which
-            outcomes.append(repr(exc))
+            outcomes.append(f"{type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=call) for _ in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=600)
     return outcomes
