@@ -33,7 +33,7 @@ from modules_store import TaskType
 from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
 from server.modules import token_limit
-from server.schemas import PromptName, TEIDirection, decode
+from server.schemas import AnswerControls, PromptName, TEIDirection, decode
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
@@ -199,8 +199,9 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
     """{path: handler(body, request) -> (answer bytes, headers)}: OpenAI's and TEI's routes over the app's
     runtime and its shared `run_inference` (the app's raw ASGI layer serves them)."""
 
-    async def embed(texts, module, truncate, request):
-        results, job, headers = await run_inference(texts, None, {module.task: module}, truncate, request)
+    async def embed(texts, module, truncate, request, direction: str = "right"):
+        results, job, headers = await run_inference(texts, None, {module.task: module}, truncate, request,
+                                                    controls=AnswerControls(truncation_direction=direction))
         return results, job.modules[module.task], sum(len(row) for row in job.rows), headers
 
     async def openai_embeddings(body: bytes, request) -> tuple[bytes, dict]:
@@ -227,8 +228,8 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         refuse_prompt(asked.prompt_name)
         module = embedding_module(runtime, None)
         check_dimensions(asked.dimensions, module)
-        truncate = asked.truncate and asked.truncation_direction.lower()  # False, "right" or "left"
-        results, module, _, headers = await embed(as_texts(asked.inputs), module, truncate, request)
+        results, module, _, headers = await embed(as_texts(asked.inputs), module, asked.truncate, request,
+                                                  asked.truncation_direction.lower())
         vectors = vectors_of(results, module.task, asked.normalize, asked.dimensions, module)
         return msgspec.json.encode(vectors.tolist()), headers
 
@@ -239,9 +240,9 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         asked = decode(TEISimilarityRequest, body, 422)
         parameters = asked.parameters or SimilarityParameters()
         refuse_prompt(parameters.prompt_name)
-        truncate = parameters.truncate and parameters.truncation_direction.lower()
         texts = [asked.inputs.source_sentence, *asked.inputs.sentences]
-        results, module, _, headers = await embed(texts, embedding_module(runtime, None), truncate, request)
+        results, module, _, headers = await embed(texts, embedding_module(runtime, None), parameters.truncate, request,
+                                                  parameters.truncation_direction.lower())
         vectors = vectors_of(results, module.task, True, None, module)
         return msgspec.json.encode((vectors[1:] @ vectors[0]).tolist()), headers
 

@@ -176,14 +176,14 @@ def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference)
         pairs = pairs.pop()
         module = tei_classifier(runtime.modules, request.query("tasks"), pairs)
         texts = [s[0] for s in sequences] if pairs else sequences
-        direction = asked.truncation_direction.lower()
+        # the answer's scores best first (decode's top_k; every label unless Hugging Face's top_k says fewer)
+        top_k = (asked.parameters.top_k if asked.parameters else None) or len(module.manifest.labels)
+        controls = AnswerControls(raw_scores=answers_logits(asked, module), top_k=top_k,
+                                  truncation_direction=asked.truncation_direction.lower())
         results, _, headers = await run_inference(texts, [s[1] for s in sequences] if pairs else None,
-                                                  {module.task: module}, asked.truncate, request,
-                                                  controls=AnswerControls(raw_scores=answers_logits(asked, module),
-                                                                          truncation_direction=direction))
-        top_k = asked.parameters.top_k if asked.parameters else None
-        ranked = [sorted(({"score": score, "label": label} for label, score in r[module.task]["scores"].items()),
-                         key=lambda p: -p["score"])[:top_k] for r in results]
+                                                  {module.task: module}, asked.truncate, request, controls=controls)
+        ranked = [[{"score": score, "label": label} for label, score in r[module.task]["scores"].items()]
+                  for r in results]
         # with Hugging Face's parameters, Hugging Face's shape: a list per input, one input too (the client reads [0])
         return msgspec.json.encode(ranked if batch or asked.parameters else ranked[0]), headers
 
