@@ -102,7 +102,11 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
     `oip_answer(module, read, call)` answers a read request; `repository_index(ready_only)` lists the
     store's tasks; `authorized(headers)` checks the API key."""
 
-    def rpc(name, request_type, response_type, answer, inference=False):
+    methods = _POOL.FindServiceByName(SERVICE).methods_by_name
+
+    def rpc(name, answer, inference=False):
+        """The handler of RPC `name` (its message types the .proto's): `answer(request, context)`, guarded."""
+        request_type = methods[name].input_type.name
         parse = message(request_type).FromString
 
         async def handle(body: bytes, context):
@@ -126,7 +130,8 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
                 count_error(app, "internal_error", inference)
                 await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {str(exc)[:200]}")
 
-        return grpc.unary_unary_rpc_method_handler(handle, response_serializer=message(response_type).SerializeToString)
+        return grpc.unary_unary_rpc_method_handler(
+            handle, response_serializer=message(methods[name].output_type.name).SerializeToString)
 
     async def server_live(request, context):
         return message("ServerLiveResponse")(live=True)
@@ -186,17 +191,11 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
             answer.raw_output_contents.append(oip.tensor_bytes(datatype, array))
         return answer
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "ServerLive": rpc("ServerLive", "ServerLiveRequest", "ServerLiveResponse", server_live),
-        "ServerReady": rpc("ServerReady", "ServerReadyRequest", "ServerReadyResponse", server_ready),
-        "ModelReady": rpc("ModelReady", "ModelReadyRequest", "ModelReadyResponse", model_ready),
-        "ServerMetadata": rpc("ServerMetadata", "ServerMetadataRequest", "ServerMetadataResponse", server_metadata),
-        "ModelMetadata": rpc("ModelMetadata", "ModelMetadataRequest", "ModelMetadataResponse", model_metadata),
-        "ModelInfer": rpc("ModelInfer", "ModelInferRequest", "ModelInferResponse", model_infer, inference=True),
-        "ModelConfig": rpc("ModelConfig", "ModelConfigRequest", "ModelConfigResponse", model_config),
-        "RepositoryIndex": rpc("RepositoryIndex", "RepositoryIndexRequest", "RepositoryIndexResponse",
-                               repository_index_rpc),
-    })
+    answers = {"ServerLive": server_live, "ServerReady": server_ready, "ModelReady": model_ready,
+               "ServerMetadata": server_metadata, "ModelMetadata": model_metadata, "ModelInfer": model_infer,
+               "ModelConfig": model_config, "RepositoryIndex": repository_index_rpc}
+    return grpc.method_handlers_generic_handler(SERVICE, {name: rpc(name, answer, inference=name == "ModelInfer")
+                                                          for name, answer in answers.items()})
 
 
 async def start(handler, host: str, port: int, max_message_bytes: int) -> aio.Server:
