@@ -40,7 +40,7 @@ from server.config import Settings
 from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
                                    TEISimilarityRequest, embedding_model_names, embedding_module, embeddings_routes,
-                                   refuse_prompt, tei_info)
+                                   refuse_prompt, tei_info, tei_root)
 from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, clip_list, did_you_mean,
                            error_content, http_error_handler, not_loaded, protocol_of, refusal, unknown_tasks,
                            validation_error_handler)
@@ -860,6 +860,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     app.fast_routes = {"/v1/infer": infer, **embeddings_routes(runtime, require_ready, run_inference),
                        **classify_routes(runtime, require_ready, run_inference),
                        **tei_predict_route(runtime, require_ready, run_inference)}
+    app.fast_routes["/"] = tei_root(app.fast_routes)
     app.oip_infer = oip_infer
     app.grpc_service = oip_grpc.service(
         app, require_ready, require_serving, oip_module, oip_answer, repository_index,
@@ -963,8 +964,8 @@ FAST_ROUTES_DOC = [
      list[list[float]], (413, 422, 424, 429, 503)),
     ("/similarity", "Text Embeddings Inference's /similarity: each sentence's cosine similarity to the source "
      "sentence", "embeddings", TEISimilarityRequest, list[float], (413, 422, 424, 429, 503)),
-    ("/", "Text Embeddings Inference's root: /embed, or /similarity where `inputs` is an object (what huggingface_hub's "
-     "InferenceClient posts to a server's URL)", "embeddings", TEIEmbedRequest, list[list[float]],
+    ("/", "Text Embeddings Inference's root: /embed, or /similarity where `inputs` is an object, or /predict where "
+     "Hugging Face's `parameters` come beside a text (what huggingface_hub's InferenceClient posts to a server's URL)", "embeddings", TEIEmbedRequest, list[list[float]],
      (413, 422, 424, 429, 503)),
     ("/classify", "vLLM's classification API: one single-label task on texts", "classification", ClassifyRequest,
      ClassifyResponse, (400, 404, 413, 429, 503)),

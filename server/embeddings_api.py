@@ -97,9 +97,12 @@ class TEISimilarityRequest(Struct, forbid_unknown_fields=True):
     parameters: Union[SimilarityParameters, None] = None
 
 
-class InputsOnly(Struct):
-    """TEI's root reads `inputs` first: an object is a similarity request, anything else an embed request."""
+class RootProbe(Struct):
+    """What TEI's root reads of a body to choose its route: `inputs` an object is a similarity request;
+    Hugging Face's `parameters` beside a text are a classification request (huggingface_hub's
+    text_classification sends them, its feature_extraction sends its options at the top level)."""
     inputs: msgspec.Raw = msgspec.Raw(b"")
+    parameters: msgspec.Raw = msgspec.Raw(b"")
 
 
 # ---- shared ----------------------------------------------------------------------------------------
@@ -246,16 +249,27 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         vectors = vectors_of(results, module.task, True, None, module)
         return msgspec.json.encode((vectors[1:] @ vectors[0]).tolist()), headers
 
-    async def tei_root(body: bytes, request) -> tuple[bytes, dict]:
-        """TEI's root, where huggingface_hub's InferenceClient posts given a server's URL as its model:
-        sentence similarity where `inputs` is an object, else /embed (which names what is malformed)."""
-        try:
-            similarity = bytes(msgspec.json.decode(body, type=InputsOnly).inputs)[:1] == b"{"
-        except msgspec.DecodeError:
-            similarity = False
-        return await (tei_similarity if similarity else tei_embed)(body, request)
+    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/similarity": tei_similarity}
 
-    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/similarity": tei_similarity, "/": tei_root}
+
+def tei_root(routes: dict):
+    """TEI's root, where huggingface_hub's InferenceClient posts given a server's URL as its model: TEI
+    serves one model there, tmod several tasks, so the body chooses: /similarity where `inputs` is an
+    object, /predict where Hugging Face's `parameters` come beside a text, else /embed (each names what
+    is malformed). `routes`: the app's handlers by path."""
+
+    async def root(body: bytes, request) -> tuple[bytes, dict]:
+        try:
+            probe = msgspec.json.decode(body, type=RootProbe)
+        except msgspec.DecodeError:
+            probe = RootProbe()
+        if bytes(probe.inputs)[:1] == b"{":
+            path = "/similarity"
+        else:
+            path = "/predict" if bytes(probe.parameters) else "/embed"
+        return await routes[path](body, request)
+
+    return root
 
 
 def refuse_prompt(prompt_name: str | None) -> None:

@@ -16,8 +16,8 @@ TEI's `POST /predict`: a classifier's labels, best first, `[{"score", "label"}, 
 `truncation_direction`'s end). TEI serves one
 model: here the one classification task that reads such inputs (single-label or multi-label), or the
 one `?tasks=<task>` names. Errors in TEI's shape. `huggingface_hub`'s `InferenceClient.text_classification`
-posts here with Hugging Face's `parameters` (`top_k`, `function_to_apply`), which TEI ignores: here they
-are read (`"none"` answers logits, the head's own function its probabilities, the other is refused), and
+posts here (or to TEI's root, given the server's URL) with Hugging Face's `parameters` (`top_k`,
+`function_to_apply`), which TEI ignores: here they are read (`"none"` answers logits, the head's own function its probabilities, the other is refused), and
 the answer takes Hugging Face's shape, a list of labels per input for one input too, so that the client
 returns every label as its documentation says, not only the best one.
 

@@ -125,3 +125,21 @@ def test_hugging_faces_inference_client_classifies_through_teis_predict(live, mo
                                                               "parameters": parameters})
         assert answer.status_code == 422 and set(answer.json()) == {"error", "error_type"}, answer.text
         assert said is None or said in answer.json()["error"]
+
+
+def test_hugging_faces_inference_client_classifies_at_teis_root(live, monkeypatch):
+    """Given the server's URL as its model, `InferenceClient.text_classification` posts to TEI's root
+    with Hugging Face's `parameters`: that body is a classification request (it was embedded, and refused
+    for the unknown field), answered as /predict answers it; ?tasks= names the task there too."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # (set for every test) this one is local
+    client = InferenceClient(model=str(live.base_url) + "/?tasks=sentiment")
+    assert client.text_classification(TEXTS[0]) == \
+        InferenceClient(model=str(live.base_url) + "/predict?tasks=sentiment").text_classification(TEXTS[0])
+    with pytest.raises(huggingface_hub.errors.HfHubHTTPError, match="2 are loaded"):  # acceptability, sentiment
+        InferenceClient(model=str(live.base_url)).text_classification(TEXTS[0])
+    answer = live.post("/", json={"inputs": TEXTS[0], "parameters": {"top_k": 0}})
+    assert answer.status_code == 422 and "parameters.top_k" in answer.json()["error"], answer.text
+    assert len(live.post("/", json={"inputs": TEXTS[:2]}).json()) == 2  # no parameters: embedded, as before
