@@ -324,10 +324,14 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         await runtime.open()
         grpc_server = None
         if settings.grpc_port is not None:  # OIP over gRPC beside HTTP, in each process that serves HTTP
-            grpc_server = await oip_grpc.start(app.grpc_service, settings.host, settings.grpc_port,
+            health = oip_grpc.Health(require_serving)
+            grpc_server = await oip_grpc.start(app.grpc_service, health, settings.host, settings.grpc_port,
                                                settings.max_body_bytes)
+            following = asyncio.create_task(health.follow())
         yield
         if grpc_server is not None:
+            following.cancel()
+            await health.enter_graceful_shutdown()  # NOT_SERVING for the grace below, and for good
             await grpc_server.stop(grace=settings.request_timeout_s)  # calls under way are answered
         await runtime.shutdown()
 

@@ -4,9 +4,11 @@
 Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, and Triton's
 ModelConfig and RepositoryIndex (HTTP's `GET .../config` and `POST /v2/repository/index`) of
 `inference.GRPCInferenceService` (server/oip_v2.proto); any other RPC of Triton's service (statistics,
-repository load and unload, shared memory, streaming) is answered UNIMPLEMENTED by gRPC itself. A ModelInferRequest is read as its HTTP twin (server/oip.py `read_request`: the same
-inputs, parameters, outputs and checks) and answered through the same path, so a text gets the
-same answer on both transports; the outputs travel as `raw_output_contents`, as Triton sends them.
+repository load and unload, shared memory, streaming) is answered UNIMPLEMENTED by gRPC itself. Beside
+it, gRPC's standard health service (`Health`, below). A ModelInferRequest is read as its HTTP twin
+(server/oip.py `read_request`: the same inputs, parameters, outputs and checks) and answered through
+the same path, so a text gets the same answer on both transports; the outputs travel as
+`raw_output_contents`, as Triton sends them.
 
 Refusals carry a gRPC status and the message HTTP would give: 400/413/422 INVALID_ARGUMENT, 401
 UNAUTHENTICATED, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 501 UNIMPLEMENTED, 503 UNAVAILABLE (a passed
@@ -20,12 +22,14 @@ pool, and a process may hold either beside tmod.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError
 from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from server import oip
 from server.errors import ApiError, count_error
@@ -198,12 +202,43 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
                                                           for name, answer in answers.items()})
 
 
-async def start(handler, host: str, port: int, max_message_bytes: int) -> aio.Server:
-    """A gRPC server with `handler` listening on host:port (SO_REUSEPORT, gRPC's default on Linux, lets
-    every HTTP worker process listen on the one port)."""
+class Health(health.aio.HealthServicer):
+    """gRPC's standard health service, `grpc.health.v1.Health` (Kubernetes' gRPC probes, Envoy's and
+    gRPC clients' health checks), from grpcio-health-checking: the whole server ("") and
+    `inference.GRPCInferenceService` are SERVING while the server can infer (as ServerReady and
+    /v2/health/ready), else NOT_SERVING: loading, every module unloaded, stopping. No API key, as the probes."""
+
+    def __init__(self, require_serving):
+        super().__init__()
+        self.require_serving = require_serving
+
+    async def refresh(self) -> None:
+        try:
+            self.require_serving()
+            status = health_pb2.HealthCheckResponse.SERVING
+        except ApiError:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in (health.OVERALL_HEALTH, SERVICE):
+            await self.set(name, status)
+
+    async def Check(self, request, context):
+        await self.refresh()  # the status now, not at the last poll
+        return await super().Check(request, context)
+
+    async def follow(self, every_s: float = 1.0) -> None:
+        """Polls the readiness for Watch's subscribers (readiness has no event of its own), until cancelled."""
+        while True:
+            await self.refresh()
+            await asyncio.sleep(every_s)
+
+
+async def start(handler, health_service: Health, host: str, port: int, max_message_bytes: int) -> aio.Server:
+    """A gRPC server with `handler` and the health service listening on host:port (SO_REUSEPORT, gRPC's
+    default on Linux, lets every HTTP worker process listen on the one port)."""
     server = aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                  ("grpc.max_send_message_length", -1)])
     server.add_generic_rpc_handlers((handler,))
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     if server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}") == 0:
         raise RuntimeError(f"gRPC cannot listen on {host}:{port} (--host / --grpc-port)")
     await server.start()

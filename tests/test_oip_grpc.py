@@ -299,6 +299,45 @@ def label_shapes(address, connections):
     return shapes
 
 
+def test_grpcs_health_service_follows_whether_the_server_can_infer(store, tiny_backbone_dir):
+    """grpc.health.v1 (Kubernetes' gRPC probes, Envoy's and gRPC clients' health checks), asked with
+    grpcio-health-checking's own stub and no API key: SERVING while the server can infer, NOT_SERVING
+    once every module is unloaded (Check at once, Watch's stream too), SERVING after a load; NOT_SERVING
+    on Watch's stream when SIGTERM stops the server; an unknown service NOT_FOUND."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    url, address, process = serve(store, tiny_backbone_dir, "--admin-token", "admin-test")
+    admin = {"authorization": "Bearer admin-test"}
+    try:
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def check(service=""):
+                return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status
+
+            assert check() == check("inference.GRPCInferenceService") == serving
+            with pytest.raises(grpc.RpcError) as unknown:
+                check("inference.Nothing")
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+            assert next(watch).status == serving
+            tasks = httpx.get(url + "/readyz").json()["tasks"]
+            for task in tasks:
+                assert httpx.post(f"{url}/admin/modules/{task}/unload", headers=admin).status_code == 200
+            assert check() == check("inference.GRPCInferenceService") == not_serving
+            assert next(watch).status == not_serving
+            assert httpx.post(f"{url}/admin/modules/{tasks[0]}/load", headers=admin, timeout=60).status_code == 200
+            assert check() == serving and next(watch).status == serving
+            process.send_signal(signal.SIGTERM)
+            assert next(watch).status == not_serving
+            watch.cancel()
+        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
+    finally:
+        process.kill()
+        process.wait()
+
+
 def test_a_grpc_port_taken_or_shared_with_http_is_said_in_one_line():
     def refused(*flags):
         run = subprocess.run([sys.executable, "-m", "server.cli", *flags], capture_output=True, text=True,
