@@ -38,9 +38,10 @@ from server.batcher import Job
 from server.classify_api import ClassifyRequest, ClassifyResponse, classify_routes
 from server.config import Settings
 from server.cors import Cors
-from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, TEIEmbedRequest,
-                                   TEISimilarityRequest, embedding_model_names, embedding_module, embeddings_routes,
-                                   refuse_prompt, tei_info, tei_root)
+from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
+                                   ScoreRequest, ScoreResponse, TEIEmbedRequest, TEISimilarityRequest,
+                                   embedding_model_names, embedding_module, embeddings_routes, refuse_prompt, tei_info,
+                                   tei_root)
 from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, clip_list, did_you_mean,
                            error_content, http_error_handler, not_loaded, protocol_of, refusal, unknown_tasks,
                            validation_error_handler)
@@ -969,8 +970,15 @@ FAST_ROUTES_DOC = [
     ("/similarity", "Text Embeddings Inference's /similarity: each sentence's cosine similarity to the source "
      "sentence", "embeddings", TEISimilarityRequest, list[float], (413, 422, 424, 429, 503)),
     ("/", "Text Embeddings Inference's root: /embed, or /similarity where `inputs` is an object, or /predict where "
-     "Hugging Face's `parameters` come beside a text (what huggingface_hub's InferenceClient posts to a server's URL)", "embeddings", TEIEmbedRequest, list[list[float]],
-     (413, 422, 424, 429, 503)),
+     "Hugging Face's `parameters` come beside a text (what huggingface_hub's InferenceClient posts to a server's URL)",
+     "embeddings", TEIEmbedRequest, list[list[float]], (413, 422, 424, 429, 503)),
+    *((path, f"vLLM's score API{where}: each pair's cosine similarity, from an embedding task", "embeddings",
+       ScoreRequest, ScoreResponse, (400, 404, 413, 429, 503))
+      for path, where in (("/score", ""), ("/v1/score", " (its older path)"))),
+    *((path, f"vLLM's rerank API{where}: the documents by their embeddings' cosine similarity to the query, best "
+       "first", "embeddings", RerankRequest, RerankResponse, (400, 404, 413, 429, 503))
+      for path, where in (("/rerank", " (Jina's and Cohere's)"), ("/v1/rerank", " (Jina's path)"),
+                          ("/v2/rerank", " (Cohere's v2 path)"))),
     ("/classify", "vLLM's classification API: one single-label task on texts", "classification", ClassifyRequest,
      ClassifyResponse, (400, 404, 413, 429, 503)),
     ("/v1/classify", "/classify, where SGLang serves it", "classification", ClassifyRequest, ClassifyResponse,

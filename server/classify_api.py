@@ -20,7 +20,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from modules_store import TaskType
-from server.embeddings_api import OpenAIUsage, as_texts
+from server.embeddings_api import PoolingUsage, as_texts
 from server.errors import ApiError, clip, not_loaded
 from server.modules import compares_pairs
 from server.schemas import decode
@@ -45,18 +45,13 @@ class ClassifyData(Struct):
     num_classes: int
 
 
-class ClassifyUsage(OpenAIUsage):
-    completion_tokens: int = 0
-    prompt_tokens_details: None = None
-
-
 class ClassifyResponse(Struct):
     id: str
     object: Literal["list"]
     created: int
     model: str
     data: list[ClassifyData]
-    usage: ClassifyUsage
+    usage: PoolingUsage
 
 
 KINDS = {TaskType.multi_label_classification: "a multi-label", TaskType.token_classification: "a token",
@@ -105,7 +100,7 @@ def classify_routes(runtime, require_ready: Callable[[], None], run_inference) -
                              len(labels)) for i, r in enumerate(results)]
         tokens = sum(len(row) for row in job.rows)
         answer = ClassifyResponse(f"classify-{secrets.token_hex(16)}", "list", int(time.time()), module.task, data,
-                                  ClassifyUsage(tokens, tokens))
+                                  PoolingUsage(tokens, tokens))
         return msgspec.json.encode(answer), headers
 
     return {"/classify": classify, "/v1/classify": classify}

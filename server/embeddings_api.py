@@ -13,16 +13,21 @@
 - `POST /similarity`: TEI's sentence similarity (`InferenceClient.sentence_similarity`): `{"inputs":
   {"source_sentence", "sentences"}, "parameters": {truncate, truncation_direction}}`, answered with the
   cosine similarity of each sentence's embedding to the source sentence's, `[floats]`. TEI's root (`POST
-  /`) embeds, or answers similarity where `inputs` is such an object (where the client posts, given a
-  server's URL).
+  /`, where the client posts given a server's URL) embeds, or answers similarity where `inputs` is such
+  an object, or /predict's classification where Hugging Face's `parameters` come beside a text.
+- `POST /score` (`/v1/score`) and `POST /rerank` (`/v1/rerank`, `/v2/rerank`): vLLM's score and rerank
+  APIs as vLLM answers them for an embedding model: cosine similarities of the texts' embeddings (1:N or
+  N:N pairs; a query's documents best first, `top_n`, `return_documents`); errors in OpenAI's shape.
 
-Both go through the app's `run_inference` (limits, tokenization, the batcher, metrics, timing
+All go through the app's `run_inference` (limits, tokenization, the batcher, metrics, timing
 headers), so they batch with `/v1/infer` requests and work the same with `--workers N`. Their bodies
 are msgspec structs (server/schemas.py `decode`), answered by the app's raw ASGI layer, not FastAPI.
 """
 from __future__ import annotations
 
 import base64
+import secrets
+import time
 from typing import Annotated, Any, Callable, Literal, Union
 
 import msgspec
@@ -95,6 +100,98 @@ class TEISimilarityRequest(Struct, forbid_unknown_fields=True):
     "sentences": ["A good movie.", "Rain tomorrow."]}}."""
     inputs: SimilarityInput
     parameters: Union[SimilarityParameters, None] = None
+
+
+ScoreTexts = Annotated[Union[str, Annotated[list[str], Meta(min_length=1)]],
+                       Meta(description="a text or a list of texts")]
+SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+
+class ScoreRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /score body, e.g. {"text_1": "A fine film.", "text_2": ["A good movie.", "Rain tomorrow."]}:
+    two sides under one of vLLM's pairs of names, each a text or a list; one text on the first side is
+    compared with every text on the second, else text i with text i."""
+    model: Annotated[Union[str, None], Meta(description="an embedding task's name, or the backbone's (default: the "
+                                                        "backbone's own embedding)")] = None
+    text_1: Union[ScoreTexts, None] = None
+    text_2: Union[ScoreTexts, None] = None
+    queries: Union[ScoreTexts, None] = None
+    documents: Union[ScoreTexts, None] = None
+    items: Union[ScoreTexts, None] = None
+    data_1: Union[ScoreTexts, None] = None
+    data_2: Union[ScoreTexts, None] = None
+    user: Union[str, None] = None
+    truncate: Annotated[bool, Meta(description="tmod extension: cut inputs over the model's token limit instead of "
+                                               "413")] = False
+
+    def __post_init__(self):
+        given = sorted({name for pair in SCORE_FIELDS for name in pair if getattr(self, name) is not None})
+        if given not in [sorted(pair) for pair in SCORE_FIELDS]:
+            raise ValueError("send the two sides under one pair of names: " +
+                             ", ".join(f"{a} and {b}" for a, b in SCORE_FIELDS) + f" (got {', '.join(given) or 'none'})")
+        first, second = self.sides()
+        if len(first) not in (1, len(second)):
+            raise ValueError(f"{len(first)} texts to compare with {len(second)}: send one, or as many (1:N or N:N)")
+
+    def sides(self) -> tuple[list[str], list[str]]:
+        """(first side, second side) as lists of texts."""
+        first, second = next((getattr(self, a), getattr(self, b)) for a, b in SCORE_FIELDS
+                             if getattr(self, a) is not None and getattr(self, b) is not None)
+        return [first] if isinstance(first, str) else first, [second] if isinstance(second, str) else second
+
+
+class ScoreData(Struct):
+    index: int
+    object: Literal["score"]
+    score: Annotated[float, Meta(description="the cosine similarity of the two texts' embeddings")]
+
+
+class PoolingUsage(OpenAIUsage):
+    """vLLM's usage of its pooling routes (/classify, /score): OpenAI's, with no completion."""
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class ScoreResponse(Struct):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankRequest(Struct, forbid_unknown_fields=True):
+    """vLLM's /rerank body (Jina's and Cohere's API), e.g. {"query": "A fine film.", "documents":
+    ["A good movie.", "Rain tomorrow."], "top_n": 1}."""
+    query: str
+    documents: Annotated[list[str], Meta(min_length=1)]
+    model: Annotated[Union[str, None], Meta(description="an embedding task's name, or the backbone's (default: the "
+                                                        "backbone's own embedding)")] = None
+    top_n: Annotated[int, Meta(ge=0, description="the best N documents (0: all)")] = 0
+    return_documents: Annotated[bool, Meta(description="each result's document text (Cohere's and Jina's option)")] \
+        = True
+    user: Union[str, None] = None
+    truncate: Annotated[bool, Meta(description="tmod extension: cut inputs over the model's token limit instead of "
+                                               "413")] = False
+
+
+class RerankDocument(Struct):
+    text: str
+
+
+class RerankResult(Struct, omit_defaults=True):
+    index: int
+    relevance_score: Annotated[float, Meta(description="the cosine similarity of the query's and the document's "
+                                                       "embeddings")]
+    document: Union[RerankDocument, None] = None
+
+
+class RerankResponse(Struct):
+    id: str
+    model: str
+    usage: OpenAIUsage
+    results: Annotated[list[RerankResult], Meta(description="best first")]
 
 
 class RootProbe(Struct):
@@ -249,7 +346,41 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         vectors = vectors_of(results, module.task, True, None, module)
         return msgspec.json.encode((vectors[1:] @ vectors[0]).tolist()), headers
 
-    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/similarity": tei_similarity}
+    async def scored(first: list[str], second: list[str], model: str | None, truncate: bool, request):
+        """(cosine similarities of first[i] (or first[0]) and second[i], module, tokens, headers): one pass."""
+        results, module, tokens, headers = await embed([*first, *second], embedding_module(runtime, model), truncate,
+                                                       request)
+        vectors = vectors_of(results, module.task, True, None, module)
+        left, right = vectors[:len(first)], vectors[len(first):]
+        return (left * right).sum(axis=1) if len(left) == len(right) else right @ left[0], module, tokens, headers
+
+    async def vllm_score(body: bytes, request) -> tuple[bytes, dict]:
+        """vLLM's /score with an embedding model: each pair's cosine similarity."""
+        require_ready()
+        asked = decode(ScoreRequest, body, 400)
+        scores, module, tokens, headers = await scored(*asked.sides(), asked.model, asked.truncate, request)
+        answer = ScoreResponse(f"score-{secrets.token_hex(16)}", "list", int(time.time()), asked.model or module.task,
+                               [ScoreData(i, "score", s) for i, s in enumerate(scores.tolist())],
+                               PoolingUsage(tokens, tokens))
+        return msgspec.json.encode(answer), headers
+
+    async def vllm_rerank(body: bytes, request) -> tuple[bytes, dict]:
+        """vLLM's /rerank with an embedding model: the documents by their cosine similarity to the query,
+        best first, the best `top_n`."""
+        require_ready()
+        asked = decode(RerankRequest, body, 400)
+        scores, module, tokens, headers = await scored([asked.query], asked.documents, asked.model, asked.truncate,
+                                                       request)
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:asked.top_n or None]
+        results = [RerankResult(i, float(scores[i]), RerankDocument(asked.documents[i]) if asked.return_documents
+                                else None) for i in order]
+        answer = RerankResponse(f"rerank-{secrets.token_hex(16)}", asked.model or module.task,
+                                OpenAIUsage(tokens, tokens), results)
+        return msgspec.json.encode(answer), headers
+
+    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/similarity": tei_similarity,
+            "/score": vllm_score, "/v1/score": vllm_score,
+            "/rerank": vllm_rerank, "/v1/rerank": vllm_rerank, "/v2/rerank": vllm_rerank}
 
 
 def tei_root(routes: dict):

@@ -131,7 +131,10 @@ def tmod_error_body(status: int, type_: str, message: str, **details: Any) -> di
 
 # path -> (error body, status of a body that fails validation); any other path is tmod's own
 PROTOCOLS = {"/v1/embeddings": (openai_error_body, 400), "/classify": (openai_error_body, 400),
-             "/v1/classify": (openai_error_body, 400), "/embed": (tei_error_body, 422), "/": (tei_error_body, 422),
+             "/v1/classify": (openai_error_body, 400), "/score": (openai_error_body, 400),
+             "/v1/score": (openai_error_body, 400), "/rerank": (openai_error_body, 400),
+             "/v1/rerank": (openai_error_body, 400), "/v2/rerank": (openai_error_body, 400),
+             "/embed": (tei_error_body, 422), "/": (tei_error_body, 422),
              "/predict": (tei_error_body, 422), "/similarity": (tei_error_body, 422),
              "/tokenize": (tei_error_body, 422), "/health": (tei_error_body, 422), "/info": (tei_error_body, 422)}
 
@@ -142,6 +145,8 @@ KSERVE_V1_PREDICT = re.compile(r"/v1/models/([^/]+):(predict|explain)")
 
 def protocol_of(path: str):
     """(the error body builder, the status of a malformed body) for the protocol `path` belongs to."""
+    if path in PROTOCOLS:  # vLLM's /v2/rerank is no OIP route
+        return PROTOCOLS[path]
     if is_oip(path):
         return oip_error_body, 422
     if KSERVE_V1_PREDICT.fullmatch(path):  # KServe V1: as its servers, and V2's, answer: the message in "error"

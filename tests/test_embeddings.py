@@ -357,6 +357,50 @@ def test_sentence_similarity_as_teis_similarity_route_answers_it(served, texts, 
     assert too_many.status_code == 413 and "65 inputs; at most 64" in too_many.json()["error"], too_many.text
 
 
+def test_vllms_score_and_rerank_answer_the_embeddings_cosine_similarity(served, texts, reference_vectors):
+    """vLLM's /score (and /v1/score) and /rerank (and /v1/rerank, Jina's path, and /v2/rerank, Cohere's)
+    with an embedding model, as vLLM answers them for one: each pair's cosine similarity as
+    sentence-transformers' vectors give it, the rerank best first and cut to top_n; refusals in OpenAI's
+    shape, as vLLM's."""
+    to_first = reference_vectors[1:6] @ reference_vectors[0]
+    for path in ("/score", "/v1/score"):
+        answer = httpx.post(served + path, json={"model": "embedding", "text_1": texts[0], "text_2": texts[1:6]}).json()
+        assert answer["object"] == "list" and answer["id"].startswith("score-") and answer["model"] == "embedding"
+        assert [(d["index"], d["object"]) for d in answer["data"]] == [(i, "score") for i in range(5)]
+        assert [d["score"] for d in answer["data"]] == pytest.approx(to_first.tolist(), abs=1e-5)
+        assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] > 0
+    pairwise = (reference_vectors[0:3] * reference_vectors[3:6]).sum(axis=1).tolist()
+    for first, second in (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        answer = httpx.post(served + "/score", json={first: texts[0:3], second: texts[3:6]}).json()
+        assert [d["score"] for d in answer["data"]] == pytest.approx(pairwise, abs=1e-5), (first, second)
+    best_first = np.argsort(-to_first)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        answer = httpx.post(served + path, json={"model": "embedding", "query": texts[0], "documents": texts[1:6],
+                                                 "top_n": 3}).json()
+        assert answer["id"].startswith("rerank-") and answer["model"] == "embedding", answer
+        assert [r["index"] for r in answer["results"]] == best_first[:3].tolist()
+        assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(to_first[best_first[:3]].tolist(),
+                                                                                  abs=1e-5)
+        assert [r["document"]["text"] for r in answer["results"]] == [texts[1 + i] for i in best_first[:3]]
+    every = httpx.post(served + "/rerank", json={"query": texts[0], "documents": texts[1:6],
+                                                 "return_documents": False}).json()["results"]
+    assert [r["index"] for r in every] == best_first.tolist() and not any("document" in r for r in every)
+
+    def refused(path, body, status, said):
+        answer = httpx.post(served + path, json=body)
+        assert answer.status_code == status and set(answer.json()["error"]) == {"message", "type", "param", "code"}, \
+            answer.text
+        assert said in answer.json()["error"]["message"], answer.text
+
+    refused("/score", {"text_1": "a"}, 400, "send the two sides under one pair of names")
+    refused("/score", {"text_1": "a", "documents": ["b"]}, 400, "(got documents, text_1)")
+    refused("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, 400, "2 texts to compare with 3")
+    refused("/score", {"text_1": "a", "text_2": "b", "model": "ner"}, 404, "no embedding model 'ner'")
+    refused("/v2/rerank", {"query": "a", "documents": []}, 400, "documents: Expected `array` of length >= 1")
+    refused("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, 400, "top_n")
+    assert httpx.get(served + "/rerank").status_code == 405
+
+
 def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):
     """Past the trained length (256 pieces) a text is read in windows (server/windows.py): by hand,
     each window's pooled vector from the reference library, averaged weighted by the text's pieces
