@@ -19,7 +19,11 @@ one `?tasks=<task>` names. Errors in TEI's shape. `huggingface_hub`'s `Inference
 posts here (or to TEI's root, given the server's URL) with Hugging Face's `parameters` (`top_k`,
 `function_to_apply`), which TEI ignores: here they are read (`"none"` answers logits, the head's own function its probabilities, the other is refused), and
 the answer takes Hugging Face's shape, a list of labels per input for one input too, so that the client
-returns every label as its documentation says, not only the best one.
+returns every label as its documentation says, not only the best one. A token task named in `?tasks=`
+(TEI has no such route) is answered in Hugging Face's token-classification shape, what
+`InferenceClient.token_classification` reads: per input its entities `{"entity_group", "score", "word",
+"start", "end"}` (or, with `aggregation_strategy` "none", its word pieces with `entity`), its
+`ignore_labels` (default ["O"]) left out.
 
 One request runs one task: /v1/infer runs several in one pass.
 """
@@ -82,12 +86,21 @@ def predict_route(require_ready: Callable[[], None], module_of, fit_to_inputs, r
     return predict
 
 
-class TextClassificationParameters(Struct, forbid_unknown_fields=True):
-    """Hugging Face's text-classification parameters, as `InferenceClient.text_classification` sends them."""
+class HuggingFaceParameters(Struct, forbid_unknown_fields=True):
+    """Hugging Face's text- and token-classification parameters, as `InferenceClient.text_classification`
+    and `.token_classification` send them (each kind's own; the other kind's are refused)."""
     top_k: Annotated[Union[Annotated[int, Meta(ge=1)], None], Meta(description="only the k best labels")] = None
     function_to_apply: Annotated[Union[Literal["softmax", "sigmoid", "none"], None], Meta(description=(
         "'none': the head's logits (as raw_scores); the head's own function (softmax for a single-label task, "
         "sigmoid for a multi-label one) its probabilities; the other is refused"))] = None
+    aggregation_strategy: Annotated[Union[Literal["none", "simple", "first", "average", "max"], None], Meta(
+        description="token tasks: 'none' every word piece with its own tag (`entity`); 'first', 'average', 'max' "
+                    "a word's tag from its pieces (tmod's `aggregation`); 'simple' (or none given) the module's own, "
+                    "as entities (`entity_group`)")] = None
+    ignore_labels: Annotated[Union[list[str], None], Meta(
+        description="token tasks: the tags or entity types left out (default ['O'])")] = None
+    stride: Annotated[Union[int, None], Meta(description="refused: tmod reads a long text in overlapping windows of "
+                                                         "its own (docs/windows.md)")] = None
 
 
 class TEIPredictRequest(Struct, forbid_unknown_fields=True):
@@ -98,8 +111,9 @@ class TEIPredictRequest(Struct, forbid_unknown_fields=True):
     truncate: bool = False
     truncation_direction: TEIDirection = "right"
     raw_scores: Annotated[bool, Meta(description="the head's logits instead of probabilities")] = False
-    parameters: Annotated[Union[TextClassificationParameters, None], Meta(
-        description="Hugging Face's text-classification parameters (huggingface_hub's InferenceClient)")] = None
+    parameters: Annotated[Union[HuggingFaceParameters, None], Meta(
+        description="Hugging Face's text- or token-classification parameters (huggingface_hub's InferenceClient)")] \
+        = None
 
 
 CLASSIFIERS = (TaskType.sequence_classification, TaskType.multi_label_classification)
@@ -124,17 +138,20 @@ def tei_inputs(inputs) -> tuple[list, bool]:
 
 
 def tei_classifier(modules: dict, named: tuple[str, ...], pairs: bool):
-    """The task TEI's /predict answers: the one named (`?tasks=`), else the one classification task
-    loaded that reads these inputs (single texts or pairs); 400 saying which to name otherwise."""
+    """The task TEI's /predict answers: the one named (`?tasks=`: a token task too, on single texts),
+    else the one classification task loaded that reads these inputs (single texts or pairs); 400 saying
+    which to name otherwise."""
     fits = sorted(t for t, m in modules.items()
                   if m.manifest.task_type in CLASSIFIERS and compares_pairs(m.manifest) == pairs)
     inputs = "text pairs" if pairs else "single texts"
     if named:
         task = ",".join(named)
-        if task not in fits:
+        taggers = [] if pairs else sorted(t for t, m in modules.items()
+                                          if m.manifest.task_type == TaskType.token_classification)
+        if task not in fits + taggers:
             why = "is not loaded" if task not in modules else f"is no classification task on {inputs}"
-            raise ApiError(400, "unknown_task", f"task {clip(task)} {why}{did_you_mean([task], fits)}; /predict "
-                                                f"answers one of {fits}")
+            raise ApiError(400, "unknown_task", f"task {clip(task)} {why}{did_you_mean([task], fits + taggers)}; "
+                                                f"/predict answers one of {sorted(fits + taggers)}")
         return modules[task]
     if len(fits) != 1:
         raise ApiError(400, "unknown_task", f"/predict answers one classification task on {inputs}, and "
@@ -176,6 +193,8 @@ def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference)
         pairs = pairs.pop()
         module = tei_classifier(runtime.modules, request.query("tasks"), pairs)
         texts = [s[0] for s in sequences] if pairs else sequences
+        if module.manifest.task_type == TaskType.token_classification:
+            return await tagged(texts, batch, module, asked, request)
         # the answer's scores best first (decode's top_k; every label unless Hugging Face's top_k says fewer)
         top_k = (asked.parameters.top_k if asked.parameters else None) or len(module.manifest.labels)
         controls = AnswerControls(raw_scores=answers_logits(asked, module), top_k=top_k,
@@ -186,5 +205,33 @@ def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference)
                   for r in results]
         # with Hugging Face's parameters, Hugging Face's shape: a list per input, one input too (the client reads [0])
         return msgspec.json.encode(ranked if batch or asked.parameters else ranked[0]), headers
+
+    async def tagged(texts: list[str], batch: bool, module, asked: TEIPredictRequest, request):
+        """A token task in Hugging Face's token-classification shape (InferenceClient.token_classification):
+        per input, its entities `{"entity_group", "score", "word", "start", "end"}`, or with aggregation
+        'none' its word pieces `{"entity", ...}`; one input's list alone, a batch's a list of them."""
+        parameters = asked.parameters or HuggingFaceParameters()
+        for given, name in ((asked.raw_scores, "raw_scores"), (parameters.top_k, "parameters.top_k"),
+                            (parameters.function_to_apply, "parameters.function_to_apply")):
+            if given:
+                raise ApiError(422, "invalid_request", f"{name} is text classification's: {module.task!r} is a "
+                                                       "token task (parameters.aggregation_strategy, ignore_labels)")
+        if parameters.stride is not None:
+            raise ApiError(422, "invalid_request", "parameters.stride: tmod reads a long text in overlapping windows "
+                                                   "of its own (docs/windows.md); leave stride out")
+        strategy = parameters.aggregation_strategy
+        controls = AnswerControls(aggregation=None if strategy in (None, "simple") else strategy,
+                                  truncation_direction=asked.truncation_direction.lower())
+        results, _, headers = await run_inference(texts, None, {module.task: module}, asked.truncate, request,
+                                                  controls=controls)
+        ignored = set(["O"] if parameters.ignore_labels is None else parameters.ignore_labels)
+        found = [[{"entity": piece["label"], "score": piece["score"], "word": piece["text"], "start": piece["start"],
+                   "end": piece["end"]} for piece in r[module.task]["tokens"] if piece["label"] not in ignored]
+                 if strategy == "none" else
+                 [{"entity_group": entity["label"], "score": entity["score"], "word": entity["text"],
+                   "start": entity["start"], "end": entity["end"]}
+                  for entity in r[module.task]["entities"] if entity["label"] not in ignored]
+                 for r in results]
+        return msgspec.json.encode(found if batch else found[0]), headers
 
     return {"/predict": tei_predict}

@@ -89,7 +89,6 @@ def test_teis_predict_answers_one_classifier_best_first(live):
 
     refused("/predict", {"inputs": TEXTS[0]}, "2 are loaded (['acceptability', 'sentiment']): name one, "
                                               "/predict?tasks=acceptability")
-    refused("/predict?tasks=ner", {"inputs": TEXTS[0]}, "'ner' is no classification task on single texts")
     refused("/predict?task=sentiment", {"inputs": TEXTS[0]}, "did you mean 'tasks'")
     refused("/predict", {"inputs": ["a text", "its pair"]}, "on text pairs, and none is loaded")
     refused("/predict?tasks=sentiment", {"inputs": ["a", "b", "c"]}, "a list of strings is one pair")
@@ -143,3 +142,43 @@ def test_hugging_faces_inference_client_classifies_at_teis_root(live, monkeypatc
     answer = live.post("/", json={"inputs": TEXTS[0], "parameters": {"top_k": 0}})
     assert answer.status_code == 422 and "parameters.top_k" in answer.json()["error"], answer.text
     assert len(live.post("/", json={"inputs": TEXTS[:2]}).json()) == 2  # no parameters: embedded, as before
+
+
+def test_hugging_faces_inference_client_tags_tokens_through_teis_predict(live, monkeypatch):
+    """`InferenceClient.token_classification`, given the server's URL with ?tasks=<token task>, posts to
+    TEI's root with Hugging Face's token-classification parameters (refused before: /predict named only
+    classifiers): answered in Hugging Face's shape from the same entities and word pieces as /v1/infer's,
+    aggregation_strategy read as tmod's aggregation, ignore_labels honoured; what does not apply refused."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # (set for every test) this one is local
+    client = InferenceClient(model=str(live.base_url) + "/?tasks=ner")
+
+    def infer(aggregation=None):
+        body = {"inputs": TEXTS, **({"aggregation": aggregation} if aggregation else {})}
+        return [r["ner"] for r in live.post("/v1/infer?tasks=ner", json=body).json()["results"]]
+
+    for strategy, aggregation in ((None, None), ("simple", None), ("first", "first"), ("max", "max")):
+        for text, expected in zip(TEXTS, infer(aggregation)):
+            found = client.token_classification(text, aggregation_strategy=strategy)
+            assert [(e.entity_group, e.word, e.start, e.end) for e in found] == \
+                [(e["label"], e["text"], e["start"], e["end"]) for e in expected["entities"]]
+            assert [e.score for e in found] == pytest.approx([e["score"] for e in expected["entities"]], abs=1e-5)
+    pieces = infer("none")
+    for text, expected in zip(TEXTS, pieces):
+        found = client.token_classification(text, aggregation_strategy="none", ignore_labels=[])
+        assert [(p.entity, p.word, p.start, p.end) for p in found] == \
+            [(p["label"], p["text"], p["start"], p["end"]) for p in expected["tokens"]]
+        kept = client.token_classification(text, aggregation_strategy="none")  # Hugging Face's default: without O
+        assert [p.entity for p in kept] == [p["label"] for p in expected["tokens"] if p["label"] != "O"]
+    assert sum(len(p["tokens"]) for p in pieces) > 0
+    batch = live.post("/predict?tasks=ner", json={"inputs": [[t] for t in TEXTS]}).json()  # TEI's body: the same
+    assert [[e["entity_group"] for e in found] for found in batch] == \
+        [[e["label"] for e in expected["entities"]] for expected in infer()]
+    for body, said in [({"inputs": "a", "parameters": {"stride": 16}}, "leave stride out"),
+                       ({"inputs": "a", "parameters": {"top_k": 1}}, "parameters.top_k is text classification's"),
+                       ({"inputs": "a", "raw_scores": True}, "raw_scores is text classification's"),
+                       ({"inputs": ["a", "b"]}, "'ner' is no classification task on text pairs")]:
+        answer = live.post("/predict?tasks=ner", json=body)
+        assert answer.status_code in (400, 422) and said in answer.json()["error"], answer.text
