@@ -51,7 +51,7 @@ K8S = DEPLOY / "k8s"
 DOCKERFILES = {"cpu": DEPLOY / "docker" / "Dockerfile.cpu", "gpu": DEPLOY / "docker" / "Dockerfile.gpu"}
 # oldest and newest Kubernetes versions whose schemas every object must pass
 K8S_VERSIONS = ("1.27.0", "1.37.0")
-EXPECTED_KUSTOMIZATIONS = {"base", "overlays/cpu", "overlays/gpu", "overlays/queue-depth-autoscaling",
+EXPECTED_KUSTOMIZATIONS = {"base", "overlays/cpu", "overlays/gpu", "overlays/grpc", "overlays/queue-depth-autoscaling",
                            "examples/nfs-store"}
 SETTINGS_ENV = {f"TMOD_{name.upper()}" for name in Settings.model_fields}
 
@@ -153,7 +153,8 @@ def test_the_validators_are_not_vacuous():
 
 
 # ---- the manifests agree with the server ------------------------------------------------------
-DEPLOYMENT_RENDERINGS = ["overlays/cpu", "overlays/gpu", "overlays/queue-depth-autoscaling", "examples/nfs-store"]
+DEPLOYMENT_RENDERINGS = ["overlays/cpu", "overlays/gpu", "overlays/grpc", "overlays/queue-depth-autoscaling",
+                         "examples/nfs-store"]
 
 
 def container(objects: list[dict]) -> dict:
@@ -237,12 +238,16 @@ def test_ports_store_threads_security_and_writable_paths(rel):
 
     (http,) = [p for p in c["ports"] if p["name"] == "http"]
     assert http["containerPort"] == settings.port
+    # gRPC (overlays/grpc): the container port named grpc is TMOD_GRPC_PORT, and both Services expose it
+    assert [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"] == \
+        ([settings.grpc_port] if settings.grpc_port else [])
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     services = [o for o in objects if o["kind"] == "Service"]
     assert {s["metadata"]["name"] for s in services} == {"tmod", "tmod-headless"}
     for service in services:
         assert service["spec"]["selector"].items() <= pod_labels.items()
-        assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+        assert sorted(p["targetPort"] for p in service["spec"]["ports"]) == \
+            (["grpc", "http"] if settings.grpc_port else ["http"])
     assert one(objects, "Service", "tmod-headless")["spec"]["clusterIP"] == "None"
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
@@ -331,9 +336,10 @@ def test_rollout_job_matches_the_base():
 
 
 # ---- a real tmod-serve under the rendered environment ---------------------------------------------
+@pytest.mark.parametrize("rel", ["overlays/cpu", "overlays/grpc"])
 def test_tmod_serve_starts_under_the_deployment_environment_and_answers_the_probes(
-        tmp_path, tiny_backbone, tiny_backbone_dir):
-    objects = render("overlays/cpu")
+        rel, tmp_path, tiny_backbone, tiny_backbone_dir):
+    objects = render(rel)
     c = container(objects)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TMOD_")}
     env.update(container_env(objects))
@@ -348,6 +354,7 @@ def test_tmod_serve_starts_under_the_deployment_environment_and_answers_the_prob
         "TMOD_HOST": "127.0.0.1", "TMOD_PORT": str(port), "TMOD_STORE": str(store.root),
         "TMOD_BACKBONE": str(tiny_backbone_dir),
         **{name: str(writable / Path(env[name]).relative_to("/tmp")) for name in ("HOME", "HF_HOME", "XDG_CACHE_HOME")},
+        **({"TMOD_GRPC_PORT": str(free_port())} if "TMOD_GRPC_PORT" in env else {}),
     })
     writable.mkdir()
     tmod_serve = Path(sys.executable).parent / "tmod-serve"
@@ -372,6 +379,13 @@ def test_tmod_serve_starts_under_the_deployment_environment_and_answers_the_prob
         assert "tmod_queue_depth" in scraped
         # the placeholder admin token leaves the admin API disabled
         assert httpx.post(base + "/admin/modules/sentiment/reload", timeout=5).status_code == 403
+        if "TMOD_GRPC_PORT" in env:  # overlays/grpc: the gRPC port answers gRPC's health service
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            with grpc.insecure_channel(f"127.0.0.1:{env['TMOD_GRPC_PORT']}") as channel:
+                assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30).status \
+                    == health_pb2.HealthCheckResponse.SERVING
     finally:
         process.terminate()
         process.wait(timeout=60)
