@@ -20,7 +20,7 @@ import re
 import time
 from collections import Counter
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -424,28 +424,36 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
     async def run_inference(texts: list[str], text_pairs: list[str] | None, modules: dict[str, LoadedModule],
                             truncate: bool, request: Call, window: int | None = None, stride: int | None = None,
-                            controls: AnswerControls | None = None) -> tuple[list[dict], Job, dict[str, str]]:
+                            controls: AnswerControls | None = None,
+                            names: Callable[[int], str] | None = None) -> tuple[list[dict], Job, dict[str, str]]:
         """Shared by every protocol: limits, tokenization (long texts in windows), the batcher, metrics,
-        timing headers. `controls`: the request's answer controls (docs/answer-controls.md). -> (per-input
-        results keyed by task, the job (one row per input, the module versions that answered, per input
-        its `windows`), response headers)."""
+        timing headers. `controls`: the request's answer controls (docs/answer-controls.md); `names`: text i's
+        name in a refusal where the protocol's fields are not one list of inputs (default "input i").
+        -> (per-input results keyed by task, the job (one row per input, the module versions that answered,
+        per input its `windows`), response headers)."""
         metrics.in_flight(1)
         try:
             return await answer_inference(texts, text_pairs, modules, truncate, request, window, stride,
-                                          controls or DEFAULT_CONTROLS)
+                                          controls or DEFAULT_CONTROLS, names)
         finally:
             metrics.in_flight(-1)
 
-    def check_inputs(texts: list[str], text_pairs: list[str] | None) -> None:
-        """The limits and checks every text meets before it is tokenized (413 / 422)."""
+    def check_inputs(texts: list[str], text_pairs: list[str] | None,
+                     names: Callable[[int], str] | None = None) -> None:
+        """The limits and checks every text meets before it is tokenized (413 / 422); `names(i)`: text i's
+        name in the request (default "input i")."""
         if not texts:
             raise ApiError(422, "invalid_request", "no inputs: send at least one text")
         if len(texts) > settings.max_inputs:
-            raise ApiError(413, "too_many_inputs", f"{len(texts)} inputs; at most {settings.max_inputs} per request on "
-                           f"this server (its --max-inputs): send them in requests of {settings.max_inputs} or fewer (a "
-                           "client's batch size, e.g. LangChain OpenAIEmbeddings' chunk_size, default 1000)")
+            counted = f"{len(texts)} inputs" if names is None else \
+                f"{len(texts)} texts ({names(0)} to {names(len(texts) - 1)}, counted together)"
+            raise ApiError(413, "too_many_inputs", f"{counted}; at most {settings.max_inputs} per request on this "
+                           f"server (its --max-inputs): send them in requests of {settings.max_inputs} or fewer" +
+                           (" (a client's batch size, e.g. LangChain OpenAIEmbeddings' chunk_size, default 1000)"
+                            if names is None else ""))
+        name = names or "input {}".format
         for i, text in enumerate(texts + (text_pairs or [])):
-            row = f"input {i}" if i < len(texts) else f"input {i - len(texts)}'s text_pair"
+            row = name(i) if i < len(texts) else f"{name(i - len(texts))}'s text_pair"
             if len(text) > settings.max_chars:
                 raise ApiError(413, "input_too_long",
                                f"{row} has {len(text)} characters; at most {settings.max_chars}")
@@ -484,11 +492,11 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     inline = IterationTokenizer()
 
     async def read_inputs(texts, text_pairs, truncate, window, stride, max_tokens=None, modules=None,
-                          budget: int | None = None) -> windows.Reading:
+                          budget: int | None = None, names: Callable[[int], str] | None = None) -> windows.Reading:
         """Tokenize (a long request in a tokenizer thread) and cut long texts into windows (server/windows.py) of at
         most `max_tokens` word pieces (default: the server's limit), by default as measured best for `modules`;
         413 past `budget` word pieces in all, found before the whole request is tokenized."""
-        check_inputs(texts, text_pairs)
+        check_inputs(texts, text_pairs, names)
         # a truncated text is read in one row, as long as the backbone reads: the measured (shorter) reading
         # windows of a task type pay off only where a whole text is read in overlapping windows
         chosen = window_settings(window, stride, max_tokens, () if truncate or not modules else modules_traits(modules)[0])
@@ -503,7 +511,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             raise ApiError(413, "too_many_tokens", str(exc), tokens=exc.tokens, token_budget=exc.budget) from exc
 
     async def answer_inference(texts, text_pairs, modules, truncate, request, window=None, stride=None,
-                               controls: AnswerControls | None = None):
+                               controls: AnswerControls | None = None, names: Callable[[int], str] | None = None):
         received = time.perf_counter()
         deadline = received + settings.request_timeout_s  # one per request, shared by all its parts
         controls = controls or DEFAULT_CONTROLS
@@ -512,7 +520,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                 raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")
             truncate = "left"  # the tokenizer keeps the end of the text (server/backbone/tokens.py)
         reading = await read_inputs(texts, text_pairs, truncate, window, stride, modules_traits(modules)[1], modules,
-                                    settings.max_request_tokens)
+                                    settings.max_request_tokens, names)
         options = controls.options()
         for row in reading.rows + [text.whole for text in reading.texts]:
             row.answer = options

@@ -133,10 +133,14 @@ class ScoreRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         if len(first) not in (1, len(second)):
             raise ValueError(f"{len(first)} texts to compare with {len(second)}: send one, or as many (1:N or N:N)")
 
+    def side_names(self) -> tuple[str, str]:
+        """The pair of names the request sent its sides under, e.g. ("text_1", "text_2")."""
+        return next(pair for pair in SCORE_FIELDS if getattr(self, pair[0]) is not None and
+                    getattr(self, pair[1]) is not None)
+
     def sides(self) -> tuple[list[str], list[str]]:
         """(first side, second side) as lists of texts."""
-        first, second = next((getattr(self, a), getattr(self, b)) for a, b in SCORE_FIELDS
-                             if getattr(self, a) is not None and getattr(self, b) is not None)
+        first, second = (getattr(self, name) for name in self.side_names())
         return [first] if isinstance(first, str) else first, [second] if isinstance(second, str) else second
 
 
@@ -299,9 +303,10 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
     """{path: handler(body, request) -> (answer bytes, headers)}: OpenAI's and TEI's routes over the app's
     runtime and its shared `run_inference` (the app's raw ASGI layer serves them)."""
 
-    async def embed(texts, module, truncate, request, direction: str = "right"):
+    async def embed(texts, module, truncate, request, direction: str = "right", names=None):
         results, job, headers = await run_inference(texts, None, {module.task: module}, truncate, request,
-                                                    controls=AnswerControls(truncation_direction=direction))
+                                                    controls=AnswerControls(truncation_direction=direction),
+                                                    names=names)
         return results, job.modules[module.task], sum(len(row) for row in job.rows), headers
 
     async def openai_embeddings(body: bytes, request) -> tuple[bytes, dict]:
@@ -342,14 +347,15 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         refuse_prompt(parameters.prompt_name)
         texts = [asked.inputs.source_sentence, *asked.inputs.sentences]
         results, module, _, headers = await embed(texts, embedding_module(runtime, None), parameters.truncate, request,
-                                                  parameters.truncation_direction.lower())
+                                                  parameters.truncation_direction.lower(),
+                                                  sides_named("inputs.source_sentence", "inputs.sentences", 1))
         vectors = vectors_of(results, module.task, True, None, module)
         return msgspec.json.encode((vectors[1:] @ vectors[0]).tolist()), headers
 
-    async def scored(first: list[str], second: list[str], model: str | None, truncate: bool, request):
+    async def scored(first: list[str], second: list[str], model: str | None, truncate: bool, request, names):
         """(cosine similarities of first[i] (or first[0]) and second[i], module, tokens, headers): one pass."""
         results, module, tokens, headers = await embed([*first, *second], embedding_module(runtime, model), truncate,
-                                                       request)
+                                                       request, names=names)
         vectors = vectors_of(results, module.task, True, None, module)
         left, right = vectors[:len(first)], vectors[len(first):]
         return (left * right).sum(axis=1) if len(left) == len(right) else right @ left[0], module, tokens, headers
@@ -358,7 +364,9 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         """vLLM's /score with an embedding model: each pair's cosine similarity."""
         require_ready()
         asked = decode(ScoreRequest, body, 400)
-        scores, module, tokens, headers = await scored(*asked.sides(), asked.model, asked.truncate, request)
+        (first, second), (one, other) = asked.sides(), asked.side_names()
+        scores, module, tokens, headers = await scored(first, second, asked.model, asked.truncate, request,
+                                                       sides_named(one, other, len(first)))
         answer = ScoreResponse(f"score-{secrets.token_hex(16)}", "list", int(time.time()), asked.model or module.task,
                                [ScoreData(i, "score", s) for i, s in enumerate(scores.tolist())],
                                PoolingUsage(tokens, tokens))
@@ -370,7 +378,7 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         require_ready()
         asked = decode(RerankRequest, body, 400)
         scores, module, tokens, headers = await scored([asked.query], asked.documents, asked.model, asked.truncate,
-                                                       request)
+                                                       request, sides_named("query", "documents", 1))
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:asked.top_n or None]
         results = [RerankResult(i, float(scores[i]), RerankDocument(asked.documents[i]) if asked.return_documents
                                 else None) for i in order]
@@ -401,6 +409,16 @@ def tei_root(routes: dict):
         return await routes[path](body, request)
 
     return root
+
+
+def sides_named(first: str, second: str, count: int):
+    """Text i's name in a request of two sides, `count` texts under `first` then the rest under `second`:
+    "query", "documents[0]", ... (a side of one text is named by itself, as a request sends it)."""
+    def name(i: int) -> str:
+        if i < count:
+            return first if count == 1 else f"{first}[{i}]"
+        return f"{second}[{i - count}]"
+    return name
 
 
 def refuse_prompt(prompt_name: str | None) -> None:

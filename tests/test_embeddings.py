@@ -353,8 +353,11 @@ def test_sentence_similarity_as_teis_similarity_route_answers_it(served, texts, 
     refused("/", {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"prompt_name": "query"}},
             "prompt_name 'query': no prompts are configured")
     refused("/", {"inputs": 5}, "inputs: Expected `str | array`, got `int`")  # not an object: /embed's reading
+    refused("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b", " "]}},
+            "inputs.sentences[1] is empty or only whitespace")  # its name in the request, not "input 2"
     too_many = httpx.post(served + "/similarity", json={"inputs": {"source_sentence": "a", "sentences": ["b"] * 64}})
-    assert too_many.status_code == 413 and "65 inputs; at most 64" in too_many.json()["error"], too_many.text
+    assert too_many.status_code == 413 and "65 texts (inputs.source_sentence to inputs.sentences[63], counted " \
+        "together); at most 64" in too_many.json()["error"], too_many.text
 
 
 def test_vllms_score_and_rerank_answer_the_embeddings_cosine_similarity(served, texts, reference_vectors):
@@ -398,6 +401,12 @@ def test_vllms_score_and_rerank_answer_the_embeddings_cosine_similarity(served, 
     refused("/score", {"text_1": "a", "text_2": "b", "model": "ner"}, 404, "no embedding model 'ner'")
     refused("/v2/rerank", {"query": "a", "documents": []}, 400, "documents: Expected `array` of length >= 1")
     refused("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, 400, "top_n")
+    # a text refused by its name in the request, not by its place among all the texts read
+    refused("/rerank", {"query": "a", "documents": ["b", " "]}, 422, "documents[1] is empty or only whitespace")
+    refused("/score", {"text_1": ["a", "b"], "text_2": ["c", "d\x00"]}, 422, "text_2[1] has control character")
+    refused("/score", {"queries": " ", "items": ["c"]}, 422, "queries is empty")
+    refused("/rerank", {"query": "a", "documents": ["b"] * 64}, 413, "65 texts (query to documents[63], counted "
+                                                                      "together); at most 64")
     assert httpx.get(served + "/rerank").status_code == 405
 
 
