@@ -328,11 +328,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             health = oip_grpc.Health(require_serving)
             grpc_server = await oip_grpc.start(app.grpc_service, health, settings.host, settings.grpc_port,
                                                settings.max_body_bytes)
-            following = asyncio.create_task(health.follow())
         yield
         if grpc_server is not None:
-            following.cancel()
-            await health.enter_graceful_shutdown()  # NOT_SERVING for the grace below, and for good
+            health.stopping = True  # NOT_SERVING from now on; open watches are told and end
             await grpc_server.stop(grace=settings.request_timeout_s)  # calls under way are answered
         await runtime.shutdown()
 

@@ -202,34 +202,54 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
                                                           for name, answer in answers.items()})
 
 
-class Health(health.aio.HealthServicer):
+class Health(health_pb2_grpc.HealthServicer):
     """gRPC's standard health service, `grpc.health.v1.Health` (Kubernetes' gRPC probes, Envoy's and
-    gRPC clients' health checks), from grpcio-health-checking: the whole server ("") and
-    `inference.GRPCInferenceService` are SERVING while the server can infer (as ServerReady and
-    /v2/health/ready), else NOT_SERVING: loading, every module unloaded, stopping. No API key, as the probes."""
+    gRPC clients' health checks; its messages and registration from grpcio-health-checking): the whole
+    server ("") and `inference.GRPCInferenceService` are SERVING while the server can infer (as ServerReady
+    and /v2/health/ready), else NOT_SERVING: loading, every module unloaded, stopping. No API key, as the
+    probes. Each call reads the state itself: the package's own servicer keeps one shared wait per service,
+    which the first Watch to leave takes from the others (they then hear of no change)."""
 
-    def __init__(self, require_serving):
-        super().__init__()
+    SERVICES = (health.OVERALL_HEALTH, SERVICE)
+
+    def __init__(self, require_serving, every_s: float = 1.0):
         self.require_serving = require_serving
+        self.every_s = every_s  # how often a Watch looks again (readiness has no event of its own)
+        self.stopping = False
 
-    async def refresh(self) -> None:
+    def status(self, service: str):
+        if service not in self.SERVICES:
+            return None
+        if self.stopping:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
         try:
             self.require_serving()
-            status = health_pb2.HealthCheckResponse.SERVING
         except ApiError:
-            status = health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in (health.OVERALL_HEALTH, SERVICE):
-            await self.set(name, status)
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
 
     async def Check(self, request, context):
-        await self.refresh()  # the status now, not at the last poll
-        return await super().Check(request, context)
+        status = self.status(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no service {request.service!r}: "
+                                f"this server reports {list(self.SERVICES)}")
+        return health_pb2.HealthCheckResponse(status=status)
 
-    async def follow(self, every_s: float = 1.0) -> None:
-        """Polls the readiness for Watch's subscribers (readiness has no event of its own), until cancelled."""
+    async def Watch(self, request, context):
+        """Each change of the status, the first at once; an unknown service is SERVICE_UNKNOWN (the
+        protocol's answer, a name that may yet appear). Once the server stops: NOT_SERVING, and the stream
+        ends, so that an open watch does not hold the stop for its whole grace."""
+        last = None
         while True:
-            await self.refresh()
-            await asyncio.sleep(every_s)
+            status = self.status(request.service)
+            if status is None:
+                status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self.stopping:
+                return
+            await asyncio.sleep(self.every_s)
 
 
 async def start(handler, health_service: Health, host: str, port: int, max_message_bytes: int) -> aio.Server:

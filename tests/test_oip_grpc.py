@@ -302,8 +302,9 @@ def label_shapes(address, connections):
 def test_grpcs_health_service_follows_whether_the_server_can_infer(store, tiny_backbone_dir):
     """grpc.health.v1 (Kubernetes' gRPC probes, Envoy's and gRPC clients' health checks), asked with
     grpcio-health-checking's own stub and no API key: SERVING while the server can infer, NOT_SERVING
-    once every module is unloaded (Check at once, Watch's stream too), SERVING after a load; NOT_SERVING
-    on Watch's stream when SIGTERM stops the server; an unknown service NOT_FOUND."""
+    once every module is unloaded (Check at once, Watch's stream too, another watch having left), SERVING
+    after a load; NOT_SERVING on Watch's stream when SIGTERM stops the server, and the stream ends; an
+    unknown service NOT_FOUND (Watch: SERVICE_UNKNOWN)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -322,6 +323,12 @@ def test_grpcs_health_service_follows_whether_the_server_can_infer(store, tiny_b
             assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
             watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
             assert next(watch).status == serving
+            other = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)  # and leaves: the
+            assert next(other).status == serving  # first still hears (the package's own servicer went deaf)
+            other.cancel()
+            unknown_watch = health.Watch(health_pb2.HealthCheckRequest(service="inference.Nothing"), timeout=120)
+            assert next(unknown_watch).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            unknown_watch.cancel()
             tasks = httpx.get(url + "/readyz").json()["tasks"]
             for task in tasks:
                 assert httpx.post(f"{url}/admin/modules/{task}/unload", headers=admin).status_code == 200
@@ -331,7 +338,7 @@ def test_grpcs_health_service_follows_whether_the_server_can_infer(store, tiny_b
             assert check() == serving and next(watch).status == serving
             process.send_signal(signal.SIGTERM)
             assert next(watch).status == not_serving
-            watch.cancel()
+            assert next(watch, None) is None  # the stream ends: an open watch does not hold the stop
         assert process.wait(timeout=120) in (0, -signal.SIGTERM)
     finally:
         process.kill()
