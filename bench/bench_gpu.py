@@ -278,6 +278,10 @@ def served_section(args, sentences: list[str], tmp: Path):
         finally:
             server.stop()
             LIVE_SERVERS.remove(server)
+            # why passes ran eager where graphs are captured (server/runner.py says it once per shape)
+            for line in [line for line in server.log_tail(100_000).splitlines()
+                         if "ran eager" in line or "not captured" in line][:30]:
+                print("server said:", line[:800], flush=True)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -602,6 +602,12 @@ class GraphCache:
                     best, best_size = captured, len(entry.plan.modules)
         return best
 
+    def covering(self, modules: dict[str, LoadedModule]) -> list[Bucket]:
+        """The buckets some captured plan running every one of `modules` holds a graph at, largest first."""
+        found = {bucket for entry in self._plans.values()
+                 if all(entry.plan.modules.get(task) is m for task, m in modules.items()) for bucket in entry.graphs}
+        return sorted(found, reverse=True)
+
     def get(self, plan, bucket: Bucket) -> CapturedPass | None:
         """The plan's graph at `bucket`, captured now if need be (off the serving path only:
         warm-up, benchmarks); None: run eager."""
@@ -758,6 +764,7 @@ class ModelRunner:
         # graphs are replayed from the tokenizer thread that prepared a batch (`launch`) and from the
         # compute thread, and captured and dropped on the compute thread: one thread at a time
         self._graph_lock = threading.Lock()
+        self._eager_said: set[tuple] = set()  # (bucket, tasks) of passes told to have run eager, once each
         self.metrics = metrics
         if metrics is not None:
             from prometheus_client import Counter, Gauge
@@ -1016,12 +1023,32 @@ class ModelRunner:
             if item.bucket is not None and len(native_part(rest)) < len(rest):
                 batch = self.engine.backbone.text.collate(rows, device="cpu", classes=token_classes_read(rest))
             self._count("eager")
+            self._say_eager(item, native_part(rest), len(rows) if rows is not None else item.batch.real_rows)
             more_host, more_batches, eager_deepest = self._eager(batch, rest, timings)
             host.update(more_host)
             batches.update(more_batches)
             deepest = max(deepest, eager_deepest)
         item.deepest = deepest
         return host, batches
+
+    def _say_eager(self, item: PreparedPass, native: dict[str, LoadedModule], rows: int) -> None:
+        """Once per shape and task set: why native tasks ran eager where graphs are captured (on
+        the H200s of 2026-11-28 to 11-30 a third to a half of one-text passes did, unexplained)."""
+        if not self.graphs.enabled or not native:
+            return
+        key = (item.bucket, frozenset(native))
+        if key in self._eager_said:
+            return
+        self._eager_said.add(key)
+        if item.bucket is None:
+            why = f"{rows} rows of up to {item.batch.seq_len} tokens fit no bucket"
+        else:
+            reachable = item.bucket in self.reachable_buckets()
+            why = (f"no captured graph at {item.bucket} covers these tasks ({'a' if reachable else 'not a'} "
+                   f"reachable bucket; {len(self.graphs)} graphs held, {self.graphs.memory_bytes / 2**20:.0f} of "
+                   f"{self.graphs.memory_cap / 2**20:.0f} MiB; captured for them: "
+                   f"{[str(b) for b in self.graphs.covering(native)] or 'none'})")
+        log.warning("a pass of %d rows for tasks %s ran eager: %s", rows, sorted(native), why)
 
     def _replay(self, launched: LaunchedPass, batch: TokenBatch, tasks, timings: Timings):
         real = batch.real()

@@ -782,3 +782,32 @@ def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone)
         assert_same_answers(answers[-1], eager.run(rows, modules))
     assert runner.graphs.replays == 2 and runner.graphs.captures == len(made) == len(runner.reachable_buckets())
     assert answers[0] != answers[1]
+
+
+def test_a_pass_that_runs_eager_where_graphs_are_captured_says_why_once(tiny_backbone, tiny_store, caplog):
+    """On the H200s (2026-11-28..30) a third to a half of the one-text passes ran eager, and nothing said
+    why. A pass of native tasks that runs eager where graphs are captured now says so, once per bucket
+    and task set: its shape, whether that bucket is reachable, the graphs held and which buckets are
+    captured for those tasks. A pass a graph covers says nothing."""
+    import logging
+
+    modules = modules_of(tiny_store, tiny_backbone, ("sentiment", "ner"))
+    engine, ref = Engine(tiny_backbone), []
+    capture, _ = record_eager(engine, ref)
+    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="8", graph_seq_lens="64",
+                                          head_precision="fp32"), capture=capture)
+    ref.append(runner)
+    alone = {"sentiment": modules["sentiment"]}
+    runner.warm_up(alone)  # graphs for sentiment alone: a pass running ner too finds none
+    rows = sorted_rows(tiny_backbone, TEXTS)
+    with caplog.at_level(logging.WARNING, logger="tmod"):
+        runner.run(rows, modules)
+        runner.run(rows, modules)
+        said = [r.getMessage() for r in caplog.records if "ran eager" in r.getMessage()]
+        assert len(said) == 1, said
+        assert f"a pass of {len(rows)} rows for tasks ['ner', 'sentiment'] ran eager: no captured graph at 8x64 " \
+               f"covers these tasks (a reachable bucket; {len(runner.graphs)} graphs held" in said[0]
+        assert said[0].endswith("captured for them: none)")
+        caplog.clear()
+        runner.run(rows, alone)  # replayed
+        assert not [r for r in caplog.records if "ran eager" in r.getMessage()]
