@@ -29,7 +29,8 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="port to bind (0 = any free port)")
     grpc_port: int | None = Field(None, ge=1, le=65535, description="also serve the Open Inference Protocol v2 over "
                                   "gRPC on this port (KServe's InferenceGRPCClient, tritonclient.grpc; Triton's "
-                                  "8001, KServe's 8081) (default: none, HTTP only)")
+                                  "8001, KServe's 8081), with gRPC's health service (grpc.health.v1) "
+                                  "(default: none, HTTP only)")
     workers: int = Field(
         1, ge=1, le=64, description="HTTP worker processes. 1: one process does everything. N > 1: N processes "
         "share the port and do HTTP, JSON, validation, tokenization and decode; one engine process owns the "
