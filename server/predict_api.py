@@ -17,8 +17,8 @@ TEI's `POST /predict`: a classifier's labels, best first, `[{"score", "label"}, 
 model: here the one classification task that reads such inputs (single-label or multi-label), or the
 one `?tasks=<task>` names. Errors in TEI's shape. `huggingface_hub`'s `InferenceClient.text_classification`
 posts here (or to TEI's root, given the server's URL) with Hugging Face's `parameters` (`top_k`,
-`function_to_apply`), which TEI ignores: here they are read (`"none"` answers logits, the head's own function its probabilities, the other is refused), and
-the answer takes Hugging Face's shape, a list of labels per input for one input too, so that the client
+`function_to_apply`), which TEI ignores: here they are read (`"none"` answers logits, the head's own
+function its probabilities, the other is refused), and the answer takes Hugging Face's shape, a list of labels per input for one input too, so that the client
 returns every label as its documentation says, not only the best one. A token task named in `?tasks=`
 (TEI has no such route) is answered in Hugging Face's token-classification shape, what
 `InferenceClient.token_classification` reads: per input its entities `{"entity_group", "score", "word",
@@ -160,6 +160,24 @@ def tei_classifier(modules: dict, named: tuple[str, ...], pairs: bool):
     return modules[fits[0]]
 
 
+def hugging_face_tokens(answer: dict, pieces: bool, ignored: set[str]) -> list[dict]:
+    """A token task's answer for one input as Hugging Face's token classification gives it: its entities
+    (`entity_group`), or its word pieces (`entity`, the full tag) where `pieces`; labels in `ignored` left out."""
+    if pieces:
+        return [{"entity": p["label"], "score": p["score"], "word": p["text"], "start": p["start"], "end": p["end"]}
+                for p in answer["tokens"] if p["label"] not in ignored]
+    return [{"entity_group": e["label"], "score": e["score"], "word": e["text"], "start": e["start"], "end": e["end"]}
+            for e in answer["entities"] if e["label"] not in ignored]
+
+
+def refuse_token_parameters(parameters: "HuggingFaceParameters | None", module) -> None:
+    """422 for Hugging Face's token-classification parameters sent to a classifier."""
+    for name in ("aggregation_strategy", "ignore_labels", "stride"):
+        if parameters is not None and getattr(parameters, name) is not None:
+            raise ApiError(422, "invalid_request", f"parameters.{name} is token classification's: {module.task!r} "
+                                                   "classifies whole texts (parameters.top_k, function_to_apply)")
+
+
 def answers_logits(asked: TEIPredictRequest, module) -> bool:
     """Whether /predict answers the head's logits: `raw_scores`, or Hugging Face's `function_to_apply: "none"`;
     422 for the function the head does not apply, or for the two fields saying different things."""
@@ -195,6 +213,7 @@ def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference)
         texts = [s[0] for s in sequences] if pairs else sequences
         if module.manifest.task_type == TaskType.token_classification:
             return await tagged(texts, batch, module, asked, request)
+        refuse_token_parameters(asked.parameters, module)
         # the answer's scores best first (decode's top_k; every label unless Hugging Face's top_k says fewer)
         top_k = (asked.parameters.top_k if asked.parameters else None) or len(module.manifest.labels)
         controls = AnswerControls(raw_scores=answers_logits(asked, module), top_k=top_k,
@@ -225,13 +244,7 @@ def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference)
         results, _, headers = await run_inference(texts, None, {module.task: module}, asked.truncate, request,
                                                   controls=controls)
         ignored = set(["O"] if parameters.ignore_labels is None else parameters.ignore_labels)
-        found = [[{"entity": piece["label"], "score": piece["score"], "word": piece["text"], "start": piece["start"],
-                   "end": piece["end"]} for piece in r[module.task]["tokens"] if piece["label"] not in ignored]
-                 if strategy == "none" else
-                 [{"entity_group": entity["label"], "score": entity["score"], "word": entity["text"],
-                   "start": entity["start"], "end": entity["end"]}
-                  for entity in r[module.task]["entities"] if entity["label"] not in ignored]
-                 for r in results]
+        found = [hugging_face_tokens(r[module.task], strategy == "none", ignored) for r in results]
         return msgspec.json.encode(found if batch else found[0]), headers
 
     return {"/predict": tei_predict}

@@ -182,3 +182,7 @@ def test_hugging_faces_inference_client_tags_tokens_through_teis_predict(live, m
                        ({"inputs": ["a", "b"]}, "'ner' is no classification task on text pairs")]:
         answer = live.post("/predict?tasks=ner", json=body)
         assert answer.status_code in (400, 422) and said in answer.json()["error"], answer.text
+    # and the other way round: token classification's parameters to a classifier
+    answer = live.post("/?tasks=sentiment", json={"inputs": "a", "parameters": {"aggregation_strategy": "max"}})
+    assert answer.status_code == 422 and "parameters.aggregation_strategy is token classification's: " \
+        "'sentiment' classifies whole texts" in answer.json()["error"], answer.text
