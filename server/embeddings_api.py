@@ -14,7 +14,8 @@
   {"source_sentence", "sentences"}, "parameters": {truncate, truncation_direction}}`, answered with the
   cosine similarity of each sentence's embedding to the source sentence's, `[floats]`. TEI's root (`POST
   /`, where the client posts given a server's URL) embeds, or answers similarity where `inputs` is such
-  an object, or /predict's classification where Hugging Face's `parameters` come beside a text.
+  an object, or what /predict answers (a classifier's labels, a token task's entities) where Hugging
+  Face's `parameters` come beside a text.
 - `POST /score` (`/v1/score`) and `POST /rerank` (`/v1/rerank`, `/v2/rerank`): vLLM's score and rerank
   APIs as vLLM answers them for an embedding model: cosine similarities of the texts' embeddings (1:N or
   N:N pairs; a query's documents best first, `top_n`, `return_documents`); errors in OpenAI's shape.
