@@ -241,6 +241,17 @@ def record_eager(engine: Engine, runner_ref: list):
     return capture, made
 
 
+def stand_in_graph_runner(backbone, metrics=None, **shapes) -> tuple[ModelRunner, list]:
+    """A runner of whole batches padded to buckets whose 'graphs' are `record_eager`'s (the CPU's stand-in
+    for capture), fp32 heads: (runner, the heads each graph was made with)."""
+    engine, ref = Engine(backbone), []
+    capture, made = record_eager(engine, ref)
+    runner = ModelRunner(engine, Settings(batch_shapes="buckets", head_precision="fp32", **shapes), metrics=metrics,
+                         capture=capture)
+    ref.append(runner)
+    return runner, made
+
+
 def test_graphs_are_replayed_per_bucket_and_recaptured_after_every_module_change(tiny_backbone, tiny_store, tmp_path):
     # a store of its own: version 2 of sentiment (other weights) is the latest, loaded at start
     store = ModuleStore(tmp_path)
@@ -568,11 +579,7 @@ def test_a_pass_launched_from_the_preparing_thread_answers_as_an_eager_pass(tiny
     import threading
 
     modules = modules_of(tiny_store, tiny_backbone, ("sentiment", "ner"))
-    engine, ref = Engine(tiny_backbone), []
-    capture, made = record_eager(engine, ref)
-    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="4,8", graph_seq_lens="32,64",
-                                          head_precision="fp32"), capture=capture)
-    ref.append(runner)
+    runner, made = stand_in_graph_runner(tiny_backbone, graph_batch_sizes="4,8", graph_seq_lens="32,64")
     runner.warm_up(modules)
     eager = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000)
     rows = sorted_rows(tiny_backbone, TEXTS)
@@ -654,12 +661,8 @@ def test_passes_whose_inputs_found_no_page_locked_set_are_counted(tiny_backbone,
     from server.metrics import Metrics
 
     modules = modules_of(tiny_store, tiny_backbone, ("sentiment", "ner"))
-    engine, ref = Engine(tiny_backbone), []
-    capture, _ = record_eager(engine, ref)
     metrics = Metrics()
-    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="8", graph_seq_lens="64",
-                                          head_precision="fp32"), metrics=metrics, capture=capture)
-    ref.append(runner)
+    runner, _ = stand_in_graph_runner(tiny_backbone, metrics, graph_batch_sizes="8", graph_seq_lens="64")
     runner.staged = True  # a GPU's staging, in ordinary memory here
     runner.warm_up(modules)
     rows = sorted_rows(tiny_backbone, TEXTS)
@@ -766,12 +769,7 @@ def test_a_pair_head_reads_each_batch_segments_in_a_captured_pass(tiny_backbone)
     replay for a batch with other texts and pairs answers as an eager pass does."""
     head = random_head(tiny_backbone, "sequence_classification", ["entailment", "not_entailment"], 31, pooling="pair")
     modules = {"entailment": LoadedModule("entailment", "1", None, head)}
-    engine, ref = Engine(tiny_backbone), []
-    capture, made = record_eager(engine, ref)
-    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="8", graph_seq_lens="64",
-                                           head_precision="fp32"),
-                         capture=capture)
-    ref.append(runner)
+    runner, made = stand_in_graph_runner(tiny_backbone, graph_batch_sizes="8", graph_seq_lens="64")
     runner.warm_up(modules)
     eager = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000)
     answers = []
@@ -792,11 +790,7 @@ def test_a_pass_that_runs_eager_where_graphs_are_captured_says_why_once(tiny_bac
     import logging
 
     modules = modules_of(tiny_store, tiny_backbone, ("sentiment", "ner"))
-    engine, ref = Engine(tiny_backbone), []
-    capture, _ = record_eager(engine, ref)
-    runner = ModelRunner(engine, Settings(batch_shapes="buckets", graph_batch_sizes="8", graph_seq_lens="64",
-                                          head_precision="fp32"), capture=capture)
-    ref.append(runner)
+    runner, _ = stand_in_graph_runner(tiny_backbone, graph_batch_sizes="8", graph_seq_lens="64")
     alone = {"sentiment": modules["sentiment"]}
     runner.warm_up(alone)  # graphs for sentiment alone: a pass running ner too finds none
     rows = sorted_rows(tiny_backbone, TEXTS)
