@@ -714,9 +714,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """Triton's statistics extension (tritonclient's `get_inference_statistics`) is not served: its
         counts are per model and per batch, and tmod's passes serve every task at once. Said, with where
         tmod's own counts are, instead of a bare 404 (or "no model 'stats'")."""
-        raise ApiError(404, "not_found", "Triton's statistics extension is not served (GET /v2 lists the extensions "
-                       "that are): requests per task, phase latencies and batch sizes are Prometheus metrics at GET "
-                       "/metrics (tmod_task_requests_total, tmod_request_duration_seconds, tmod_batch_size)")
+        raise ApiError(404, "not_found", oip.STATISTICS_REFUSED)
 
     @app.get("/v2/models/{task}", tags=["oip-v2"], responses={404: {}})
     @app.get("/v2/models/{task}/versions/{version}", tags=["oip-v2"], responses={404: {}})

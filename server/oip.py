@@ -57,6 +57,11 @@ def model_metadata(module: LoadedModule) -> dict[str, Any]:
 
 
 TRITON_TYPES = {"BYTES": "TYPE_STRING", "FP32": "TYPE_FP32"}
+# Triton's statistics extension is not served (its counts are per model and per batch, and one pass
+# serves every task): what HTTP's and gRPC's refusals say instead
+STATISTICS_REFUSED = ("Triton's statistics extension is not served (GET /v2 lists the extensions that are): "
+                      "requests per task, phase latencies and batch sizes are Prometheus metrics at GET /metrics "
+                      "(tmod_task_requests_total, tmod_request_duration_seconds, tmod_batch_size)")
 
 
 def model_config(module: LoadedModule) -> dict[str, Any]:

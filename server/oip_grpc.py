@@ -3,8 +3,9 @@
 
 Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, and Triton's
 ModelConfig and RepositoryIndex (HTTP's `GET .../config` and `POST /v2/repository/index`) of
-`inference.GRPCInferenceService` (server/oip_v2.proto); any other RPC of Triton's service (statistics,
-repository load and unload, shared memory, streaming) is answered UNIMPLEMENTED by gRPC itself. Beside
+`inference.GRPCInferenceService` (server/oip_v2.proto); Triton's other RPCs (statistics, repository
+load and unload, shared memory, streaming, trace and log settings) are answered UNIMPLEMENTED with
+what to do instead (`REFUSED_RPCS`), any other name by gRPC itself. Beside
 it, gRPC's standard health service (`Health`, below). A ModelInferRequest is read as its HTTP twin
 (server/oip.py `read_request`: the same inputs, parameters, outputs and checks) and answered through
 the same path, so a text gets the same answer on both transports; the outputs travel as
@@ -23,6 +24,7 @@ pool, and a process may hold either beside tmod.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import grpc
@@ -53,6 +55,20 @@ STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTI
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
           501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE}
 OPEN_RPCS = frozenset({"ServerLive", "ServerReady"})  # probes: no key, as HTTP's health routes
+# Triton's other RPCs, answered UNIMPLEMENTED with what to do instead (not gRPC's bare "Method not found!")
+SHARED_MEMORY = "shared memory is not served: send the inputs in the request (raw_input_contents)"
+REFUSED_RPCS = {
+    "ModelStatistics": oip.STATISTICS_REFUSED,
+    "RepositoryModelLoad": "repository load is served over HTTP, with the admin token: POST "
+                           "/v2/repository/models/<task>/load on the HTTP port (tritonclient.http's load_model)",
+    "RepositoryModelUnload": "repository unload is served over HTTP, with the admin token: POST "
+                             "/v2/repository/models/<task>/unload on the HTTP port (tritonclient.http's unload_model)",
+    **{f"{kind}SharedMemory{verb}": SHARED_MEMORY for kind in ("System", "Cuda")
+       for verb in ("Status", "Register", "Unregister")},
+    "TraceSetting": "trace settings are not served",
+    "LogSettings": "log settings are not served: tmod-serve's --log-level sets the log at start",
+}
+STREAM_REFUSED = "streaming inference is not served: call ModelInfer, one request and one response"
 
 
 def parameter_values(parameters) -> dict:
@@ -198,8 +214,17 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
     answers = {"ServerLive": server_live, "ServerReady": server_ready, "ModelReady": model_ready,
                "ServerMetadata": server_metadata, "ModelMetadata": model_metadata, "ModelInfer": model_infer,
                "ModelConfig": model_config, "RepositoryIndex": repository_index_rpc}
-    return grpc.method_handlers_generic_handler(SERVICE, {name: rpc(name, answer, inference=name == "ModelInfer")
-                                                          for name, answer in answers.items()})
+    async def refuse(request, context, message):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+
+    async def refuse_stream(requests, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, STREAM_REFUSED)
+
+    refused = {name: grpc.unary_unary_rpc_method_handler(functools.partial(refuse, message=message))
+               for name, message in REFUSED_RPCS.items()}  # their requests are never read: bytes as they came
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        **{name: rpc(name, answer, inference=name == "ModelInfer") for name, answer in answers.items()}, **refused,
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(refuse_stream)})
 
 
 class Health(health_pb2_grpc.HealthServicer):

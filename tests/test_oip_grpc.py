@@ -241,7 +241,15 @@ def refusals_carry_the_grpc_status_and_the_message_http_gives(server):
             "65 inputs; at most 64")
     refused(lambda: triton.infer("sentiment", [texts_input("text", ["word " * 30_000])], headers=AUTH),
             "RESOURCE_EXHAUSTED", "")  # over --max-body-bytes: refused by gRPC before tmod reads it
-    refused(lambda: triton.get_inference_statistics("sentiment", headers=AUTH), "UNIMPLEMENTED", "")
+    # Triton's RPCs tmod does not serve: UNIMPLEMENTED with what to do instead, not gRPC's "Method not found!"
+    refused(lambda: triton.get_inference_statistics("sentiment", headers=AUTH), "UNIMPLEMENTED",
+            "Prometheus metrics at GET /metrics")
+    refused(lambda: triton.load_model("sentiment", headers=AUTH), "UNIMPLEMENTED",
+            "POST /v2/repository/models/<task>/load on the HTTP port")
+    refused(lambda: triton.get_system_shared_memory_status(headers=AUTH), "UNIMPLEMENTED",
+            "shared memory is not served")
+    refused(lambda: triton.get_log_settings(headers=AUTH), "UNIMPLEMENTED", "--log-level")
+
     refused(lambda: triton.get_model_config("nope", headers=AUTH), "NOT_FOUND", "no model 'nope'")
     refused(lambda: triton.infer("sentiment", text), "UNAUTHENTICATED", "authorization: Bearer <API key>")
     refused(lambda: triton.get_model_metadata("sentiment", headers={"authorization": "Bearer wrong"}),
@@ -271,6 +279,12 @@ def refusals_carry_the_grpc_status_and_the_message_http_gives(server):
         label = [o.name for o in answer.outputs].index("label")
         assert triton_grpc.deserialize_bytes_tensor(answer.raw_output_contents[label]).tolist() == \
             [v.encode() for v in over_http(server, "sentiment", {"text": TEXTS})["label"]]
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")  # Triton's streaming
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stream(iter([typed.SerializeToString()]), metadata=list(AUTH.items())))
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert caught.value.details() == "streaming inference is not served: call ModelInfer, one request and one " \
+            "response"
         garbage = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes as they are
         with pytest.raises(grpc.RpcError) as caught:
             garbage(b"\xff\xff\xff\xff\x0f", metadata=list(AUTH.items()))
