@@ -346,17 +346,17 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         asked = decode(TEISimilarityRequest, body, 422)
         parameters = asked.parameters or SimilarityParameters()
         refuse_prompt(parameters.prompt_name)
-        texts = [asked.inputs.source_sentence, *asked.inputs.sentences]
-        results, module, _, headers = await embed(texts, embedding_module(runtime, None), parameters.truncate, request,
-                                                  parameters.truncation_direction.lower(),
-                                                  sides_named("inputs.source_sentence", "inputs.sentences", 1))
-        vectors = vectors_of(results, module.task, True, None, module)
-        return msgspec.json.encode((vectors[1:] @ vectors[0]).tolist()), headers
+        scores, *_, headers = await scored([asked.inputs.source_sentence], asked.inputs.sentences,
+                                           ("inputs.source_sentence", "inputs.sentences"), None, parameters.truncate,
+                                           request, parameters.truncation_direction.lower())
+        return msgspec.json.encode(scores.tolist()), headers
 
-    async def scored(first: list[str], second: list[str], model: str | None, truncate: bool, request, names):
-        """(cosine similarities of first[i] (or first[0]) and second[i], module, tokens, headers): one pass."""
+    async def scored(first: list[str], second: list[str], sides: tuple[str, str], model: str | None, truncate: bool,
+                     request, direction: str = "right"):
+        """(cosine similarities of first[i] (or first[0]) and second[i], module, tokens, headers): one pass;
+        `sides`: the request's names of the two, which a refused text is named by."""
         results, module, tokens, headers = await embed([*first, *second], embedding_module(runtime, model), truncate,
-                                                       request, names=names)
+                                                       request, direction, sides_named(*sides, len(first)))
         vectors = vectors_of(results, module.task, True, None, module)
         left, right = vectors[:len(first)], vectors[len(first):]
         return (left * right).sum(axis=1) if len(left) == len(right) else right @ left[0], module, tokens, headers
@@ -365,9 +365,8 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         """vLLM's /score with an embedding model: each pair's cosine similarity."""
         require_ready()
         asked = decode(ScoreRequest, body, 400)
-        (first, second), (one, other) = asked.sides(), asked.side_names()
-        scores, module, tokens, headers = await scored(first, second, asked.model, asked.truncate, request,
-                                                       sides_named(one, other, len(first)))
+        scores, module, tokens, headers = await scored(*asked.sides(), asked.side_names(), asked.model,
+                                                       asked.truncate, request)
         answer = ScoreResponse(f"score-{secrets.token_hex(16)}", "list", int(time.time()), asked.model or module.task,
                                [ScoreData(i, "score", s) for i, s in enumerate(scores.tolist())],
                                PoolingUsage(tokens, tokens))
@@ -378,8 +377,8 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         best first, the best `top_n`."""
         require_ready()
         asked = decode(RerankRequest, body, 400)
-        scores, module, tokens, headers = await scored([asked.query], asked.documents, asked.model, asked.truncate,
-                                                       request, sides_named("query", "documents", 1))
+        scores, module, tokens, headers = await scored([asked.query], asked.documents, ("query", "documents"),
+                                                       asked.model, asked.truncate, request)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[:asked.top_n or None]
         results = [RerankResult(i, float(scores[i]), RerankDocument(asked.documents[i]) if asked.return_documents
                                 else None) for i in order]
