@@ -2,7 +2,7 @@
 (`/v1/tokenize`, and Text Embeddings Inference's `/tokenize` route shape)."""
 from __future__ import annotations
 
-from server.backbone.tokens import EncodedInput, TextEncoder
+from server.backbone.tokens import END, START, EncodedInput, TextEncoder
 from server.windows import TextWindows
 
 
@@ -30,8 +30,10 @@ def describe(encoder: TextEncoder, text: TextWindows, add_special_tokens: bool) 
     whole = text.whole
     spans = []
     for (first, last), row in zip(text.spans, text.rows):
-        offsets = whole.offsets[text.first + first:text.first + last] if last > first else [(0, 0)]
-        spans.append({"start": offsets[0][0], "end": offsets[-1][1], "tokens": len(row)})
+        # the window's first and last token, read from the token array (not the per-token offsets list)
+        start, end = (int(whole.tokens[text.first + first, START]), int(whole.tokens[text.first + last - 1, END])) \
+            if last > first else (0, 0)
+        spans.append({"start": start, "end": end, "tokens": len(row)})
     return {"tokens": pieces(encoder, whole, add_special_tokens), "length": len(whole), "windows": spans}
 
 
