@@ -39,7 +39,8 @@ from server.classify_api import ClassifyRequest, ClassifyResponse, classify_rout
 from server.config import Settings
 from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
-                                   ScoreRequest, ScoreResponse, TEIEmbedRequest, TEISimilarityRequest,
+                                   ScoreRequest, ScoreResponse, TEIEmbedRequest, TEIRank, TEIRerankRequest,
+                                   TEISimilarityRequest,
                                    embedding_model_names, embedding_module, embeddings_routes, refuse_prompt, tei_info,
                                    tei_root)
 from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, clip_list, did_you_mean,
@@ -981,8 +982,10 @@ FAST_ROUTES_DOC = [
       for path, where in (("/score", ""), ("/v1/score", " (its older path)"))),
     *((path, f"vLLM's rerank API{where}: the documents by their embeddings' cosine similarity to the query, best "
        "first", "embeddings", RerankRequest, RerankResponse, (400, 404, 413, 429, 503))
-      for path, where in (("/rerank", " (Jina's and Cohere's)"), ("/v1/rerank", " (Jina's path)"),
-                          ("/v2/rerank", " (Cohere's v2 path)"))),
+      for path, where in (("/rerank", " (Jina's and Cohere's; a body with `texts` instead of `documents` is Text "
+                                      "Embeddings Inference's rerank, TEIRerankRequest, answered as a list of "
+                                      "TEIRank, its errors in TEI's shape, 422 for a malformed body)"),
+                          ("/v1/rerank", " (Jina's path)"), ("/v2/rerank", " (Cohere's v2 path)"))),
     ("/classify", "vLLM's classification API: one single-label task on texts", "classification", ClassifyRequest,
      ClassifyResponse, (400, 404, 413, 429, 503)),
     ("/v1/classify", "/classify, where SGLang serves it", "classification", ClassifyRequest, ClassifyResponse,
@@ -1006,7 +1009,7 @@ def openapi(app: TmodApp) -> dict:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     kinds = [kind for _, _, _, body, answer, _ in FAST_ROUTES_DOC for kind in (body, answer) if kind is not None]
-    found, components = openapi_components(*kinds, TokenizeRequest, TeiTokenizeRequest)
+    found, components = openapi_components(*kinds, TokenizeRequest, TeiTokenizeRequest, TEIRerankRequest, TEIRank)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
     for path, summary, tag, body, answer, errors in FAST_ROUTES_DOC:
         operation = {

@@ -181,6 +181,24 @@ class RerankRequest(Struct, forbid_unknown_fields=True):
                                                "413")] = False
 
 
+class TEIRerankRequest(Struct, forbid_unknown_fields=True):
+    """Text Embeddings Inference's /rerank body (what Haystack's and LlamaIndex's TEI rankers post), e.g.
+    {"query": "A fine film.", "texts": ["A good movie.", "Rain tomorrow."]}."""
+    query: str
+    texts: Annotated[list[str], Meta(min_length=1)]
+    raw_scores: Annotated[bool, Meta(description="accepted either way: the score is the cosine similarity of the "
+                                                 "embeddings, no classifier's logit to squash")] = False
+    return_text: Annotated[bool, Meta(description="each result's text")] = False
+    truncate: Union[bool, None] = False
+    truncation_direction: TEIDirection = "right"
+
+
+class TEIRank(Struct, omit_defaults=True):
+    index: int
+    score: Annotated[float, Meta(description="the cosine similarity of the query's and the text's embeddings")]
+    text: Union[str, None] = None
+
+
 class RerankDocument(Struct):
     text: str
 
@@ -197,6 +215,12 @@ class RerankResponse(Struct):
     model: str
     usage: OpenAIUsage
     results: Annotated[list[RerankResult], Meta(description="best first")]
+
+
+class RerankProbe(Struct):
+    """What /rerank reads of a body to choose its protocol: `texts` (TEI's) rather than `documents` (vLLM's)."""
+    texts: msgspec.Raw = msgspec.Raw(b"")
+    documents: msgspec.Raw = msgspec.Raw(b"")
 
 
 class RootProbe(Struct):
@@ -386,9 +410,35 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
                                 OpenAIUsage(tokens, tokens), results)
         return msgspec.json.encode(answer), headers
 
+    async def tei_rerank(body: bytes, request) -> tuple[bytes, dict]:
+        """Text Embeddings Inference's /rerank with an embedding model: `[{index, score, text}]`, the texts by
+        their cosine similarity to the query, best first."""
+        require_ready()
+        asked = decode(TEIRerankRequest, body, 422)
+        scores, *_, headers = await scored([asked.query], asked.texts, ("query", "texts"), None, bool(asked.truncate),
+                                           request, asked.truncation_direction.lower())
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        ranks = [TEIRank(i, float(scores[i]), asked.texts[i] if asked.return_text else None) for i in order]
+        return msgspec.json.encode(ranks), headers
+
+    async def rerank(body: bytes, request) -> tuple[bytes, dict]:
+        """/rerank, where vLLM and TEI both serve theirs: a body with `texts` and no `documents` is TEI's,
+        answered (and refused) in TEI's shape; any other, vLLM's."""
+        try:
+            probe = msgspec.json.decode(body, type=RerankProbe)
+        except msgspec.DecodeError:
+            probe = RerankProbe()
+        if not bytes(probe.texts) or bytes(probe.documents):
+            return await vllm_rerank(body, request)
+        try:
+            return await tei_rerank(body, request)
+        except ApiError as exc:
+            exc.protocol = "/embed"
+            raise
+
     return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed, "/similarity": tei_similarity,
             "/score": vllm_score, "/v1/score": vllm_score,
-            "/rerank": vllm_rerank, "/v1/rerank": vllm_rerank, "/v2/rerank": vllm_rerank}
+            "/rerank": rerank, "/v1/rerank": vllm_rerank, "/v2/rerank": vllm_rerank}
 
 
 def tei_root(routes: dict):

@@ -29,6 +29,10 @@ CLIP = 80  # characters of a client's value an error message quotes back
 
 
 class ApiError(Exception):
+    # a path whose protocol's shape answers this refusal, where a route serves two protocols' bodies
+    # (TEI's and vLLM's /rerank); None: the request's own path's
+    protocol: str | None = None
+
     def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None, **details: Any):
         super().__init__(message)
         self.status, self.type, self.message, self.details = status, type_, message, details
@@ -184,7 +188,7 @@ def refusal(app, path: str, exc: Exception, inference: bool = False) -> tuple[in
         status, type_, headers, details = 500, "internal_error", {}, {}
         message = f"{type(exc).__name__}: {str(exc)[:200]}"
     count_error(app, type_, inference)
-    return status, headers, error_content(path, status, type_, message, **details)
+    return status, headers, error_content(getattr(exc, "protocol", None) or path, status, type_, message, **details)
 
 
 def count_error(app, type_: str, inference: bool = False) -> None:

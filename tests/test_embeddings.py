@@ -410,6 +410,39 @@ def test_vllms_score_and_rerank_answer_the_embeddings_cosine_similarity(served, 
     assert httpx.get(served + "/rerank").status_code == 405
 
 
+def test_teis_rerank_body_on_rerank_is_answered_in_teis_shape(served, texts, reference_vectors):
+    """/rerank is TEI's path too: a body with `texts` (what Haystack's and LlamaIndex's TEI rankers post,
+    refused before as an unknown field of vLLM's body) is answered as TEI does, `[{index, score, text}]`
+    best first, each score the texts' embeddings' cosine similarity; its refusals in TEI's shape (422
+    for a malformed body), while a body with `documents` stays vLLM's."""
+    to_first = reference_vectors[1:6] @ reference_vectors[0]
+    best_first = np.argsort(-to_first)
+    answer = httpx.post(served + "/rerank", json={"query": texts[0], "texts": texts[1:6]})
+    assert answer.status_code == 200, answer.text
+    assert [r["index"] for r in answer.json()] == best_first.tolist() and all(set(r) == {"index", "score"}
+                                                                             for r in answer.json())
+    assert [r["score"] for r in answer.json()] == pytest.approx(to_first[best_first].tolist(), abs=1e-5)
+    with_text = httpx.post(served + "/rerank", json={"query": texts[0], "texts": texts[1:3], "return_text": True,
+                                                     "raw_scores": True, "truncate": None,
+                                                     "truncation_direction": "Left"}).json()
+    assert sorted((r["index"], r["text"]) for r in with_text) == [(0, texts[1]), (1, texts[2])]
+    long = " ".join(f"w{i}" for i in range(500))
+    cut = httpx.post(served + "/rerank", json={"query": texts[0], "texts": [long], "truncate": True}).json()
+    assert cut[0]["score"] == pytest.approx(float(reference([long])[0] @ reference_vectors[0]), abs=1e-5)
+
+    def refused(body, status, said):
+        answer = httpx.post(served + "/rerank", json=body)
+        assert answer.status_code == status and set(answer.json()) == {"error", "error_type"}, answer.text
+        assert said in answer.json()["error"], answer.text
+
+    refused({"query": "a", "texts": []}, 422, "texts: Expected `array` of length >= 1")
+    refused({"query": "a", "texts": ["b", " "]}, 422, "texts[1] is empty or only whitespace")
+    refused({"query": "a", "texts": ["b"], "top_n": 1}, 422, "unknown field `top_n`")
+    refused({"query": "a", "texts": ["b"] * 64}, 413, "65 texts (query to texts[63], counted together); at most 64")
+    vllm = httpx.post(served + "/rerank", json={"query": "a", "texts": ["b"], "documents": ["c"]})
+    assert vllm.status_code == 400 and "unknown field `texts`" in vllm.json()["error"]["message"], vllm.text
+
+
 def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):
     """Past the trained length (256 pieces) a text is read in windows (server/windows.py): by hand,
     each window's pooled vector from the reference library, averaged weighted by the text's pieces

@@ -261,6 +261,12 @@ CASES = [
      {"json": {"inputs": {"source_sentence": "a", "sentences": []}}}, 422, "tei"),
     ("tei-similarity-no-embedding-task", "POST", "/similarity",  # this store has none
      {"json": {"inputs": {"source_sentence": "a", "sentences": ["b"]}}}, 404, "tei"),
+    # TEI's body on /rerank (vLLM's path too): in TEI's shape
+    ("tei-rerank-no-embedding-task", "POST", "/rerank", {"json": {"query": "a", "texts": ["b"]}}, 404, "tei"),
+    ("tei-rerank-empty", "POST", "/rerank", {"json": {"query": "a", "texts": []}}, 422, "tei"),
+    ("tei-rerank-huge-integer", "POST", "/rerank", raw_body(b'{"query": "a", "texts": ' + b"9" * 5001 + b"}"), 422,
+     "tei"),
+    ("tei-rerank-texts-objects", "POST", "/rerank", {"json": {"query": "a", "texts": [{"text": "b"}]}}, 422, "tei"),
     ("tei-predict-parameters", "POST", "/predict?tasks=sentiment",
      {"json": {"inputs": "a", "parameters": {"function_to_apply": "sigmoid"}}}, 422, "tei"),
     ("tei-tokenize-gzip-bomb", "POST", "/tokenize", {**gzipped(b""), "content": ZIP_BOMB}, 413, "tei"),
