@@ -138,6 +138,15 @@ def test_read_table_formats(tmp_path):
     jsonl.write_text("\n".join(json.dumps({"t": t, "y": y}) for t, y in [("x", 0), ("z", 1)]) + "\n")
     data = read_table(jsonl, text_column="t", label_column="y")
     assert [(ex.text, ex.label) for ex in data.examples] == [("x", "0"), ("z", "1")]
+    # JSON's booleans keep their spelling (a label map keyed "true" finds them), in lists too
+    jsonl.write_text("\n".join(json.dumps({"t": t, "y": y}) for t, y in [("x", False), ("z", True)]) + "\n")
+    data = read_table(jsonl, text_column="t", label_column="y")
+    assert [(ex.text, ex.label) for ex in data.examples] == [("x", "false"), ("z", "true")]
+    data = read_table(jsonl, text_column="t", label_column="y", label_map={"false": "no", "true": "yes"})
+    assert [ex.label for ex in data.examples] == ["no", "yes"]
+    jsonl.write_text(json.dumps({"t": "x", "y": [True, "spam"]}) + "\n")
+    data = read_table(jsonl, text_column="t", label_column="y", multi_label=True)
+    assert data.examples[0].label == ("true", "spam")
 
 
 @pytest.mark.parametrize("name, body", [

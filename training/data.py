@@ -473,7 +473,7 @@ def _span_example(text, spans: list, label_map: dict[str, str] | None, where: st
                              f"the word {word!r}; the words are split at white space and punctuation")
         if any(tag != "O" for tag in tags[first:last + 1]):
             raise UsageError(f"{where}: entity {json.dumps(item)[:80]} overlaps another; BIO tags hold one entity a word")
-        kind = _label_name(str(label).strip(), label_map, where)
+        kind = _label_name(_label_text(label).strip(), label_map, where)
         if not kind:
             raise UsageError(f"{where}: entity {json.dumps(item)[:80]} has an empty label")
         tags[first:last + 1] = [f"B-{kind}"] + [f"I-{kind}"] * (last - first)
@@ -511,16 +511,22 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
     if text is None or not str(text).strip():
         raise UsageError(f"{where}: empty text")
     if multi_label:  # an empty cell is an example with no label
-        raw = label if isinstance(label, list) else str(label).split(separator)
-        label = tuple(_label_name(str(item).strip(), label_map, where) for item in raw if str(item).strip())
+        raw = label if isinstance(label, list) else _label_text(label).split(separator)
+        label = tuple(_label_name(_label_text(item).strip(), label_map, where) for item in raw
+                      if _label_text(item).strip())
     else:
         if isinstance(label, list):  # str() of it would train on labels such as "['joy']"
             raise UsageError(f"{where}: the label is a list ({json.dumps(label)[:80]}): give --multi-label for a "
                              "task whose texts have any number of labels")
         if label is None or not str(label).strip():
             raise UsageError(f"{where}: empty label")
-        label = _label_name(str(label).strip(), label_map, where)
+        label = _label_name(_label_text(label).strip(), label_map, where)
     return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
+
+
+def _label_text(value) -> str:
+    """A label as the file spells it: JSON's true and false stay so (str() would say True and False)."""
+    return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
 def _label_name(label: str, label_map: dict[str, str] | None, where: str = "") -> str:
