@@ -53,7 +53,9 @@ from server.predict_api import PredictRequest, PredictResponse, TEIPredictReques
 from server.runtime import Runtime
 from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, InferRequest, InferResponse, ModelInfo,
                             ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, RepositoryChangeRequest,
-                            RepositoryIndexRequest, TaskDetail, TaskList, TeiTokenizeRequest, TokenizeRequest, decode,
+                            RepositoryIndexRequest, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
+                            TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
+                            VllmTokenizeResponse, decode, sent_to_vllm,
                             openapi_components)
 
 
@@ -853,19 +855,71 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             "results": [tokenize_api.describe(runtime.text, text, body.add_special_tokens) for text in reading.texts],
             **chosen})
 
-    @app.post("/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}},
+    @app.post("/tokenize", tags=["tokenize"], responses={400: {}, 404: {}, 413: {}, 422: {}, 503: {}},
               openapi_extra=request_body(TeiTokenizeRequest))
     async def tei_tokenize(request: Request):
         """Text Embeddings Inference's route: `[[{id, text, special, start, stop}]]` per input (character
-        offsets; special tokens have no offsets). At most `max_tokenize_chars` characters per request."""
+        offsets; special tokens have no offsets). At most `max_tokenize_chars` characters per request.
+        A body with `prompt` (VllmTokenizeRequest) is vLLM's tokenize, answered VllmTokenizeResponse,
+        its errors in OpenAI's shape."""
         require_ready()
-        body = await body_of(TeiTokenizeRequest, request)
+        require_json(request.scope)
+        raw = await request.body()
+        if sent_to_vllm(raw):
+            try:
+                return await vllm_tokenize(decode(VllmTokenizeRequest, raw, 400))
+            except ApiError as exc:
+                exc.protocol = "/detokenize"  # vLLM's
+                raise
+        body = decode(TeiTokenizeRequest, raw, 422)
         refuse_prompt(body.prompt_name)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         check_tokenize_size(texts, None)
         reading = await read_inputs(texts, None, False, None, None)
         return await json_answer(lambda: [tokenize_api.tei_tokens(runtime.text, text.whole, body.add_special_tokens)
                                           for text in reading.texts])
+
+    def served_model(model: str | None) -> None:
+        """vLLM's `model`: the backbone's name or a loaded task's (one tokenizer reads for all), else 404."""
+        if model is not None and model != runtime.model_info()[0] and model not in runtime.modules:
+            raise ApiError(404, "model_not_found", f"no model {clip(model)}: this server's tokenizer is the "
+                           f"backbone's, {runtime.model_info()[0]!r} (or name a loaded task)", param="model")
+
+    async def vllm_tokenize(asked: VllmTokenizeRequest) -> Response:
+        served_model(asked.model)
+        if not asked.prompt.strip():  # vLLM answers no word pieces (or only the special ones)
+            ids = [] if not asked.add_special_tokens else tokenize_api.text_ids(runtime.text.encode([""])[0], True)
+        else:
+            check_tokenize_size([asked.prompt], None)
+            reading = await read_inputs([asked.prompt], None, False, None, None, names=lambda i: "prompt")
+            ids = tokenize_api.text_ids(reading.texts[0].whole, asked.add_special_tokens)
+        strs = runtime.text.tokenizer.convert_ids_to_tokens(ids) if asked.return_token_strs else None
+        return Response(msgspec.json.encode(VllmTokenizeResponse(len(ids), runtime.text.max_tokens, ids, strs)),
+                        media_type="application/json")
+
+    @app.post("/detokenize", tags=["tokenize"], responses={400: {}, 404: {}, 413: {}, 503: {}},
+              openapi_extra=request_body(VllmDetokenizeRequest), response_model=None)
+    async def vllm_detokenize(request: Request):
+        """vLLM's route: word piece ids back to text (special tokens kept, as vLLM decodes), `{"prompt"}`;
+        errors in OpenAI's shape."""
+        require_ready()
+        asked = await body_of(VllmDetokenizeRequest, request)
+        served_model(asked.model)
+        text, = tokenize_api.decoded(runtime.text, [asked.tokens], False, "tokens", settings.max_tokenize_chars, 400)
+        return Response(msgspec.json.encode(VllmDetokenizeResponse(text)), media_type="application/json")
+
+    @app.post("/decode", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}},
+              openapi_extra=request_body(TeiDecodeRequest), response_model=None)
+    async def tei_decode(request: Request):
+        """Text Embeddings Inference's route: word piece ids back to text, one string per list of ids
+        (`ids` one list, or a list of lists); special tokens left out unless `skip_special_tokens` is false."""
+        require_ready()
+        asked = await body_of(TeiDecodeRequest, request)
+        lists = {isinstance(item, list) for item in asked.ids}
+        if len(lists) > 1:
+            raise ApiError(422, "invalid_request", "ids: send one list of ids, or a list of lists, not both mixed")
+        ids = asked.ids if lists == {True} else [asked.ids]
+        return tokenize_api.decoded(runtime.text, ids, asked.skip_special_tokens, "ids", settings.max_tokenize_chars)
 
     app.fast_routes = {"/v1/infer": infer, **embeddings_routes(runtime, require_ready, run_inference),
                        **classify_routes(runtime, require_ready, run_inference),
@@ -1009,7 +1063,9 @@ def openapi(app: TmodApp) -> dict:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     kinds = [kind for _, _, _, body, answer, _ in FAST_ROUTES_DOC for kind in (body, answer) if kind is not None]
-    found, components = openapi_components(*kinds, TokenizeRequest, TeiTokenizeRequest, TEIRerankRequest, TEIRank)
+    found, components = openapi_components(*kinds, TokenizeRequest, TeiTokenizeRequest, TEIRerankRequest, TEIRank,
+                                           TeiDecodeRequest, VllmTokenizeRequest, VllmTokenizeResponse,
+                                           VllmDetokenizeRequest, VllmDetokenizeResponse)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
     for path, summary, tag, body, answer, errors in FAST_ROUTES_DOC:
         operation = {

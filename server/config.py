@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     max_tokenize_chars: int = Field(
         100_000, ge=1, description="most characters (texts and text pairs together) one /v1/tokenize or /tokenize "
         "request may have (413 above): bounds its answer, ~25 bytes of JSON per character (2.5 MB at the default, "
-        "measured with English text)")
+        "measured with English text); also the most ids one /decode or /detokenize request may have")
     max_body_bytes: int = Field(2_000_000, ge=1024, description="largest request body in bytes (413 above)")
     max_header_bytes: int = Field(65536, ge=4096, description="largest request line and headers in bytes (400 above, "
                                   "connection closed)")

@@ -140,7 +140,8 @@ PROTOCOLS = {"/v1/embeddings": (openai_error_body, 400), "/classify": (openai_er
              "/v1/rerank": (openai_error_body, 400), "/v2/rerank": (openai_error_body, 400),
              "/embed": (tei_error_body, 422), "/": (tei_error_body, 422),
              "/predict": (tei_error_body, 422), "/similarity": (tei_error_body, 422),
-             "/tokenize": (tei_error_body, 422), "/health": (tei_error_body, 422), "/info": (tei_error_body, 422)}
+             "/tokenize": (tei_error_body, 422), "/health": (tei_error_body, 422), "/info": (tei_error_body, 422),
+             "/decode": (tei_error_body, 422), "/detokenize": (openai_error_body, 400)}
 
 
 # KServe V1's inference paths (server/predict_api.py): here, where each path's error shape is chosen

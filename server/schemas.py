@@ -127,6 +127,60 @@ class TeiTokenizeRequest(Struct, forbid_unknown_fields=True):
     prompt_name: PromptName = None
 
 
+class TeiDecodeRequest(Struct, forbid_unknown_fields=True):
+    """Text Embeddings Inference's /decode body: word piece ids, one list or a list per text."""
+    ids: Annotated[list[Union[int, list[int]]], Meta(description="ids of one text, or a list of them per text")]
+    skip_special_tokens: bool = True
+
+
+class VllmTokenizeRequest(Struct, forbid_unknown_fields=True):
+    """vLLM's /tokenize body (its completion form), e.g. {"prompt": "A fine film."}."""
+    prompt: Union[str, None] = None
+    model: Union[str, None] = None
+    add_special_tokens: bool = True
+    return_token_strs: Annotated[bool, Meta(description="each id's word piece as the vocabulary spells it")] = False
+    messages: Annotated[Union[list, None], Meta(description="refused: no chat template (send prompt)")] = None
+
+    def __post_init__(self):
+        if self.messages is not None:
+            raise ValueError("chat messages are not tokenized here (an encoder has no chat template): send `prompt`")
+        if self.prompt is None:
+            raise ValueError("Object missing required field `prompt`")
+
+
+class VllmTokenizeResponse(Struct):
+    count: int
+    max_model_len: Annotated[int, Meta(description="the most word pieces the backbone reads in one row (a longer "
+                                                   "text is read in windows)")]
+    tokens: list[int]
+    token_strs: Union[list[str], None] = None
+
+
+class TokenizeProbe(Struct):
+    """What /tokenize reads of a body to choose its protocol: vLLM's `prompt` (or its chat `messages`)."""
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    messages: msgspec.Raw = msgspec.Raw(b"")
+
+
+def sent_to_vllm(body: bytes) -> bool:
+    """A /tokenize body in vLLM's shape (`prompt` or `messages`), not TEI's (`inputs`)."""
+    try:
+        probe = msgspec.json.decode(body, type=TokenizeProbe)
+    except msgspec.DecodeError:
+        return False
+    return bool(bytes(probe.prompt) or bytes(probe.messages))
+
+
+class VllmDetokenizeRequest(Struct, forbid_unknown_fields=True):
+    """vLLM's /detokenize body, e.g. {"tokens": [101, 1037, 2986, 2143, 1012, 102]}."""
+    tokens: list[int]
+    model: Union[str, None] = None
+
+
+class VllmDetokenizeResponse(Struct):
+    prompt: str
+
+
 class RepositoryIndexRequest(Struct):
     """Triton's repository index body (`{}` or none: every model; other fields, as Triton's own, ignored)."""
     ready: bool = False

@@ -1,8 +1,10 @@
 """What the server reads of a text: its word pieces with character offsets, and its windows
-(`/v1/tokenize`, and Text Embeddings Inference's `/tokenize` route shape)."""
+(`/v1/tokenize`, and Text Embeddings Inference's `/tokenize` route shape); and back, word piece ids
+to text (TEI's `/decode`, vLLM's `/detokenize`)."""
 from __future__ import annotations
 
-from server.backbone.tokens import END, START, EncodedInput, TextEncoder
+from server.backbone.tokens import END, IDS, SEGMENT, START, EncodedInput, TextEncoder
+from server.errors import ApiError
 from server.windows import TextWindows
 
 
@@ -42,3 +44,26 @@ def tei_tokens(encoder: TextEncoder, row: EncodedInput, add_special_tokens: bool
     offsets; null for special tokens, whose text is the token itself)."""
     return [{"id": p["id"], "text": p["token"] if p["special"] else p["text"], "special": p["special"],
              "start": p.get("start"), "stop": p.get("end")} for p in pieces(encoder, row, add_special_tokens)]
+
+
+def text_ids(row: EncodedInput, add_special_tokens: bool) -> list[int]:
+    """A row's word piece ids, its special tokens left out unless asked for."""
+    ids = row.tokens[:, IDS] if add_special_tokens else row.tokens[row.tokens[:, SEGMENT] >= 0, IDS]
+    return ids.tolist()
+
+
+def decoded(encoder: TextEncoder, ids: list[list[int]], skip_special_tokens: bool, field: str, limit: int,
+            malformed_status: int = 422) -> list[str]:
+    """Each list of word piece ids as text; `malformed_status` naming the first id the vocabulary does not
+    hold (`field`: what the request calls the lists), 413 past `limit` ids in all."""
+    total = sum(map(len, ids))
+    if total > limit:
+        raise ApiError(413, "too_many_tokens", f"{total} ids; at most {limit} per request (send fewer)")
+    size = len(encoder.tokenizer)
+    for i, row in enumerate(ids):
+        bad = next((token for token in row if not 0 <= token < size), None)
+        if bad is not None:
+            where = f"{field}[{i}]" if len(ids) > 1 else field
+            raise ApiError(malformed_status, "invalid_request",
+                           f"{where}: id {bad} is not in the vocabulary (ids 0 to {size - 1})")
+    return encoder.tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)

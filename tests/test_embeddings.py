@@ -443,6 +443,46 @@ def test_teis_rerank_body_on_rerank_is_answered_in_teis_shape(served, texts, ref
     assert vllm.status_code == 400 and "unknown field `texts`" in vllm.json()["error"]["message"], vllm.text
 
 
+def test_vllms_tokenize_and_detokenize_and_teis_decode_use_the_backbones_tokenizer(served, texts):
+    """vLLM's /tokenize (a body with `prompt` on TEI's /tokenize path, refused before as an unknown
+    field) and /detokenize, and TEI's /decode: the ids and text the backbone's own tokenizer gives;
+    refusals in each protocol's shape (vLLM's OpenAI's, TEI's its own)."""
+    tokenizer = sentence_transformer().tokenizer
+    for text in texts[:5]:
+        answer = httpx.post(served + "/tokenize", json={"prompt": text, "model": "all-MiniLM-L6-v2"}).json()
+        assert answer["tokens"] == tokenizer(text)["input_ids"] and answer["count"] == len(answer["tokens"])
+        assert answer["max_model_len"] == 512 and answer["token_strs"] is None
+        bare = httpx.post(served + "/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                      "return_token_strs": True}).json()
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert bare["tokens"] == ids and bare["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+        back = httpx.post(served + "/detokenize", json={"tokens": answer["tokens"]}).json()
+        assert back == {"prompt": tokenizer.decode(answer["tokens"])}
+    empty = httpx.post(served + "/tokenize", json={"prompt": ""}).json()
+    assert empty["tokens"] == tokenizer("")["input_ids"]
+    ids = [tokenizer(text)["input_ids"] for text in texts[:3]]
+    assert httpx.post(served + "/decode", json={"ids": ids}).json() == tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert httpx.post(served + "/decode", json={"ids": ids[0], "skip_special_tokens": False}).json() == \
+        [tokenizer.decode(ids[0])]
+    assert httpx.post(served + "/tokenize", json={"inputs": texts[0]}).json()[0][1]["start"] == 0  # TEI's, as before
+
+    def refused(path, body, status, said, shape):
+        answer = httpx.post(served + path, json=body)
+        error = answer.json()["error"]
+        message = error["message"] if shape == "openai" else error
+        assert answer.status_code == status and said in message, answer.text
+        assert set(error) == {"message", "type", "param", "code"} if shape == "openai" else \
+            set(answer.json()) == {"error", "error_type"}
+
+    refused("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, 400, "send `prompt`", "openai")
+    refused("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "no model 'gpt-4'", "openai")
+    refused("/tokenize", {"prompt": "a\x00b"}, 422, "prompt has control character", "openai")
+    refused("/detokenize", {"tokens": [101, 30522]}, 400, "tokens: id 30522 is not in the vocabulary", "openai")
+    refused("/decode", {"ids": [[101], [-1]]}, 422, "ids[1]: id -1 is not in the vocabulary", "tei")
+    refused("/decode", {"ids": [[101], 5]}, 422, "not both mixed", "tei")
+    refused("/decode", {"ids": [[1] * 100_001]}, 413, "100001 ids; at most 100000", "tei")  # --max-tokenize-chars
+
+
 def test_a_long_text_is_embedded_as_its_windows_pooled_vectors_averaged_by_tokens(served):
     """Past the trained length (256 pieces) a text is read in windows (server/windows.py): by hand,
     each window's pooled vector from the reference library, averaged weighted by the text's pieces

@@ -261,6 +261,15 @@ CASES = [
      {"json": {"inputs": {"source_sentence": "a", "sentences": []}}}, 422, "tei"),
     ("tei-similarity-no-embedding-task", "POST", "/similarity",  # this store has none
      {"json": {"inputs": {"source_sentence": "a", "sentences": ["b"]}}}, 404, "tei"),
+    # token ids back to text: TEI's /decode in its shape, vLLM's /detokenize and tokenize in OpenAI's
+    *refused_before_the_route("tei-decode", "/decode", "ids", 422),
+    ("tei-decode-unknown-id", "POST", "/decode", {"json": {"ids": [2**40]}}, 422, "tei"),
+    ("tei-decode-get", "GET", "/decode", {}, 405, "tei"),
+    *refused_before_the_route("openai-detokenize", "/detokenize", "tokens", 400),
+    ("openai-detokenize-strings", "POST", "/detokenize", {"json": {"tokens": ["a"]}}, 400, "openai"),
+    ("openai-detokenize-huge-id", "POST", "/detokenize", {"json": {"tokens": [2**63 - 1]}}, 400, "openai"),
+    ("openai-tokenize-chat", "POST", "/tokenize", {"json": {"messages": []}}, 400, "openai"),
+    ("openai-tokenize-huge-prompt", "POST", "/tokenize", {"json": {"prompt": "word " * 5_000}}, 413, "openai"),
     # TEI's body on /rerank (vLLM's path too): in TEI's shape
     ("tei-rerank-no-embedding-task", "POST", "/rerank", {"json": {"query": "a", "texts": ["b"]}}, 404, "tei"),
     ("tei-rerank-empty", "POST", "/rerank", {"json": {"query": "a", "texts": []}}, 422, "tei"),
