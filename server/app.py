@@ -55,7 +55,7 @@ from server.schemas import (DEFAULT_CONTROLS, AdminModules, AnswerControls, Infe
                             ModuleAction, ModuleActionResult, OpenAIModel, OpenAIModelList, RepositoryChangeRequest,
                             RepositoryIndexRequest, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
                             TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
-                            VllmTokenizeResponse, decode, sent_to_vllm,
+                            VllmTokenizeResponse, decode, probe,
                             openapi_components)
 
 
@@ -865,7 +865,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         require_ready()
         require_json(request.scope)
         raw = await request.body()
-        if sent_to_vllm(raw):
+        sent = probe(raw)
+        if sent.has("prompt") or sent.has("messages"):  # vLLM's body
             try:
                 return await vllm_tokenize(decode(VllmTokenizeRequest, raw, 400))
             except ApiError as exc:

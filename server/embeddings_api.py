@@ -39,7 +39,7 @@ from modules_store import TaskType
 from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
 from server.modules import token_limit
-from server.schemas import AnswerControls, PromptName, TEIDirection, decode
+from server.schemas import AnswerControls, PromptName, TEIDirection, decode, probe
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
@@ -215,20 +215,6 @@ class RerankResponse(Struct):
     model: str
     usage: OpenAIUsage
     results: Annotated[list[RerankResult], Meta(description="best first")]
-
-
-class RerankProbe(Struct):
-    """What /rerank reads of a body to choose its protocol: `texts` (TEI's) rather than `documents` (vLLM's)."""
-    texts: msgspec.Raw = msgspec.Raw(b"")
-    documents: msgspec.Raw = msgspec.Raw(b"")
-
-
-class RootProbe(Struct):
-    """What TEI's root reads of a body to choose its route: `inputs` an object is a similarity request;
-    Hugging Face's `parameters` beside a text are a classification request (huggingface_hub's
-    text_classification sends them, its feature_extraction sends its options at the top level)."""
-    inputs: msgspec.Raw = msgspec.Raw(b"")
-    parameters: msgspec.Raw = msgspec.Raw(b"")
 
 
 # ---- shared ----------------------------------------------------------------------------------------
@@ -424,11 +410,8 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
     async def rerank(body: bytes, request) -> tuple[bytes, dict]:
         """/rerank, where vLLM and TEI both serve theirs: a body with `texts` and no `documents` is TEI's,
         answered (and refused) in TEI's shape; any other, vLLM's."""
-        try:
-            probe = msgspec.json.decode(body, type=RerankProbe)
-        except msgspec.DecodeError:
-            probe = RerankProbe()
-        if not bytes(probe.texts) or bytes(probe.documents):
+        sent = probe(body)
+        if not sent.has("texts") or sent.has("documents"):
             return await vllm_rerank(body, request)
         try:
             return await tei_rerank(body, request)
@@ -448,14 +431,11 @@ def tei_root(routes: dict):
     is malformed). `routes`: the app's handlers by path."""
 
     async def root(body: bytes, request) -> tuple[bytes, dict]:
-        try:
-            probe = msgspec.json.decode(body, type=RootProbe)
-        except msgspec.DecodeError:
-            probe = RootProbe()
-        if bytes(probe.inputs)[:1] == b"{":
+        sent = probe(body)
+        if bytes(sent.inputs)[:1] == b"{":
             path = "/similarity"
         else:
-            path = "/predict" if bytes(probe.parameters) else "/embed"
+            path = "/predict" if sent.has("parameters") else "/embed"
         return await routes[path](body, request)
 
     return root

@@ -156,19 +156,28 @@ class VllmTokenizeResponse(Struct):
     token_strs: Union[list[str], None] = None
 
 
-class TokenizeProbe(Struct):
-    """What /tokenize reads of a body to choose its protocol: vLLM's `prompt` (or its chat `messages`)."""
+class BodyProbe(Struct):
+    """The fields a route serving two protocols' bodies reads to choose one (`probe`), undecoded: TEI's
+    root (`inputs` an object: similarity; Hugging Face's `parameters` beside a text: classification),
+    /rerank (TEI's `texts` or vLLM's `documents`), /tokenize (vLLM's `prompt` or chat `messages`, or
+    TEI's `inputs`)."""
+    inputs: msgspec.Raw = msgspec.Raw(b"")
+    parameters: msgspec.Raw = msgspec.Raw(b"")
+    texts: msgspec.Raw = msgspec.Raw(b"")
+    documents: msgspec.Raw = msgspec.Raw(b"")
     prompt: msgspec.Raw = msgspec.Raw(b"")
     messages: msgspec.Raw = msgspec.Raw(b"")
 
+    def has(self, field: str) -> bool:
+        return bool(bytes(getattr(self, field)))
 
-def sent_to_vllm(body: bytes) -> bool:
-    """A /tokenize body in vLLM's shape (`prompt` or `messages`), not TEI's (`inputs`)."""
+
+def probe(body: bytes) -> BodyProbe:
+    """`body`'s choosing fields (none where it is no JSON object: the route's default protocol refuses it)."""
     try:
-        probe = msgspec.json.decode(body, type=TokenizeProbe)
+        return msgspec.json.decode(body, type=BodyProbe)
     except msgspec.DecodeError:
-        return False
-    return bool(bytes(probe.prompt) or bytes(probe.messages))
+        return BodyProbe()
 
 
 class VllmDetokenizeRequest(Struct, forbid_unknown_fields=True):
