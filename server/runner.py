@@ -573,6 +573,7 @@ class GraphCache:
         self.captures = 0  # captures made since start (a test counts recaptures with it)
         self.replays = 0
         self.generation = 0  # counts every change to the graphs held (a capture, a drop): caches key on it
+        self._cap_said = -1  # the generation whose reaching the memory cap was logged
         self._plans: dict[int, _PlanGraphs] = {}
 
     @property
@@ -618,7 +619,14 @@ class GraphCache:
             entry = self._plans[id(plan)] = _PlanGraphs(plan)
         if bucket in entry.graphs:
             return entry.graphs[bucket]
-        if bucket in entry.refused or self.memory_bytes >= self.memory_cap:
+        if bucket in entry.refused:
+            return None
+        if self.memory_bytes >= self.memory_cap:
+            if self._cap_said != self.generation:  # once per set of graphs: the passes it leaves eager are many
+                self._cap_said = self.generation
+                log.warning("CUDA graphs hold %.0f MiB, the cap (--graph-memory-mb %d): shape %s for tasks %s and "
+                            "every shape not captured yet run eager; raise the cap to capture them",
+                            self.memory_bytes / 2**20, self.memory_cap // 2**20, bucket, sorted(plan.modules))
             return None
         t0 = time.perf_counter()
         try:

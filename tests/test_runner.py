@@ -3,6 +3,7 @@ invalidation on module changes, no host syncs inside a pass, head precision. CPU
 tiny backbone and real modules; CUDA-only tests are marked and skipped without a GPU."""
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from pathlib import Path
@@ -325,6 +326,33 @@ def test_graph_memory_cap_and_a_failed_capture_fall_back_to_eager(tiny_backbone,
     capped.warm_up(modules)
     assert_same_answers(capped.run(rows, modules), want)
     assert len(calls) == tried
+
+
+def test_reaching_the_graph_memory_cap_is_said_once_and_the_rest_run_eager(tiny_backbone, tiny_store, caplog):
+    """Capture stops at --graph-memory-mb (largest shapes first, so the small one-text shapes are the
+    ones left eager): said in one warning line naming the cap, where it had been silent."""
+    modules = modules_of(tiny_store, tiny_backbone)
+    engine, ref = Engine(tiny_backbone), []
+    stand_in, _ = record_eager(engine, ref)
+
+    def capture(plan, bucket):  # each 'graph' holds 3 MiB of a 5 MiB cap
+        captured = stand_in(plan, bucket)
+        captured.memory_bytes = 3 * 2**20
+        return captured
+
+    runner = ModelRunner(engine, Settings(batch_shapes="buckets", head_precision="fp32", graph_batch_sizes="1,2,4",
+                                          graph_seq_lens="32,64", graph_memory_mb=5), capture=capture)
+    ref.append(runner)
+    with caplog.at_level(logging.WARNING, logger="tmod"):
+        runner.warm_up(modules)
+    reachable = runner.reachable_buckets()
+    assert len(reachable) > 2 and runner.graphs.captures == 2 and runner.graphs.buckets(next(iter(runner.graphs.plans())))\
+        == reachable[:2]  # the two largest
+    said = [r.getMessage() for r in caplog.records if "cap" in r.getMessage()]
+    assert len(said) == 1 and "6 MiB, the cap (--graph-memory-mb 5)" in said[0] and str(reachable[2]) in said[0], said
+    rows = sorted_rows(tiny_backbone, TEXTS[:1])
+    want = runner_for(tiny_backbone, "length_runs", max_padding_ratio=1000).run(rows, modules)
+    assert_same_answers(runner.run(rows, modules), want)  # a shape left out: eager, the same answers
 
 
 # ---- nothing in the pass waits on the device -----------------------------------------------------
