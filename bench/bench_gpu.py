@@ -278,9 +278,10 @@ def served_section(args, sentences: list[str], tmp: Path):
         finally:
             server.stop()
             LIVE_SERVERS.remove(server)
-            # why passes ran eager where graphs are captured (server/runner.py says it once per shape)
+            # why passes ran eager where graphs are captured (server/runner.py says it once per shape, and
+            # once where the graph memory cap stopped capture)
             for line in [line for line in server.log_tail(100_000).splitlines()
-                         if "ran eager" in line or "not captured" in line][:30]:
+                         if "ran eager" in line or "not captured" in line or "--graph-memory-mb" in line][:30]:
                 print("server said:", line[:800], flush=True)
 
 
