@@ -30,7 +30,7 @@ CLIP = 80  # characters of a client's value an error message quotes back
 
 class ApiError(Exception):
     # a path whose protocol's shape answers this refusal, where a route serves two protocols' bodies
-    # (TEI's and vLLM's /rerank); None: the request's own path's
+    # (/rerank: TEI's and vLLM's; /tokenize: vLLM's and TEI's); None: the request's own path's
     protocol: str | None = None
 
     def __init__(self, status: int, type_: str, message: str, headers: dict[str, str] | None = None, **details: Any):

@@ -512,8 +512,8 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
         raise UsageError(f"{where}: empty text")
     if multi_label:  # an empty cell is an example with no label
         raw = label if isinstance(label, list) else _label_text(label).split(separator)
-        label = tuple(_label_name(_label_text(item).strip(), label_map, where) for item in raw
-                      if _label_text(item).strip())
+        names = [_label_text(item).strip() for item in raw]
+        label = tuple(_label_name(name, label_map, where) for name in names if name)
     else:
         if isinstance(label, list):  # str() of it would train on labels such as "['joy']"
             raise UsageError(f"{where}: the label is a list ({json.dumps(label)[:80]}): give --multi-label for a "
