@@ -23,7 +23,8 @@
   with `Connection: close`, so a keep-alive client does not send its next request into a
   connection being closed. An idle keep-alive connection is closed only after
   `IDLE_DRAIN_GRACE_S` without a request: one its client had already sent (accepted, not yet read
-  by the event loop) is answered, and closed. uvicorn's own httptools protocol closes such a
+  by the event loop, however long the loop is busy) is answered, and closed; a head begun in the
+  grace meets the head deadline as any other. uvicorn's own httptools protocol closes such a
   connection at once, which lost 7 to 36 of 500 requests under load (bench/bench_attack.py, 2026-11-23).
 """
 from __future__ import annotations
@@ -232,7 +233,10 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
 
         def _close_if_idle(self) -> None:
             if self._waiting_for_head() and not self._in_head and not self.transport.is_closing():
-                self.transport.close()
+                if unread_bytes(self.transport):  # a request came in the grace, the busy loop has not read it yet
+                    self.loop.call_later(IDLE_DRAIN_GRACE_S, self._close_if_idle)
+                else:
+                    self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             heading = self._waiting_for_head() or self._in_head
@@ -244,10 +248,10 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
             if self._in_head and self._head_bytes > max_header_bytes:
                 self.transport.write(too_large)  # a head still arriving, already over the limit
                 self.transport.close()
-            elif heading and not self._draining and (self._in_head or self._waiting_for_head()):
-                # a request head started (after an idle keep-alive wait, which this data ended) and is not
-                # whole yet: its deadline runs from now. A head that came whole in this data needs none
-                # (most: no timer made and cancelled per request)
+            elif heading and (self._in_head or self._waiting_for_head()):
+                # a request head started (after an idle keep-alive wait, which this data ended, or in the
+                # stop's grace) and is not whole yet: its deadline runs from now. A head that came whole in
+                # this data needs none (most: no timer made and cancelled per request)
                 self._arm()
 
         def on_message_begin(self) -> None:

@@ -237,6 +237,99 @@ def test_a_request_sent_while_the_event_loop_was_busy_past_keep_alive_s_is_answe
         waker.close()
 
 
+def test_a_request_sent_while_the_event_loop_was_busy_through_the_drain_grace_is_answered():
+    """The stop (`shutdown`) gives an idle kept-alive connection IDLE_DRAIN_GRACE_S for a request its
+    client already sent; with the event loop busy through the grace, the grace's timer runs before the
+    loop reads that request: it is answered (with `Connection: close`), not reset."""
+    import asyncio
+    import time
+
+    from server.http_limits import IDLE_DRAIN_GRACE_S
+
+    loops, busy = [], threading.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        loops.append(asyncio.get_running_loop())
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    settings = Settings(port=free_port(), log_level="warning")
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the server to start")
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    wake, waker = socket.socketpair()
+
+    def hold_the_loop():
+        wake.recv(1)
+        busy.set()
+        time.sleep(2 * IDLE_DRAIN_GRACE_S + 0.5)
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", settings.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    try:
+        with socket.create_connection(("127.0.0.1", settings.port), timeout=30) as kept:
+            kept.sendall(request)
+            assert kept.recv(4096).endswith(b"\r\n\r\nok")
+            loops[0].call_soon_threadsafe(loops[0].add_reader, wake.fileno(), hold_the_loop)
+            time.sleep(0.05)
+            server.should_exit = True  # the stop: listener closed, then each connection's shutdown
+            wait_until(lambda: not listening(), "the listener to close")
+            waker.sendall(b"x")
+            assert busy.wait(10)
+            time.sleep(IDLE_DRAIN_GRACE_S + 0.3)  # past the grace, the loop still busy
+            kept.sendall(request)  # sent before the connection was closed, unread until the loop is free
+            try:
+                answer = read_until_closed(kept)
+            except ConnectionError:
+                answer = b""
+            assert answer.startswith(b"HTTP/1.1 200 ") and b"connection: close" in answer.lower(), answer
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        wake.close()
+        waker.close()
+
+
+def test_a_head_begun_in_the_drain_grace_and_left_unfinished_still_meets_its_deadline():
+    """A client that starts a request head in the stop's grace and never ends it: answered 408 at the
+    head deadline and closed, so the stop ends (it waited for the connection for ever)."""
+    import time
+
+    settings = Settings(port=free_port(), log_level="warning", header_timeout_s=0.5)
+    server = uvicorn.Server(uvicorn_config(ok_app, settings))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the server to start")
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", settings.port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    with socket.create_connection(("127.0.0.1", settings.port), timeout=30) as kept:
+        kept.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert kept.recv(4096).endswith(b"\r\n\r\nok")
+        server.should_exit = True
+        wait_until(lambda: not listening(), "the listener to close")
+        kept.sendall(b"GET / HTTP/1.1\r\nhost: ")  # in the grace, and never finished
+        started = time.monotonic()
+        answer = read_until_closed(kept)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - started < 10
+
+
 def test_a_served_request_leaves_no_reference_cycle():
     """uvicorn's request cycle holds its scope and tmod's protocol puts the cycle in the scope: the app
     unlinks them once the request is answered, so a request's objects go by reference counting and a
