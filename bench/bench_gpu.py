@@ -268,6 +268,7 @@ def served_section(args, sentences: list[str], tmp: Path):
                       + (f" {run.get('each_engine_cpu_us_per_request')}" if args.engines > 1 else "")
                       + f", workers {run['each_worker_cpu_us_per_request']}, generator {run['generator_cpu_us_per_request']}"
                       f"; passes {run['batches']['passes_by_path']}, pageable {run['batches']['pageable_passes']}"
+                      f", graphs {run['batches']['cuda_graphs']} ({run['batches']['cuda_graph_memory_mib']} MiB)"
                       f"; engine threads (cores) " + " ".join(f"{t['name']}{'(main)' if t['main'] else ''}={t['cores']}"
                                                              for t in run["server_busiest_threads"][:5]),
                       flush=True)

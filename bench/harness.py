@@ -478,6 +478,9 @@ def metrics_delta(before: dict, after: dict) -> dict:
         "passes_by_path": {k.split("path=", 1)[1].rstrip("}"): int(d(k))
                            for k in after if k.startswith("tmod_passes_total{") and d(k)},
         "pageable_passes": int(d("tmod_pageable_passes_total{}")),
+        # the CUDA graphs held at the end of the level (gauges), against the buckets its passes needed
+        "cuda_graphs": int(after.get("tmod_cuda_graphs{}", 0.0)),
+        "cuda_graph_memory_mib": round(after.get("tmod_cuda_graph_memory_bytes{}", 0.0) / 2**20, 1),
     }
 
 
