@@ -3,21 +3,24 @@ tmod-serve runs (httptools, `server/http_limits.py`), the sampled access log, an
 schema of the inference routes generated from their msgspec structs."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
 import threading
+import time
 
 import msgspec
 import pytest
 import uvicorn
 
 from server.config import Settings
-from server.http_limits import uvicorn_config
+from server.http_limits import IDLE_DRAIN_GRACE_S, uvicorn_config
 from server.logs import AccessLog
 from bench.live_server import free_port, read_until_closed, wait_until
 
 LIMIT = 4096
+GET = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
 async def ok_app(scope, receive, send):
@@ -25,18 +28,6 @@ async def ok_app(scope, receive, send):
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
-
-
-@pytest.fixture(scope="module")
-def port():
-    settings = Settings(port=free_port(), max_header_bytes=LIMIT, log_level="warning")
-    server = uvicorn.Server(uvicorn_config(ok_app, settings))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, "the server to start")
-    yield settings.port
-    server.should_exit = True
-    thread.join(30)
 
 
 def exchange(port: int, parts: list[bytes]) -> bytes:
@@ -47,6 +38,63 @@ def exchange(port: int, parts: list[bytes]) -> bytes:
         except OSError:  # refused midway: the server closed the connection
             pass
         return read_until_closed(sock)  # every exchange here ends with the server closing
+
+
+class LoopHolder:
+    """An app answering "ok" that remembers the server's event loop, and holds that loop busy in an
+    I/O callback (as reading a burst of requests does) when asked: `hold`."""
+
+    def __init__(self):
+        self.loops, self.busy = [], threading.Event()
+        self.wake, self.waker = socket.socketpair()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            self.loops.append(asyncio.get_running_loop())
+        await ok_app(scope, receive, send)
+
+    def hold(self, seconds: float) -> None:
+        """The loop busy for `seconds` from now (returns once it is)."""
+        def held():
+            self.wake.recv(1)
+            self.busy.set()
+            time.sleep(seconds)
+
+        loop = self.loops[0]
+        loop.call_soon_threadsafe(loop.add_reader, self.wake.fileno(), held)
+        time.sleep(0.05)
+        self.waker.sendall(b"x")
+        assert self.busy.wait(10)
+
+    def close(self) -> None:
+        self.wake.close()
+        self.waker.close()
+
+
+def serve(app, **limits) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """tmod's uvicorn (`uvicorn_config`) serving `app` on a thread: (server, thread, port)."""
+    settings = Settings(port=free_port(), log_level="warning", **limits)
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the server to start")
+    return server, thread, settings.port
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def port():
+    server, thread, port = serve(ok_app, max_header_bytes=LIMIT)
+    yield port
+    server.should_exit = True
+    thread.join(30)
 
 
 @pytest.mark.parametrize("size, status", [(LIMIT // 2, 200), (LIMIT + 100, 400)])
@@ -103,8 +151,6 @@ def test_the_inference_routes_schema_is_the_structs_schema():
 def test_an_answers_writes_of_one_iteration_reach_the_socket_as_one():
     """`OneWriteTransport`: a head and a body written back to back go out in one write; a lone write
     goes out at the iteration's end; a close sends what is held first; the rest is the transport's."""
-    import asyncio
-
     from server.http_limits import OneWriteTransport
 
     class Recording:
@@ -153,18 +199,9 @@ def test_keep_alive_answers_come_whole_through_the_protocol(port):
 def test_an_idle_kept_alive_connection_lasts_keep_alive_s_and_gets_no_408():
     """`keep_alive_s` is the idle time between requests (behind a proxy it must outlast the proxy's:
     deploy/README.md); the head deadline does not cut an idle connection, it starts at a head's first byte."""
-    import time
-
-    def serve(**limits):
-        settings = Settings(port=free_port(), log_level="warning", **limits)
-        server = uvicorn.Server(uvicorn_config(ok_app, settings))
-        threading.Thread(target=server.run, daemon=True).start()
-        wait_until(lambda: server.started, "the server to start")
-        return server, settings.port
-
-    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    request = GET
     for keep_alive_s, idle_s, kept in ((30.0, 1.0, True), (0.3, 2.0, False)):
-        server, port = serve(keep_alive_s=keep_alive_s, header_timeout_s=0.3)
+        server, _, port = serve(ok_app, keep_alive_s=keep_alive_s, header_timeout_s=0.3)
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
                 sock.sendall(request)
@@ -190,40 +227,15 @@ def test_a_request_sent_while_the_event_loop_was_busy_past_keep_alive_s_is_answe
     request. uvicorn closed the connection with the request unread (the client's POST failed with a
     connection error; seen under 256 clients on 2 cores, 2026-11-30); it is answered now, and an idle
     connection still closes."""
-    import asyncio
-    import time
-
-    loops, busy = [], threading.Event()
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        loops.append(asyncio.get_running_loop())
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    settings = Settings(port=free_port(), log_level="warning", keep_alive_s=0.3)
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    threading.Thread(target=server.run, daemon=True).start()
-    wait_until(lambda: server.started, "the server to start")
-    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
-    wake, waker = socket.socketpair()
-
-    def hold_the_loop():  # an I/O callback that takes a while, as reading a burst of requests does
-        wake.recv(1)
-        busy.set()
-        time.sleep(1.0)
-
+    app = LoopHolder()
+    server, thread, port = serve(app, keep_alive_s=0.3)
     try:
-        with socket.create_connection(("127.0.0.1", settings.port), timeout=30) as kept:
-            kept.sendall(request)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as kept:
+            kept.sendall(GET)
             assert kept.recv(4096).endswith(b"\r\n\r\nok")  # its keep-alive time (0.3 s) starts
-            loops[0].call_soon_threadsafe(loops[0].add_reader, wake.fileno(), hold_the_loop)
-            time.sleep(0.05)
-            waker.sendall(b"x")
-            assert busy.wait(10)
+            app.hold(1.0)
             time.sleep(0.5)  # past keep_alive_s, the loop still busy
-            kept.sendall(request)  # the next request, unread until the loop is free
+            kept.sendall(GET)  # the next request, unread until the loop is free
             try:
                 answer = kept.recv(4096)
             except ConnectionError:
@@ -233,60 +245,25 @@ def test_a_request_sent_while_the_event_loop_was_busy_past_keep_alive_s_is_answe
             assert kept.recv(4096) == b""
     finally:
         server.should_exit = True
-        wake.close()
-        waker.close()
+        thread.join(30)
+        app.close()
 
 
 def test_a_request_sent_while_the_event_loop_was_busy_through_the_drain_grace_is_answered():
     """The stop (`shutdown`) gives an idle kept-alive connection IDLE_DRAIN_GRACE_S for a request its
     client already sent; with the event loop busy through the grace, the grace's timer runs before the
     loop reads that request: it is answered (with `Connection: close`), not reset."""
-    import asyncio
-    import time
-
-    from server.http_limits import IDLE_DRAIN_GRACE_S
-
-    loops, busy = [], threading.Event()
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        loops.append(asyncio.get_running_loop())
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    settings = Settings(port=free_port(), log_level="warning")
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, "the server to start")
-    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
-    wake, waker = socket.socketpair()
-
-    def hold_the_loop():
-        wake.recv(1)
-        busy.set()
-        time.sleep(2 * IDLE_DRAIN_GRACE_S + 0.5)
-
-    def listening() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", settings.port), timeout=1).close()
-            return True
-        except OSError:
-            return False
-
+    app = LoopHolder()
+    server, thread, port = serve(app)
     try:
-        with socket.create_connection(("127.0.0.1", settings.port), timeout=30) as kept:
-            kept.sendall(request)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as kept:
+            kept.sendall(GET)
             assert kept.recv(4096).endswith(b"\r\n\r\nok")
-            loops[0].call_soon_threadsafe(loops[0].add_reader, wake.fileno(), hold_the_loop)
-            time.sleep(0.05)
             server.should_exit = True  # the stop: listener closed, then each connection's shutdown
-            wait_until(lambda: not listening(), "the listener to close")
-            waker.sendall(b"x")
-            assert busy.wait(10)
+            wait_until(lambda: not listening(port), "the listener to close")
+            app.hold(2 * IDLE_DRAIN_GRACE_S + 0.5)
             time.sleep(IDLE_DRAIN_GRACE_S + 0.3)  # past the grace, the loop still busy
-            kept.sendall(request)  # sent before the connection was closed, unread until the loop is free
+            kept.sendall(GET)  # sent before the connection was closed, unread until the loop is free
             try:
                 answer = read_until_closed(kept)
             except ConnectionError:
@@ -295,33 +272,18 @@ def test_a_request_sent_while_the_event_loop_was_busy_through_the_drain_grace_is
     finally:
         server.should_exit = True
         thread.join(30)
-        wake.close()
-        waker.close()
+        app.close()
 
 
 def test_a_head_begun_in_the_drain_grace_and_left_unfinished_still_meets_its_deadline():
     """A client that starts a request head in the stop's grace and never ends it: answered 408 at the
     head deadline and closed, so the stop ends (it waited for the connection for ever)."""
-    import time
-
-    settings = Settings(port=free_port(), log_level="warning", header_timeout_s=0.5)
-    server = uvicorn.Server(uvicorn_config(ok_app, settings))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, "the server to start")
-
-    def listening() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", settings.port), timeout=1).close()
-            return True
-        except OSError:
-            return False
-
-    with socket.create_connection(("127.0.0.1", settings.port), timeout=30) as kept:
-        kept.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    server, thread, port = serve(ok_app, header_timeout_s=0.5)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as kept:
+        kept.sendall(GET)
         assert kept.recv(4096).endswith(b"\r\n\r\nok")
         server.should_exit = True
-        wait_until(lambda: not listening(), "the listener to close")
+        wait_until(lambda: not listening(port), "the listener to close")
         kept.sendall(b"GET / HTTP/1.1\r\nhost: ")  # in the grace, and never finished
         started = time.monotonic()
         answer = read_until_closed(kept)
