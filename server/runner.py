@@ -558,6 +558,11 @@ class _PlanGraphs:
     refused: set = field(default_factory=set)  # buckets whose capture failed: they run eager
 
 
+def runs_every(plan, modules: dict[str, LoadedModule]) -> bool:
+    """Whether `plan` runs every one of `modules` (the same heads, not only the same task names)."""
+    return len(plan.modules) >= len(modules) and all(plan.modules.get(task) is m for task, m in modules.items())
+
+
 class GraphCache:
     """Captured passes per (plan, bucket). `capture(plan, bucket) -> CapturedPass` is injected (the
     CUDA capture on a GPU; a test can give any other). `capture_plan` captures (between batches);
@@ -596,17 +601,14 @@ class GraphCache:
         best, best_size = None, None
         for entry in self._plans.values():
             captured = entry.graphs.get(bucket)
-            if captured is None or len(entry.plan.modules) < len(modules):
-                continue
-            if all(entry.plan.modules.get(task) is m for task, m in modules.items()):
+            if captured is not None and runs_every(entry.plan, modules):
                 if best is None or len(entry.plan.modules) < best_size:
                     best, best_size = captured, len(entry.plan.modules)
         return best
 
     def covering(self, modules: dict[str, LoadedModule]) -> list[Bucket]:
         """The buckets some captured plan running every one of `modules` holds a graph at, largest first."""
-        found = {bucket for entry in self._plans.values()
-                 if all(entry.plan.modules.get(task) is m for task, m in modules.items()) for bucket in entry.graphs}
+        found = {bucket for entry in self._plans.values() if runs_every(entry.plan, modules) for bucket in entry.graphs}
         return sorted(found, reverse=True)
 
     def get(self, plan, bucket: Bucket) -> CapturedPass | None:
