@@ -389,7 +389,7 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         asked = decode(RerankRequest, body, 400)
         scores, module, tokens, headers = await scored([asked.query], asked.documents, ("query", "documents"),
                                                        asked.model, asked.truncate, request)
-        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:asked.top_n or None]
+        order = best_first(scores)[:asked.top_n or None]
         results = [RerankResult(i, float(scores[i]), RerankDocument(asked.documents[i]) if asked.return_documents
                                 else None) for i in order]
         answer = RerankResponse(f"rerank-{secrets.token_hex(16)}", asked.model or module.task,
@@ -403,7 +403,7 @@ def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference)
         asked = decode(TEIRerankRequest, body, 422)
         scores, *_, headers = await scored([asked.query], asked.texts, ("query", "texts"), None, bool(asked.truncate),
                                            request, asked.truncation_direction.lower())
-        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        order = best_first(scores)
         ranks = [TEIRank(i, float(scores[i]), asked.texts[i] if asked.return_text else None) for i in order]
         return msgspec.json.encode(ranks), headers
 
@@ -439,6 +439,11 @@ def tei_root(routes: dict):
         return await routes[path](body, request)
 
     return root
+
+
+def best_first(scores) -> list[int]:
+    """The indices of `scores`, highest score first (equal scores in request order)."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])
 
 
 def sides_named(first: str, second: str, count: int):
