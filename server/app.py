@@ -830,9 +830,12 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             runtime.tokenize_executor, lambda: msgspec.json.encode(build()))
         return Response(content=content, media_type="application/json")
 
-    async def body_of(kind: type, request: Request):
+    async def json_body(request: Request) -> bytes:
         require_json(request.scope)
-        return decode(kind, await request.body(), protocol_of(request.url.path)[1])
+        return await request.body()
+
+    async def body_of(kind: type, request: Request):
+        return decode(kind, await json_body(request), protocol_of(request.url.path)[1])
 
     @app.post("/v1/tokenize", tags=["tokenize"], responses={413: {}, 422: {}, 503: {}},
               openapi_extra=request_body(TokenizeRequest))
@@ -863,8 +866,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         A body with `prompt` (VllmTokenizeRequest) is vLLM's tokenize, answered VllmTokenizeResponse,
         its errors in OpenAI's shape."""
         require_ready()
-        require_json(request.scope)
-        raw = await request.body()
+        raw = await json_body(request)
         sent = probe(raw)
         if sent.has("prompt") or sent.has("messages"):  # vLLM's body
             try:
@@ -872,7 +874,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             except ApiError as exc:
                 exc.protocol = "/detokenize"  # vLLM's
                 raise
-        body = decode(TeiTokenizeRequest, raw, 422)
+        body = decode(TeiTokenizeRequest, raw, protocol_of(request.url.path)[1])
         refuse_prompt(body.prompt_name)
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         check_tokenize_size(texts, None)
