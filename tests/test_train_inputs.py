@@ -74,15 +74,50 @@ def test_empty_label_names_its_line(tmp_path, capsys, tables):
 def test_a_label_column_of_text_is_refused(tmp_path, capsys):
     rows = "".join(f"{i}\tsentence number {i} here\tsentence {i} there\t{'yes' if i % 2 else 'no'}\n" for i in range(40))
     train = write(tmp_path / "pairs.tsv", "index\tfirst\tsecond\tgold\n" + rows)
-    # no label column named: column 1 (the first sentence) is taken, and every row is its own label
+    # a label column of sentences: every row is its own label
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--text-column", "first",
-                                             "--pair-column", "second"))
-    assert "pairs.tsv: 40 different labels in 40 rows ('sentence number 0 here'," in line
-    assert ("the label column (the default: the header's 'label', else column 1) looks like text; name the labels' "
-            "column with --label-column") in line
-    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--split", "0.2", "--label-column", "second",
-                                             "--text-column", "first"))
+                                             "--label-column", "second"))
+    assert "pairs.tsv: 40 different labels in 40 rows ('sentence 0 there'," in line
     assert "the label column ('second') looks like text" in line
+    # none named, and no column repeats: column 1, refused as text, the default said
+    two = write(tmp_path / "two.csv", "first,second\n" + "".join(f"sentence {i} here,sentence {i} there\n" for i in range(40)))
+    line = one_line_error(capsys, train_args(tmp_path, "--train", two, "--split", "0.2"))
+    assert ("the label column (the default: the header's 'label', else the column of fewest different values) looks "
+            "like text; name the labels' column with --label-column") in line
+
+
+def test_with_no_label_column_named_the_column_of_fewest_values_is_read_and_said(tmp_path, capsys):
+    """A spreadsheet's `id,review,sentiment` (no column named label): column 1, the reviews, was read as
+    the labels and the sentiments as the texts, and the first empty sentiment was refused as an "empty
+    text". The column whose cells repeat most is the labels' (an id or a text does not repeat), said;
+    column 1 where it is that column, unsaid, as before."""
+    rows = [(i, f"a {'fine' if i % 2 else 'dull'} film, number {i}", "pos" if i % 2 else "neg") for i in range(12)]
+    table = write(tmp_path / "reviews.csv", "id,review,sentiment\n" + "".join(f'{i},"{r}",{y}\n' for i, r, y in rows))
+    data = file_spec(table).read()
+    assert [(ex.text, ex.label) for ex in data.examples] == [(r, y) for _, r, y in rows]
+    err = capsys.readouterr().err
+    assert "labels read from column 'sentiment' (the fewest different values; no column is named 'label')" in err
+    assert "texts read from column 'review' (the longest" in err
+    plain = write(tmp_path / "plain.tsv", "".join(f"{i}\t{r}\t{y}\n" for i, r, y in rows))  # no header
+    assert [(ex.text, ex.label) for ex in file_spec(plain, header=False).read().examples] == [(r, y) for _, r, y in rows]
+    assert "labels read from column 2" in capsys.readouterr().err
+    usual = write(tmp_path / "usual.tsv", "".join(f"{r}\t{y}\n" for _, r, y in rows))  # text, label: as before
+    assert file_spec(usual, header=False).read().examples[0].label == "neg" and capsys.readouterr().err == ""
+    named = file_spec(table, text_column="review", label_column="id").read()  # named columns are read as named
+    assert named.examples[0].label == "0" and "labels read" not in capsys.readouterr().err
+
+
+def test_rows_with_an_empty_text_or_label_are_named_together(tmp_path, capsys):
+    """Only the first such row was named: a file with ten unlabelled rows took ten runs to mend."""
+    rows = "".join(f"text {i},{'' if i in (2, 5) else i % 2}\n" for i in range(9)) + ",1\n"
+    table = write(tmp_path / "gaps.csv", "text,label\n" + rows)
+    line = one_line_error(capsys, ["layermix", "--train", str(table), "--split", "0.34", "--task", "t"])
+    assert line.endswith(f"{table}: 3 rows with an empty text or label (4: empty label; 7: empty label; "
+                         "11: empty text): fill them in or remove them")
+    records = write(tmp_path / "gaps.jsonl", "".join(json.dumps({"text": f"t {i}", "label": "" if i == 1 else "a"}) + "\n"
+                                                      for i in range(4)))
+    assert one_line_error(capsys, ["layermix", "--train", str(records), "--split", "0.34", "--task", "t"]).endswith(
+        f"{records}:2: empty label")
 
 
 def test_a_training_file_with_one_label_is_refused(tmp_path, capsys):

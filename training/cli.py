@@ -44,7 +44,8 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
                         "key 'text' in JSONL, else 'tokens': a list of words, a token task)")
     g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
     g.add_argument("--label-column", default=default,
-                   help="label column: name or index (default: the header's 'label' column, else 1; key 'label' "
+                   help="label column: name or index (default: the header's 'label' column, else the column of "
+                        "fewest different values among those the texts and pairs leave, said where it is not 1; key 'label' "
                         "in JSONL, 'labels' with --multi-label, 'ner_tags' or 'tags' beside 'tokens', "
                         "'entities' or 'spans' for entity spans; with --multi-label, several 0/1 columns, one a "
                         "label: 'toxic,obscene,insult')")

@@ -67,6 +67,22 @@ class UsageError(ValueError):
     `tmod-train` answers it with one line naming the file and line, and exit status 2."""
 
 
+class EmptyCell(UsageError):
+    """A row whose text or label is empty: a file's such rows are named together (`refuse_empty`), so
+    a spreadsheet with a few unlabelled rows is mended in one go, not one error at a time."""
+
+
+def refuse_empty(path: Path, empty: list[EmptyCell]) -> None:
+    if not empty:
+        return
+    if len(empty) == 1:
+        raise empty[0]
+    shown = "; ".join(str(exc).removeprefix(f"{path}:").strip() for exc in empty[:6])
+    more = f"; {len(empty) - 6} more" if len(empty) > 6 else ""
+    raise UsageError(f"{path}: {len(empty)} rows with an empty text or label ({shown}{more}): fill them in or remove "
+                     "them")
+
+
 def default_data_dir() -> Path:
     """$TMOD_DATA_DIR, else ../shared/data relative to the repository root."""
     env = os.environ.get("TMOD_DATA_DIR")
@@ -239,7 +255,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                multi_label: bool = False) -> LabelledData:
     """Sequence examples from a TSV, CSV or JSONL file. Columns are names (header/JSON keys) or
     0-based indices (None in a table: the header's `text` / `label` column, else the longest column
-    the others leave (`_text_column`) / column 1);
+    the others leave (`_text_column`) / the column of fewest different values (`_label_column`));
     `label_map` renames raw labels (e.g. {"0": "negative"}). `multi_label`: a label cell holds any
     number of labels, comma-separated (a JSON list in JSONL), or `label_column` names one 0/1 column per
     label ("toxic,obscene"). A JSONL record whose text is a list of words is a token example, its label
@@ -248,7 +264,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     character spans (`label`, `entities` or `spans`) is a token example too (`_span_example`)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
-    examples = []
+    examples, empty = [], []
     # --multi-label with --label-column a,b,c: one 0/1 column per label (Jigsaw's toxic, obscene, ...)
     flags = [c.strip() for c in label_column.split(",")] if multi_label and isinstance(label_column, str) \
         and "," in label_column else None
@@ -270,7 +286,11 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             elif isinstance(label, list) and not multi_label and all(map(_is_span, label)):
                 example = _span_example(text, label, label_map, where)
             else:
-                example = _example(text, label, pair, label_map, multi_label, where)
+                try:
+                    example = _example(text, label, pair, label_map, multi_label, where)
+                except EmptyCell as exc:
+                    empty.append(exc)
+                    continue
             if examples and isinstance(example, TokenExample) != isinstance(examples[0], TokenExample):
                 kinds = ("tagged words", "a labelled text")
                 raise UsageError(f"{where}: {kinds[isinstance(examples[0], TokenExample)]} where the first record "
@@ -280,12 +300,16 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
         names = rows.pop(0)[1] if header and rows else None
-        label_is = [_column_index(c, names, path) for c in flags] if flags else \
-            [_column_index(_by_default(label_column, "label", 1, names), names, path)]
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
         named = text_column is not None or (names and "text" in names)
-        text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) if named \
-            else _text_column(path, rows, names, {*label_is, pair_i})
+        named_text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) if named else None
+        if flags:
+            label_is = [_column_index(c, names, path) for c in flags]
+        elif label_column is not None or (names and "label" in names):
+            label_is = [_column_index(_by_default(label_column, "label", 1, names), names, path)]
+        else:
+            label_is = [_label_column(path, rows, names, {named_text_i, pair_i})]
+        text_i = named_text_i if named else _text_column(path, rows, names, {*label_is, pair_i})
         needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
         separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
             if multi_label and not flags else ","
@@ -295,10 +319,14 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
                 raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
             label = [c for c, i in zip(flags, label_is) if _present(row[i], c, where)] if flags else row[label_is[0]]
-            examples.append(_example(row[text_i], label, row[pair_i] if pair_i is not None else None, label_map,
-                                     multi_label, where, separator))
+            try:
+                examples.append(_example(row[text_i], label, row[pair_i] if pair_i is not None else None, label_map,
+                                         multi_label, where, separator))
+            except EmptyCell as exc:
+                empty.append(exc)
     else:
         raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
+    refuse_empty(path, empty)
     if not examples:
         raise UsageError(f"{path}: no examples")
     if isinstance(examples[0], TokenExample):
@@ -323,6 +351,31 @@ def _text_key(path: Path, record, taken: set) -> str | None:
     print(f"{path}: texts read from key {key!r} (the longest string; no key is named 'text'): --text-column names "
           "another", file=sys.stderr)
     return key
+
+
+def _label_column(path: Path, rows: list, names: list[str] | None, taken: set) -> int:
+    """The labels' column where none is named (no --label-column, no header column `label`): of the
+    columns the texts and pairs do not take, the one whose cells repeat most (fewest different values
+    over the first 500 rows: a label repeats, an id or a text does not; a column of one value only where
+    nothing else repeats), said where it is not column 1. A spreadsheet's `id,review,sentiment` read
+    its reviews as the labels and the sentiments as the texts."""
+    sample = [row for _, row in rows[:500]]
+    width = max((len(row) for row in sample), default=0)
+    free = [i for i in range(width) if i not in taken]
+    if not free:
+        return 1
+
+    def rank(i: int) -> tuple:
+        cells = [row[i].strip() for row in sample if len(row) > i]
+        different = len(set(cells))
+        return different == len(cells), different < 2, different, i != 1  # of equals, column 1 as before
+
+    chosen = min(free, key=rank)
+    if chosen != 1:
+        name = repr(names[chosen]) if names and chosen < len(names) else str(chosen)
+        print(f"{path}: labels read from column {name} (the fewest different values; no column is named 'label'): "
+              "--label-column names another", file=sys.stderr)
+    return chosen
 
 
 def _text_column(path: Path, rows: list, names: list[str] | None, taken: set) -> int:
@@ -509,7 +562,7 @@ def label_separator(cells: list[str]) -> str:
 def _example(text, label, pair, label_map, multi_label: bool = False, where: str = "", separator: str = ","
              ) -> SequenceExample:
     if text is None or not str(text).strip():
-        raise UsageError(f"{where}: empty text")
+        raise EmptyCell(f"{where}: empty text")
     if multi_label:  # an empty cell is an example with no label
         raw = label if isinstance(label, list) else _label_text(label).split(separator)
         names = [_label_text(item).strip() for item in raw]
@@ -519,7 +572,7 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
             raise UsageError(f"{where}: the label is a list ({json.dumps(label)[:80]}): give --multi-label for a "
                              "task whose texts have any number of labels")
         if label is None or not str(label).strip():
-            raise UsageError(f"{where}: empty label")
+            raise EmptyCell(f"{where}: empty label")
         label = _label_name(_label_text(label).strip(), label_map, where)
     return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
 
@@ -716,7 +769,7 @@ class DataSpec:
     path: Path
     format: str
     text_column: Column | None = None  # None: the table's column named text, else 0 (JSONL: key text or tokens)
-    label_column: Column | None = None  # None: the column named label, else 1 (JSONL: label, labels, ner_tags, tags)
+    label_column: Column | None = None  # None: the column named label, else the one of fewest values (JSONL: label, ...)
     pair_column: Column | None = None
     header: bool = True
     label_map: dict[str, str] | None = None
