@@ -57,6 +57,13 @@ def startup_failure() -> str | None:
     return _startup_failure
 
 
+def cannot_serve(reason: str) -> None:
+    """This process stops for a reason outside the runtime (its HTTP workers keep dying at start):
+    tmod-serve then exits non-zero with it, as for a start-up that failed."""
+    global _startup_failure
+    _startup_failure = reason
+
+
 def device_failure() -> str | None:
     """The sticky device error this process met, if any (tmod-serve's exit status reads it)."""
     return _device_failure

@@ -74,7 +74,7 @@ from server.errors import ApiError, unknown_tasks
 from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics
-from server.runtime import Runtime, name_os_thread, one_host_thread
+from server.runtime import Runtime, cannot_serve, name_os_thread, one_host_thread
 
 log = logging.getLogger("tmod.workers")
 
@@ -1043,6 +1043,10 @@ async def stop_taking_connections(listener: socket.socket, timeout: float = 2.0,
 # ---- the process that starts it all (and becomes the engine) ------------------------------------------
 class WorkerPool:
     RESTART_AFTER_S = 1.0  # a worker that keeps dying is restarted at most this often
+    # A worker that dies this soon after its start, this many times in a row, will not start (it cannot
+    # reach the engine's socket, say): the server stops, for its supervisor, instead of holding the port
+    # with nobody to answer while it restarts workers every second
+    EARLY_DEATH_S, GIVE_UP_AFTER = 10.0, 5
 
     def __init__(self, settings: Settings, engine_path: Path, listener: socket.socket):
         self.settings, self.engine_path, self.listener = settings, str(engine_path), listener
@@ -1052,6 +1056,7 @@ class WorkerPool:
         self.context.set_forkserver_preload([__name__, "server.app", "server.http_limits"])
         self.processes: list = [None] * settings.workers
         self.started: list[float] = [0.0] * settings.workers
+        self.early_deaths: list[int] = [0] * settings.workers  # in a row, each worker
 
     def start(self, index: int) -> None:
         process = self.context.Process(target=run_worker, name=f"tmod-worker-{index}",
@@ -1063,13 +1068,21 @@ class WorkerPool:
         for index in range(len(self.processes)):
             self.start(index)
 
-    def replace_dead(self) -> None:
+    def replace_dead(self) -> str | None:
+        """Start a worker in place of each that died; or why the server stops instead (one keeps dying
+        at start)."""
         for index, process in enumerate(self.processes):
-            if process.is_alive() or time.monotonic() - self.started[index] < self.RESTART_AFTER_S:
+            lived = time.monotonic() - self.started[index]
+            if process.is_alive() or lived < self.RESTART_AFTER_S:
                 continue
-            log.error("worker %d (pid %d) exited with code %s; starting another", index, process.pid, process.exitcode)
+            self.early_deaths[index] = self.early_deaths[index] + 1 if lived < self.EARLY_DEATH_S else 0
             _forget_process(process.pid)
+            if self.early_deaths[index] >= self.GIVE_UP_AFTER:
+                return (f"HTTP worker {index} exited at start {self.early_deaths[index]} times in a row (the last with "
+                        f"code {process.exitcode}; the log says why)")
+            log.error("worker %d (pid %d) exited with code %s; starting another", index, process.pid, process.exitcode)
             self.start(index)
+        return None
 
     def stop(self, timeout: float) -> None:
         """SIGTERM every worker (each stops taking connections and finishes its requests), then wait."""
@@ -1220,7 +1233,11 @@ async def _serve_port(settings: Settings, engine_path: Path, listener: socket.so
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except asyncio.TimeoutError:
-            pool.replace_dead()
+            reason = pool.replace_dead()
+            if reason is not None:
+                log.critical("tmod-serve: %s; stopping", reason)
+                cannot_serve(reason)
+                break
     log.info("tmod-serve: stopping; the workers finish their requests first")
     # New connections refused, and those the kernel already queued on the listener accepted by the
     # workers, before any of them stops: a socket closed with connections queued resets them (a

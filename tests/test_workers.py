@@ -217,6 +217,32 @@ def test_workers_stop_when_the_engine_process_dies(store, tiny_backbone_dir):
         httpx.get(url + "/healthz", timeout=5)
 
 
+def test_workers_that_keep_dying_at_start_stop_the_server_with_a_reason(store, tiny_backbone_dir, tmp_path):
+    """The engine's socket removed (a /tmp cleaner) and the workers killed: each new worker died at
+    start, and was started again every second for ever, the port held with nobody to answer. Five deaths
+    in a row at start stop the server, non-zero, saying why."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
+    with open(tmp_path / "log", "w") as log:
+        url, process = start_tmod_serve(["--workers", "2", "--backbone", str(tiny_backbone_dir), "--store",
+                                         str(store.root), "--tasks", "sentiment"], env, output=log)
+    try:
+        workers = worker_pids(process.pid)
+        (socket_path,) = tmp_path.glob("tmod-engine-*/engine.sock")
+        socket_path.unlink()
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        assert process.wait(timeout=120) == 1
+        said = (tmp_path / "log").read_text()
+        assert re.search(r"tmod-serve: cannot serve: HTTP worker \d exited at start 5 times in a row \(the last with "
+                         r"code 3; the log says why\)", said)
+        assert said.count("starting another") <= 2 * 4  # each worker: four restarts, then the stop
+        started = [int(pid) for pid in re.findall(r"worker \d \(pid (\d+)\) serving", said)]
+        assert len(started) >= 10 and not [pid for pid in started if alive(pid)]
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_a_worker_whose_engine_closes_during_start_up_gives_up(tmp_path):
     """A worker that connects while the engine dies gets EOF before any state: `open` must fail (its
     app then fails start-up and the process exits), never wait for a state that cannot come."""
