@@ -787,3 +787,23 @@ def test_a_multi_label_file_with_one_label_set_on_every_row_is_refused(tmp_path,
     table = write(tmp_path / "joy.csv", "text,label\n" + "".join(f"text number {i},joy\n" for i in range(9)))
     line = one_line_error(capsys, ["layermix", "--train", str(table), "--multi-label", "--split", "0.34", "--task", "t"])
     assert "joy.csv: every row is labelled joy: a classifier learns to tell labels apart" in line
+
+
+def test_a_tsv_file_quoted_as_csv_is_read_as_quoted(tmp_path, capsys):
+    """pandas' `to_csv(sep="\\t")` (and a Hugging Face `Dataset.to_csv`) quotes a text holding a quote:
+    `"He said ""hi"" and left"`. Split on tabs only, the head learnt the quotes doubled and wrapped, which no
+    served text has (GoEmotions' files are written so: 1,097 training rows). Such a file is read as
+    quoted, said; a GLUE file, whose texts hold and even begin with quotes unquoted, as before."""
+    pandas = pytest.importorskip("pandas")
+    texts = ['He said "hi" and left', "plain text, no quote", '"Quoted" start', 'a "b" c "d"', "tab\tinside"]
+    path = tmp_path / "exported.tsv"
+    pandas.DataFrame({"text": texts, "label": ["a", "b", "a", "b", "a"]}).to_csv(path, sep="\t", index=False)
+    assert '"He said ""hi"" and left"' in path.read_text()  # the writer quoted
+    data = file_spec(path).read()
+    assert [ex.text for ex in data.examples] == texts and [ex.label for ex in data.examples] == ["a", "b", "a", "b", "a"]
+    assert 'cells quoted as CSV quotes them ("...""..."): read as quoted' in capsys.readouterr().err
+    glue = write(tmp_path / "glue.tsv", 'text\tlabel\n"USA Today" is a subsidiary of "The Observer."\t1\n'
+                                        'it \'s a "fine" film \t0\n')  # RTE's and SST-2's quotes: as written
+    assert [ex.text for ex in file_spec(glue).read().examples] == ['"USA Today" is a subsidiary of "The Observer."',
+                                                                    'it \'s a "fine" film']
+    assert capsys.readouterr().err == ""

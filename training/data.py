@@ -222,6 +222,10 @@ def _by_default(column: Column | None, name: str, index: int, header: list[str] 
     return name if header and name in header else index
 
 
+# a cell as CSV quotes it, holding a doubled quote: only a writer that quotes writes one
+QUOTED_CELL = re.compile(r'"(?:[^"]|"")*""(?:[^"]|"")*"')
+
+
 def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
     """(line number, cells) of each non-blank row."""
     with open_text(path, newline="") as fh:
@@ -231,8 +235,16 @@ def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
             # a spreadsheet set to a comma-decimal locale writes "text;label": its first line says so
             reader = csv.reader(fh, delimiter=";" if ";" in first and "," not in first else ",")
             return [(reader.line_num, row) for row in reader if row]
-        # TSV has no quoting (texts contain '"'): split on tabs only
-        return [(n, line.rstrip("\r\n").split("\t")) for n, line in enumerate(fh, 1) if line.strip()]
+        # TSV has no quoting (texts contain '"', and GLUE's start with one): split on tabs only ...
+        rows = [(n, line.rstrip("\r\n").split("\t")) for n, line in enumerate(fh, 1) if line.strip()]
+        if not any(QUOTED_CELL.fullmatch(cell) for _, row in rows for cell in row):
+            return rows
+        # ... unless its writer quoted as CSV does (pandas' to_csv(sep="\t"), a Hugging Face Dataset.to_csv):
+        # a text holding a quote is then "...""...""...", and split on tabs it would be learnt so
+        print(f'{path}: cells quoted as CSV quotes them ("...""..."): read as quoted', file=sys.stderr)
+        fh.seek(0)
+        reader = csv.reader(fh, delimiter="\t")
+        return [(reader.line_num, row) for row in reader if row and any(cell.strip() for cell in row)]
 
 
 def _lines(path: Path):
