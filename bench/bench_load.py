@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Serving load: throughput and latency of a real `tmod-serve` on loopback, batching on vs off.
+"""Serving load: throughput and latency of a real `tmod-serve` on loopback, batching on vs off (or
+two batch windows, `--window-against`).
 
 Two servers (bench/harness.py `ServerProcess`) serve one store, one with TMOD_BATCHING=true, one
-with false (one request per backbone pass); both stay up, the idle one costs nothing. At each
+with false (one request per backbone pass); both stay up, the idle one costs nothing. With
+`--window-against MS` both batch, one with `--max-wait-ms`, the other with MS. At each
 concurrency level a closed-loop load generator (`harness.measure`: c clients, each with its own
 keep-alive connection, one SST-2 validation sentence per request, `--tasks`) drives one server at a
 time: `--warmup` seconds unrecorded, then a window of at most `--duration` seconds and
@@ -16,6 +18,7 @@ Without `--store`, a temporary store of random-weight heads sized like tmod-trai
 
     .venv/bin/python bench/bench_load.py            # full run, ~8 min -> bench/results/load-cpu.{json,md}
     .venv/bin/python bench/bench_load.py --quick    # levels 1, 8, 32, one round -> load-cpu-quick.*
+    .venv/bin/python bench/bench_load.py --max-wait-ms 2 --window-against 0 --out load-cpu-window-2-vs-0
 """
 from __future__ import annotations
 
@@ -47,7 +50,15 @@ from bench.harness import (  # noqa: E402
 from training.data import default_data_dir  # noqa: E402
 
 TARGET = {"concurrency": 32, "throughput_ratio_min": 3.0, "p99_ratio_max": 2.0}  # batching on / off
-CONFIGS = {"batching_on": "true", "batching_off": "false"}
+CONFIGS = {"batching_on": {"TMOD_BATCHING": "true"}, "batching_off": {"TMOD_BATCHING": "false"}}
+
+
+def server_configs(args) -> dict[str, dict[str, str]]:
+    """The two servers compared, by name: batching on and off, or two batch windows (both batching)."""
+    if args.window_against is None:
+        return {name: {**env, "TMOD_MAX_WAIT_MS": str(args.max_wait_ms)} for name, env in CONFIGS.items()}
+    return {f"window_{ms:g}ms": {"TMOD_BATCHING": "true", "TMOD_MAX_WAIT_MS": str(ms)}
+            for ms in (args.max_wait_ms, args.window_against)}
 
 
 def pool(runs: list[dict], inputs_per_request: int) -> dict:
@@ -87,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inputs-per-request", type=int, default=1, help="sentences per request")
     p.add_argument("--threads", type=int, default=1, help="server torch threads (TMOD_THREADS)")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="TMOD_MAX_WAIT_MS")
+    p.add_argument("--window-against", type=float, default=None, metavar="MS",
+                   help="compare two batching servers, batch window --max-wait-ms against MS, instead of on vs off")
     p.add_argument("--max-queue", type=int, default=256, help="TMOD_MAX_QUEUE (above the top level: no 429)")
     p.add_argument("--seed", type=int, default=0, help="sentence order and random heads")
     p.add_argument("--out", default=None, help="results stem (default load-cpu, or load-cpu-quick)")
@@ -111,12 +124,13 @@ def main(argv=None) -> int:
     try:
         store = args.store or workdir / "store"
         store_info = {"path": str(args.store)} if args.store else build_store(store, args.backbone, args.seed)
-        env = {"TMOD_STORE": str(store), "TMOD_THREADS": str(args.threads), "TMOD_MAX_WAIT_MS": str(args.max_wait_ms),
+        env = {"TMOD_STORE": str(store), "TMOD_THREADS": str(args.threads),
                "TMOD_MAX_QUEUE": str(args.max_queue), "TMOD_MAX_INPUTS": str(max(64, per)),
                **({"TMOD_BACKBONE": args.backbone} if args.backbone else {})}
-        for config, flag in CONFIGS.items():
-            servers[config] = ServerProcess(config, {**env, "TMOD_BATCHING": flag}, workdir / f"{config}.log",
-                                            serve_command())
+        configs = server_configs(args)
+        first, second = configs
+        for config, config_env in configs.items():
+            servers[config] = ServerProcess(config, {**env, **config_env}, workdir / f"{config}.log", serve_command())
             servers[config].start()
         for server in servers.values():
             server.wait_ready(timeout=300)
@@ -125,7 +139,7 @@ def main(argv=None) -> int:
         runs: dict[tuple[str, int], list[dict]] = {}
         for r in range(args.rounds):
             for i, c in enumerate(args.level_list):
-                for config in (list(CONFIGS) if (r + i) % 2 == 0 else list(reversed(CONFIGS))):
+                for config in (list(configs) if (r + i) % 2 == 0 else list(reversed(configs))):
                     run = asyncio.run(measure(servers[config], bodies, args.task_list, c, args.warmup, args.duration,
                                               args.max_requests, per, 60.0))
                     runs.setdefault((config, c), []).append(run)
@@ -133,32 +147,37 @@ def main(argv=None) -> int:
                           f"p99 {fmt(run['latency_ms']['p99'])} ms, errors {run['errors']}", flush=True)
         levels = []
         for c in args.level_list:
-            on, off = (pool(runs[(config, c)], per) for config in CONFIGS)
-            levels.append({"concurrency": c, "batching_on": on, "batching_off": off, "ratios_on_over_off": {
-                "throughput": ratio(on["requests_per_s"], off["requests_per_s"]),
-                "p99": ratio(on["latency_ms"]["p99"], off["latency_ms"]["p99"]),
-                "p50": ratio(on["latency_ms"]["p50"], off["latency_ms"]["p50"]),
-                "throughput_by_round": [ratio(a, b) for a, b in zip(on["requests_per_s_by_round"],
-                                                                     off["requests_per_s_by_round"])]}})
+            a, b = (pool(runs[(config, c)], per) for config in configs)
+            levels.append({"concurrency": c, first: a, second: b, "ratios": {
+                "of": f"{first} / {second}",
+                "throughput": ratio(a["requests_per_s"], b["requests_per_s"]),
+                "p99": ratio(a["latency_ms"]["p99"], b["latency_ms"]["p99"]),
+                "p50": ratio(a["latency_ms"]["p50"], b["latency_ms"]["p50"]),
+                "throughput_by_round": [ratio(x, y) for x, y in zip(a["requests_per_s_by_round"],
+                                                                     b["requests_per_s_by_round"])]}})
         at = next((lv for lv in levels if lv["concurrency"] == TARGET["concurrency"]), None)
-        met = None if at is None else (at["ratios_on_over_off"]["throughput"] >= TARGET["throughput_ratio_min"]
-                                       and at["ratios_on_over_off"]["p99"] <= TARGET["p99_ratio_max"]
-                                       and at["batching_on"]["errors"] == 0)
+        met = None if at is None or args.window_against is not None else (
+            at["ratios"]["throughput"] >= TARGET["throughput_ratio_min"] and at["ratios"]["p99"] <= TARGET["p99_ratio_max"]
+            and at["batching_on"]["errors"] == 0)
         result = {"benchmark": "bench_load", "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  "store": store_info, "load_average_start": load_start, "load_average_end": loadavg(),
-                  "target": {**TARGET, "met": met}, "levels": levels}
+                  "servers": configs, "store": store_info, "load_average_start": load_start,
+                  "load_average_end": loadavg(), "levels": levels,
+                  **({"target": {**TARGET, "met": met}} if args.window_against is None else {})}
         rows = [[lv["concurrency"], config, fmt(lv[config]["requests_per_s"]), fmt(lv[config]["latency_ms"]["p50"]),
                  fmt(lv[config]["latency_ms"]["p99"]), lv[config]["errors"], fmt(lv[config]["mean_batch_requests"], 2),
-                 fmt(lv[config]["server_cores"], 2)] for lv in levels for config in CONFIGS]
-        ratios = [[lv["concurrency"], fmt(lv["ratios_on_over_off"]["throughput"], 2),
-                   fmt(lv["ratios_on_over_off"]["p99"], 2)] for lv in levels]
-        path = write_results(args.out, result, f"Serving load: batching on vs off (target at c=32: "
-                             f"{'met' if met else 'not met' if met is not None else 'not measured'})", [
+                 fmt(lv[config]["server_cores"], 2)] for lv in levels for config in configs]
+        ratios = [[lv["concurrency"], fmt(lv["ratios"]["throughput"], 2), fmt(lv["ratios"]["p99"], 2),
+                   fmt(lv["ratios"]["p50"], 2)] for lv in levels]
+        title = (f"Serving load: batching on vs off (target at c=32: "
+                 f"{'met' if met else 'not met' if met is not None else 'not measured'})"
+                 if args.window_against is None else f"Serving load: two batch windows, {first} against {second}")
+        notes = (f"Target: throughput on / off >= {TARGET['throughput_ratio_min']}x and p99 <= "
+                 f"{TARGET['p99_ratio_max']}x at c = {TARGET['concurrency']}, no errors. " if args.window_against is None
+                 else "") + "Latency client side."
+        path = write_results(args.out, result, title, [
             markdown_table(["c", "server", "req/s", "p50 ms", "p99 ms", "errors", "requests per pass", "server cores"],
                            rows),
-            markdown_table(["c", "throughput on / off", "p99 on / off"], ratios)],
-            f"Target: throughput on / off >= {TARGET['throughput_ratio_min']}x and p99 <= "
-            f"{TARGET['p99_ratio_max']}x at c = {TARGET['concurrency']}, no errors. Latency client side.")
+            markdown_table(["c", f"throughput {first} / {second}", "p99 ratio", "p50 ratio"], ratios)], notes)
         print(f"wrote {path} and its .md", flush=True)
         return 0
     finally:

@@ -137,13 +137,17 @@ def test_spread_summarises_recorded_runs_figure_by_figure(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_load_runs_both_servers_at_one_level(tmp_path):
+@pytest.mark.parametrize("compare, servers", [((), ("batching_on", "batching_off")),
+                                              (("--window-against", "0"), ("window_2ms", "window_0ms"))])
+def test_bench_load_runs_both_servers_at_one_level(tmp_path, compare, servers):
     run_bench("bench/bench_load.py", "--levels", "2", "--rounds", "1", "--warmup", "0.2", "--duration", "1",
-              "--out", str(tmp_path / "load"))
+              "--max-wait-ms", "2", *compare, "--out", str(tmp_path / "load"))
     recorded = json.loads((tmp_path / "load.json").read_text())
     level = recorded["levels"][0]
-    assert level["concurrency"] == 2 and level["batching_on"]["requests_per_s"] > 0
-    assert level["batching_on"]["errors"] == level["batching_off"]["errors"] == 0
+    assert level["concurrency"] == 2 and level[servers[0]]["requests_per_s"] > 0
+    assert level[servers[0]]["errors"] == level[servers[1]]["errors"] == 0
+    assert level["ratios"]["of"] == f"{servers[0]} / {servers[1]}"
+    assert recorded["servers"][servers[0]]["TMOD_MAX_WAIT_MS"] == "2.0"
 
 
 @pytest.mark.slow
