@@ -807,3 +807,26 @@ def test_a_tsv_file_quoted_as_csv_is_read_as_quoted(tmp_path, capsys):
     assert [ex.text for ex in file_spec(glue).read().examples] == ['"USA Today" is a subsidiary of "The Observer."',
                                                                     'it \'s a "fine" film']
     assert capsys.readouterr().err == ""
+
+
+def test_a_second_text_column_left_unread_is_said(tmp_path, capsys):
+    """A pair file (RTE's `index, sentence1, sentence2, label`) trained without --pair-column learnt
+    from the first texts alone, blind to the second, and nothing said so. A column (or JSON key) that
+    holds texts too is named with the option that reads it; ids, labels and numbers are not texts."""
+    rows = [(i, f"premise number {i} says a thing", f"hypothesis {i} says {'it' if i % 2 else 'not it'}",
+             "entailment" if i % 2 else "not_entailment", f"id{i:04x}") for i in range(12)]
+    table = write(tmp_path / "pairs.tsv", "index\tsentence1\tsentence2\tlabel\tsource\n"
+                  + "".join("\t".join(map(str, row)) + "\n" for row in rows))
+    assert [ex.text for ex in file_spec(table).read().examples] == [row[1] for row in rows]
+    assert ("pairs.tsv: column 'sentence2' holds texts too and is not read: for a task on text pairs (entailment, "
+            "paraphrase) name it with --pair-column") in capsys.readouterr().err
+    paired = file_spec(table, pair_column="sentence2").read()
+    assert paired.examples[0].text_pair == rows[0][2] and "holds texts too" not in capsys.readouterr().err
+    records = write(tmp_path / "pairs.jsonl", "".join(json.dumps({"idx": r[0], "premise": r[1], "hypothesis": r[2],
+                                                                   "label": r[3]}) + "\n" for r in rows))
+    file_spec(records).read()
+    assert "pairs.jsonl: key 'hypothesis' holds texts too and is not read" in capsys.readouterr().err
+    single = write(tmp_path / "single.tsv", "idx\ttext\tlabel\tsource\n" + "".join(f"{r[0]}\t{r[1]}\t{r[3]}\t{r[4]}\n"
+                                                                                   for r in rows))
+    file_spec(single).read()
+    assert "holds texts too" not in capsys.readouterr().err

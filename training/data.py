@@ -308,6 +308,12 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 raise UsageError(f"{where}: {kinds[isinstance(examples[0], TokenExample)]} where the first record "
                                  f"had {kinds[not isinstance(examples[0], TokenExample)]}")
             examples.append(example)
+        if pair_column is None and examples and isinstance(examples[0], SequenceExample):
+            first = records[0][1]
+            taken = set(_json_keys(first, text_column, flags[0] if flags else label_column, multi_label)) | set(flags or ())
+            _say_unread_texts(path, {f"key {key!r}": [record.get(key) for _, record in records[:500]
+                                                      if isinstance(record, dict)]
+                                     for key in first if key not in taken})
     elif fmt in ("tsv", "csv"):
         list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
@@ -322,6 +328,11 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         else:
             label_is = [_label_column(path, rows, names, {named_text_i, pair_i})]
         text_i = named_text_i if named else _text_column(path, rows, names, {*label_is, pair_i})
+        if pair_i is None:
+            width = max((len(row) for _, row in rows[:500]), default=0)
+            _say_unread_texts(path, {(f"column {names[i]!r}" if names and i < len(names) else f"column {i}"):
+                                     [row[i] for _, row in rows[:500] if len(row) > i]
+                                     for i in range(width) if i != text_i and i not in label_is})
         needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
         separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
             if multi_label and not flags else ","
@@ -410,6 +421,20 @@ def _text_column(path: Path, rows: list, names: list[str] | None, taken: set) ->
         print(f"{path}: texts read from column {name} (the longest; no column is named 'text'): --text-column names "
               "another", file=sys.stderr)
     return chosen
+
+
+def _say_unread_texts(path: Path, columns: dict[str, list]) -> None:
+    """Where no pair column is named: say a column (`columns`: name -> its first cells) that holds texts
+    too, left unread. A pair file (RTE's `sentence1, sentence2`) read without --pair-column trained on
+    its first texts alone, blind to the second, and nothing said so. Texts: mostly different cells of
+    several words each, none a number (not a label, an id, a score)."""
+    for name, cells in columns.items():
+        cells = [cell for cell in cells if isinstance(cell, str)]
+        if (len(cells) >= 2 and len(set(cells)) > len(cells) / 2 and not any(is_number(cell) for cell in cells)
+                and sum(len(cell.split()) > 2 for cell in cells) > len(cells) / 2):
+            print(f"{path}: {name} holds texts too and is not read: for a task on text pairs (entailment, "
+                  "paraphrase) name it with --pair-column", file=sys.stderr)
+            return
 
 
 def is_number(text: str) -> bool:
