@@ -141,6 +141,26 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     printed = capsys.readouterr()
     assert json.loads(printed.out)["metrics"]["accuracy"] == pytest.approx(manifest.metrics["accuracy"])
     assert f"{sentiment_files[1]}: class ids named by the --label-map of sentiment's training run" in printed.err
+    # labels spelt otherwise than the head's: refused, with the --label-map that names them as it does
+    lines = sentiment_files[1].read_text().splitlines()
+    spelt = tmp_path / "spelt.tsv"
+    spelt.write_text("\n".join([lines[0], *(line[:-1] + ("pos" if line.endswith("1") else "neg") for line in lines[1:])]))
+    args = ["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(spelt), "--text-column",
+            "sentence", "--label-column", "label", "--backbone", str(train_backbone_dir), "--no-progress"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "label(s) ['neg', 'pos'] are not among sentiment's labels ['negative', 'positive']; name them as the head "
+        "does with --label-map neg=negative,pos=positive")
+    assert main([*args, "--label-map", "neg=negative,pos=positive"]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"]["accuracy"] == pytest.approx(manifest.metrics["accuracy"])
+
+
+def test_a_label_map_is_guessed_only_where_each_label_has_one_match():
+    from training.cli import label_map_guess
+
+    assert label_map_guess(["NEG", "positive"], ["negative", "positive"]) == "NEG=negative,positive=positive"
+    assert label_map_guess(["p", "negative"], ["pos", "pro", "negative"]) == "FILE_LABEL=HEAD_LABEL,..."
+    assert label_map_guess(["joy"], ["anger", "sadness"]) == "FILE_LABEL=HEAD_LABEL,..."
 
 
 def test_a_state_cache_over_the_free_memory_is_one_line_not_a_killed_run(sentiment_files, train_backbone_dir, tmp_path,

@@ -373,6 +373,22 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
+    """`--label-map` for a file whose labels are spelt otherwise than the head's (a map names every
+    label of the file): each paired with the one head label it is, begins or is begun by (any case:
+    positive=pos, NEG=negative), else a pattern."""
+    def match(label: str) -> list[str]:
+        if label in head_labels:
+            return [label]
+        return [head for head in head_labels
+                if label.lower().startswith(head.lower()) or head.lower().startswith(label.lower())]
+
+    guesses = [match(label) for label in seen]
+    if all(len(found) == 1 for found in guesses):
+        return ",".join(f"{label}={found[0]}" for label, found in zip(seen, guesses))
+    return "FILE_LABEL=HEAD_LABEL,..."
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from modules_store import DEFAULT_STORE, ModuleStore, TaskType, sha256_file
     from server.backbone import Backbone
@@ -416,7 +432,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     head_labels = manifest.labels
     unknown = sorted(set(data.labels_seen()) - set(head_labels))
     if unknown:
-        hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) else ""
+        hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) \
+            else f"; name them as the head does with --label-map {label_map_guess(sorted(set(data.labels_seen())), head_labels)}"
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
     device = str(pick_device(args.device))
     backbone = Backbone.load(args.backbone, device=device)
