@@ -310,6 +310,10 @@ HINTS = {
     ("InferRequest", "body", "Expected `object`, got `array`"): f"the list goes under `inputs`: {SEND_INPUTS}",
     ("InferRequest", "inputs.*", "Object missing required field `text_pair`"):
         'a text alone is a string, "inputs": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
+    ("PredictRequest", "instances.*", "Object missing required field `text_pair`"):
+        'a text alone is a string, "instances": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
+    ("PredictRequest", "inputs.*", "Object missing required field `text_pair`"):
+        'a text alone is a string, "inputs": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
     ("PredictRequest", "instances", "Expected `array | null`, got `str`"):
         'send a list, even of one text: {"instances": ["..."]}',
     ("PredictRequest", "inputs", "Expected `array | null`, got `str`"):

@@ -430,6 +430,9 @@ def test_the_clients_default_v1_protocol(served):
         ("sentiment", {}, 400, 'send the texts as "instances" (or "inputs")'),
         ("sentiment", {"instances": ["a"], "inputs": ["b"]}, 400, "one of the two"),
         ("entailment", {"instances": TEXTS}, 422, "text_pair"),
+        ("ner", {"instances": [{"text": "a"}]}, 400, 'a text alone is a string, "instances": ["..."]; an object is '
+                                                      'a pair'),
+        ("ner", {"inputs": [{"text": "a"}]}, 400, 'a text alone is a string, "inputs": ["..."]'),
         ("telepathy", {"instances": ["a"]}, 404, "no model 'telepathy'"),
         ("ner", {"instances": [""]}, 422, "input 0 is empty"),
     ]
