@@ -830,3 +830,19 @@ def test_a_second_text_column_left_unread_is_said(tmp_path, capsys):
                                                                                    for r in rows))
     file_spec(single).read()
     assert "holds texts too" not in capsys.readouterr().err
+
+
+def test_labels_that_differ_only_in_case_are_said_with_the_map_that_merges_them(tmp_path, capsys):
+    """A spreadsheet's `Pos` beside `pos` was learnt as two classes, each with a share of the rows, and
+    nothing said so."""
+    from training.settings import TrainSettings
+    from training.splits import resolve_data
+
+    labels = ["pos", "neg", "Pos", "pos", "neg", "NEG", "pos", "neg"] * 3
+    table = write(tmp_path / "cased.csv", "text,label\n" + "".join(f"text number {i},{y}\n" for i, y in enumerate(labels)))
+    resolve_data(TrainSettings(train=table, split=[0.25]))
+    assert (f"{table}: labels 'pos' (9) and 'Pos' (3), 'neg' (9) and 'NEG' (3) differ only in case: they are learnt as "
+            "different labels; --label-map NEG=neg,Pos=pos,neg=neg,pos=pos merges them") in capsys.readouterr().err
+    merged = resolve_data(TrainSettings(train=table, split=[0.25], label_map={"NEG": "neg", "Pos": "pos", "neg": "neg",
+                                                                               "pos": "pos"}))
+    assert set(merged.labels) == {"neg", "pos"} and "differ only in case" not in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,6 +69,7 @@ def resolve_data(s: TrainSettings) -> Splits:
     train = data["train"]
     check_tag_names(train)
     check_label_column(train, specs["train"])
+    say_labels_differing_in_case(train)
     provenance = {
         "dataset": s.dataset,
         **{f"{split}_file": str(spec.path) for split, spec in specs.items()},
@@ -199,6 +201,27 @@ def check_label_column(train: LabelledData, spec: DataSpec) -> None:
                   else repr(spec.label_column))
         raise UsageError(f"{train.source}: {len(seen)} different labels in {len(train)} rows ({examples}, ...): "
                          f"the label column ({column}) looks like text; name the labels' column with --label-column")
+
+
+def say_labels_differing_in_case(train: LabelledData) -> None:
+    """A spreadsheet's `Positive` beside `positive`: labels taken as written are learnt as two classes,
+    each with a share of the rows; said, with the --label-map that merges them (its most frequent spelling
+    kept), before anything is trained. Not refused: a task may mean them apart."""
+    if train.task_type == TaskType.token_classification:
+        return
+    counts = Counter(label for ex in train.examples for label in train.labels_of(ex))
+    spellings: dict[str, list[str]] = {}
+    for label in sorted(counts, key=lambda name: -counts[name]):
+        spellings.setdefault(label.casefold(), []).append(label)
+    alike = [names for names in spellings.values() if len(names) > 1]
+    if not alike:
+        return
+    merge = {label: names[0] for names in spellings.values() for label in names}
+    shown = ", ".join(" and ".join(f"{name!r} ({counts[name]})" for name in names) for names in alike[:3])
+    fix = (f"--label-map {','.join(f'{label}={kept}' for label, kept in sorted(merge.items()))} merges them"
+           if len(merge) <= 12 else "a --label-map naming each label merges them")
+    print(f"{train.source}: labels {shown} differ only in case: they are learnt as different labels; {fix}",
+          file=sys.stderr)
 
 
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:
