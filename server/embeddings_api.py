@@ -247,7 +247,8 @@ def embedding_module(runtime, model: str | None):
         return backbone_embedding(found)
     if not found:  # whatever was asked for: say what would serve it
         raise ApiError(404, "model_not_found", "no embedding task is loaded: serve one (tmod-serve --tasks "
-                       "embedding,..., or POST /admin/modules/embedding/load)", param="model")
+                       "embedding,..., or POST /admin/modules/embedding/load; a store without one gets the "
+                       "backbone's from tmod-train embedding --store STORE)", param="model")
     raise ApiError(404, "model_not_found", f"no embedding model {clip(model)}; embedding tasks loaded: {sorted(found)}"
                    f" (or the backbone's name, {backbone!r})", param="model")
 

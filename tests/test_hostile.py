@@ -683,4 +683,5 @@ def test_the_embedding_routes_without_an_embedding_task_say_how_to_serve_one(cli
                        ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}})]:
         answer = client.post(path, json=body)
         assert answer.status_code == 404 and "no embedding task is loaded: serve one" in answer.text, answer.text
+        assert "a store without one gets the backbone's from tmod-train embedding --store STORE" in answer.text
         assert "None" not in answer.text
