@@ -50,6 +50,31 @@ def test_goemotions_preset_reads_label_sets(tmp_path):
     assert ex.label == ("love", "amusement")
 
 
+def test_a_table_cell_that_spells_a_list_is_that_list_of_labels(tmp_path):
+    """pandas' to_csv writes a column of lists as "['fear', 'joy']" (a Hugging Face dataset's label lists
+    through `to_pandas`): split on commas it was the labels "['fear'" and " 'joy']" (12 labels for 4).
+    As a single label, such a cell is refused as JSONL's lists are."""
+    from training.data import UsageError
+
+    pandas = pytest.importorskip("pandas")
+    rows = [{"text": f"text number {i}", "labels": labels}
+            for i, labels in enumerate([["fear", "joy"], ["anger"], [], ["love", "joy", "fear"]] * 3)]
+    listed = tmp_path / "listed.csv"
+    pandas.DataFrame(rows).to_csv(listed, index=False)
+    assert "\"['fear', 'joy']\"" in listed.read_text()
+    data = read_table(listed, text_column=None, label_column="labels", multi_label=True)
+    assert [ex.label for ex in data.examples] == [tuple(row["labels"]) for row in rows]
+    as_json = tmp_path / "as_json.tsv"
+    as_json.write_text("text\tlabels\n" + "".join(f"text {i}\t{json.dumps(row['labels'])}\n" for i, row in enumerate(rows)))
+    assert [ex.label for ex in read_table(as_json, text_column=None, label_column="labels", multi_label=True).examples] \
+        == [tuple(row["labels"]) for row in rows]
+    with pytest.raises(UsageError, match=r'listed.csv:2: the label is a list \(\["fear", "joy"\]\): give --multi-label'):
+        read_table(listed, text_column=None, label_column="labels")
+    names = tmp_path / "names.tsv"  # a bracketed label that is no list stays a label
+    names.write_text("text\tlabel\n" + "".join(f"text {i}\t{'[NAME]' if i % 2 else 'other'}\n" for i in range(6)))
+    assert {ex.label for ex in read_table(names, text_column=None, label_column=None).examples} == {"[NAME]", "other"}
+
+
 def test_loss_is_binary_cross_entropy_per_label():
     logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 3.0, -2.0]])
     targets = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])

@@ -10,6 +10,7 @@ string) and a word's tag can be found again from token offsets.
 """
 from __future__ import annotations
 
+import ast
 import bisect
 import csv
 import gzip
@@ -600,6 +601,7 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
              ) -> SequenceExample:
     if text is None or not str(text).strip():
         raise EmptyCell(f"{where}: empty text")
+    label = _listed(label)
     if multi_label:  # an empty cell is an example with no label
         raw = label if isinstance(label, list) else _label_text(label).split(separator)
         names = [_label_text(item).strip() for item in raw]
@@ -612,6 +614,21 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
             raise EmptyCell(f"{where}: empty label")
         label = _label_name(_label_text(label).strip(), label_map, where)
     return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
+
+
+def _listed(cell):
+    """A table's label cell that spells a list, as pandas' to_csv writes a column of lists
+    ("['joy', 'love']") or JSON does ('["joy", "love"]'): that list. Split on commas it was the labels
+    "['joy'" and " 'love']". Anything else as it is."""
+    if not (isinstance(cell, str) and cell.strip().startswith("[") and cell.strip().endswith("]")):
+        return cell
+    try:
+        items = ast.literal_eval(cell.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return cell
+    if isinstance(items, list) and all(isinstance(item, (str, int)) and not isinstance(item, bool) for item in items):
+        return items
+    return cell
 
 
 def _label_text(value) -> str:
