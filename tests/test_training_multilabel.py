@@ -68,6 +68,12 @@ def test_a_table_cell_that_spells_a_list_is_that_list_of_labels(tmp_path):
     as_json.write_text("text\tlabels\n" + "".join(f"text {i}\t{json.dumps(row['labels'])}\n" for i, row in enumerate(rows)))
     assert [ex.label for ex in read_table(as_json, text_column=None, label_column="labels", multi_label=True).examples] \
         == [tuple(row["labels"]) for row in rows]
+    numpy_repr = tmp_path / "numpy_repr.csv"  # a Hugging Face dataset's lists reach pandas as numpy arrays
+    numpy_repr.write_text("text,labels\n" + "".join(f"text {i},\"[{' '.join(repr(x) for x in row['labels'])}]\"\n"
+                                                     for i, row in enumerate(rows)))
+    assert "\"['fear' 'joy']\"" in numpy_repr.read_text()
+    assert [ex.label for ex in read_table(numpy_repr, text_column=None, label_column="labels", multi_label=True).examples] \
+        == [tuple(row["labels"]) for row in rows]
     with pytest.raises(UsageError, match=r'listed.csv:2: the label is a list \(\["fear", "joy"\]\): give --multi-label'):
         read_table(listed, text_column=None, label_column="labels")
     names = tmp_path / "names.tsv"  # a bracketed label that is no list stays a label

@@ -10,7 +10,6 @@ string) and a word's tag can be found again from token offsets.
 """
 from __future__ import annotations
 
-import ast
 import bisect
 import csv
 import gzip
@@ -616,18 +615,24 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
     return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
 
 
+# a label cell spelling a list: of quoted names or of whole numbers, comma- or space-separated (a Python
+# list's repr, JSON, or a numpy array's repr, which has no commas: "['fear' 'joy']")
+LISTED_NAMES = re.compile(r"""\[\s*(?:(?:'[^']*'|"[^"]*")(?:\s*,?\s*(?:'[^']*'|"[^"]*"))*)?\s*,?\s*\]""")
+LISTED_NUMBERS = re.compile(r"\[\s*-?\d+(?:\s*,?\s*-?\d+)*\s*,?\s*\]")
+QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")
+
+
 def _listed(cell):
     """A table's label cell that spells a list, as pandas' to_csv writes a column of lists
-    ("['joy', 'love']") or JSON does ('["joy", "love"]'): that list. Split on commas it was the labels
-    "['joy'" and " 'love']". Anything else as it is."""
-    if not (isinstance(cell, str) and cell.strip().startswith("[") and cell.strip().endswith("]")):
+    ("['joy', 'love']"; a Hugging Face dataset's, numpy arrays, "['joy' 'love']") or JSON does: that
+    list. Split on commas it was the labels "['joy'" and " 'love']". Anything else as it is."""
+    if not isinstance(cell, str):
         return cell
-    try:
-        items = ast.literal_eval(cell.strip())
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return cell
-    if isinstance(items, list) and all(isinstance(item, (str, int)) and not isinstance(item, bool) for item in items):
-        return items
+    text = cell.strip()
+    if LISTED_NAMES.fullmatch(text):
+        return [single or double for single, double in QUOTED.findall(text)]
+    if LISTED_NUMBERS.fullmatch(text):
+        return re.findall(r"-?\d+", text)
     return cell
 
 
