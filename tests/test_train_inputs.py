@@ -846,3 +846,29 @@ def test_labels_that_differ_only_in_case_are_said_with_the_map_that_merges_them(
     merged = resolve_data(TrainSettings(train=table, split=[0.25], label_map={"NEG": "neg", "Pos": "pos", "neg": "neg",
                                                                                "pos": "pos"}))
     assert set(merged.labels) == {"neg", "pos"} and "differ only in case" not in capsys.readouterr().err
+
+
+def test_a_token_dataset_written_by_pandas_is_read_as_tagged_words(tmp_path, capsys):
+    """A Hugging Face token dataset through pandas' to_csv (`tokens` and `ner_tags` cells spelling lists,
+    with commas, or as numpy arrays without): its tag lists were refused as lists of labels ("give
+    --multi-label"), and its word lists were texts. Such a row is its words and their tags, as the
+    dataset's JSONL is; class ids are named by --labels as there."""
+    pandas = pytest.importorskip("pandas")
+    numpy = pytest.importorskip("numpy")
+    sentences = [(["Peter", "flew", "to", "Paris", "."], ["B-PER", "O", "O", "B-LOC", "O"]),
+                 (["The", "EU", "said", "no"], ["O", "B-ORG", "O", "O"])] * 3
+    lists = tmp_path / "lists.csv"
+    pandas.DataFrame([{"id": i, "tokens": w, "ner_tags": t} for i, (w, t) in enumerate(sentences)]).to_csv(lists, index=False)
+    data = file_spec(lists, text_column="tokens", label_column="ner_tags").read()
+    assert data.task_type == TaskType.token_classification
+    assert [(ex.words, ex.tags) for ex in data.examples] == [(w, t) for w, t in sentences]
+    ids = {"O": 0, "B-PER": 1, "B-ORG": 3, "B-LOC": 5}
+    arrays = tmp_path / "arrays.csv"
+    pandas.DataFrame([{"tokens": numpy.array(w), "ner_tags": numpy.array([ids[x] for x in t])}
+                      for w, t in sentences]).to_csv(arrays, index=False)
+    assert "['Peter' 'flew' 'to' 'Paris' '.'],[1 0 0 5 0]" in arrays.read_text()
+    data = file_spec(arrays, label_column="ner_tags").read()
+    assert [ex.tags for ex in data.examples][:2] == [["1", "0", "0", "5", "0"], ["0", "3", "0", "0"]]
+    mixed = write(tmp_path / "mixed.csv", "text,label\n\"['a', 'b']\",\"['O', 'O']\"\nplain text,O\n")
+    with pytest.raises(UsageError, match="mixed.csv:3: a labelled text where the first row had tagged words"):
+        file_spec(mixed).read()
