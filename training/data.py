@@ -342,10 +342,11 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
                 raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
             label = [c for c, i in zip(flags, label_is) if _present(row[i], c, where)] if flags else row[label_is[0]]
-            words = _listed(row[text_i]) if not (flags or multi_label or pair_i is not None) else None
+            plain = not (flags or multi_label or pair_i is not None)
+            words, tags = (_listed(row[text_i]), _listed(label)) if plain else (None, None)
             try:
-                if isinstance(words, list):  # a token dataset through pandas: `tokens` and `ner_tags` cells
-                    example = _token_example(words, _listed(label), label_map, where)
+                if isinstance(words, list) and isinstance(tags, list):  # a token dataset through pandas' to_csv
+                    example = _token_example(words, tags, label_map, where)
                 else:
                     example = _example(row[text_i], label, row[pair_i] if pair_i is not None else None, label_map,
                                        multi_label, where, separator)
@@ -353,8 +354,9 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 empty.append(exc)
                 continue
             if examples and isinstance(example, TokenExample) != isinstance(examples[0], TokenExample):
-                raise UsageError(f"{where}: {'tagged words' if isinstance(example, TokenExample) else 'a labelled text'}"
-                                 f" where the first row had {'a labelled text' if isinstance(example, TokenExample) else 'tagged words'}")
+                kinds = ("a labelled text", "tagged words")
+                raise UsageError(f"{where}: {kinds[isinstance(example, TokenExample)]} where the first row had "
+                                 f"{kinds[isinstance(examples[0], TokenExample)]}")
             examples.append(example)
     else:
         raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
