@@ -303,10 +303,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 except EmptyCell as exc:
                     empty.append(exc)
                     continue
-            if examples and isinstance(example, TokenExample) != isinstance(examples[0], TokenExample):
-                kinds = ("tagged words", "a labelled text")
-                raise UsageError(f"{where}: {kinds[isinstance(examples[0], TokenExample)]} where the first record "
-                                 f"had {kinds[not isinstance(examples[0], TokenExample)]}")
+            _check_same_kind(examples, example, where, "record")
             examples.append(example)
         if pair_column is None and examples and isinstance(examples[0], SequenceExample):
             first = records[0][1]
@@ -353,10 +350,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             except EmptyCell as exc:
                 empty.append(exc)
                 continue
-            if examples and isinstance(example, TokenExample) != isinstance(examples[0], TokenExample):
-                kinds = ("a labelled text", "tagged words")
-                raise UsageError(f"{where}: {kinds[isinstance(example, TokenExample)]} where the first row had "
-                                 f"{kinds[isinstance(examples[0], TokenExample)]}")
+            _check_same_kind(examples, example, where, "row")
             examples.append(example)
     else:
         raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
@@ -369,6 +363,14 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         return LabelledData(TaskType.token_classification, examples, str(path))
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _check_same_kind(examples: list, example, where: str, unit: str) -> None:
+    """One file is one task: tagged words (a token task) or labelled texts, not both."""
+    if examples and isinstance(example, TokenExample) != isinstance(examples[0], TokenExample):
+        kinds = ("a labelled text", "tagged words")
+        raise UsageError(f"{where}: {kinds[isinstance(example, TokenExample)]} where the first {unit} had "
+                         f"{kinds[isinstance(examples[0], TokenExample)]}")
 
 
 def _text_key(path: Path, record, taken: set) -> str | None:
