@@ -872,3 +872,11 @@ def test_a_token_dataset_written_by_pandas_is_read_as_tagged_words(tmp_path, cap
     mixed = write(tmp_path / "mixed.csv", "text,label\n\"['a', 'b']\",\"['O', 'O']\"\nplain text,O\n")
     with pytest.raises(UsageError, match="mixed.csv:3: a labelled text where the first row had tagged words"):
         file_spec(mixed).read()
+
+
+def test_a_header_line_repeated_inside_a_table_is_refused(tmp_path, capsys):
+    """Two exports joined with `cat` keep the second's header: its `label` cell was learnt as a label."""
+    part = "text,label\n" + "".join(f"text number {i},{'pos' if i % 2 else 'neg'}\n" for i in range(6))
+    joined = write(tmp_path / "joined.csv", part + part)
+    line = one_line_error(capsys, ["layermix", "--train", str(joined), "--split", "0.34", "--task", "t"])
+    assert line.endswith(f"{joined}:8: the header line again (files joined with theirs?): remove it")

@@ -335,6 +335,8 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             if multi_label and not flags else ","
         for line_no, row in rows:
             where = f"{path}:{line_no}"
+            if names and row == names:  # files joined with their header lines: "label" would be learnt as a label
+                raise UsageError(f"{where}: the header line again (files joined with theirs?): remove it")
             if len(row) <= needed:
                 hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
                 raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
