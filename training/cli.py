@@ -45,8 +45,8 @@ def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
     g.add_argument("--pair-column", default=default, help="second text of a pair task (default: none)")
     g.add_argument("--label-column", default=default,
                    help="label column: name or index (default: the header's 'label' column, else the column of "
-                        "fewest different values among those the texts and pairs leave, said where it is not 1; key 'label' "
-                        "in JSONL, 'labels' with --multi-label, 'ner_tags' or 'tags' beside 'tokens', "
+                        "fewest different values among those the texts and pairs leave, said where it is not 1; "
+                        "key 'label' in JSONL, 'labels' with --multi-label, 'ner_tags' or 'tags' beside 'tokens', "
                         "'entities' or 'spans' for entity spans; with --multi-label, several 0/1 columns, one a "
                         "label: 'toxic,obscene,insult')")
     g.add_argument("--header", action=argparse.BooleanOptionalAction, default=default,
@@ -432,8 +432,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     head_labels = manifest.labels
     unknown = sorted(set(data.labels_seen()) - set(head_labels))
     if unknown:
+        named = label_map_guess(sorted(set(data.labels_seen())), head_labels)
         hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) \
-            else f"; name them as the head does with --label-map {label_map_guess(sorted(set(data.labels_seen())), head_labels)}"
+            else f"; name them as the head does with --label-map {named}"
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
     device = str(pick_device(args.device))
     backbone = Backbone.load(args.backbone, device=device)

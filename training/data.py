@@ -630,7 +630,7 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
     return SequenceExample(text=str(text).strip(), label=label, text_pair=str(pair).strip() if pair is not None else None)
 
 
-# a label cell spelling a list: of quoted names or of whole numbers, comma- or space-separated (a Python
+# a cell spelling a list: of quoted names or of whole numbers, comma- or space-separated (a Python
 # list's repr, JSON, or a numpy array's repr, which has no commas: "['fear' 'joy']")
 LISTED_NAMES = re.compile(r"""\[\s*(?:(?:'[^']*'|"[^"]*")(?:\s*,?\s*(?:'[^']*'|"[^"]*"))*)?\s*,?\s*\]""")
 LISTED_NUMBERS = re.compile(r"\[\s*-?\d+(?:\s*,?\s*-?\d+)*\s*,?\s*\]")
@@ -638,9 +638,10 @@ QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")
 
 
 def _listed(cell):
-    """A table's label cell that spells a list, as pandas' to_csv writes a column of lists
-    ("['joy', 'love']"; a Hugging Face dataset's, numpy arrays, "['joy' 'love']") or JSON does: that
-    list. Split on commas it was the labels "['joy'" and " 'love']". Anything else as it is."""
+    """A table's cell that spells a list, as pandas' to_csv writes a column of lists ("['joy', 'love']";
+    a Hugging Face dataset's, numpy arrays, "['joy' 'love']") or JSON does: that list (a label cell's
+    labels, or a token row's words and tags). Split on commas it was the labels "['joy'" and " 'love']".
+    Anything else as it is."""
     if not isinstance(cell, str):
         return cell
     text = cell.strip()
