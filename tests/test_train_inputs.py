@@ -880,3 +880,16 @@ def test_a_header_line_repeated_inside_a_table_is_refused(tmp_path, capsys):
     joined = write(tmp_path / "joined.csv", part + part)
     line = one_line_error(capsys, ["layermix", "--train", str(joined), "--split", "0.34", "--task", "t"])
     assert line.endswith(f"{joined}:8: the header line again (files joined with theirs?): remove it")
+
+
+def test_class_ids_written_as_floats_are_read_through_the_label_map(tmp_path, capsys):
+    """pandas writes an int label column that held a NaN as floats (1.0, 0.0): `--label-map
+    0=negative,1=positive` refused "label '1.0' is not in the label map"."""
+    table = write(tmp_path / "floats.csv", "text,label\n" + "".join(f"text {i},{i % 2}.0\n" for i in range(8)))
+    data = file_spec(table, label_map={"0": "negative", "1": "positive"}).read()
+    assert [ex.label for ex in data.examples][:2] == ["negative", "positive"]
+    named = file_spec(table).read().named_by_position(["negative", "positive"])  # --labels negative,positive
+    assert [ex.label for ex in named.examples][:2] == ["negative", "positive"]
+    odd = write(tmp_path / "odd.csv", "text,label\ntext a,1.5\ntext b,0\n")
+    with pytest.raises(UsageError, match=r"odd.csv:2: label '1.5' is not in the label map"):
+        file_spec(odd, label_map={"0": "negative", "1": "positive"}).read()

@@ -187,9 +187,13 @@ class LabelledData:
         named by their place in `names`, where every label is such an id and none is a name itself
         (star ratings 1-5 named 1-5 stay as they are); else the data as it is."""
         seen = set(self.labels_seen())
-        if not seen or seen <= set(names) or not all(label.isdigit() and int(label) < len(names) for label in seen):
+        ids = {label: _whole(label) or label for label in seen}  # 1.0 as pandas writes an id: 1
+        if not seen or seen <= set(names) or not all(i.isdigit() and int(i) < len(names) for i in ids.values()):
             return self
-        name = {str(i): label for i, label in enumerate(names)}.__getitem__
+        named = {str(i): label for i, label in enumerate(names)}
+
+        def name(label: str) -> str:
+            return named[ids[label]]
         if self.task_type == TaskType.token_classification:
             examples = [replace(ex, tags=[name(tag) for tag in ex.tags]) for ex in self.examples]
         elif self.task_type == TaskType.multi_label_classification:
@@ -659,10 +663,17 @@ def _label_text(value) -> str:
 
 def _label_name(label: str, label_map: dict[str, str] | None, where: str = "") -> str:
     if label_map:
+        if label not in label_map and _whole(label) in label_map:
+            label = _whole(label)  # pandas writes an int column holding a NaN as floats: 1.0 is class id 1
         if label not in label_map:
             raise UsageError(f"{where}: label {label!r} is not in the label map {label_map}")
         label = label_map[label]
     return label
+
+
+def _whole(label: str) -> str | None:
+    """'1.0' -> '1': a class id written as a float; None for anything else."""
+    return label[:-2] if label.endswith(".0") and label[:-2].lstrip("-").isdigit() else None
 
 
 def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> LabelledData:
