@@ -893,3 +893,20 @@ def test_class_ids_written_as_floats_are_read_through_the_label_map(tmp_path, ca
     odd = write(tmp_path / "odd.csv", "text,label\ntext a,1.5\ntext b,0\n")
     with pytest.raises(UsageError, match=r"odd.csv:2: label '1.5' is not in the label map"):
         file_spec(odd, label_map={"0": "negative", "1": "positive"}).read()
+
+
+@pytest.mark.parametrize("orient", [None, "index", "split", "table"])
+def test_a_json_object_as_pandas_writes_a_table_is_read_as_its_rows(tmp_path, capsys, orient):
+    """pandas' `df.to_json("train.json")` writes one object, column -> {row: cell} (orient "columns", its
+    default): read as one record, its text and label were whole columns ("every row is labelled
+    {'0': 'a', ...}"). Each of pandas' table orients is read as its rows, said."""
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.DataFrame({"text": [f"text number {i} here" for i in range(6)], "label": ["a", "b"] * 3})
+    path = tmp_path / "frame.json"
+    frame.to_json(path, **({"orient": orient} if orient else {}), **({"indent": 2} if orient is None else {}))
+    data = file_spec(path).read()
+    assert [(ex.text, ex.label) for ex in data.examples] == list(zip(frame.text, frame.label))
+    assert f"one JSON object, read as pandas' DataFrame.to_json writes it (orient={orient or 'columns'!r})" \
+        in capsys.readouterr().err
+    one = write(tmp_path / "one.jsonl", json.dumps({"text": "just one record", "label": "a"}) + "\n")
+    assert file_spec(one).read().examples[0].text == "just one record" and "pandas" not in capsys.readouterr().err

@@ -479,7 +479,20 @@ def _json_records(path: Path):
     """(where, record) of a JSONL file's lines; or of a JSON file holding one list of records (what
     pandas' `to_json(orient="records")` and `Dataset.to_json(lines=False)` write), by its index."""
     lines = list(_lines(path))  # a missing or undecodable file: one clear line
-    if next((line.lstrip()[:1] for _, line in lines if line.strip()), "") == "[":
+    first = next((line.lstrip()[:1] for _, line in lines if line.strip()), "")
+    if first == "{":  # one object in the whole file: pandas' DataFrame.to_json (its default orient, "columns")?
+        try:
+            value = json.loads("".join(line for _, line in lines))
+        except json.JSONDecodeError:  # several lines of records (JSONL): read below
+            value = None
+        found = _pandas_records(value) if isinstance(value, dict) else None
+        if found is not None:
+            orient, records = found
+            print(f"{path}: one JSON object, read as pandas' DataFrame.to_json writes it (orient={orient!r})",
+                  file=sys.stderr)
+            yield from ((f"{path}: record {i}", record) for i, record in enumerate(records))
+            return
+    if first == "[":
         try:
             records = json.loads("".join(line for _, line in lines))
         except json.JSONDecodeError as exc:
@@ -494,6 +507,23 @@ def _json_records(path: Path):
         except json.JSONDecodeError as exc:
             raise UsageError(f"{path}:{line_no}: not a JSON record ({exc.msg})") from None
         yield f"{path}:{line_no}", record
+
+
+def _pandas_records(value: dict) -> tuple[str, list] | None:
+    """(orient, records) of a JSON object as pandas' DataFrame.to_json writes a table: orient "columns"
+    (its default: column -> {row: cell}), "index" (row -> record), "split" (columns, index, data) or
+    "table" (schema, data); None for anything else (a one-line JSONL file's record). Read as records it
+    was one record whose text and label were whole columns."""
+    if set(value) in ({"columns", "index", "data"}, {"columns", "data"}) and isinstance(value["data"], list):
+        return "split", [dict(zip(value["columns"], row)) for row in value["data"]]
+    if set(value) == {"schema", "data"} and isinstance(value["data"], list):
+        return "table", value["data"]
+    if value and all(isinstance(cells, dict) for cells in value.values()):
+        if all(key.lstrip("-").isdigit() for key in value):  # rows by their index
+            return "index", list(value.values())
+        rows = list(next(iter(value.values())))
+        return "columns", [{column: cells.get(row) for column, cells in value.items()} for row in rows]
+    return None
 
 
 def _json_keys(record: dict, text_column: Column | None, label_column: Column | None, multi_label: bool
