@@ -910,3 +910,18 @@ def test_a_json_object_as_pandas_writes_a_table_is_read_as_its_rows(tmp_path, ca
         in capsys.readouterr().err
     one = write(tmp_path / "one.jsonl", json.dumps({"text": "just one record", "label": "a"}) + "\n")
     assert file_spec(one).read().examples[0].text == "just one record" and "pandas" not in capsys.readouterr().err
+
+
+def test_a_folder_given_for_a_file_is_said_to_be_one(tmp_path, capsys):
+    """A folder was "cannot tell the format from the extension" (or, with --format, "no such file"); a
+    Hugging Face dataset's `save_to_disk` folder gets the line that writes it as JSONL."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    line = one_line_error(capsys, ["layermix", "--train", str(saved), "--split", "0.2", "--task", "t"])
+    assert line.endswith(f"{saved}: a Hugging Face dataset saved with save_to_disk, which is not read; write it as JSONL "
+                         "first, e.g. datasets.load_from_disk('saved').to_json('train.jsonl') (a DatasetDict: each "
+                         "split's)")
+    for extra in ([], ["--format", "conll"]):
+        line = one_line_error(capsys, ["layermix", "--train", str(tmp_path), "--split", "0.2", "--task", "t", *extra])
+        assert line.endswith(f"{tmp_path}: a folder; give a file (TSV, CSV, JSONL or CoNLL)"), line

@@ -41,6 +41,15 @@ WORKBOOK_SUFFIXES = ("xlsx", "xlsm", "xls", "ods")
 GZIP_MAGIC = b"\x1f\x8b"
 
 
+def folder_error(path: Path) -> "UsageError":
+    """A folder given for a file; a Hugging Face dataset's `save_to_disk` folder said as such."""
+    if any((path / name).is_file() for name in ("state.json", "dataset_info.json", "dataset_dict.json")):
+        return UsageError(f"{path}: a Hugging Face dataset saved with save_to_disk, which is not read; write it as "
+                          f"JSONL first, e.g. datasets.load_from_disk('{path.name}').to_json('train.jsonl') (a "
+                          "DatasetDict: each split's)")
+    return UsageError(f"{path}: a folder; give a file (TSV, CSV, JSONL or CoNLL)")
+
+
 def workbook_error(path: Path) -> "UsageError":
     return UsageError(f"{path}: a spreadsheet workbook is not read; save the sheet as CSV first (Excel: File > Save "
                       "As > CSV UTF-8; LibreOffice: Save As > Text CSV), or as tab-separated text")
@@ -253,6 +262,8 @@ def _rows(path: Path, fmt: str) -> list[tuple[int, list[str]]]:
 
 def _lines(path: Path):
     """A file's lines, read as UTF-8; a missing or undecodable file is a UsageError."""
+    if path.is_dir():
+        raise folder_error(path)
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
     try:
@@ -808,6 +819,8 @@ def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[
 
 
 def guess_format(path: Path) -> str:
+    if path.is_dir():
+        raise folder_error(path)
     if path.suffix.lower() == ".gz":  # train.tsv.gz: the name inside says what it is (read through gzip)
         path = path.with_suffix("")
     suffix = path.suffix.lower().lstrip(".")
