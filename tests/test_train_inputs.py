@@ -925,3 +925,12 @@ def test_a_folder_given_for_a_file_is_said_to_be_one(tmp_path, capsys):
     for extra in ([], ["--format", "conll"]):
         line = one_line_error(capsys, ["layermix", "--train", str(tmp_path), "--split", "0.2", "--task", "t", *extra])
         assert line.endswith(f"{tmp_path}: a folder; give a file (TSV, CSV, JSONL or CoNLL)"), line
+
+
+def test_header_names_are_read_without_their_spaces(tmp_path):
+    """`text , label` (a hand-written header): --text-column text was "no column 'text'; the header
+    line has ['text ', ' label']", and the default columns were not found by name."""
+    table = write(tmp_path / "spaced.csv", "text , label\nnice film , pos\nawful film , neg\n")
+    for columns in ({}, {"text_column": "text", "label_column": "label"}):
+        assert [(ex.text, ex.label) for ex in file_spec(table, **columns).read().examples] == [("nice film", "pos"),
+                                                                                              ("awful film", "neg")]

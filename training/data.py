@@ -329,7 +329,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     elif fmt in ("tsv", "csv"):
         list(_lines(path))  # missing file, bad encoding: one clear line
         rows = _rows(path, fmt)
-        names = rows.pop(0)[1] if header and rows else None
+        names = [name.strip() for name in rows.pop(0)[1]] if header and rows else None  # "text , label" names text
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
         named = text_column is not None or (names and "text" in names)
         named_text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) if named else None
@@ -350,7 +350,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             if multi_label and not flags else ","
         for line_no, row in rows:
             where = f"{path}:{line_no}"
-            if names and row == names:  # files joined with their header lines: "label" would be learnt as a label
+            if names and [cell.strip() for cell in row] == names:  # exports joined: "label" learnt as a label
                 raise UsageError(f"{where}: the header line again (files joined with theirs?): remove it")
             if len(row) <= needed:
                 hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
