@@ -197,8 +197,8 @@ def check_label_column(train: LabelledData, spec: DataSpec) -> None:
             raise UsageError(f"{train.source}: {len(seen)} different numbers in {len(train)} rows ({examples}, ...): a "
                              "score to predict, which tmod's heads do not (they choose among labels); bin it into "
                              "a few labels first (e.g. low,mid,high)")
-        column = ("the default: the header's 'label', else the column of fewest different values" if spec.label_column is None
-                  else repr(spec.label_column))
+        column = ("the default: the header's 'label', else the column of fewest different values"
+                  if spec.label_column is None else repr(spec.label_column))
         raise UsageError(f"{train.source}: {len(seen)} different labels in {len(train)} rows ({examples}, ...): "
                          f"the label column ({column}) looks like text; name the labels' column with --label-column")
 
