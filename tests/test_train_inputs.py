@@ -934,3 +934,21 @@ def test_header_names_are_read_without_their_spaces(tmp_path):
     for columns in ({}, {"text_column": "text", "label_column": "label"}):
         assert [(ex.text, ex.label) for ex in file_spec(table, **columns).read().examples] == [("nice film", "pos"),
                                                                                               ("awful film", "neg")]
+
+
+def test_a_label_studio_export_is_said_and_its_json_min_export_is_read(tmp_path, capsys):
+    """Label Studio's JSON export (records of `data` and `annotations`) was "no key 'text' in
+    ['annotations', 'data', 'id']"; its JSON-MIN export (text, and labels under the control's name) reads."""
+    full = write(tmp_path / "export.json", json.dumps([{"id": i, "data": {"text": f"review {i}"}, "annotations": [
+        {"result": [{"value": {"choices": ["pos"]}, "from_name": "sentiment", "type": "choices"}]}]} for i in range(4)]))
+    line = one_line_error(capsys, ["layermix", "--train", str(full), "--split", "0.25", "--task", "t"])
+    assert line.endswith(f"{full}: record 0: a Label Studio export (JSON), which is not read; export as JSON-MIN (a "
+                         "record's text and labels: entity spans are read as they are, a choice under its control's "
+                         "name, e.g. --label-column sentiment)")
+    spans = [{"start": 0, "end": 5, "text": "Peter", "labels": ["PER"]}, {"start": 14, "end": 19, "text": "Paris",
+                                                                         "labels": ["LOC"]}]
+    minimal = write(tmp_path / "min.json", json.dumps([{"id": 1, "text": "Peter flew to Paris.", "label": spans,
+                                                        "annotator": 1}]))
+    assert file_spec(minimal).read().examples[0].tags == ["B-PER", "O", "O", "B-LOC", "O"]
+    choices = write(tmp_path / "choices.json", json.dumps([{"id": 1, "text": "a fine review", "sentiment": "pos"}]))
+    assert file_spec(choices, label_column="sentiment").read().examples[0].label == "pos"

@@ -306,6 +306,10 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                 label = [c for c in flags if _present(record[c], c, where)] if flags else record[label_key]
                 pair = record[pair_column] if pair_column is not None else None
             except (KeyError, TypeError) as exc:
+                if isinstance(record, dict) and {"data", "annotations"} <= set(record):
+                    raise UsageError(f"{where}: a Label Studio export (JSON), which is not read; export as JSON-MIN "
+                                     "(a record's text and labels: entity spans are read as they are, a choice under "
+                                     "its control's name, e.g. --label-column sentiment)") from None
                 raise UsageError(f"{where}: no key {exc} in {sorted(record) if isinstance(record, dict) else record}; "
                                  f"name it with --text-column / --label-column / --pair-column") from None
             if isinstance(text, list):
