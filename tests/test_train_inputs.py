@@ -952,3 +952,15 @@ def test_a_label_studio_export_is_said_and_its_json_min_export_is_read(tmp_path,
     assert file_spec(minimal).read().examples[0].tags == ["B-PER", "O", "O", "B-LOC", "O"]
     choices = write(tmp_path / "choices.json", json.dumps([{"id": 1, "text": "a fine review", "sentiment": "pos"}]))
     assert file_spec(choices, label_column="sentiment").read().examples[0].label == "pos"
+
+
+def test_one_item_label_lists_are_single_labels(tmp_path, capsys):
+    """doccano exports a one-label classification project as `"label": ["pos"]`: refused as a list ("give
+    --multi-label", which would train another kind of task). A list of one is its label; of more, refused."""
+    records = write(tmp_path / "doccano.jsonl", "".join(json.dumps({"id": i, "text": f"review {i}", "label": [y]}) + "\n"
+                                                       for i, y in enumerate(["pos", "neg"] * 3)))
+    data = file_spec(records).read()
+    assert data.task_type == TaskType.sequence_classification and [ex.label for ex in data.examples][:2] == ["pos", "neg"]
+    two = write(tmp_path / "two.jsonl", json.dumps({"text": "review", "label": ["pos", "neg"]}) + "\n")
+    with pytest.raises(UsageError, match=r'two.jsonl:1: the label is a list \(\["pos", "neg"\]\): give --multi-label'):
+        file_spec(two).read()

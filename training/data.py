@@ -670,6 +670,8 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
         names = [_label_text(item).strip() for item in raw]
         label = tuple(_label_name(name, label_map, where) for name in names if name)
     else:
+        if isinstance(label, list) and len(label) <= 1:  # doccano's export of a one-label task: ["pos"]
+            label = label[0] if label else None
         if isinstance(label, list):  # str() of it would train on labels such as "['joy']"
             raise UsageError(f"{where}: the label is a list ({json.dumps(label)[:80]}): give --multi-label for a "
                              "task whose texts have any number of labels")
