@@ -952,6 +952,9 @@ def test_a_label_studio_export_is_said_and_its_json_min_export_is_read(tmp_path,
     assert file_spec(minimal).read().examples[0].tags == ["B-PER", "O", "O", "B-LOC", "O"]
     choices = write(tmp_path / "choices.json", json.dumps([{"id": 1, "text": "a fine review", "sentiment": "pos"}]))
     assert file_spec(choices, label_column="sentiment").read().examples[0].label == "pos"
+    several = write(tmp_path / "several.json", json.dumps([{"id": 1, "text": "a fine, sad film",
+                                                            "mood": {"choices": ["joy", "sadness"]}}]))  # JSON-MIN's
+    assert file_spec(several, label_column="mood", multi_label=True).read().examples[0].label == ("joy", "sadness")
 
 
 def test_one_item_label_lists_are_single_labels(tmp_path, capsys):

@@ -692,7 +692,9 @@ def _listed(cell):
     """A table's cell that spells a list, as pandas' to_csv writes a column of lists ("['joy', 'love']";
     a Hugging Face dataset's, numpy arrays, "['joy' 'love']") or JSON does: that list (a label cell's
     labels, or a token row's words and tags). Split on commas it was the labels "['joy'" and " 'love']".
-    Anything else as it is."""
+    Anything else as it is; Label Studio's JSON-MIN writes several choices as {"choices": [...]}: that list."""
+    if isinstance(cell, dict) and set(cell) == {"choices"} and isinstance(cell["choices"], list):
+        return cell["choices"]
     if not isinstance(cell, str):
         return cell
     text = cell.strip()
