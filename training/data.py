@@ -303,7 +303,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             try:
                 text_key, label_key = _json_keys(record, text_column, flags[0] if flags else label_column, multi_label)
                 text = record[text_key]
-                label = [c for c in flags if _present(record[c], c, where)] if flags else record[label_key]
+                label = [c for c in flags if _present(record[c], c, where)] if flags else _listed(record[label_key])
                 pair = record[pair_column] if pair_column is not None else None
             except (KeyError, TypeError) as exc:
                 if isinstance(record, dict) and {"data", "annotations"} <= set(record):
@@ -327,7 +327,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         if pair_column is None and examples and isinstance(examples[0], SequenceExample):
             first = records[0][1]
             taken = set(_json_keys(first, text_column, flags[0] if flags else label_column, multi_label)) | set(flags or ())
-            _say_unread_texts(path, {f"key {key!r}": [record.get(key) for _, record in records[:500]
+            _say_unread_texts(path, {f"key {key!r}": [record.get(key) for _, record in records[:SAMPLE_ROWS]
                                                       if isinstance(record, dict)]
                                      for key in first if key not in taken})
     elif fmt in ("tsv", "csv"):
@@ -337,18 +337,17 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
         named = text_column is not None or (names and "text" in names)
         named_text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) if named else None
+        sample = [row for _, row in rows[:SAMPLE_ROWS]]  # what the columns left unnamed are chosen by
         if flags:
             label_is = [_column_index(c, names, path) for c in flags]
         elif label_column is not None or (names and "label" in names):
             label_is = [_column_index(_by_default(label_column, "label", 1, names), names, path)]
         else:
-            label_is = [_label_column(path, rows, names, {named_text_i, pair_i})]
-        text_i = named_text_i if named else _text_column(path, rows, names, {*label_is, pair_i})
+            label_is = [_label_column(path, sample, names, {named_text_i, pair_i})]
+        text_i = named_text_i if named else _text_column(path, sample, names, {*label_is, pair_i})
         if pair_i is None:
-            width = max((len(row) for _, row in rows[:500]), default=0)
-            _say_unread_texts(path, {(f"column {names[i]!r}" if names and i < len(names) else f"column {i}"):
-                                     [row[i] for _, row in rows[:500] if len(row) > i]
-                                     for i in range(width) if i != text_i and i not in label_is})
+            _say_unread_texts(path, {f"column {_column_name(i, names)}": [row[i] for row in sample if len(row) > i]
+                                     for i in _free_columns(sample, {text_i, *label_is})})
         needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
         separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
             if multi_label and not flags else ","
@@ -359,12 +358,13 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
             if len(row) <= needed:
                 hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
                 raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
-            label = [c for c, i in zip(flags, label_is) if _present(row[i], c, where)] if flags else row[label_is[0]]
+            label = [c for c, i in zip(flags, label_is) if _present(row[i], c, where)] if flags \
+                else _listed(row[label_is[0]])
             plain = not (flags or multi_label or pair_i is not None)
-            words, tags = (_listed(row[text_i]), _listed(label)) if plain else (None, None)
+            words = _listed(row[text_i]) if plain and isinstance(label, list) else None
             try:
-                if isinstance(words, list) and isinstance(tags, list):  # a token dataset through pandas' to_csv
-                    example = _token_example(words, tags, label_map, where)
+                if isinstance(words, list):  # a token dataset through pandas' to_csv: words and their tags
+                    example = _token_example(words, label, label_map, where)
                 else:
                     example = _example(row[text_i], label, row[pair_i] if pair_i is not None else None, label_map,
                                        multi_label, where, separator)
@@ -410,15 +410,26 @@ def _text_key(path: Path, record, taken: set) -> str | None:
     return key
 
 
-def _label_column(path: Path, rows: list, names: list[str] | None, taken: set) -> int:
+SAMPLE_ROWS = 500  # the first rows of a file, which choose the columns not named
+
+
+def _free_columns(sample: list, taken: set) -> list[int]:
+    """The columns of the rows `sample` that `taken` leaves, in order."""
+    return [i for i in range(max((len(row) for row in sample), default=0)) if i not in taken]
+
+
+def _column_name(i: int, names: list[str] | None) -> str:
+    """A column as a message names it: its header name, else its index."""
+    return repr(names[i]) if names and i < len(names) else str(i)
+
+
+def _label_column(path: Path, sample: list, names: list[str] | None, taken: set) -> int:
     """The labels' column where none is named (no --label-column, no header column `label`): of the
     columns the texts and pairs do not take, the one whose cells repeat most (fewest different values
-    over the first 500 rows: a label repeats, an id or a text does not; a column of one value only where
+    over the first rows, `sample`: a label repeats, an id or a text does not; a column of one value only where
     nothing else repeats), said where it is not column 1. A spreadsheet's `id,review,sentiment` read
     its reviews as the labels and the sentiments as the texts."""
-    sample = [row for _, row in rows[:500]]
-    width = max((len(row) for row in sample), default=0)
-    free = [i for i in range(width) if i not in taken]
+    free = _free_columns(sample, taken)
     if not free:
         return 1
 
@@ -429,25 +440,22 @@ def _label_column(path: Path, rows: list, names: list[str] | None, taken: set) -
 
     chosen = min(free, key=rank)
     if chosen != 1:
-        name = repr(names[chosen]) if names and chosen < len(names) else str(chosen)
-        print(f"{path}: labels read from column {name} (the fewest different values; no column is named 'label'): "
-              "--label-column names another", file=sys.stderr)
+        print(f"{path}: labels read from column {_column_name(chosen, names)} (the fewest different values; no "
+              "column is named 'label'): --label-column names another", file=sys.stderr)
     return chosen
 
 
-def _text_column(path: Path, rows: list, names: list[str] | None, taken: set) -> int:
+def _text_column(path: Path, sample: list, names: list[str] | None, taken: set) -> int:
     """The texts' column where none is named (no --text-column, no header column `text`): of the columns
-    the labels and text pairs do not take, the one of longest cells (over the first 500 rows), said where
+    the labels and text pairs do not take, the one of longest cells (over the first rows, `sample`), said where
     it is not the first column: a Hugging Face export's `idx,sentence,label` puts row numbers first, and
     a head learnt on them answers nothing (refused where every such column holds numbers)."""
-    width = max((len(row) for _, row in rows[:500]), default=0)  # no rows: "no examples", said below
-    free = [i for i in range(width) if i not in taken]
+    free = _free_columns(sample, taken)  # no rows: "no examples", said below
     if not free:
         return 0
-    sample = [row for _, row in rows[:500]]
     lengths = {i: sum(len(row[i]) for row in sample if len(row) > i) for i in free}
     chosen = max(free, key=lambda i: (lengths[i], -i))  # the longest; of equal ones, the first
-    name = repr(names[chosen]) if names and chosen < len(names) else str(chosen)
+    name = _column_name(chosen, names)
     if all(is_number(row[chosen]) for row in sample if len(row) > chosen):
         raise UsageError(f"{path}: no column holds texts: column {name}, the longest, holds numbers; name the "
                          "texts' column with --text-column")
@@ -664,7 +672,6 @@ def _example(text, label, pair, label_map, multi_label: bool = False, where: str
              ) -> SequenceExample:
     if text is None or not str(text).strip():
         raise EmptyCell(f"{where}: empty text")
-    label = _listed(label)
     if multi_label:  # an empty cell is an example with no label
         raw = label if isinstance(label, list) else _label_text(label).split(separator)
         names = [_label_text(item).strip() for item in raw]
@@ -712,8 +719,8 @@ def _label_text(value) -> str:
 
 def _label_name(label: str, label_map: dict[str, str] | None, where: str = "") -> str:
     if label_map:
-        if label not in label_map and _whole(label) in label_map:
-            label = _whole(label)  # pandas writes an int column holding a NaN as floats: 1.0 is class id 1
+        if label not in label_map and (whole := _whole(label)) in label_map:
+            label = whole  # pandas writes an int column holding a NaN as floats: 1.0 is class id 1
         if label not in label_map:
             raise UsageError(f"{where}: label {label!r} is not in the label map {label_map}")
         label = label_map[label]
