@@ -82,6 +82,7 @@ def test_training_lowers_the_loss_and_writes_a_loadable_artifact(sentiment_run, 
     assert manifest.metrics["split"] == "validation" and manifest.metrics["examples"] == 24
     assert manifest.metrics["metric"] == "accuracy"
     assert manifest.training["data"]["train_examples"] == 48
+    assert manifest.description.endswith("trained on train.tsv")  # served by /v1/tasks: no path of this machine
     report = run / "report"
     summary = json.loads((report / "metrics.json").read_text())
     assert summary["validation"]["accuracy"] == manifest.metrics["accuracy"]

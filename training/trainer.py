@@ -502,7 +502,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
             "machine": platform.machine(), "threads": torch.get_num_threads(),
         },
     }
-    description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or s.train}"
+    # the file's name, not its path: /v1/tasks shows the description to every client
+    description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or Path(s.train).name}"
                                      + (f", distilled from {s.distill_from}" if s.distill_from else ""))
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite, decoding=decoding)
