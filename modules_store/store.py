@@ -90,6 +90,10 @@ class ModuleStore:
             raise ArtifactError("not_found", f"no module '{task}' in store {self.root}")
         return versions[-1]
 
+    def next_version(self, task: str) -> str:
+        """One more than the highest whole-number version of `task` ("1" for a new task)."""
+        return str(1 + max((int(v) for v in self.versions(task) if v.isdigit()), default=0))
+
     def path(self, task: str, version: str) -> Path:
         for name in (task, version):
             check_name(name)

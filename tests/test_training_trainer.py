@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -484,13 +485,18 @@ def test_settings_parsing_and_config_errors(tmp_path):
     assert (settings.epochs, settings.lambda_entropy, settings.project_dim) == (2, 0.25, 32)
 
 
-def test_an_existing_version_is_refused_before_training(sentiment_run, sentiment_files):
+def test_an_existing_version_is_refused_before_training_and_none_named_is_the_next(sentiment_run, sentiment_files,
+                                                                                    train_backbone_dir, tmp_path):
     run, _ = sentiment_run
+    store = shutil.copytree(run / "store", tmp_path / "store")
     settings = TrainSettings(train=str(sentiment_files[0]), validation=str(sentiment_files[1]), task="sentiment",
-                             store=str(run / "store"), progress=False)
+                             store=str(store), backbone=str(train_backbone_dir), epochs=1, progress=False,
+                             run_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=r"sentiment/1 already exists in .*; pick another --version \(the next free "
-                                         r"number: --version 2\) or --overwrite"):
-        train(settings)
+                                         r"number: --version 2, or leave --version out\) or --overwrite"):
+        train(settings.model_copy(update={"version": "1"}))
+    assert train(settings).version == "2"  # the run repeated adds a version
+    assert ModuleStore(store).versions("sentiment") == ["1", "2"]
 
 
 def test_states_on_disk_are_reused_and_keyed_by_backbone_precision_and_data(sentiment_files, train_backbone, tmp_path):

@@ -142,7 +142,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
 
     g = p.add_argument_group("output")
     g.add_argument("--task", default=S, help="module name (default: the dataset or train file name)")
-    g.add_argument("--version", default=S)
+    g.add_argument("--version", default=S, help="default: the next free number in --store (1 in a new store): a "
+                   "repeated run adds the next version, which tmod-serve serves as the newest")
     g.add_argument("--store", default=S, help="module store to write into (default: RUN_DIR/store)")
     g.add_argument("--run-dir", default=S, help="default: runs/<task>-<version>-<time>")
     g.add_argument("--report-dir", default=S, help="default: RUN_DIR/report")

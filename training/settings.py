@@ -188,7 +188,7 @@ class TrainSettings(BaseModel):
     amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")
     # ---- output
     task: str | None = None
-    version: str = "1"
+    version: str | None = None  # None: the next free number in the store (training/trainer.py)
     store: str | None = None
     run_dir: str | None = None
     report_dir: str | None = None

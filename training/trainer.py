@@ -362,6 +362,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
 
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
+    if s.version is None:  # without --store the store is this run's own, new: version 1
+        s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
     store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
@@ -369,9 +371,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
         raise UsageError(f"--store: {misplaced}")
     if store.path(task, s.version).exists() and not s.overwrite:  # say so now, not after training
-        free = 1 + max((int(v) for v in store.versions(task) if v.isdigit()), default=0)
         raise UsageError(f"{task}/{s.version} already exists in {store.root}; pick another --version (the next "
-                         f"free number: --version {free}) or --overwrite")
+                         f"free number: --version {store.next_version(task)}, or leave --version out) or --overwrite")
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     if task_type != TaskType.token_classification and all(label.isdigit() for label in labels) and not s.label_map:
