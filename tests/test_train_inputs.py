@@ -320,6 +320,27 @@ def test_multi_label_cells_separated_by_bars_or_semicolons(tmp_path):
     assert [ex.label for ex in file_spec(mixed, multi_label=True).read().examples] == [("joy", "love"), ("Rock|Pop",)]
 
 
+def test_labels_joining_others_are_said_to_be_perhaps_multi_label(tmp_path, capsys):
+    """GoEmotions' files without --multi-label: "4,27" was learnt as a class of its own, unsaid."""
+    ids = write(tmp_path / "g.tsv", "ok then\t27\nyou know\t4,27\nso sad\t25\nsad, really\t25\n")
+    assert [ex.label for ex in file_spec(ids, header=False).read().examples] == ["27", "4,27", "25", "25"]
+    said = capsys.readouterr().err
+    assert f"{ids}: 1 of the 3 labels join others ('4,27' is '4' and '27')" not in said  # '4' is no label here
+    genres = write(tmp_path / "m.tsv", "text\tlabel\nToy Story\tAnimation|Comedy\nHeat\tAction\nCars\tComedy\n"
+                                       "Up\tAnimation\nWall-E\tAnimation|Comedy\n")
+    file_spec(genres).read()
+    assert capsys.readouterr().err == (f"{genres}: 1 of the 4 labels join others ('Animation|Comedy' is 'Animation' "
+                                       "and 'Comedy'), learnt as classes of their own: if a text can have several "
+                                       "labels, --multi-label reads each cell as its labels\n")
+    file_spec(genres, multi_label=True).read()
+    sentences = write(tmp_path / "s.tsv", "text\tlabel\na\tyes\nb\tno\nc\tyes, no\n")  # 'yes, no' joins 2 labels
+    file_spec(sentences).read()
+    assert "1 of the 3 labels join others ('yes, no' is 'yes' and 'no')" in capsys.readouterr().err
+    plain = write(tmp_path / "p.tsv", "text\tlabel\na\tyes\nb\tno, thanks\n")
+    file_spec(plain).read()
+    assert capsys.readouterr().err == ""
+
+
 def test_multi_label_from_one_0_1_column_per_label(tmp_path, capsys):
     """Jigsaw's layout: the labels of a row are the names of its columns holding 1."""
     table = write(tmp_path / "toxic.csv", "id,comment_text,toxic,obscene,insult\n1,you fool,1,0,1\n2,nice work,0,0,0\n"

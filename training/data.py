@@ -382,8 +382,26 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         if multi_label or pair_column is not None:
             raise UsageError(f"{path}: word tags are one per word: no --multi-label or --pair-column")
         return LabelledData(TaskType.token_classification, examples, str(path))
+    if not multi_label:
+        _say_joined_labels(path, examples)
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _say_joined_labels(path: Path, examples: list) -> None:
+    """Labels that join others of the file ("4,27" beside "4" and "27", as GoEmotions' files write a
+    text's several emotions): without --multi-label each is learnt as a class of its own. Said, not
+    refused: a label may hold a comma."""
+    labels = {example.label for example in examples}
+    separator = label_separator(sorted(labels))
+    joined = sorted(label for label in labels
+                    if len(parts := [part.strip() for part in label.split(separator)]) > 1 and set(parts) <= labels)
+    if joined:
+        first = joined[0]
+        parts = " and ".join(repr(part.strip()) for part in first.split(separator))
+        print(f"{path}: {len(joined)} of the {len(labels)} labels join others ({first!r} is {parts}), learnt as "
+              "classes of their own: if a text can have several labels, --multi-label reads each cell as its labels",
+              file=sys.stderr)
 
 
 def _check_same_kind(examples: list, example, where: str, unit: str) -> None:
