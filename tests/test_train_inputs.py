@@ -390,12 +390,13 @@ def test_a_json_file_holding_a_list_of_records_reads_as_its_lines_would(tmp_path
 
 def test_labels_that_are_numbers_are_pointed_at_label_map(tmp_path, capsys):
     """A Hugging Face export's class ids ("label": 1) would be served as "1": said before training."""
-    rows = [{"sentence": text, "label": i % 2} for i, text in enumerate(["good", "bad", "fine", "awful"])]
+    rows = [{"sentence": f"text {i}", "label": i % 12} for i in range(24)]
     train = write(tmp_path / "sst.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(AssertionError, match="a backbone was loaded"):  # the notice comes before the backbone
         main(train_args(tmp_path, "--train", train, "--validation", train, "--text-column", "sentence"))
-    assert "the labels are numbers (0, 1): the server will answer them as they are; --labels NAME,NAME,... (in their " \
-        "order) or --label-map 0=...,1=... names them" in capsys.readouterr().err
+    assert "the labels are numbers (0, 1, 2, 3, 4, ...): the server will answer them as they are; --labels " \
+        "NAME,NAME,... (class 0's name first, then 1's, ...) or --label-map 0=...,1=...,2=...,... names them" \
+        in capsys.readouterr().err  # in the ids' order, not the head's (0, 1, 10, 11, ...)
 
 
 @pytest.mark.parametrize("given, above", [("store/greeting", "store"), ("store/greeting/1", "store")])

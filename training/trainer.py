@@ -376,10 +376,11 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     if task_type != TaskType.token_classification and all(label.isdigit() for label in labels) and not s.label_map:
-        example = ",".join(f"{label}=..." for label in labels[:3]) + (",..." if len(labels) > 3 else "")
-        print(f"the labels are numbers ({', '.join(labels[:5])}{', ...' if len(labels) > 5 else ''}): the server will "
-              f"answer them as they are; --labels NAME,NAME,... (in their order) or --label-map {example} names them",
-              file=sys.stderr)
+        ids = sorted(labels, key=int)  # 0, 1, 2, ... where the head's order is 0, 1, 10, ...
+        example = ",".join(f"{label}=..." for label in ids[:3]) + (",..." if len(ids) > 3 else "")
+        print(f"the labels are numbers ({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}): the server will "
+              f"answer them as they are; --labels NAME,NAME,... (class 0's name first, then 1's, ...) or "
+              f"--label-map {example} names them", file=sys.stderr)
     if provenance.get("entities_begun_with_i"):  # said: the tags the head learns are not the file's
         counts = ", ".join(f"{n} in the {split} file" for split, n in provenance["entities_begun_with_i"].items())
         print(f"entities that begin with I- ({counts}): IOB1 tags, as CoNLL-2003's original release writes them, or "
