@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -578,3 +579,20 @@ def test_a_linear_baseline_the_rows_cannot_fit_keeps_the_trained_head(tmp_path, 
     assert "the linear model (window_tagger) could not be trained" in baselines["verdict"]
     assert "margin_over_majority" in baselines and "margin_over_window_tagger" not in baselines
     assert f"| window_tagger | not trained: {type(failure).__name__}" in (result.report_dir / "report.md").read_text()
+
+
+def test_long_steps_write_plain_progress_lines_where_there_are_no_bars(sentiment_files, train_backbone_dir, tmp_path,
+                                                                       capsys, monkeypatch):
+    """In a log (no terminal, or --no-progress) a step's progress is a plain line every LOG_EVERY_S (here 0:
+    every step), not the silence of a disabled bar: a large file's states take minutes."""
+    from training import progress
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    train_file, validation_file = sentiment_files
+    assert main(["layermix", "--train", str(train_file), "--validation", str(validation_file), "--label-column", "label",
+                 "--backbone", str(train_backbone_dir), "--task", "s", "--store", str(tmp_path / "store"),
+                 "--run-dir", str(tmp_path / "run"), "--epochs", "1", "--batch-size", "16", "--no-progress"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    said = "\n".join(lines)
+    assert re.search(r"^caching train states: 48/48 ex \(100%\) in \d+ s, ~0 s left$", said, re.M)  # its last line
+    assert re.search(r"^epoch 1/1: 3/3 batch \(100%\) in \d+ s, ~0 s left  loss \d\.\d{4}$", said, re.M)
+    assert not [line for line in lines if "\r" in line or "\x1b" in line]  # no terminal codes in a log

@@ -26,11 +26,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from server.bridges.alignment import AlignmentBridge, AlignmentConfig
 from training.data import UsageError
 from training.pairing import PairedStates
+from training.progress import progress_of
 
 MAPPINGS = ("skip", "avg")
 
@@ -123,7 +123,7 @@ def align(paired: PairedStates, mapping: str = "skip", standardize: bool = False
                              source_hidden_size=paired.source_hidden, target_hidden_size=paired.target_hidden)
     bridge = AlignmentBridge(config)
     per_state = {}
-    for j in tqdm(targets, desc="aligning target states", disable=not progress, leave=False):
+    for j in progress_of(targets, bars=progress, desc="aligning target states"):
         x, y = paired.token_pairs(groups[j], j, pool=pool)
         c = correlation(x, y)
         rows, cols = match(c)
@@ -165,8 +165,7 @@ def correlation_grid(paired: PairedStates, source_states: Sequence[int] | None =
     targets = list(target_states if target_states is not None else paired.target_layers)
     ys = {j: paired.token_pairs(sources[0], j, pool)[1] for j in targets}
     grid = np.zeros((len(sources), len(targets)))
-    with tqdm(total=len(sources) * len(targets), desc="layer x layer correlation", disable=not progress,
-              leave=False) as bar:
+    with progress_of(total=len(sources) * len(targets), bars=progress, desc="layer x layer correlation") as bar:
         for a, i in enumerate(sources):
             x, _ = paired.token_pairs(i, targets[0], pool)
             for b, j in enumerate(targets):

@@ -47,6 +47,7 @@ from server.modules import LoadedModule, count_parameters, load_module
 from server.probe import probe_module
 from training.data import IGNORE_INDEX, PRESETS, UsageError, preset_spec, token_labels
 from training.distill import distill_kl
+from training.progress import progress_of
 from training.settings import parse_layers
 
 log = logging.getLogger("tmod")
@@ -180,8 +181,8 @@ class ModuleProbe:
     @torch.no_grad()
     def _teacher(self, pairs, batch_size, device, progress, name) -> list[torch.Tensor]:
         out: list = [None] * len(pairs)
-        for rows in tqdm(pairs.batches(batch_size), desc=f"teacher logits ({name})", unit="batch",
-                         disable=not progress, leave=False):
+        for rows in progress_of(pairs.batches(batch_size), bars=progress, desc=f"teacher logits ({name})",
+                                unit="batch"):
             batch, states = to_device(*pairs.target_batch(rows), device)
             logits = head_forward(self.head, batch, ((i, states[i]) for i in self.layers)).float().cpu()
             for k, r in enumerate(rows):
@@ -289,8 +290,8 @@ def evaluate(bridge: TransformerBridge, pairs, split: str, probe: ModuleProbe | 
         sums[key] = sums.get(key, 0.0) + float(value) * n
         counts[key] = counts.get(key, 0) + n
 
-    for rows in tqdm(pairs.batches(s.eval_batch_size), desc=f"evaluating ({split})", unit="batch",
-                     disable=not progress, leave=False):
+    for rows in progress_of(pairs.batches(s.eval_batch_size), bars=progress, desc=f"evaluating ({split})",
+                            unit="batch"):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=s.amp and device.type == "cuda"):
             terms = batch_terms(bridge, pairs, rows, split, probe, s, device, served=served)
         n = len(rows)
@@ -362,8 +363,8 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
         bridge.train()
         t0 = time.perf_counter()
         total, count = 0.0, 0
-        bar = tqdm(train_pairs.batches(s.batch_size, shuffle=True, rng=rng), desc=f"epoch {epoch}/{s.epochs}",
-                   unit="batch", disable=not s.progress, leave=False)
+        bar = progress_of(train_pairs.batches(s.batch_size, shuffle=True, rng=rng), bars=s.progress,
+                          desc=f"epoch {epoch}/{s.epochs}", unit="batch")
         for rows in bar:
             lr = base_lr * min(1.0, (step + 1) / s.warmup_steps) if s.warmup_steps else base_lr
             for group in optimizer.param_groups:

@@ -151,7 +151,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--description", default=S)
     g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=S)
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S,
-                   help="progress bars (default: only when stderr is a terminal; one line per epoch is always written)")
+                   help="progress bars (default: only when stderr is a terminal; without them a plain line every 30 s of a "
+                        "long step; one line per epoch is always written)")
     g.add_argument("--load-into", default=S, metavar="URL",
                    help="hot-load the new module into the tmod-serve at URL, whose store must be --store (admin token "
                         "from $TMOD_ADMIN_TOKEN; both checked before training), and print a request that queries "

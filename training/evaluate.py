@@ -9,7 +9,6 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from server.backbone import TokenBatch
 from server.engine import Engine
@@ -17,6 +16,7 @@ from server.heads.decode import word_tags
 from server.modules import LoadedModule
 from training.data import word_first_tokens
 from training.metrics import classification_scores, entity_scores, multilabel_scores
+from training.progress import progress_of
 from training.states import Split
 
 
@@ -75,8 +75,7 @@ def served_logits(split: Split, module: LoadedModule, batch_size: int = 128, pro
                   engine: Engine | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
     """(rows, the module's logits) for batches of `split`, through the served path (Engine.logits)."""
     engine = engine or Engine(split.backbone)
-    for rows in tqdm(split.batches(batch_size), desc=f"scoring {module.task}", unit="batch", disable=not progress,
-                     leave=False):
+    for rows in progress_of(split.batches(batch_size), bars=progress, desc=f"scoring {module.task}", unit="batch"):
         yield rows, engine.logits(split.token_batch(rows), {module.task: module})[module.task]
 
 

@@ -24,12 +24,12 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from modules_store import BackboneFingerprint
 from server.backbone import Backbone, EncodedInput, TokenBatch
 from server.backbone.sources import default_cache_dir
 from server.backbone.tokens import TextEncoder
+from training.progress import progress_of
 from training.states import TokenStateCache, length_batches, write_then_rename
 
 log = logging.getLogger("tmod")
@@ -242,7 +242,7 @@ class PairedStates:
             return self._poolings[pool]
         sg, si, tg, ti = [], [], [], []
         rows = 0
-        for r in tqdm(range(len(self)), desc=f"aligning {pool}s", unit="ex", disable=not progress, leave=False):
+        for r in progress_of(range(len(self)), bars=progress, desc=f"aligning {pool}s", unit="ex"):
             s_enc, t_enc = self.source_encoded[r], self.target_encoded[r]
             s_start, s_end, s_seq = _trimmed_spans(s_enc)
             t_start, t_end, t_seq = _trimmed_spans(t_enc)

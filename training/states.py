@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from modules_store import TaskType
 from server.backbone import Backbone, EncodedInput, TokenBatch
 from training.data import IGNORE_INDEX, LabelledData, token_labels
+from training.progress import progress_of
 
 log = logging.getLogger("tmod")
 
@@ -182,7 +182,7 @@ class TokenStateCache:
         self.cache = {i: torch.zeros(total + 1, backbone.hidden_size, dtype=dtype, device=self.device)
                       for i in self.layers}
         upto = max(self.layers)
-        with tqdm(total=len(encoded), desc=desc, unit="ex", disable=not progress, leave=False) as bar:
+        with progress_of(total=len(encoded), bars=progress, desc=desc, unit="ex") as bar:
             for rows in length_batches(self.lengths, batch_size):
                 batch = backbone.collate([encoded[r] for r in rows])
                 for index, hidden in backbone.stream(batch, upto=upto):

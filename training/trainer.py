@@ -38,6 +38,7 @@ from training.data import (
     document_windows,
 )
 from training import serving
+from training.progress import progress_of
 from training.splits import Splits, resolve_data
 from training.distill import DistillTargets, teacher_words
 from training.assess import assess
@@ -194,8 +195,7 @@ def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: rand
     head.train()
     total, count = 0.0, 0
     lam = (s.lambda_entropy or 0.0) if isinstance(head, LayerMixHead) else 0.0
-    bar = tqdm(split.batches(s.batch_size, shuffle=True, rng=rng), desc=desc, unit="batch",
-               disable=not s.progress, leave=False)
+    bar = progress_of(split.batches(s.batch_size, shuffle=True, rng=rng), bars=s.progress, desc=desc, unit="batch")
     for rows in bar:
         batch = split.token_batch(rows).to(device)
         targets = split.targets(rows, batch.seq_len).to(device)
