@@ -312,7 +312,8 @@ def test_document_windows_add_the_training_documents_in_windows(tmp_path, train_
 
 
 @pytest.mark.parametrize("pooling", ["mean", "pair"])
-def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train_backbone, train_backbone_dir, pooling):
+def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train_backbone, train_backbone_dir, pooling,
+                                                                 capsys):
     rows = ["index\tsentence1\tsentence2\tlabel"] + [
         f"{i}\tthe cat sat on the mat {i}\t{'a cat sat' if i % 2 else 'no dog ran'}\t"
         f"{'entailment' if i % 2 else 'not_entailment'}" for i in range(24)
@@ -327,6 +328,8 @@ def test_single_layer_baseline_on_a_pair_task_recomputing_states(tmp_path, train
     manifest = ModuleStore(tmp_path / "run" / "store").read_manifest("rte")
     assert manifest.layers == [2] and manifest.config["layers"] == [2]
     assert manifest.config["pooling"] == pooling
+    hint = "a pair task with its two texts pooled together: on RTE, held out, --pooling pair --no-attention"
+    assert (hint in capsys.readouterr().err) == (pooling != "pair")  # the recipe measured on pairs, pointed at
 
 
 def test_select_last_trains_every_epoch_and_keeps_the_last(tmp_path, train_backbone, train_backbone_dir):
