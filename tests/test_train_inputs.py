@@ -278,6 +278,32 @@ def minilm_tokenizer_texts():
                                "e\u0301te\u0301 à la carte", "tab\tsep  double  spaces"]
 
 
+def test_spacy_training_examples_are_read_as_their_spans_or_categories(tmp_path, capsys):
+    """spaCy's [text, {"entities": ...}] / [text, {"cats": ...}] list, as its v2 docs and tutorials save
+    TRAIN_DATA: read was the line "no key list indices must be integers or slices, not str in [...]"."""
+    text = "Angela Merkel visited Munich."
+    entities = write(tmp_path / "ner.json", json.dumps([[text, {"entities": [[0, 13, "PER"], [22, 28, "LOC"]]}],
+                                                        ["Nothing here.", {"entities": []}]]))
+    data = file_spec(entities).read()
+    assert [(ex.words, ex.tags) for ex in data.examples] == [
+        (["Angela", "Merkel", "visited", "Munich", "."], ["B-PER", "I-PER", "O", "B-LOC", "O"]),
+        (["Nothing", "here", "."], ["O", "O", "O"])]
+    assert "spaCy's training examples" in capsys.readouterr().err
+    cats = [["I loved it", {"cats": {"POS": 1.0, "NEG": 0.0}}], ["I hated it", {"cats": {"POS": 0.0, "NEG": 1.0}}],
+            ["so-so", {"cats": {"POS": 1.0, "NEG": 1.0}}]]
+    categories = write(tmp_path / "cats.json", json.dumps(cats[:2]))
+    assert [(ex.text, ex.label) for ex in file_spec(categories).read().examples] == [("I loved it", "POS"),
+                                                                                     ("I hated it", "NEG")]
+    both = write(tmp_path / "both.json", json.dumps(cats))
+    assert [ex.label for ex in file_spec(both, multi_label=True).read().examples] == [("POS",), ("NEG",), ("POS", "NEG")]
+    with pytest.raises(UsageError, match=r"record 2: the label is a list \(\["):  # several, without --multi-label
+        file_spec(both).read()
+    capsys.readouterr()
+    records = write(tmp_path / "pairs.json", json.dumps([[1, 2], [3, 4]]))
+    line = one_line_error(capsys, train_args(tmp_path, "--train", records, "--split", "0.5"))
+    assert line.endswith(f'{records}: record 0: a record is a JSON object ({{"text": ..., "label": ...}}), not [1, 2]')
+
+
 @pytest.mark.parametrize("spans, expected", [
     ([[7, 11, "PER"]], "entity [7, 11, \"PER\"] ('Merk') starts or ends inside the word 'Merkel'"),
     ([[0, 13, "PER"], [7, 21, "X"]], "overlaps another"),

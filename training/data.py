@@ -310,7 +310,10 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
                     raise UsageError(f"{where}: a Label Studio export (JSON), which is not read; export as JSON-MIN "
                                      "(a record's text and labels: entity spans are read as they are, a choice under "
                                      "its control's name, e.g. --label-column sentiment)") from None
-                raise UsageError(f"{where}: no key {exc} in {sorted(record) if isinstance(record, dict) else record}; "
+                if not isinstance(record, dict):
+                    raise UsageError(f"{where}: a record is a JSON object ({{\"text\": ..., \"label\": ...}}), not "
+                                     f"{json.dumps(record)[:80]}") from None
+                raise UsageError(f"{where}: no key {exc} in {sorted(record)}; "
                                  f"name it with --text-column / --label-column / --pair-column") from None
             if isinstance(text, list):
                 example = _token_example(text, label, label_map, where)
@@ -538,6 +541,10 @@ def _json_records(path: Path):
             records = json.loads("".join(line for _, line in lines))
         except json.JSONDecodeError as exc:
             raise UsageError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
+        if records and all(map(_is_spacy_example, records)):
+            print(f"{path}: spaCy's training examples ([text, {{\"entities\" or \"cats\": ...}}]): read as their "
+                  "text and entity spans or categories", file=sys.stderr)
+            records = [_spacy_record(*example) for example in records]
         yield from ((f"{path}: record {i}", record) for i, record in enumerate(records))
         return
     for line_no, line in lines:
@@ -548,6 +555,23 @@ def _json_records(path: Path):
         except json.JSONDecodeError as exc:
             raise UsageError(f"{path}:{line_no}: not a JSON record ({exc.msg})") from None
         yield f"{path}:{line_no}", record
+
+
+def _is_spacy_example(item) -> bool:
+    """spaCy's (v2, and its tutorials') training example: [text, {"entities": [[start, end, label], ...]}]
+    or [text, {"cats": {label: 1.0 or 0.0, ...}}]."""
+    return isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], dict) \
+        and bool({"entities", "cats"} & set(item[1]))
+
+
+def _spacy_record(text: str, annotations: dict) -> dict:
+    """A spaCy example as the record it means: its entity spans, or the categories scored 0.5 or more
+    (one for a single-label task, any number with --multi-label)."""
+    if "entities" in annotations:
+        return {"text": text, "entities": annotations["entities"]}
+    cats = annotations["cats"]
+    return {"text": text, "labels": [label for label, score in cats.items() if isinstance(score, (int, float))
+                                     and not isinstance(score, bool) and score >= 0.5]}
 
 
 def _pandas_records(value: dict) -> tuple[str, list] | None:
@@ -575,7 +599,8 @@ def _json_keys(record: dict, text_column: Column | None, label_column: Column | 
         else "text"
     if label_column is not None:
         return text, label_column
-    label = "labels" if multi_label else "label"
+    names = ("labels", "label") if multi_label else ("label", "labels")  # a list of one is that label
+    label = next((name for name in names if name in record), names[0])
     if label not in record:  # a token dataset's tags, or an annotation tool's entity spans
         others = ("ner_tags", "tags") if text == "tokens" else ("entities", "spans")
         label = next((key for key in others if key in record), label)
