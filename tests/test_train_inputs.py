@@ -299,6 +299,11 @@ def test_spacy_training_examples_are_read_as_their_spans_or_categories(tmp_path,
     with pytest.raises(UsageError, match=r"record 2: the label is a list \(\["):  # several, without --multi-label
         file_spec(both).read()
     capsys.readouterr()
+    docbin = write(tmp_path / "train.spacy", "\x83")  # spaCy v3's binary DocBin: the command that converts it
+    line = one_line_error(capsys, train_args(tmp_path, "--train", docbin, "--split", "0.5"))
+    assert "a spaCy DocBin is not read; write its docs as JSONL first: python -c \"import json, spacy; " in line
+    assert "DocBin().from_disk('train.spacy')" in line and line.endswith("--label-column entities (a token task) or "
+                                                                        "labels (its categories)")
     records = write(tmp_path / "pairs.json", json.dumps([[1, 2], [3, 4]]))
     line = one_line_error(capsys, train_args(tmp_path, "--train", records, "--split", "0.5"))
     assert line.endswith(f'{records}: record 0: a record is a JSON object ({{"text": ..., "label": ...}}), not [1, 2]')

@@ -893,6 +893,13 @@ def guess_format(path: Path) -> str:
     if suffix in ("parquet", "arrow"):  # a Hugging Face dataset's files
         raise UsageError(f"{path}: {suffix} is not read; write it as JSONL first, e.g. "
                          f"datasets.load_dataset('{suffix}', data_files='{path.name}')['train'].to_json('train.jsonl')")
+    if suffix == "spacy":  # spaCy v3's DocBin: binary, read only through spaCy
+        raise UsageError(
+            f"{path}: a spaCy DocBin is not read; write its docs as JSONL first: python -c \"import json, spacy; "
+            f"from spacy.tokens import DocBin; docs = DocBin().from_disk('{path.name}').get_docs(spacy.blank('en').vocab); "
+            "print(*(json.dumps({'text': d.text, 'entities': [[e.start_char, e.end_char, e.label_] for e in d.ents], "
+            "'labels': [c for c, p in d.cats.items() if p >= 0.5]}) for d in docs), sep='\\n')\" > train.jsonl; "
+            "then --label-column entities (a token task) or labels (its categories)")
     raise UsageError(f"{path}: cannot tell the format from the extension; give --format ({'/'.join(FORMATS)})")
 
 
