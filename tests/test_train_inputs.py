@@ -308,6 +308,33 @@ def test_spacy_training_examples_are_read_as_their_spans_or_categories(tmp_path,
     assert line.endswith(f'{records}: record 0: a record is a JSON object ({{"text": ..., "label": ...}}), not [1, 2]')
 
 
+def test_prodigy_answers_other_than_accept_are_skipped_and_its_choices_read(tmp_path, capsys):
+    """Prodigy's db-out: a rejected or ignored example was learnt as if accepted; a choice recipe's
+    labels are under "accept"; a binary answer (reject of one label) cannot be a label: refused."""
+    text = "Angela Merkel visited Munich."
+    spans = [{"start": 0, "end": 13, "label": "PER", "token_start": 0, "token_end": 1}, {"start": 22, "end": 28, "label": "LOC"}]
+    rows = [{"text": text, "spans": spans, "answer": "accept", "_view_id": "ner_manual"},
+            {"text": "Olaf Scholz saw Rome.", "spans": [{"start": 0, "end": 4, "label": "LOC"}], "answer": "reject"},
+            {"text": "Nobody here.", "spans": [], "answer": "ignore"}]
+    ner = write(tmp_path / "ner.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    assert [ex.tags for ex in file_spec(ner).read().examples] == [["B-PER", "I-PER", "O", "B-LOC", "O"]]
+    assert capsys.readouterr().err == (f"{ner}: 2 Prodigy records not accepted (1 reject, 1 ignore): skipped, not "
+                                       "annotations\n")
+    options = [{"id": "POS", "text": "positive"}, {"id": "NEG", "text": "negative"}]
+    rows = [{"text": "I loved it", "options": options, "accept": ["POS"], "answer": "accept"},
+            {"text": "I hated it", "options": options, "accept": ["NEG"], "answer": "accept"}]
+    choices = write(tmp_path / "cat.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    assert [(ex.text, ex.label) for ex in file_spec(choices).read().examples] == [("I loved it", "POS"),
+                                                                                  ("I hated it", "NEG")]
+    rows = [{"text": "I loved it", "label": "POS", "answer": "accept"}, {"text": "dull", "label": "POS", "answer": "reject"}]
+    binary = write(tmp_path / "bin.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UsageError, match=r"bin.jsonl:2: a Prodigy binary answer \(reject of the label 'POS'\)"):
+        file_spec(binary).read()
+    rows = [{"text": "is it?", "label": "q", "answer": {"text": "yes"}}, {"text": "no.", "label": "a", "answer": "reject"}]
+    other = write(tmp_path / "qa.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # "answer" of another kind
+    assert [ex.label for ex in file_spec(other).read().examples] == ["q", "a"]
+
+
 @pytest.mark.parametrize("spans, expected", [
     ([[7, 11, "PER"]], "entity [7, 11, \"PER\"] ('Merk') starts or ends inside the word 'Merkel'"),
     ([[0, 13, "PER"], [7, 21, "X"]], "overlaps another"),

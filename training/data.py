@@ -20,6 +20,7 @@ import re
 import sys
 import unicodedata
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -296,7 +297,7 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     flags = [c.strip() for c in label_column.split(",")] if multi_label and isinstance(label_column, str) \
         and "," in label_column else None
     if fmt == "jsonl":
-        records = list(_json_records(path))
+        records = _answered(path, list(_json_records(path)))
         if text_column is None and records:
             text_column = _text_key(path, records[0][1], {label_column, pair_column, *(flags or ())})
         for where, record in records:
@@ -557,6 +558,26 @@ def _json_records(path: Path):
         yield f"{path}:{line_no}", record
 
 
+def _answered(path: Path, records: list) -> list:
+    """Prodigy's `db-out` records carry the annotator's `answer`: `accept` is an annotation, `ignore` and
+    `reject` are not (a rejected example's entities were learnt as if accepted): skipped, said. A binary
+    answer, `reject` of one `label`, means "not that label", which the label cannot say: refused."""
+    answers = Counter(str(record["answer"]) for _, record in records if isinstance(record, dict) and "answer" in record)
+    if set(answers) <= {"accept"} or not set(answers) <= {"accept", "reject", "ignore"}:  # another file's "answer"
+        return records
+    for where, record in records:
+        if record.get("answer") == "reject" and isinstance(record.get("label"), str):
+            raise UsageError(f"{where}: a Prodigy binary answer (reject of the label {record['label']!r}): read as "
+                             "that label it would be learnt backwards; annotate with a manual or choice recipe "
+                             "(textcat.manual), whose accepted labels are read")
+    kept = [(where, record) for where, record in records
+            if not (isinstance(record, dict) and record.get("answer") in ("reject", "ignore"))]
+    counts = ", ".join(f"{answers[answer]} {answer}" for answer in ("reject", "ignore") if answers[answer])
+    print(f"{path}: {len(records) - len(kept)} Prodigy records not accepted ({counts}): skipped, not annotations",
+          file=sys.stderr)
+    return kept
+
+
 def _is_spacy_example(item) -> bool:
     """spaCy's (v2, and its tutorials') training example: [text, {"entities": [[start, end, label], ...]}]
     or [text, {"cats": {label: 1.0 or 0.0, ...}}]."""
@@ -602,7 +623,7 @@ def _json_keys(record: dict, text_column: Column | None, label_column: Column | 
     names = ("labels", "label") if multi_label else ("label", "labels")  # a list of one is that label
     label = next((name for name in names if name in record), names[0])
     if label not in record:  # a token dataset's tags, or an annotation tool's entity spans
-        others = ("ner_tags", "tags") if text == "tokens" else ("entities", "spans")
+        others = ("ner_tags", "tags") if text == "tokens" else ("entities", "spans", "accept")  # Prodigy's choices
         label = next((key for key in others if key in record), label)
     return text, label
 
