@@ -599,3 +599,27 @@ def test_long_steps_write_plain_progress_lines_where_there_are_no_bars(sentiment
     assert re.search(r"^caching train states: 48/48 ex \(100%\) in \d+ s, ~0 s left$", said, re.M)  # its last line
     assert re.search(r"^epoch 1/1: 3/3 batch \(100%\) in \d+ s, ~0 s left  loss \d\.\d{4}$", said, re.M)
     assert not [line for line in lines if "\r" in line or "\x1b" in line]  # no terminal codes in a log
+
+
+def test_word_pieces_the_vocabulary_lacks_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):
+    """A file in a script the backbone's vocabulary lacks (Thai: [UNK] pieces) trained unsaid; GoEmotions'
+    emoji (0.13% of its pieces) stay under the line."""
+    rows = ["text\tlabel"] + [f"{'ผมชอบหนัง' if i % 2 else 'แย่มาก'} film {i}\t{i % 2}" for i in range(24)]
+    path = tmp_path / "thai.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    settings = TrainSettings(train=str(path), validation=str(path), backbone=str(train_backbone_dir), task="thai",
+                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=1, progress=False)
+    train(settings, backbone=train_backbone)
+    said = capsys.readouterr().err
+    assert re.search(r"^24 of the \d+ training word pieces \(\d+\.\d%, in 24 of 24 texts, e\.g\. '.*'\) are \[UNK\]: "
+                     r"\S+'s vocabulary lacks them", said, re.M)
+    assert ModuleStore(tmp_path / "run" / "store").read_manifest("thai").training["data"][
+        "training_word_pieces_unknown"] == 24
+    english = tmp_path / "english.tsv"  # an emoji in 24 of 400 texts of ~12 pieces: 0.5% of the pieces
+    english.write_text("\n".join(["text\tlabel"] + [f"a fine film with a long and winding plot {i} 😀\t{i % 2}"
+                                                     for i in range(24)]
+                                 + [f"a dull film with a long and winding plot {i}\t{i % 2}" for i in range(24, 400)])
+                       + "\n")
+    train(settings.model_copy(update={"train": str(english), "validation": str(english), "task": "english"}),
+          backbone=train_backbone)
+    assert "[UNK]" not in capsys.readouterr().err

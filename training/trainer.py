@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from modules_store import ModuleStore, TaskType, misplaced_store
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir
+from server.backbone.tokens import IDS
 from server.heads import Head
 from server.heads.base import head_forward
 from server.heads.layermix import LayerMixConfig, LayerMixHead
@@ -188,6 +189,28 @@ def safe_name(text: str) -> str:
 
 
 # ---- the loop --------------------------------------------------------------------------------
+UNKNOWN_SHARE = 0.01  # of the training word pieces; GoEmotions' emoji make 0.13%, a Thai file ~100%
+
+
+def say_unknown_pieces(split: Split, backbone: Backbone, provenance: dict) -> None:
+    """Word pieces the backbone's vocabulary lacks ([UNK]: a script it was not trained on, emoji) carry
+    nothing the head can learn from: counted in the manifest, said where they are UNKNOWN_SHARE or more."""
+    tokenizer = backbone.text.tokenizer
+    unknown_id = getattr(tokenizer, "unk_token_id", None)
+    if unknown_id is None:  # a byte-level vocabulary (SmolLM2's) spells every text
+        return
+    per_row = [int((row.tokens[:, IDS] == unknown_id).sum()) for row in split.encoded]
+    unknown, pieces = sum(per_row), sum(len(row) for row in split.encoded)
+    provenance["training_word_pieces_unknown"] = unknown
+    if pieces and unknown / pieces >= UNKNOWN_SHARE:
+        worst = max(range(len(per_row)), key=lambda r: per_row[r] / len(split.encoded[r]))
+        example = split.encoded[worst].text
+        print(f"{unknown} of the {pieces} training word pieces ({100 * unknown / pieces:.1f}%, in "
+              f"{sum(n > 0 for n in per_row)} of {len(per_row)} texts, e.g. {example[:60]!r}) are "
+              f"{tokenizer.unk_token}: {backbone.name}'s vocabulary lacks them, so the head learns nothing from "
+              "them (another script, emoji): a backbone whose vocabulary covers these texts would", file=sys.stderr)
+
+
 def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: random.Random, device, amp: bool,
               desc: str, teacher: DistillTargets | None = None) -> float:
     """One pass over the training rows; the mean of the loss trained on (with a teacher: the mix of
@@ -425,6 +448,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
                   f"({backbone.text.max_tokens} word pieces): {'learnt' if name == 'training' else 'scored'} on their "
                   f"first {backbone.text.max_tokens}; the server reads long texts in windows (docs/windows.md)",
                   file=sys.stderr)
+    say_unknown_pieces(train_split, backbone, provenance)
     teacher, distillation = None, None
     if s.distill_from:
         words = teacher_words(s.distill_from, provenance["train_file"], s.distill_backbone, device=str(device),
