@@ -615,6 +615,8 @@ def test_word_pieces_the_vocabulary_lacks_are_counted_and_said(tmp_path, train_b
                      r"\S+'s vocabulary lacks them", said, re.M)
     assert ModuleStore(tmp_path / "run" / "store").read_manifest("thai").training["data"][
         "training_word_pieces_unknown"] == 24
+    assert re.search(r"^- 24 of the \d+ training word pieces \(\d+\.\d\d%\) are unknown to the backbone's vocabulary",
+                     (tmp_path / "run" / "report" / "report.md").read_text(), re.M)
     english = tmp_path / "english.tsv"  # an emoji in 24 of 400 texts of ~12 pieces: 0.5% of the pieces
     english.write_text("\n".join(["text\tlabel"] + [f"a fine film with a long and winding plot {i} 😀\t{i % 2}"
                                                      for i in range(24)]

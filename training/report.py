@@ -87,6 +87,10 @@ def report_text(result) -> str:
         counts = ", ".join(f"{n} in the {split} file" for split, n in data["entities_begun_with_i"].items())
         lines.append(f"- entities that begin with I- (IOB1 tags, or slips in BIO): {counts}; learnt and scored as "
                      "beginning with B- (BIO), the same entities")
+    if data.get("training_word_pieces_unknown"):
+        unknown, pieces = data["training_word_pieces_unknown"], data["training_word_pieces"]
+        lines.append(f"- {unknown} of the {pieces} training word pieces ({100 * unknown / pieces:.2f}%) are unknown to "
+                     "the backbone's vocabulary ([UNK]: another script, emoji): the head learns nothing from them")
     if data.get("train_texts_labelled_two_ways"):
         lines.append("- training texts labelled more than one way (the same text, different labels): "
                      f"{data['train_texts_labelled_two_ways']}")

@@ -197,11 +197,12 @@ def say_unknown_pieces(split: Split, backbone: Backbone, provenance: dict) -> No
     nothing the head can learn from: counted in the manifest, said where they are UNKNOWN_SHARE or more."""
     tokenizer = backbone.text.tokenizer
     unknown_id = getattr(tokenizer, "unk_token_id", None)
-    if unknown_id is None:  # a byte-level vocabulary (SmolLM2's) spells every text
+    added = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "cls", "sep", "pad")}
+    if unknown_id is None or unknown_id in added:  # a byte-level vocabulary (SmolLM2's) spells every text
         return
     per_row = [int((row.tokens[:, IDS] == unknown_id).sum()) for row in split.encoded]
     unknown, pieces = sum(per_row), sum(len(row) for row in split.encoded)
-    provenance["training_word_pieces_unknown"] = unknown
+    provenance["training_word_pieces_unknown"], provenance["training_word_pieces"] = unknown, pieces
     if pieces and unknown / pieces >= UNKNOWN_SHARE:
         worst = max(range(len(per_row)), key=lambda r: per_row[r] / len(split.encoded[r]))
         example = split.encoded[worst].text
