@@ -333,6 +333,9 @@ def test_prodigy_answers_other_than_accept_are_skipped_and_its_choices_read(tmp_
     rows = [{"text": "is it?", "label": "q", "answer": {"text": "yes"}}, {"text": "no.", "label": "a", "answer": "reject"}]
     other = write(tmp_path / "qa.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # "answer" of another kind
     assert [ex.label for ex in file_spec(other).read().examples] == ["q", "a"]
+    mixed = write(tmp_path / "mixed.json", json.dumps([{"text": "ok", "label": "a", "answer": "ignore"}, ["no", "b"]]))
+    with pytest.raises(UsageError, match=r"record 1: a record is a JSON object"):  # not a traceback
+        file_spec(mixed).read()
 
 
 @pytest.mark.parametrize("spans, expected", [

@@ -566,7 +566,7 @@ def _answered(path: Path, records: list) -> list:
     if set(answers) <= {"accept"} or not set(answers) <= {"accept", "reject", "ignore"}:  # another file's "answer"
         return records
     for where, record in records:
-        if record.get("answer") == "reject" and isinstance(record.get("label"), str):
+        if isinstance(record, dict) and record.get("answer") == "reject" and isinstance(record.get("label"), str):
             raise UsageError(f"{where}: a Prodigy binary answer (reject of the label {record['label']!r}): read as "
                              "that label it would be learnt backwards; annotate with a manual or choice recipe "
                              "(textcat.manual), whose accepted labels are read")
