@@ -18,7 +18,8 @@ from training.cli import build_parser, main, settings_from_args
 from training.data import read_table
 from training.settings import TrainSettings, parse_label_map, parse_layers
 from training.states import CachedStates, RecomputedStates, Split
-from training.trainer import train
+from training.splits import resolve_data
+from training.trainer import add_document_windows, train
 
 POSITIVE = ["good", "great", "lovely", "fine", "superb"]
 NEGATIVE = ["bad", "awful", "dull", "poor", "boring"]
@@ -309,6 +310,35 @@ def test_document_windows_add_the_training_documents_in_windows(tmp_path, train_
         train(TrainSettings(train=str(table), validation=str(table), text_column="sentence", label_column="label",
                             backbone=str(train_backbone_dir), document_windows=[64], progress=False,
                             store=str(tmp_path / "store2")), backbone=train_backbone)
+
+
+def test_split_keeps_a_conll_document_in_one_part_and_its_windows_hold_training_words_only(tmp_path, train_backbone,
+                                                                                           capsys):
+    """--split carved a CoNLL file sentence by sentence: a document's sentences (its names again and again)
+    sat in training and validation, and --document-windows read the whole training file in windows,
+    validation's sentences included, so validation scored what the head had learnt."""
+    lines = []
+    for d in range(8):
+        lines += ["-DOCSTART- -X- -X- O", ""]
+        for k in range(5):
+            lines += [f"Alice{d} X X B-PER", f"met{k} X X O", "Bob X X B-PER", ". X X O", ""]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(lines))
+    settings = TrainSettings(train=str(path), split="0.25", progress=False)
+    data = resolve_data(settings)
+    assert {ex.document for ex in data.train.examples}.isdisjoint({ex.document for ex in data.validation.examples})
+    assert len({ex.document for ex in data.validation.examples}) == 2 and len(data.validation) == 10
+    assert data.provenance["split"]["units"] == "documents"
+    widened = add_document_windows(data.train, dict(data.provenance), train_backbone, [64])
+    windows = widened.examples[len(data.train):]
+    held_out = {ex.file_offset + w for ex in data.validation.examples for w in range(len(ex.words))}
+    assert len(windows) == 6  # each training document whole in one window; none of validation's
+    assert not any(ex.file_offset + w in held_out for ex in windows for w in range(len(ex.words)))
+    two = tmp_path / "two.txt"  # 2 documents: --split 0.1 gives validation none of them
+    two.write_text("\n".join(lines[:54]))
+    data = resolve_data(settings.model_copy(update={"train": str(two), "split": [0.1]}))
+    assert data.provenance["split"]["units"] == "texts"
+    assert f"{two}: its 2 documents are too few to give each part of --split 0.1 one" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("pooling", ["mean", "pair"])

@@ -114,6 +114,9 @@ class TokenExample:
     # where `words` start among all the words of the CoNLL file read (they are a run of its words, in
     # order): how a document window finds its words' teacher logits (training/distill.py)
     file_offset: int | None = field(default=None, compare=False)
+    # which of the file's -DOCSTART- documents it is in (0 in a file without them): --split keeps a
+    # document's sentences in one part (training/splits.py carve)
+    document: int | None = field(default=None, compare=False)
 
     @property
     def text(self) -> str:
@@ -802,12 +805,14 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
     path = Path(path)
     examples, words, tags = [], [], []
     seen = 0  # words of the file before the current sentence
+    document = 0  # -DOCSTART- lines read before it (the first one opens document 0)
     spaced = []  # the lines whose text before a tab holds a space: a table's rows, not a word and its tag
 
     def end_sentence():
         nonlocal seen
         if words:
-            examples.append(TokenExample(words=list(words), tags=list(tags), file_offset=seen))
+            examples.append(TokenExample(words=list(words), tags=list(tags), file_offset=seen,
+                                         document=max(document - 1, 0)))
             seen += len(words)
         words.clear()
         tags.clear()
@@ -821,6 +826,7 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
             continue
         if parts[0] == "-DOCSTART-":
             end_sentence()
+            document += 1
             continue
         if len(parts) < 2:
             raise UsageError(f"{path}:{line_no}: a CoNLL line needs a word and a tag (whitespace-separated), "
@@ -841,25 +847,10 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
 
 def read_conll_documents(path: str | Path, word_column: int = 0, tag_column: int = -1) -> list[list[TokenExample]]:
     """A CoNLL file's documents (the sentences between -DOCSTART- lines), each a list of sentences."""
-    documents: list[list[TokenExample]] = []
-    words, tags = [], []
-    seen = 0  # words of the file before the current sentence (TokenExample.file_offset)
-    with open_text(path) as fh:
-        for line in [*fh, ""]:
-            parts = line.split()
-            if parts and parts[0] == "-DOCSTART-":
-                documents.append([])
-            elif parts:
-                words.append(parts[word_column])
-                tags.append(parts[tag_column])
-            elif words:
-                if not documents:  # a file without -DOCSTART- lines is one document
-                    documents.append([])
-                documents[-1].append(TokenExample(words=list(words), tags=list(tags), file_offset=seen))
-                seen += len(words)
-                words.clear()
-                tags.clear()
-    return [doc for doc in documents if doc]
+    documents: dict[int, list[TokenExample]] = {}
+    for example in read_conll(path, word_column, tag_column).examples:
+        documents.setdefault(example.document, []).append(example)
+    return list(documents.values())
 
 
 def document_windows(path: str | Path, encoder, windows: Sequence[int]) -> dict[int, list[TokenExample]]:

@@ -78,13 +78,15 @@ def resolve_data(s: TrainSettings) -> Splits:
         **({"entities_begun_with_i": {split: n for split, n in begun.items() if n}} if any(begun.values()) else {}),
     }
     if s.split:
-        train, data["validation"], carved_test = carve(train, s.split, s.seed)
+        by_documents = split_by_documents(train, s.split)
+        train, data["validation"], carved_test = carve(train, s.split, s.seed, by_documents)
         if carved_test is not None:
             data["test"] = carved_test
         provenance["split"] = {"fractions": s.split, "seed": s.seed,
                                "stratified": {TaskType.sequence_classification: "by label",
                                               TaskType.multi_label_classification: "by label sets (iterative)"
                                               }.get(train.task_type, False),
+                               "units": "documents" if by_documents else "texts",
                                "carved_from": str(specs["train"].path)}
     for split, part in data.items():
         if part.task_type != train.task_type:
@@ -240,6 +242,26 @@ def text_key(example) -> tuple:
     return example.text, getattr(example, "text_pair", None)
 
 
+def document_key(example) -> tuple:
+    return ("document", example.document)
+
+
+def split_by_documents(data: LabelledData, fractions: list[float]) -> bool:
+    """Whether --split carves a CoNLL file by documents: its sentences were carved one by one, so a
+    document's sentences (its names again and again) sat in training and in validation, and the training
+    documents read in windows (--document-windows) held validation sentences whole. By documents where
+    each part gets one at least; else by sentences, said."""
+    documents = {getattr(ex, "document", None) for ex in data.examples} - {None}
+    if len(documents) < 2:
+        return False
+    if all(round(len(documents) * f) >= 1 for f in fractions):
+        return True
+    print(f"{data.source}: its {len(documents)} documents are too few to give each part of --split "
+          f"{','.join(map(str, fractions))} one: carved by sentences (a document's sentences may be in two parts)",
+          file=sys.stderr)
+    return False
+
+
 def label_set_parts(label_sets: list[set], fractions: list[float], rng: random.Random) -> list[int]:
     """Each label set's part (0 training, 1 validation, 2 test) for a multi-label split, stratified
     by label as far as label sets allow: iterative stratification (Sechidis, Tsoumakas and Vlahavas,
@@ -275,18 +297,21 @@ def label_set_parts(label_sets: list[set], fractions: list[float], rng: random.R
     return part_of
 
 
-def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[LabelledData, LabelledData, LabelledData | None]:
+def carve(data: LabelledData, fractions: list[float], seed: int, by_documents: bool = False
+          ) -> tuple[LabelledData, LabelledData, LabelledData | None]:
     """(train, validation, test or None) out of one split: `fractions` of each label's examples
     (single-label tasks: stratified; multi-label: `label_set_parts`) or of all examples, chosen by a
     seeded shuffle; file order kept.
     The rows of one text go to one part (a text the head learnt, scored again, would flatter it: SST-2's
-    training file holds 361 texts twice). A carved row holding a label (or tag) that no training row
+    training file holds 361 texts twice); `by_documents`, the sentences of one CoNLL document
+    (split_by_documents). A carved row holding a label (or tag) that no training row
     has goes back to training: the head cannot answer a label it never saw, and a rare one would
     otherwise end the run."""
     rng = random.Random(seed)
-    units: dict = {}  # a text -> its rows (one, unless the file repeats it)
+    unit = document_key if by_documents else text_key
+    units: dict = {}  # a text (or a CoNLL document) -> its rows (one text: one row, unless the file repeats it)
     for i, ex in enumerate(data.examples):
-        units.setdefault(text_key(ex), []).append(i)
+        units.setdefault(unit(ex), []).append(i)
     parts: list[list[int]] = [[], [], []]
     if data.task_type == TaskType.multi_label_classification:
         texts = list(units.values())
@@ -311,7 +336,7 @@ def carve(data: LabelledData, fractions: list[float], seed: int) -> tuple[Labell
     for part in parts[1:]:
         for i in list(part):
             if i in part and not data.labels_of(data.examples[i]) <= taught:
-                for j in units[text_key(data.examples[i])]:  # the text's every row, as carved
+                for j in units[unit(data.examples[i])]:  # the text's (document's) every row, as carved
                     part.remove(j)
                     parts[0].append(j)
                     taught |= data.labels_of(data.examples[j])

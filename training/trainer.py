@@ -72,6 +72,11 @@ def add_document_windows(train: LabelledData, provenance: dict, backbone: Backbo
     if train.task_type != TaskType.token_classification:
         raise ValueError("--document-windows: only token tasks read from a CoNLL file have documents")
     added = document_windows(provenance["train_file"], backbone.text, windows)
+    # only windows of training words: with --split (or --max-train) the file's other sentences are
+    # validation's, test's or left out, and a window holding one would teach what is then scored
+    trained = {ex.file_offset + w for ex in train.examples for w in range(len(ex.words))}
+    added = {w: [ex for ex in examples if all(ex.file_offset + k in trained for k in range(len(ex.words)))]
+             for w, examples in added.items()}
     provenance["document_window_examples"] = {str(w): len(examples) for w, examples in added.items()}
     examples = [*train.examples, *(ex for w in windows for ex in added[w])]
     provenance["train_examples"] = len(examples)
