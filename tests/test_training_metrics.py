@@ -191,3 +191,19 @@ def test_entities_begun_with_i_are_begun_with_b_and_stay_the_same_entities():
         assert n == sum(a != b for a, b in zip(tags, begun))
         for before, tag in zip(["O"] + begun, begun):  # an I- only where the entity before it is open, of its type
             assert not tag.startswith("I-") or split_tag(before) in (("B", tag[2:]), ("I", tag[2:]))
+
+
+def test_a_confusion_matrix_of_many_labels_shows_the_most_confused(tmp_path):
+    """115 labels (GoEmotions' label sets read as classes) were drawn 7,177 pixels wide, each unreadable;
+    over 20, the 20 in the most errors are drawn."""
+    import struct
+
+    from training.report import confused_labels, plot_confusion
+    n = 30
+    counts = [[10 if i == j else 0 for j in range(n)] for i in range(n)]
+    counts[3][7], counts[12][3], counts[29][0] = 5, 2, 1  # errors: 3 (7 as gold and predicted), 7, 12, 29, 0
+    assert confused_labels(counts, most=5) == [0, 3, 7, 12, 29]
+    assert confused_labels(counts[:4], most=5) == [0, 1, 2, 3]  # few labels: all of them
+    plot_confusion({"labels": [f"L{i}" for i in range(n)], "counts": counts}, tmp_path / "c.png", "t")
+    width, height = struct.unpack(">II", (tmp_path / "c.png").read_bytes()[16:24])
+    assert width < 2000 and height < 2000  # 20 labels, not 30

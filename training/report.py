@@ -131,7 +131,9 @@ def report_text(result) -> str:
                   for k, r in rows.items()]
         lines += absent_note(rows, a["split"])
     if a.get("confusion"):
-        lines += ["", "Confusion matrix: confusion.png (rows: gold, columns: predicted)."]
+        shown, labels = len(confused_labels(a["confusion"]["counts"])), len(a["confusion"]["labels"])
+        some = f"; the {shown} of the {labels} labels most often confused" if shown < labels else ""
+        lines += ["", f"Confusion matrix: confusion.png (rows: gold, columns: predicted{some})."]
     if a.get("worst"):
         lines += ["", f"## Most confidently wrong ({a['split']} split)", "", "| text | gold | predicted (p) |",
                   "| --- | --- | --- |"]
@@ -143,8 +145,25 @@ def report_text(result) -> str:
     return "\n".join(lines)
 
 
+CONFUSION_LABELS = 20  # more are drawn unreadably small (Banking77's 77 intents, CLINC's 150)
+
+
+def confused_labels(counts: list[list[int]], most: int = CONFUSION_LABELS) -> list[int]:
+    """The places of the labels a confusion matrix shows: every label, or where there are more than
+    `most`, the `most` in the most errors (as gold or as predicted; then by rows), in label order."""
+    if len(counts) <= most:
+        return list(range(len(counts)))
+    errors = [sum(counts[i]) - counts[i][i] + sum(row[i] for row in counts) - counts[i][i] for i in range(len(counts))]
+    chosen = sorted(range(len(counts)), key=lambda i: (-errors[i], -sum(counts[i]), i))[:most]
+    return sorted(chosen)
+
+
 def plot_confusion(confusion: dict, path: Path, title: str) -> None:
-    labels, counts = confusion["labels"], confusion["counts"]
+    shown = confused_labels(confusion["counts"])
+    labels = [confusion["labels"][i] for i in shown]
+    counts = [[confusion["counts"][i][j] for j in shown] for i in shown]
+    if len(shown) < len(confusion["labels"]):
+        title = f"{title}\nthe {len(shown)} of {len(confusion['labels'])} labels most often confused"
     size = max(4.0, 0.55 * len(labels) + 2)
     fig, ax = plt.subplots(figsize=(size, size * 0.9))
     ax.imshow(counts, cmap="Blues")
