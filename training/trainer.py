@@ -214,7 +214,8 @@ def say_unknown_pieces(split: Split, backbone: Backbone, provenance: dict) -> No
         print(f"{unknown} of the {pieces} training word pieces ({100 * unknown / pieces:.1f}%, in "
               f"{sum(n > 0 for n in per_row)} of {len(per_row)} texts, e.g. {example[:60]!r}) are "
               f"{tokenizer.unk_token}: {backbone.name}'s vocabulary lacks them, so the head learns nothing from "
-              "them (another script, emoji): a backbone whose vocabulary covers these texts would", file=sys.stderr)
+              "them (another script, emoji): a backbone whose vocabulary covers these texts would (--backbone FOLDER, a "
+              "local Hugging Face model, served as tmod-serve --backbone FOLDER)", file=sys.stderr)
 
 
 def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: random.Random, device, amp: bool,
