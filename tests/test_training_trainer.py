@@ -533,6 +533,27 @@ def test_an_existing_version_is_refused_before_training_and_none_named_is_the_ne
     assert ModuleStore(store).versions("sentiment") == ["1", "2"]
 
 
+def test_a_number_taken_by_a_run_beside_this_one_is_not_lost(sentiment_run, sentiment_files, train_backbone_dir,
+                                                               tmp_path, monkeypatch, capsys):
+    """Two runs of a sweep into one store both chose version 2 when they started; the second, saving,
+    met "sentiment/2 already exists" and lost its training."""
+    from training import trainer
+    run, _ = sentiment_run
+    store = shutil.copytree(run / "store", tmp_path / "store")
+    assess = trainer.assess
+
+    def beside(*args, **kwargs):  # while this run trains, another saves the number it chose
+        shutil.copytree(store / "sentiment" / "1", store / "sentiment" / "2")
+        return assess(*args, **kwargs)
+    monkeypatch.setattr(trainer, "assess", beside)
+    settings = TrainSettings(train=str(sentiment_files[0]), validation=str(sentiment_files[1]), task="sentiment",
+                             store=str(store), backbone=str(train_backbone_dir), epochs=1, progress=False,
+                             run_dir=str(tmp_path / "run"))
+    assert train(settings).version == "3"
+    assert ModuleStore(store).read_manifest("sentiment", "3").training["settings"]["version"] == "3"
+    assert "sentiment/2 was written meanwhile by another run: this one is sentiment/3" in capsys.readouterr().err
+
+
 def test_states_on_disk_are_reused_and_keyed_by_backbone_precision_and_data(sentiment_files, train_backbone, tmp_path):
     """--state-cache: a second split of the same data on the same backbone and precision loads its
     states from disk without running a layer, computing only states not stored yet; another

@@ -392,7 +392,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
 
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
-    if s.version is None:  # without --store the store is this run's own, new: version 1
+    numbered = s.version is None  # without --store the store is this run's own, new: version 1
+    if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
@@ -542,6 +543,10 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     # the file's name, not its path: /v1/tasks shows the description to every client
     description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or Path(s.train).name}"
                                      + (f", distilled from {s.distill_from}" if s.distill_from else ""))
+    if numbered and store.path(task, s.version).exists():  # a run beside this one (a sweep) took the number
+        taken, s = s.version, s.model_copy(update={"version": store.next_version(task)})
+        training["settings"]["version"] = s.version
+        print(f"{task}/{taken} was written meanwhile by another run: this one is {task}/{s.version}", file=sys.stderr)
     artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite, decoding=decoding)
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
