@@ -188,9 +188,15 @@ class ModuleStore:
             (staging / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
             for written in (staging / WEIGHTS_FILE, staging / MANIFEST_FILE):
                 written.chmod(0o644)
-            if folder.exists():
+            if overwrite and folder.exists():
                 shutil.rmtree(folder)
-            staging.rename(folder)
+            try:
+                staging.rename(folder)  # fails onto a folder another writer filled meanwhile: never removed
+            except OSError:
+                if not folder.exists():
+                    raise
+                raise ArtifactError("exists", f"{manifest.task}/{manifest.version} was written meanwhile in "
+                                    f"{self.root}") from None
         finally:
             if staging.exists():
                 shutil.rmtree(staging)

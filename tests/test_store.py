@@ -65,6 +65,26 @@ def test_refuses_existing_version_without_overwrite(store, tiny_backbone):
                     tiny_backbone)
 
 
+def test_a_version_another_writer_saves_meanwhile_is_kept_not_replaced(store, tiny_backbone, monkeypatch):
+    """Two writers of one new version (two training runs of a sweep): the second removed the first's
+    artifact and put its own in its place, both told they had saved it."""
+    from modules_store import store as store_module
+    first = random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 4)
+    write = store_module.save_file
+
+    def meanwhile(tensors, path):  # the other writer finishes while this one writes its weights
+        monkeypatch.setattr(store_module, "save_file", write)
+        save_module(store, "sentiment", "7", first, tiny_backbone)
+        write(tensors, path)
+    monkeypatch.setattr(store_module, "save_file", meanwhile)
+    with pytest.raises(ArtifactError, match="sentiment/7 was written meanwhile in"):
+        save_module(store, "sentiment", "7", random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 5),
+                    tiny_backbone)
+    kept = load_module(store, "sentiment", "7", tiny_backbone)
+    assert all(torch.equal(kept.head.state_dict()[k], v) for k, v in first.state_dict().items())
+    assert [p.name for p in (store.root / "sentiment").iterdir() if p.name.startswith(".")] == []  # no staging left
+
+
 @pytest.mark.smoke
 def test_refuses_checksum_mismatch(store, tiny_backbone):
     weights = store.path("sentiment", "1") / "weights.safetensors"

@@ -7,6 +7,7 @@ metrics are re-measured at the end through the served path (Engine.logits on the
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import platform
 import random
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from modules_store import ModuleStore, TaskType, misplaced_store
+from modules_store import ArtifactError, ModuleStore, TaskType, misplaced_store
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir
 from server.backbone.tokens import IDS
@@ -194,6 +195,18 @@ def safe_name(text: str) -> str:
 
 
 # ---- the loop --------------------------------------------------------------------------------
+def new_run_dir(path: Path) -> Path:
+    """`path`, made now, or `path-2`, `path-3`, ... where a run started in the same second (a sweep
+    launched at once) made it first: each run's report and store its own."""
+    for n in itertools.count(1):
+        claimed = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            claimed.mkdir(parents=True)
+            return claimed
+        except FileExistsError:
+            continue
+
+
 UNKNOWN_SHARE = 0.01  # of the training word pieces; GoEmotions' emoji make 0.13%, a Thai file ~100%
 
 
@@ -396,7 +409,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
+    run_dir = Path(s.run_dir) if s.run_dir else new_run_dir(Path("runs") / f"{task}-{s.version}-{stamp}")
     store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
     if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
@@ -543,12 +556,19 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     # the file's name, not its path: /v1/tasks shows the description to every client
     description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or Path(s.train).name}"
                                      + (f", distilled from {s.distill_from}" if s.distill_from else ""))
-    if numbered and store.path(task, s.version).exists():  # a run beside this one (a sweep) took the number
-        taken, s = s.version, s.model_copy(update={"version": store.next_version(task)})
-        training["settings"]["version"] = s.version
-        print(f"{task}/{taken} was written meanwhile by another run: this one is {task}/{s.version}", file=sys.stderr)
-    artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
-                           description=description, overwrite=s.overwrite, decoding=decoding)
+    while True:
+        try:
+            artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
+                                   description=description, overwrite=s.overwrite and not numbered, decoding=decoding)
+            break
+        except ArtifactError as exc:
+            if not (numbered and exc.reason == "exists"):
+                raise
+            # a run beside this one (a sweep into one store) took the number: the next free one
+            taken, s = s.version, s.model_copy(update={"version": store.next_version(task)})
+            training["settings"]["version"] = s.version
+            print(f"{task}/{taken} was written meanwhile by another run: this one is {task}/{s.version}",
+                  file=sys.stderr)
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
     example = val_data.examples[0]
     others = list(server["tasks"]) if server else serving.served_at_start(store, backbone)
