@@ -405,7 +405,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
 
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
-    numbered = s.version is None  # without --store the store is this run's own, new: version 1
+    numbered = s.version is None  # the next free number; without --store the run's own new store: 1
     if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
