@@ -686,3 +686,20 @@ def test_runs_started_in_the_same_second_get_a_run_folder_each(tmp_path):
     assert [new_run_dir(base) for _ in range(3)] == [base, base.with_name(base.name + "-2"),
                                                      base.with_name(base.name + "-3")]
     assert all(path.is_dir() for path in base.parent.iterdir())
+
+
+def test_word_tags_without_entities_are_chosen_on_word_accuracy(tmp_path, capsys):
+    """Part-of-speech tags (no O, no B-/I-) were selected on entity F1, which reads a run of like tags
+    ("New York City" NNP NNP NNP) as one entity."""
+    lines = []
+    for i in range(20):
+        lines += ["The DT", f"dog{i} NN", "runs VBZ", ". .", ""]
+    pos = tmp_path / "pos.txt"
+    pos.write_text("\n".join(lines))
+    data = resolve_data(TrainSettings(train=str(pos), split="0.2", progress=False))
+    assert data.metric == "word_accuracy"
+    assert "no tag is O nor begins with B-/I- (one tag a word, as part-of-speech tags are)" in capsys.readouterr().err
+    assert resolve_data(TrainSettings(train=str(pos), split="0.2", metric="f1", progress=False)).metric == "f1"
+    ner = write_conll(tmp_path / "ner.txt", 20, 0)
+    assert resolve_data(TrainSettings(train=str(ner), split="0.2", progress=False)).metric == "f1"
+    assert "word accuracy" not in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -126,6 +127,10 @@ def check_options(s: TrainSettings, train: LabelledData, labels: list[str], pres
     --distill-from) or on an optional package (lora-mtb's peft) -> the selection metric."""
     task_type = train.task_type
     metric = s.metric or preset_metric or TASK_DEFAULTS[task_type]["metric"]
+    if not (s.metric or preset_metric) and task_type == TaskType.token_classification and not entity_tags(train):
+        metric = "word_accuracy"
+        print(f"{train.source}: no tag is O nor begins with B-/I- (one tag a word, as part-of-speech tags are): "
+              "the epoch is chosen on word accuracy, not entity F1 (--metric f1 for that)", file=sys.stderr)
     if metric not in METRICS[task_type] or (metric == "f1" and task_type != TaskType.token_classification
                                             and len(labels) != 2):
         raise UsageError(f"--metric {metric!r} is not available for {task_type.value} with {len(labels)} labels; "
@@ -143,6 +148,16 @@ def check_options(s: TrainSettings, train: LabelledData, labels: list[str], pres
     if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
         raise UsageError("tmod-train lora-mtb needs peft: pip install 'peft>=0.12' (or tmod's 'lora' extra)")
     return metric
+
+
+ENTITY_TAG = re.compile(r"O|[BIESLU]-.+")  # server/heads/decode.py split_tag's prefixes, and O
+
+
+def entity_tags(train: LabelledData) -> bool:
+    """Whether a token task's tags mark entities (BIO, BIOES, BILOU: the entity F1 reads them so) rather
+    than giving every word a tag of its own (part of speech), where entity F1 would score runs of
+    like tags as entities."""
+    return any(ENTITY_TAG.fullmatch(tag) for tag in train.labels_seen())
 
 
 def teacher_folder(spec: str) -> tuple[Path, str, str]:
