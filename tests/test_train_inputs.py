@@ -277,6 +277,24 @@ def minilm_tokenizer_texts():
                                "e\u0301te\u0301 à la carte", "tab\tsep  double  spaces"]
 
 
+def test_conllu_files_and_comment_lines_are_read_as_words_and_their_tags(tmp_path, capsys):
+    """Universal Dependencies' CoNLL-U (the ID first, the tag the last column's MISC) and MultiCoNER's
+    "# id ..." lines were read as words "1", "2", ... tagged "_", and a word "#" tagged "domain=en"."""
+    ud = write(tmp_path / "en_ewt-ud-train.conllu", "# sent_id = 1\n# text = The dogs run.\n"
+               "1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_\n2\tdogs\tdog\tNOUN\tNNS\t_\t3\tnsubj\t_\t_\n"
+               "3\trun\trun\tVERB\tVBP\t_\t0\troot\t_\tSpaceAfter=No\n4\t.\t.\tPUNCT\t.\t_\t3\tpunct\t_\t_\n\n"
+               "# sent_id = 2\n1-2\tdon't\t_\t_\t_\t_\t_\t_\t_\t_\n1\tdo\tdo\tAUX\tVBP\t_\t3\taux\t_\t_\n"
+               "2\tn't\tnot\tPART\tRB\t_\t3\tadvmod\t_\t_\n3\tgo\tgo\tVERB\tVB\t_\t0\troot\t_\t_\n"
+               "3.1\tgo\tgo\tVERB\tVB\t_\t_\t_\t_\t_\n")
+    data = file_spec(ud).read()
+    assert [(ex.words, ex.tags) for ex in data.examples] == [
+        (["The", "dogs", "run", "."], ["DET", "NOUN", "VERB", "PUNCT"]), (["do", "n't", "go"], ["AUX", "PART", "VERB"])]
+    assert "CoNLL-U (ten columns): each word (FORM) tagged with its part of speech (UPOS)" in capsys.readouterr().err
+    multiconer = write(tmp_path / "en_train.conll", "# id 5c1e4f domain=en\nthe _ _ O\nsoho _ _ B-LOC\n# _ _ O\n\n")
+    assert [(ex.words, ex.tags) for ex in file_spec(multiconer).read().examples] == [
+        (["the", "soho", "#"], ["O", "B-LOC", "O"])]  # a word "#" stays a word
+
+
 def test_spacy_training_examples_are_read_as_their_spans_or_categories(tmp_path, capsys):
     """spaCy's [text, {"entities": ...}] / [text, {"cats": ...}] list, as its v2 docs and tutorials save
     TRAIN_DATA: read was the line "no key list indices must be integers or slices, not str in [...]"."""

@@ -799,10 +799,21 @@ def _whole(label: str) -> str | None:
     return label[:-2] if label.endswith(".0") and label[:-2].lstrip("-").isdigit() else None
 
 
+CONLLU_TOKEN = re.compile(r"\d+\t[^\t]+(\t[^\t]*){8}\n?")  # ID FORM LEMMA UPOS XPOS FEATS HEAD DEPREL DEPS MISC
+COMMENT = re.compile(r"#\s+(\S+\s*=|id\s)")  # UD's "# sent_id = 1", MultiCoNER's "# id 5c1e... domain=en"
+
+
 def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> LabelledData:
     """CoNLL column file: one `word ... tag` line per token, blank lines between sentences,
-    -DOCSTART- lines skipped."""
+    -DOCSTART- lines and comment lines (`# key = value`, `# id ...`) skipped. A CoNLL-U file
+    (Universal Dependencies: ten tab-separated columns, an ID first) gives each word (FORM) its
+    part of speech (UPOS); its multiword-token and empty-node lines (IDs 1-2, 1.1) are skipped."""
     path = Path(path)
+    first = next((line for _, line in _lines(path) if line.strip() and not line.startswith("#")), "")
+    conllu = bool(CONLLU_TOKEN.fullmatch(first))
+    if conllu:
+        word_column, tag_column = 1, 3
+        print(f"{path}: CoNLL-U (ten columns): each word (FORM) tagged with its part of speech (UPOS)", file=sys.stderr)
     examples, words, tags = [], [], []
     seen = 0  # words of the file before the current sentence
     document = 0  # -DOCSTART- lines read before it (the first one opens document 0)
@@ -818,10 +829,14 @@ def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> 
         tags.clear()
 
     for line_no, line in _lines(path):
+        if (conllu and line.startswith("#")) or COMMENT.match(line):
+            continue
+        if conllu and line.strip() and not line.split("\t", 1)[0].isdigit():  # a multiword token or an empty node
+            continue
         if "\t" in line and " " in (cell := line.split("\t")[0].strip()):
             spaced.append(cell)
-        parts = line.split()
-        if not parts:
+        parts = line.rstrip("\r\n").split("\t") if conllu else line.split()  # a CoNLL-U FORM may hold a space
+        if not any(part.strip() for part in parts):
             end_sentence()
             continue
         if parts[0] == "-DOCSTART-":
@@ -898,7 +913,7 @@ def guess_format(path: Path) -> str:
         return suffix
     if suffix == "json":
         return "jsonl"
-    if suffix in ("txt", "conll", "bio", "iob"):
+    if suffix in ("txt", "conll", "bio", "iob", "conllu"):
         return "conll"
     if suffix in WORKBOOK_SUFFIXES:
         raise workbook_error(path)
