@@ -67,7 +67,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
                    "choose anything")
     g.add_argument("--split", default=S, metavar="VAL[,TEST]",
                    help="carve validation (and test) fractions out of --train, seeded and stratified by label, a "
-                        "repeated text's rows kept in one part: '0.1,0.1' (for a single labelled file; the held-out "
+                        "repeated text's rows (a CoNLL file's document) kept in one part: '0.1,0.1' (for a single labelled "
+                        "file; the held-out "
                         "share, at most half)")
     g.add_argument("--labels", type=_csv_list, default=S,
                    help="label order, comma-separated; class ids in the files (0, 1, ...) are named by their place")
