@@ -295,6 +295,17 @@ def test_conllu_files_and_comment_lines_are_read_as_words_and_their_tags(tmp_pat
         (["the", "soho", "#"], ["O", "B-LOC", "O"])]  # a word "#" stays a word
 
 
+def test_a_tag_column_holding_words_is_one_line(tmp_path, capsys):
+    """WikiNER's sentence a line of word|POS|tag tokens, read as CoNLL: each line one "word" tagged with its
+    last token, hundreds of tags seen once, trained on silently."""
+    wikiner = write(tmp_path / "aij-wikiner-en-wp2.txt", "".join(f"The|DT|O city|NN|O of|IN|O Paris{i}|NNP|I-LOC "
+                                                                 f"is|VBZ|O big{i}|JJ|O\n" for i in range(150)))
+    line = one_line_error(capsys, train_args(tmp_path, "--train", wikiner, "--split", "0.2"))
+    assert "150 different tags, 150 of them on one word only ('big0|JJ|O', 'big1|JJ|O', 'big2|JJ|O', ...): words, " \
+        "not tags" in line
+    assert line.endswith("sed -E 's/ +/\\n/g; s/\\|[^|]*\\|/ /g; s/$/\\n/' FILE > FILE.conll)")
+
+
 def test_spacy_training_examples_are_read_as_their_spans_or_categories(tmp_path, capsys):
     """spaCy's [text, {"entities": ...}] / [text, {"cats": ...}] list, as its v2 docs and tutorials save
     TRAIN_DATA: read was the line "no key list indices must be integers or slices, not str in [...]"."""

@@ -179,6 +179,14 @@ def check_tag_names(train: LabelledData) -> None:
     if train.task_type == TaskType.token_classification and len(train.labels_seen()) == 1:
         raise UsageError(f"{train.source}: every word is tagged {train.labels_seen()[0]!r}: no entity to learn (a "
                          "CoNLL file's last column holds each word's tag: B-PER, I-PER, O, ...)")
+    if train.task_type == TaskType.token_classification:  # a tag column holding words: the wrong column, or
+        counts = Counter(tag for ex in train.examples for tag in ex.tags)  # WikiNER's "word|POS|tag" tokens
+        once = [tag for tag, n in counts.items() if n == 1]
+        if len(counts) > 100 and len(once) > len(counts) / 2:
+            raise UsageError(f"{train.source}: {len(counts)} different tags, {len(once)} of them on one word only "
+                             f"({', '.join(map(repr, once[:3]))}, ...): words, not tags; a CoNLL file is one word a "
+                             "line, its tag the last column (WikiNER's sentence a line of word|POS|tag tokens becomes "
+                             "one: sed -E 's/ +/\\n/g; s/\\|[^|]*\\|/ /g; s/$/\\n/' FILE > FILE.conll)")
     if train.task_type == TaskType.token_classification and all(tag.isdigit() for tag in train.labels_seen()):
         seen = train.labels_seen()
         raise UsageError(f"{train.source}: the tags are class ids ({', '.join(sorted(seen, key=int)[:6])}"
