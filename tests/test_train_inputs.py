@@ -486,6 +486,15 @@ def test_labels_that_are_numbers_are_pointed_at_label_map(tmp_path, capsys):
     assert "the labels are numbers (0, 1, 2, 3, 4, ...): the server will answer them as they are; --labels " \
         "NAME,NAME,... (class 0's name first, then 1's, ...) or --label-map 0=...,1=...,2=...,... names them" \
         in capsys.readouterr().err  # in the ids' order, not the head's (0, 1, 10, 11, ...)
+    write(tmp_path / "labels.txt", "".join(f"name{i}\n" for i in range(12)))  # as GoEmotions ships its ids' names
+    with pytest.raises(AssertionError, match="a backbone was loaded"):
+        main(train_args(tmp_path, "--train", train, "--validation", train, "--text-column", "sentence"))
+    assert f'(the labels.txt beside the file lists them: --labels "$(paste -sd, {tmp_path / "labels.txt"})")' \
+        in capsys.readouterr().err
+    write(tmp_path / "labels.txt", "".join(f"name{i}\n" for i in range(11)))  # too few for id 11: not pointed at
+    with pytest.raises(AssertionError, match="a backbone was loaded"):
+        main(train_args(tmp_path, "--train", train, "--validation", train, "--text-column", "sentence"))
+    assert "beside the file" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("given, above", [("store/greeting", "store"), ("store/greeting/1", "store")])

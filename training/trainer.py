@@ -207,6 +207,20 @@ def new_run_dir(path: Path) -> Path:
             continue
 
 
+def label_names_beside(train_file: str, highest_id: int) -> Path | None:
+    """A labels.txt (or classes.txt) in the training file's folder with a name for every class id up
+    to `highest_id`, one a line, as GoEmotions and many data sets ship their ids' names; or None."""
+    for name in ("labels.txt", "classes.txt"):
+        path = Path(train_file).parent / name
+        try:
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(lines) > highest_id:
+            return path
+    return None
+
+
 UNKNOWN_SHARE = 0.01  # of the training word pieces; GoEmotions' emoji make 0.13%, a Thai file ~100%
 
 
@@ -422,8 +436,10 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if task_type != TaskType.token_classification and all(label.isdigit() for label in labels) and not s.label_map:
         ids = sorted(labels, key=int)  # 0, 1, 2, ... where the head's order is 0, 1, 10, ...
         example = ",".join(f"{label}=..." for label in ids[:3]) + (",..." if len(ids) > 3 else "")
+        names = label_names_beside(s.train, int(ids[-1])) if s.train else None
+        beside = f' (the {names.name} beside the file lists them: --labels "$(paste -sd, {names})")' if names else ""
         print(f"the labels are numbers ({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}): the server will "
-              f"answer them as they are; --labels NAME,NAME,... (class 0's name first, then 1's, ...) or "
+              f"answer them as they are; --labels NAME,NAME,... (class 0's name first, then 1's, ...){beside} or "
               f"--label-map {example} names them", file=sys.stderr)
     if train_data.has_pairs and s.kind == "layermix" and s.pooling != "pair":  # the one recipe measured on pairs
         print("a pair task with its two texts pooled together: on RTE, held out, --pooling pair --no-attention "
