@@ -513,6 +513,10 @@ def test_settings_parsing_and_config_errors(tmp_path):
     args = build_parser().parse_args(["layermix", "--config", str(config), "--dataset", "sst2"])
     with pytest.raises(ValueError, match="no_such_knob"):
         settings_from_args(args)
+    numbers = tmp_path / "c.yaml"
+    numbers.write_text("version: 7\ntask: 2024\ntext_column: 3\n")  # YAML's numbers: names, or an index
+    settings = settings_from_args(build_parser().parse_args(["layermix", "--config", str(numbers), "--dataset", "sst2"]))
+    assert (settings.version, settings.task, settings.text_column) == ("7", "2024", 3)
     config.write_text(json.dumps({"epochs": 2, "lambda-entropy": 0.5}))
     args = build_parser().parse_args(["layermix", "--config", str(config), "--lambda", "0.25", "--k", "32"])
     settings = settings_from_args(args)

@@ -59,7 +59,7 @@ DEFAULT_BRIDGE_STORE = REPO_ROOT / "modules_store" / "_bridges"
 class BridgeSettings(BridgeShape):
     """Every knob of a bridge training run (saved into the bridge's manifest)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)  # a config's `version: 2` is a name
 
     # ---- backbones and states
     source: str = Field("minilm", description="backbone the bridge is served on: 'minilm', 'smollm2' or a folder")

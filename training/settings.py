@@ -83,7 +83,8 @@ TOKEN_LAYERMIX_LR = 3e-4
 
 
 class TrainSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # a YAML config's `version: 7` or `task: 2024` is a name, not a refused "valid string"
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
     kind: Literal["layermix", "mtb", "lora-mtb"] = Field("layermix", description="head kind to train")
 
