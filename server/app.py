@@ -646,7 +646,9 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
             why = not_loaded([name], runtime.load_errors, runtime.skipped)
             raise ApiError(404, "unknown_task", f"no task {clip(name)}{why}; loaded tasks: {sorted(runtime.modules)}",
                            loaded_tasks=sorted(runtime.modules))
-        return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json")}
+        # not its training record: the command, file paths, store and machine of whoever trained it are
+        # the operator's (the store's manifest.json), not every client's
+        return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json", exclude={"training"})}
 
     # ---- OpenAI's model list: the names /v1/embeddings takes -----------------------------------
     started_s = int(time.time())

@@ -358,7 +358,8 @@ class TaskInfo(BaseModel):
 
 
 class TaskDetail(TaskInfo):
-    manifest: dict[str, Any]
+    manifest: dict[str, Any] = Field(description="the module's manifest without its `training` record (the command, "
+                                     "files, store and machine it was trained with: the store's manifest.json keeps it)")
 
 
 class TaskList(BaseModel):

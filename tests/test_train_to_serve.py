@@ -57,8 +57,13 @@ def test_load_into_serves_the_new_task_beside_the_shipped_ones(server, train_bac
     # the manifest's threshold (0.6) decides "none of these": an untrained-ish head is unsure
     best = max(mood["scores"].values())
     assert mood["label"] == (max(mood["scores"], key=mood["scores"].get) if best >= 0.6 else None)
-    described = httpx.get(url + "/v1/tasks/mood", timeout=10).json()["manifest"]
+    answer = httpx.get(url + "/v1/tasks/mood", timeout=10)
+    described = answer.json()["manifest"]
     assert described["decoding"]["threshold"] == 0.6 and described["metrics"]["split"] == "validation"
+    # the training record (its command, the store's and run's paths, the URL it was loaded into) is the
+    # operator's, in the store, not every client's
+    assert "training" not in described and str(store.root) not in answer.text and str(tmp_path) not in answer.text
+    assert json.loads((store.root / "mood" / "1" / "manifest.json").read_text())["training"]["command"]
     # per request: a threshold over every probability answers none, one under every probability answers the best
     for threshold, expect_none in ((1.0, best < 1.0), (0.0, False)):
         answer = httpx.post(url + "/v1/infer", params={"tasks": "mood"},
