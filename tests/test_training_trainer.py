@@ -707,3 +707,24 @@ def test_word_tags_without_entities_are_chosen_on_word_accuracy(tmp_path, capsys
     ner = write_conll(tmp_path / "ner.txt", 20, 0)
     assert resolve_data(TrainSettings(train=str(ner), split="0.2", progress=False)).metric == "f1"
     assert "word accuracy" not in capsys.readouterr().err
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line_before_training(sentiment_files, train_backbone_dir, tmp_path,
+                                                                       capsys, monkeypatch):
+    """--run-dir under a file (or tmod-train run where the default runs/ cannot be made) failed after the
+    training, with a bare '[Errno 2] No such file or directory'."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    train_file, validation_file = sentiment_files
+    argv = ["layermix", "--train", str(train_file), "--validation", str(validation_file), "--label-column", "label",
+            "--backbone", str(train_backbone_dir), "--task", "s", "--epochs", "1", "--no-progress"]
+    assert main([*argv, "--run-dir", str(blocker / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot make {blocker / 'run' / 'store'}: {blocker} is a file; give --run-dir (or --store and " \
+        "--report-dir) in a folder you can write" in err and "epoch 1/1" not in err
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("")  # where the default run folder goes
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot make runs/s-1-" in err and ": runs is a file;" in err and "epoch 1/1" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "runs"]  # a refused run leaves nothing

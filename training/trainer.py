@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import os
 import platform
 import random
 import re
@@ -195,6 +196,18 @@ def safe_name(text: str) -> str:
 
 
 # ---- the loop --------------------------------------------------------------------------------
+def cannot_make(folder: Path) -> str | None:
+    """Why `folder` could not be made and written, or None; nothing is made (a refused run leaves no trace)."""
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
 def new_run_dir(path: Path) -> Path:
     """`path`, made now, or `path-2`, `path-3`, ... where a run started in the same second (a sweep
     launched at once) made it first: each run's report and store its own."""
@@ -423,7 +436,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(s.run_dir) if s.run_dir else new_run_dir(Path("runs") / f"{task}-{s.version}-{stamp}")
+    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"  # made when saving
     store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
     if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
@@ -431,6 +444,10 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     if store.path(task, s.version).exists() and not s.overwrite:  # say so now, not after training
         raise UsageError(f"{task}/{s.version} already exists in {store.root}; pick another --version (the next "
                          f"free number: --version {store.next_version(task)}, or leave --version out) or --overwrite")
+    for folder in (store.root, report_dir):  # found after the training, it lost the head
+        if problem := cannot_make(folder):
+            raise UsageError(f"cannot make {folder}: {problem}; give --run-dir (or --store and --report-dir) in a "
+                             "folder you can write")
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     if task_type != TaskType.token_classification and all(label.isdigit() for label in labels) and not s.label_map:
@@ -572,6 +589,10 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     # the file's name, not its path: /v1/tasks shows the description to every client
     description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or Path(s.train).name}"
                                      + (f", distilled from {s.distill_from}" if s.distill_from else ""))
+    if not s.run_dir:  # claimed now: a run started in the same second may have taken the name
+        claimed = new_run_dir(run_dir)
+        store = store if s.store else ModuleStore(claimed / "store")
+        report_dir = report_dir if s.report_dir else claimed / "report"
     while True:
         try:
             artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
