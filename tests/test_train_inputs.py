@@ -554,6 +554,10 @@ def test_test_label_never_seen_in_training(tmp_path, capsys, tables):
     test = write(tmp_path / "t.tsv", "text\tlabel\nhow many ?\tNUM\n")
     line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation, "--test", test))
     assert str(test) in line and "never seen in training" in line
+    named = line.split("name every label: --labels ")[1].rstrip(")")  # the option that scores them as misses
+    assert named.split(",")[-1] == "NUM"
+    with pytest.raises(AssertionError, match="a backbone was loaded"):  # its checks pass: training would start
+        main(train_args(tmp_path, "--train", train, "--validation", validation, "--test", test, "--labels", named))
 
 
 def test_conll_line_without_a_tag(tmp_path, capsys):

@@ -256,8 +256,10 @@ def check_labels(data: LabelledData, given: list[str] | None, labels: list[str],
         return
     if given:
         raise UsageError(f"{data.source}: label(s) {unknown} are not among --labels {labels}")
+    every = ",".join([*labels, *unknown])
     raise UsageError(f"{data.source}: label(s) {unknown} never seen in training ({train.source}); "
-                     f"the head can only answer {labels}")
+                     f"the head can only answer {labels} (to score those rows as its misses, as an official test "
+                     f"set asks, name every label: --labels {every})")
 
 
 def text_key(example) -> tuple:
