@@ -558,6 +558,8 @@ def test_test_label_never_seen_in_training(tmp_path, capsys, tables):
     assert named.split(",")[-1] == "NUM"
     with pytest.raises(AssertionError, match="a backbone was loaded"):  # its checks pass: training would start
         main(train_args(tmp_path, "--train", train, "--validation", validation, "--test", test, "--labels", named))
+    assert "label(s) ['NUM'] of --labels have no training row: the head will not learn to answer them" \
+        in capsys.readouterr().err
 
 
 def test_conll_line_without_a_tag(tmp_path, capsys):

@@ -96,6 +96,10 @@ def resolve_data(s: TrainSettings) -> Splits:
     given = labels
     labels = label_order(train, labels)
     check_labels(train, given, labels, train)
+    untaught = sorted(set(labels) - set(train.labels_seen()))
+    if untaught and train.task_type != TaskType.token_classification:  # a tag set names tags a file may not use
+        print(f"label(s) {untaught} of --labels have no training row: the head will not learn to answer them, and "
+              "rows of theirs score as its misses", file=sys.stderr)
     validation, test = data["validation"], data.get("test")
     for part in (validation, test):
         if part is not None:
