@@ -299,25 +299,31 @@ def _options(info) -> list:
 # the first mistakes of a newcomer, and what to send instead: (body kind's name, location with any list
 # index as *, msgspec's message)
 SEND_INPUTS = 'send {"inputs": ["...", ...]}'
+
+
+def _a_list(field: str) -> str:
+    return f'send a list, even of one text: {{"{field}": ["..."]}}'
+
+
+def _a_pair(field: str) -> str:
+    return f'a text alone is a string, "{field}": ["..."]; an object is a pair: {{"text": "...", "text_pair": "..."}}'
+
+
+PAIR_MISSING = "Object missing required field `text_pair`"
 HINTS = {
     ("InferRequest", "body", "Object contains unknown field `tasks`"):
         "tasks are named in the query string: /v1/infer?tasks=ner,emotion",
-    ("InferRequest", "inputs", "Expected `array`, got `str`"): 'send a list, even of one text: {"inputs": ["..."]}',
+    ("InferRequest", "inputs", "Expected `array`, got `str`"): _a_list("inputs"),
     ("InferRequest", "body", "Object contains unknown field `input`"):
         f"/v1/infer reads `inputs`, not `input` (that is /v1/embeddings'): {SEND_INPUTS}",
     ("InferRequest", "body", "Object contains unknown field `text`"): SEND_INPUTS,
     ("InferRequest", "body", "Object missing required field `inputs`"): SEND_INPUTS,
     ("InferRequest", "body", "Expected `object`, got `array`"): f"the list goes under `inputs`: {SEND_INPUTS}",
-    ("InferRequest", "inputs.*", "Object missing required field `text_pair`"):
-        'a text alone is a string, "inputs": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
-    ("PredictRequest", "instances.*", "Object missing required field `text_pair`"):
-        'a text alone is a string, "instances": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
-    ("PredictRequest", "inputs.*", "Object missing required field `text_pair`"):
-        'a text alone is a string, "inputs": ["..."]; an object is a pair: {"text": "...", "text_pair": "..."}',
-    ("PredictRequest", "instances", "Expected `array | null`, got `str`"):
-        'send a list, even of one text: {"instances": ["..."]}',
-    ("PredictRequest", "inputs", "Expected `array | null`, got `str`"):
-        'send a list, even of one text: {"inputs": ["..."]}',
+    ("InferRequest", "inputs.*", PAIR_MISSING): _a_pair("inputs"),
+    ("PredictRequest", "instances.*", PAIR_MISSING): _a_pair("instances"),
+    ("PredictRequest", "inputs.*", PAIR_MISSING): _a_pair("inputs"),
+    ("PredictRequest", "instances", "Expected `array | null`, got `str`"): _a_list("instances"),
+    ("PredictRequest", "inputs", "Expected `array | null`, got `str`"): _a_list("inputs"),
     # the two embedding APIs' one-letter difference
     ("OpenAIEmbeddingRequest", "body", "Object contains unknown field `inputs`"):
         "OpenAI's /v1/embeddings reads `input`; `inputs` is TEI's /embed",
