@@ -303,6 +303,13 @@ def test_train_bridge_distill_writes_a_loadable_artifact_and_report(sst2_dir, so
     assert result.metrics["served"]["kl"] == pytest.approx(result.metrics["kl"], rel=1e-4, abs=1e-6)
     assert result.metrics["served"]["agreement"] == pytest.approx(result.metrics["agreement"])
     assert (tmp_path / "report" / "metrics.json").is_file() and (tmp_path / "report" / "curves.png").stat().st_size
+    # the baseline beside the module's accuracy: the validation texts' most frequent label, on them
+    labels = [line.split("\t")[1] for line in (sst2_dir / "sst2" / "validation.tsv").read_text().splitlines()[1:]]
+    assert result.metrics["majority_accuracy"] == pytest.approx(max(map(labels.count, set(labels))) / len(labels))
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "chose the epoch, so the numbers are optimistic" in report
+    assert f"the majority answer {result.metrics['majority_accuracy']:.4f}" in report
+    assert f"untrained bridge {result.metrics['untrained']['accuracy']:.4f}" in report
     assert list((tmp_path / "cache" / "paired").glob("*.safetensors"))  # paired states cached for the next run
 
 
@@ -328,6 +335,34 @@ def test_cli_bridge_mse(sst2_dir, tiny_backbone_dir, target_dir, tmp_path, capsy
     assert manifest.tokenizer_sha256
 
 
+def test_cli_bridge_numbers_its_versions_and_says_what_its_numbers_are(sst2_dir, tiny_backbone_dir, target_dir,
+                                                                       tmp_path, capsys, monkeypatch):
+    """Without --version a second run is version 2 (it was refused: 'pick another --version'); stdout
+    is the summary alone (the epoch lines went there with bars on), the findings on stderr name the
+    validation texts as having chosen the epoch; a version that exists is refused in one line."""
+    from training.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the default run folders
+    argv = ["bridge", "--source", str(tiny_backbone_dir), "--target", str(target_dir), "--target-layers", "1,3",
+            "--dataset", "sst2", "--data-dir", str(sst2_dir), "--max-texts", "30", "--max-validation", "10",
+            "--epochs", "1", "--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1",
+            "--ffn-dim", "64", "--token-dim", "8", "--bridge-store", str(tmp_path / "bridges"),
+            "--cache-dir", str(tmp_path / "cache"), "--threads", "1", "--name", "b"]
+    for version in ("1", "2"):
+        assert main([*argv, "--progress"]) == 0
+        said = capsys.readouterr()
+        printed = json.loads(said.out)
+        assert printed["version"] == version and "cosine" in printed["untrained"]
+        assert "they chose the epoch, so the numbers are optimistic" in said.err and "epoch 1/1: " in said.err
+    assert bridge_store(tmp_path / "bridges").versions("b") == ["1", "2"]
+    reports = sorted((tmp_path / "runs").glob("bridge-b-*/report/report.md"))
+    assert len(reports) == 2 and "(untrained bridge " in reports[0].read_text()
+    assert main([*argv, "--version", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tmod-train bridge: error: bridge b/2 already exists") and "--version 3" in err
+    assert err.count("\n") == 1
+
+
 def test_distill_needs_a_module_and_the_modules_states(sst2_dir, source, target, tmp_path):
     with pytest.raises(ValueError, match="needs --module"):
         train_bridge(settings(objective="distill", data_dir=str(sst2_dir)), source=source, target=target)
@@ -341,3 +376,20 @@ def test_distill_needs_a_module_and_the_modules_states(sst2_dir, source, target,
         save_module(modules, "native", "1", random_head(source, "sequence_classification", ["a", "b"], 4), source)
         train_bridge(settings(objective="distill", module=str(modules.root / "native"), data_dir=str(sst2_dir)),
                      source=source, target=target)
+
+
+def test_module_is_named_as_distill_from_names_a_teacher(tmp_path):
+    """`--module` takes what `--distill-from` takes (one resolver): TASK/VERSION of the shipped store
+    (it took only folders), a STORE/TASK/VERSION folder, or a STORE/TASK folder (its newest version)."""
+    from modules_store import DEFAULT_STORE
+    from training.data import UsageError
+    from training.splits import module_folder
+
+    assert module_folder("sentiment/1", "--module") == (DEFAULT_STORE, "sentiment", "1")
+    for version in ("1", "2", "10"):
+        (tmp_path / "store" / "mine" / version).mkdir(parents=True)
+        (tmp_path / "store" / "mine" / version / "manifest.json").write_text("{}")
+    assert module_folder(str(tmp_path / "store" / "mine"), "--module") == (tmp_path / "store", "mine", "10")
+    assert module_folder(str(tmp_path / "store" / "mine" / "2")) == (tmp_path / "store", "mine", "2")
+    with pytest.raises(UsageError, match="^--module 'mine/3': no such module"):
+        module_folder("mine/3", "--module")

@@ -29,7 +29,9 @@ import logging
 import math
 import platform
 import random
+import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,6 +51,7 @@ from training.data import IGNORE_INDEX, PRESETS, UsageError, preset_spec, token_
 from training.distill import distill_kl
 from training.progress import progress_of
 from training.settings import parse_layers
+from training.splits import module_folder
 
 log = logging.getLogger("tmod")
 
@@ -98,12 +101,12 @@ class BridgeSettings(BridgeShape):
     # ---- output
     bridge_store: str | None = Field(None, description="default: modules_store/_bridges")
     name: str | None = None
-    version: str = "1"
+    version: str | None = Field(None, description="default: the next free number of this name in the bridge store")
     report_dir: str | None = None
     run_dir: str | None = None
     description: str = ""
     overwrite: bool = False
-    progress: bool = True
+    progress: bool | None = Field(None, description="bars (default: where stderr is a terminal)")
 
     @field_validator("source_layers", "target_layers", mode="before")
     @classmethod
@@ -224,6 +227,13 @@ def hard_labels(data, head_labels: list[str], pairs, is_token: bool) -> list | N
         return [index[ex.label] for ex in data.examples]
     return [token_labels(enc, ex.spans, [index[t] for t in ex.tags], head_labels)
             for enc, ex in zip(pairs.target_encoded, data.examples)]
+
+
+def majority_share(labels: list) -> float:
+    """How often the most frequent label is the right one (token tasks: over labelled words): what
+    one constant answer, the best for these very rows, scores."""
+    flat = [label for row in labels for label in (row if isinstance(row, list) else [row]) if label != IGNORE_INDEX]
+    return max(Counter(flat).values()) / len(flat) if flat else float("nan")
 
 
 # ---- one batch --------------------------------------------------------------------------------
@@ -353,8 +363,7 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
     optimizer = make_optimizer(bridge, s)
     rng = random.Random(s.seed)
     initial = evaluate(bridge, val_pairs, "validation", probe, s, device)
-    if s.progress:
-        tqdm.write("untrained bridge: " + _summary(initial))
+    tqdm.write("untrained bridge: " + _summary(initial), file=sys.stderr)  # a log's lines too; stdout is the summary
     history, best, best_epoch, stale, step = [], math.inf, 0, 0, 0
     best_state = copy.deepcopy(bridge.state_dict())
     base_lr = s.lr
@@ -400,9 +409,8 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
             stale += 1
             if s.lr_patience and stale % s.lr_patience == 0:
                 base_lr *= 0.5
-        if s.progress:
-            tqdm.write(f"epoch {epoch}: train loss {entry['train_loss']:.4f}  validation {_summary(val)}"
-                       f"{'  (best)' if improved else ''}  [{train_seconds:.1f}s]")
+        tqdm.write(f"epoch {epoch}/{s.epochs}: train loss {entry['train_loss']:.4f}  validation {_summary(val)}"
+                   f"{'  (best)' if improved else ''}  [{train_seconds:.1f}s]", file=sys.stderr)
         if stale >= s.patience or (max_steps and step >= max_steps):
             break
     bridge.load_state_dict(best_state)
@@ -415,16 +423,6 @@ def _summary(values: dict) -> str:
 
 
 # ---- the whole run ----------------------------------------------------------------------------
-def parse_module_spec(spec: str) -> tuple[ModuleStore, str, str | None]:
-    """STORE/TASK/VERSION (a version folder) or STORE/TASK (its latest version)."""
-    path = Path(spec)
-    if (path / "manifest.json").is_file():
-        return ModuleStore(path.parent.parent), path.parent.name, path.name
-    if path.is_dir() and ModuleStore(path.parent).versions(path.name):
-        return ModuleStore(path.parent), path.name, None
-    raise UsageError(f"--module {spec!r}: expected STORE/TASK/VERSION or STORE/TASK (a stored module folder)")
-
-
 def read_texts(s: BridgeSettings):
     """(train data, validation data) of the preset; pair datasets are not paired yet."""
     if s.dataset not in PRESETS:
@@ -454,11 +452,13 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from server.bridges import bridge_store, load_bridge, save_bridge
     from training.pairing import PairedStates
     from training.settings import pick_device
+    from training.runs import check_outputs, new_run_dir, save_as_free_version
     from training.trainer import safe_name, seed_everything
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
         raise UsageError("--objective distill needs --module STORE/TASK[/VERSION] (a module of the target backbone)")
     started = time.perf_counter()
+    s = s.model_copy(update={"progress": s.progress if s.progress is not None else sys.stderr.isatty()})
     seed_everything(s.seed)
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -468,7 +468,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
 
     module = None
     if s.module:
-        store, task, version = parse_module_spec(s.module)
+        folder, task, version = module_folder(s.module, "--module")
+        store = ModuleStore(folder)
         module = load_module(store, task, version, target, device=str(device), probe=probe_module)  # checks the TARGET fingerprint
 
     source_layers = s.source_layers or list(range(source.num_layers + 1))
@@ -482,12 +483,14 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
 
     name = safe_name(s.name or "-".join([source.name, "to", target.name, s.objective]
                                         + ([module.task] if module and s.objective == "distill" else [])))
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"bridge-{name}-{s.version}-{stamp}"
-    report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
     store = bridge_store(s.bridge_store or DEFAULT_BRIDGE_STORE)
-    if store.path(name, s.version).exists() and not s.overwrite:
-        raise UsageError(f"bridge {name}/{s.version} already exists in {store.root}; pick another --version or --overwrite")
+    numbered = s.version is None
+    s = s.model_copy(update={"version": store.next_version(name) if numbered else s.version})
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"bridge-{name}-{s.version}-{stamp}"  # made when saving
+    report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
+    check_outputs(store, name, s.version, s.overwrite, (store.root, report_dir), what="bridge ",
+                  fix="give --run-dir (or --bridge-store and --report-dir) in a folder you can write")
 
     train_data, val_data = read_texts(s)
     t0 = time.perf_counter()
@@ -525,9 +528,12 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
                **{k.removeprefix("validation_"): v for k, v in best.items()
                   if k.startswith("validation_") and k != "validation_seconds"},
                "untrained": result.initial}
+    if probe is not None and "validation" in probe.labels:
+        metrics["majority_accuracy"] = majority_share(probe.labels["validation"])
     training = {
         "command": command, "objective": s.objective, "settings": s.model_dump(mode="json"),
         "module": ({"task": module.task, "version": module.version, "spec": s.module,
+                    "task_type": module.head.task_type.value,
                     "weights_sha256": module.manifest.weights_sha256} if module else None),
         "data": {"dataset": s.dataset, "train_texts": len(train_pairs), "validation_texts": len(val_pairs),
                  "train_texts_sha256": _texts_sha(train_pairs.texts), "validation_texts_sha256": _texts_sha(val_pairs.texts),
@@ -542,8 +548,16 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     description = s.description or (f"transformer bridge {source.name} -> {target.name}, {s.objective} objective"
                                      + (f" through {module.task}/{module.version}" if module and s.objective == "distill" else ""))
     bridge.cpu()
-    artifact = save_bridge(store, name, s.version, bridge, source, target, training=training, metrics=metrics,
-                           description=description, overwrite=s.overwrite)
+    if not s.run_dir and not s.report_dir:  # claimed now: a run started in the same second may have taken the name
+        report_dir = new_run_dir(run_dir) / "report"
+
+    def save(version: str) -> Path:
+        training["settings"]["version"] = version
+        return save_bridge(store, name, version, bridge, source, target, training=training, metrics=metrics,
+                           description=description, overwrite=s.overwrite and not numbered)
+
+    artifact, version = save_as_free_version(save, store, name, s.version, numbered)
+    s = s.model_copy(update={"version": version})
     # refuse to report success on an artifact that does not load; measure it the way it serves
     loaded = load_bridge(store, name, s.version, source, device=str(device))
     served = evaluate(loaded.bridge, val_pairs, "validation", probe, s, device, served=True, progress=s.progress)
@@ -561,13 +575,56 @@ def _texts_sha(texts) -> str:
 
 
 # ---- report -----------------------------------------------------------------------------------
+def findings(result: BridgeResult) -> list[str]:
+    """The validation numbers in words, each beside the same texts' baselines: the untrained bridge
+    and, with the module's labels, the majority answer and the module on its own backbone."""
+    m, untrained = result.metrics, result.metrics.get("untrained", {})
+    data = result.training.get("data", {})
+    token_task = (result.training.get("module") or {}).get("task_type") == TaskType.token_classification.value
+    lines = [f"validation: {data.get('validation_texts', '?')} texts of {data.get('dataset', '?')}'s validation split; "
+             "they chose the epoch, so the numbers are optimistic"]
+    if "agreement" in m:
+        lines.append(f"the module's answer through the bridge is its answer on its own backbone for "
+                     f"{m['agreement']:.1%} of the {'tokens' if token_task else 'texts'} "
+                     f"(untrained bridge {untrained.get('agreement', float('nan')):.1%})")
+    if "accuracy" in m:
+        lines.append(f"the module's accuracy through the bridge {m['accuracy']:.4f}; on its own backbone "
+                     f"{m['teacher_accuracy']:.4f}; untrained bridge {untrained.get('accuracy', float('nan')):.4f}; "
+                     f"the majority answer {m.get('majority_accuracy', float('nan')):.4f}")
+    lines.append(f"cosine of the bridged states to the target's real ones {m['cosine']:.4f} "
+                 f"(untrained bridge {untrained.get('cosine', float('nan')):.4f})")
+    epochs, best = result.training.get("epochs_run"), result.training.get("best_epoch")
+    if best and best == epochs == result.training.get("settings", {}).get("epochs"):
+        lines.append(f"kept epoch {best} of {epochs}, the last: validation was still improving; train longer")
+    elif best:
+        lines.append(f"kept epoch {best} of {epochs} run")
+    return lines
+
+
+def report_text(result: BridgeResult) -> str:
+    settings = result.training.get("settings", {})
+    data = result.training.get("data", {})
+    module = result.training.get("module")
+    lines = [f"# bridge {result.name}/{result.version}", "",
+             f"{settings.get('target')} modules served on {settings.get('source')}: {result.training.get('objective')} "
+             f"objective{' through ' + module['task'] + '/' + module['version'] if module else ''}, trained on "
+             f"{data.get('train_texts')} texts of {data.get('dataset')}'s training split.", ""]
+    lines += [f"- {line}" for line in findings(result)]
+    lines += ["- the losses and validation numbers by epoch (0: untrained): curves.png", "",
+              f"Served by `tmod-serve --backbone {settings.get('source')} --bridges {Path(result.artifact).parents[1]}`"
+              f" (the newest version of each bridge): `/v1/tasks` names the bridge in a module's `served_through`.", ""]
+    return "\n".join(lines)
+
+
 def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Path]:
-    """metrics.json and curves.png (losses; cosine / agreement with the teacher)."""
+    """report.md, metrics.json and curves.png (losses; cosine / agreement with the teacher)."""
     from training.report import plt  # matplotlib on the Agg backend
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"metrics": report_dir / "metrics.json", "curves": report_dir / "curves.png"}
+    paths = {"report": report_dir / "report.md", "metrics": report_dir / "metrics.json",
+             "curves": report_dir / "curves.png"}
+    paths["report"].write_text(report_text(result))
     summary = {"bridge": result.name, "version": result.version, "artifact": str(result.artifact),
                "validation": result.metrics, "history": result.history,
                **{k: result.training[k] for k in ("command", "objective", "module", "best_epoch", "epochs_run",
@@ -613,8 +670,10 @@ def cmd_bridge(args, command: str) -> int:
     """`tmod-train bridge`: options left out keep BridgeSettings' defaults."""
     values = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     result = train_bridge(BridgeSettings(**values), command=command)
+    for line in findings(result):
+        print(line, file=sys.stderr)
     headline = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))}
     print(json.dumps({"bridge": result.name, "version": result.version, "artifact": str(result.artifact),
                       "report": str(result.report_dir), "validation": headline,
-                      "served": result.metrics.get("served", {})}, indent=2))
+                      "untrained": result.metrics.get("untrained", {})}, indent=2))
     return 0

@@ -39,7 +39,7 @@ from server.modules import load_module
 from server.probe import probe_module
 from training.data import UsageError, read_conll, word_first_tokens
 from training.evaluate import served_logits, word_values
-from training.splits import teacher_folder
+from training.splits import module_folder
 from training.states import Split, write_then_rename
 
 TEACHER_FORMAT = 1
@@ -60,8 +60,8 @@ def distill_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor 
 
 
 def resolve_teacher(spec: str) -> tuple[ModuleStore, str, str]:
-    """(store, task, version) of `--distill-from` (where it lies: `teacher_folder`)."""
-    folder, task, version = teacher_folder(spec)
+    """(store, task, version) of `--distill-from` (where it lies: `module_folder`)."""
+    folder, task, version = module_folder(spec)
     return ModuleStore(folder), task, version
 
 

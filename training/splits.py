@@ -146,7 +146,7 @@ def check_options(s: TrainSettings, train: LabelledData, labels: list[str], pres
     if s.distill_from:
         if not conll_tokens:
             raise UsageError("--distill-from: only token tasks read from a CoNLL file (the teacher tags its words)")
-        teacher_folder(s.distill_from)
+        module_folder(s.distill_from)
     if s.document_windows and not conll_tokens:
         raise UsageError("--document-windows: only token tasks read from a CoNLL file (its documents are read in windows)")
     if s.kind == "lora-mtb" and importlib.util.find_spec("peft") is None:
@@ -164,17 +164,25 @@ def entity_tags(train: LabelledData) -> bool:
     return any(ENTITY_TAG.fullmatch(tag) for tag in train.labels_seen())
 
 
-def teacher_folder(spec: str) -> tuple[Path, str, str]:
-    """(store folder, task, version) of `--distill-from`: a STORE/TASK/VERSION folder, or TASK/VERSION
-    in the shipped store (found from the files alone: the data's checks run before torch is imported)."""
+def module_folder(spec: str, option: str = "--distill-from") -> tuple[Path, str, str]:
+    """(store folder, task, version) of a stored module named on the command line: a
+    STORE/TASK/VERSION folder, TASK/VERSION in the shipped store, or a STORE/TASK folder (its newest
+    version). Found from the files alone: the data's checks run before torch is imported."""
     path = Path(spec)
     if (path / "manifest.json").is_file():
         return path.parent.parent, path.parent.name, path.name
     parts = [p for p in spec.split("/") if p]
     if len(parts) == 2 and (DEFAULT_STORE / parts[0] / parts[1] / "manifest.json").is_file():
         return DEFAULT_STORE, parts[0], parts[1]
-    raise UsageError(f"--distill-from {spec!r}: no such module; give TASK/VERSION of the shipped store "
-                     f"(e.g. ner/mpnet-2) or a STORE/TASK/VERSION folder")
+    versions = []
+    if path.is_dir():
+        from modules_store import ModuleStore  # reads tensors, imports torch: only for this form
+
+        versions = ModuleStore(path.parent).versions(path.name)
+    if versions:
+        return path.parent, path.name, versions[-1]
+    raise UsageError(f"{option} {spec!r}: no such module; give TASK/VERSION of the shipped store (e.g. "
+                     "sentiment/mpnet-2), a STORE/TASK/VERSION folder or a STORE/TASK folder (its newest version)")
 
 
 def check_tag_names(train: LabelledData) -> None:

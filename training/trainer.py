@@ -7,9 +7,7 @@ metrics are re-measured at the end through the served path (Engine.logits on the
 from __future__ import annotations
 
 import copy
-import itertools
 import math
-import os
 import platform
 import random
 import re
@@ -24,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from modules_store import ArtifactError, ModuleStore, TaskType, misplaced_store
+from modules_store import ModuleStore, TaskType, misplaced_store
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir
 from server.backbone.tokens import IDS
@@ -48,6 +46,7 @@ from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
+from training.runs import check_outputs, new_run_dir, save_as_free_version
 from training.settings import TrainSettings, pick_device
 from training.states import CachedStates, RecomputedStates, Split, free_memory
 
@@ -196,30 +195,6 @@ def safe_name(text: str) -> str:
 
 
 # ---- the loop --------------------------------------------------------------------------------
-def cannot_make(folder: Path) -> str | None:
-    """Why `folder` could not be made and written, or None; nothing is made (a refused run leaves no trace)."""
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
-
-
-def new_run_dir(path: Path) -> Path:
-    """`path`, made now, or `path-2`, `path-3`, ... where a run started in the same second (a sweep
-    launched at once) made it first: each run's report and store its own."""
-    for n in itertools.count(1):
-        claimed = path if n == 1 else path.with_name(f"{path.name}-{n}")
-        try:
-            claimed.mkdir(parents=True)
-            return claimed
-        except FileExistsError:
-            continue
-
-
 def label_names_beside(train_file: str, highest_id: int) -> Path | None:
     """A labels.txt (or classes.txt) in the training file's folder with a name for every class id up
     to `highest_id`, one a line, as GoEmotions and many data sets ship their ids' names; or None."""
@@ -441,13 +416,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
     if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
         raise UsageError(f"--store: {misplaced}")
-    if store.path(task, s.version).exists() and not s.overwrite:  # say so now, not after training
-        raise UsageError(f"{task}/{s.version} already exists in {store.root}; pick another --version (the next "
-                         f"free number: --version {store.next_version(task)}, or leave --version out) or --overwrite")
-    for folder in (store.root, report_dir):  # found after the training, it lost the head
-        if problem := cannot_make(folder):
-            raise UsageError(f"cannot make {folder}: {problem}; give --run-dir (or --store and --report-dir) in a "
-                             "folder you can write")
+    check_outputs(store, task, s.version, s.overwrite, (store.root, report_dir),
+                  fix="give --run-dir (or --store and --report-dir) in a folder you can write")
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     if task_type != TaskType.token_classification and all(label.isdigit() for label in labels) and not s.label_map:
@@ -593,19 +563,13 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         claimed = new_run_dir(run_dir)
         store = store if s.store else ModuleStore(claimed / "store")
         report_dir = report_dir if s.report_dir else claimed / "report"
-    while True:
-        try:
-            artifact = save_module(store, task, s.version, head, backbone, training=training, metrics=metrics,
-                                   description=description, overwrite=s.overwrite and not numbered, decoding=decoding)
-            break
-        except ArtifactError as exc:
-            if not (numbered and exc.reason == "exists"):
-                raise
-            # a run beside this one (a sweep into one store) took the number: the next free one
-            taken, s = s.version, s.model_copy(update={"version": store.next_version(task)})
-            training["settings"]["version"] = s.version
-            print(f"{task}/{taken} was written meanwhile by another run: this one is {task}/{s.version}",
-                  file=sys.stderr)
+    def save(version: str) -> Path:
+        training["settings"]["version"] = version
+        return save_module(store, task, version, head, backbone, training=training, metrics=metrics,
+                           description=description, overwrite=s.overwrite and not numbered, decoding=decoding)
+
+    artifact, version = save_as_free_version(save, store, task, s.version, numbered)
+    s = s.model_copy(update={"version": version})
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
     example = val_data.examples[0]
     others = list(server["tasks"]) if server else serving.served_at_start(store, backbone)

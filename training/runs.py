@@ -1,0 +1,63 @@
+"""Where a training run writes, for heads, bridges and alignments alike: the version it takes in
+its store, its run folder, and the checks made before any work (a refused run leaves no trace)."""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from modules_store import ArtifactError, ModuleStore
+from training.data import UsageError
+
+
+def cannot_make(folder: Path) -> str | None:
+    """Why `folder` could not be made and written, or None; nothing is made."""
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def check_outputs(store: ModuleStore, name: str, version: str, overwrite: bool, folders, *, what: str = "",
+                  fix: str = "give --run-dir in a folder you can write") -> None:
+    """Refuse, before the work, a version that exists (without --overwrite) and a folder that cannot
+    be made: found after the training, either lost its result."""
+    if store.path(name, version).exists() and not overwrite:
+        raise UsageError(f"{what}{name}/{version} already exists in {store.root}; pick another --version (the next "
+                         f"free number: --version {store.next_version(name)}, or leave --version out) or --overwrite")
+    for folder in folders:
+        if problem := cannot_make(Path(folder)):
+            raise UsageError(f"cannot make {folder}: {problem}; {fix}")
+
+
+def new_run_dir(path: Path) -> Path:
+    """`path`, made now, or `path-2`, `path-3`, ... where a run started in the same second (a sweep
+    launched at once) made it first: each run's report and store its own."""
+    for n in itertools.count(1):
+        claimed = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            claimed.mkdir(parents=True)
+            return claimed
+        except FileExistsError:
+            continue
+
+
+def save_as_free_version(save: Callable[[str], Path], store: ModuleStore, name: str, version: str,
+                         numbered: bool) -> tuple[Path, str]:
+    """(artifact, version) of `save(version)`. Where the run numbered itself (no --version) and a run
+    beside it (a sweep into one store) took that number meanwhile, the next free one, said."""
+    while True:
+        try:
+            return save(version), version
+        except ArtifactError as exc:
+            if not (numbered and exc.reason == "exists"):
+                raise
+            taken, version = version, store.next_version(name)
+            print(f"{name}/{taken} was written meanwhile by another run: this one is {name}/{version}",
+                  file=sys.stderr)
