@@ -370,30 +370,69 @@ def test_correlation_grid(paired):
 
 
 # ---- the command -----------------------------------------------------------------------------
-def test_align_command(tmp_path, bert, permuted):
-    from training.cli import main
-
+def align_data(tmp_path, bert, permuted):
+    """A preset folder (train and validation texts) and the two backbones saved as folders."""
     data = tmp_path / "data" / "sst2"
     data.mkdir(parents=True)
     (data / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(TEXTS)))
-    src_dir = tmp_path / "src"
-    bert.model.save_pretrained(src_dir)
-    bert.tokenizer.save_pretrained(src_dir)
-    tgt_dir = tmp_path / "tgt"
-    permuted.model.save_pretrained(tgt_dir)
-    permuted.tokenizer.save_pretrained(tgt_dir)
+    held_out = make_texts(20, seed=1)
+    (data / "validation.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(held_out)))
+    src_dir, tgt_dir = tmp_path / "src", tmp_path / "tgt"
+    for model, folder in ((bert, src_dir), (permuted, tgt_dir)):
+        model.model.save_pretrained(folder)
+        model.tokenizer.save_pretrained(folder)
+    return ["--source", str(src_dir), "--target", str(tgt_dir), "--dataset", "sst2", "--data-dir", str(tmp_path / "data"),
+            "--store", str(tmp_path / "bridges"), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+
+
+def test_align_command(tmp_path, bert, permuted, capsys):
+    from training.cli import main
+
+    common = align_data(tmp_path, bert, permuted)
     report = tmp_path / "report"
-    rc = main(["align", "--source", str(src_dir), "--target", str(tgt_dir), "--dataset", "sst2",
-               "--data-dir", str(tmp_path / "data"), "--max-texts", "40", "--mapping", "avg",
-               "--store", str(tmp_path / "bridges"), "--name", "perm", "--version", "1",
-               "--report-dir", str(report), "--cache-dir", str(tmp_path / "cache"), "--no-progress"])
+    rc = main(["align", *common, "--max-texts", "40", "--mapping", "avg", "--name", "perm",
+               "--report-dir", str(report)])
     assert rc == 0
     metrics = json.loads((report / "metrics.json").read_text())
     assert metrics["texts"] == 40 and metrics["metrics"]["mean_matched_correlation"] > 0.999
+    # measured where the matching was not chosen: the validation texts, none of them a training text
+    assert metrics["held_out_texts"] == len(set(make_texts(20, seed=1)) - set(TEXTS)) > 0
+    assert metrics["metrics"]["held_out_mean_matched_correlation"] > 0.999
+    for state in metrics["metrics"]["per_state"].values():
+        assert abs(state["held_out"]["pairs_shuffled"]) < 0.5 < state["held_out"]["mean_matched_correlation"]
     assert np.array(metrics["layer_grid"]["mean_matched_correlation"]).shape == (4, 4)
     assert (report / "correlation.png").stat().st_size > 0
-    loaded = load_bridge(bridge_store(tmp_path / "bridges"), "perm", "1", Backbone.load(src_dir))
+    said = capsys.readouterr()
+    assert "optimistic" in said.err and "held out: " in said.err and "never used to fit" in said.err
+    assert json.loads(said.out)["version"] == "1"  # stdout is the summary alone
+    assert "held out: " in (report / "report.md").read_text()
+    loaded = load_bridge(bridge_store(tmp_path / "bridges"), "perm", "1", Backbone.load(tmp_path / "src"))
     assert loaded.manifest.training["mapping"] == "avg"
+
+
+def test_align_again_takes_the_next_version_and_a_mistake_is_one_line(tmp_path, bert, permuted, capsys,
+                                                                        monkeypatch):
+    """A second run is version 2 (it crashed with a traceback after all the work: 'skip' existed);
+    a version that exists and an unknown preset are refused in one line before any state is paired."""
+    from training.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the default run folders
+    common = align_data(tmp_path, bert, permuted)
+    for _ in range(2):
+        assert main(["align", *common, "--max-texts", "20", "--no-heatmap", "--name", "perm"]) == 0
+    assert bridge_store(tmp_path / "bridges").versions("perm") == ["1", "2"]
+    assert len(list((tmp_path / "runs").glob("perm-*/report/report.md"))) == 2
+    capsys.readouterr()
+    cached = sorted((tmp_path / "cache").rglob("*"))
+    assert main(["align", *common, "--max-texts", "30", "--name", "perm", "--version", "2"]) == 2
+    assert sorted((tmp_path / "cache").rglob("*")) == cached  # refused before pairing 30 texts' states
+    err = capsys.readouterr().err
+    assert err.startswith("tmod-train align: error: bridge perm/2 already exists") and "--version 3" in err
+    assert err.count("\n") == 1
+    bad = [*common[:5], "sst9", *common[6:]]
+    assert main(["align", *bad, "--name", "other"]) == 2
+    assert capsys.readouterr().err.startswith("tmod-train align: error: unknown dataset 'sst9'")
+    assert bridge_store(tmp_path / "bridges").versions("other") == []
 
 
 # ---- served: the engine runs a foreign module through a loaded alignment bridge ---------------

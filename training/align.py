@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -106,11 +107,14 @@ def null_matched_correlation(x: torch.Tensor, y: torch.Tensor, seed: int = 0) ->
 
 def align(paired: PairedStates, mapping: str = "skip", standardize: bool = False,
           target_states: Sequence[int] | None = None, pool: str = "token",
-          progress: bool = False, null: bool = True) -> tuple[AlignmentBridge, dict]:
+          progress: bool = False, null: bool = True,
+          held_out: PairedStates | None = None) -> tuple[AlignmentBridge, dict]:
     """Fit an AlignmentBridge on `paired` (source = the backbone it will serve on). Returns the
     bridge and its diagnostics: per target state, the source states used, the mean / median
     correlation of the matched dimensions, the number of aligned rows, and (`null`) the same
-    mean with the pairs shuffled (the noise floor)."""
+    mean with the pairs shuffled (the noise floor). With `held_out` (texts not in `paired`): the
+    matched dimensions' mean correlation there, and with those pairs shuffled: the matching
+    chose its dimensions on `paired`, so only these numbers are not optimistic."""
     targets = sorted(set(target_states if target_states is not None else paired.target_layers))
     groups = layer_groups(paired.source_fingerprint.num_layers, paired.target_fingerprint.num_layers, targets, mapping)
     needed = sorted({i for g in groups.values() for i in g})
@@ -150,9 +154,18 @@ def align(paired: PairedStates, mapping: str = "skip", standardize: bool = False
                         "mean_max_correlation": float(np.abs(c).max(axis=0).mean())}
         if null:
             per_state[j]["null_matched_correlation"] = null_matched_correlation(x, y)
+        if held_out is not None:
+            hx, hy = held_out.token_pairs(groups[j], j, pool=pool)
+            shuffled = torch.randperm(hy.shape[0], generator=torch.Generator().manual_seed(0))
+            per_state[j]["held_out"] = {"rows": int(hx.shape[0]),
+                                        "mean_matched_correlation": float(correlation(hx, hy)[rows, cols].mean()),
+                                        "pairs_shuffled": float(correlation(hx, hy[shuffled])[rows, cols].mean())}
     diagnostics = {"mapping": mapping, "standardize": standardize, "pool": pool, "per_state": per_state,
                    "mean_matched_correlation": float(np.mean([v["mean_matched_correlation"]
                                                              for v in per_state.values()]))}
+    if held_out is not None:
+        diagnostics["held_out_mean_matched_correlation"] = float(np.mean(
+            [v["held_out"]["mean_matched_correlation"] for v in per_state.values()]))
     return bridge.eval(), diagnostics
 
 
@@ -188,7 +201,16 @@ def plot_alignment(diagnostics: dict, grid: dict | None, path: Path, title: str)
     fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 6.5, 4.2), squeeze=False)
     ax = axes[0][0]
     values = [per_state[j]["mean_matched_correlation"] for j in targets]
-    bars = ax.bar([state_name(j) for j in targets], values, color="#4c72b0")
+    held = all("held_out" in per_state[j] for j in targets)
+    width = 0.4 if held else 0.8
+    bars = ax.bar(np.arange(len(targets)) - width / 2 * held, values, width, color="#4c72b0",
+                  label="fit texts (chose the matching)" if held else None)
+    if held:
+        ax.bar(np.arange(len(targets)) + width / 2, [per_state[j]["held_out"]["mean_matched_correlation"]
+                                                     for j in targets], width, color="#dd8452",
+               label="held-out texts")
+    ax.set_xticks(range(len(targets)))
+    ax.set_xticklabels([state_name(j) for j in targets])
     for bar, v, j in zip(bars, values, targets):
         label = f"{v:.2f}\n<-" + ",".join(state_name(i) for i in per_state[j]["source_states"][:1])
         if len(per_state[j]["source_states"]) > 1:
@@ -196,8 +218,9 @@ def plot_alignment(diagnostics: dict, grid: dict | None, path: Path, title: str)
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                     fontsize=7)
     if all("null_matched_correlation" in per_state[j] for j in targets):
-        ax.plot(range(len(targets)), [per_state[j]["null_matched_correlation"] for j in targets], "k_",
-                markersize=18, label="pairs shuffled (noise floor)")
+        ax.plot(np.arange(len(targets)) - width / 2 * held, [per_state[j]["null_matched_correlation"] for j in targets],
+                "k_", markersize=18 - 8 * held, label="pairs shuffled (noise floor)")
+    if held or any("null_matched_correlation" in per_state[j] for j in targets):
         ax.legend(fontsize=7, loc="upper right")
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("target state")
@@ -241,34 +264,50 @@ def _parse_states(value: str | None, num_layers: int) -> list[int]:
     return sorted(out)
 
 
-def load_texts(args) -> list[str]:
-    """Training-split texts of the presets (comma-separated), seeded subset of --max-texts, order
-    kept; pair tasks contribute both texts of each example as separate texts."""
+def load_texts(args, split: str = "train", limit: int | None = None, besides: Sequence[str] = ()) -> list[str]:
+    """`split` texts of the presets (comma-separated), each once and none of `besides`, a seeded
+    subset of `limit` (0 or None: all), order kept; pair tasks give both texts of each example."""
     from training.data import PRESETS, preset_spec
 
     texts: list[str] = []
     for name in [d.strip() for d in args.dataset.split(",") if d.strip()]:
         if name not in PRESETS:
-            raise SystemExit(f"unknown dataset {name!r}; presets: {sorted(PRESETS)}")
-        data = preset_spec(PRESETS[name], "train", args.data_dir).read()
+            raise UsageError(f"unknown dataset {name!r}; presets: {sorted(PRESETS)}")
+        data = preset_spec(PRESETS[name], split, args.data_dir).read()
         texts += data.texts()
         if data.has_pairs:
             texts += [t for t in data.text_pairs() if t]
-    seen, unique = set(), []
+    seen, unique = set(besides), []
     for t in texts:
         if t and t not in seen:
             seen.add(t)
             unique.append(t)
-    if args.max_texts and args.max_texts < len(unique):
-        keep = sorted(random.Random(args.seed).sample(range(len(unique)), args.max_texts))
+    if limit and limit < len(unique):
+        keep = sorted(random.Random(args.seed).sample(range(len(unique)), limit))
         unique = [unique[i] for i in keep]
     return unique
+
+
+def findings(diagnostics: dict, texts: int, held_out: int) -> list[str]:
+    """The correlations in words: where the matching was chosen (optimistic) and where it was not,
+    each beside the same rows with their pairs shuffled."""
+    states = diagnostics["per_state"].values()
+    lines = [f"fit on {texts} texts: the matched dimensions' mean correlation {diagnostics['mean_matched_correlation']:.4f}"
+             + (f" (pairs shuffled, matched the same way: {np.mean([v['null_matched_correlation'] for v in states]):.4f})"
+                if all("null_matched_correlation" in v for v in states) else "")
+             + "; the matching chose its dimensions on these texts, so this is optimistic"]
+    if "held_out_mean_matched_correlation" in diagnostics:
+        lines.append(f"held out: {held_out} texts of the validation split, never used to fit: "
+                     f"{diagnostics['held_out_mean_matched_correlation']:.4f} "
+                     f"(pairs shuffled: {np.mean([v['held_out']['pairs_shuffled'] for v in states]):.4f})")
+    return lines
 
 
 def cmd_align(args, command: str) -> int:
     from modules_store import DEFAULT_STORE
     from server.backbone import Backbone
     from server.bridges import bridge_store, save_bridge
+    from training.runs import check_outputs, new_run_dir, save_as_free_version
     from training.settings import pick_device
 
     if args.threads:
@@ -281,22 +320,33 @@ def cmd_align(args, command: str) -> int:
     groups = layer_groups(source.num_layers, target.num_layers, targets, args.mapping)
     needed = sorted({i for g in groups.values() for i in g})
     source_states = list(range(source.num_layers + 1)) if args.heatmap else needed
-    texts = load_texts(args)
+
+    name = args.name or f"align-{_slug(source.name)}-to-{_slug(target.name)}"
+    store = bridge_store(Path(args.store) if args.store else Path(DEFAULT_STORE) / "_bridges")
+    numbered = args.version is None
+    version = store.next_version(name) if numbered else args.version
+    run_dir = Path("runs") / f"{name}-{version}-{time.strftime('%Y%m%d-%H%M%S')}"  # made when saving
+    report_dir = Path(args.report_dir) if args.report_dir else run_dir / "report"
+    check_outputs(store, name, version, args.overwrite, (store.root, report_dir), what="bridge ",
+                  fix="give --store and --report-dir in a folder you can write")
+
+    texts = load_texts(args, "train", args.max_texts)
+    held_out_texts = load_texts(args, "validation", args.max_validation, besides=texts)
     t_load = time.perf_counter()
-    paired = PairedStates.build(texts, source, target, source_states, targets,
-                                cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-                                batch_size=args.batch_size, progress=args.progress)
+    build = dict(source_layers=source_states, target_layers=targets, batch_size=args.batch_size,
+                 cache_dir=Path(args.cache_dir) if args.cache_dir else None, progress=args.progress)
+    paired = PairedStates.build(texts, source, target, **build)
+    held_out = PairedStates.build(held_out_texts, source, target, **build) if held_out_texts else None
     t_states = time.perf_counter()
-    bridge, diagnostics = align(paired, args.mapping, args.standardize, targets, args.pool, progress=args.progress)
+    bridge, diagnostics = align(paired, args.mapping, args.standardize, targets, args.pool, progress=args.progress,
+                                held_out=held_out)
     t_fit = time.perf_counter()
     grid = correlation_grid(paired, pool=args.pool, progress=args.progress) if args.heatmap else None
     t_grid = time.perf_counter()
     pool = paired.pooling(args.pool)
-    name = args.name or f"align-{_slug(source.name)}-to-{_slug(target.name)}"
-    version = args.version or f"{args.mapping}{'-std' if args.standardize else ''}"
-    store_dir = Path(args.store) if args.store else Path(DEFAULT_STORE) / "_bridges"
     training = {"command": command, "method": "alignment (Pearson correlation + linear_sum_assignment)",
-                "datasets": args.dataset, "texts": len(texts), "aligned_rows": pool.rows,
+                "datasets": args.dataset, "texts": len(texts), "held_out_texts": len(held_out_texts),
+                "aligned_rows": pool.rows,
                 "source_tokens": paired.source_cache.total, "target_tokens": paired.target_cache.total,
                 "source": source.name, "target": target.name, "mapping": args.mapping,
                 "standardize": args.standardize, "pool": args.pool, "seed": args.seed,
@@ -304,21 +354,41 @@ def cmd_align(args, command: str) -> int:
                            "fit_seconds": t_fit - t_states, "grid_seconds": t_grid - t_fit},
                 "paired_cache": str(paired.path) if paired.path else None}
     metrics = {"mean_matched_correlation": diagnostics["mean_matched_correlation"],
+               **({"held_out_mean_matched_correlation": diagnostics["held_out_mean_matched_correlation"]}
+                  if held_out else {}),
                "per_state": {str(j): v for j, v in diagnostics["per_state"].items()}}
-    artifact = save_bridge(bridge_store(store_dir), name, version, bridge, source, target, training=training,
-                           metrics=metrics, description=args.description or
-                           f"alignment bridge: {target.name} modules served on {source.name}",
-                           overwrite=args.overwrite)
-    report_dir = Path(args.report_dir) if args.report_dir else Path("runs") / f"{name}-{version}-{time.strftime('%Y%m%d-%H%M%S')}" / "report"
+    if not args.report_dir:  # claimed now: a run started in the same second may have taken the name
+        report_dir = new_run_dir(run_dir) / "report"
+    artifact, version = save_as_free_version(
+        lambda v: save_bridge(store, name, v, bridge, source, target, training=training, metrics=metrics,
+                              description=args.description or f"alignment bridge: {target.name} modules served on "
+                                                              f"{source.name}", overwrite=args.overwrite and not numbered),
+        store, name, version, numbered)
     report_dir.mkdir(parents=True, exist_ok=True)
+    said = findings(diagnostics, len(texts), len(held_out_texts))
     summary = {"name": name, "version": version, "artifact": str(artifact), **training, "metrics": metrics,
                "layer_grid": grid}
     (report_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_alignment(diagnostics, grid, report_dir / "correlation.png",
                    f"alignment: {target.name} states from {source.name} ({len(texts)} texts, {pool.rows} rows)")
+    (report_dir / "report.md").write_text("\n".join(
+        [f"# alignment bridge {name}/{version}", "",
+         f"{target.name} modules served on {source.name}: each target dimension fed by its matched source dimension "
+         f"({args.mapping} mapping{', standardized' if args.standardize else ''}), fitted on {len(texts)} texts of "
+         f"{args.dataset}'s training split ({pool.rows} rows).", ""]
+        + [f"- {line}" for line in said]
+        + ["- per target state (bars; the black marks: pairs shuffled)"
+           + (" and every source x target pair of states" if grid else "") + ": correlation.png", "",
+           f"Served by `tmod-serve --backbone {args.source} --bridges {store.root}` (the newest version of each "
+           "bridge): `/v1/tasks` names the bridge in a module's `served_through`.", ""]))
+    for line in said:
+        print(line, file=sys.stderr)
     print(json.dumps({"name": name, "version": version, "artifact": str(artifact), "report": str(report_dir),
-                      "mean_matched_correlation": {str(j): round(v["mean_matched_correlation"], 4)
-                                                   for j, v in diagnostics["per_state"].items()}}, indent=2))
+                      "mean_matched_correlation": {
+                          str(j): {"fit": round(v["mean_matched_correlation"], 4),
+                                   **({"held_out": round(v["held_out"]["mean_matched_correlation"], 4)}
+                                      if "held_out" in v else {})}
+                          for j, v in diagnostics["per_state"].items()}}, indent=2))
     return 0
 
 

@@ -214,12 +214,16 @@ def add_align_command(commands) -> None:
     p.add_argument("--dataset", default="sst2", help="preset(s) whose training texts are paired, comma-separated")
     p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
     p.add_argument("--max-texts", type=int, default=2000, help="seeded random subset of the texts (0: all)")
+    p.add_argument("--max-validation", type=int, default=500,
+                   help="held-out texts (seeded subset of the presets' validation split, 0: all) on which the "
+                        "matching is measured; it is chosen on the training texts, where it looks better")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heatmap", action=argparse.BooleanOptionalAction, default=True,
                    help="also pair every source state and report every source x target state correlation")
     p.add_argument("--store", default=None, help="bridge store (default: <module store>/_bridges)")
     p.add_argument("--name", default=None, help="bridge name (default: align-<source>-to-<target>)")
-    p.add_argument("--version", default=None, help="default: the mapping, e.g. 'avg' or 'skip-std'")
+    p.add_argument("--version", default=None, help="default: the next free number of this name in the store "
+                                                    "(the mapping is in its manifest)")
     p.add_argument("--description", default=None)
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--report-dir", default=None, help="default: runs/<name>-<version>-<time>/report")
@@ -227,7 +231,8 @@ def add_align_command(commands) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="backbone batch size")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars (default: only when stderr is a terminal)")
 
 
 def add_bridge_command(commands) -> None:
@@ -266,12 +271,13 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast on CUDA (default: no)")
     p.add_argument("--bridge-store", default=None, help="default: modules_store/_bridges")
     p.add_argument("--name", default=None, help="default: <source>-to-<target>-<objective>[-<task>]")
-    p.add_argument("--version", default=None, help="default: 1")
+    p.add_argument("--version", default=None, help="default: the next free number of this name in the bridge store")
     p.add_argument("--report-dir", default=None, help="default: runs/bridge-<name>-<version>-<time>/report")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--description", default=None)
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars (default: only when stderr is a terminal)")
 
 
 def add_embedding_command(commands) -> None:
