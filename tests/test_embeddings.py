@@ -127,6 +127,22 @@ def test_artifact_without_weights_saves_loads_and_is_checked(tmp_path, tiny_back
         load_module(store, "embedding", "1", tiny_backbone)
 
 
+def test_embedding_command_numbers_its_versions_and_refuses_one_that_exists_in_a_line(tmp_path, tiny_backbone_dir,
+                                                                                      capsys):
+    """A second `tmod-train embedding` into a store is embedding/2 (it ended in a traceback: version 1
+    existed); a named version that exists is one line before the backbone loads."""
+    from training.cli import main
+
+    argv = ["embedding", "--backbone", str(tiny_backbone_dir), "--store", str(tmp_path), "--check", "0"]
+    assert main(argv) == 0 and main(argv) == 0
+    assert ModuleStore(tmp_path).versions("embedding") == ["1", "2"]
+    capsys.readouterr()
+    assert main([*argv, "--version", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"tmod-train embedding: error: embedding/2 already exists in {tmp_path}; pick another --version "
+                   "(the next free number: --version 3, or leave --version out) or --overwrite\n")
+
+
 def test_grouped_embedding_heads_equal_each_alone(tiny_backbone):
     """Two embedding heads in one plan run as one EmbeddingGroup; each answer equals its head alone."""
     from server.modules import LoadedModule

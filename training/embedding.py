@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from server.engine import Engine
 from server.heads.embedding import EmbeddingHead
 from server.modules import LoadedModule, load_module, save_module
 from server.probe import probe_module
+from training.runs import check_outputs, save_as_free_version
 
 
 def embed(engine: Engine, module: LoadedModule, texts: list[str], batch_size: int = 64,
@@ -71,30 +73,36 @@ def reference_vectors(folder: Path, texts: list[str], normalize: bool, batch_siz
 def cmd_embedding(args: argparse.Namespace, command: str) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    store = ModuleStore(args.store or DEFAULT_STORE)
+    numbered = args.version is None
+    version = store.next_version(args.task) if numbered else args.version
+    check_outputs(store, args.task, version, args.overwrite, (store.root,), fix="give --store in a folder you can write")
     folder, name = resolve_backbone(args.backbone)
     backbone = Backbone.load(args.backbone)
     head = EmbeddingHead.from_backbone(backbone, folder, name)
-    store = ModuleStore(args.store or DEFAULT_STORE)
     metrics = {}
     if args.check:
         from training.data import PRESETS, preset_spec
 
         texts = preset_spec(PRESETS["sst2"], "validation", args.data_dir).read().texts()[:args.check]
-        module = LoadedModule(args.task, args.version, None, head.eval())
+        module = LoadedModule(args.task, version, None, head.eval())
         ours = embed(Engine(backbone), module, texts)
         try:
             import sentence_transformers
         except ImportError:
-            print("sentence-transformers is not installed: no reference check")
+            print("sentence-transformers is not installed: no reference check", file=sys.stderr)
         else:
             reference = reference_vectors(folder, texts, head.config.normalize)
             metrics = {"reference_check": {"data": "sst2 validation sentences", "reference":
                                            f"sentence-transformers {sentence_transformers.__version__} encode",
                                            **compare(ours, reference)}}
-    path = save_module(store, args.task, args.version, head, backbone, overwrite=args.overwrite, metrics=metrics,
-                       training={"command": command, "trained": False, "settings_from": head.config.settings_from},
-                       description=f"{name}'s own sentence embedding ({'+'.join(head.config.pooling)} pooling"
-                                   f"{', normalised' if head.config.normalize else ''}), computed in the shared pass")
-    loaded = load_module(store, args.task, args.version, backbone, probe=probe_module)  # what was written loads and checks
+    path, version = save_as_free_version(
+        lambda v: save_module(store, args.task, v, head, backbone, overwrite=args.overwrite and not numbered,
+                              metrics=metrics, training={"command": command, "trained": False,
+                                                         "settings_from": head.config.settings_from},
+                              description=f"{name}'s own sentence embedding ({'+'.join(head.config.pooling)} pooling"
+                                          f"{', normalised' if head.config.normalize else ''}), computed in the shared pass"),
+        store, args.task, version, numbered)
+    loaded = load_module(store, args.task, version, backbone, probe=probe_module)  # what was written loads and checks
     print(json.dumps({"artifact": str(path), "config": loaded.manifest.config, "metrics": metrics}, indent=2))
     return 0
