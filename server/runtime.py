@@ -404,21 +404,17 @@ class Runtime:
     def load_bridges(self) -> dict:
         """Every bridge in the bridge store that runs on this backbone (latest version of each);
         bridges from other backbones are skipped, broken ones refused with a logged reason."""
-        from server.bridges import bridge_store, load_bridge
+        from server.bridges import bridge_store, load_bridges_on
 
-        store = bridge_store(self.settings.bridge_dir())
-        loaded = {}
-        for name in store.tasks():
-            try:
-                manifest = store.read_manifest(name)
-                if manifest.source.identity() != self.backbone.fingerprint.identity():
-                    log.info("bridge %s skipped: it runs on %s", name, manifest.source.name or manifest.source.short)
-                    continue
-                loaded[name] = load_bridge(store, name, None, self.backbone, self.settings.device, manifest)
-                log.info("bridge %s/%s loaded: %s -> %s", name, loaded[name].version, manifest.source.name,
-                         manifest.target.name)
-            except ArtifactError as exc:
-                self.refuse(f"bridge:{name}", exc.message, exc)
+        loaded, skipped, refused = load_bridges_on(bridge_store(self.settings.bridge_dir()), self.backbone,
+                                                   self.settings.device)
+        for name, runs_on in skipped.items():
+            log.info("bridge %s skipped: it runs on %s", name, runs_on)
+        for name, bridge in loaded.items():
+            log.info("bridge %s/%s loaded: %s -> %s", name, bridge.version, bridge.manifest.source.name,
+                     bridge.manifest.target.name)
+        for name, exc in refused.items():
+            self.refuse(f"bridge:{name}", exc.message, exc)
         return loaded
 
     # ---- hot modules (run in the compute thread, between batches) ----------------------------

@@ -435,6 +435,38 @@ def test_align_again_takes_the_next_version_and_a_mistake_is_one_line(tmp_path, 
     assert bridge_store(tmp_path / "bridges").versions("other") == []
 
 
+def test_eval_scores_a_foreign_module_through_a_bridge_store(tmp_path, bert, permuted, paired, capsys):
+    """`tmod-train eval --backbone A --bridges STORE` scores B's module as `tmod-serve --bridges`
+    serves it (the alignment bridge undoes the permutation: the native score); without a bridge, or
+    on a backbone with no name, one line (it was a traceback: 'fingerprint mismatch')."""
+    from modules_store import ModuleStore
+    from server.modules import save_module
+    from training.cli import main
+
+    align_data(tmp_path, bert, permuted)
+    store = ModuleStore(tmp_path / "modules")
+    save_module(store, "sentiment", "1", random_head(permuted, "sequence_classification", ["negative", "positive"], 4,
+                                                     layers=[0, 2, 3]), permuted)
+    bridge, _ = align(paired, mapping="skip")
+    save_bridge(bridge_store(tmp_path / "bridges"), "perm", "1", bridge, bert, permuted)
+    rows = tmp_path / "rows.tsv"
+    rows.write_text("text\tlabel\n" + "".join(f"{t}\t{['negative', 'positive'][i % 2]}\n" for i, t in enumerate(TEXTS)))
+    argv = ["eval", "--store", str(store.root), "--task", "sentiment", "--file", str(rows), "--no-progress"]
+    assert main([*argv, "--backbone", str(tmp_path / "tgt")]) == 0
+    native = json.loads(capsys.readouterr().out)
+    assert native["bridge"] is None
+    assert main([*argv, "--backbone", str(tmp_path / "src"), "--bridges", str(tmp_path / "bridges")]) == 0
+    said = capsys.readouterr()
+    bridged = json.loads(said.out)
+    assert bridged["bridge"] == "perm/1" and "through bridge perm/1" in said.err
+    assert bridged["metrics"]["accuracy"] == native["metrics"]["accuracy"]
+    assert bridged["metrics"]["examples"] == len(TEXTS)
+    assert main([*argv, "--backbone", str(tmp_path / "src")]) == 2
+    assert "and no --bridges store was given to lead there" in capsys.readouterr().err
+    assert main(argv) == 2  # the module's backbone is a folder of this test: no name to load it by
+    assert "which has no name here; give its folder with --backbone" in capsys.readouterr().err
+
+
 # ---- served: the engine runs a foreign module through a loaded alignment bridge ---------------
 def test_a_foreign_module_serves_through_the_alignment_bridge_in_the_engine(paired, bert, permuted, tmp_path):
     from modules_store import ModuleStore

@@ -312,7 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--file", default=None, help="labelled file to score on (instead of a preset)")
     add_data_options(e, default=None)
     e.add_argument("--max-examples", type=int, default=None, help="score a seeded random subset")
-    e.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm (default), smollm2, mpnet")
+    e.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm, smollm2, mpnet "
+                                                     "(default: the module's own); another needs --bridges")
+    e.add_argument("--bridges", default=None, help="bridge store: a module of another backbone scored through the "
+                                                    "bridge that serves it on --backbone, as tmod-serve --bridges serves it")
     e.add_argument("--batch-size", type=int, default=128)
     e.add_argument("--device", default="auto")
     e.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
@@ -399,8 +402,11 @@ def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from modules_store import DEFAULT_STORE, ModuleStore, TaskType, sha256_file
+    from modules_store import DEFAULT_STORE, ArtifactError, ModuleStore, TaskType, sha256_file
     from server.backbone import Backbone
+    from server.backbone.sources import named_for
+    from server.bridges import bridge_store, load_bridges_on
+    from server.engine import Engine
     from server.modules import load_module
     from server.probe import probe_module
     from training.baselines import majority
@@ -445,13 +451,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
         hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) \
             else f"; name them as the head does with --label-map {named}"
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
+    own = named_for(manifest.backbone.name)
+    if not (args.backbone or own):
+        raise UsageError(f"{args.task}/{manifest.version} runs on {manifest.backbone.name!r}, which has no name here; "
+                         "give its folder with --backbone")
     device = str(pick_device(args.device))
-    backbone = Backbone.load(args.backbone, device=device)
+    backbone = Backbone.load(args.backbone or own, device=device)
     if args.precision != "fp32":
         backbone = backbone.use_backend("torch", args.precision)
-    module = load_module(store, args.task, args.version, backbone, device=device, probe=probe_module)
+    bridges = load_bridges_on(bridge_store(args.bridges), backbone, device)[0] if args.bridges else {}
+    try:
+        module = load_module(store, args.task, args.version, backbone, device=device, bridges=bridges,
+                             probe=probe_module)
+    except ArtifactError as exc:
+        if exc.reason not in ("fingerprint_mismatch", "other_backbone"):
+            raise
+        raise UsageError(f"{args.task}/{manifest.version} runs on {manifest.backbone.name}, not on {backbone.name}, "
+                         + (f"and no bridge in {args.bridges} leads there" if args.bridges else
+                            f"and no --bridges store was given to lead there; leave out --backbone to score it on its "
+                            f"own ({own or 'its folder'})")) from None
     split = Split(data, module.head.labels, backbone)
-    metrics = score_module(split, module, args.batch_size, progress=args.progress)
+    if module.bridge:
+        through = f"{module.bridge}/{bridges[module.bridge].version}"
+        print(f"tmod-train eval: {args.task}/{module.version} scored on {backbone.name} through bridge {through}",
+              file=sys.stderr)
+    answers = split  # where a token task's tags are read: a bridge that re-tokenizes answers on the target's tokens
+    if module.bridge and token_task and bridges[module.bridge].bridge.target_text is not None:
+        if own is None:
+            raise UsageError(f"{args.task}/{manifest.version} tags the tokens of {manifest.backbone.name!r}, which has "
+                             "no name here: it cannot be scored through a bridge")
+        answers = Split(data, module.head.labels, Backbone.load(own, device=device))
+    metrics = score_module(split, module, args.batch_size, progress=args.progress,
+                           engine=Engine(backbone, bridges=bridges), answer_split=answers)
     role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path))
     if not role.startswith(("test", "not a file")):
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
@@ -468,7 +499,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 "margin": metrics[metric] - constant[metric], "majority_in_file_is": f"{answered} (chosen on it)"}
     print(f"tmod-train eval: {metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} "
           f"({baseline['margin']:+.4f})", file=sys.stderr)
-    result = {"task": module.task, "version": module.version, "file": str(spec.path), "file_role": role,
+    result = {"task": module.task, "version": module.version, "backbone": backbone.name,
+              "bridge": f"{module.bridge}/{bridges[module.bridge].version}" if module.bridge else None,
+              "file": str(spec.path), "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
               "metrics": metrics, "baseline": baseline}
     text = json.dumps(result, indent=2)

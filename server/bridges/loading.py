@@ -97,3 +97,20 @@ def load_bridge(store: ModuleStore, name: str, version: str | None, backbone, de
     for param in bridge.parameters():
         param.requires_grad_(False)
     return LoadedBridge(name=name, version=stored.manifest.version, manifest=stored.manifest, bridge=bridge)
+
+
+def load_bridges_on(store: ModuleStore, backbone, device="cpu") -> tuple[dict, dict, dict]:
+    """(loaded: name -> LoadedBridge, skipped: name -> the backbone it runs on, refused: name ->
+    ArtifactError) of every bridge in `store`, the latest version of each: those whose source is
+    `backbone` loaded, as the server and `tmod-train eval --bridges` both take them."""
+    loaded, skipped, refused = {}, {}, {}
+    for name in store.tasks():
+        try:
+            manifest = store.read_manifest(name)
+            if manifest.source.identity() != backbone.fingerprint.identity():
+                skipped[name] = manifest.source.name or manifest.source.short
+                continue
+            loaded[name] = load_bridge(store, name, None, backbone, device, manifest)
+        except ArtifactError as exc:
+            refused[name] = exc
+    return loaded, skipped, refused
