@@ -15,7 +15,7 @@ from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.layermix.layer import cutoff_weights
 from server.modules import load_module, save_module
 from training.cli import build_parser, main, settings_from_args
-from training.data import read_table
+from training.data import UsageError, read_table
 from training.settings import TrainSettings, parse_label_map, parse_layers
 from training.states import CachedStates, RecomputedStates, Split
 from training.splits import resolve_data
@@ -507,6 +507,9 @@ def test_cached_states_match_recomputed_states(sentiment_files, train_backbone):
 def test_settings_parsing_and_config_errors(tmp_path):
     assert parse_layers("all") is None and parse_layers("6") == [6]
     assert parse_layers("0-2,5") == [0, 1, 2, 5] and parse_layers([3, 1]) == [1, 3]
+    for bad in ("a-b", "2-x", "1,,3", "-1"):
+        with pytest.raises(UsageError, match="^--layers: .* is not a state number or range: give 6, 0-6 or 1,3,5"):
+            parse_layers(bad, "--layers")
     assert parse_label_map("0=neg, 1=pos") == {"0": "neg", "1": "pos"}
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"epochs": 2, "no_such_knob": 1}))
@@ -728,3 +731,18 @@ def test_a_run_folder_that_cannot_be_made_is_one_line_before_training(sentiment_
     err = capsys.readouterr().err
     assert "cannot make runs/s-1-" in err and ": runs is a file;" in err and "epoch 1/1" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "runs"]  # a refused run leaves nothing
+
+
+def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment_files, train_backbone_dir, tmp_path,
+                                                        capsys):
+    """--layers 0,99 ended in a traceback (a ValueError after the data was read); so did eval --version
+    9 ('no manifest at ...')."""
+    run, argv = sentiment_run
+    store = run / "store"
+    assert main([*argv[:argv.index("--store")], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"),
+                 "--layers", "0,99", "--no-progress"]) == 2
+    assert capsys.readouterr().err.endswith("error: --layers [99]: tiny-bert has states 0..2 (0 = the embeddings)\n")
+    assert main(["eval", "--store", str(store), "--task", "sentiment", "--version", "9", "--file",
+                 str(sentiment_files[1]), "--backbone", str(train_backbone_dir)]) == 2
+    assert capsys.readouterr().err == (f"tmod-train eval: error: no version '9' of sentiment in the store {store}; "
+                                       "it has ['1']\n")

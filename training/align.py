@@ -32,6 +32,7 @@ from server.bridges.alignment import AlignmentBridge, AlignmentConfig
 from training.data import UsageError
 from training.pairing import PairedStates
 from training.progress import progress_of
+from training.settings import check_layers, parse_layers
 
 MAPPINGS = ("skip", "avg")
 
@@ -250,20 +251,6 @@ def plot_alignment(diagnostics: dict, grid: dict | None, path: Path, title: str)
 
 
 # ---- the command --------------------------------------------------------------------------------
-def _parse_states(value: str | None, num_layers: int) -> list[int]:
-    if value is None or value == "all":
-        return list(range(num_layers + 1))
-    out = set()
-    for part in value.split(","):
-        part = part.strip()
-        if "-" in part:
-            lo, hi = part.split("-")
-            out.update(range(int(lo), int(hi) + 1))
-        elif part:
-            out.add(int(part))
-    return sorted(out)
-
-
 def load_texts(args, split: str = "train", limit: int | None = None, besides: Sequence[str] = ()) -> list[str]:
     """`split` texts of the presets (comma-separated), each once and none of `besides`, a seeded
     subset of `limit` (0 or None: all), order kept; pair tasks give both texts of each example."""
@@ -316,7 +303,8 @@ def cmd_align(args, command: str) -> int:
     t0 = time.perf_counter()
     source = Backbone.load(args.source, device=device)
     target = Backbone.load(args.target, device=device)
-    targets = _parse_states(args.target_layers, target.num_layers)
+    targets = parse_layers(args.target_layers, "--target-layers") or list(range(target.num_layers + 1))
+    check_layers(targets, target, "--target-layers")
     groups = layer_groups(source.num_layers, target.num_layers, targets, args.mapping)
     needed = sorted({i for g in groups.values() for i in g})
     source_states = list(range(source.num_layers + 1)) if args.heatmap else needed

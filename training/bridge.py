@@ -50,7 +50,7 @@ from server.probe import probe_module
 from training.data import IGNORE_INDEX, PRESETS, UsageError, preset_spec, token_labels
 from training.distill import distill_kl
 from training.progress import progress_of
-from training.settings import parse_layers
+from training.settings import check_layers, parse_layers
 from training.splits import module_folder
 
 log = logging.getLogger("tmod")
@@ -474,6 +474,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
 
     source_layers = s.source_layers or list(range(source.num_layers + 1))
     target_layers = s.target_layers or (module.head.layers_read() if module else list(range(target.num_layers + 1)))
+    check_layers(source_layers, source, "--source-layers")
+    check_layers(target_layers, target, "--target-layers")
     if module is not None:
         missing = sorted(set(module.head.layers_read()) - set(target_layers))
         if missing:

@@ -44,7 +44,7 @@ METRICS = {
 }
 
 
-def parse_layers(value) -> list[int] | None:
+def parse_layers(value, option: str = "") -> list[int] | None:
     """'all' / None -> None (every state); '6' -> [6]; '0-6' -> [0..6]; '1,3,5' -> [1, 3, 5]."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "all")):
         return None
@@ -54,13 +54,18 @@ def parse_layers(value) -> list[int] | None:
         return sorted({int(v) for v in value})
     layers = set()
     for part in str(value).split(","):
-        part = part.strip()
-        if "-" in part:
-            low, high = part.split("-", 1)
-            layers.update(range(int(low), int(high) + 1))
-        else:
-            layers.add(int(part))
+        low, _, high = part.strip().partition("-")
+        if not (low.strip().isdigit() and (high.strip().isdigit() or not high)):
+            raise UsageError(f"{option + ': ' if option else ''}{part.strip()!r} is not a state number or range: give 6, 0-6 or 1,3,5 (0 = the embeddings)")
+        layers.update(range(int(low), int(high or low) + 1))
     return sorted(layers)
+
+
+def check_layers(layers: list[int], backbone, option: str) -> None:
+    """A state the backbone does not have, refused in one line."""
+    bad = [i for i in layers if not 0 <= i <= backbone.num_layers]
+    if bad:
+        raise UsageError(f"{option} {bad}: {backbone.name} has states 0..{backbone.num_layers} (0 = the embeddings)")
 
 
 def parse_label_map(value) -> dict[str, str] | None:

@@ -47,7 +47,7 @@ from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
 from training.runs import check_outputs, new_run_dir, save_as_free_version
-from training.settings import TrainSettings, pick_device
+from training.settings import TrainSettings, check_layers, pick_device
 from training.states import CachedStates, RecomputedStates, Split, free_memory
 
 @dataclass
@@ -89,9 +89,7 @@ def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbon
     """A fresh head of the kind `s.kind` (layermix, mtb, lora-mtb) for this task and backbone."""
     if s.kind == "layermix":
         layers = s.layers if s.layers is not None else list(range(backbone.num_layers + 1))
-        bad = [i for i in layers if not 0 <= i <= backbone.num_layers]
-        if bad:
-            raise ValueError(f"--layers {bad} outside 0..{backbone.num_layers} (0 = embeddings)")
+        check_layers(layers, backbone, "--layers")
         config = LayerMixConfig(
             task_type=task_type, num_labels=len(labels), hidden_size=backbone.hidden_size, layers=layers,
             project_dim=s.project_dim, alpha=s.alpha, cutoff=s.cutoff, attention_heads=s.attention_heads,
