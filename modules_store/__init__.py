@@ -6,10 +6,10 @@ modules that ship with the server.
 """
 from pathlib import Path
 
-from modules_store.manifest import BackboneFingerprint, BridgeManifest, Manifest, TaskType, sha256_file
+from modules_store.manifest import ArtifactError, BackboneFingerprint, BridgeManifest, Manifest, TaskType, sha256_file
 
 DEFAULT_STORE = Path(__file__).resolve().parent
-STORE_NAMES = {"ArtifactError", "ModuleStore", "StoredModule"}
+STORE_NAMES = {"ModuleStore", "StoredModule"}
 
 
 def misplaced_store(root: Path) -> str | None:

@@ -20,19 +20,10 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors, save_file
 
-from modules_store.manifest import NAME_PATTERN, BackboneFingerprint, Manifest, sha256_file
+from modules_store.manifest import NAME_PATTERN, ArtifactError, BackboneFingerprint, Manifest, sha256_file
 
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
-
-
-class ArtifactError(Exception):
-    """An artifact that must not be served. `reason` is a short machine-readable cause."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 def check_name(name: str) -> None:

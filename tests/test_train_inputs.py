@@ -652,6 +652,31 @@ def test_eval_mistakes(tmp_path, capsys, tables):
                          "(a CoNLL file under another name? give --format conll)")
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["eval", "--task", "sentiment", "--dataset", "sst2", "--max-examples", "0"], "argument --max-examples: 0 is under 1"),
+    (["align", "--max-texts", "-1"], "argument --max-texts: -1 is under 0"),
+    (["align", "--batch-size", "0"], "argument --batch-size: 0 is under 1"),
+    (["align", "--threads", "-1"], "argument --threads: -1 is under 0"),
+    (["embedding", "--check", "-1"], "argument --check: -1 is under 0"),
+])
+def test_a_count_out_of_range_is_argparses_line(argv, said, capsys):
+    """Each ended in a traceback after the backbones loaded (IndexError, 'Sample larger than
+    population', 'range() arg 3 must not be zero', 'set_num_threads expects a positive integer')."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"tmod-train {argv[0]}: error: {said}"
+
+
+def test_a_name_no_store_takes_is_one_line_before_anything_loads(tmp_path, tiny_backbone_dir, capsys):
+    """An ArtifactError (here '../x' as a task name) was a traceback; now its reason, exit status 1."""
+    assert main(["embedding", "--backbone", str(tiny_backbone_dir), "--task", "../x", "--store", str(tmp_path),
+                 "--check", "0"]) == 1
+    assert capsys.readouterr().err == ("tmod-train embedding: error: '../x' is not a valid task or version name: use "
+                                       "1-64 of a-z, 0-9, '_' and '-', starting with a letter or digit\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_console_script_answers_in_one_line(tmp_path, tables):
     """The real process: no traceback, exit status 2, one line on stderr."""
     _, _, validation = tables

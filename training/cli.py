@@ -28,6 +28,17 @@ TRAINING_ARGUMENTS = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_
                       "early_stopping_patience": "patience", "output_dir": "run_dir", "optim": "optimizer"}
 
 
+def at_least(minimum: int):
+    """An argparse type: a whole number >= `minimum` (a count, a size), refused by argparse in one line."""
+    def number(text: str) -> int:
+        value = int(text)  # not a number: argparse's own "invalid number value" line
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is under {minimum}")
+        return value
+    number.__name__ = "number"
+    return number
+
+
 def _csv_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -213,8 +224,8 @@ def add_align_command(commands) -> None:
                    help="align rows per target token (default) or per whitespace word")
     p.add_argument("--dataset", default="sst2", help="preset(s) whose training texts are paired, comma-separated")
     p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
-    p.add_argument("--max-texts", type=int, default=2000, help="seeded random subset of the texts (0: all)")
-    p.add_argument("--max-validation", type=int, default=500,
+    p.add_argument("--max-texts", type=at_least(0), default=2000, help="seeded random subset of the texts (0: all)")
+    p.add_argument("--max-validation", type=at_least(0), default=500,
                    help="held-out texts (seeded subset of the presets' validation split, 0: all) on which the "
                         "matching is measured; it is chosen on the training texts, where it looks better")
     p.add_argument("--seed", type=int, default=0)
@@ -228,9 +239,9 @@ def add_align_command(commands) -> None:
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--report-dir", default=None, help="default: runs/<name>-<version>-<time>/report")
     p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR or ~/.cache/tmod)")
-    p.add_argument("--batch-size", type=int, default=64, help="backbone batch size")
+    p.add_argument("--batch-size", type=at_least(1), default=64, help="backbone batch size")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: only when stderr is a terminal)")
 
@@ -288,10 +299,10 @@ def add_embedding_command(commands) -> None:
     p.add_argument("--version", default=None, help="default: the next free number of the task in the store")
     p.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--check", type=int, default=872, help="SST-2 validation sentences compared with "
+    p.add_argument("--check", type=at_least(0), default=872, help="SST-2 validation sentences compared with "
                    "sentence-transformers (0: no check; default: all 872)")
     p.add_argument("--data-dir", default=None, help="folder of the datasets (default: $TMOD_DATA_DIR)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=at_least(0), default=None, help="CPU threads (default: torch's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,12 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="validation", choices=["train", "validation"], help="preset split")
     e.add_argument("--file", default=None, help="labelled file to score on (instead of a preset)")
     add_data_options(e, default=None)
-    e.add_argument("--max-examples", type=int, default=None, help="score a seeded random subset")
+    e.add_argument("--max-examples", type=at_least(1), default=None, help="score a seeded random subset")
     e.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm, smollm2, mpnet "
                                                      "(default: the module's own); another needs --bridges")
     e.add_argument("--bridges", default=None, help="bridge store: a module of another backbone scored through the "
                                                     "bridge that serves it on --backbone, as tmod-serve --bridges serves it")
-    e.add_argument("--batch-size", type=int, default=128)
+    e.add_argument("--batch-size", type=at_least(1), default=128)
     e.add_argument("--device", default="auto")
     e.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
                    help="backbone precision (backend torch), as the module is served")
@@ -580,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a user's mistake (UsageError, a setting out of range) is one line and exit 2."""
     from pydantic import ValidationError
 
+    from modules_store import ArtifactError
     from training.data import UsageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -590,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args, argv)
     except (UsageError, FileNotFoundError) as exc:  # FileNotFoundError: a backbone not there, as Backbone.load names it
         print(f"tmod-train {args.command}: error: {exc}", file=sys.stderr)
+    except ArtifactError as exc:  # a name no store takes, a stored module or bridge that is broken: its reason
+        print(f"tmod-train {args.command}: error: {exc.message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # before a first epoch was kept (else the run finishes with the best so far)
         print(f"tmod-train {args.command}: interrupted before the run finished", file=sys.stderr)
         return 130
