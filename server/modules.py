@@ -34,10 +34,9 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
     given, must pass too: the probe pass (server/probe.py) runs the engine, which lies above this
     layer, so whoever loads with an engine at hand (the runtime, training) hands it in.
 
-    A module trained on another backbone (a foreign module) is served through the first of
-    `bridges` (name -> LoadedBridge, all running on `backbone`) whose target is that backbone and
-    which produces every state the module reads. Without `version`, the version this backbone
-    serves (`servable_version`)."""
+    A module trained on another backbone (a foreign module) is served through one of `bridges`
+    (name -> LoadedBridge, all running on `backbone`): `find_bridge` says which. Without `version`,
+    the version this backbone serves (`servable_version`)."""
     version = version or servable_version(store, task, backbone, bridges)
     manifest = store.read_manifest(task, version)
     bridge = None
@@ -156,17 +155,33 @@ def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) ->
 
 
 def find_bridge(manifest: Manifest, bridges: dict, backbone):
-    """The loaded bridge from `backbone` to the module's backbone, or ArtifactError saying why none fits."""
+    """The loaded bridge that serves a module of another backbone, or ArtifactError saying why none
+    fits. Among the bridges to its backbone that produce every state it reads: one distilled through
+    this very module first (trained for it), then one made for no module in particular (MSE,
+    alignment), then any other; by name within each."""
     wanted = manifest.backbone.identity()
-    for bridge in bridges.values():
-        if bridge.manifest.target.identity() == wanted:
-            return bridge
-    diffs = "; ".join(manifest.backbone.differences(backbone.fingerprint))
-    raise ArtifactError(
-        "fingerprint_mismatch",
-        f"{manifest.task}/{manifest.version}: backbone fingerprint mismatch ({diffs}), and no loaded bridge "
-        f"leads from {backbone.name} to {manifest.backbone.name or manifest.backbone.short}",
-    )
+    leading = [bridges[name] for name in sorted(bridges) if bridges[name].manifest.target.identity() == wanted]
+    if not leading:
+        diffs = "; ".join(manifest.backbone.differences(backbone.fingerprint))
+        raise ArtifactError(
+            "fingerprint_mismatch",
+            f"{manifest.task}/{manifest.version}: backbone fingerprint mismatch ({diffs}), and no loaded bridge "
+            f"leads from {backbone.name} to {manifest.backbone.name or manifest.backbone.short}",
+        )
+    serving = [b for b in leading if set(manifest.layers) <= set(b.bridge.states_out())]
+    if not serving:
+        made = "; ".join(f"{b.name} produces {b.bridge.states_out()}" for b in leading)
+        raise ArtifactError("fingerprint_mismatch", f"{manifest.task}/{manifest.version}: reads states "
+                            f"{manifest.layers} of {manifest.backbone.name or 'its backbone'}, which no loaded bridge "
+                            f"produces ({made})")
+
+    def rank(bridge) -> int:
+        training = bridge.manifest.training or {}
+        if training.get("objective") != "distill":
+            return 1
+        return 0 if (training.get("module") or {}).get("weights_sha256") == manifest.weights_sha256 else 2
+
+    return min(serving, key=rank)  # the first by name among the best
 
 
 def count_parameters(module: torch.nn.Module) -> int:

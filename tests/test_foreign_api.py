@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from modules_store import ModuleStore
+from modules_store import ArtifactError, ModuleStore
 from server.app import create_app
 from server.bridges import bridge_store, save_bridge
 from server.bridges.transformer import TransformerBridge
@@ -115,6 +115,35 @@ def test_one_bridge_pass_serves_every_foreign_module(setup, tiny_backbone):
     finally:
         del bridge.finish
     assert calls == [1]
+
+
+def test_a_module_is_served_through_the_bridge_made_for_it(setup, tiny_backbone, tiny_llama, tmp_path):
+    """Several bridges lead to one backbone: a bridge distilled through this very module serves it,
+    else one made for no module in particular, never one lacking a state it reads; by name within
+    each. It was the first by name: here a bridge distilled through another module, for both."""
+    from server.bridges import load_bridge
+    from server.modules import load_module
+
+    store = setup[0]
+    mine = store.read_manifest("llama-sentiment").weights_sha256
+    bridges = bridge_store(tmp_path / "bridges")
+    made = {"a-for-another-module": ({"objective": "distill", "module": {"weights_sha256": "0" * 64}}, None),
+            "b-two-states": ({"objective": "mse"}, [0, 1]),
+            "c-for-llama-sentiment": ({"objective": "distill", "module": {"weights_sha256": mine}}, None),
+            "d-mse": ({"objective": "mse"}, None)}
+    for name, (training, target_layers) in made.items():
+        torch.manual_seed(0)
+        bridge = TransformerBridge.for_backbones(tiny_backbone, tiny_llama, target_layers=target_layers, d_model=32,
+                                                 heads=2, ffn_dim=64, token_dim=16, encoder_layers=1, decoder_layers=1)
+        save_bridge(bridges, name, "1", bridge.eval(), tiny_backbone, tiny_llama, training=training)
+    loaded = {name: load_bridge(bridges, name, None, tiny_backbone) for name in made}
+    assert load_module(store, "llama-sentiment", None, tiny_backbone, bridges=loaded).bridge == "c-for-llama-sentiment"
+    assert load_module(store, "llama-ner", None, tiny_backbone, bridges=loaded).bridge == "d-mse"
+    only = {name: loaded[name] for name in ("a-for-another-module", "b-two-states")}
+    assert load_module(store, "llama-ner", None, tiny_backbone, bridges=only).bridge == "a-for-another-module"
+    with pytest.raises(ArtifactError, match=r"reads states \[0, 1, 2, 3\] of .*, which no loaded bridge produces "
+                                            r"\(b-two-states produces \[0, 1\]\)"):
+        load_module(store, "llama-ner", None, tiny_backbone, bridges={"b-two-states": loaded["b-two-states"]})
 
 
 def test_broken_bridge_is_refused_and_the_rest_serves(setup, tiny_backbone, tmp_path):
