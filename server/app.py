@@ -601,9 +601,13 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                            "(in Kubernetes, a rolling restart)")
         require_ready()
 
-    async def change_module(request: Request, task: str, action: str, version: str | None):
+    async def change_module(request: Request, task: str, action: str, version: str | None, version_goes: str):
         """/admin's module change, and Triton's repository load and unload: the admin token, then the store."""
         require_module_changes(request)
+        if request.query_params:  # `?version=2` was ignored, and the latest loaded in its place
+            names = sorted(request.query_params)
+            raise ApiError(400, "invalid_request", f"unknown query parameter(s) {clip_list(names)}: "
+                           f"{request.url.path} takes none; {version_goes}")
         if not NAME_PATTERN.fullmatch(task):  # it names a folder of the store: nothing else may reach the disk
             raise ApiError(400, "invalid_name", f"task {clip(task)} is not a module name: use 1-64 of a-z, 0-9, "
                                                 "'_' and '-', starting with a letter or digit")
@@ -625,7 +629,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         """load: load or replace with a store version (default: the latest for this backbone); reload: read the loaded
         version (or the one named) again from the store; unload: stop serving the task.
         A refused artifact (checksum, fingerprint, shapes) answers 409 and changes nothing."""
-        module, previous = await change_module(request, task, action, body.version if body else None)
+        module, previous = await change_module(request, task, action, body.version if body else None,
+                                               'a version goes in the JSON body: {"version": "2"}')
         if action == "unload":
             return ModuleActionResult(task=task, action=action, version=module.version)
         return ModuleActionResult(task=task, action=action, version=module.version, previous_version=previous)
@@ -778,7 +783,8 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         version = parameters.get("version")
         if version is not None and not isinstance(version, str):
             raise ApiError(400, "invalid_request", "parameter 'version' is a string, e.g. \"2\"")
-        await change_module(request, task, action, version)
+        await change_module(request, task, action, version,
+                            'a version goes in the JSON body: {"parameters": {"version": "2"}}')
         return Response(status_code=200)
 
     @app.get("/v2/models/{task}/ready", tags=["oip-v2"], responses={404: {}})

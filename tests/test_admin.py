@@ -102,6 +102,20 @@ def test_load_switch_and_unload(live):
     assert admin(live, "sentiment", "explode").status_code == 404
 
 
+def test_a_version_in_the_query_string_is_refused_not_ignored(live):
+    """`POST /admin/modules/sentiment/load?version=1` loaded version 2 (the latest), answering 200: the
+    query was never read. Now 400 saying where the version goes, and nothing changes."""
+    assert scores(live)[0] == "2"
+    response = live.post("/admin/modules/sentiment/load", params={"version": "1"}, headers=AUTH)
+    assert response.status_code == 400 and response.json()["error"]["message"] == (
+        "unknown query parameter(s) ['version']: /admin/modules/sentiment/load takes none; a version goes in the "
+        'JSON body: {"version": "2"}')
+    response = live.post("/v2/repository/models/sentiment/load", params={"version": "1"}, headers=AUTH)
+    assert response.status_code == 400 and '{"parameters": {"version": "2"}}' in response.json()["error"]  # OIP's shape
+    assert live.post("/admin/modules/sentiment/load", params={"version": "1"}).status_code == 401  # the token first
+    assert scores(live)[0] == "2"
+
+
 def test_reloads_during_traffic_fail_no_request(live):
     admin(live, "sentiment", "load", "1")
     expected = {"1": scores(live)[1]}
