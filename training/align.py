@@ -367,8 +367,9 @@ def cmd_align(args, command: str) -> int:
         + [f"- {line}" for line in said]
         + ["- per target state (bars; the black marks: pairs shuffled)"
            + (" and every source x target pair of states" if grid else "") + ": correlation.png", "",
-           f"Served by `tmod-serve --backbone {args.source} --bridges {store.root}` (the newest version of each "
-           "bridge): `/v1/tasks` names the bridge in a module's `served_through`.", ""]))
+           f"Served by `tmod-serve --backbone {args.source} --bridges {store.root}`: `/v1/tasks` names the bridge "
+           "each foreign module goes through (`served_through`; docs/serving.md says which serves when several "
+           "could).", ""]))
     for line in said:
         print(line, file=sys.stderr)
     print(json.dumps({"name": name, "version": version, "artifact": str(artifact), "report": str(report_dir),

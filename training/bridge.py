@@ -614,7 +614,8 @@ def report_text(result: BridgeResult) -> str:
     lines += [f"- {line}" for line in findings(result)]
     lines += ["- the losses and validation numbers by epoch (0: untrained): curves.png", "",
               f"Served by `tmod-serve --backbone {settings.get('source')} --bridges {Path(result.artifact).parents[1]}`"
-              f" (the newest version of each bridge): `/v1/tasks` names the bridge in a module's `served_through`.", ""]
+              ": `/v1/tasks` names the bridge each foreign module goes through (`served_through`; docs/serving.md "
+              "says which serves when several could).", ""]
     return "\n".join(lines)
 
 
