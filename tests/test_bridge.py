@@ -313,6 +313,30 @@ def test_train_bridge_distill_writes_a_loadable_artifact_and_report(sst2_dir, so
     assert list((tmp_path / "cache" / "paired").glob("*.safetensors"))  # paired states cached for the next run
 
 
+def test_ctrl_c_keeps_the_best_epoch_so_far_and_finishes_the_run(sst2_dir, source, target, tmp_path, monkeypatch):
+    """A long bridge run interrupted in epoch 3 was lost whole (KeyboardInterrupt out of the command);
+    now epochs 1-2's best is saved, loads and is reported as interrupted, as a head's run does."""
+    import training.bridge
+
+    real = training.bridge.run_bridge_epoch
+
+    def interrupted_in_epoch_3(*args):
+        if args[8] == 3:  # epoch
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(training.bridge, "run_bridge_epoch", interrupted_in_epoch_3)
+    s = settings(dataset="sst2", data_dir=str(sst2_dir), epochs=10, bridge_store=str(tmp_path / "bridges"),
+                 report_dir=str(tmp_path / "report"), cache_dir=str(tmp_path / "cache"), name="cut", threads=1)
+    result = train_bridge(s, source=source, target=target)
+    assert [h["epoch"] for h in result.history] == [1, 2] and result.history[-1]["stopped_by"] == "interrupt"
+    assert load_bridge(bridge_store(tmp_path / "bridges"), "cut", "1", source).manifest.training["epochs_run"] == 2
+    assert "interrupted (Ctrl-C) after epoch 2: kept epoch " in (tmp_path / "report" / "report.md").read_text()
+    monkeypatch.setattr(training.bridge, "run_bridge_epoch", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # nothing kept yet: the command says it was interrupted
+        train_bridge(s.model_copy(update={"name": "none"}), source=source, target=target)
+
+
 def test_cli_bridge_mse(sst2_dir, tiny_backbone_dir, target_dir, tmp_path, capsys):
     from training.cli import main
 

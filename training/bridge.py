@@ -369,37 +369,16 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
     base_lr = s.lr
     need_mse = s.objective == "mse" or s.mse_weight > 0
     for epoch in range(1, s.epochs + 1):
-        bridge.train()
-        t0 = time.perf_counter()
-        total, count = 0.0, 0
-        bar = progress_of(train_pairs.batches(s.batch_size, shuffle=True, rng=rng), bars=s.progress,
-                          desc=f"epoch {epoch}/{s.epochs}", unit="batch")
-        for rows in bar:
-            lr = base_lr * min(1.0, (step + 1) / s.warmup_steps) if s.warmup_steps else base_lr
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
-                terms = batch_terms(bridge, train_pairs, rows, "train", probe, s, device, need_mse=need_mse,
-                                    need_probe=s.objective == "distill")
-            loss = objective_loss(terms, s)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if s.grad_clip:
-                torch.nn.utils.clip_grad_norm_(bridge.parameters(), s.grad_clip)
-            optimizer.step()
-            step += 1
-            total += loss.item() * len(rows)
-            count += len(rows)
-            bar.set_postfix(loss=f"{total / count:.4f}")
-            if max_steps and step >= max_steps:
-                break
-        train_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        val = evaluate(bridge, val_pairs, "validation", probe, s, device)
-        entry = {"epoch": epoch, "train_loss": total / max(count, 1), "validation_loss": val["loss"],
-                 **{f"validation_{k}": v for k, v in val.items() if k != "loss"},
-                 "lr": optimizer.param_groups[0]["lr"], "steps": step, "mix_weights": bridge.mix_weights().tolist(),
-                 "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2)}
+        try:
+            entry, val, step = run_bridge_epoch(bridge, train_pairs, val_pairs, s, device, probe, optimizer, rng,
+                                                epoch, step, base_lr, amp, need_mse, max_steps)
+        except KeyboardInterrupt:  # Ctrl-C on a long run: the best epoch so far is a result, not lost
+            if not history:
+                raise
+            tqdm.write(f"interrupted in epoch {epoch}/{s.epochs}: keeping epoch {best_epoch}, the best so far, and "
+                       "finishing the run (Ctrl-C again quits before it is saved)", file=sys.stderr)
+            history[-1]["stopped_by"] = "interrupt"
+            break
         history.append(entry)
         improved = val["loss"] < best
         if improved:
@@ -410,12 +389,50 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
             if s.lr_patience and stale % s.lr_patience == 0:
                 base_lr *= 0.5
         tqdm.write(f"epoch {epoch}/{s.epochs}: train loss {entry['train_loss']:.4f}  validation {_summary(val)}"
-                   f"{'  (best)' if improved else ''}  [{train_seconds:.1f}s]", file=sys.stderr)
+                   f"{'  (best)' if improved else ''}  [{entry['train_seconds']:.1f}s]", file=sys.stderr)
         if stale >= s.patience or (max_steps and step >= max_steps):
             break
     bridge.load_state_dict(best_state)
     bridge.eval()
     return BridgeFit(history=history, best_epoch=best_epoch, best_loss=best, initial=initial, steps=step)
+
+
+def run_bridge_epoch(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSettings, device, probe, optimizer,
+                     rng, epoch: int, step: int, base_lr: float, amp: bool, need_mse: bool,
+                     max_steps: int | None) -> tuple[dict, dict, int]:
+    """One epoch of training and its validation: (history entry, validation numbers, steps so far)."""
+    bridge.train()
+    t0 = time.perf_counter()
+    total, count = 0.0, 0
+    bar = progress_of(train_pairs.batches(s.batch_size, shuffle=True, rng=rng), bars=s.progress,
+                      desc=f"epoch {epoch}/{s.epochs}", unit="batch")
+    for rows in bar:
+        lr = base_lr * min(1.0, (step + 1) / s.warmup_steps) if s.warmup_steps else base_lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
+            terms = batch_terms(bridge, train_pairs, rows, "train", probe, s, device, need_mse=need_mse,
+                                need_probe=s.objective == "distill")
+        loss = objective_loss(terms, s)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if s.grad_clip:
+            torch.nn.utils.clip_grad_norm_(bridge.parameters(), s.grad_clip)
+        optimizer.step()
+        step += 1
+        total += loss.item() * len(rows)
+        count += len(rows)
+        bar.set_postfix(loss=f"{total / count:.4f}")
+        if max_steps and step >= max_steps:
+            break
+    train_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    val = evaluate(bridge, val_pairs, "validation", probe, s, device)
+    entry = {"epoch": epoch, "train_loss": total / max(count, 1), "validation_loss": val["loss"],
+             **{f"validation_{k}": v for k, v in val.items() if k != "loss"},
+             "lr": optimizer.param_groups[0]["lr"], "steps": step, "mix_weights": bridge.mix_weights().tolist(),
+             "train_seconds": round(train_seconds, 2), "validation_seconds": round(time.perf_counter() - t0, 2)}
+    return entry, val, step
 
 
 def _summary(values: dict) -> str:
@@ -596,7 +613,9 @@ def findings(result: BridgeResult) -> list[str]:
     lines.append(f"cosine of the bridged states to the target's real ones {m['cosine']:.4f} "
                  f"(untrained bridge {untrained.get('cosine', float('nan')):.4f})")
     epochs, best = result.training.get("epochs_run"), result.training.get("best_epoch")
-    if best and best == epochs == result.training.get("settings", {}).get("epochs"):
+    if result.history and result.history[-1].get("stopped_by") == "interrupt":
+        lines.append(f"interrupted (Ctrl-C) after epoch {epochs}: kept epoch {best}, the best so far")
+    elif best and best == epochs == result.training.get("settings", {}).get("epochs"):
         lines.append(f"kept epoch {best} of {epochs}, the last: validation was still improving; train longer")
     elif best:
         lines.append(f"kept epoch {best} of {epochs} run")
