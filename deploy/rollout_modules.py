@@ -25,10 +25,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import urllib.error
 import urllib.request
+
+
+TASK_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]{0,63}")  # the store's rule for task names (modules_store)
+
+
+def with_port(host: str, port: int) -> str:
+    """HOST:PORT as given, or HOST (a name, an IPv4 address, a bracketed IPv6 one) with `port`."""
+    if host.startswith("["):
+        return host if "]:" in host else f"{host}:{port}"
+    return host if ":" in host else f"{host}:{port}"
 
 
 def resolve(name: str, port: int) -> list[str]:
@@ -103,24 +114,31 @@ def main(argv=None) -> int:
     p.add_argument("--version", default=None, help="version to load (default: the latest in the store)")
     p.add_argument("--action", choices=("load", "reload", "unload"), default="load")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--hosts", help="comma-separated HOST:PORT of every replica")
+    where.add_argument("--hosts", help="comma-separated HOST:PORT of every replica (a HOST alone: --port)")
     where.add_argument("--dns", help="a name that resolves to every replica (a headless Service)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("TMOD_PORT", "8080")), help="port with --dns")
+    p.add_argument("--port", type=int, default=int(os.environ.get("TMOD_PORT", "8080")),
+                   help="port with --dns, or of a --hosts entry without one (default: $TMOD_PORT, else 8080)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
     args = p.parse_args(argv)
     token = os.environ.get("TMOD_ADMIN_TOKEN")
     if not token:
         print("TMOD_ADMIN_TOKEN is not set", file=sys.stderr)
         return 2
+    if not TASK_NAME.fullmatch(args.task):  # it becomes part of the URL: '../x' would reach another route
+        print(f"{args.task!r} is not a module name: 1-64 of a-z, 0-9, '_' and '-', starting with a letter or digit",
+              file=sys.stderr)
+        return 2
     try:
-        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else resolve(args.dns, args.port)
+        hosts = [with_port(h.strip(), args.port) for h in args.hosts.split(",") if h.strip()] if args.hosts \
+            else resolve(args.dns, args.port)
     except OSError as exc:  # a name that does not resolve (a typo, another namespace)
         print(f"--dns {args.dns}: does not resolve ({exc.strerror or exc})", file=sys.stderr)
         return 2
     if not hosts:
         print("no replicas found", file=sys.stderr)
         return 2
-    print(f"{args.action} {args.task} version {args.version or 'latest'} on {len(hosts)} replica(s)", flush=True)
+    what = "" if args.action == "unload" else f" version {args.version or 'latest'}"
+    print(f"{args.action} {args.task}{what} on {len(hosts)} replica(s)", flush=True)
     return 0 if roll_out(hosts, args.task, args.version, args.action, token, args.timeout,
                          log=lambda m: print(m, flush=True)) else 1
 

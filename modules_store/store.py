@@ -95,6 +95,9 @@ class ModuleStore:
         version = version or self.latest(task)
         path = self.path(task, version) / MANIFEST_FILE
         if not path.is_file():
+            if not path.parent.is_dir():  # a version that was never written: which ones were
+                raise ArtifactError("not_found", f"no version {version!r} of {task} in the store {self.root}; it has "
+                                                 f"{self.versions(task)}")
             raise ArtifactError("not_found", f"no manifest at {path}")
         try:
             manifest = self.manifest_cls.model_validate_json(path.read_bytes())

@@ -611,6 +611,14 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         assert run("sentiment", "--version", "1", "--hosts", hosts).returncode == 0 and versions() == ["1", "1"]
         missing = run("sentiment", "--version", "9", "--hosts", hosts)
         assert missing.returncode == 1 and f"127.0.0.1:{a.port}" in missing.stdout and versions() == ["1", "1"]
+        # the versions there are, not the server's path of a manifest that was never written
+        assert f"no version '9' of sentiment in the store {store.root}; it has ['1', '2']" in missing.stdout
+        # a HOST alone takes --port (it was port 80: 'no answer'); a task that is no name is refused here
+        alone = run("sentiment", "--version", "2", "--hosts", "127.0.0.1", "--port", str(a.port))
+        assert alone.returncode == 0 and versions() == ["2", "1"], alone.stdout + alone.stderr
+        assert run("sentiment", "--version", "1", "--hosts", f"127.0.0.1:{a.port}").returncode == 0
+        escape = run("../x", "--hosts", hosts)
+        assert escape.returncode == 2 and escape.stderr.startswith("'../x' is not a module name")
         # the token comes from the environment only; a wrong one is refused
         assert run("sentiment", "--hosts", hosts, token=None).returncode == 2
         wrong = run("sentiment", "--hosts", hosts, token="wrong")
@@ -628,3 +636,4 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         # unload: the replica no longer lists the task
         gone = run("sentiment", "--action", "unload", "--hosts", f"127.0.0.1:{a.port}")
         assert gone.returncode == 0 and "unloaded sentiment (was version 2)" in gone.stdout, gone.stdout + gone.stderr
+        assert gone.stdout.startswith("unload sentiment on 1 replica(s)\n")  # no 'version latest' to unload
