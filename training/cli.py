@@ -432,9 +432,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     store = ModuleStore(args.store or DEFAULT_STORE)
     if args.task not in store.tasks():
         raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
-    if args.version is not None and args.version not in store.versions(args.task):
-        raise UsageError(f"no version {args.version!r} of {args.task} in the store {store.root}; it has "
-                         f"{store.versions(args.task)}")
     manifest = store.read_manifest(args.task, args.version)
     if args.dataset:
         if args.dataset not in PRESETS:
