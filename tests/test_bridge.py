@@ -417,3 +417,26 @@ def test_module_is_named_as_distill_from_names_a_teacher(tmp_path):
     assert module_folder(str(tmp_path / "store" / "mine" / "2")) == (tmp_path / "store", "mine", "2")
     with pytest.raises(UsageError, match="^--module 'mine/3': no such module"):
         module_folder("mine/3", "--module")
+
+
+def test_cli_bridge_reads_a_config_file_the_command_line_wins(sst2_dir, tiny_backbone_dir, target_dir, tmp_path,
+                                                             capsys):
+    """BridgeSettings read a config's `version: 2` as a name, yet `tmod-train bridge` took no --config."""
+    from training.cli import main
+
+    config = tmp_path / "bridge.yaml"
+    config.write_text(f"source: {tiny_backbone_dir}\ntarget: {target_dir}\ntarget-layers: '1,3'\ndataset: sst2\n"
+                      f"data_dir: {sst2_dir}\nmax_texts: 30\nmax_validation: 10\nepochs: 3\nd_model: 32\nheads: 2\n"
+                      "encoder_layers: 1\ndecoder_layers: 1\nffn_dim: 64\ntoken_dim: 8\nversion: 7\nthreads: 1\n")
+    argv = ["bridge", "--config", str(config), "--epochs", "1", "--bridge-store", str(tmp_path / "bridges"),
+            "--report-dir", str(tmp_path / "report"), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+            "--name", "c"]
+    assert main(argv) == 0
+    manifest = bridge_store(tmp_path / "bridges").read_manifest("c", "7")
+    assert manifest.training["settings"]["epochs"] == 1 and manifest.training["settings"]["d_model"] == 32
+    assert manifest.target_layers == [1, 3]
+    capsys.readouterr()
+    config.write_text(config.read_text().replace("d_model", "d_modle"))
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"tmod-train bridge: error: --config {config}: 'd_modle' is not a setting "
+                                       "(did you mean 'd_model' for 'd_modle'?)\n")

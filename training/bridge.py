@@ -689,8 +689,11 @@ def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Pat
 
 
 def cmd_bridge(args, command: str) -> int:
-    """`tmod-train bridge`: options left out keep BridgeSettings' defaults."""
-    values = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    """`tmod-train bridge`: options given win over the --config file's, which win over BridgeSettings' defaults."""
+    from training.settings import read_config_file
+
+    values = read_config_file(args.config) if args.config else {}
+    values.update({k: v for k, v in vars(args).items() if k not in ("command", "config") and v is not None})
     result = train_bridge(BridgeSettings(**values), command=command)
     for line in findings(result):
         print(line, file=sys.stderr)

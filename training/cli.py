@@ -250,6 +250,8 @@ def add_bridge_command(commands) -> None:
     """`tmod-train bridge` (training/bridge.py): a transformer bridge, trained (MSE or distillation)."""
     p = commands.add_parser("bridge", help="transformer bridge: serve TARGET's modules on SOURCE; trained on "
                                            "paired states (MSE) or through a frozen target module (distill)")
+    p.add_argument("--config", default=None, help="YAML or JSON file of settings (same names as the options, '_' or "
+                                                   "'-'); the command line wins")
     p.add_argument("--source", default=None, help="backbone the bridge is served on: minilm (default), smollm2, mpnet, a folder")
     p.add_argument("--target", default=None, help="backbone the foreign modules were trained on (default: smollm2)")
     p.add_argument("--source-layers", default=None, help="source states mixed: 'all' (default), '0-6', '2,4,6'")
@@ -610,11 +612,16 @@ def main(argv: list[str] | None = None) -> int:
         where = "--" + "-".join(str(part) for part in first["loc"]).replace("_", "-") if first["loc"] else "settings"
         if first["type"] == "extra_forbidden" and getattr(args, "config", None):  # only a config file can name one
             from server.errors import did_you_mean
-            from training.settings import TrainSettings
 
+            if args.command == "bridge":
+                from training.bridge import BridgeSettings
+                fields = BridgeSettings.model_fields
+            else:
+                from training.settings import TrainSettings
+                fields = TrainSettings.model_fields
             name = str(first["loc"][0])
             ours = TRAINING_ARGUMENTS.get(name)  # a Hugging Face Trainer config's names, reused
-            hint = f" (tmod-train calls it {ours!r})" if ours else did_you_mean([name], TrainSettings.model_fields)
+            hint = f" (tmod-train calls it {ours!r})" if ours else did_you_mean([name], fields)
             print(f"tmod-train {args.command}: error: --config {args.config}: {name!r} is not a setting{hint}",
                   file=sys.stderr)
         else:
