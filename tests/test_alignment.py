@@ -435,6 +435,21 @@ def test_align_again_takes_the_next_version_and_a_mistake_is_one_line(tmp_path, 
     assert bridge_store(tmp_path / "bridges").versions("other") == []
 
 
+def test_align_on_a_file_of_the_users_texts(tmp_path, bert, permuted, capsys):
+    """--texts FILE instead of a preset: fitted on all but a seeded tenth, measured on that tenth."""
+    from training.cli import main
+
+    common = align_data(tmp_path, bert, permuted)
+    (tmp_path / "domain.txt").write_text("\n".join(TEXTS) + "\n")
+    without_preset = [a for a in common if a not in ("--dataset", "sst2")]
+    assert main(["align", *without_preset, "--texts", str(tmp_path / "domain.txt"), "--no-heatmap", "--name", "mine",
+                 "--report-dir", str(tmp_path / "report")]) == 0
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert (metrics["texts"], metrics["held_out_texts"], metrics["datasets"]) == (45, 5, None)
+    assert metrics["metrics"]["held_out_mean_matched_correlation"] > 0.999
+    assert "held out: 5 texts, a held-out tenth of domain.txt, never used to fit" in capsys.readouterr().err
+
+
 def test_eval_scores_a_foreign_module_through_a_bridge_store(tmp_path, bert, permuted, paired, capsys):
     """`tmod-train eval --backbone A --bridges STORE` scores B's module as `tmod-serve --bridges`
     serves it (the alignment bridge undoes the permutation: the native score); without a bridge, or

@@ -440,3 +440,25 @@ def test_cli_bridge_reads_a_config_file_the_command_line_wins(sst2_dir, tiny_bac
     assert main(argv) == 2
     assert capsys.readouterr().err == (f"tmod-train bridge: error: --config {config}: 'd_modle' is not a setting "
                                        "(did you mean 'd_model' for 'd_modle'?)\n")
+
+
+def test_cli_bridge_on_a_file_of_the_users_texts(tiny_backbone_dir, target_dir, tmp_path, capsys):
+    """--texts FILE (one a line, the domain the bridge will serve) is paired instead of a preset: a
+    seeded tenth held out for validation, each text once; a missing file is one line before any
+    backbone loads."""
+    from training.cli import main
+
+    texts = make_texts(60, seed=3)
+    (tmp_path / "domain.txt").write_text("\n".join(texts + ["", texts[0]]) + "\n")
+    argv = ["bridge", "--source", str(tiny_backbone_dir), "--target", str(target_dir), "--target-layers", "1,3",
+            "--epochs", "1", "--d-model", "32", "--heads", "2", "--encoder-layers", "1", "--decoder-layers", "1",
+            "--ffn-dim", "64", "--token-dim", "8", "--bridge-store", str(tmp_path / "bridges"), "--name", "mine",
+            "--report-dir", str(tmp_path / "report"), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    assert main([*argv, "--texts", str(tmp_path / "domain.txt")]) == 0
+    data = bridge_store(tmp_path / "bridges").read_manifest("mine", "1").training["data"]
+    unique = len(set(texts))
+    assert (data["train_texts"], data["validation_texts"]) == (unique - round(unique / 10), round(unique / 10))
+    assert data["texts_file"] == str((tmp_path / "domain.txt").resolve()) and "dataset" not in data
+    assert "texts, a held-out tenth of domain.txt; they chose the epoch" in capsys.readouterr().err
+    assert main([*argv, "--texts", str(tmp_path / "none.txt"), "--source", "/no/such/backbone"]) == 2
+    assert capsys.readouterr().err == f"tmod-train bridge: error: --texts {tmp_path / 'none.txt'}: No such file or directory\n"

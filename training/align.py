@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from server.bridges.alignment import AlignmentBridge, AlignmentConfig
-from training.data import UsageError
+from training.data import UsageError, hold_out, read_text_lines
 from training.pairing import PairedStates
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
@@ -269,13 +269,18 @@ def load_texts(args, split: str = "train", limit: int | None = None, besides: Se
         if t and t not in seen:
             seen.add(t)
             unique.append(t)
-    if limit and limit < len(unique):
-        keep = sorted(random.Random(args.seed).sample(range(len(unique)), limit))
-        unique = [unique[i] for i in keep]
-    return unique
+    return subset_of(unique, limit, args.seed)
 
 
-def findings(diagnostics: dict, texts: int, held_out: int) -> list[str]:
+def subset_of(texts: list[str], limit: int | None, seed: int) -> list[str]:
+    """A seeded random `limit` of `texts` (0 or None: all), order kept."""
+    if limit and limit < len(texts):
+        keep = sorted(random.Random(seed).sample(range(len(texts)), limit))
+        texts = [texts[i] for i in keep]
+    return texts
+
+
+def findings(diagnostics: dict, texts: int, held_out: int, held_from: str = "the validation split") -> list[str]:
     """The correlations in words: where the matching was chosen (optimistic) and where it was not,
     each beside the same rows with their pairs shuffled."""
     states = diagnostics["per_state"].values()
@@ -284,7 +289,7 @@ def findings(diagnostics: dict, texts: int, held_out: int) -> list[str]:
                 if all("null_matched_correlation" in v for v in states) else "")
              + "; the matching chose its dimensions on these texts, so this is optimistic"]
     if "held_out_mean_matched_correlation" in diagnostics:
-        lines.append(f"held out: {held_out} texts of the validation split, never used to fit: "
+        lines.append(f"held out: {held_out} texts, {held_from}, never used to fit: "
                      f"{diagnostics['held_out_mean_matched_correlation']:.4f} "
                      f"(pairs shuffled: {np.mean([v['held_out']['pairs_shuffled'] for v in states]):.4f})")
     return lines
@@ -301,6 +306,15 @@ def cmd_align(args, command: str) -> int:
         torch.set_num_threads(args.threads)
     device = str(pick_device(args.device))
     t0 = time.perf_counter()
+    if args.texts:  # the user's own (the domain served): a seeded tenth held out
+        texts, held_out_texts = hold_out(read_text_lines(args.texts), 0.1, args.max_validation, args.seed)
+        texts = subset_of(texts, args.max_texts, args.seed)
+        file_name = Path(args.texts).name
+        fitted_on, held_from = f"{file_name} (less a held-out tenth)", f"a held-out tenth of {file_name}"
+    else:
+        texts = load_texts(args, "train", args.max_texts)
+        held_out_texts = load_texts(args, "validation", args.max_validation, besides=texts)
+        fitted_on, held_from = f"{args.dataset}'s training split", "the validation split"
     source = Backbone.load(args.source, device=device)
     target = Backbone.load(args.target, device=device)
     targets = parse_layers(args.target_layers, "--target-layers") or list(range(target.num_layers + 1))
@@ -318,8 +332,6 @@ def cmd_align(args, command: str) -> int:
     check_outputs(store, name, version, args.overwrite, (store.root, report_dir), what="bridge ",
                   fix="give --store and --report-dir in a folder you can write")
 
-    texts = load_texts(args, "train", args.max_texts)
-    held_out_texts = load_texts(args, "validation", args.max_validation, besides=texts)
     t_load = time.perf_counter()
     build = dict(source_layers=source_states, target_layers=targets, batch_size=args.batch_size,
                  cache_dir=Path(args.cache_dir) if args.cache_dir else None, progress=args.progress)
@@ -333,7 +345,8 @@ def cmd_align(args, command: str) -> int:
     t_grid = time.perf_counter()
     pool = paired.pooling(args.pool)
     training = {"command": command, "method": "alignment (Pearson correlation + linear_sum_assignment)",
-                "datasets": args.dataset, "texts": len(texts), "held_out_texts": len(held_out_texts),
+                "datasets": None if args.texts else args.dataset,
+                "texts_file": str(Path(args.texts).resolve()) if args.texts else None, "texts": len(texts), "held_out_texts": len(held_out_texts),
                 "aligned_rows": pool.rows,
                 "source_tokens": paired.source_cache.total, "target_tokens": paired.target_cache.total,
                 "source": source.name, "target": target.name, "mapping": args.mapping,
@@ -353,7 +366,7 @@ def cmd_align(args, command: str) -> int:
                                                               f"{source.name}", overwrite=args.overwrite and not numbered),
         store, name, version, numbered)
     report_dir.mkdir(parents=True, exist_ok=True)
-    said = findings(diagnostics, len(texts), len(held_out_texts))
+    said = findings(diagnostics, len(texts), len(held_out_texts), held_from)
     summary = {"name": name, "version": version, "artifact": str(artifact), **training, "metrics": metrics,
                "layer_grid": grid}
     (report_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -363,7 +376,7 @@ def cmd_align(args, command: str) -> int:
         [f"# alignment bridge {name}/{version}", "",
          f"{target.name} modules served on {source.name}: each target dimension fed by its matched source dimension "
          f"({args.mapping} mapping{', standardized' if args.standardize else ''}), fitted on {len(texts)} texts of "
-         f"{args.dataset}'s training split ({pool.rows} rows).", ""]
+         f"{fitted_on} ({pool.rows} rows).", ""]
         + [f"- {line}" for line in said]
         + ["- per target state (bars; the black marks: pairs shuffled)"
            + (" and every source x target pair of states" if grid else "") + ": correlation.png", "",

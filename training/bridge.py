@@ -42,12 +42,13 @@ import torch.nn.functional as F
 from pydantic import ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
-from modules_store import ModuleStore, TaskType
+from modules_store import ModuleStore, TaskType, sha256_file
 from server.bridges.transformer import BridgeShape, TransformerBridge
 from server.heads.base import head_forward
 from server.modules import LoadedModule, count_parameters, load_module
 from server.probe import probe_module
-from training.data import IGNORE_INDEX, PRESETS, UsageError, preset_spec, token_labels
+from training.data import (IGNORE_INDEX, PRESETS, LabelledData, SequenceExample, UsageError, hold_out,
+                           preset_spec, read_text_lines, token_labels)
 from training.distill import distill_kl
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
@@ -79,6 +80,8 @@ class BridgeSettings(BridgeShape):
     # ---- data
     dataset: str = Field("sst2", description="preset whose texts are paired: train split for training, "
                          "validation split for validation")
+    texts: str | None = Field(None, description="a UTF-8 file of your texts, one a line, paired instead of the "
+                              "preset's (a seeded tenth held out for validation; no labels)")
     data_dir: str | None = None
     max_texts: int | None = Field(None, ge=1, description="seeded random subset of the training texts")
     max_validation: int | None = Field(None, ge=1, description="seeded random subset of the validation texts")
@@ -440,8 +443,17 @@ def _summary(values: dict) -> str:
 
 
 # ---- the whole run ----------------------------------------------------------------------------
-def read_texts(s: BridgeSettings):
-    """(train data, validation data) of the preset; pair datasets are not paired yet."""
+def read_texts(s: BridgeSettings) -> tuple[LabelledData, LabelledData, dict]:
+    """(train data, validation data, where they came from) of the preset, or of a --texts file (a
+    seeded tenth held out, no labels); pair datasets are not paired yet."""
+    if s.texts:
+        train, held = hold_out(read_text_lines(s.texts), 0.1, s.max_validation, s.seed)
+        unlabelled = [SequenceExample(text, "") for text in train], [SequenceExample(text, "") for text in held]
+        data = [LabelledData(TaskType.sequence_classification, rows, s.texts) for rows in unlabelled]
+        return (data[0].subset(s.max_texts, s.seed), data[1],
+                {"texts_file": str(Path(s.texts).resolve()), "texts_sha256": sha256_file(s.texts),
+                 "train": f"the texts of {Path(s.texts).name} not held out",
+                 "validation": f"a held-out tenth of {Path(s.texts).name}"})
     if s.dataset not in PRESETS:
         raise UsageError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
     preset = PRESETS[s.dataset]
@@ -449,7 +461,8 @@ def read_texts(s: BridgeSettings):
     validation = preset_spec(preset, "validation", s.data_dir).read().subset(s.max_validation, s.seed)
     if train.has_pairs:
         raise UsageError(f"dataset {s.dataset} holds text pairs; bridges are trained on single texts for now")
-    return train, validation
+    return train, validation, {"dataset": s.dataset, "train_file": str(preset_spec(preset, "train", s.data_dir).path),
+                               "train": f"{s.dataset}'s training split", "validation": f"{s.dataset}'s validation split"}
 
 
 @dataclass
@@ -474,6 +487,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
         raise UsageError("--objective distill needs --module STORE/TASK[/VERSION] (a module of the target backbone)")
+    train_data, val_data, provenance = read_texts(s)  # the user's files and presets before any backbone loads
     started = time.perf_counter()
     s = s.model_copy(update={"progress": s.progress if s.progress is not None else sys.stderr.isatty()})
     seed_everything(s.seed)
@@ -511,7 +525,6 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     check_outputs(store, name, s.version, s.overwrite, (store.root, report_dir), what="bridge ",
                   fix="give --run-dir (or --bridge-store and --report-dir) in a folder you can write")
 
-    train_data, val_data = read_texts(s)
     t0 = time.perf_counter()
     build = dict(source=source, target=target, source_layers=source_layers, target_layers=target_layers,
                  cache_dir=Path(s.cache_dir) if s.cache_dir else None, batch_size=s.eval_batch_size,
@@ -554,9 +567,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
         "module": ({"task": module.task, "version": module.version, "spec": s.module,
                     "task_type": module.head.task_type.value,
                     "weights_sha256": module.manifest.weights_sha256} if module else None),
-        "data": {"dataset": s.dataset, "train_texts": len(train_pairs), "validation_texts": len(val_pairs),
-                 "train_texts_sha256": _texts_sha(train_pairs.texts), "validation_texts_sha256": _texts_sha(val_pairs.texts),
-                 "train_file": str(preset_spec(PRESETS[s.dataset], "train", s.data_dir).path)},
+        "data": {**provenance, "train_texts": len(train_pairs), "validation_texts": len(val_pairs),
+                 "train_texts_sha256": _texts_sha(train_pairs.texts), "validation_texts_sha256": _texts_sha(val_pairs.texts)},
         "best_epoch": result.best_epoch, "epochs_run": len(result.history), "steps": result.steps,
         "history": result.history, "parameters": count_parameters(bridge),
         "timing": {"pairs_seconds": round(pairs_seconds, 2), "total_seconds": round(train_seconds, 2),
@@ -600,8 +612,8 @@ def findings(result: BridgeResult) -> list[str]:
     m, untrained = result.metrics, result.metrics.get("untrained", {})
     data = result.training.get("data", {})
     token_task = (result.training.get("module") or {}).get("task_type") == TaskType.token_classification.value
-    lines = [f"validation: {data.get('validation_texts', '?')} texts of {data.get('dataset', '?')}'s validation split; "
-             "they chose the epoch, so the numbers are optimistic"]
+    lines = [f"validation: {data.get('validation_texts', '?')} texts, {data.get('validation', '?')}; they chose the "
+             "epoch, so the numbers are optimistic"]
     if "agreement" in m:
         lines.append(f"the module's answer through the bridge is its answer on its own backbone for "
                      f"{m['agreement']:.1%} of the {'tokens' if token_task else 'texts'} "
@@ -629,7 +641,7 @@ def report_text(result: BridgeResult) -> str:
     lines = [f"# bridge {result.name}/{result.version}", "",
              f"{settings.get('target')} modules served on {settings.get('source')}: {result.training.get('objective')} "
              f"objective{' through ' + module['task'] + '/' + module['version'] if module else ''}, trained on "
-             f"{data.get('train_texts')} texts of {data.get('dataset')}'s training split.", ""]
+             f"{data.get('train_texts')} texts, {data.get('train')}.", ""]
     lines += [f"- {line}" for line in findings(result)]
     lines += ["- the losses and validation numbers by epoch (0: untrained): curves.png", "",
               f"Served by `tmod-serve --backbone {settings.get('source')} --bridges {Path(result.artifact).parents[1]}`"

@@ -222,7 +222,10 @@ def add_align_command(commands) -> None:
                    help="also match each dimension's mean and spread (default: the paper's plain permutation)")
     p.add_argument("--pool", choices=["token", "word"], default="token",
                    help="align rows per target token (default) or per whitespace word")
-    p.add_argument("--dataset", default="sst2", help="preset(s) whose training texts are paired, comma-separated")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--dataset", default="sst2", help="preset(s) whose training texts are paired, comma-separated")
+    source.add_argument("--texts", default=None, help="a UTF-8 file of your texts, one a line (the domain the bridge "
+                        "will serve), paired instead: a seeded tenth held out to measure the matching on")
     p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
     p.add_argument("--max-texts", type=at_least(0), default=2000, help="seeded random subset of the texts (0: all)")
     p.add_argument("--max-validation", type=at_least(0), default=500,
@@ -263,8 +266,11 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--temperature", type=float, default=None, help="distill: softmax temperature (default 2)")
     p.add_argument("--ce-weight", type=float, default=None, help="distill: hard-label cross-entropy weight (default 0)")
     p.add_argument("--mse-weight", type=float, default=None, help="distill: log(1+MSE) state term weight (default 0)")
-    p.add_argument("--dataset", default=None, help="preset whose texts are paired: train split to train, "
-                   "validation split to validate (default: sst2)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--dataset", default=None, help="preset whose texts are paired: train split to train, "
+                        "validation split to validate (default: sst2)")
+    source.add_argument("--texts", default=None, help="a UTF-8 file of your texts, one a line (the domain the "
+                        "bridge will serve), paired instead: a seeded tenth held out for validation; no labels")
     p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
     p.add_argument("--max-texts", type=int, default=None, help="seeded random subset of the training texts")
     p.add_argument("--max-validation", type=int, default=None, help="seeded random subset of the validation texts")

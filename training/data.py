@@ -803,6 +803,31 @@ CONLLU_TOKEN = re.compile(r"\d+\t[^\t]+(\t[^\t]*){8}\n?")  # ID FORM LEMMA UPOS 
 COMMENT = re.compile(r"#\s+(\S+\s*=|id\s)")  # UD's "# sent_id = 1", MultiCoNER's "# id 5c1e... domain=en"
 
 
+def read_text_lines(path: str | Path, option: str = "--texts") -> list[str]:
+    """A UTF-8 file of unlabelled texts, one a line: each text once, in file order, blank lines skipped
+    (what a bridge or an alignment pairs: no labels needed)."""
+    try:
+        lines = Path(path).read_text(encoding=ENCODING).splitlines()
+    except OSError as exc:
+        raise UsageError(f"{option} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{option} {path}: not UTF-8 text") from None
+    texts = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
+    if len(texts) < 2:
+        raise UsageError(f"{option} {path}: {len(texts)} different text(s); at least 2 (one a line): some are held out")
+    return texts
+
+
+def hold_out(texts: list[str], share: float, limit: int | None, seed: int) -> tuple[list[str], list[str]]:
+    """(kept, held out): a seeded `share` of `texts` (at least one, at most `limit`) held out, both in
+    file order."""
+    held = max(1, round(len(texts) * share))
+    if limit:
+        held = min(held, limit)
+    chosen = set(random.Random(seed).sample(range(len(texts)), held))
+    return [t for i, t in enumerate(texts) if i not in chosen], [t for i, t in enumerate(texts) if i in chosen]
+
+
 def read_conll(path: str | Path, word_column: int = 0, tag_column: int = -1) -> LabelledData:
     """CoNLL column file: one `word ... tag` line per token, blank lines between sentences,
     -DOCSTART- lines and comment lines (`# key = value`, `# id ...`) skipped. A CoNLL-U file
