@@ -593,7 +593,8 @@ def named_as_in_training(spec, data, manifest):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; a user's mistake (UsageError, a setting out of range) is one line and exit 2."""
+    """Run one command; a user's mistake (UsageError, a setting out of range) is one line and exit 2, a
+    stored artifact that cannot be used as asked (ArtifactError) one line and exit 1."""
     from pydantic import ValidationError
 
     from modules_store import ArtifactError
