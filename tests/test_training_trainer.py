@@ -291,6 +291,29 @@ def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train
     assert module.manifest.labels == ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
     assert {"precision", "recall", "f1", "per_type"} <= set(module.manifest.metrics)
     assert module.manifest.training["settings"]["lambda_entropy"] == 1e-3  # token-task default
+    # where it fails, sentence by sentence (a sequence task's report lists its most confidently wrong rows)
+    worst = result.assessment["worst_sentences"]  # the head's tags reached the assessment (they did not)
+    assert all(row["missed"] or row["wrong"] for row in worst)
+    counts = [len(row["missed"]) + len(row["wrong"]) for row in worst]
+    assert counts == sorted(counts, reverse=True)
+    section = "## Sentences with the most mistakes (validation split)" in (tmp_path / "report" / "report.md").read_text()
+    assert section == bool(worst)
+
+
+def test_worst_sentences_name_missed_and_wrong_entities_or_words():
+    from training.assess import worst_sentences
+    from training.data import TokenExample
+
+    examples = [TokenExample(["Peter", "Blackburn", "in", "Paris"], ["B-PER", "I-PER", "O", "B-LOC"]),
+                TokenExample(["all", "right"], ["O", "O"]),
+                TokenExample(["EU", "rejects"], ["B-ORG", "O"])]
+    predicted = [["B-PER", "B-PER", "O", "B-LOC"], ["O", "O"], ["B-LOC", "O"]]
+    assert worst_sentences(examples, predicted) == [
+        {"text": "Peter Blackburn in Paris", "missed": ["PER Peter Blackburn"], "wrong": ["PER Peter", "PER Blackburn"]},
+        {"text": "EU rejects", "missed": ["ORG EU"], "wrong": ["LOC EU"]}]
+    pos = [TokenExample(["the", "dog", "runs"], ["DET", "NOUN", "VERB"])]
+    assert worst_sentences(pos, [["DET", "VERB", "VERB"]], by_word=True) == [
+        {"text": "the dog runs", "wrong": ["dog: NOUN -> VERB"]}]
 
 
 def test_document_windows_add_the_training_documents_in_windows(tmp_path, train_backbone, train_backbone_dir):

@@ -9,7 +9,7 @@ import numpy as np
 from modules_store import TaskType
 from training.baselines import cached_run, majority, tfidf_logreg, window_tagger
 from training.data import LabelledData
-from training.metrics import confusion_matrix, per_class_scores
+from training.metrics import confusion_matrix, entities, per_class_scores
 from training.states import Split
 
 WORST = 10  # confidently wrong examples listed
@@ -38,9 +38,32 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
                          "gold_score": round(float(probs[r][labels.index(gold[r])]), 4)} for r in wrong[:WORST]]
     elif kind == TaskType.token_classification:
         out["per_type"] = head["per_type"]
+        if probabilities:  # the head's word tags per sentence
+            out["worst_sentences"] = worst_sentences(examples, probabilities, by_word=metric == "word_accuracy")
     else:
         out["per_label"] = head["per_label"]
     return out
+
+
+def worst_sentences(examples: list, predicted: list[list[str]], by_word: bool = False) -> list[dict]:
+    """The WORST sentences with the most mistakes, most first: entities missed (gold, not answered)
+    and wrong (answered, not gold), each as 'TYPE words'; `by_word` (tags that are no entities, such
+    as parts of speech): the words tagged wrong, as 'word: gold -> predicted'."""
+    found = []
+    for r, (example, tags) in enumerate(zip(examples, predicted)):
+        words = example.words
+        if by_word:
+            wrong = [f"{w}: {g} -> {p}" for w, g, p in zip(words, example.tags, tags) if g != p]
+            row = {"wrong": wrong}
+        else:
+            gold, answered = set(entities(example.tags)), set(entities(tags))
+            said = (lambda spans: [f"{kind} {' '.join(words[first:last + 1])}" for kind, first, last in sorted(
+                spans, key=lambda e: e[1])])
+            row = {"missed": said(gold - answered), "wrong": said(answered - gold)}
+        mistakes = sum(map(len, row.values()))
+        if mistakes:
+            found.append((-mistakes, len(words), r, {"text": " ".join(words), **row}))
+    return [row for *_, row in sorted(found)[:WORST]]
 
 
 def baseline_runs(train: LabelledData, evaluated: LabelledData, labels: list[str], seed: int = 0,

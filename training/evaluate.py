@@ -87,7 +87,7 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     A foreign module behind a bridge that re-tokenizes answers on the target backbone's tokens:
     `answer_split` is the same data encoded by the target backbone, where predictions are read.
     Multi-label: `thresholds` (default: the manifest's). `probabilities`, a list, receives each
-    row's label probabilities (sequence and multi-label tasks)."""
+    row's label probabilities (sequence and multi-label tasks), or its word tags (token tasks)."""
     answers = answer_split or split
     predicted: list = [None] * len(split)
     kept: list = [None] * len(split)
@@ -98,8 +98,8 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
             for r, p in zip(rows, torch.softmax(logits.float(), dim=-1).cpu().numpy()):
                 kept[r] = p
     if not split.is_multi_label:
-        if probabilities is not None and not split.is_token_task:
-            probabilities.extend(kept)
+        if probabilities is not None:
+            probabilities.extend(predicted if split.is_token_task else kept)
         return score(split, predicted)
     if probabilities is not None:
         probabilities.extend(predicted)

@@ -140,6 +140,15 @@ def report_text(result) -> str:
         for w in a["worst"]:
             text = (w["text"] + (" ||| " + w["text_pair"] if "text_pair" in w else "")).replace("|", "\\|")
             lines.append(f"| {text} | {w['gold']} ({w['gold_score']:.2f}) | {w['predicted']} ({w['score']:.2f}) |")
+    if a.get("worst_sentences"):
+        by_word = "missed" not in a["worst_sentences"][0]
+        lines += ["", f"## Sentences with the most mistakes ({a['split']} split)", ""]
+        lines += (["| sentence | words tagged wrong (gold -> predicted) |", "| --- | --- |"] if by_word else
+                  ["| sentence | missed (gold, not answered) | wrong (answered, not gold) |", "| --- | --- | --- |"])
+        for w in a["worst_sentences"]:
+            cells = [w["text"]] + ([w["wrong"]] if by_word else [w["missed"], w["wrong"]])
+            lines.append("| " + " | ".join((c if isinstance(c, str) else "; ".join(c) or "-").replace("|", "\\|")
+                                           for c in cells) + " |")
     where = f"loaded into {result.loaded_into}" if result.loaded_into else "once a tmod-serve with this store runs"
     lines += ["", f"## Query it ({where})", "", "    " + result.request, ""]
     return "\n".join(lines)
