@@ -480,6 +480,15 @@ def test_eval_scores_a_foreign_module_through_a_bridge_store(tmp_path, bert, per
     assert "and no --bridges store was given to lead there" in capsys.readouterr().err
     assert main(argv) == 2  # the module's backbone is a folder of this test: no name to load it by
     assert "which has no name here; give its folder with --backbone" in capsys.readouterr().err
+    assert main([*argv, "--bridges", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.endswith(f"--bridges {tmp_path / 'nowhere'}: no such folder (a bridge store, as "
+                                            "tmod-serve --bridges takes)\n")
+    # a broken bridge is said, not taken for an absent one
+    weights = tmp_path / "bridges" / "perm" / "1" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"x")
+    assert main([*argv, "--backbone", str(tmp_path / "src"), "--bridges", str(tmp_path / "bridges")]) == 2
+    err = capsys.readouterr().err
+    assert "tmod-train eval: bridge perm refused: perm/1: checksum mismatch" in err and "no bridge in" in err
 
 
 # ---- served: the engine runs a foreign module through a loaded alignment bridge ---------------

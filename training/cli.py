@@ -437,6 +437,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # the user's mistakes first, before a backbone is loaded
     if bool(args.dataset) == bool(args.file):
         raise UsageError("give exactly one of --dataset NAME or --file FILE")
+    if args.bridges and not Path(args.bridges).is_dir():
+        raise UsageError(f"--bridges {args.bridges}: no such folder (a bridge store, as tmod-serve --bridges takes)")
     store = ModuleStore(args.store or DEFAULT_STORE)
     if args.task not in store.tasks():
         raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
@@ -478,7 +480,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     backbone = Backbone.load(args.backbone or own, device=device)
     if args.precision != "fp32":
         backbone = backbone.use_backend("torch", args.precision)
-    bridges = load_bridges_on(bridge_store(args.bridges), backbone, device)[0] if args.bridges else {}
+    bridges = {}
+    if args.bridges:
+        bridges, _, refused = load_bridges_on(bridge_store(args.bridges), backbone, device)
+        for name, exc in refused.items():  # as the server logs them: a broken bridge is no silent absence
+            print(f"tmod-train eval: bridge {name} refused: {exc.message}", file=sys.stderr)
     try:
         module = load_module(store, args.task, args.version, backbone, device=device, bridges=bridges,
                              probe=probe_module)
