@@ -72,7 +72,8 @@ def main(argv=None) -> None:
     except ValidationError as exc:  # a setting out of range, from a flag or TMOD_*: one line, no traceback
         raise SystemExit(f"tmod-serve: {setting_problem(exc)}") from None
     problem = device_problem(settings.device)  # a GPU asked for on a machine without one: say so now
-    problem = problem or store_problem(settings.store) or backbone_problem(settings.backbone, settings.cache_dir) \
+    problem = problem or store_problem(settings.store) or bridges_problem(settings.bridges) \
+        or backbone_problem(settings.backbone, settings.cache_dir) \
         or tasks_problem(settings) or port_problem(settings.host, settings.port) \
         or (port_problem(settings.host, settings.grpc_port, "--grpc-port") if settings.grpc_port else None)
     if problem:
@@ -93,6 +94,14 @@ def store_problem(store: Path) -> str | None:
         return f"the module store {store} is not a directory (--store / TMOD_STORE)"
     misplaced = misplaced_store(store)
     return f"--store / TMOD_STORE: {misplaced}" if misplaced else None
+
+
+def bridges_problem(bridges: Path | None) -> str | None:
+    """A --bridges store named and not there: its foreign modules would be refused one by one, the
+    cause (a typo in the path) said nowhere. (The default, <store>/_bridges, may well be absent.)"""
+    if bridges is not None and not bridges.is_dir():
+        return f"the bridge store {bridges} is not a directory (--bridges / TMOD_BRIDGES)"
+    return None
 
 
 def backbone_problem(backbone: Path | str | None, cache_dir: Path | None = None) -> str | None:

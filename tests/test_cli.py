@@ -119,6 +119,8 @@ def test_named_backbones_pass_the_start_up_check():
      f"tmod-serve: --store / TMOD_STORE: {ROOT / 'modules_store' / 'ner' / '3'} is one module's folder (it holds "
      f"manifest.json), not a store of tasks; give the store two folders up: {ROOT / 'modules_store'}"),
     (["--tasks", "ner,sentimnt"], {}, "tmod-serve: --tasks / TMOD_TASKS: no task 'sentimnt' in the store "),
+    ([], {"TMOD_BRIDGES": "/no/such/bridges"},  # it started, and refused each foreign module for want of a bridge
+     "tmod-serve: the bridge store /no/such/bridges is not a directory (--bridges / TMOD_BRIDGES)"),
     ([], {"TMOD_TASKS": " , "}, "tmod-serve: --tasks / TMOD_TASKS names no task (got ' , ')"),
     (["--tasks", "ner/9"], {}, "tmod-serve: --tasks / TMOD_TASKS: no version '9' of 'ner' in the store "),
     (["--tasks", "ner,emotion,ner/2"], {}, "tmod-serve: --tasks / TMOD_TASKS names 'ner' twice (got 'ner,emotion,ner/2')"),
