@@ -21,7 +21,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-
 class ArtifactError(Exception):
     """An artifact that must not be served. `reason` is a short machine-readable cause. (Here, not in
     the store, which imports torch: a command can catch it before loading anything.)"""
@@ -30,6 +29,7 @@ class ArtifactError(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
 
 class TaskType(str, Enum):
     sequence_classification = "sequence_classification"

