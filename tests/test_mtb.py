@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from modules_store import ArtifactError, ModuleStore
+from server.backbone import Backbone
 from server.engine import Engine
 from server.heads.mtb import MTBHead
 from server.modules import LoadedModule, load_module, save_module
@@ -157,6 +158,33 @@ def test_tmod_train_mtb_kinds_learn_and_ship_loadable_artifacts(tmp_path, train_
         assert manifest.config["targets"] == ["attention.self.query", "attention.self.value"]
     else:
         assert training["trainable_parameters"] == training["parameters"]
+
+
+def test_block_heads_refuse_blocks_and_targets_the_backbone_lacks_in_one_line(tmp_path, train_backbone_dir, capsys):
+    """--source-layer past the last block and --targets naming no linear were tracebacks (a ValueError,
+    peft's NoMatchingPeftModuleError); --blocks past the backbone was '--source-layer: Input should be
+    greater than or equal to 0'. A target's last parts ('query') name the full linear, as peft reads
+    them (the artifact stored it under the short name and failed: 'BertLayer has no attribute query')."""
+    from tests.test_training_trainer import write_sentiment
+    from training.cli import main
+
+    files = write_sentiment(tmp_path / "train.tsv", 24, 0), write_sentiment(tmp_path / "validation.tsv", 12, 1)
+    argv = ["--train", str(files[0]), "--validation", str(files[1]), "--text-column", "sentence", "--label-column",
+            "label", "--labels", "negative,positive", "--label-map", "0=negative,1=positive", "--backbone",
+            str(train_backbone_dir), "--store", str(tmp_path / "store"), "--no-progress"]
+    for kind, extra, said in (
+            ("mtb", ["--blocks", "9"], "--blocks 9: tiny-bert has 2 blocks (state N is the input of block N + 1), so "
+                                       "at most --blocks 2"),
+            ("mtb", ["--source-layer", "2"], "--blocks 1 from --source-layer 2: tiny-bert has 2 blocks (state N is the "
+                                             "input of block N + 1), so at most --source-layer 1"),
+            ("lora-mtb", ["--targets", "bogus,query"], "--targets bogus: not a linear layer of tiny-bert's blocks; "
+                                                       "they are attention.self.query, ")):
+        assert main([kind, *argv, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tmod-train {kind}: error: {said}") and err.count("\n") == 1, err
+    head = TrainableLoraMTB.from_backbone(Backbone.load(train_backbone_dir), "sequence_classification", ["a", "b"],
+                                          targets=["query", "output.dense"])
+    assert head.config.targets == ["attention.self.query", "attention.output.dense", "output.dense"]
 
 
 def with_casing(head):

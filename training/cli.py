@@ -206,7 +206,8 @@ def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
     if kind == "lora-mtb":
         g.add_argument("--rank", type=int, default=S, help="rank of the low-rank updates")
         g.add_argument("--lora-alpha", type=float, default=S, help="updates are scaled by lora_alpha / rank")
-        g.add_argument("--targets", default=S, help="comma-separated block linears to adapt (default: all six)")
+        g.add_argument("--targets", default=S, help="comma-separated block linears to adapt, by full name or last "
+                                                     "parts: query,value (default: every linear of the block)")
 
 
 def add_align_command(commands) -> None:

@@ -7,6 +7,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from server.heads.lora_mtb import LoraMTBHead
 from server.heads.lora_mtb.model import OWN_LAYERS
 from server.heads.lora_mtb.layer import factor_names
+from training.data import UsageError
 
 ADAPTER = "default"
 
@@ -23,7 +24,13 @@ class TrainableLoraMTB(LoraMTBHead):
                       lora_alpha=16.0, targets=None, **options) -> "TrainableLoraMTB":
         # default: every linear layer of the copied block, whatever the architecture names them
         # (BERT: query/key/value/attention output/intermediate/output; Llama: q/k/v/o, gate/up/down)
-        targets = targets or block_linears(backbone.adapter.layers[-1])
+        linears = block_linears(backbone.adapter.layers[-1])
+        unknown = [t for t in targets or () if not any(n == t or n.endswith("." + t) for n in linears)]
+        if unknown:  # matched as peft matches them: a linear's name, or its last parts
+            raise UsageError(f"--targets {','.join(unknown)}: not a linear layer of {backbone.name}'s blocks; they are "
+                             f"{', '.join(linears)} (a name, or its last parts: {linears[0].rsplit('.', 1)[-1]})")
+        # each as the full name of every linear it names (the artifact stores its factors by full name)
+        targets = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)] if targets else linears
         extra = {"rank": rank, "lora_alpha": lora_alpha, "targets": targets}
         head = super().from_backbone(backbone, task_type, labels, num_blocks, source_layer, **extra, **options)
         lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=head.config.targets, lora_dropout=0.0,

@@ -98,6 +98,11 @@ def build_head(s: TrainSettings, task_type: TaskType, labels: list[str], backbon
             attention=s.attention,
         )
         return LayerMixHead(config, labels)
+    blocks = backbone.num_layers
+    if s.blocks > blocks or (s.source_layer or 0) + s.blocks > blocks:
+        raise UsageError(f"--blocks {s.blocks}" + (f" from --source-layer {s.source_layer}" if s.source_layer else "")
+                         + f": {backbone.name} has {blocks} blocks (state N is the input of block N + 1), so at most "
+                         + (f"--source-layer {blocks - s.blocks}" if s.blocks <= blocks else f"--blocks {blocks}"))
     options = dict(num_blocks=s.blocks, source_layer=s.source_layer, pooling=s.pooling, dropout=s.dropout,
                    casing=s.casing)
     if s.kind == "mtb":
