@@ -769,3 +769,15 @@ def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment
                  str(sentiment_files[1]), "--backbone", str(train_backbone_dir)]) == 1
     assert capsys.readouterr().err == (f"tmod-train eval: error: no version '9' of sentiment in the store {store}; "
                                        "it has ['1']\n")
+
+
+def test_a_task_name_the_store_spells_otherwise_is_said(sentiment_run, tmp_path, capsys):
+    """--task 'My Reviews' became my-reviews in the store and the URLs, said nowhere but in the JSON."""
+    _, argv = sentiment_run
+    at = argv.index("--store")
+    renamed = [*argv[:at], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"), "--epochs", "1"]
+    renamed[renamed.index("--task") + 1] = "My Reviews"
+    assert main(renamed) == 0
+    err = capsys.readouterr().err
+    assert "--task 'My Reviews' is stored and served as 'my-reviews' (task names are a-z, 0-9, '_' and '-')" in err
+    assert ModuleStore(tmp_path / "s").tasks() == ["my-reviews"]

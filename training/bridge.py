@@ -516,6 +516,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
 
     name = safe_name(s.name or "-".join([source.name, "to", target.name, s.objective]
                                         + ([module.task] if module and s.objective == "distill" else [])))
+    if s.name and name != s.name:
+        print(f"--name {s.name!r} is stored as {name!r} (bridge names are a-z, 0-9, '_' and '-')", file=sys.stderr)
     store = bridge_store(s.bridge_store or DEFAULT_BRIDGE_STORE)
     numbered = s.version is None
     s = s.model_copy(update={"version": store.next_version(name) if numbered else s.version})

@@ -410,6 +410,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
 
     task = safe_name(s.task or s.dataset or Path(s.train).stem)
+    if s.task and task != s.task:  # a folder and URL name: said, not found out from the store
+        print(f"--task {s.task!r} is stored and served as {task!r} (task names are a-z, 0-9, '_' and '-')",
+              file=sys.stderr)
     numbered = s.version is None  # the next free number; without --store the run's own new store: 1
     if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
