@@ -130,7 +130,10 @@ def server_window_problem(text: TextEncoder, max_tokens: int | None, window_toke
                           window_stride: int | None) -> str | None:
     """A server's `window_tokens` / `window_stride` checked against its backbone at start-up: a window
     over its limit was quietly cut to it, and a stride that did not fit a request's window made every
-    such request 422 for a setting the client never sent."""
+    such request 422 for a setting the client never sent. A --max-tokens over the backbone's limit was
+    cut to it too, without a word."""
+    if max_tokens is not None and max_tokens > text.max_tokens:
+        return f"--max-tokens={max_tokens}: a row holds at most {text.max_tokens} word pieces on this backbone"
     if window_tokens is None:
         return None
     limit = text.row_limit(max_tokens)

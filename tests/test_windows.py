@@ -247,6 +247,9 @@ def test_server_window_settings_are_checked_against_the_backbone(tiny_backbone):
         f"--window-tokens={text.max_tokens + 1}: a window holds 16 to {text.max_tokens} word pieces on this backbone")
     assert server_window_problem(text, 32, 64, None).endswith("16 to 32 word pieces on this backbone with --max-tokens 32")
     assert server_window_problem(text, None, 64, 7) == "--window-stride=7: with --window-tokens=64 the stride is 8 to 64 word pieces"
+    assert server_window_problem(text, text.max_tokens, None, None) is None
+    assert server_window_problem(text, text.max_tokens + 1, None, None) == (  # it was cut to the limit quietly
+        f"--max-tokens={text.max_tokens + 1}: a row holds at most {text.max_tokens} word pieces on this backbone")
 
 
 def test_tmod_serve_with_a_window_over_the_backbones_limit_exits_in_one_line(tiny_backbone_dir, tiny_backbone, tmp_path):
