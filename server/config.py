@@ -67,7 +67,8 @@ class Settings(BaseSettings):
     max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
     max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
     max_tokens: int | None = Field(None, ge=16, description="most word pieces in one backbone row: the longest window "
-                                   "a request may ask for, 16 or more (the shortest window) (default: the backbone's limit)")
+                                   "a request may ask for, 16 (the shortest window) up to the backbone's limit "
+                                   "(default: that limit)")
     window_tokens: int | None = Field(
         None, ge=16, description="word pieces per window (special tokens and a text pair included): a longer text is "
         "read in overlapping windows and answered as one (docs/windows.md); truncate cuts a text at one window. "
