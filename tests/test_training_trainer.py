@@ -781,3 +781,24 @@ def test_a_task_name_the_store_spells_otherwise_is_said(sentiment_run, tmp_path,
     err = capsys.readouterr().err
     assert "--task 'My Reviews' is stored and served as 'my-reviews' (task names are a-z, 0-9, '_' and '-')" in err
     assert ModuleStore(tmp_path / "s").tasks() == ["my-reviews"]
+
+
+@pytest.mark.parametrize("best, said", [(0.9, True), (1.0, False)])
+def test_train_longer_is_not_said_of_a_perfect_validation_score(sentiment_run, tmp_path, capsys, monkeypatch, best,
+                                                               said):
+    """'validation accuracy was still improving; train longer' was said of a head at 1.0000 (a toy
+    part-of-speech file): a perfect score has nowhere left to go."""
+    import training.trainer
+
+    real = training.trainer.train_epochs
+
+    def kept_last_at(*args, **kwargs):
+        history, _, _ = real(*args, **kwargs)
+        return history, len(history), best
+
+    monkeypatch.setattr(training.trainer, "train_epochs", kept_last_at)
+    _, argv = sentiment_run
+    at = argv.index("--store")
+    assert main([*argv[:at], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"), "--epochs", "1"]) == 0
+    assert ("validation accuracy was still improving; train longer" in capsys.readouterr().err) == said
+    assert ModuleStore(tmp_path / "s").read_manifest("sentiment").training["still_improving"] == said
