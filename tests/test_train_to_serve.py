@@ -151,3 +151,18 @@ def test_the_printed_request_sends_the_key_a_keyed_server_asks_for(tmp_path, tra
     finally:
         process.kill()
         process.wait(timeout=30)
+
+
+def test_a_server_on_another_backbone_is_said_to_answer_through_a_bridge(tiny_backbone, train_backbone, capsys):
+    """A head trained on one backbone and loaded into a server on another (through its bridge) was
+    reported with its own backbone's numbers alone, as if the server answered so."""
+    from training.serving import say_if_bridged
+
+    theirs = {"backbone": {"backbone": tiny_backbone.name, "fingerprint": tiny_backbone.fingerprint.short}}
+    say_if_bridged("http://h:1", theirs, "mine", "2", "/s", tiny_backbone)  # its own backbone: nothing to say
+    assert capsys.readouterr().err == ""
+    say_if_bridged("http://h:1", theirs, "mine", "2", "/s", train_backbone)
+    assert capsys.readouterr().err == (
+        f"http://h:1 runs on {tiny_backbone.name}: it serves mine/2 through a bridge to {train_backbone.name}, and the "
+        f"numbers above are the module's on {train_backbone.name} itself; `tmod-train eval --task mine --version 2 "
+        "--store /s --backbone ITS_BACKBONE --bridges ITS_BRIDGE_STORE --file ...` scores it as that server answers\n")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from modules_store import ArtifactError, ModuleStore
+from server.backbone.sources import named_for
 from server.modules import servable_version
 from training.data import UsageError
 
@@ -80,6 +82,18 @@ def load_into(url: str, task: str, version: str) -> dict:
                          f"{_error_message(exc)}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise UsageError(f"--load-into {url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def say_if_bridged(url: str, server: dict, task: str, version: str, store: str, backbone) -> None:
+    """A server on another backbone serves the module through a bridge: the numbers measured here are
+    the module on its own backbone, not as that server answers; said, with the command that measures that."""
+    theirs = server.get("backbone") or {}
+    if theirs.get("fingerprint") in (None, backbone.fingerprint.short):
+        return
+    print(f"{url} runs on {theirs.get('backbone')}: it serves {task}/{version} through a bridge to {backbone.name}, "
+          f"and the numbers above are the module's on {backbone.name} itself; `tmod-train eval --task {task} "
+          f"--version {version} --store {store} --backbone {named_for(theirs.get('backbone')) or 'ITS_BACKBONE'} "
+          "--bridges ITS_BRIDGE_STORE --file ...` scores it as that server answers", file=sys.stderr)
 
 
 def served_at_start(store: ModuleStore, backbone) -> list[str]:

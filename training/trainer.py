@@ -587,6 +587,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         try:
             serving.load_into(s.load_into, task, s.version)
             loaded_into = s.load_into
+            serving.say_if_bridged(s.load_into, server, task, s.version, s.store, backbone)
         except UsageError as exc:  # the trained module and its report are kept either way
             refusal = exc
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
