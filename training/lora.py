@@ -16,6 +16,11 @@ def block_linears(block: torch.nn.Module) -> list[str]:
     return [name for name, module in block.named_modules() if isinstance(module, torch.nn.Linear)]
 
 
+def names(target: str, linear: str) -> bool:
+    """Whether `target` names `linear` as peft reads target_modules: its whole name, or its last parts."""
+    return linear == target or linear.endswith("." + target)
+
+
 class TrainableLoraMTB(LoraMTBHead):
     """A LoRA-MTB head with peft's unmerged LoRA layers inside its blocks, for training."""
 
@@ -25,12 +30,12 @@ class TrainableLoraMTB(LoraMTBHead):
         # default: every linear layer of the copied block, whatever the architecture names them
         # (BERT: query/key/value/attention output/intermediate/output; Llama: q/k/v/o, gate/up/down)
         linears = block_linears(backbone.adapter.layers[-1])
-        unknown = [t for t in targets or () if not any(n == t or n.endswith("." + t) for n in linears)]
-        if unknown:  # matched as peft matches them: a linear's name, or its last parts
+        unknown = [t for t in targets or () if not any(names(t, n) for n in linears)]
+        if unknown:
             raise UsageError(f"--targets {','.join(unknown)}: not a linear layer of {backbone.name}'s blocks; they are "
                              f"{', '.join(linears)} (a name, or its last parts: {linears[0].rsplit('.', 1)[-1]})")
         # each as the full name of every linear it names (the artifact stores its factors by full name)
-        targets = [n for n in linears if any(n == t or n.endswith("." + t) for t in targets)] if targets else linears
+        targets = [n for n in linears if any(names(t, n) for t in targets)] if targets else linears
         extra = {"rank": rank, "lora_alpha": lora_alpha, "targets": targets}
         head = super().from_backbone(backbone, task_type, labels, num_blocks, source_layer, **extra, **options)
         lora = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=head.config.targets, lora_dropout=0.0,

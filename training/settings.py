@@ -56,7 +56,8 @@ def parse_layers(value, option: str = "") -> list[int] | None:
     for part in str(value).split(","):
         low, _, high = part.strip().partition("-")
         if not (low.strip().isdigit() and (high.strip().isdigit() or not high)):
-            raise UsageError(f"{option + ': ' if option else ''}{part.strip()!r} is not a state number or range: give 6, 0-6 or 1,3,5 (0 = the embeddings)")
+            raise UsageError(f"{option + ': ' if option else ''}{part.strip()!r} is not a state number or range: "
+                             "give 6, 0-6 or 1,3,5 (0 = the embeddings)")
         layers.update(range(int(low), int(high or low) + 1))
     return sorted(layers)
 
