@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from server.bridges.alignment import AlignmentBridge, AlignmentConfig
-from training.data import UsageError, hold_out, read_text_lines
+from training.data import UsageError, hold_out, read_text_lines, seeded_subset
 from training.pairing import PairedStates
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
@@ -269,15 +268,7 @@ def load_texts(args, split: str = "train", limit: int | None = None, besides: Se
         if t and t not in seen:
             seen.add(t)
             unique.append(t)
-    return subset_of(unique, limit, args.seed)
-
-
-def subset_of(texts: list[str], limit: int | None, seed: int) -> list[str]:
-    """A seeded random `limit` of `texts` (0 or None: all), order kept."""
-    if limit and limit < len(texts):
-        keep = sorted(random.Random(seed).sample(range(len(texts)), limit))
-        texts = [texts[i] for i in keep]
-    return texts
+    return seeded_subset(unique, limit, args.seed)
 
 
 def findings(diagnostics: dict, texts: int, held_out: int, held_from: str = "the validation split") -> list[str]:
@@ -308,7 +299,7 @@ def cmd_align(args, command: str) -> int:
     t0 = time.perf_counter()
     if args.texts:  # the user's own (the domain served): a seeded tenth held out
         texts, held_out_texts = hold_out(read_text_lines(args.texts), 0.1, args.max_validation, args.seed)
-        texts = subset_of(texts, args.max_texts, args.seed)
+        texts = seeded_subset(texts, args.max_texts, args.seed)
         file_name = Path(args.texts).name
         fitted_on, held_from = f"{file_name} (less a held-out tenth)", f"a held-out tenth of {file_name}"
     else:

@@ -46,9 +46,9 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
 
 
 def worst_sentences(examples: list, predicted: list[list[str]], by_word: bool = False) -> list[dict]:
-    """The WORST sentences with the most mistakes, most first: entities missed (gold, not answered)
-    and wrong (answered, not gold), each as 'TYPE words'; `by_word` (tags that are no entities, such
-    as parts of speech): the words tagged wrong, as 'word: gold -> predicted'."""
+    """The sentences with the most mistakes (at most WORST), most first: entities missed (gold, not
+    answered) and wrong (answered, not gold), each as 'TYPE words'; `by_word` (tags that are no
+    entities, such as parts of speech): the words tagged wrong, as 'word: gold -> predicted'."""
     found = []
     for r, (example, tags) in enumerate(zip(examples, predicted)):
         words = example.words

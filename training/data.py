@@ -179,10 +179,9 @@ class LabelledData:
 
     def subset(self, n: int | None, seed: int) -> "LabelledData":
         """A seeded random subset of n examples, kept in file order (for quick runs)."""
-        if n is None or n >= len(self.examples):
+        if not n or n >= len(self.examples):
             return self
-        keep = sorted(random.Random(seed).sample(range(len(self.examples)), n))
-        return LabelledData(self.task_type, [self.examples[i] for i in keep], self.source, self.has_pairs)
+        return LabelledData(self.task_type, seeded_subset(self.examples, n, seed), self.source, self.has_pairs)
 
     def with_entities_begun_with_b(self) -> tuple["LabelledData", int]:
         """Token data with every entity begun with B- (`begin_entities_with_b`), and how many were not."""
@@ -816,6 +815,13 @@ def read_text_lines(path: str | Path, option: str = "--texts") -> list[str]:
     if len(texts) < 2:
         raise UsageError(f"{option} {path}: {len(texts)} different text(s); at least 2 (one a line): some are held out")
     return texts
+
+
+def seeded_subset(items: list, n: int | None, seed: int) -> list:
+    """A seeded random `n` of `items` (None or 0: all), in their order."""
+    if not n or n >= len(items):
+        return items
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), n))]
 
 
 def hold_out(texts: list[str], share: float, limit: int | None, seed: int) -> tuple[list[str], list[str]]:
