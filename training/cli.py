@@ -215,7 +215,7 @@ def add_align_command(commands) -> None:
     p = commands.add_parser("align", help="alignment bridge: serve TARGET's modules on SOURCE by matching "
                                           "hidden dimensions (Pearson + linear assignment; no training)")
     p.add_argument("--source", default="minilm", help="backbone the bridge is served on: minilm, smollm2, mpnet, a folder")
-    p.add_argument("--target", default="smollm2", help="backbone the foreign modules were trained on")
+    p.add_argument("--target", default="smollm2", help="backbone the foreign modules were trained on (default: smollm2)")
     p.add_argument("--target-layers", default=None, help="target states to produce: 'all' (default), '0,5,10', '0-6'")
     p.add_argument("--mapping", choices=["skip", "avg"], default="skip",
                    help="deeper source: each group's last state (skip) or the group's mean (avg)")
@@ -224,14 +224,16 @@ def add_align_command(commands) -> None:
     p.add_argument("--pool", choices=["token", "word"], default="token",
                    help="align rows per target token (default) or per whitespace word")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--dataset", default="sst2", help="preset(s) whose training texts are paired, comma-separated")
+    source.add_argument("--dataset", default="sst2", help="preset(s) whose training texts are paired, comma-separated "
+                        "(default: sst2)")
     source.add_argument("--texts", default=None, help="a UTF-8 file of your texts, one a line (the domain the bridge "
                         "will serve), paired instead: a seeded tenth held out to measure the matching on")
     p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
     p.add_argument("--max-texts", type=at_least(0), default=2000, help="seeded random subset of the texts (0: all)")
     p.add_argument("--max-validation", type=at_least(0), default=500,
-                   help="held-out texts (seeded subset of the presets' validation split, 0: all) on which the "
-                        "matching is measured; it is chosen on the training texts, where it looks better")
+                   help="held-out texts where the matching is measured, at most this many (0: all) of the "
+                        "presets' validation split or of --texts' held-out tenth (it is chosen on the others, "
+                        "where it looks better)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heatmap", action=argparse.BooleanOptionalAction, default=True,
                    help="also pair every source state and report every source x target state correlation")
