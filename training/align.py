@@ -337,7 +337,8 @@ def cmd_align(args, command: str) -> int:
     pool = paired.pooling(args.pool)
     training = {"command": command, "method": "alignment (Pearson correlation + linear_sum_assignment)",
                 "datasets": None if args.texts else args.dataset,
-                "texts_file": str(Path(args.texts).resolve()) if args.texts else None, "texts": len(texts), "held_out_texts": len(held_out_texts),
+                "texts_file": str(Path(args.texts).resolve()) if args.texts else None,
+                "texts": len(texts), "held_out_texts": len(held_out_texts),
                 "aligned_rows": pool.rows,
                 "source_tokens": paired.source_cache.total, "target_tokens": paired.target_cache.total,
                 "source": source.name, "target": target.name, "mapping": args.mapping,

@@ -72,8 +72,8 @@ class BridgeSettings(BridgeShape):
     target_layers: list[int] | None = Field(None, description="target states produced (default: the module's, else all)")
     # ---- objective
     objective: Literal["mse", "distill"] = "mse"
-    module: str | None = Field(None, description="STORE/TASK[/VERSION] of a module for the target backbone: "
-                               "the teacher for distill, measured only for mse")
+    module: str | None = Field(None, description="a module for the target backbone (TASK/VERSION of the shipped "
+                               "store, or a STORE/TASK[/VERSION] folder): the teacher for distill, measured only for mse")
     temperature: float = Field(2.0, gt=0, description="distill: softmax temperature T (loss scaled by T^2)")
     ce_weight: float = Field(0.0, ge=0, description="distill: weight of hard-label cross-entropy (dataset labels)")
     mse_weight: float = Field(0.0, ge=0, description="distill: weight of the log(1+MSE) state term")
@@ -486,7 +486,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from training.trainer import safe_name, seed_everything
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
-        raise UsageError("--objective distill needs --module STORE/TASK[/VERSION] (a module of the target backbone)")
+        raise UsageError("--objective distill needs --module (a module of the target backbone: TASK/VERSION of "
+                         "the shipped store, or a STORE/TASK[/VERSION] folder)")
     train_data, val_data, provenance = read_texts(s)  # the user's files and presets before any backbone loads
     started = time.perf_counter()
     s = s.model_copy(update={"progress": s.progress if s.progress is not None else sys.stderr.isatty()})

@@ -264,8 +264,9 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--target-layers", default=None,
                    help="target states produced: default the module's states, else all; '0,5,10,15,20,25,30'")
     p.add_argument("--objective", choices=["mse", "distill"], default=None, help="default: mse")
-    p.add_argument("--module", default=None, help="STORE/TASK[/VERSION], a module of the TARGET backbone: the "
-                   "teacher for distill; for mse only measured (agreement with its teacher)")
+    p.add_argument("--module", default=None, help="a module of the TARGET backbone (TASK/VERSION of the shipped "
+                   "store, or a STORE/TASK[/VERSION] folder): the teacher for distill; for mse only measured "
+                   "(agreement with its teacher)")
     p.add_argument("--temperature", type=float, default=None, help="distill: softmax temperature (default 2)")
     p.add_argument("--ce-weight", type=float, default=None, help="distill: hard-label cross-entropy weight (default 0)")
     p.add_argument("--mse-weight", type=float, default=None, help="distill: log(1+MSE) state term weight (default 0)")
