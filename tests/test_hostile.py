@@ -418,7 +418,7 @@ def server(hostile_store, tiny_backbone_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         url, process = start_tmod_serve(
             ["--backbone", str(tiny_backbone_dir), "--store", str(hostile_store), "--max-body-bytes", str(MAX_BODY),
-             "--max-inputs", "8", "--max-chars", "2000", "--max-tokens", "256", "--max-request-tokens", "1000",
+             "--max-inputs", "8", "--max-chars", "2000", "--max-tokens", "128", "--max-request-tokens", "1000",
              "--threads", "1",
              "--header-timeout-s", str(SLOW_CLIENT_S), "--body-timeout-s", str(SLOW_CLIENT_S)], env, output=log)
         try:

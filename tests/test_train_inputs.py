@@ -876,8 +876,8 @@ def test_a_device_torch_cannot_use_is_one_line(tmp_path, capsys, tables, command
 def test_a_distillation_bridge_without_its_module_is_one_line(tmp_path, capsys):
     line = one_line_error(capsys, ["bridge", "--objective", "distill", "--source", "minilm", "--target", "minilm",
                                    "--bridge-store", str(tmp_path / "bridges")])
-    assert line == "tmod-train bridge: error: --objective distill needs --module STORE/TASK[/VERSION] (a module of " \
-                   "the target backbone)"
+    assert line == "tmod-train bridge: error: --objective distill needs --module (a module of the target backbone: " \
+                   "TASK/VERSION of the shipped store, or a STORE/TASK[/VERSION] folder)"
 
 
 def test_iob1_tags_are_learnt_as_bio_and_counted(tmp_path):
