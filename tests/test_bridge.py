@@ -337,6 +337,20 @@ def test_ctrl_c_keeps_the_best_epoch_so_far_and_finishes_the_run(sst2_dir, sourc
         train_bridge(s.model_copy(update={"name": "none"}), source=source, target=target)
 
 
+@pytest.mark.parametrize("budget, epochs_run", [(1e-6, 1), (600.0, 3)])
+def test_max_minutes_starts_no_bridge_epoch_past_the_budget(sst2_dir, source, target, tmp_path, budget, epochs_run):
+    """--max-minutes, as a head's run takes it (a bridge on a large backbone trains for hours on a CPU):
+    a budget of microseconds stops after the first epoch, said in the report; a generous one changes nothing."""
+    s = settings(dataset="sst2", data_dir=str(sst2_dir), epochs=3, max_minutes=budget, threads=1,
+                 bridge_store=str(tmp_path / "bridges"), report_dir=str(tmp_path / "report"),
+                 cache_dir=str(tmp_path / "cache"), name="timed")
+    result = train_bridge(s, source=source, target=target)
+    assert [h.get("stopped_by") for h in result.history] == [None] * (epochs_run - 1) + [
+        "max_minutes" if epochs_run < 3 else None]
+    said = "stopped by --max-minutes after epoch 1: kept epoch 1, the best so far"
+    assert (said in (tmp_path / "report" / "report.md").read_text()) == (epochs_run == 1)
+
+
 def test_cli_bridge_mse(sst2_dir, tiny_backbone_dir, target_dir, tmp_path, capsys):
     from training.cli import main
 

@@ -53,6 +53,7 @@ from training.distill import distill_kl
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
 from training.splits import module_folder
+from training.trainer import next_epoch_past_budget, safe_name, seed_everything
 
 log = logging.getLogger("tmod")
 
@@ -93,6 +94,8 @@ class BridgeSettings(BridgeShape):
     batch_size: int = Field(32, ge=1)
     eval_batch_size: int = Field(64, ge=1)
     epochs: int = Field(20, ge=1)
+    max_minutes: float | None = Field(None, gt=0, description="start no epoch that would end past this many minutes "
+                                      "of training (the best epoch so far is kept)")
     patience: int = Field(3, ge=1, description="early stopping: epochs without a lower validation loss")
     lr_patience: int = Field(1, ge=0, description="halve the learning rate after this many stale epochs")
     warmup_steps: int = Field(200, ge=0)
@@ -371,7 +374,13 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
     best_state = copy.deepcopy(bridge.state_dict())
     base_lr = s.lr
     need_mse = s.objective == "mse" or s.mse_weight > 0
+    started = time.perf_counter()
     for epoch in range(1, s.epochs + 1):
+        if next_epoch_past_budget(started, len(history), s.max_minutes):
+            tqdm.write(f"stopping after epoch {epoch - 1}/{s.epochs}: the time budget of {s.max_minutes:g} min "
+                       f"would be passed (--max-minutes)", file=sys.stderr)
+            history[-1]["stopped_by"] = "max_minutes"
+            break
         try:
             entry, val, step = run_bridge_epoch(bridge, train_pairs, val_pairs, s, device, probe, optimizer, rng,
                                                 epoch, step, base_lr, amp, need_mse, max_steps)
@@ -483,7 +492,6 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from training.pairing import PairedStates
     from training.settings import pick_device
     from training.runs import check_outputs, new_run_dir, save_as_free_version
-    from training.trainer import safe_name, seed_everything
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
         raise UsageError("--objective distill needs --module (a module of the target backbone: TASK/VERSION of "
@@ -628,8 +636,10 @@ def findings(result: BridgeResult) -> list[str]:
     lines.append(f"cosine of the bridged states to the target's real ones {m['cosine']:.4f} "
                  f"(untrained bridge {untrained.get('cosine', float('nan')):.4f})")
     epochs, best = result.training.get("epochs_run"), result.training.get("best_epoch")
-    if result.history and result.history[-1].get("stopped_by") == "interrupt":
-        lines.append(f"interrupted (Ctrl-C) after epoch {epochs}: kept epoch {best}, the best so far")
+    stopped = result.history[-1].get("stopped_by") if result.history else None
+    if stopped:
+        lines.append(f"{'interrupted (Ctrl-C)' if stopped == 'interrupt' else 'stopped by --max-minutes'} after "
+                     f"epoch {epochs}: kept epoch {best}, the best so far")
     elif best and best == epochs == result.training.get("settings", {}).get("epochs"):
         lines.append(f"kept epoch {best} of {epochs}, the last: validation was still improving; train longer")
     elif best:

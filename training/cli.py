@@ -288,6 +288,8 @@ def add_bridge_command(commands) -> None:
                              ("warmup-steps", int, 200), ("grad-clip", float, 1.0), ("seed", int, 0),
                              ("threads", int, 0)):
         p.add_argument(f"--{name}", type=kind, default=None, help=f"default: {note}")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no epoch that would end past this many "
+                   "minutes of training; the best epoch so far is kept (default: no budget)")
     p.add_argument("--standardise", action=argparse.BooleanOptionalAction, default=None,
                    help="per-dimension standardised source mix and target predictions (default: yes)")
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda")

@@ -331,6 +331,15 @@ def better_epoch(value: float, loss: float, best_value: float, best_loss: float,
     return value > best_value - s.min_delta and loss <= best_loss * (1 - s.min_loss_delta)
 
 
+def next_epoch_past_budget(started: float, epochs_done: int, max_minutes: float | None) -> bool:
+    """Whether one more epoch at the pace so far would end past `max_minutes` since `started`
+    (perf_counter seconds): --max-minutes starts no epoch it cannot finish."""
+    if not epochs_done or max_minutes is None:
+        return False
+    spent = time.perf_counter() - started
+    return spent + spent / epochs_done > 60 * max_minutes
+
+
 def train_epochs(model, train_split: Split, val_split: Split, train_source, val_source, s: TrainSettings, device,
                  amp: bool, state=None, teacher: DistillTargets | None = None) -> tuple[list[dict], int, float]:
     """The epoch loop: train, validate, keep the best epoch's weights (`select` best: `better_epoch`,
@@ -348,13 +357,11 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
     best_state = copy.deepcopy(keep())
     started = time.perf_counter()
     for epoch in range(1, s.epochs + 1):
-        if history and s.max_minutes is not None:
-            spent = time.perf_counter() - started
-            if spent + spent / len(history) > 60 * s.max_minutes:  # the next epoch would end past the budget
-                tqdm.write(f"stopping after epoch {epoch - 1}/{s.epochs}: the time budget of {s.max_minutes:g} min "
-                           f"would be passed (--max-minutes)", file=sys.stderr)
-                history[-1]["stopped_by"] = "max_minutes"
-                break
+        if next_epoch_past_budget(started, len(history), s.max_minutes):
+            tqdm.write(f"stopping after epoch {epoch - 1}/{s.epochs}: the time budget of {s.max_minutes:g} min "
+                       f"would be passed (--max-minutes)", file=sys.stderr)
+            history[-1]["stopped_by"] = "max_minutes"
+            break
         t0 = time.perf_counter()
         try:
             train_loss = run_epoch(model, train_split, train_source, optimizer, s, rng, device, amp,
