@@ -53,7 +53,7 @@ from training.distill import distill_kl
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
 from training.splits import module_folder
-from training.trainer import next_epoch_past_budget, safe_name, seed_everything
+from training.trainer import next_epoch_past_budget, safe_name, seed_everything, stop_early
 
 log = logging.getLogger("tmod")
 
@@ -377,9 +377,7 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
     started = time.perf_counter()
     for epoch in range(1, s.epochs + 1):
         if next_epoch_past_budget(started, len(history), s.max_minutes):
-            tqdm.write(f"stopping after epoch {epoch - 1}/{s.epochs}: the time budget of {s.max_minutes:g} min "
-                       f"would be passed (--max-minutes)", file=sys.stderr)
-            history[-1]["stopped_by"] = "max_minutes"
+            stop_early(history, "max_minutes", epoch, s.epochs, best_epoch, s.max_minutes)
             break
         try:
             entry, val, step = run_bridge_epoch(bridge, train_pairs, val_pairs, s, device, probe, optimizer, rng,
@@ -387,9 +385,7 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
         except KeyboardInterrupt:  # Ctrl-C on a long run: the best epoch so far is a result, not lost
             if not history:
                 raise
-            tqdm.write(f"interrupted in epoch {epoch}/{s.epochs}: keeping epoch {best_epoch}, the best so far, and "
-                       "finishing the run (Ctrl-C again quits before it is saved)", file=sys.stderr)
-            history[-1]["stopped_by"] = "interrupt"
+            stop_early(history, "interrupt", epoch, s.epochs, best_epoch)
             break
         history.append(entry)
         improved = val["loss"] < best

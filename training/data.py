@@ -817,10 +817,10 @@ def read_text_lines(path: str | Path, option: str = "--texts") -> list[str]:
     return texts
 
 
-def seeded_subset(items: list, n: int | None, seed: int) -> list:
+def seeded_subset(items: Sequence, n: int | None, seed: int) -> list:
     """A seeded random `n` of `items` (None or 0: all), in their order."""
     if not n or n >= len(items):
-        return items
+        return list(items)
     return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), n))]
 
 
@@ -830,7 +830,7 @@ def hold_out(texts: list[str], share: float, limit: int | None, seed: int) -> tu
     held = max(1, round(len(texts) * share))
     if limit:
         held = min(held, limit)
-    chosen = set(random.Random(seed).sample(range(len(texts)), held))
+    chosen = set(seeded_subset(range(len(texts)), held, seed))
     return [t for i, t in enumerate(texts) if i not in chosen], [t for i, t in enumerate(texts) if i in chosen]
 
 

@@ -197,7 +197,6 @@ def safe_name(text: str) -> str:
     return name[:64] or "task"
 
 
-# ---- the loop --------------------------------------------------------------------------------
 def label_names_beside(train_file: str, highest_id: int) -> Path | None:
     """A labels.txt (or classes.txt) in the training file's folder with a name for every class id up
     to `highest_id`, one a line, as GoEmotions and many data sets ship their ids' names; or None."""
@@ -236,6 +235,7 @@ def say_unknown_pieces(split: Split, backbone: Backbone, provenance: dict) -> No
               "local Hugging Face model, served as tmod-serve --backbone FOLDER)", file=sys.stderr)
 
 
+# ---- the loop --------------------------------------------------------------------------------
 def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: random.Random, device, amp: bool,
               desc: str, teacher: DistillTargets | None = None) -> float:
     """One pass over the training rows; the mean of the loss trained on (with a teacher: the mix of
@@ -340,6 +340,17 @@ def next_epoch_past_budget(started: float, epochs_done: int, max_minutes: float 
     return spent + spent / epochs_done > 60 * max_minutes
 
 
+def stop_early(history: list[dict], why: str, epoch: int, epochs: int, best_epoch: int,
+               max_minutes: float | None = None) -> None:
+    """Say and record why the epoch loop stops before its last epoch, heads' and bridges' alike:
+    `max_minutes` (before epoch `epoch`: it would end past the budget) or `interrupt` (Ctrl-C in it)."""
+    tqdm.write(f"stopping after epoch {epoch - 1}/{epochs}: the time budget of {max_minutes:g} min would be passed "
+               "(--max-minutes)" if why == "max_minutes" else
+               f"interrupted in epoch {epoch}/{epochs}: keeping epoch {best_epoch}, the best so far, and finishing "
+               "the run (Ctrl-C again quits before it is saved)", file=sys.stderr)
+    history[-1]["stopped_by"] = why
+
+
 def train_epochs(model, train_split: Split, val_split: Split, train_source, val_source, s: TrainSettings, device,
                  amp: bool, state=None, teacher: DistillTargets | None = None) -> tuple[list[dict], int, float]:
     """The epoch loop: train, validate, keep the best epoch's weights (`select` best: `better_epoch`,
@@ -358,9 +369,7 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
     started = time.perf_counter()
     for epoch in range(1, s.epochs + 1):
         if next_epoch_past_budget(started, len(history), s.max_minutes):
-            tqdm.write(f"stopping after epoch {epoch - 1}/{s.epochs}: the time budget of {s.max_minutes:g} min "
-                       f"would be passed (--max-minutes)", file=sys.stderr)
-            history[-1]["stopped_by"] = "max_minutes"
+            stop_early(history, "max_minutes", epoch, s.epochs, best_epoch, s.max_minutes)
             break
         t0 = time.perf_counter()
         try:
@@ -372,9 +381,7 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
         except KeyboardInterrupt:  # Ctrl-C on a long run: the best epoch so far is a result, not lost
             if not history or s.select != "best":  # nothing kept yet, or a fixed epoch count not reached
                 raise
-            tqdm.write(f"interrupted in epoch {epoch}/{s.epochs}: keeping epoch {best_epoch}, the best so far, and "
-                       "finishing the run (Ctrl-C again quits before it is saved)", file=sys.stderr)
-            history[-1]["stopped_by"] = "interrupt"
+            stop_early(history, "interrupt", epoch, s.epochs, best_epoch)
             break
         value = val_metrics[s.metric]
         history.append({
@@ -577,6 +584,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         claimed = new_run_dir(run_dir)
         store = store if s.store else ModuleStore(claimed / "store")
         report_dir = report_dir if s.report_dir else claimed / "report"
+
     def save(version: str) -> Path:
         training["settings"]["version"] = version
         return save_module(store, task, version, head, backbone, training=training, metrics=metrics,
