@@ -802,3 +802,12 @@ def test_train_longer_is_not_said_of_a_perfect_validation_score(sentiment_run, t
     assert main([*argv[:at], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"), "--epochs", "1"]) == 0
     assert ("validation accuracy was still improving; train longer" in capsys.readouterr().err) == said
     assert ModuleStore(tmp_path / "s").read_manifest("sentiment").training["still_improving"] == said
+
+
+def test_no_run_folder_is_made_where_store_and_report_go_elsewhere(sentiment_run, tmp_path, monkeypatch):
+    """With --store and --report-dir, an empty runs/TASK-VERSION-TIME folder was made in the working folder."""
+    _, argv = sentiment_run
+    monkeypatch.chdir(tmp_path)
+    at = argv.index("--store")
+    assert main([*argv[:at], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"), "--epochs", "1"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r", "s"]

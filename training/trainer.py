@@ -580,7 +580,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     # the file's name, not its path: /v1/tasks shows the description to every client
     description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or Path(s.train).name}"
                                      + (f", distilled from {s.distill_from}" if s.distill_from else ""))
-    if not s.run_dir:  # claimed now: a run started in the same second may have taken the name
+    # the run folder claimed now (a run started in the same second may have taken the name), and only where
+    # something goes in it
+    if not s.run_dir and not (s.store and s.report_dir):
         claimed = new_run_dir(run_dir)
         store = store if s.store else ModuleStore(claimed / "store")
         report_dir = report_dir if s.report_dir else claimed / "report"
