@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Annotated, Callable, Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
@@ -24,6 +24,7 @@ from server.embeddings_api import PoolingUsage, as_texts
 from server.errors import ApiError, clip, not_loaded
 from server.modules import compares_pairs
 from server.schemas import decode
+from server.serving import Serving
 
 
 class ClassifyRequest(Struct, forbid_unknown_fields=True):
@@ -85,8 +86,9 @@ def classify_module(modules: dict, model: str | None, runtime=None):
     return module
 
 
-def classify_routes(runtime, require_ready: Callable[[], None], run_inference) -> dict:
+def classify_routes(serving: Serving) -> dict:
     """{path: handler(body, request) -> (answer bytes, headers)} for the app's raw ASGI layer."""
+    runtime, require_ready, run_inference = serving.runtime, serving.require_ready, serving.run_inference
 
     async def classify(body: bytes, request) -> tuple[bytes, dict]:
         require_ready()

@@ -20,7 +20,7 @@
   APIs as vLLM answers them for an embedding model: cosine similarities of the texts' embeddings (1:N or
   N:N pairs; a query's documents best first, `top_n`, `return_documents`); errors in OpenAI's shape.
 
-All go through the app's `run_inference` (limits, tokenization, the batcher, metrics, timing
+All go through `Serving.run_inference` (server/serving.py: limits, tokenization, the batcher, metrics, timing
 headers), so they batch with `/v1/infer` requests and work the same with `--workers N`. Their bodies
 are msgspec structs (server/schemas.py `decode`), answered by the app's raw ASGI layer, not FastAPI.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import base64
 import secrets
 import time
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 import numpy as np
@@ -39,7 +39,8 @@ from modules_store import TaskType
 from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
 from server.modules import token_limit
-from server.schemas import AnswerControls, PromptName, TEIDirection, decode, probe
+from server.schemas import AnswerControls, OpenAIModel, OpenAIModelList, PromptName, TEIDirection, decode, probe
+from server.serving import Serving
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
@@ -311,9 +312,10 @@ def tei_info(runtime, settings, version: str) -> dict:
             "tokenization_workers": settings.workers, "version": version, "sha": None, "docker_label": None}
 
 
-def embeddings_routes(runtime, require_ready: Callable[[], None], run_inference) -> dict:
+def embeddings_routes(serving: Serving) -> dict:
     """{path: handler(body, request) -> (answer bytes, headers)}: OpenAI's and TEI's routes over the app's
     runtime and its shared `run_inference` (the app's raw ASGI layer serves them)."""
+    runtime, require_ready, run_inference = serving.runtime, serving.require_ready, serving.run_inference
 
     async def embed(texts, module, truncate, request, direction: str = "right", names=None):
         results, job, headers = await run_inference(texts, None, {module.task: module}, truncate, request,
@@ -460,3 +462,31 @@ def sides_named(first: str, second: str, count: int):
 def refuse_prompt(prompt_name: str | None) -> None:
     if prompt_name is not None:
         raise ApiError(422, "invalid_request", f"prompt_name {prompt_name!r}: no prompts are configured")
+
+
+def model_list_routes(app, serving: Serving) -> None:
+    """Adds OpenAI's model list (the names /v1/embeddings takes) to the FastAPI `app`."""
+    runtime, require_ready = serving.runtime, serving.require_ready
+    started_s = int(time.time())
+
+    @app.get("/v1/models", response_model=OpenAIModelList, tags=["embeddings"], responses={503: {}})
+    async def openai_models():
+        """OpenAI's model list (`client.models.list()`): each embedding task, then the backbone's name."""
+        require_ready()
+        return OpenAIModelList(data=[OpenAIModel(id=name, created=started_s) for name in embedding_model_names(runtime)])
+
+    @app.get("/v1/models/{model:path}", response_model=OpenAIModel, tags=["embeddings"], responses={404: {}, 503: {}})
+    async def openai_model(model: str):
+        """One name of the list (`client.models.retrieve(name)`); 404 in OpenAI's shape for any other. The
+        path is KServe V1's model readiness too: OpenAI's answer is kept (a task is no embedding model),
+        and the 404 of a served task says where KServe's readiness is."""
+        require_ready()
+        try:
+            embedding_module(runtime, model)
+        except ApiError as exc:
+            if model not in runtime.modules:
+                raise
+            raise ApiError(404, exc.type, f"{exc.message}; {model!r} is a task: KServe V1 clients predict at POST "
+                           f"/v1/models/{model}:predict and ask its readiness at GET /v2/models/{model}/ready",
+                           **exc.details) from None
+        return OpenAIModel(id=model, created=started_s)

@@ -1,5 +1,6 @@
-"""Open Inference Protocol v2 (KServe / Triton REST) for each task, with the binary data extension;
-its gRPC twin (server/oip_grpc.py) reads and answers through the same functions.
+"""Open Inference Protocol v2 (KServe / Triton REST) for each task, with the binary data extension:
+its routes (`oip_routes`; Triton's repository routes are server/admin_api.py's) and how they read and
+answer; its gRPC twin (server/oip_grpc.py) reads and answers through the same functions.
 
 Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, as many texts); another shape
 (e.g. tritonclient's [1, N]) is read as its texts in row-major order, and every output then leads
@@ -34,10 +35,12 @@ import numpy as np
 
 from modules_store import TaskType
 
+from server import windows
 from server.errors import ApiError, clip, clip_list, did_you_mean
 from server.heads.embedding import vector_size
 from server.modules import LoadedModule, compares_pairs
 from server.schemas import AnswerControls
+from server.serving import Serving
 
 HEADER = "inference-header-content-length"
 INPUTS = ("text", "text_pair")
@@ -370,3 +373,84 @@ def encode_response(module: LoadedModule, request: dict, tensors: list[tuple[str
     if not blobs:
         return head, {"content-type": "application/json"}
     return head + b"".join(blobs), {"content-type": "application/octet-stream", HEADER: str(len(head))}
+
+
+def oip_routes(app, serving: Serving):
+    """Adds the protocol's server, health and model metadata routes to the FastAPI `app` (Triton's
+    repository routes: server/admin_api.py) -> (infer, answer): `infer(body, request, task, version)`
+    answers an HTTP inference request (the app's raw ASGI layer calls it); `answer(module, read, request)`
+    a read one, over HTTP or gRPC."""
+    require_ready, module_of = serving.require_ready, serving.module
+
+    @app.get("/v2", tags=["oip-v2"])
+    async def oip_server_metadata():
+        return {"name": "tmod", "version": app.version,
+                "extensions": ["binary_tensor_data", "classification", "model_configuration", "model_repository"]}
+
+    @app.get("/v2/health/live", tags=["oip-v2"])
+    async def oip_live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready", tags=["oip-v2"], responses={503: {}})
+    async def oip_ready():
+        serving.require_serving()
+        return {"ready": True}
+
+    # before the model routes (/v2/models/stats is no model called "stats"); a refusal, not in the schema
+    @app.get("/v2/models/stats", include_in_schema=False)
+    @app.get("/v2/models/{task}/stats", include_in_schema=False)
+    @app.get("/v2/models/{task}/versions/{version}/stats", include_in_schema=False)
+    async def oip_statistics(task: str | None = None, version: str | None = None):
+        """Triton's statistics extension (tritonclient's `get_inference_statistics`) is not served: its
+        counts are per model and per batch, and tmod's passes serve every task at once. Said, with where
+        tmod's own counts are, instead of a bare 404 (or "no model 'stats'")."""
+        raise ApiError(404, "not_found", STATISTICS_REFUSED)
+
+    @app.get("/v2/models/{task}", tags=["oip-v2"], responses={404: {}})
+    @app.get("/v2/models/{task}/versions/{version}", tags=["oip-v2"], responses={404: {}})
+    async def oip_model_metadata(task: str, version: str | None = None):
+        require_ready()
+        return model_metadata(module_of(task, version))
+
+    @app.get("/v2/models/{task}/config", tags=["oip-v2"], responses={404: {}})
+    @app.get("/v2/models/{task}/versions/{version}/config", tags=["oip-v2"], responses={404: {}})
+    async def oip_model_config(task: str, version: str | None = None):
+        """Triton's model configuration extension (tritonclient's `get_model_config`)."""
+        require_ready()
+        return model_config(module_of(task, version))
+
+    @app.get("/v2/models/{task}/ready", tags=["oip-v2"], responses={404: {}})
+    @app.get("/v2/models/{task}/versions/{version}/ready", tags=["oip-v2"], responses={404: {}})
+    async def oip_model_ready(task: str, version: str | None = None):
+        require_ready()
+        module = module_of(task, version)
+        return {"name": module.task, "version": module.version, "ready": True}
+
+    async def answer(module: LoadedModule, read: tuple, request) -> tuple[LoadedModule, list, dict]:
+        """An OIP inference request, read (`read_request`) over HTTP or gRPC, answered: (the module
+        version that answered, each text's answer, the timing headers). `request`: its `is_disconnected`."""
+        parsed, texts, text_pairs, shape = read
+        task = module.task
+        check_declared_inputs(module, text_pairs)
+        serving.fit_to_inputs({task: module}, text_pairs is not None, named=True)
+        parameters = parsed.get("parameters") or {}
+        truncate = bool_parameter(parameters, "truncate")
+        window, stride = (windows.whole_number(parameters, name) for name in ("window", "stride"))
+        controls = answer_controls(parsed)
+        # top_k reaches OIP clients as the classification extension on `scores`: decode every label
+        decoded = msgspec.structs.replace(controls, top_k=None)
+        results, job, headers = await serving.run_inference(texts, text_pairs, {task: module}, truncate, request,
+                                                            window, stride, decoded)
+        module = job.modules[task]  # the version that answered
+        return module, response_tensors(module, parsed, [r[task] for r in results], controls.top_k, shape), headers
+
+    async def infer(body: bytes, request, task: str, version: str | None) -> tuple[bytes, dict]:
+        """Body: OIP v2 JSON, or the binary data extension (Inference-Header-Content-Length)."""
+        require_ready()
+        module = module_of(task, version)
+        read = parse_request(body, request.header(HEADER.encode()))
+        module, tensors, headers = await answer(module, read, request)
+        content, extra = encode_response(module, read[0], tensors)
+        return content, {**headers, **extra}
+
+    return infer, answer

@@ -34,8 +34,10 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from server import oip
+from server.admin_api import repository_index
 from server.errors import ApiError, count_error
 from server.oip_v2_descriptor import FILE
+from server.serving import Serving
 
 log = logging.getLogger("tmod")
 
@@ -117,10 +119,11 @@ class GrpcCall:
         return self.context.cancelled()
 
 
-def service(app, require_ready, require_serving, oip_module, oip_answer, repository_index, authorized):
-    """The generic handler of `inference.GRPCInferenceService` over the app's own OIP functions (server/app.py):
-    `oip_answer(module, read, call)` answers a read request; `repository_index(ready_only)` lists the
-    store's tasks; `authorized(headers)` checks the API key."""
+def service(app, serving: Serving, oip_answer, authorized):
+    """The generic handler of `inference.GRPCInferenceService` over the app's own OIP functions: the
+    app's `serving` (server/serving.py), `oip_answer(module, read, call)` to answer a read request
+    (server/oip.py `oip_routes`), `authorized(headers)` to check the API key."""
+    require_ready, require_serving, oip_module = serving.require_ready, serving.require_serving, serving.module
 
     methods = _POOL.FindServiceByName(SERVICE).methods_by_name
 
@@ -195,7 +198,7 @@ def service(app, require_ready, require_serving, oip_module, oip_answer, reposit
     async def repository_index_rpc(request, context):
         require_ready()
         answer = message("RepositoryIndexResponse")()
-        for model in repository_index(request.ready):
+        for model in repository_index(serving, request.ready):
             answer.models.add(**model)
         return answer
 

@@ -29,7 +29,7 @@ One request runs one task: /v1/infer runs several in one pass.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
@@ -38,6 +38,7 @@ from modules_store import TaskType
 from server.errors import ApiError, clip, did_you_mean
 from server.modules import compares_pairs
 from server.schemas import AnswerControls, TEIDirection, TextPair, check_one_form, decode
+from server.serving import Serving
 
 Instances = Annotated[list[Union[str, TextPair]], Meta(
     min_length=1, description="texts, or {text, text_pair} objects for a pair task; not mixed in one request")]
@@ -64,9 +65,11 @@ class PredictResponse(Struct):
                                                                   "/v1/infer gives it")]
 
 
-def predict_route(require_ready: Callable[[], None], module_of, fit_to_inputs, run_inference):
-    """handler(body, request, task, verb) -> (answer bytes, headers), for the app's raw ASGI layer.
-    `module_of(task)`: the served module, else 404 naming the loaded ones (OIP's lookup: one model, one task)."""
+def predict_route(serving: Serving):
+    """handler(body, request, task, verb) -> (answer bytes, headers), for the app's raw ASGI layer. A task is
+    looked up as OIP looks up a model (`Serving.module`: one model, one task)."""
+    require_ready, module_of, fit_to_inputs, run_inference = (serving.require_ready, serving.module,
+                                                              serving.fit_to_inputs, serving.run_inference)
 
     async def predict(body: bytes, request, task: str, verb: str) -> tuple[bytes, dict]:
         require_ready()
@@ -196,8 +199,9 @@ def answers_logits(asked: TEIPredictRequest, module) -> bool:
     return False
 
 
-def tei_predict_route(runtime, require_ready: Callable[[], None], run_inference):
+def tei_predict_route(serving: Serving):
     """{path: handler(body, request) -> (answer bytes, headers)} for the app's raw ASGI layer."""
+    runtime, require_ready, run_inference = serving.runtime, serving.require_ready, serving.run_inference
 
     async def tei_predict(body: bytes, request) -> tuple[bytes, dict]:
         require_ready()

@@ -81,7 +81,7 @@ class InferRequest(AnswerControls, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self):
         check_one_form(self.inputs, "inputs")
-        # empty texts and limits are checked where every protocol shares them (app.py)
+        # empty texts and limits are checked where every protocol shares them (server/serving.py)
 
 
 def check_one_form(items: list, field: str) -> None:
@@ -344,6 +344,12 @@ def openapi_components(*kinds: type) -> tuple[dict[type, dict], dict[str, dict]]
     return dict(zip(kinds, schemas)), components
 
 
+def request_body(kind: type) -> dict:
+    """A FastAPI route's `openapi_extra`: its JSON body is `kind` (a msgspec struct, in the components)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{kind.__name__}"}}}}}
+
+
 # ---- the routes FastAPI answers --------------------------------------------------------------------------
 class TaskInfo(BaseModel):
     task: str
@@ -414,3 +420,4 @@ class AdminModules(BaseModel):
     not_served: dict[str, str] = Field(default_factory=dict, description="tasks of the store that start-up left "
                                        "out, each with why (an opt-in module, or none for this backbone) and how to "
                                        "serve it; /readyz's `refused` lists those whose artifact failed its checks")
+
