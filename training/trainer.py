@@ -410,36 +410,49 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
     return history, best_epoch, best
 
 
-def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = "",
-          config_file: str | None = None, splits: Splits | None = None) -> TrainResult:
-    """The whole run: data, head, fit, served-path validation (and test), baselines, artifact, report.
-    `splits`: the data as `resolve_data(s)` gave it, where the caller checked it first (tmod-train)."""
-    started = time.perf_counter()
-    seed_everything(s.seed)
-    data = splits if splits is not None else resolve_data(s)
-    train_data, val_data, labels, provenance = data.train, data.validation, data.labels, data.provenance
+def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: list[str], backbone: Backbone,
+                  s: TrainSettings) -> tuple[dict, dict, Split, list]:
+    """The kept head measured the way the server runs it: on validation (which chose the epoch, and here
+    any decision threshold) and on the test split (which chose nothing).
+    -> (metrics, the decoding thresholds chosen, the split the baselines are scored on, its probabilities)."""
+    task_type, metric, val_data = data.train.task_type, s.metric, data.validation
+    decoding, thresholds = {}, None
+    val_probabilities: list = []
+    if task_type == TaskType.multi_label_classification:
+        score_module(val_split, served, s.eval_batch_size, progress=s.progress, thresholds=0.5,
+                     probabilities=val_probabilities)
+        chosen = choose_thresholds(val_split.multi_hot(range(len(val_split))).numpy(), np.stack(val_probabilities), labels)
+        decoding = {k: chosen[k] for k in ("thresholds", "threshold_rule")}
+        thresholds = [chosen["thresholds"][label] for label in labels]
+        metrics = score(val_split, val_probabilities, thresholds)
+        metrics.update({k: chosen[k] for k in ("rule", "global_threshold", "global_f1_macro", "per_label_f1_macro")})
+    else:
+        metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress, probabilities=val_probabilities)
+    if s.none_below is not None:
+        gold = [ex.label for ex in val_data.examples]
+        chosen = (choose_none_threshold(gold, np.stack(val_probabilities), labels) if s.none_below == "auto" else
+                  {**answered_scores(gold, np.stack(val_probabilities), labels, s.none_below),
+                   "threshold_rule": f"none of these under p {s.none_below}: set by --none-below"})
+        decoding = {"threshold": chosen.pop("threshold"), "threshold_rule": chosen.pop("threshold_rule")}
+        metrics["none_of_these"] = chosen
+    metrics.update(metric=metric, split="validation",
+                   role="chose the epoch" + (" and thresholds" if decoding else ""))
+    evaluated, probabilities = val_split, val_probabilities
+    if data.test is not None:
+        evaluated, probabilities = Split(data.test, labels, backbone), []
+        metrics["test"] = {**score_module(evaluated, served, s.eval_batch_size, progress=s.progress,
+                                          thresholds=thresholds, probabilities=probabilities),
+                           "split": "test", "role": "scored once at the end; chose nothing"}
+        if "threshold" in decoding and task_type == TaskType.sequence_classification:
+            metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
+                                                               np.stack(probabilities), labels, decoding["threshold"])
+    return metrics, decoding, evaluated, probabilities
+
+
+def say_what_the_data_holds(s: TrainSettings, train_data, labels: list[str], provenance: dict) -> None:
+    """What a user should know of their data before training on it, said on stderr: numbers for labels,
+    a pair recipe left unmeasured, IOB1 tags, a text labelled two ways, rows the splits share."""
     task_type = train_data.task_type
-    metric = data.metric  # --metric, else the preset's, else the task type's (training/splits.py)
-    progress = s.progress if s.progress is not None else sys.stderr.isatty()
-    s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
-
-    task = safe_name(s.task or s.dataset or Path(s.train).stem)
-    if s.task and task != s.task:  # a folder and URL name: said, not found out from the store
-        print(f"--task {s.task!r} is stored and served as {task!r} (task names are a-z, 0-9, '_' and '-')",
-              file=sys.stderr)
-    numbered = s.version is None  # the next free number; without --store the run's own new store: 1
-    if numbered:
-        s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"  # made when saving
-    store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
-    report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
-    if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
-        raise UsageError(f"--store: {misplaced}")
-    check_outputs(store, task, s.version, s.overwrite, (store.root, report_dir),
-                  fix="give --run-dir (or --store and --report-dir) in a folder you can write")
-    server = serving.check_server(s.load_into, s.store) if s.load_into else None
-
     if task_type != TaskType.token_classification and all(label.isdigit() for label in labels) and not s.label_map:
         ids = sorted(labels, key=int)  # 0, 1, 2, ... where the head's order is 0, 1, 10, ...
         example = ",".join(f"{label}=..." for label in ids[:3]) + (",..." if len(ids) > 3 else "")
@@ -470,6 +483,39 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         print(f"{provenance['test_rows_also_in_validation']} of {provenance['test_examples']} test rows hold a text the "
               "validation rows hold too: the epoch was chosen on them, so the test score is not wholly unseen",
               file=sys.stderr)
+
+
+def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = "",
+          config_file: str | None = None, splits: Splits | None = None) -> TrainResult:
+    """The whole run: data, head, fit, served-path validation (and test), baselines, artifact, report.
+    `splits`: the data as `resolve_data(s)` gave it, where the caller checked it first (tmod-train)."""
+    started = time.perf_counter()
+    seed_everything(s.seed)
+    data = splits if splits is not None else resolve_data(s)
+    train_data, val_data, labels, provenance = data.train, data.validation, data.labels, data.provenance
+    task_type = train_data.task_type
+    metric = data.metric  # --metric, else the preset's, else the task type's (training/splits.py)
+    progress = s.progress if s.progress is not None else sys.stderr.isatty()
+    s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
+
+    task = safe_name(s.task or s.dataset or Path(s.train).stem)
+    if s.task and task != s.task:  # a folder and URL name: said, not found out from the store
+        print(f"--task {s.task!r} is stored and served as {task!r} (task names are a-z, 0-9, '_' and '-')",
+              file=sys.stderr)
+    numbered = s.version is None  # the next free number; without --store the run's own new store: 1
+    if numbered:
+        s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"  # made when saving
+    store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
+    report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
+    if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
+        raise UsageError(f"--store: {misplaced}")
+    check_outputs(store, task, s.version, s.overwrite, (store.root, report_dir),
+                  fix="give --run-dir (or --store and --report-dir) in a folder you can write")
+    server = serving.check_server(s.load_into, s.store) if s.load_into else None
+
+    say_what_the_data_holds(s, train_data, labels, provenance)
     if s.threads:
         torch.set_num_threads(s.threads)
     device = pick_device(s.device)
@@ -506,39 +552,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     head.eval()
     for param in head.parameters():
         param.requires_grad_(False)
-    # the numbers that ship: the kept head measured the way the server runs it, on validation (which
-    # chose the epoch and any threshold) and on the test split (which chose nothing)
-    served = LoadedModule(task=task, version=s.version, manifest=None, head=head)
-    decoding, thresholds = {}, None
-    val_probabilities: list = []
-    if task_type == TaskType.multi_label_classification:
-        score_module(val_split, served, s.eval_batch_size, progress=s.progress, thresholds=0.5,
-                     probabilities=val_probabilities)
-        chosen = choose_thresholds(val_split.multi_hot(range(len(val_split))).numpy(), np.stack(val_probabilities), labels)
-        decoding = {k: chosen[k] for k in ("thresholds", "threshold_rule")}
-        thresholds = [chosen["thresholds"][label] for label in labels]
-        metrics = score(val_split, val_probabilities, thresholds)
-        metrics.update({k: chosen[k] for k in ("rule", "global_threshold", "global_f1_macro", "per_label_f1_macro")})
-    else:
-        metrics = score_module(val_split, served, s.eval_batch_size, progress=s.progress, probabilities=val_probabilities)
-    if s.none_below is not None:
-        gold = [ex.label for ex in val_data.examples]
-        chosen = (choose_none_threshold(gold, np.stack(val_probabilities), labels) if s.none_below == "auto" else
-                  {**answered_scores(gold, np.stack(val_probabilities), labels, s.none_below),
-                   "threshold_rule": f"none of these under p {s.none_below}: set by --none-below"})
-        decoding = {"threshold": chosen.pop("threshold"), "threshold_rule": chosen.pop("threshold_rule")}
-        metrics["none_of_these"] = chosen
-    metrics.update(metric=metric, split="validation",
-                   role="chose the epoch" + (" and thresholds" if decoding else ""))
-    evaluated, probabilities = val_split, val_probabilities
-    if data.test is not None:
-        evaluated, probabilities = Split(data.test, labels, backbone), []
-        metrics["test"] = {**score_module(evaluated, served, s.eval_batch_size, progress=s.progress,
-                                          thresholds=thresholds, probabilities=probabilities),
-                           "split": "test", "role": "scored once at the end; chose nothing"}
-        if "threshold" in decoding and task_type == TaskType.sequence_classification:
-            metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
-                                                               np.stack(probabilities), labels, decoding["threshold"])
+    served = LoadedModule(task=task, version=s.version, manifest=None, head=head)  # the numbers that ship
+    metrics, decoding, evaluated, probabilities = served_scores(served, val_split, data, labels, backbone, s)
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed,
                         cache=default_cache_dir() / "baselines" if s.state_cache else None)
     metrics["baselines"] = assessment["baselines"]
