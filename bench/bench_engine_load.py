@@ -50,12 +50,13 @@ TASKS = "sentiment,ner,acceptability"
 def engine(config: dict) -> None:
     """The engine process (on the code at config["code"]): serve, then report the window between the
     driver's two SIGUSR1s."""
-    sys.path.insert(0, config["code"])
-    from server import workers
+    from bench.harness import engine_side_of_workers  # this tree's (bench/ is a namespace package: after the
+    sys.path.insert(0, config["code"])              # insert, bench.harness would be the measured checkout's)
     from server.config import Settings
     from server.runner import ModelRunner
     from server.runtime import Runtime, one_host_thread
 
+    workers = engine_side_of_workers()
     one_host_thread()  # as on cuda (server/runtime.py)
     releases, clock, device, model = config["releases"], threading.Lock(), {"end": 0.0, "busy": 0.0}, config["pass_model"]
 
@@ -130,12 +131,21 @@ def engine(config: dict) -> None:
 
 def driver(config: dict, engine_pid: int) -> None:
     """The workers' side: `conns` connections keeping `concurrency` requests in the engine."""
+    import io
     import pickle
 
     import numpy as np
 
-    from bench.harness import read_sst2_sentences
-    from server import workers
+    from bench.harness import engine_side_of_workers, read_sst2_sentences
+
+    workers = engine_side_of_workers()
+
+    class StateReader(pickle.Unpickler):
+        """A --before engine's messages: its state's classes were in server/workers.py before that became
+        the package server/workers/ (frames.py holds them)."""
+
+        def find_class(self, module, name):
+            return super().find_class("server.workers.frames" if module == "server.workers" else module, name)
 
     per_connection = config["concurrency"] // config["conns"]
     answered = [0]
@@ -147,7 +157,7 @@ def driver(config: dict, engine_pid: int) -> None:
         text = None
         while text is None:  # the engine's state, with its tokenizer, comes first
             body = await workers.read_frame(reader)
-            for message in pickle.loads(memoryview(body)[1:]):
+            for message in StateReader(io.BytesIO(memoryview(body)[1:])).load():
                 if message[0] == "state" and message[1].text is not None:
                     text = message[1].text
         sentences = read_sst2_sentences()
@@ -178,7 +188,7 @@ def driver(config: dict, engine_pid: int) -> None:
             if body[:1] == workers.ANSWERS:
                 n = workers.ANSWER_HEAD.unpack_from(body)[1]
                 now = time.perf_counter()
-                # the ids follow the header and each request's three timings (server/workers.py, answer_frame)
+                # the ids follow the header and each request's three timings (server/workers/frames.py, answer_frame)
                 done = np.frombuffer(body, dtype=np.int32, count=n, offset=workers.ANSWER_HEAD.size + 24 * n).tolist()
                 took = [now - sent.pop(ident) for ident in done]
                 if recording[0]:

@@ -28,7 +28,7 @@ a CPU's several passes per batch, each with its own sleep and per-pass host work
 5. A further server (httptools + uvloop) is run under cProfile (event-loop thread and every other thread via
    threading.setprofile) for one 1-input and one 32-input level; top functions by own time.
 
-6. `--workers`: the same levels on `tmod-serve --workers 1` and `--workers 2` (server/workers.py), with
+6. `--workers`: the same levels on `tmod-serve --workers 1` and `--workers 2` (server/workers/), with
    the CPU of the engine process (the one that cannot be multiplied), of each worker and of the load
    generator per request, and requests per batch from /metrics.
    `--before DIR` (another checkout, e.g. `git worktree add /tmp/base <commit>`): its servers run
@@ -660,16 +660,16 @@ def engine_driver(config: dict) -> None:
     tree's binary frames, or the pickled messages of a checkout from before them), one frame at a
     time, each answered (its answer frame written) before the next. CPU = this process's utime +
     stime (every thread) over the frames / requests. Each frame is one batch."""
-    sys.path.insert(0, config["code"])  # before anything of server/ is imported: that code is measured
     import pickle
 
-    from bench.harness import read_sst2_sentences
-    from server import workers as engine_side
+    from bench.harness import engine_side_of_workers, read_sst2_sentences  # this tree's: bench/ is a namespace
+    sys.path.insert(0, config["code"])  # package. Before anything of server/ is imported: that code is measured
     from server.config import Settings
     from server.runtime import Runtime
 
     install_standin(config["pass_ms"] / 1000)
     requests, inputs = config["level"]
+    engine_side = engine_side_of_workers()
     binary = hasattr(engine_side, "RequestFrame")
 
     class Connection:  # what the engine writes to

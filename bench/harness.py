@@ -32,6 +32,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.live_server import engines_on_port, free_port
 
@@ -228,6 +229,17 @@ def build_store(store_dir: Path, backbone_path: str | None, seed: int) -> dict:
 
 # ---- CPU accounting from /proc (Linux; absent elsewhere -> None) ----------------------------------
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def engine_side_of_workers():
+    """The engine's side of `tmod-serve --workers` (its frames, `EngineService`, `run_engine_loop`) in
+    the checkout on sys.path, which a `--before` run may have put there: one module, server/workers.py,
+    in checkouts before it became the package server/workers/."""
+    from server import workers
+    if hasattr(workers, "EngineService"):
+        return workers
+    from server.workers import engine_service, frames, processes
+    return SimpleNamespace(**{**vars(frames), **vars(engine_service), **vars(processes)})
 
 
 def proc_cpu_seconds(pid: int) -> float | None:

@@ -72,7 +72,7 @@ def engine_pids(server_pid: int) -> list[int]:
 
 def engines_on_port(server_pid: int, engines: int, workers: int) -> bool:
     """Whether `tmod-serve --engines N` has its N engines each with its `workers` HTTP workers: an engine
-    starts its workers as it joins the port, engine 0 at once, the others once loaded (server/workers.py)."""
+    starts its workers as it joins the port, engine 0 at once, the others once loaded (server/workers/processes.py)."""
     found = engine_pids(server_pid)
     return len(found) == engines and all(len(worker_pids(pid)) == workers for pid in found)
 

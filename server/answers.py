@@ -35,7 +35,7 @@ class RowLogits(Sequence):
     """One native task's host logits of a pass, as each row's logits: `rows[r]` is row r's array
     ((labels,), or (tokens, labels) over its own tokens for a token task: `lengths` given), a view made
     only when asked. `take` gathers many rows at once, so that packing a batch's answers costs numpy
-    calls per task, not a Python step per row (the answer frame, server/workers.py)."""
+    calls per task, not a Python step per row (the answer frame, server/workers/frames.py)."""
 
     def __init__(self, array: np.ndarray, lengths: np.ndarray | None = None):
         self.array, self.lengths = array, lengths

@@ -249,7 +249,7 @@ async def respond(send, status: int, content: bytes, headers: dict[str, str]) ->
 
 def create_app(settings: Settings | None = None, backbone: Backbone | None = None, runtime=None) -> TmodApp:
     """The app over `runtime`: by default a Runtime in this process (backbone, modules, batcher);
-    in an HTTP worker process a `server.workers.RemoteRuntime` (the same interface) that forwards to
+    in an HTTP worker process a `server.workers.remote_runtime.RemoteRuntime` (the same interface) that forwards to
     the engine process."""
     settings = settings or Settings()
     runtime = runtime or Runtime(settings, backbone)

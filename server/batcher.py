@@ -14,7 +14,7 @@ its frame's `RowBlock`, and a batch of them reaches the runner as one RowBlock, 
 object of its own: the
 owner keeps what it needs per key and is told per batch what happened (`Owner`). The engine process
 of `--workers N` is one owner per worker connection: it answers a whole batch's requests of that
-worker in one frame (server/workers.py). A `Job` of the one-process path is its own key under the
+worker in one frame (server/workers/). A `Job` of the one-process path is its own key under the
 `JOBS` owner, whose future the HTTP handler awaits (`Batcher.submit`).
 
 While a batch waits for company, entries queued meanwhile (a worker's frame) join it at once, as long as

@@ -176,12 +176,12 @@ def serve_settings(settings: Settings) -> None:
         raise SystemExit("tmod-serve: --engines N runs N engine processes with their own HTTP workers: "
                          "give --workers 2 or more")
     if settings.workers > 1:
-        # N HTTP worker processes and this one as the engine (server/workers.py). Metrics of every
+        # N HTTP worker processes and this one as the engine (server/workers/). Metrics of every
         # process go through files here; prometheus_client reads this when first imported, so set it first
         made = None
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             made = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tmod-metrics-")
-        from server.workers import serve, serve_engines
+        from server.workers.processes import serve, serve_engines
 
         stop_on_device_failure()
         try:

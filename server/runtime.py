@@ -3,7 +3,7 @@
 `Runtime` is what the HTTP app talks to, through a small interface (`open`, `shutdown`, `encode`,
 `submit`, `manage`, `describe`, `model_info`, and the snapshots `ready`, `startup_error`, `modules`,
 `load_errors`, `metrics`). With `--workers N` the app runs in N processes and talks to
-`server/workers.py`'s `RemoteRuntime`, which has the same interface and forwards to the one Runtime in
+`server/workers/remote_runtime.py`'s `RemoteRuntime`, which has the same interface and forwards to the one Runtime in
 the engine process.
 """
 from __future__ import annotations

@@ -71,7 +71,7 @@ def decode(task_type: TaskType, labels: list[str], logits: torch.Tensor, batch: 
 def decode_rows(task_type: TaskType, labels: list[str], packed: np.ndarray, batch: TokenBatch,
                 options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
                 decoding: dict | None = None) -> list[dict[str, Any]]:
-    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`,
+    """`decode` over one request's logits packed by an engine in another process (`server/workers/frames.py`,
     `pack_answers`): (rows, labels), or for token tasks every row's own tokens one after the other
     (tokens, labels); on `batch`, those rows collated."""
     if task_type != TaskType.token_classification:

@@ -1,7 +1,7 @@
 """Microseconds of host CPU per one-text request for tokenizing and for decoding (issue 37), as a worker
 does them: `encode([text], whole=True)` (what server/windows.py reads a text with), and the request's
 three answers (sentiment, ner, acceptability on all-MiniLM-L6-v2) from the logits the engine sends
-back: the rows collated and `decode_rows` per task (as server/workers.py does), and where the code
+back: the rows collated and `decode_rows` per task (as server/workers/remote_runtime.py does), and where the code
 has it, `decode_rows` straight from the rows. Real SST-2 and CoNLL-2003 validation sentences, 20 of
 each, one request each; best of 7 rounds. Not a test (no timing is asserted); it runs on whichever
 tmod is on PYTHONPATH, so before and after are the same command:
@@ -31,7 +31,7 @@ def main(texts_per_source: int = 20, rounds: int = 7, number: int = 20) -> dict[
     from server.modules import load_module
     from training.data import default_data_dir, read_conll
 
-    torch.set_num_threads(1)  # a worker's setting (server/workers.py, one_host_thread)
+    torch.set_num_threads(1)  # a worker's setting (server/workers/remote_runtime.py, one_host_thread)
     backbone = Backbone.load()
     encoder = backbone.text
     data = default_data_dir()

@@ -11,7 +11,7 @@ With `--workers 2` the listening socket is shared: a client that reconnected aft
 `Connection: close` answer could land in the kernel's accept queue just before the last worker
 closed the socket, and be reset (4 of ~2,700 requests in one run, issue 37). The engine process now
 refuses new connections with a socket filter and lets the workers accept what is queued before any
-of them stops (`server/workers.py`, `stop_taking_connections`): checked here on a bare listener, and
+of them stops (`server/workers/processes.py`, `stop_taking_connections`): checked here on a bare listener, and
 with clients that reconnect for every request (many connections opened while the server drains).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 import httpx
 import pytest
 
-from server.workers import queued_connections, stop_taking_connections
+from server.workers.processes import queued_connections, stop_taking_connections
 from bench.live_server import engines_on_port, sigterm_under_load, wait_until
 from tests.helpers import populate_store, start_tmod_serve
 

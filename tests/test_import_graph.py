@@ -29,7 +29,7 @@ LAYERS = [  # lowest first; patterns over dotted module names
     ("http", ["server.schemas", "server.http_limits", "server.cors", "server.serving", "server.admin_api",
               "server.oip", "server.oip_v2_descriptor", "server.oip_grpc", "server.embeddings_api",
               "server.classify_api", "server.predict_api", "server.tokenize_api", "server.app"]),
-    ("processes", ["server.workers", "server.cli"]),
+    ("processes", ["server.workers", "server.workers.*", "server.cli"]),
     ("training", ["training", "training.*"]),
 ]
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from server import workers
+from server.workers import frames
 from server.backbone.sources import default_backbone_path
 from server.backbone.tokens import (CASING, END, IDS, SEGMENT, START, TYPES, WORD, BlockRows, RowBlock, TextEncoder,
                                    gather_rows)
@@ -23,10 +23,10 @@ def encoder() -> TextEncoder:
     return TextEncoder(AutoTokenizer.from_pretrained(default_backbone_path(), local_files_only=True), 512, True)
 
 
-def frame_of(requests: list[list]) -> workers.RequestFrame:
+def frame_of(requests: list[list]) -> frames.RequestFrame:
     """Requests' rows through a request frame and back, as the engine reads them."""
-    parts = workers.request_frame([(i, rows, "ner", 10.0) for i, rows in enumerate(requests)], [])
-    return workers.RequestFrame.read(b"".join(parts))
+    parts = frames.request_frame([(i, rows, "ner", 10.0) for i, rows in enumerate(requests)], [])
+    return frames.RequestFrame.read(b"".join(parts))
 
 
 def assert_same_batch(got, want) -> None:

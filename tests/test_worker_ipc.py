@@ -1,4 +1,4 @@
-"""What crosses the socket between a worker and the engine (server/workers.py), frame by frame.
+"""What crosses the socket between a worker and the engine (server/workers/frames.py), frame by frame.
 
 In one process: a real engine (`Runtime` + `EngineService` on a Unix socket) and a real
 `RemoteRuntime` connected to it; every frame either side reads is recorded. Requests sent in one
@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-import server.workers as workers
+from server.workers import engine_service, frames as wire, processes, remote_runtime
 from server.backbone.tokens import FIELDS
 from server.batcher import Job
 from server.config import Settings
@@ -46,21 +46,21 @@ def frames(monkeypatch):
     """Every frame read on either side, as (raw bytes, messages)."""
     seen = []
 
-    read = workers.read_frame
+    read = wire.read_frame
 
     async def recording_read_frame(reader):
         body = await read(reader)
         seen.append(body)
         return body
 
-    monkeypatch.setattr(workers, "read_frame", recording_read_frame)  # the worker's side
-    engine_frame = workers.EngineService.frame
+    monkeypatch.setattr(remote_runtime, "read_frame", recording_read_frame)  # the worker's side
+    engine_frame = engine_service.EngineService.frame
 
     def recording_frame(service, peer, body):  # the engine's side
         seen.append(body)
         return engine_frame(service, peer, body)
 
-    monkeypatch.setattr(workers.EngineService, "frame", recording_frame)
+    monkeypatch.setattr(engine_service.EngineService, "frame", recording_frame)
     return seen
 
 
@@ -73,12 +73,12 @@ def run_pair(tmp_path, tiny_store, tiny_backbone, scenario, **settings):
                                   **settings), backbone=tiny_backbone)
         single = Runtime(Settings(store=tiny_store.root, tasks=",".join(TASKS), head_precision="fp32", max_wait_ms=5),
                          backbone=tiny_backbone)
-        service = workers.EngineService(engine)
+        service = engine_service.EngineService(engine)
         await service.start(tmp_path / "engine.sock")
         await single.open()
         await wait_ready(engine)
         await wait_ready(single)
-        remote = workers.RemoteRuntime(Settings(workers=2, **settings), tmp_path / "engine.sock")
+        remote = remote_runtime.RemoteRuntime(Settings(workers=2, **settings), tmp_path / "engine.sock")
         try:
             await remote.open()
             await scenario(single, remote, engine)
@@ -88,7 +88,7 @@ def run_pair(tmp_path, tiny_store, tiny_backbone, scenario, **settings):
             await engine.shutdown()
             await single.shutdown()
 
-    workers.run_engine_loop(main())  # the engine process's loop (uvloop where installed), as tmod-serve runs it
+    processes.run_engine_loop(main())  # the engine process's loop (uvloop where installed), as tmod-serve runs it
 
 
 def test_the_engine_process_runs_uvloop_where_installed():
@@ -97,7 +97,7 @@ def test_the_engine_process_runs_uvloop_where_installed():
     async def loop_type():
         return type(asyncio.get_running_loop())
 
-    assert workers.run_engine_loop(loop_type()) is uvloop.Loop
+    assert processes.run_engine_loop(loop_type()) is uvloop.Loop
 
 
 def test_requests_and_answers_cross_as_arrays_and_equal_one_process(tmp_path, tiny_store, tiny_backbone, frames):
@@ -118,10 +118,10 @@ def test_requests_and_answers_cross_as_arrays_and_equal_one_process(tmp_path, ti
     run_pair(tmp_path, tiny_store, tiny_backbone, scenario)
     for name, (got, want) in answers.items():
         assert got == want, name  # identical answers, floats included
-    requests = [workers.RequestFrame.read(body) for body in frames if body[:1] == workers.REQUESTS]
-    replies = [body for body in frames if body[:1] == workers.ANSWERS]
+    requests = [wire.RequestFrame.read(body) for body in frames if body[:1] == wire.REQUESTS]
+    replies = [body for body in frames if body[:1] == wire.ANSWERS]
     assert [len(frame.ids) for frame in requests] == [1, 1, 1, 3]  # the last three went as one frame
-    control = [m for body in frames if body[:1] == workers.CONTROL for m in pickle.loads(body[1:])]
+    control = [m for body in frames if body[:1] == wire.CONTROL for m in pickle.loads(body[1:])]
     assert {m[0] for m in control} == {"state"}  # the only pickled messages: the engine's state
     for frame, (_, texts, pairs, tasks) in zip(requests, cases):
         rows = frame.rows[0]
@@ -132,14 +132,14 @@ def test_requests_and_answers_cross_as_arrays_and_equal_one_process(tmp_path, ti
     together = requests[-1]
     assert sorted(together.task_sets) == sorted({",".join(tasks) for *_, tasks in cases})
     assert len(replies) <= 3 + 3  # one answer frame per batch at most, however many requests it answered
-    first = workers.read_answers(replies[0])
+    first = wire.read_answers(replies[0])
     (_, (arrays, versions, seconds)), = first
     assert set(arrays) == set(TASKS) and all(isinstance(v, np.ndarray) for v in arrays.values())
     assert arrays["sentiment"].shape == (len(TEXTS), 2)  # one array for every input of the request
     assert arrays["ner"].shape[0] == sum(len(row) for row in requests[0].rows[0])  # token task: all inputs' tokens
     assert versions == {task: "1" for task in TASKS} and len(seconds) == 3
     for body in frames:  # no pickle on the inference path: requests and answers are arrays
-        if body[:1] != workers.CONTROL:
+        if body[:1] != wire.CONTROL:
             assert b"\x80\x05" not in body[:8] and b"EncodedInput" not in body and b"numpy" not in body
 
 
@@ -159,7 +159,7 @@ def test_requests_of_interleaved_task_sets_in_one_batch_each_get_their_own_answe
     run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_wait_ms=50)
     assert answers["workers"] == answers["one process"]  # floats included
     assert [set(a[0]) for a in answers["workers"]] == [set(tasks) for _, tasks in cases]
-    replies = [body for body in frames if body[:1] == workers.ANSWERS]
+    replies = [body for body in frames if body[:1] == wire.ANSWERS]
     assert len(replies) == 1  # one batch: the alternating task sets shared it
 
 
@@ -194,7 +194,7 @@ def test_a_request_whose_client_left_is_cancelled_in_the_engine(tmp_path, tiny_s
         assert ran == []  # no pass ran for it
         assert engine.metrics.registry.get_sample_value("tmod_dropped_requests_total", {"reason": "client_gone"}) == 1
         # the cancel crossed the socket, in a request frame
-        assert any(workers.RequestFrame.read(body).cancels for body in frames if body[:1] == workers.REQUESTS)
+        assert any(wire.RequestFrame.read(body).cancels for body in frames if body[:1] == wire.REQUESTS)
         # the engine still answers the next request
         assert len(await remote.submit(answer_of(remote, TEXTS[:1], None, ["sentiment"]))) == 1
 
@@ -202,14 +202,14 @@ def test_a_request_whose_client_left_is_cancelled_in_the_engine(tmp_path, tiny_s
 
 
 def test_answers_the_engine_cannot_frame_are_a_500_not_a_wait(tmp_path, tiny_store, tiny_backbone, monkeypatch):
-    framed = workers.answer_frame
+    framed = wire.answer_frame
 
     def broken(batches, errors):
         if batches:
             raise ValueError("broken on purpose")
         return framed(batches, errors)
 
-    monkeypatch.setattr(workers, "answer_frame", broken)
+    monkeypatch.setattr(engine_service, "answer_frame", broken)
 
     async def scenario(single, remote, engine):
         with pytest.raises(ApiError) as failed:
@@ -243,9 +243,9 @@ def test_the_answer_frame_gathers_row_logits_as_the_rows_one_by_one():
     timings.backbone, timings.heads = 0.25, 0.125
     gathered = {"sentiment": RowLogits(sequence), "ner": RowLogits(tokens, lengths)}
     one_by_one = {"sentiment": [sequence[r] for r in range(rows)], "ner": [tokens[r, :lengths[r]] for r in range(rows)]}
-    frame = b"".join(workers.answer_frame([(items, gathered, timings, 1.0)], []))
-    assert frame == b"".join(workers.answer_frame([(items, one_by_one, timings, 1.0)], []))
-    answers = dict(workers.read_answers(frame))
+    frame = b"".join(wire.answer_frame([(items, gathered, timings, 1.0)], []))
+    assert frame == b"".join(wire.answer_frame([(items, one_by_one, timings, 1.0)], []))
+    answers = dict(wire.read_answers(frame))
     for i, places in enumerate(requests):
         arrays, versions, times = answers[100 + i]
         assert times == (0.5, 0.25, 0.125)
@@ -256,7 +256,7 @@ def test_the_answer_frame_gathers_row_logits_as_the_rows_one_by_one():
             assert "sentiment" not in arrays
     refused = dict(one_by_one, ner=list(one_by_one["ner"]))
     refused["ner"][5] = ApiError(503, "out_of_memory", "too long")
-    answers = dict(workers.read_answers(b"".join(workers.answer_frame([(items, refused, timings, 1.0)], []))))
+    answers = dict(wire.read_answers(b"".join(wire.answer_frame([(items, refused, timings, 1.0)], []))))
     assert isinstance(answers[101], ApiError) and answers[101].status == 503
     assert all(not isinstance(answers[100 + i], ApiError) for i in (0, 2, 3, 4))
 
@@ -288,8 +288,8 @@ def test_a_batch_cut_into_passes_answers_as_one_array_per_task():
     items = [((None, both if i % 2 == 0 else ner_only, 0.0, 0.5, None, 100 + i, [0] * len(places)), places)
              for i, places in enumerate(requests)]
     timings = Timings()
-    frame = b"".join(workers.answer_frame([(items, joined, timings, 1.0)], []))
-    assert frame == b"".join(workers.answer_frame([(items, one_by_one, timings, 1.0)], []))
+    frame = b"".join(wire.answer_frame([(items, joined, timings, 1.0)], []))
+    assert frame == b"".join(wire.answer_frame([(items, one_by_one, timings, 1.0)], []))
     refused = [parts[0], {task: [ApiError(503, "out_of_memory", "too long")] * 5 for task in parts[1]}, parts[2]]
     mixed = joined_answers(refused)
     assert type(mixed["ner"]) is list and len(mixed["ner"]) == 12 and isinstance(mixed["ner"][4], ApiError)
@@ -301,7 +301,7 @@ def test_a_frames_requests_decode_together_each_as_on_its_own(tmp_path, tiny_sto
     gets its own answers, its tasks in the order it named them, equal to one process's; one request
     whose decode fails gets a 500 and the others of its frame their answers."""
     calls = []
-    decode_rows = workers.decode_rows
+    decode_rows = remote_runtime.decode_rows
 
     def counted(task_type, labels, packed, rows, *args):
         calls.append(len(rows))
@@ -309,7 +309,7 @@ def test_a_frames_requests_decode_together_each_as_on_its_own(tmp_path, tiny_sto
             raise ValueError("broken on purpose")
         return decode_rows(task_type, labels, packed, rows, *args)
 
-    monkeypatch.setattr(workers, "decode_rows", counted)
+    monkeypatch.setattr(remote_runtime, "decode_rows", counted)
     cases = ((TEXTS[:2], ["ner", "sentiment"]), (TEXTS[2:3], ["sentiment", "ner"]), (TEXTS[4:5], ["ner"]))
 
     async def scenario(single, remote, engine):
@@ -325,7 +325,7 @@ def test_a_frames_requests_decode_together_each_as_on_its_own(tmp_path, tiny_sto
                                             return_exceptions=True)
         assert isinstance(broken, ApiError) and broken.status == 500 and "broken on purpose" in broken.message
         assert calls == [2, 1, 1]  # the frame's call failed, then each request alone
-        monkeypatch.setattr(workers, "decode_rows", decode_rows)
+        monkeypatch.setattr(remote_runtime, "decode_rows", decode_rows)
         _, alone = await asyncio.gather(*(single.submit(answer_of(single, TEXTS[i:i + 1], None, ["ner"])) for i in (3, 0)))
         assert fine == alone
 
@@ -337,8 +337,8 @@ def test_frames_in_any_pieces_reach_the_engine_whole_and_in_order():
     reads, several frames in one read, a read ending inside a frame's length prefix. Each frame goes on
     whole, once, in order, as a view of the bytes it came in (and stays intact once later reads came)."""
     rng = np.random.default_rng(0)
-    bodies = [workers.REQUESTS + rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in (0, 3, 70_000, 1, 300)]
-    stream = b"".join(workers.LENGTH.pack(len(body)) + body for body in bodies)
+    bodies = [wire.REQUESTS + rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in (0, 3, 70_000, 1, 300)]
+    stream = b"".join(wire.LENGTH.pack(len(body)) + body for body in bodies)
 
     class Service:
         def __init__(self):
@@ -352,7 +352,7 @@ def test_frames_in_any_pieces_reach_the_engine_whole_and_in_order():
 
     for cuts in ([], [1], [2, 5], list(range(1, 40)), [len(stream) - 1], sorted(rng.choice(len(stream), 30, replace=False))):
         service = Service()
-        connection = workers.PeerConnection(service)
+        connection = engine_service.PeerConnection(service)
         connection.connection_made(None)
         bounds = [0, *cuts, len(stream)]
         for a, b in zip(bounds, bounds[1:]):

@@ -1,4 +1,4 @@
-"""`tmod-serve --workers N`: HTTP worker processes feed one engine process (server/workers.py).
+"""`tmod-serve --workers N`: HTTP worker processes feed one engine process (server/workers/).
 
 Real processes on loopback: the `tmod-serve` process (the engine) and its workers (forked by its forkserver)."""
 from __future__ import annotations
@@ -248,7 +248,7 @@ def test_a_worker_whose_engine_closes_during_start_up_gives_up(tmp_path):
     app then fails start-up and the process exits), never wait for a state that cannot come."""
     import asyncio
 
-    from server.workers import RemoteRuntime
+    from server.workers.remote_runtime import RemoteRuntime
 
     async def scenario():
         async def close_at_once(reader, writer):

@@ -4,7 +4,7 @@ Per token everything is an integer in one (tokens, FIELDS) int32 array, made by 
 for a whole request at once (the `tokenizers` library's encodings: ids, type ids, segment, word,
 trimmed offsets and the casing class; a request of few tokens row by row in Python, a longer one
 column by column with numpy, whose per-call cost only pays off past ~200 tokens): a row is a view of
-it, a request crosses processes as that array (`server/workers.py`'s frames), and `collate` only
+it, a request crosses processes as that array (`server/workers/frames.py`), and `collate` only
 concatenates rows into a padded batch. The engine process keeps a frame's rows as it read them
 (`RowBlock`: the frame's token array and text, each row's first token and length), so sorting a
 batch, cutting it into passes and collate are numpy calls per batch, with no object per row. Collate
@@ -95,7 +95,7 @@ TRUNCATED, PAIR = 1, 2  # a RowBlock row's flags (as a worker's request frame ca
 class RowBlock(Sequence):
     """Many rows as arrays, with no object per row: one (tokens, FIELDS) int32 block holding their
     tokens, each row's first token and token count, and one string holding every row's text and text
-    pair (a worker's request frame as it crossed the socket, server/workers.py). Sorting a batch,
+    pair (a worker's request frame as it crossed the socket, server/workers/frames.py). Sorting a batch,
     cutting it into passes and collate take rows by index (`take`, slices: a few numpy calls whatever
     the rows); a row read one at a time is made an EncodedInput then (rare paths: a bridged task's
     decode, tests)."""

@@ -67,7 +67,7 @@ def decode(task_type: TaskType, labels: list[str], logits, batch: TokenBatch | N
 def decode_rows(task_type: TaskType, labels: list[str], packed, rows: "TokenBatch | Sequence[EncodedInput]",
                 options: "AnswerOptions | list[AnswerOptions | None] | None" = None,
                 decoding: dict | None = None) -> list[dict[str, Any]]:
-    """`decode` over one request's logits packed by an engine in another process (`server/workers.py`'s
+    """`decode` over one request's logits packed by an engine in another process (`server/workers/frames.py`'s
     answer frames): (rows, labels), or for token tasks every row's own tokens one after the other
     (tokens, labels). `rows`: the request's EncodedInputs (cheapest: their token arrays are read as
     they are), or those rows collated into a TokenBatch. Several requests (an engine frame's) decode
