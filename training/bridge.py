@@ -53,7 +53,7 @@ from training.distill import distill_kl
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
 from training.splits import module_folder
-from training.trainer import next_epoch_past_budget, safe_name, seed_everything, stop_early
+from training.trainer import decay_groups, next_epoch_past_budget, safe_name, seed_everything, stop_early
 
 log = logging.getLogger("tmod")
 
@@ -347,14 +347,9 @@ class BridgeFit:
 
 
 def make_optimizer(bridge: TransformerBridge, s: BridgeSettings) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, param in bridge.named_parameters():
-        if not param.requires_grad:
-            continue
-        no_decay_param = param.ndim < 2 or name == "mix_logits" or "embedding" in name or "positions" in name
-        (no_decay if no_decay_param else decay).append(param)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=s.lr)
+    groups = decay_groups(bridge, s.weight_decay,
+                          lambda name: name == "mix_logits" or "embedding" in name or "positions" in name)
+    return torch.optim.AdamW(groups, lr=s.lr)
 
 
 def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSettings, device=None,
@@ -661,7 +656,7 @@ def report_text(result: BridgeResult) -> str:
 
 def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Path]:
     """report.md, metrics.json and curves.png (losses; cosine / agreement with the teacher)."""
-    from training.report import plt  # matplotlib on the Agg backend
+    from training.report import mark_epochs, plt  # matplotlib on the Agg backend
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -673,8 +668,6 @@ def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Pat
                **{k: result.training[k] for k in ("command", "objective", "module", "best_epoch", "epochs_run",
                                                   "steps", "parameters", "timing", "data") if k in result.training}}
     paths["metrics"].write_text(json.dumps(summary, indent=2) + "\n")
-
-    from matplotlib.ticker import MaxNLocator
 
     history = result.history
     epochs = [h["epoch"] for h in history]
@@ -696,12 +689,7 @@ def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Pat
         axes[1].axhline(history[0]["validation_teacher_accuracy"], color="grey", linestyle=":", label="module accuracy (real)")
     axes[1].set_title("validation")
     axes[1].legend(fontsize=7)
-    best_epoch = result.training.get("best_epoch")
-    for ax in axes:
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if best_epoch:
-            ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=0.8)
+    mark_epochs(axes, result.training.get("best_epoch"))
     fig.suptitle(f"bridge {result.name}/{result.version} (dashed: best epoch, the one kept)")
     fig.tight_layout()
     fig.savefig(paths["curves"], dpi=110)

@@ -245,6 +245,15 @@ def plot_layer_weights(weights: dict[int, float], path: Path, title: str) -> Non
     plt.close(fig)
 
 
+def mark_epochs(axes, best_epoch: int | None) -> None:
+    """Curves by epoch: whole epochs on the x axis, the kept one dashed."""
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if best_epoch:
+            ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=0.8)
+
+
 def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path, task: str,
                 best_epoch: int | None = None) -> None:
     epochs = [h["epoch"] for h in history]
@@ -262,11 +271,7 @@ def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path,
             axes[2].plot(epochs, series, marker=".", label=state_name(i))
         axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
         axes[2].set_title("layer weights")
-    for ax in axes:
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if best_epoch:
-            ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=0.8)
+    mark_epochs(axes, best_epoch)
     fig.suptitle(f"{task} (dashed: best epoch, the one kept)" if best_epoch else task)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -141,16 +141,21 @@ def layer_entropy(head: LayerMixHead) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum()
 
 
+def decay_groups(model: torch.nn.Module, weight_decay: float, no_decay) -> list[dict]:
+    """The optimizer's parameter groups: weight decay on every trainable parameter but biases, norms
+    (fewer than 2 dimensions) and those `no_decay(name)` names; frozen ones are left out."""
+    decay, kept = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (kept if param.ndim < 2 or no_decay(name) else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+
+
 def make_optimizer(s: TrainSettings, head: Head) -> torch.optim.Optimizer:
     # No decay on the layer logits (decay would pull the mix toward uniform, which is the
-    # entropy penalty's job), nor on biases and norms. Frozen weights (LoRA-MTB's copied
-    # blocks) are not handed to the optimizer at all.
-    decay, no_decay = [], []
-    for name, param in head.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if name == "layer_logits" or param.ndim < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # entropy penalty's job). Frozen weights (LoRA-MTB's copied blocks) are not handed to the
+    # optimizer at all.
+    groups = decay_groups(head, s.weight_decay, lambda name: name == "layer_logits")
     if s.optimizer == "adam":  # Adam's weight decay is the L2 kind (added to the gradient)
         return torch.optim.Adam(groups, lr=s.lr)
     return torch.optim.AdamW(groups, lr=s.lr)
