@@ -401,26 +401,34 @@ class Runtime:
         self.metrics.modules_refused.set(len(self.load_errors))
         log.error("module %s refused: %s", task, message)
 
-    def load_bridges(self) -> dict:
-        """Every bridge in the bridge store that runs on this backbone (latest version of each);
-        bridges from other backbones are skipped, broken ones refused with a logged reason."""
+    def load_bridges(self, known: dict | None = None) -> dict:
+        """Every bridge in the bridge store that runs on this backbone (latest version of each), the
+        `known` ones kept as they are: at start none, at each module load those loaded (a bridge written
+        into the store since joins then, one refused before is tried again). Bridges from other
+        backbones are skipped, broken ones refused with a logged reason."""
         from server.bridges import bridge_store, load_bridges_on
 
+        known = known or {}
         loaded, skipped, refused = load_bridges_on(bridge_store(self.settings.bridge_dir()), self.backbone,
-                                                   self.settings.device)
-        for name, runs_on in skipped.items():
-            log.info("bridge %s skipped: it runs on %s", name, runs_on)
+                                                   self.settings.device, known)
+        for name, runs_on in skipped.items():  # said once, at start
+            log.log(logging.DEBUG if known else logging.INFO, "bridge %s skipped: it runs on %s", name, runs_on)
         for name, bridge in loaded.items():
+            self.load_errors.pop(f"bridge:{name}", None)
             log.info("bridge %s/%s loaded: %s -> %s", name, bridge.version, bridge.manifest.source.name,
                      bridge.manifest.target.name)
         for name, exc in refused.items():
             self.refuse(f"bridge:{name}", exc.message, exc)
-        return loaded
+        return {**known, **loaded} if loaded else known
 
     # ---- hot modules (run in the compute thread, between batches) ----------------------------
     def load_task(self, task: str, version: str | None = None) -> LoadedModule:
         """Load (or replace with) a version, default the store's latest for this backbone. A refused artifact
-        raises ArtifactError and leaves the running set untouched."""
+        raises ArtifactError and leaves the running set untouched. A bridge written into the bridge store
+        since start serves from here on (no restart)."""
+        bridges = self.load_bridges(self.bridges)
+        if bridges is not self.bridges:  # replaced whole: plans made before keep the dict they read
+            self.bridges = self.engine.bridges = bridges
         module = load_module(self.store, task, version, self.backbone, self.settings.device, self.bridges, probe_module)
         modules = {**self.modules, task: module}  # new dict: in-flight requests keep theirs
         self._read_layers(modules)

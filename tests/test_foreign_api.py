@@ -189,3 +189,48 @@ def test_a_plan_with_foreign_modules_replays_its_native_part(setup, tiny_backbon
     assert runner.graphs.replays == 1
     want = Engine(tiny_backbone, bridges=loaded).predict(tiny_backbone.collate(rows), modules)
     assert_same_answers(got, want)
+
+
+def test_a_bridge_written_into_the_store_while_serving_serves_from_the_next_load(setup, tiny_backbone, tiny_llama,
+                                                                                 tmp_path):
+    """An operator adds a bridge to a running server's bridge store: the admin load of a module it
+    serves finds it, no restart; until then the load says no bridge leads there. A bridge refused at
+    start (broken) and mended in the store is tried again the same way."""
+    store, bridges, _ = setup
+    added = bridge_store(tmp_path / "bridges")
+    added.root.mkdir(parents=True)
+    admin = {"authorization": "Bearer admin"}
+    settings = Settings(store=store.root, bridges=added.root, admin_token="admin")
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        assert "llama-sentiment" not in httpx.get(server.url + "/readyz").json()["tasks"]
+        before = httpx.post(server.url + "/admin/modules/llama-sentiment/load", headers=admin)
+        assert before.status_code == 409 and "no loaded bridge" in before.json()["error"]["message"]
+
+        shutil.copytree(bridges.root / "bert-to-llama", added.root / "bert-to-llama")
+        loaded = httpx.post(server.url + "/admin/modules/llama-sentiment/load", headers=admin)
+        assert loaded.status_code == 200, loaded.text
+        answer = httpx.post(server.url + "/v1/infer", params={"tasks": "llama-sentiment,sentiment"},
+                            json={"inputs": TEXTS})
+        assert answer.status_code == 200 and answer.json()["tasks"]["llama-sentiment"] == "1"
+        task = httpx.get(server.url + "/v1/tasks/llama-sentiment").json()
+        assert task["served_through"]["bridge"] == "bert-to-llama"
+        listing = httpx.get(server.url + "/admin/modules", headers=admin).json()
+        assert tiny_llama.fingerprint.short in listing["modules_of"]
+
+
+def test_a_bridge_refused_at_start_and_mended_serves_from_the_next_load(setup, tiny_backbone, tmp_path):
+    store, bridges, _ = setup
+    mended = bridge_store(tmp_path / "bridges")
+    shutil.copytree(bridges.root / "bert-to-llama", mended.root / "bert-to-llama")
+    weights = mended.root / "bert-to-llama" / "1" / "weights.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    admin = {"authorization": "Bearer admin"}
+    with LiveServer(create_app(Settings(store=store.root, bridges=mended.root, admin_token="admin"),
+                               backbone=tiny_backbone)) as server:
+        assert "bridge:bert-to-llama" in httpx.get(server.url + "/readyz").json()["refused"]
+        weights.write_bytes(good)
+        loaded = httpx.post(server.url + "/admin/modules/llama-ner/load", headers=admin)
+        assert loaded.status_code == 200, loaded.text
+        ready = httpx.get(server.url + "/readyz").json()
+        assert "bridge:bert-to-llama" not in ready["refused"] and "llama-ner" in ready["tasks"]

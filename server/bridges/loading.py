@@ -99,12 +99,14 @@ def load_bridge(store: ModuleStore, name: str, version: str | None, backbone, de
     return LoadedBridge(name=name, version=stored.manifest.version, manifest=stored.manifest, bridge=bridge)
 
 
-def load_bridges_on(store: ModuleStore, backbone, device="cpu") -> tuple[dict, dict, dict]:
+def load_bridges_on(store: ModuleStore, backbone, device="cpu", known=()) -> tuple[dict, dict, dict]:
     """(loaded: name -> LoadedBridge, skipped: name -> the backbone it runs on, refused: name ->
-    ArtifactError) of every bridge in `store`, the latest version of each: those whose source is
-    `backbone` loaded, as the server and `tmod-train eval --bridges` both take them."""
+    ArtifactError) of every bridge in `store` but those named in `known`, the latest version of each:
+    those whose source is `backbone` loaded, as the server and `tmod-train eval --bridges` both take them."""
     loaded, skipped, refused = {}, {}, {}
     for name in store.tasks():
+        if name in known:
+            continue
         try:
             manifest = store.read_manifest(name)
             if manifest.source.identity() != backbone.fingerprint.identity():
