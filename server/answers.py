@@ -82,12 +82,12 @@ class RowLogits(Sequence):
 def row_logits(modules: dict[str, LoadedModule], logits: dict[str, torch.Tensor], batches: dict[str, TokenBatch],
                lengths: list[int], rows: list | None = None) -> dict[str, Sequence]:
     """Per task, each row's host logits (`RowLogits`: (tokens, labels) over its own tokens for token
-    tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A foreign task's
-    logits lie on its bridge's tokenization, which only this process has: decoded here."""
+    tasks, (labels,) otherwise), for a frontend process to decode (`decode_rows`). A task whose bridge
+    re-tokenizes has its logits on the bridge's tokenization, which only this process has: decoded here."""
     out = {}
     token_lengths = None
     for task, module in modules.items():
-        if module.bridge:
+        if module.retokenized:
             out[task] = decode_all({task: module}, logits, batches, rows)[task]
         elif logits[task].dim() == 3:
             if token_lengths is None:

@@ -25,6 +25,9 @@ class LoadedModule:
     manifest: Manifest
     head: Head
     bridge: str | None = None  # name of the loaded bridge it is served through (a foreign module)
+    # its bridge reads the text again with the other backbone's tokenizer: its logits lie on those tokens
+    # (a transformer bridge), not on this backbone's (an alignment bridge keeps them)
+    retokenized: bool = False
 
 
 def load_module(store: ModuleStore, task: str, version: str | None, backbone, device="cpu",
@@ -58,7 +61,8 @@ def load_module(store: ModuleStore, task: str, version: str | None, backbone, de
     for param in head.parameters():
         param.requires_grad_(False)
     module = LoadedModule(task=task, version=stored.manifest.version, manifest=stored.manifest, head=head,
-                          bridge=bridge.name if bridge else None)
+                          bridge=bridge.name if bridge else None,
+                          retokenized=bridge is not None and bridge.bridge.target_text is not None)
     if probe is not None:
         probe(module, backbone, bridges)
     return module

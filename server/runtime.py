@@ -290,7 +290,7 @@ class Runtime:
             "labels": m.labels, "layers": self.layers_read(module), "parameters": count_parameters(module.head),
             "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
             "inputs": "text_pair" if compares_pairs(m) else "text", "served_through": via,
-            "windows": None if module.bridge else getattr(rule_for(m.task_type), "name", None),
+            "windows": None if module.retokenized else getattr(rule_for(m.task_type), "name", None),
         }
 
     def layers_read(self, module: LoadedModule) -> list[int]:

@@ -397,16 +397,18 @@ def runs(texts: list[str], text_pairs: list[str] | None) -> list[slice]:
 
 
 def check_windowable(reading: Reading, modules: dict) -> None:
-    """Tasks a text read in windows cannot be answered for: those served through a bridge (their
-    logits lie on another tokenization) and task types without a rule. 413, naming them."""
+    """Tasks a text read in windows cannot be answered for: those served through a bridge that
+    re-tokenizes (their logits lie on another tokenization) and task types without a rule. 413,
+    naming them."""
     if not reading.windowed:
         return
-    refused = sorted(t for t, m in modules.items() if m.bridge or rule_for(m.manifest.task_type) is None)
+    refused = sorted(t for t, m in modules.items() if m.retokenized or rule_for(m.manifest.task_type) is None)
     if refused:
         longest = max(len(t.whole) for t in reading.texts)
         raise ApiError(413, "input_too_long",
-                       f"task(s) {refused} read one window only (served through a bridge, or a task type without a "
-                       f"window rule), and an input has {longest} word pieces, over the window of "
+                       f"task(s) {refused} read one window only (served through a bridge that reads the text with "
+                       f"another tokenizer, or a task type without a window rule), and an input has {longest} word "
+                       f"pieces, over the window of "
                        f"{max(len(r) for r in reading.rows)}; ask for truncate, or send shorter texts",
                        tasks=refused)
 

@@ -58,8 +58,13 @@ def permute_bert(model: BertModel, perm: torch.Tensor) -> BertModel:
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return Backbone.load(make_tiny_backbone_dir(tmp_path_factory.mktemp("align"), "bert", layers=3, seed=4))
+def bert_dir(tmp_path_factory):
+    return make_tiny_backbone_dir(tmp_path_factory.mktemp("align"), "bert", layers=3, seed=4)
+
+
+@pytest.fixture(scope="module")
+def bert(bert_dir):
+    return Backbone.load(bert_dir)
 
 
 @pytest.fixture(scope="module")
@@ -520,6 +525,58 @@ def test_a_foreign_module_serves_through_the_alignment_bridge_in_the_engine(pair
     assert strip(got) == strip(expected) and any(r["entities"] for r in got)
     scores = (lambda rows: [e.get("score", 0.0) for r in rows for e in r["entities"]])
     assert scores(got) == pytest.approx(scores(expected), abs=1e-5)
+
+
+def test_a_long_text_reads_in_windows_through_the_alignment_bridge_as_on_its_own_backbone(paired, bert, bert_dir,
+                                                                                           permuted, tmp_path):
+    """An alignment bridge keeps this backbone's tokens, so its modules' logits lie on them: a text over
+    one window is read in windows and answered as one, as the module answers on its own backbone (it
+    was refused, 413, as for a bridge that reads the text with another tokenizer); with worker
+    processes, which now decode such a module's logits, the same answers."""
+    import os
+
+    import httpx
+
+    from modules_store import ModuleStore
+    from server.app import create_app
+    from server.config import Settings
+    from server.modules import save_module
+    from tests.helpers import LiveServer, start_tmod_serve
+
+    bridge, _ = align(paired, mapping="skip")
+    bridges = bridge_store(tmp_path / "bridges")
+    save_bridge(bridges, "perm", "1", bridge, bert, permuted)
+    modules = ModuleStore(tmp_path / "modules")
+    save_module(modules, "ner", "1", random_head(permuted, "token_classification", NER_LABELS, 6, layers=[0, 2, 3]),
+                permuted)
+    save_module(modules, "mood", "1", random_head(permuted, "sequence_classification", ["low", "high"], 7), permuted)
+    text = " ".join(["John lives in Paris and the cat sat on a mat while unbelievably quiet dogs were playing"] * 3)
+    answers = {}
+    for backbone in (bert, permuted):  # through the bridge, then on the modules' own backbone
+        settings = Settings(store=modules.root, bridges=bridges.root, head_precision="fp32", window_tokens=16,
+                            window_stride=12)
+        with LiveServer(create_app(settings, backbone=backbone)) as server:
+            got = httpx.post(server.url + "/v1/infer", json={"inputs": [text]}, timeout=60)
+            assert got.status_code == 200, got.text
+            answers[backbone.name] = got.json()
+    url, process = start_tmod_serve(["--workers", "2", "--backbone", str(bert_dir), "--store", str(modules.root),
+                                     "--bridges", str(bridges.root), "--head-precision", "fp32", "--window-tokens",
+                                     "16", "--window-stride", "12"], {**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        workers = httpx.post(url + "/v1/infer", json={"inputs": [text]}, timeout=60).json()
+    finally:
+        process.kill()
+        process.wait()
+    strip = (lambda result: [{k: v for k, v in e.items() if k != "score"} for e in result["ner"]["entities"]])
+    scores = (lambda result: [e["score"] for e in result["ner"]["entities"]])
+    bridged = answers[bert.name]
+    assert bridged["windows"][0] > 2
+    for other in (answers[permuted.name], workers):  # the module on its own backbone; tmod-serve --workers 2
+        assert other["windows"] == bridged["windows"]
+        mine, theirs = bridged["results"][0], other["results"][0]
+        assert strip(mine) == strip(theirs) != [] and scores(mine) == pytest.approx(scores(theirs), abs=1e-4)
+        assert mine["mood"]["label"] == theirs["mood"]["label"]
+        assert mine["mood"]["scores"] == pytest.approx(theirs["mood"]["scores"], abs=1e-4)
 
 
 def test_null_baseline_is_below_the_real_matching(paired):

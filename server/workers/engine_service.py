@@ -193,7 +193,8 @@ class EngineService:
         )
 
     def view(self, module) -> ModuleView:
-        return ModuleView(module.task, module.version, module.manifest, module.bridge, self.runtime.describe(module))
+        return ModuleView(module.task, module.version, module.manifest, module.bridge, self.runtime.describe(module),
+                          module.retokenized)
 
     def broadcast(self) -> None:
         state = self.state()

@@ -339,6 +339,7 @@ class ModuleView:
     manifest: Manifest
     bridge: str | None
     info: dict  # what /v1/tasks says of it (Runtime.describe)
+    retokenized: bool = False  # LoadedModule's
 
 
 @dataclass
