@@ -179,8 +179,7 @@ def evaluate(plan: list[dict], backbones: dict, args, directions: list[str]) -> 
                 loaded = load_bridge(bridge_store(item["store"]), item["name"], None, backbones[source])
                 bridges = {item["name"]: loaded}
                 module = load_module(store, module_task, None, backbones[source], bridges=bridges)
-                retokenizes = loaded.bridge.target_text is not None
-                value = score(module, backbones[source], backbones[target] if retokenizes else backbones[source],
+                value = score(module, backbones[source], backbones[target] if module.retokenized else backbones[source],
                               dataset, args.max_validation, engine=Engine(backbones[source], bridges=bridges))[metric]
                 rows.append({"direction": direction, "task": task, "module": f"{module_task}/{module.version}",
                              "method": item["method"], "bridge": f"{item['name']}/{loaded.version}",

@@ -40,7 +40,7 @@ from server.runner import (  # noqa: F401  (length_runs: re-exported)
     length_runs,
 )
 from server.timings import Timings
-from server.windows import rule_for, server_window_problem
+from server.windows import server_window_problem, window_rule
 
 log = logging.getLogger("tmod")
 
@@ -290,7 +290,7 @@ class Runtime:
             "labels": m.labels, "layers": self.layers_read(module), "parameters": count_parameters(module.head),
             "metrics": m.metrics, "backbone": m.backbone.model_dump(mode="json"), "description": m.description,
             "inputs": "text_pair" if compares_pairs(m) else "text", "served_through": via,
-            "windows": None if module.retokenized else getattr(rule_for(m.task_type), "name", None),
+            "windows": getattr(window_rule(module), "name", None),
         }
 
     def layers_read(self, module: LoadedModule) -> list[int]:

@@ -306,6 +306,12 @@ def rule_for(task_type) -> Rule | None:
     return RULES.get(getattr(task_type, "value", task_type))
 
 
+def window_rule(module) -> Rule | None:
+    """How a module's answers on a long text's windows become one, or None where it reads one window
+    only: a task type without a rule, or a bridge that re-tokenizes (its logits lie on other tokens)."""
+    return None if module.retokenized else rule_for(module.manifest.task_type)
+
+
 @dataclass
 class Reading:
     """A request's inputs as rows: each text whole, or in windows."""
@@ -402,7 +408,7 @@ def check_windowable(reading: Reading, modules: dict) -> None:
     naming them."""
     if not reading.windowed:
         return
-    refused = sorted(t for t, m in modules.items() if m.retokenized or rule_for(m.manifest.task_type) is None)
+    refused = sorted(t for t, m in modules.items() if window_rule(m) is None)
     if refused:
         longest = max(len(t.whole) for t in reading.texts)
         raise ApiError(413, "input_too_long",

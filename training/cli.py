@@ -507,7 +507,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"tmod-train eval: {args.task}/{module.version} scored on {backbone.name} through bridge {through}",
               file=sys.stderr)
     answers = split  # where a token task's tags are read: a bridge that re-tokenizes answers on the target's tokens
-    if module.bridge and token_task and bridges[module.bridge].bridge.target_text is not None:
+    if token_task and module.retokenized:
         if own is None:
             raise UsageError(f"{args.task}/{manifest.version} tags the tokens of {manifest.backbone.name!r}, which has "
                              "no name here: it cannot be scored through a bridge")
