@@ -10,6 +10,7 @@ which kernel is which). Prints only; on a lent GPU:
     python3 bench/profile_gpu_pass.py | tee $OUT/profile.log
     python3 bench/profile_gpu_pass.py 16 64   # only these K
 """
+import argparse
 import copy
 import sys
 import tempfile
@@ -29,7 +30,10 @@ from server.timings import Timings  # noqa: E402
 
 def main() -> None:
     precision = "fp16"
-    ks = [int(a) for a in sys.argv[1:]] or [1, 4, 16, 64]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ks", nargs="*", type=int, default=[1, 4, 16, 64], metavar="K",
+                        help="head counts to profile (default 1 4 16 64)")
+    ks = parser.parse_args().ks
     bb = with_precision(Backbone.load(None, device="cuda"), precision)
     heads = build_modules(ModuleStore(Path(tempfile.mkdtemp()) / precision), bb, max(ks))
     names = sorted(heads)

@@ -10,6 +10,7 @@ chance on that many rows.
     .venv/bin/python bench/sst2_overlap.py minilm     # -> bench/results/sst2-overlap-minilm.json
     .venv/bin/python bench/sst2_overlap.py mpnet      # (bf16, as served on this CPU)
 """
+import argparse
 import json
 import math
 import sys
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import machine_info  # noqa: E402
-from training.data import PRESETS, preset_spec  # noqa: E402
+from training.data.presets import PRESETS, preset_spec  # noqa: E402
 from training.baselines import tfidf_logreg_predictions  # noqa: E402
 from server.backbone import Backbone  # noqa: E402
 from server.engine import Engine  # noqa: E402
@@ -49,7 +50,9 @@ def paired(gold: list, module: list, baseline: list) -> dict:
 
 
 def main() -> None:
-    tier = sys.argv[1]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tier", choices=("minilm", "mpnet"), help="the shipped sentiment module of this tier")
+    tier = parser.parse_args().tier
     preset = PRESETS["sst2"]
     train, val = (preset_spec(preset, s).read().examples for s in ("train", "validation"))
     joined = "\n" + "\n".join(e.text.strip() for e in train) + "\n"
