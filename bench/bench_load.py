@@ -47,7 +47,7 @@ from bench.harness import (  # noqa: E402
     summarise_latency,
     write_results,
 )
-from training.data import default_data_dir  # noqa: E402
+from training.data.files import default_data_dir  # noqa: E402
 
 TARGET = {"concurrency": 32, "throughput_ratio_min": 3.0, "p99_ratio_max": 2.0}  # batching on / off
 CONFIGS = {"batching_on": {"TMOD_BATCHING": "true"}, "batching_off": {"TMOD_BATCHING": "false"}}

@@ -63,7 +63,7 @@ import torch  # noqa: E402
 
 from bench.harness import machine_info, markdown_table, read_sst2_sentences, write_results  # noqa: E402
 from bench.random_heads import build_modules, task_name  # noqa: E402
-from training.data import default_data_dir  # noqa: E402
+from training.data.files import default_data_dir  # noqa: E402
 
 TARGET_K = 4  # DESIGN.md: K=4 shared >= 0.9x the backbone alone, >= 0.9*K x K separate models
 TARGETS_MANY = {8: 0.88, 16: 0.8}  # issue 14, batch 32: K -> least ratio to the backbone alone

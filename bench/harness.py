@@ -179,7 +179,7 @@ def machine_info(device: str = "cpu", **extra_versions: str) -> dict:
 
 def read_sst2_sentences(data_dir: Path | None = None) -> list[str]:
     """SST-2 validation sentences: the real inputs the speed benchmarks send."""
-    from training.data import default_data_dir
+    from training.data.files import default_data_dir
 
     path = Path(data_dir or default_data_dir()) / "sst2" / "validation.tsv"
     if not path.is_file():

@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.harness import machine_info, read_sst2_sentences, running_server, write_json  # noqa: E402
-from training.data import default_data_dir, read_conll_documents  # noqa: E402
+from training.data.conll import read_conll_documents  # noqa: E402
+from training.data.files import default_data_dir  # noqa: E402
 from training.metrics import entity_scores  # noqa: E402
 
 MAX_INPUTS = 64

@@ -99,7 +99,7 @@ def baselines(tasks: list[str]) -> dict:
 
     from server.backbone.sources import default_cache_dir
     from training.assess import baseline_runs
-    from training.data import PRESETS, preset_spec
+    from training.data.presets import PRESETS, preset_spec
 
     out = {}
     for task in tasks:

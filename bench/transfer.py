@@ -133,7 +133,7 @@ def train_bridges(plan: list[dict], args) -> None:
 # scoring through the served path
 # ---------------------------------------------------------------------------------------------
 def validation_split(dataset: str, labels: list[str], backbone, max_validation: int | None):
-    from training.data import PRESETS, preset_spec
+    from training.data.presets import PRESETS, preset_spec
     from training.states import Split
 
     data = preset_spec(PRESETS[dataset], "validation").read()

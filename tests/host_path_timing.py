@@ -29,7 +29,8 @@ def main(texts_per_source: int = 20, rounds: int = 7, number: int = 20) -> dict[
     from server.engine import Engine
     from server.heads import decode as decode_module
     from server.modules import load_module
-    from training.data import default_data_dir, read_conll
+    from training.data.conll import read_conll
+    from training.data.files import default_data_dir
 
     torch.set_num_threads(1)  # a worker's setting (server/workers/remote_runtime.py, one_host_thread)
     backbone = Backbone.load()

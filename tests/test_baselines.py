@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from training.baselines import majority, tfidf_logreg, window_tagger, window_tags
-from training.data import PRESETS, default_data_dir, preset_spec
+from training.data.files import default_data_dir
+from training.data.presets import PRESETS, preset_spec
 from training.metrics import classification_scores
 
 

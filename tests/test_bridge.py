@@ -420,7 +420,7 @@ def test_module_is_named_as_distill_from_names_a_teacher(tmp_path):
     """`--module` takes what `--distill-from` takes (one resolver): TASK/VERSION of the shipped store
     (it took only folders), a STORE/TASK/VERSION folder, or a STORE/TASK folder (its newest version)."""
     from modules_store import DEFAULT_STORE
-    from training.data import UsageError
+    from training.data.files import UsageError
     from training.splits import module_folder
 
     assert module_folder("sentiment/1", "--module") == (DEFAULT_STORE, "sentiment", "1")

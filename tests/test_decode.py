@@ -24,7 +24,8 @@ from server.heads.decode import bio_constraints, constrained_labels, decode, dec
 from server.modules import load_module
 from tests.bio_reference import allowed_after, reference_tags
 from tests.test_decode_numpy import torch_probabilities
-from training.data import CONLL_TAGS, default_data_dir, read_conll
+from training.data.conll import CONLL_TAGS, read_conll
+from training.data.files import default_data_dir
 
 
 # ---- the oracle: server/heads/decode.py as it was before vectorising (commit d01cb18) -------------

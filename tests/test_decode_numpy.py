@@ -34,7 +34,8 @@ from modules_store import DEFAULT_STORE, ModuleStore, TaskType
 from server.engine import Engine
 from server.heads.decode import AnswerOptions, decode, decode_rows
 from server.modules import load_module
-from training.data import default_data_dir, read_conll
+from training.data.conll import read_conll
+from training.data.files import default_data_dir
 
 SCORE_TOLERANCE = 2e-6
 BIO = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]

@@ -23,7 +23,7 @@ from server.heads.embedding import EmbeddingHead, sentence_transformers_settings
 from server.heads.pooling import pool_modes
 from server.modules import load_module, save_module
 from tests.helpers import LiveServer, populate_store, start_tmod_serve
-from training.data import PRESETS, preset_spec
+from training.data.presets import PRESETS, preset_spec
 from training.embedding import compare, embed
 
 SERVE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from bench.live_server import free_port
-from training.data import PRESETS, default_data_dir, preset_spec
+from training.data.files import default_data_dir
+from training.data.presets import PRESETS, preset_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -23,7 +23,8 @@ from server.windows import WindowSettings, read
 from tests.helpers import mpnet_style_tokenizer
 from tests.tokens_reference import reference_encode
 from tests.tokens_reference import token_spans as reference_spans
-from training.data import default_data_dir, read_conll
+from training.data.conll import read_conll
+from training.data.files import default_data_dir
 
 AWKWARD = [
     "", " ", "\n\t  \r\n", "🙂 Zürich naïve café 👩‍👩‍👧 🇩🇪", "e\u0301te\u0301 cafe\u0301 n\u0303",

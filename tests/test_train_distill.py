@@ -12,7 +12,8 @@ from server.backbone import Backbone
 from server.engine import Engine
 from server.modules import load_module
 from training.cli import build_parser, main
-from training.data import read_conll, word_first_tokens
+from training.data.conll import read_conll
+from training.data.word_tags import word_first_tokens
 from training.distill import DistillTargets, teacher_words
 from training.evaluate import score_module
 from training.settings import TrainSettings

@@ -14,7 +14,11 @@ import pytest
 from modules_store import TaskType
 from server.backbone import Backbone
 from training.cli import main
-from training.data import LabelledData, SequenceExample, UsageError, file_spec, read_conll, word_spans
+from training.data.cells import word_spans
+from training.data.conll import read_conll
+from training.data.examples import LabelledData, SequenceExample
+from training.data.files import UsageError
+from training.data.presets import file_spec
 from training.splits import carve
 
 
@@ -264,7 +268,7 @@ def minilm_tokenizer_texts():
     from transformers import AutoTokenizer
 
     from server.backbone.sources import default_backbone_path
-    from training.data import default_data_dir
+    from training.data.files import default_data_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_backbone_path(), local_files_only=True)._tokenizer
     tokenizer.no_truncation()

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from training.cli import main
-from training.data import PRESETS, default_data_dir, preset_spec
+from training.data.files import default_data_dir
+from training.data.presets import PRESETS, preset_spec
 from tests.helpers import populate_store, start_tmod_serve
 
 TOKEN = "own-task-token"

@@ -8,19 +8,12 @@ import torch
 
 from modules_store import TaskType
 from server.heads.decode import decode
-from training.data import (
-    CONLL_TAGS,
-    IGNORE_INDEX,
-    PRESETS,
-    TokenExample,
-    default_data_dir,
-    label_order,
-    preset_spec,
-    read_conll,
-    read_table,
-    token_labels,
-    word_label_ids_from_tokens,
-)
+from training.data.conll import CONLL_TAGS, read_conll
+from training.data.examples import TokenExample, label_order
+from training.data.files import default_data_dir
+from training.data.presets import PRESETS, preset_spec
+from training.data.tables import read_table
+from training.data.word_tags import IGNORE_INDEX, token_labels, word_label_ids_from_tokens
 
 CONLL_TEXT = """-DOCSTART- -X- -X- O
 
@@ -210,7 +203,8 @@ def test_document_windows_read_documents_as_the_server_cuts_long_texts(tmp_path,
     """`--document-windows`: each document is one example if it fits a window, else overlapping
     windows of whole words, each within the window's word pieces, together covering the document."""
     from server.windows import default_stride
-    from training.data import begin_entities_with_b, document_windows, read_conll_documents
+    from training.data.conll import document_windows, read_conll_documents
+    from training.data.examples import begin_entities_with_b
 
     sentences = [[("Alice", "B-PER"), ("met", "O"), ("Bob", "B-PER"), ("Smith", "I-PER"), ("in", "O"),
                   (f"Paris{i}", "B-LOC"), (".", "O")] for i in range(30)]

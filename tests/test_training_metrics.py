@@ -174,9 +174,9 @@ def test_length_mismatch_is_an_error():
 
 def test_entities_begun_with_i_are_begun_with_b_and_stay_the_same_entities():
     """IOB1 (CoNLL-2003's original release) and BIO slips: every entity that begins with I- is begun
-    with B- (training/data.py begin_entities_with_b), the entities unchanged, BIOES left as it is."""
+    with B- (training/data/examples.py begin_entities_with_b), the entities unchanged, BIOES left as it is."""
     from server.heads.decode import split_tag
-    from training.data import begin_entities_with_b
+    from training.data.examples import begin_entities_with_b
 
     iob1 = ["I-PER", "I-PER", "O", "I-LOC", "B-LOC", "I-LOC", "I-ORG", "PER", "I-PER"]
     assert begin_entities_with_b(iob1) == (["B-PER", "I-PER", "O", "B-LOC", "B-LOC", "I-LOC", "B-ORG", "PER", "I-PER"], 3)

@@ -13,7 +13,8 @@ from modules_store import ModuleStore, TaskType
 from server.engine import Engine
 from server.modules import load_module
 from training.cli import main
-from training.data import GOEMOTIONS_LABELS, PRESETS, preset_spec, read_table
+from training.data.presets import GOEMOTIONS_LABELS, PRESETS, preset_spec
+from training.data.tables import read_table
 from training.metrics import choose_thresholds, label_f1_by_threshold, multilabel_scores
 from training.report import per_label_table
 from training.trainer import task_loss
@@ -54,7 +55,7 @@ def test_a_table_cell_that_spells_a_list_is_that_list_of_labels(tmp_path):
     """pandas' to_csv writes a column of lists as "['fear', 'joy']" (a Hugging Face dataset's label lists
     through `to_pandas`): split on commas it was the labels "['fear'" and " 'joy']" (12 labels for 4).
     As a single label, such a cell is refused as JSONL's lists are."""
-    from training.data import UsageError
+    from training.data.files import UsageError
 
     pandas = pytest.importorskip("pandas")
     rows = [{"text": f"text number {i}", "labels": labels}
@@ -160,7 +161,7 @@ def test_multilabel_training_writes_thresholds_and_reports(multilabel_run, train
 def test_served_answers_use_the_shipped_thresholds(multilabel_run, train_backbone):
     """The served answer's labels are those whose sigmoid passes the manifest's thresholds, and
     re-scoring the served answers gives the manifest's macro F1."""
-    from training.data import read_table as read
+    from training.data.tables import read_table as read
 
     module = load_module(ModuleStore(multilabel_run / "store"), "kinds", "1", train_backbone)
     data = read(multilabel_run / "val.tsv", text_column="text", label_column="labels", multi_label=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from training.baselines import tfidf_logreg, tfidf_logreg_predictions
-from training.data import PRESETS, default_data_dir, preset_spec
+from training.data.files import default_data_dir
+from training.data.presets import PRESETS, preset_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

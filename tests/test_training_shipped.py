@@ -9,7 +9,8 @@ import pytest
 from modules_store import DEFAULT_STORE, ModuleStore
 from server.backbone.sources import resolve_backbone
 from training.cli import main
-from training.data import PRESETS, default_data_dir
+from training.data.files import default_data_dir
+from training.data.presets import PRESETS
 
 
 def shipped_trained_modules() -> list[tuple[str, str, str, str, str]]:

@@ -15,7 +15,8 @@ from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.layermix.layer import cutoff_weights
 from server.modules import load_module, save_module
 from training.cli import build_parser, main, settings_from_args
-from training.data import UsageError, read_table
+from training.data.files import UsageError
+from training.data.tables import read_table
 from training.settings import TrainSettings, parse_label_map, parse_layers
 from training.states import CachedStates, RecomputedStates, Split
 from training.splits import resolve_data
@@ -261,7 +262,7 @@ def test_eval_reads_a_file_as_the_training_run_did_and_refuses_a_pair_mismatch(s
 
 def test_eval_names_class_ids_by_their_place_in_the_training_labels(sentiment_run, sentiment_files):
     from training.cli import named_as_in_training
-    from training.data import file_spec
+    from training.data.presets import file_spec
 
     run, _ = sentiment_run
     manifest = ModuleStore(run / "store").read_manifest("sentiment")
@@ -302,7 +303,7 @@ def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train
 
 def test_worst_sentences_name_missed_and_wrong_entities_or_words():
     from training.assess import worst_sentences
-    from training.data import TokenExample
+    from training.data.examples import TokenExample
 
     examples = [TokenExample(["Peter", "Blackburn", "in", "Paris"], ["B-PER", "I-PER", "O", "B-LOC"]),
                 TokenExample(["all", "right"], ["O", "O"]),

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from server.bridges.alignment import AlignmentBridge, AlignmentConfig
-from training.data import UsageError, hold_out, read_text_lines, seeded_subset
+from training.data.examples import hold_out, seeded_subset
+from training.data.files import UsageError, read_text_lines
 from training.pairing import PairedStates
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
@@ -253,7 +254,7 @@ def plot_alignment(diagnostics: dict, grid: dict | None, path: Path, title: str)
 def load_texts(args, split: str = "train", limit: int | None = None, besides: Sequence[str] = ()) -> list[str]:
     """`split` texts of the presets (comma-separated), each once and none of `besides`, a seeded
     subset of `limit` (0 or None: all), order kept; pair tasks give both texts of each example."""
-    from training.data import PRESETS, preset_spec
+    from training.data.presets import PRESETS, preset_spec
 
     texts: list[str] = []
     for name in [d.strip() for d in args.dataset.split(",") if d.strip()]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from modules_store import TaskType
 from training.baselines import cached_run, majority, tfidf_logreg, window_tagger
-from training.data import LabelledData
+from training.data.examples import LabelledData
 from training.metrics import confusion_matrix, entities, per_class_scores
 from training.states import Split
 

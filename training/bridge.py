@@ -47,8 +47,10 @@ from server.bridges.transformer import BridgeShape, TransformerBridge
 from server.heads.base import head_forward
 from server.modules import LoadedModule, count_parameters, load_module
 from server.probe import probe_module
-from training.data import (IGNORE_INDEX, PRESETS, LabelledData, SequenceExample, UsageError, hold_out,
-                           preset_spec, read_text_lines, token_labels)
+from training.data.examples import LabelledData, SequenceExample, hold_out
+from training.data.files import UsageError, read_text_lines
+from training.data.presets import PRESETS, preset_spec
+from training.data.word_tags import IGNORE_INDEX, token_labels
 from training.distill import distill_kl
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers

@@ -435,7 +435,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from server.modules import load_module
     from server.probe import probe_module
     from training.baselines import majority
-    from training.data import PRESETS, UsageError, file_spec, preset_spec
+    from training.data.files import UsageError
+    from training.data.presets import PRESETS, file_spec, preset_spec
     from training.evaluate import file_role, score_module
     from training.settings import parse_label_map, pick_device
     from training.states import Split
@@ -546,7 +547,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def training_run(manifest):
     """(the settings of the tmod-train run that made the module, as its manifest records them; the
     preset it trained on, or None)."""
-    from training.data import PRESETS
+    from training.data.presets import PRESETS
 
     trained = manifest.training.get("settings", {})
     return trained, PRESETS.get(trained.get("dataset"))
@@ -610,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from modules_store import ArtifactError
-    from training.data import UsageError
+    from training.data.files import UsageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

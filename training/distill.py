@@ -12,7 +12,7 @@ The two backbones tokenize differently, so the two are aligned by the data's WOR
 logits of a word are read at the word's first sub-token, as scoring and the server read a word
 (`training.evaluate.word_values`). The teacher reads each training sentence once, through the
 served path (`training.evaluate.served_logits`: Engine.logits on its own backbone at the precision
-it was trained at); every training row, a sentence or a document window (training/data.py), knows
+it was trained at); every training row, a sentence or a document window (training/data/conll.py), knows
 where its words start among the file's words (`TokenExample.file_offset`) and looks their teacher
 logits up there. The teacher's word logits are kept in $TMOD_CACHE_DIR/teacher/<key>.safetensors
 (key: the teacher's weights and backbone, its precision, the training file), so a later run with
@@ -37,7 +37,9 @@ from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir, named_for
 from server.modules import load_module
 from server.probe import probe_module
-from training.data import UsageError, read_conll, word_first_tokens
+from training.data.conll import read_conll
+from training.data.files import UsageError
+from training.data.word_tags import word_first_tokens
 from training.evaluate import served_logits, word_values
 from training.splits import module_folder
 from training.states import Split, write_then_rename

@@ -82,7 +82,7 @@ def cmd_embedding(args: argparse.Namespace, command: str) -> int:
     head = EmbeddingHead.from_backbone(backbone, folder, name)
     metrics = {}
     if args.check:
-        from training.data import PRESETS, preset_spec
+        from training.data.presets import PRESETS, preset_spec
 
         texts = preset_spec(PRESETS["sst2"], "validation", args.data_dir).read().texts()[:args.check]
         module = LoadedModule(args.task, version, None, head.eval())

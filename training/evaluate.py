@@ -14,7 +14,7 @@ from server.backbone import TokenBatch
 from server.engine import Engine
 from server.heads.decode import word_tags
 from server.modules import LoadedModule
-from training.data import word_first_tokens
+from training.data.word_tags import word_first_tokens
 from training.metrics import classification_scores, entity_scores, multilabel_scores
 from training.progress import progress_of
 from training.states import Split

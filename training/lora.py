@@ -7,7 +7,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from server.heads.lora_mtb import LoraMTBHead
 from server.heads.lora_mtb.model import OWN_LAYERS
 from server.heads.lora_mtb.layer import factor_names
-from training.data import UsageError
+from training.data.files import UsageError
 
 ADAPTER = "default"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from modules_store import ArtifactError, ModuleStore
-from training.data import UsageError
+from training.data.files import UsageError
 
 
 def cannot_make(folder: Path) -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from modules_store import ArtifactError, ModuleStore
 from server.backbone.sources import named_for
 from server.modules import servable_version
-from training.data import UsageError
+from training.data.files import UsageError
 
 TOKEN_VARIABLE = "TMOD_ADMIN_TOKEN"  # what tmod-serve reads its admin token from
 TIMEOUT_S = 30

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from modules_store import TaskType
 from server.config import device_problem
-from training.data import ENCODING, UsageError
+from training.data.files import ENCODING, UsageError
 
 # Knobs whose sensible value depends on the task type (DESIGN.md section 1: sequence heads use
 # k=64 and alpha=64; token heads k=128, alpha=128, entropy penalty 1e-3, cutoff 1e-2).

@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modules_store import DEFAULT_STORE, TaskType, sha256_file
-from training.data import (PRESETS, DataSpec, LabelledData, UsageError, file_spec, guess_format, is_number,
-                           label_order, preset_spec)
+from training.data.examples import LabelledData, label_order
+from training.data.files import UsageError, guess_format
+from training.data.presets import DataSpec, PRESETS, file_spec, preset_spec
+from training.data.tables import is_number
 from training.settings import METRICS, TASK_DEFAULTS, TrainSettings
 
 

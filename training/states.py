@@ -23,7 +23,8 @@ import torch
 
 from modules_store import TaskType
 from server.backbone import Backbone, EncodedInput, TokenBatch
-from training.data import IGNORE_INDEX, LabelledData, token_labels
+from training.data.examples import LabelledData
+from training.data.word_tags import IGNORE_INDEX, token_labels
 from training.progress import progress_of
 
 log = logging.getLogger("tmod")

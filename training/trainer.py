@@ -32,12 +32,10 @@ from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.mtb import MTBHead
 from server.modules import LoadedModule, count_parameters, load_module, save_module
 from server.probe import probe_module
-from training.data import (
-    IGNORE_INDEX,
-    LabelledData,
-    UsageError,
-    document_windows,
-)
+from training.data.conll import document_windows
+from training.data.examples import LabelledData
+from training.data.files import UsageError
+from training.data.word_tags import IGNORE_INDEX
 from training import serving
 from training.progress import progress_of
 from training.splits import Splits, resolve_data
@@ -69,7 +67,7 @@ class TrainResult:
 # ---- data ----------------------------------------------------------------------------------
 def add_document_windows(train: LabelledData, provenance: dict, backbone: Backbone, windows: list[int]) -> LabelledData:
     """The training sentences plus the training file's documents read in windows of each length in
-    `windows` (training/data.py document_windows), counted in `provenance`."""
+    `windows` (training/data/conll.py document_windows), counted in `provenance`."""
     if train.task_type != TaskType.token_classification:
         raise ValueError("--document-windows: only token tasks read from a CoNLL file have documents")
     added = document_windows(provenance["train_file"], backbone.text, windows)
