@@ -39,91 +39,14 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
     character spans (`label`, `entities` or `spans`) is a token example too (`span_example`)."""
     path = Path(path)
     fmt = fmt or guess_format(path)
-    examples, empty = [], []
     # --multi-label with --label-column a,b,c: one 0/1 column per label (Jigsaw's toxic, obscene, ...)
     flags = [c.strip() for c in label_column.split(",")] if multi_label and isinstance(label_column, str) \
         and "," in label_column else None
     if fmt == "jsonl":
-        records = accepted_records(path, list(json_records(path)))
-        if text_column is None and records:
-            text_column = _text_key(path, records[0][1], {label_column, pair_column, *(flags or ())})
-        for where, record in records:
-            try:
-                text_key, label_key = json_keys(record, text_column, flags[0] if flags else label_column, multi_label)
-                text = record[text_key]
-                label = [c for c in flags if label_present(record[c], c, where)] if flags else listed(record[label_key])
-                pair = record[pair_column] if pair_column is not None else None
-            except (KeyError, TypeError) as exc:
-                if isinstance(record, dict) and {"data", "annotations"} <= set(record):
-                    raise UsageError(f"{where}: a Label Studio export (JSON), which is not read; export as JSON-MIN "
-                                     "(a record's text and labels: entity spans are read as they are, a choice under "
-                                     "its control's name, e.g. --label-column sentiment)") from None
-                if not isinstance(record, dict):
-                    raise UsageError(f"{where}: a record is a JSON object ({{\"text\": ..., \"label\": ...}}), not "
-                                     f"{json.dumps(record)[:80]}") from None
-                raise UsageError(f"{where}: no key {exc} in {sorted(record)}; "
-                                 f"name it with --text-column / --label-column / --pair-column") from None
-            if isinstance(text, list):
-                example = token_example(text, label, label_map, where)
-            elif isinstance(label, list) and not multi_label and all(map(is_span, label)):
-                example = span_example(text, label, label_map, where)
-            else:
-                try:
-                    example = sequence_example(text, label, pair, label_map, multi_label, where)
-                except EmptyCell as exc:
-                    empty.append(exc)
-                    continue
-            _check_same_kind(examples, example, where, "record")
-            examples.append(example)
-        if pair_column is None and examples and isinstance(examples[0], SequenceExample):
-            first = records[0][1]
-            taken = set(json_keys(first, text_column, flags[0] if flags else label_column, multi_label)) | set(flags or ())
-            _say_unread_texts(path, {f"key {key!r}": [record.get(key) for _, record in records[:SAMPLE_ROWS]
-                                                      if isinstance(record, dict)]
-                                     for key in first if key not in taken})
+        examples, empty = _record_examples(path, text_column, label_column, pair_column, flags, label_map, multi_label)
     elif fmt in ("tsv", "csv"):
-        list(numbered_lines(path))  # missing file, bad encoding: one clear line
-        rows = _rows(path, fmt)
-        names = [name.strip() for name in rows.pop(0)[1]] if header and rows else None  # "text , label" names text
-        pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
-        named = text_column is not None or (names and "text" in names)
-        named_text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) if named else None
-        sample = [row for _, row in rows[:SAMPLE_ROWS]]  # what the columns left unnamed are chosen by
-        if flags:
-            label_is = [_column_index(c, names, path) for c in flags]
-        elif label_column is not None or (names and "label" in names):
-            label_is = [_column_index(_by_default(label_column, "label", 1, names), names, path)]
-        else:
-            label_is = [_label_column(path, sample, names, {named_text_i, pair_i})]
-        text_i = named_text_i if named else _text_column(path, sample, names, {*label_is, pair_i})
-        if pair_i is None:
-            _say_unread_texts(path, {f"column {_column_name(i, names)}": [row[i] for row in sample if len(row) > i]
-                                     for i in _free_columns(sample, {text_i, *label_is})})
-        needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
-        separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
-            if multi_label and not flags else ","
-        for line_no, row in rows:
-            where = f"{path}:{line_no}"
-            if names and [cell.strip() for cell in row] == names:  # exports joined: "label" learnt as a label
-                raise UsageError(f"{where}: the header line again (files joined with theirs?): remove it")
-            if len(row) <= needed:
-                hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
-                raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
-            label = [c for c, i in zip(flags, label_is) if label_present(row[i], c, where)] if flags \
-                else listed(row[label_is[0]])
-            plain = not (flags or multi_label or pair_i is not None)
-            words = listed(row[text_i]) if plain and isinstance(label, list) else None
-            try:
-                if isinstance(words, list):  # a token dataset through pandas' to_csv: words and their tags
-                    example = token_example(words, label, label_map, where)
-                else:
-                    example = sequence_example(row[text_i], label, row[pair_i] if pair_i is not None else None, label_map,
-                                       multi_label, where, separator)
-            except EmptyCell as exc:
-                empty.append(exc)
-                continue
-            _check_same_kind(examples, example, where, "row")
-            examples.append(example)
+        examples, empty = _row_examples(path, fmt, header, text_column, label_column, pair_column, flags, label_map,
+                                        multi_label)
     else:
         raise UsageError(f"{path}: read_table handles tsv/csv/jsonl, not {fmt!r}")
     refuse_empty(path, empty)
@@ -137,6 +60,101 @@ def read_table(path: str | Path, *, text_column: Column | None, label_column: Co
         _say_joined_labels(path, examples)
     task_type = TaskType.multi_label_classification if multi_label else TaskType.sequence_classification
     return LabelledData(task_type, examples, str(path), has_pairs=pair_column is not None)
+
+
+def _record_examples(path: Path, text_column: Column | None, label_column: Column | None,
+                     pair_column: Column | None, flags: list[str] | None,
+                     label_map: dict[str, str] | None, multi_label: bool) -> tuple[list, list[EmptyCell]]:
+    """A JSON(L) file's examples, and its records with an empty text or label (`read_table`'s options)."""
+    examples, empty = [], []
+    records = accepted_records(path, list(json_records(path)))
+    if text_column is None and records:
+        text_column = _text_key(path, records[0][1], {label_column, pair_column, *(flags or ())})
+    for where, record in records:
+        try:
+            text_key, label_key = json_keys(record, text_column, flags[0] if flags else label_column, multi_label)
+            text = record[text_key]
+            label = [c for c in flags if label_present(record[c], c, where)] if flags else listed(record[label_key])
+            pair = record[pair_column] if pair_column is not None else None
+        except (KeyError, TypeError) as exc:
+            if isinstance(record, dict) and {"data", "annotations"} <= set(record):
+                raise UsageError(f"{where}: a Label Studio export (JSON), which is not read; export as JSON-MIN "
+                                 "(a record's text and labels: entity spans are read as they are, a choice under "
+                                 "its control's name, e.g. --label-column sentiment)") from None
+            if not isinstance(record, dict):
+                raise UsageError(f"{where}: a record is a JSON object ({{\"text\": ..., \"label\": ...}}), not "
+                                 f"{json.dumps(record)[:80]}") from None
+            raise UsageError(f"{where}: no key {exc} in {sorted(record)}; "
+                             f"name it with --text-column / --label-column / --pair-column") from None
+        if isinstance(text, list):
+            example = token_example(text, label, label_map, where)
+        elif isinstance(label, list) and not multi_label and all(map(is_span, label)):
+            example = span_example(text, label, label_map, where)
+        else:
+            try:
+                example = sequence_example(text, label, pair, label_map, multi_label, where)
+            except EmptyCell as exc:
+                empty.append(exc)
+                continue
+        _check_same_kind(examples, example, where, "record")
+        examples.append(example)
+    if pair_column is None and examples and isinstance(examples[0], SequenceExample):
+        first = records[0][1]
+        taken = set(json_keys(first, text_column, flags[0] if flags else label_column, multi_label)) | set(flags or ())
+        _say_unread_texts(path, {f"key {key!r}": [record.get(key) for _, record in records[:SAMPLE_ROWS]
+                                                  if isinstance(record, dict)]
+                                 for key in first if key not in taken})
+    return examples, empty
+
+
+def _row_examples(path: Path, fmt: str, header: bool, text_column: Column | None, label_column: Column | None,
+                  pair_column: Column | None, flags: list[str] | None, label_map: dict[str, str] | None,
+                  multi_label: bool) -> tuple[list, list[EmptyCell]]:
+    """A TSV or CSV file's examples, and its rows with an empty text or label (`read_table`'s options)."""
+    examples, empty = [], []
+    list(numbered_lines(path))  # missing file, bad encoding: one clear line
+    rows = _rows(path, fmt)
+    names = [name.strip() for name in rows.pop(0)[1]] if header and rows else None  # "text , label" names text
+    pair_i = _column_index(pair_column, names, path) if pair_column is not None else None
+    named = text_column is not None or (names and "text" in names)
+    named_text_i = _column_index(_by_default(text_column, "text", 0, names), names, path) if named else None
+    sample = [row for _, row in rows[:SAMPLE_ROWS]]  # what the columns left unnamed are chosen by
+    if flags:
+        label_is = [_column_index(c, names, path) for c in flags]
+    elif label_column is not None or (names and "label" in names):
+        label_is = [_column_index(_by_default(label_column, "label", 1, names), names, path)]
+    else:
+        label_is = [_label_column(path, sample, names, {named_text_i, pair_i})]
+    text_i = named_text_i if named else _text_column(path, sample, names, {*label_is, pair_i})
+    if pair_i is None:
+        _say_unread_texts(path, {f"column {_column_name(i, names)}": [row[i] for row in sample if len(row) > i]
+                                 for i in _free_columns(sample, {text_i, *label_is})})
+    needed = max(i for i in (text_i, *label_is, pair_i) if i is not None)
+    separator = label_separator([row[label_is[0]] for _, row in rows if len(row) > label_is[0]]) \
+        if multi_label and not flags else ","
+    for line_no, row in rows:
+        where = f"{path}:{line_no}"
+        if names and [cell.strip() for cell in row] == names:  # exports joined: "label" learnt as a label
+            raise UsageError(f"{where}: the header line again (files joined with theirs?): remove it")
+        if len(row) <= needed:
+            hint = " (is it a CSV file? give --format csv)" if fmt == "tsv" and "," in row[0] else ""
+            raise UsageError(f"{where}: {len(row)} column(s), column {needed} (0-based) is needed{hint}")
+        label = [c for c, i in zip(flags, label_is) if label_present(row[i], c, where)] if flags \
+            else listed(row[label_is[0]])
+        plain = not (flags or multi_label or pair_i is not None)
+        words = listed(row[text_i]) if plain and isinstance(label, list) else None
+        try:
+            if isinstance(words, list):  # a token dataset through pandas' to_csv: words and their tags
+                example = token_example(words, label, label_map, where)
+            else:
+                example = sequence_example(row[text_i], label, row[pair_i] if pair_i is not None else None,
+                                           label_map, multi_label, where, separator)
+        except EmptyCell as exc:
+            empty.append(exc)
+            continue
+        _check_same_kind(examples, example, where, "row")
+        examples.append(example)
+    return examples, empty
 
 
 def _column_index(column: Column, header: list[str] | None, path: Path) -> int:
