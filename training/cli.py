@@ -427,18 +427,11 @@ def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from modules_store import DEFAULT_STORE, ArtifactError, ModuleStore, TaskType, sha256_file
+    from modules_store import DEFAULT_STORE, ModuleStore, TaskType, sha256_file
     from server.backbone import Backbone
-    from server.backbone.sources import named_for
-    from server.bridges import bridge_store, load_bridges_on
     from server.engine import Engine
-    from server.modules import load_module
-    from server.probe import probe_module
-    from training.baselines import majority
     from training.data.files import UsageError
-    from training.data.presets import PRESETS, file_spec, preset_spec
     from training.evaluate import file_role, score_module
-    from training.settings import parse_label_map, pick_device
     from training.states import Split
 
     # the user's mistakes first, before a backbone is loaded
@@ -450,6 +443,45 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.task not in store.tasks():
         raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
     manifest = store.read_manifest(args.task, args.version)
+    spec, data = eval_data(args, manifest)
+    backbone, module, bridges, own = eval_module(args, store, manifest)
+    split = Split(data, module.head.labels, backbone)
+    through = f"{module.bridge}/{bridges[module.bridge].version}" if module.bridge else None
+    if through:
+        print(f"tmod-train eval: {args.task}/{module.version} scored on {backbone.name} through bridge {through}",
+              file=sys.stderr)
+    token_task = manifest.task_type == TaskType.token_classification
+    answers = split  # where a token task's tags are read: a bridge that re-tokenizes answers on the target's tokens
+    if token_task and module.retokenized:
+        if own is None:
+            raise UsageError(f"{args.task}/{manifest.version} tags the tokens of {manifest.backbone.name!r}, which has "
+                             "no name here: it cannot be scored through a bridge")
+        answers = Split(data, module.head.labels, Backbone.load(own, device=str(backbone.device)))
+    metrics = score_module(split, module, args.batch_size, progress=args.progress,
+                           engine=Engine(backbone, bridges=bridges), answer_split=answers)
+    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path))
+    if not role.startswith(("test", "not a file")):
+        print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
+    result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
+              "file": str(spec.path), "file_role": role,
+              "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
+              "metrics": metrics, "baseline": eval_baseline(data, module, metrics)}
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def eval_data(args: argparse.Namespace, manifest):
+    """(spec, data): the labelled rows `tmod-train eval` scores, read as the options (or the module's
+    training run) say, and refused in one line where the module cannot answer them."""
+    from modules_store import TaskType
+    from training.data.files import UsageError
+    from training.data.presets import PRESETS, file_spec, preset_spec
+    from training.settings import parse_label_map
+
     if args.dataset:
         if args.dataset not in PRESETS:
             raise UsageError(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
@@ -479,6 +511,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) \
             else f"; name them as the head does with --label-map {named}"
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
+    return spec, data
+
+
+def eval_module(args: argparse.Namespace, store, manifest):
+    """(backbone, module, bridges, own): the module loaded as the server would load it, on its own
+    backbone (`own`, its name here) or on --backbone through a bridge of --bridges."""
+    from modules_store import ArtifactError
+    from server.backbone import Backbone
+    from server.backbone.sources import named_for
+    from server.bridges import bridge_store, load_bridges_on
+    from server.modules import load_module
+    from server.probe import probe_module
+    from training.data.files import UsageError
+    from training.settings import pick_device
+
     own = named_for(manifest.backbone.name)
     if not (args.backbone or own):
         raise UsageError(f"{args.task}/{manifest.version} runs on {manifest.backbone.name!r}, which has no name here; "
@@ -502,47 +549,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
                          + (f"and no bridge in {args.bridges} leads there" if args.bridges else
                             f"and no --bridges store was given to lead there; leave out --backbone to score it on its "
                             f"own ({own or 'its folder'})")) from None
-    split = Split(data, module.head.labels, backbone)
-    if module.bridge:
-        through = f"{module.bridge}/{bridges[module.bridge].version}"
-        print(f"tmod-train eval: {args.task}/{module.version} scored on {backbone.name} through bridge {through}",
-              file=sys.stderr)
-    answers = split  # where a token task's tags are read: a bridge that re-tokenizes answers on the target's tokens
-    if token_task and module.retokenized:
-        if own is None:
-            raise UsageError(f"{args.task}/{manifest.version} tags the tokens of {manifest.backbone.name!r}, which has "
-                             "no name here: it cannot be scored through a bridge")
-        answers = Split(data, module.head.labels, Backbone.load(own, device=device))
-    metrics = score_module(split, module, args.batch_size, progress=args.progress,
-                           engine=Engine(backbone, bridges=bridges), answer_split=answers)
-    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path))
-    if not role.startswith(("test", "not a file")):
-        print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
-    # the simplest answer on the same rows: every row given the file's own most frequent label (chosen on
-    # this file, so the best any constant answer scores here: no head should need a backbone to beat it)
-    gold = [ex.tags if token_task else ex.label for ex in data.examples]
-    constant = majority(gold, gold, multi_label=manifest.task_type == TaskType.multi_label_classification,
+    return backbone, module, bridges, own
+
+
+def eval_baseline(data, module, metrics: dict) -> dict:
+    """The simplest answer on the same rows beside the module's score, also said on stderr: every row
+    given the file's own most frequent label (chosen on this file, so the best any constant answer
+    scores here: no head should need a backbone to beat it)."""
+    from modules_store import TaskType
+    from training.baselines import majority
+
+    task_type = module.manifest.task_type
+    gold = [ex.tags if task_type == TaskType.token_classification else ex.label for ex in data.examples]
+    constant = majority(gold, gold, multi_label=task_type == TaskType.multi_label_classification,
                         labels=module.head.labels)
     metric = module.manifest.metrics.get("metric") or next(k for k in ("f1", "accuracy", "f1_macro") if k in metrics)
     answered = {TaskType.token_classification: "every word tagged with the file's most frequent tag",
                 TaskType.multi_label_classification: "every row answered with the file's most frequent label set"
-                }.get(manifest.task_type, "every row answered with the file's most frequent label")
+                }.get(task_type, "every row answered with the file's most frequent label")
     baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
                 "margin": metrics[metric] - constant[metric], "majority_in_file_is": f"{answered} (chosen on it)"}
     print(f"tmod-train eval: {metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} "
           f"({baseline['margin']:+.4f})", file=sys.stderr)
-    result = {"task": module.task, "version": module.version, "backbone": backbone.name,
-              "bridge": f"{module.bridge}/{bridges[module.bridge].version}" if module.bridge else None,
-              "file": str(spec.path), "file_role": role,
-              "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
-              "metrics": metrics, "baseline": baseline}
-    text = json.dumps(result, indent=2)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
-    print(text)
-    return 0
-
+    return baseline
 
 def training_run(manifest):
     """(the settings of the tmod-train run that made the module, as its manifest records them; the
