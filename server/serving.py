@@ -122,7 +122,7 @@ class Serving:
         loaded = self.runtime.modules  # one snapshot for the whole request
         if tasks is None:
             if not loaded:
-                raise ApiError(503, "no_modules", f"no task modules are loaded (store: {self.settings.store})")
+                raise self.no_modules()
             return dict(loaded)
         names = task_names(tasks)
         unknown = [n for n in names if n not in loaded]

@@ -74,6 +74,11 @@ def test_a_start_with_no_module_says_so(store, tiny_backbone, tmp_path, caplog):
         with LiveServer(create_app(Settings(store=empty, admin_token=TOKEN), backbone=tiny_backbone),
                         ready_when=loaded_nothing) as server:
             assert httpx.get(server.url + "/admin/modules", headers=AUTH).json()["tasks"] == {}
+            # an inference request says what readiness says: the store, and how to load a module
+            ready = httpx.get(server.url + "/readyz").json()["error"]
+            infer = httpx.post(server.url + "/v1/infer", json={"inputs": ["x"]})
+            assert infer.status_code == 503 and infer.json()["error"]["type"] == "no_modules"
+            assert infer.json()["error"]["message"] == ready["message"] and "load one through /admin" in ready["message"]
     assert f"no module loaded from the store {empty}: /readyz answers 503 no_modules" in caplog.text
 
 
