@@ -537,17 +537,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     val_pairs = PairedStates.build(val_data.texts(), **build)
     pairs_seconds = time.perf_counter() - t0
 
-    probe = None
-    if module is not None:
-        labels = {}
-        for split, data, pairs in (("train", train_data, train_pairs), ("validation", val_data, val_pairs)):
-            found = hard_labels(data, module.head.labels, pairs, module.head.task_type == TaskType.token_classification)
-            if found is not None:
-                labels[split] = found
-        if s.objective == "distill" and s.ce_weight and "train" not in labels:
-            raise UsageError(f"--ce-weight needs the dataset's labels to be the module's {module.head.labels}")
-        probe = ModuleProbe(module, {"train": train_pairs, "validation": val_pairs} if s.objective == "distill"
-                            else {"validation": val_pairs}, s.eval_batch_size, device, labels, progress=s.progress)
+    probe = module_probe(s, module, (train_data, train_pairs), (val_data, val_pairs), device) if module else None
 
     shape = {name: getattr(s, name) for name in BridgeShape.model_fields}
     bridge = TransformerBridge.for_backbones(source, target, source_layers, target_layers, **shape).to(device)
@@ -558,14 +548,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     result = fit_bridge(bridge, train_pairs, val_pairs, s, device, probe)
     train_seconds = time.perf_counter() - started
 
-    best = result.history[result.best_epoch - 1] if result.best_epoch else {}
-    metrics = {"objective": s.objective, "split": "validation", "best_epoch": result.best_epoch,
-               "validation_loss": result.best_loss,
-               **{k.removeprefix("validation_"): v for k, v in best.items()
-                  if k.startswith("validation_") and k != "validation_seconds"},
-               "untrained": result.initial}
-    if probe is not None and "validation" in probe.labels:
-        metrics["majority_accuracy"] = majority_share(probe.labels["validation"])
+    metrics = validation_metrics(s, result, probe)
     training = {
         "command": command, "objective": s.objective, "settings": s.model_dump(mode="json"),
         "module": ({"task": module.task, "version": module.version, "spec": s.module,
@@ -602,6 +585,34 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     write_bridge_report(report_dir, outcome)
     return outcome
 
+
+def module_probe(s: BridgeSettings, module, train: tuple, validation: tuple, device) -> ModuleProbe:
+    """The target module read through the bridge while it trains: its answers on the validation texts
+    (and on the training texts, for the distill objective), scored against the data's labels where
+    they are the module's. `train`, `validation`: (the split's data, its paired states)."""
+    labels = {}
+    for split, (data, pairs) in (("train", train), ("validation", validation)):
+        found = hard_labels(data, module.head.labels, pairs, module.head.task_type == TaskType.token_classification)
+        if found is not None:
+            labels[split] = found
+    if s.objective == "distill" and s.ce_weight and "train" not in labels:
+        raise UsageError(f"--ce-weight needs the dataset's labels to be the module's {module.head.labels}")
+    read = {"train": train[1], "validation": validation[1]} if s.objective == "distill" else {"validation": validation[1]}
+    return ModuleProbe(module, read, s.eval_batch_size, device, labels, progress=s.progress)
+
+
+def validation_metrics(s: BridgeSettings, result, probe: ModuleProbe | None) -> dict:
+    """The kept epoch's validation figures (the epoch validation chose), the untrained bridge's, and the
+    majority answer's accuracy where the module's labels are known."""
+    best = result.history[result.best_epoch - 1] if result.best_epoch else {}
+    metrics = {"objective": s.objective, "split": "validation", "best_epoch": result.best_epoch,
+               "validation_loss": result.best_loss,
+               **{k.removeprefix("validation_"): v for k, v in best.items()
+                  if k.startswith("validation_") and k != "validation_seconds"},
+               "untrained": result.initial}
+    if probe is not None and "validation" in probe.labels:
+        metrics["majority_accuracy"] = majority_share(probe.labels["validation"])
+    return metrics
 
 def _texts_sha(texts) -> str:
     import hashlib
