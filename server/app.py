@@ -127,8 +127,10 @@ class TmodApp(FastAPI):
             raise ApiError(405, "method_not_allowed", "Method Not Allowed", headers={"allow": "POST"})
         if handler is not self.oip_infer:  # OIP reads any body (its binary extension included)
             require_json(scope)
+        request = Call(scope, receive)
+        request.check_query()
         body = await read_body(receive)
-        content, headers = await handler(body, Call(scope, receive), *params)
+        content, headers = await handler(body, request, *params)
         await reply.whole(200, content, headers)
 
 
@@ -192,16 +194,17 @@ class Call:
             return query_values(query, name)
         return query_values.__wrapped__(query, name)
 
-    def check_query(self, known: frozenset[str], route: str, takes: str) -> None:
-        """400 for a query parameter the route does not read: a misspelt `?task=ner` would otherwise
-        be ignored, and every task answered."""
+    def check_query(self) -> None:
+        """400 for a query parameter the route does not read (`QUERY_READ`): a misspelt `?task=ner` would
+        otherwise be ignored and every task answered, `/embed?normalize=false` answered normalized."""
         query = self.scope["query_string"]
         if query:
             names = query_names(query) if len(query) <= SHORT_QUERY else query_names.__wrapped__(query)
+            known, takes = QUERY_READ.get(self.scope["path"], NO_QUERY)
             unknown = sorted(names - known)
             if unknown:
                 raise ApiError(400, "invalid_request", f"unknown query parameter(s) {clip_list(unknown)}"
-                               f"{did_you_mean(unknown, known)}: {route} takes {takes}")
+                               f"{did_you_mean(unknown, known)}: {self.scope['path']} takes {takes}")
 
     async def is_disconnected(self) -> bool:
         """Whether the client left. Its body is read, so the next ASGI message is a disconnect: one step
@@ -218,7 +221,14 @@ class Call:
         return self.gone
 
 
-INFER_QUERY = frozenset({"tasks"})
+# the query parameters an inference route reads (`Call.check_query`); any other is refused, not ignored
+QUERY_READ = {
+    "/v1/infer": (frozenset({"tasks"}), "only ?tasks=a,b (truncate, window and the answer controls go in the JSON "
+                                        "body)"),
+    "/predict": (frozenset({"tasks"}), "only ?tasks=<task>, the task to answer"),
+    "/": (frozenset({"tasks"}), "only ?tasks=<task>, the task a body of /predict's asks"),
+}
+NO_QUERY = (frozenset(), "no query parameters (what it reads goes in the JSON body)")
 SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_values`)
 
 
@@ -287,8 +297,6 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     async def infer(body: bytes, request: Call) -> tuple[bytes, dict]:
         require_ready()
         asked = decode(InferRequest, body)
-        request.check_query(INFER_QUERY, "/v1/infer", "only ?tasks=a,b (truncate, window and the answer controls "
-                            "go in the JSON body)")
         named = request.query("tasks")  # ?tasks=a&tasks=b asks for both: the lists are joined
         tasks = ",".join(named) if named else None
         pairs = not isinstance(asked.inputs[0], str)

@@ -439,6 +439,9 @@ def tei_root(routes: dict):
             path = "/similarity"
         else:
             path = "/predict" if sent.has("parameters") else "/embed"
+        if path != "/predict" and request.query("tasks"):  # ?tasks= would be ignored: an embedding answered
+            raise ApiError(400, "invalid_request", f"?tasks= names the task of a body of /predict's (Hugging Face's "
+                           f"`parameters` beside a text); this body is {path}'s, which reads no tasks")
         return await routes[path](body, request)
 
     return root

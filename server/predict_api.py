@@ -206,7 +206,6 @@ def tei_predict_route(serving: Serving):
     async def tei_predict(body: bytes, request) -> tuple[bytes, dict]:
         require_ready()
         asked = decode(TEIPredictRequest, body, 422)
-        request.check_query(frozenset({"tasks"}), "/predict", "only ?tasks=<task>, the task to answer")
         sequences, batch = tei_inputs(asked.inputs)
         pairs = {isinstance(s, tuple) for s in sequences}
         if len(pairs) > 1:

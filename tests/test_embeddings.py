@@ -642,3 +642,37 @@ def test_an_openai_client_whose_base_url_lacks_v1_is_told(served):
     near = httpx.post(served + "/v1/infr", json={"inputs": ["a"]})
     assert near.status_code == 404 and near.json()["error"]["message"] == "no route '/v1/infr' (did you mean /v1/infer?)"
     assert httpx.get(served + "/nothing/here").json()["error"]["message"] == "no route '/nothing/here'"
+
+
+def test_a_query_parameter_a_route_does_not_read_is_refused_not_ignored(served):
+    """An option sent in the query instead of the body was ignored: `/embed?normalize=false` answered
+    normalized vectors, `/v1/embeddings?dimensions=3` all 384 of them. Each inference route now refuses
+    what it does not read, in its protocol's shape; `?tasks=` where a route reads it still works."""
+    def refused(path: str, body: dict, shape: str) -> str:
+        response = httpx.post(served + path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()
+        message = {"tei": lambda: error["error"], "openai": lambda: error["error"]["message"],
+                   "oip": lambda: error["error"], "tmod": lambda: error["error"]["message"]}[shape]()
+        return message
+
+    assert refused("/embed?normalize=false", {"inputs": "a"}, "tei") == (
+        "unknown query parameter(s) ['normalize']: /embed takes no query parameters (what it reads goes in the "
+        "JSON body)")
+    assert "['dimensions']: /v1/embeddings takes no query parameters" in refused(
+        "/v1/embeddings?dimensions=3", {"input": "a", "model": "embedding"}, "openai")
+    assert "['top_n']: /rerank takes no" in refused("/rerank?top_n=1", {"query": "a", "documents": ["b"]}, "openai")
+    oip = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]}]}
+    assert "['binary_data']: /v2/models/sentiment/infer takes no" in refused(
+        "/v2/models/sentiment/infer?binary_data=true", oip, "oip")
+    assert "['task'] (did you mean 'tasks' for 'task'?): /predict takes only ?tasks=" in refused(
+        "/predict?task=sentiment", {"inputs": "a"}, "tei")
+    # TEI's root reads ?tasks= for a body of /predict's only: with an embedding's body it would be ignored
+    assert refused("/?tasks=sentiment", {"inputs": "a"}, "tei") == (
+        "?tasks= names the task of a body of /predict's (Hugging Face's `parameters` beside a text); this body is "
+        "/embed's, which reads no tasks")
+    # what the routes do read
+    assert httpx.post(served + "/predict?tasks=sentiment", json={"inputs": "a"}).status_code == 200
+    assert httpx.post(served + "/?tasks=sentiment", json={"inputs": "a", "parameters": {}}).status_code == 200
+    assert httpx.post(served + "/v1/infer?tasks=ner", json={"inputs": ["a"]}).status_code == 200
+    assert httpx.post(served + "/embed", json={"inputs": "a"}).status_code == 200
