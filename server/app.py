@@ -39,8 +39,8 @@ from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
                                    ScoreRequest, ScoreResponse, TEIEmbedRequest, TEIRank, TEIRerankRequest,
                                    TEISimilarityRequest, embeddings_routes, model_list_routes, tei_info, tei_root)
-from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, clip_list, did_you_mean,
-                           error_content, http_error_handler, not_loaded, refusal, validation_error_handler)
+from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, error_content, http_error_handler,
+                           not_loaded, refusal, validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.oip import oip_routes
@@ -49,7 +49,7 @@ from server.runtime import Runtime
 from server.schemas import (InferRequest, InferResponse, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
                             TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
                             VllmTokenizeResponse, decode, openapi_components)
-from server.serving import Serving, bearer_matches, require_json, task_types
+from server.serving import SHORT_QUERY, Serving, bearer_matches, check_query, require_json, task_types
 from server.tokenize_api import tokenize_routes
 
 
@@ -127,10 +127,9 @@ class TmodApp(FastAPI):
             raise ApiError(405, "method_not_allowed", "Method Not Allowed", headers={"allow": "POST"})
         if handler is not self.oip_infer:  # OIP reads any body (its binary extension included)
             require_json(scope)
-        request = Call(scope, receive)
-        request.check_query()
+        check_query(scope)
         body = await read_body(receive)
-        content, headers = await handler(body, request, *params)
+        content, headers = await handler(body, Call(scope, receive), *params)
         await reply.whole(200, content, headers)
 
 
@@ -194,18 +193,6 @@ class Call:
             return query_values(query, name)
         return query_values.__wrapped__(query, name)
 
-    def check_query(self) -> None:
-        """400 for a query parameter the route does not read (`QUERY_READ`): a misspelt `?task=ner` would
-        otherwise be ignored and every task answered, `/embed?normalize=false` answered normalized."""
-        query = self.scope["query_string"]
-        if query:
-            names = query_names(query) if len(query) <= SHORT_QUERY else query_names.__wrapped__(query)
-            known, takes = QUERY_READ.get(self.scope["path"], NO_QUERY)
-            unknown = sorted(names - known)
-            if unknown:
-                raise ApiError(400, "invalid_request", f"unknown query parameter(s) {clip_list(unknown)}"
-                               f"{did_you_mean(unknown, known)}: {self.scope['path']} takes {takes}")
-
     async def is_disconnected(self) -> bool:
         """Whether the client left. Its body is read, so the next ASGI message is a disconnect: one step
         of `receive` tells whether it is there without waiting (Starlette's check, an anyio cancel scope
@@ -221,15 +208,6 @@ class Call:
         return self.gone
 
 
-# the query parameters an inference route reads (`Call.check_query`); any other is refused, not ignored
-QUERY_READ = {
-    "/v1/infer": (frozenset({"tasks"}), "only ?tasks=a,b (truncate, window and the answer controls go in the JSON "
-                                        "body)"),
-    "/predict": (frozenset({"tasks"}), "only ?tasks=<task>, the task to answer"),
-    "/": (frozenset({"tasks"}), "only ?tasks=<task>, the task a body of /predict's asks"),
-}
-NO_QUERY = (frozenset(), "no query parameters (what it reads goes in the JSON body)")
-SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_values`)
 
 
 @functools.lru_cache(maxsize=256)
@@ -239,12 +217,6 @@ def query_values(query: bytes, name: str) -> tuple[str, ...]:
     if "%" in text or "+" in text:  # percent-encoded: the standard reading
         return tuple(v for k, v in parse_qsl(text, keep_blank_values=True) if k == name)
     return tuple(v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name)
-
-
-@functools.lru_cache(maxsize=256)
-def query_names(query: bytes) -> frozenset[str]:
-    """The parameter names in a query string."""
-    return frozenset(name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
 
 
 async def respond(send, status: int, content: bytes, headers: dict[str, str]) -> None:

@@ -15,11 +15,12 @@ import re
 import time
 from collections import Counter
 from typing import Callable
+from urllib.parse import parse_qsl
 
 from server import windows
 from server.batcher import Job
 from server.config import Settings
-from server.errors import ApiError, clip, clip_list, not_loaded, protocol_of, unknown_tasks
+from server.errors import ApiError, clip, clip_list, did_you_mean, not_loaded, protocol_of, unknown_tasks
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.schemas import DEFAULT_CONTROLS, AnswerControls, ModelInfo
 
@@ -343,6 +344,36 @@ def bearer_matches(headers, *secrets: bytes) -> bool:
             token = token.strip()
             return scheme.lower() == b"bearer" and sum(hmac.compare_digest(token, secret) for secret in secrets) > 0
     return False
+
+
+# the query parameters a POST route reads (`check_query`); any other is refused, not ignored
+QUERY_READ = {
+    "/v1/infer": (frozenset({"tasks"}), "only ?tasks=a,b (truncate, window and the answer controls go in the JSON "
+                                        "body)"),
+    "/predict": (frozenset({"tasks"}), "only ?tasks=<task>, the task to answer"),
+    "/": (frozenset({"tasks"}), "only ?tasks=<task>, the task a body of /predict's asks"),
+}
+NO_QUERY = (frozenset(), "no query parameters (what it reads goes in the JSON body)")
+SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_names`, app.query_values)
+
+
+def check_query(scope) -> None:
+    """400 for a query parameter the route does not read (`QUERY_READ`): a misspelt `?task=ner` would
+    otherwise be ignored and every task answered, `/embed?normalize=false` answered normalized."""
+    query = scope["query_string"]
+    if query:
+        names = query_names(query) if len(query) <= SHORT_QUERY else query_names.__wrapped__(query)
+        known, takes = QUERY_READ.get(scope["path"], NO_QUERY)
+        unknown = sorted(names - known)
+        if unknown:
+            raise ApiError(400, "invalid_request", f"unknown query parameter(s) {clip_list(unknown)}"
+                           f"{did_you_mean(unknown, known)}: {scope['path']} takes {takes}")
+
+
+@functools.lru_cache(maxsize=256)
+def query_names(query: bytes) -> frozenset[str]:
+    """The parameter names in a query string."""
+    return frozenset(name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
 
 
 def require_json(scope) -> None:

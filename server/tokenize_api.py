@@ -14,7 +14,7 @@ from server.errors import ApiError, clip, protocol_of
 from server.schemas import (TeiDecodeRequest, TeiTokenizeRequest, TokenizeRequest, VllmDetokenizeRequest,
                             VllmDetokenizeResponse, VllmTokenizeRequest, VllmTokenizeResponse, decode, probe,
                             request_body)
-from server.serving import Serving, require_json
+from server.serving import Serving, check_query, require_json
 from server.windows import TextWindows
 
 
@@ -103,6 +103,7 @@ def tokenize_routes(app, serving: Serving) -> None:
 
     async def json_body(request: Request) -> bytes:
         require_json(request.scope)
+        check_query(request.scope)  # `?add_special_tokens=false` was ignored, the special tokens counted
         return await request.body()
 
     async def body_of(kind: type, request: Request):

@@ -646,7 +646,7 @@ def test_an_openai_client_whose_base_url_lacks_v1_is_told(served):
 
 def test_a_query_parameter_a_route_does_not_read_is_refused_not_ignored(served):
     """An option sent in the query instead of the body was ignored: `/embed?normalize=false` answered
-    normalized vectors, `/v1/embeddings?dimensions=3` all 384 of them. Each inference route now refuses
+    normalized vectors, `/v1/embeddings?dimensions=3` all 384 of them. Each inference and tokenize route refuses
     what it does not read, in its protocol's shape; `?tasks=` where a route reads it still works."""
     def refused(path: str, body: dict, shape: str) -> str:
         response = httpx.post(served + path, json=body)
@@ -667,6 +667,8 @@ def test_a_query_parameter_a_route_does_not_read_is_refused_not_ignored(served):
         "/v2/models/sentiment/infer?binary_data=true", oip, "oip")
     assert "['task'] (did you mean 'tasks' for 'task'?): /predict takes only ?tasks=" in refused(
         "/predict?task=sentiment", {"inputs": "a"}, "tei")
+    assert "['add_special_tokens']: /tokenize takes no" in refused("/tokenize?add_special_tokens=false",
+                                                                   {"inputs": "a"}, "tei")
     # TEI's root reads ?tasks= for a body of /predict's only: with an embedding's body it would be ignored
     assert refused("/?tasks=sentiment", {"inputs": "a"}, "tei") == (
         "?tasks= names the task of a body of /predict's (Hugging Face's `parameters` beside a text); this body is "
