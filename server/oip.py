@@ -11,8 +11,9 @@ of {text, label, start, end, score}; with aggregation "none" the list of word pi
 tasks `labels` (BYTES [N], each a JSON list of the labels at or over their threshold) and `scores`;
 regression `value` (FP32 [N]); embeddings `embedding` (FP32 [N, D]).
 
-Request parameters: `truncate` and the answer controls of /v1/infer (`top_k`, `raw_scores`,
-`threshold`, `aggregation`, `truncation_direction`; server/schemas.py AnswerControls). The
+Request parameters: `truncate`, `window`, `stride` and the answer controls of /v1/infer (`top_k`,
+`raw_scores`, `threshold`, `aggregation`, `truncation_direction`; server/schemas.py AnswerControls);
+one spelt near these (`topk`) is refused, any other let pass (another server's: Triton's `priority`). The
 classification extension (as Triton defines it): an output requested with the parameter
 `"classification": k` (tritonclient's `class_count`) comes back as BYTES [N, k] strings
 "score:index:label", best first; only `scores` can be asked for so. `top_k` asks it of `scores`
@@ -105,9 +106,18 @@ def output_specs(module: LoadedModule) -> list[dict[str, Any]]:
     return [{"name": "value", "datatype": "FP32", "shape": [-1]}]
 
 
+# the request parameters tmod reads; others pass (a client's own, another server's: Triton's `priority`)
+READ_PARAMETERS = frozenset({*AnswerControls.__struct_fields__, "truncate", "window", "stride", "binary_data_output"})
+
+
 def answer_controls(request: dict) -> AnswerControls:
-    """The request parameters that are answer controls, validated as /v1/infer validates them (422)."""
+    """The request parameters that are answer controls, validated as /v1/infer validates them (422). A
+    parameter that is a near miss of one tmod reads (`topk`) is refused (400): it would be ignored."""
     parameters = request.get("parameters") or {}
+    unknown = sorted(name for name in parameters if name not in READ_PARAMETERS)
+    if unknown and (hint := did_you_mean(unknown, READ_PARAMETERS)):
+        raise ApiError(400, "invalid_request", f"unknown request parameter{hint}: the request parameters read are "
+                                               f"{sorted(READ_PARAMETERS)}")
     given = {name: parameters[name] for name in AnswerControls.__struct_fields__ if name in parameters}
     try:
         return msgspec.convert(given, AnswerControls, strict=True)

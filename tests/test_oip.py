@@ -118,6 +118,14 @@ def test_v2_errors(live):
         body = {"inputs": [{**tensor, "shape": [1], "data": ["A dull film."]}]}
         response = httpx.post(live.url + "/v2/models/sentiment/infer", json=body)
         assert response.status_code == 400 and response.json()["error"] == expected
+    # a request parameter spelt near one tmod reads was ignored (every label answered for `topk`); one of
+    # another server's (Triton's `priority`) is let pass
+    text = {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["A dull film."]}
+    response = httpx.post(live.url + "/v2/models/sentiment/infer", json={"inputs": [text], "parameters": {"topk": 1}})
+    assert response.status_code == 400 and response.json()["error"].startswith(
+        "unknown request parameter (did you mean 'top_k' for 'topk'?): the request parameters read are ["), response.text
+    response = httpx.post(live.url + "/v2/models/sentiment/infer", json={"inputs": [text], "parameters": {"priority": 1}})
+    assert response.status_code == 200, response.text
 
 
 def test_tritonclient_reads_model_configs_and_the_repository_index(live):

@@ -237,6 +237,8 @@ def refusals_carry_the_grpc_status_and_the_message_http_gives(server):
                                  headers=AUTH), "INVALID_ARGUMENT", "it reads single texts, not 'text_pair'")
     refused(lambda: triton.infer("sentiment", text, headers=AUTH, parameters={"top_k": 0}), "INVALID_ARGUMENT",
             "top_k")
+    refused(lambda: triton.infer("sentiment", text, headers=AUTH, parameters={"raw_score": True}), "INVALID_ARGUMENT",
+            "unknown request parameter (did you mean 'raw_scores' for 'raw_score'?)")
     refused(lambda: triton.infer("sentiment", [texts_input("text", ["x"] * 65)], headers=AUTH), "INVALID_ARGUMENT",
             "65 inputs; at most 64")
     refused(lambda: triton.infer("sentiment", [texts_input("text", ["word " * 30_000])], headers=AUTH),
