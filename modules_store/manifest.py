@@ -31,6 +31,14 @@ class ArtifactError(Exception):
         self.message = message
 
 
+def check_name(name: str) -> None:
+    """Task and version names become folder names: nothing but a plain name (no '..', no '/') may."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:80] + "..."
+        raise ArtifactError("invalid_name", f"{shown} is not a valid task or version name: use 1-64 of a-z, 0-9, "
+                            "'_' and '-', starting with a letter or digit")
+
+
 class TaskType(str, Enum):
     sequence_classification = "sequence_classification"
     multi_label_classification = "multi_label_classification"  # independent labels: one sigmoid each

@@ -20,18 +20,10 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors, save_file
 
-from modules_store.manifest import NAME_PATTERN, ArtifactError, BackboneFingerprint, Manifest, sha256_file
+from modules_store.manifest import NAME_PATTERN, ArtifactError, BackboneFingerprint, Manifest, check_name, sha256_file
 
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
-
-
-def check_name(name: str) -> None:
-    """Task and version names become folder names: nothing but a plain name (no '..', no '/') may."""
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:80] + "..."
-        raise ArtifactError("invalid_name", f"{shown} is not a valid task or version name: use 1-64 of a-z, 0-9, "
-                            "'_' and '-', starting with a letter or digit")
 
 
 @dataclass

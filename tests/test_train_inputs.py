@@ -681,6 +681,30 @@ def test_a_name_no_store_takes_is_one_line_before_anything_loads(tmp_path, tiny_
     assert list(tmp_path.iterdir()) == []
 
 
+NOT_A_NAME = ("'../x' is not a valid task or version name: use 1-64 of a-z, 0-9, '_' and '-', starting with a letter "
+              "or digit")
+
+
+@pytest.mark.parametrize("command", [["layermix"], ["mtb"], ["lora-mtb"], ["bridge"], ["align"], ["embedding"],
+                                     ["eval", "--task", "sentiment"]])
+def test_a_version_no_store_takes_is_argparses_line_in_every_command(command, capsys):
+    """`--version ../x` was refused by the store only once the backbone had loaded (exit 1); now in one
+    line before anything loads, exit 2, in every command that takes a version."""
+    with pytest.raises(SystemExit) as stopped:
+        main([*command, "--version", "../x"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"tmod-train {command[0]}: error: argument --version: {NOT_A_NAME}"
+
+
+@pytest.mark.parametrize("command", ["layermix", "bridge"])
+def test_a_configs_version_no_store_takes_is_one_line(command, tmp_path, tables, capsys):
+    _, train, validation = tables
+    config = write(tmp_path / "run.yaml", 'version: "../x"\nepochs: 1\n')
+    data = ["--train", train, "--validation", validation] if command == "layermix" else ["--texts", train]
+    line = one_line_error(capsys, [command, *data, "--config", config])
+    assert line == f"tmod-train {command}: error: --version: {NOT_A_NAME}"
+
+
 def test_the_console_script_answers_in_one_line(tmp_path, tables):
     """The real process: no traceback, exit status 2, one line on stderr."""
     _, _, validation = tables

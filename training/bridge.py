@@ -53,7 +53,7 @@ from training.data.presets import PRESETS, preset_spec
 from training.data.word_tags import IGNORE_INDEX, token_labels
 from training.distill import distill_kl
 from training.progress import progress_of
-from training.settings import check_layers, parse_layers
+from training.settings import check_layers, checked_version, parse_layers
 from training.splits import module_folder
 from training.trainer import decay_groups, next_epoch_past_budget, safe_name, seed_everything, stop_early
 
@@ -120,6 +120,11 @@ class BridgeSettings(BridgeShape):
     @classmethod
     def _layers(cls, value):
         return parse_layers(value)
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value):
+        return checked_version(value)
 
 
 # ---- pairs and statistics ---------------------------------------------------------------------

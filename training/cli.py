@@ -39,6 +39,17 @@ def at_least(minimum: int):
     return number
 
 
+def version_name(text: str) -> str:
+    """An argparse type: a version a store takes as a folder name, refused in one line (exit 2) before
+    anything loads."""
+    from training.settings import checked_version
+
+    try:
+        return checked_version(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _csv_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -154,8 +165,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
 
     g = p.add_argument_group("output")
     g.add_argument("--task", default=S, help="module name (default: the dataset or train file name)")
-    g.add_argument("--version", default=S, help="default: the next free number in --store (1 in a new store): a "
-                   "repeated run adds the next version, which tmod-serve serves as the newest")
+    g.add_argument("--version", type=version_name, default=S, help="default: the next free number in --store (1 in "
+                   "a new store): a repeated run adds the next version, which tmod-serve serves as the newest")
     g.add_argument("--store", default=S, help="module store to write into (default: RUN_DIR/store)")
     g.add_argument("--run-dir", default=S, help="default: runs/<task>-<version>-<time>")
     g.add_argument("--report-dir", default=S, help="default: RUN_DIR/report")
@@ -239,8 +250,8 @@ def add_align_command(commands) -> None:
                    help="also pair every source state and report every source x target state correlation")
     p.add_argument("--store", default=None, help="bridge store (default: <module store>/_bridges)")
     p.add_argument("--name", default=None, help="bridge name (default: align-<source>-to-<target>)")
-    p.add_argument("--version", default=None, help="default: the next free number of this name in the store "
-                                                    "(the mapping is in its manifest)")
+    p.add_argument("--version", type=version_name, default=None,
+                   help="default: the next free number of this name in the store (the mapping is in its manifest)")
     p.add_argument("--description", default=None)
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--report-dir", default=None, help="default: runs/<name>-<version>-<time>/report")
@@ -296,7 +307,8 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast on CUDA (default: no)")
     p.add_argument("--bridge-store", default=None, help="default: modules_store/_bridges")
     p.add_argument("--name", default=None, help="default: <source>-to-<target>-<objective>[-<task>]")
-    p.add_argument("--version", default=None, help="default: the next free number of this name in the bridge store")
+    p.add_argument("--version", type=version_name, default=None,
+                   help="default: the next free number of this name in the bridge store")
     p.add_argument("--report-dir", default=None, help="default: runs/bridge-<name>-<version>-<time>/report")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--description", default=None)
@@ -310,7 +322,7 @@ def add_embedding_command(commands) -> None:
                             "pooling and normalisation; nothing is trained) and check it against the reference")
     p.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm (default), mpnet, smollm2")
     p.add_argument("--task", default="embedding", help="task name (default: embedding)")
-    p.add_argument("--version", default=None, help="default: the next free number of the task in the store")
+    p.add_argument("--version", type=version_name, default=None, help="default: the next free number of the task in the store")
     p.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--check", type=at_least(0), default=872, help="SST-2 validation sentences compared with "
@@ -331,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = commands.add_parser("eval", help="score a stored module on a labelled file (served path)")
     e.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
     e.add_argument("--task", required=True)
-    e.add_argument("--version", default=None, help="default: the latest")
+    e.add_argument("--version", type=version_name, default=None, help="default: the latest")
     e.add_argument("--dataset", default=None, help="preset to score on")
     e.add_argument("--split", default="validation", choices=["train", "validation"], help="preset split")
     e.add_argument("--file", default=None, help="labelled file to score on (instead of a preset)")

@@ -13,7 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from modules_store import TaskType
+from modules_store import ArtifactError, TaskType
+from modules_store.manifest import check_name
 from server.config import device_problem
 from training.data.files import ENCODING, UsageError
 
@@ -87,6 +88,16 @@ KIND_LR = {"layermix": 1e-3, "mtb": 5e-5, "lora-mtb": 5e-4}
 # docs/training.md, bench/results/own-task-wnut17-sweep-minilm.json)
 TOKEN_LAYERMIX_LR = 3e-4
 
+
+def checked_version(value: str | None) -> str | None:
+    """A --version (or a config's `version`) a store takes as a folder name, checked before anything
+    loads: '../x' was refused by the store only after the backbone had loaded."""
+    if value is not None:
+        try:
+            check_name(value)
+        except ArtifactError as exc:
+            raise ValueError(exc.message) from None
+    return value
 
 class TrainSettings(BaseModel):
     # a YAML config's `version: 7` or `task: 2024` is a name, not a refused "valid string"
@@ -210,6 +221,11 @@ class TrainSettings(BaseModel):
     @classmethod
     def _layers(cls, value):
         return parse_layers(value)
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value):
+        return checked_version(value)
 
     @field_validator("document_windows", mode="before")
     @classmethod
