@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -755,6 +756,10 @@ def test_a_run_folder_that_cannot_be_made_is_one_line_before_training(sentiment_
     err = capsys.readouterr().err
     assert "cannot make runs/s-1-" in err and ": runs is a file;" in err and "epoch 1/1" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "runs"]  # a refused run leaves nothing
+    if os.path.isdir("/proc/self"):  # Linux: root passes /proc's permission bits, yet no folder can be made there
+        assert main([*argv, "--run-dir", "/proc/tmod-run"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot make /proc/tmod-run/store: " in err and "epoch 1/1" not in err, err
 
 
 def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment_files, train_backbone_dir, tmp_path,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -13,7 +14,7 @@ from training.data.files import UsageError
 
 
 def cannot_make(folder: Path) -> str | None:
-    """Why `folder` could not be made and written, or None; nothing is made."""
+    """Why `folder` could not be made and written, or None; nothing is left made."""
     existing = folder
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
@@ -21,6 +22,10 @@ def cannot_make(folder: Path) -> str | None:
         return f"{existing} is a file"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
+    try:  # what the permission bits do not tell (root, who passes them, on /proc or a full disk): a folder made
+        os.rmdir(tempfile.mkdtemp(prefix=".tmod-write-check-", dir=existing))
+    except OSError as exc:
+        return f"a folder cannot be made in {existing} ({exc.strerror or exc})"
     return None
 
 
