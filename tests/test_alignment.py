@@ -447,12 +447,17 @@ def test_align_on_a_file_of_the_users_texts(tmp_path, bert, permuted, capsys):
     common = align_data(tmp_path, bert, permuted)
     (tmp_path / "domain.txt").write_text("\n".join(TEXTS) + "\n")
     without_preset = [a for a in common if a not in ("--dataset", "sst2")]
-    assert main(["align", *without_preset, "--texts", str(tmp_path / "domain.txt"), "--no-heatmap", "--name", "mine",
-                 "--report-dir", str(tmp_path / "report")]) == 0
+    # a name no store takes is stored as a name it takes, and said (as a trained bridge's is): it was a
+    # refusal after both backbones had loaded
+    assert main(["align", *without_preset, "--texts", str(tmp_path / "domain.txt"), "--no-heatmap", "--name",
+                 "../My Domain", "--report-dir", str(tmp_path / "report")]) == 0
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert (metrics["texts"], metrics["held_out_texts"], metrics["datasets"]) == (45, 5, None)
     assert metrics["metrics"]["held_out_mean_matched_correlation"] > 0.999
-    assert "held out: 5 texts, a held-out tenth of domain.txt, never used to fit" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "held out: 5 texts, a held-out tenth of domain.txt, never used to fit" in err
+    assert "--name '../My Domain' is stored as 'my-domain' (bridge names are a-z, 0-9, '_' and '-')" in err
+    assert bridge_store(tmp_path / "bridges").versions("my-domain") == ["1"]
 
 
 def test_eval_scores_a_foreign_module_through_a_bridge_store(tmp_path, bert, permuted, paired, capsys):

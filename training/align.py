@@ -291,7 +291,7 @@ def cmd_align(args, command: str) -> int:
     from modules_store import DEFAULT_STORE
     from server.backbone import Backbone
     from server.bridges import bridge_store, save_bridge
-    from training.runs import check_outputs, new_run_dir, save_as_free_version
+    from training.runs import check_outputs, new_run_dir, save_as_free_version, stored_name
     from training.settings import pick_device
 
     if args.threads:
@@ -315,7 +315,7 @@ def cmd_align(args, command: str) -> int:
     needed = sorted({i for g in groups.values() for i in g})
     source_states = list(range(source.num_layers + 1)) if args.heatmap else needed
 
-    name = args.name or f"align-{_slug(source.name)}-to-{_slug(target.name)}"
+    name = stored_name(args.name, f"align-{_slug(source.name)}-to-{_slug(target.name)}", "--name", "bridge")
     store = bridge_store(Path(args.store) if args.store else Path(DEFAULT_STORE) / "_bridges")
     numbered = args.version is None
     version = store.next_version(name) if numbered else args.version

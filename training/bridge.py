@@ -55,7 +55,7 @@ from training.distill import distill_kl
 from training.progress import progress_of
 from training.settings import check_layers, checked_version, parse_layers
 from training.splits import module_folder
-from training.trainer import decay_groups, next_epoch_past_budget, safe_name, seed_everything, stop_early
+from training.trainer import decay_groups, next_epoch_past_budget, seed_everything, stop_early
 
 log = logging.getLogger("tmod")
 
@@ -489,7 +489,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from server.bridges import bridge_store, load_bridge, save_bridge
     from training.pairing import PairedStates
     from training.settings import pick_device
-    from training.runs import check_outputs, new_run_dir, save_as_free_version
+    from training.runs import check_outputs, new_run_dir, save_as_free_version, stored_name
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
         raise UsageError("--objective distill needs --module (a module of the target backbone: TASK/VERSION of "
@@ -521,10 +521,9 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
                              f"that --target-layers {target_layers} leaves out")
     s = s.model_copy(update={"source_layers": source_layers, "target_layers": target_layers})
 
-    name = safe_name(s.name or "-".join([source.name, "to", target.name, s.objective]
-                                        + ([module.task] if module and s.objective == "distill" else [])))
-    if s.name and name != s.name:
-        print(f"--name {s.name!r} is stored as {name!r} (bridge names are a-z, 0-9, '_' and '-')", file=sys.stderr)
+    name = stored_name(s.name, "-".join([source.name, "to", target.name, s.objective]
+                                        + ([module.task] if module and s.objective == "distill" else [])),
+                       "--name", "bridge")
     store = bridge_store(s.bridge_store or DEFAULT_BRIDGE_STORE)
     numbered = s.version is None
     s = s.model_copy(update={"version": store.next_version(name) if numbered else s.version})

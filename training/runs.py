@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +28,16 @@ def cannot_make(folder: Path) -> str | None:
     except OSError as exc:
         return f"a folder cannot be made in {existing} ({exc.strerror or exc})"
     return None
+
+
+def stored_name(given: str | None, default: str, option: str, kind: str, served: bool = False) -> str:
+    """The name a run stores under: `given` (else `default`) in a-z, 0-9, '_' and '-' (a folder's and a
+    URL's name), said where the user's differs rather than found out from the store."""
+    name = re.sub(r"[^a-z0-9_\-]+", "-", (given or default).lower()).strip("-_")[:64] or kind
+    if given and name != given:
+        print(f"{option} {given!r} is stored{' and served' if served else ''} as {name!r} ({kind} names are a-z, "
+              "0-9, '_' and '-')", file=sys.stderr)
+    return name
 
 
 def check_outputs(store: ModuleStore, name: str, version: str, overwrite: bool, folders, *, what: str = "",

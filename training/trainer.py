@@ -10,7 +10,6 @@ import copy
 import math
 import platform
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
-from training.runs import check_outputs, new_run_dir, save_as_free_version
+from training.runs import check_outputs, new_run_dir, save_as_free_version, stored_name
 from training.settings import TrainSettings, check_layers, pick_device
 from training.states import CachedStates, RecomputedStates, Split, free_memory
 
@@ -193,11 +192,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def safe_name(text: str) -> str:
-    name = re.sub(r"[^a-z0-9_\-]+", "-", text.lower()).strip("-_")
-    return name[:64] or "task"
 
 
 def label_names_beside(train_file: str, highest_id: int) -> Path | None:
@@ -501,10 +495,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     progress = s.progress if s.progress is not None else sys.stderr.isatty()
     s = s.with_task_defaults(task_type).model_copy(update={"metric": metric, "progress": progress})
 
-    task = safe_name(s.task or s.dataset or Path(s.train).stem)
-    if s.task and task != s.task:  # a folder and URL name: said, not found out from the store
-        print(f"--task {s.task!r} is stored and served as {task!r} (task names are a-z, 0-9, '_' and '-')",
-              file=sys.stderr)
+    task = stored_name(s.task, s.dataset or Path(s.train).stem, "--task", "task", served=True)
     numbered = s.version is None  # the next free number; without --store the run's own new store: 1
     if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
