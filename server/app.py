@@ -208,8 +208,6 @@ class Call:
         return self.gone
 
 
-
-
 @functools.lru_cache(maxsize=256)
 def query_values(query: bytes, name: str) -> tuple[str, ...]:
     """The values of `name` in a query string, in order."""

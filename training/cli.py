@@ -322,7 +322,8 @@ def add_embedding_command(commands) -> None:
                             "pooling and normalisation; nothing is trained) and check it against the reference")
     p.add_argument("--backbone", default=None, help="backbone folder, or a named one: minilm (default), mpnet, smollm2")
     p.add_argument("--task", default="embedding", help="task name (default: embedding)")
-    p.add_argument("--version", type=version_name, default=None, help="default: the next free number of the task in the store")
+    p.add_argument("--version", type=version_name, default=None,
+                   help="default: the next free number of the task in the store")
     p.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--check", type=at_least(0), default=872, help="SST-2 validation sentences compared with "
