@@ -260,12 +260,12 @@ class Serving:
         except windows.TooManyTokens as exc:
             raise ApiError(413, "too_many_tokens", str(exc), tokens=exc.tokens, token_budget=exc.budget) from exc
 
-    async def answer_inference(self, texts, text_pairs, modules, truncate, request, window=None, stride=None,
-                               controls: AnswerControls | None = None, names: Callable[[int], str] | None = None):
+    async def answer_inference(self, texts, text_pairs, modules, truncate, request, window, stride,
+                               controls: AnswerControls, names: Callable[[int], str] | None):
+        """`run_inference`'s work (it counts the request in flight around it)."""
         settings, runtime = self.settings, self.runtime
         received = time.perf_counter()
         deadline = received + settings.request_timeout_s  # one per request, shared by all its parts
-        controls = controls or DEFAULT_CONTROLS
         if truncate and controls.truncation_direction == "left":
             if text_pairs is not None:
                 raise ApiError(422, "invalid_request", "truncation_direction 'left' is for single texts, not text pairs")

@@ -618,6 +618,7 @@ def validation_metrics(s: BridgeSettings, result, probe: ModuleProbe | None) -> 
         metrics["majority_accuracy"] = majority_share(probe.labels["validation"])
     return metrics
 
+
 def _texts_sha(texts) -> str:
     import hashlib
 
