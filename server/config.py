@@ -62,8 +62,9 @@ class Settings(BaseSettings):
         "bf16 with backend torch on a CPU with native bfloat16, avx512_bf16 or AMX; fp32 everywhere else); fp32 (exact); bf16 (backend torch: bfloat16 matrix products, "
         "fp32 layer norms and residual stream; such a CPU, or cuda); fp16 (backend torch on a cuda device); "
         "int8 (backend onnx on the CPU: dynamic quantisation)")
-    cache_dir: Path | None = Field(None, description="where exported backbone graphs are cached "
-                                   "(default: $XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
+    cache_dir: Path | None = Field(None, description="where the named backbones (mpnet, smollm2) are unpacked "
+                                   "and exported ONNX graphs cached (default: $XDG_CACHE_HOME/tmod, else "
+                                   "~/.cache/tmod)")
     max_inputs: int = Field(64, ge=1, description="most inputs in one request (413 above)")
     max_chars: int = Field(20_000, ge=1, description="most characters in one input text (413 above)")
     max_tokens: int | None = Field(None, ge=16, description="most word pieces in one backbone row: the longest window "

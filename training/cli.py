@@ -255,7 +255,8 @@ def add_align_command(commands) -> None:
     p.add_argument("--description", default=None)
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--report-dir", default=None, help="default: runs/<name>-<version>-<time>/report")
-    p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR or ~/.cache/tmod)")
+    p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR, else "
+                   "$XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="backbone batch size")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
@@ -289,7 +290,8 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--data-dir", default=None, help="default: $TMOD_DATA_DIR, else ../shared/data")
     p.add_argument("--max-texts", type=int, default=None, help="seeded random subset of the training texts")
     p.add_argument("--max-validation", type=int, default=None, help="seeded random subset of the validation texts")
-    p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR or ~/.cache/tmod)")
+    p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR, else "
+                   "$XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     for name, kind, note in (("d-model", int, 256), ("heads", int, 4), ("encoder-layers", int, 2),
                              ("decoder-layers", int, 2), ("ffn-dim", int, 1024), ("dropout", float, 0.1),
                              ("token-dim", int, 64), ("max-positions", int, 512), ("mix-alpha", float, 32.0),
