@@ -39,8 +39,8 @@ from server.cors import Cors
 from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
                                    ScoreRequest, ScoreResponse, TEIEmbedRequest, TEIRank, TEIRerankRequest,
                                    TEISimilarityRequest, embeddings_routes, model_list_routes, tei_info, tei_root)
-from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, clip, error_content, http_error_handler,
-                           not_loaded, refusal, validation_error_handler)
+from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, error_content, http_error_handler,
+                           no_such_task, refusal, validation_error_handler)
 from server.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
 from server.oip import oip_routes
@@ -294,9 +294,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         require_ready()
         module = runtime.modules.get(name)
         if module is None:
-            why = not_loaded([name], runtime.load_errors, runtime.skipped)
-            raise ApiError(404, "unknown_task", f"no task {clip(name)}{why}; loaded tasks: {sorted(runtime.modules)}",
-                           loaded_tasks=sorted(runtime.modules))
+            raise no_such_task(name, runtime.modules, runtime.load_errors, runtime.skipped)
         # not its training record: the command, file paths, store and machine of whoever trained it are
         # the operator's (the store's manifest.json), not every client's
         return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json", exclude={"training"})}

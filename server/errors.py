@@ -70,6 +70,15 @@ def unknown_tasks(unknown: list[str], loaded, refused: dict[str, str], skipped: 
                     + f"; loaded tasks: {sorted(loaded)}", loaded_tasks=sorted(loaded))
 
 
+def no_such_task(name: str, loaded, refused: dict[str, str], skipped: dict[str, str] | None = None,
+                 noun: str = "task") -> ApiError:
+    """404 unknown_task: `name` (a task; OIP's and KServe's model) is not loaded: why, where it was refused
+    at load or left out at start, else the loaded name it is close to; and the ones that are."""
+    hint = not_loaded([name], refused, skipped) or did_you_mean([name], loaded)
+    return ApiError(404, "unknown_task", f"no {noun} {clip(name)}{hint}; loaded {noun}s: {sorted(loaded)}",
+                    loaded_tasks=sorted(loaded))
+
+
 def comma_hint(unknown: list[str], names) -> str:
     """' (tasks are separated by commas: ner,emotion)' where an unknown name is loaded tasks joined by
     another separator ('ner;emotion', 'ner emotion': a '+' in a query string), else ''."""

@@ -26,7 +26,7 @@ from server.backbone import Backbone, EncodedInput
 from server.config import SettingError, Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine
-from server.errors import ApiError, clip
+from server.errors import ApiError, clip, no_such_task
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
@@ -258,8 +258,7 @@ class Runtime:
         if action not in ("load", "reload", "unload"):
             raise ApiError(404, "not_found", f"unknown action {clip(action)}: use load, reload or unload")
         if action in ("reload", "unload") and current is None:
-            raise ApiError(404, "unknown_task", f"task {task!r} is not loaded; loaded tasks: {sorted(self.modules)}",
-                           loaded_tasks=sorted(self.modules))
+            raise no_such_task(task, self.modules, self.load_errors, self.skipped)
         if action == "reload":
             version = version or current.version
         work = (self.unload_task, task) if action == "unload" else (self.load_task, task, version)

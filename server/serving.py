@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl
 from server import windows
 from server.batcher import Job
 from server.config import Settings
-from server.errors import ApiError, clip, clip_list, did_you_mean, not_loaded, protocol_of, unknown_tasks
+from server.errors import ApiError, clip, clip_list, did_you_mean, no_such_task, protocol_of, unknown_tasks
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 from server.schemas import DEFAULT_CONTROLS, AnswerControls, ModelInfo
 
@@ -112,9 +112,7 @@ class Serving:
         runtime = self.runtime
         module = runtime.modules.get(task)
         if module is None:
-            why = not_loaded([task], runtime.load_errors, runtime.skipped)
-            raise ApiError(404, "unknown_task", f"no model {clip(task)}{why}; loaded: {sorted(runtime.modules)}",
-                           loaded_tasks=sorted(runtime.modules))
+            raise no_such_task(task, runtime.modules, runtime.load_errors, runtime.skipped, noun="model")
         if version is not None and version != module.version:
             raise ApiError(404, "unknown_version", f"model {task!r} serves version {module.version}, not {clip(version)}")
         return module

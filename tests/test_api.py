@@ -213,6 +213,13 @@ def test_task_listing_and_details(live):
     detail = live.get("/v1/tasks/ner").json()
     assert detail["task_type"] == "token_classification" and detail["manifest"]["kind"] == "layermix"
     assert_error(live.get("/v1/tasks/nope"), 404, "unknown_task")
+    # one 404 for a task not loaded, wherever it is named: the near miss, and what is loaded
+    assert live.get("/v1/tasks/NER").json()["error"]["message"] == (
+        "no task 'NER' (did you mean 'ner' for 'NER'?); loaded tasks: ['acceptability', 'ner', 'sentiment']")
+    assert live.post("/v2/models/sentimnt/infer", json={"inputs": [
+        {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}).json()["error"] == (
+        "no model 'sentimnt' (did you mean 'sentiment' for 'sentimnt'?); "
+        "loaded models: ['acceptability', 'ner', 'sentiment']")
 
 
 def test_health_and_timing_headers(live):

@@ -119,6 +119,9 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
             server.url + "/v1/tasks/entailment").json()["error"]["message"]
         assert "entailment is not served: entailment/1 is opt-in" in httpx.post(
             server.url + "/classify", json={"model": "entailment", "input": "x"}).json()["error"]["message"]
+        unload = httpx.post(server.url + "/admin/modules/entailment/unload", headers={"authorization": "Bearer t"})
+        assert unload.status_code == 404 and unload.json()["error"]["message"].startswith(
+            "no task 'entailment' (entailment is not served: entailment/1 is opt-in (58.1% on RTE, TF-IDF 57.0%)")
         admin = httpx.get(server.url + "/admin/modules", headers={"authorization": "Bearer t"}).json()
         assert admin["tasks"] == {"sentiment": "1"} and list(admin["not_served"]) == ["entailment"]
         assert admin["not_served"]["entailment"].startswith("entailment/1 is opt-in (58.1% on RTE, TF-IDF 57.0%)")
