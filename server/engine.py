@@ -19,7 +19,7 @@ from collections import OrderedDict
 import torch
 
 from server.backbone import Backbone, TokenBatch
-from server.answers import decode_all  # noqa: F401  (re-exported: `predict`, and callers of engine.decode_all)
+from server.answers import decode_all
 from server.heads.base import head_forward
 from server.modules import LoadedModule
 from server.plan import ExecutionPlan

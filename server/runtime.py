@@ -31,14 +31,7 @@ from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
 from server.probe import probe_module
-from server.runner import (  # noqa: F401  (length_runs: re-exported)
-    ModelRunner,
-    PreparedBatch,
-    error_text,
-    head_precision,
-    is_device_failure,
-    length_runs,
-)
+from server.runner import ModelRunner, PreparedBatch, error_text, head_precision, is_device_failure
 from server.timings import Timings
 from server.windows import server_window_problem, window_rule
 

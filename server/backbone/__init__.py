@@ -1,4 +1,5 @@
-from server.backbone.backbone import Backbone, InputTooLong, default_backbone_path
-from server.backbone.tokens import EncodedInput, TokenBatch
+from server.backbone.backbone import Backbone
+from server.backbone.sources import default_backbone_path
+from server.backbone.tokens import EncodedInput, InputTooLong, TokenBatch
 
 __all__ = ["Backbone", "InputTooLong", "EncodedInput", "TokenBatch", "default_backbone_path"]

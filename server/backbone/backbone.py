@@ -21,8 +21,8 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer
 from modules_store import BackboneFingerprint
 from server.backbone.architectures import adapter_for
 from server.backbone.backends.torch_backend import TorchBackend
-from server.backbone.sources import default_backbone_path, folder_problem, resolve_backbone  # noqa: F401
-from server.backbone.tokens import EncodedInput, InputTooLong, TextEncoder, TokenBatch  # noqa: F401
+from server.backbone.sources import folder_problem, resolve_backbone
+from server.backbone.tokens import EncodedInput, TextEncoder, TokenBatch
 
 
 def _hash_vocab(tokenizer) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from server.backbone.architectures import BlockContext, MPNetAdapter, run_block
-from server.backbone.sources import default_cache_dir  # noqa: F401  (one cache root for every tmod cache)
+from server.backbone.sources import default_cache_dir
 from server.backbone.tokens import TokenBatch
 
 log = logging.getLogger("tmod")

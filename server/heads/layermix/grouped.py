@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from modules_store import TaskType
-from server.backbone.tokens import TokenBatch
-from server.heads.layermix.layer import CASING_CLASSES, MIX_NORM_EPS, pool
+from server.backbone.tokens import CASING_CLASSES, TokenBatch
+from server.heads.layermix.layer import MIX_NORM_EPS, pool
 from server.heads.layermix.model import LayerMixHead
 from server.heads.stacking import batched_linear, linear_stack, padded_classifiers, stack
 

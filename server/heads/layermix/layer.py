@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.backbone.tokens import CASING_CLASSES  # noqa: F401  (re-exported)
 from server.heads.pooling import masked_mean
 
 MIX_NORM_EPS = 1e-5  # eps of the layer norm on each projected state (the head's and its grouped form's)

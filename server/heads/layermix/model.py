@@ -14,16 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules_store import Manifest, TaskType
-from server.backbone.tokens import TokenBatch
+from server.backbone.tokens import CASING_CLASSES, TokenBatch
 from server.heads.base import Head
 from server.heads.layermix.config import LayerMixConfig
-from server.heads.layermix.layer import (
-    CASING_CLASSES,
-    MIX_NORM_EPS,
-    SequenceClassifier,
-    TokenClassifier,
-    cutoff_weights,
-)
+from server.heads.layermix.layer import MIX_NORM_EPS, SequenceClassifier, TokenClassifier, cutoff_weights
 
 
 class LayerMixHead(Head):
