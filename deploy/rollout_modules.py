@@ -35,11 +35,44 @@ import urllib.request
 TASK_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]{0,63}")  # the store's rule for task names (modules_store)
 
 
+def is_port(text: str) -> bool:
+    return text.isdigit() and 0 < int(text) < 65536
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port."""
+    if not is_port(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
+    return int(text)
+
+
+def positive(text: str) -> float:
+    """argparse type: seconds, over 0 (0 would make every call fail at once)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds over 0")
+    return seconds
+
+
 def with_port(host: str, port: int) -> str:
-    """HOST:PORT as given, or HOST (a name, an IPv4 address, a bracketed IPv6 one) with `port`."""
+    """HOST:PORT as given, or HOST (a name, an IPv4 address, a bracketed IPv6 one) with `port`;
+    ValueError for a port that is none and an IPv6 address out of its brackets."""
     if host.startswith("["):
-        return host if "]:" in host else f"{host}:{port}"
-    return host if ":" in host else f"{host}:{port}"
+        _, bracket, rest = host.partition("]")
+        if not bracket or rest and not rest.startswith(":"):
+            raise ValueError(f"{host!r} is not [IPv6]:PORT")
+    elif host.count(":") > 1:
+        raise ValueError(f"{host!r}: an IPv6 address goes in brackets ([::1]:8080)")
+    else:
+        rest = host[host.index(":"):] if ":" in host else ""  # ':PORT' or ''
+    if not rest:
+        return f"{host}:{port}"
+    if not is_port(rest[1:]):
+        raise ValueError(f"{host!r}: {rest[1:]!r} is not a port (1-65535)")
+    return host
 
 
 def resolve(name: str, port: int) -> list[str]:
@@ -116,9 +149,9 @@ def main(argv=None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--hosts", help="comma-separated HOST:PORT of every replica (a HOST alone: --port)")
     where.add_argument("--dns", help="a name that resolves to every replica (a headless Service)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("TMOD_PORT", "8080")),
+    p.add_argument("--port", type=port_number, default=os.environ.get("TMOD_PORT", "8080"),
                    help="port with --dns, or of a --hosts entry without one (default: $TMOD_PORT, else 8080)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
+    p.add_argument("--timeout", type=positive, default=120.0, help="seconds per call")
     args = p.parse_args(argv)
     token = os.environ.get("TMOD_ADMIN_TOKEN")
     if not token:
@@ -133,6 +166,9 @@ def main(argv=None) -> int:
             else resolve(args.dns, args.port)
     except OSError as exc:  # a name that does not resolve (a typo, another namespace)
         print(f"--dns {args.dns}: does not resolve ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a --hosts entry that is no address
+        print(f"--hosts: {exc}", file=sys.stderr)
         return 2
     if not hosts:
         print("no replicas found", file=sys.stderr)

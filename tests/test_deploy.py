@@ -628,6 +628,15 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         down = run("sentiment", "--version", "2", "--hosts", f"127.0.0.1:{nobody}")
         assert down.returncode == 1 and "Traceback" not in down.stderr
         assert f"127.0.0.1:{nobody}: no answer (" in down.stdout and versions() == ["1", "1"]
+        # a --hosts entry, a --port or a --timeout that is none: one line, before any replica is called
+        for args, said in (
+                (["--hosts", f"127.0.0.1:{a.port},127.0.0.1:abc"], "--hosts: '127.0.0.1:abc': 'abc' is not a port"),
+                (["--hosts", "::1"], "--hosts: '::1': an IPv6 address goes in brackets"),
+                (["--hosts", hosts, "--port", "0"], "argument --port: '0' is not a port"),
+                (["--hosts", hosts, "--timeout", "0"], "argument --timeout: '0' is not a number of seconds")):
+            bad = run("sentiment", "--version", "2", *args)
+            assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+            assert bad.stdout == "" and versions() == ["1", "1"]
         typo = run("sentiment", "--dns", "no-such-replica.invalid")
         assert typo.returncode == 2 and typo.stderr.startswith("--dns no-such-replica.invalid: does not resolve (")
         # --dns: every address the name resolves to (here, loopback)
