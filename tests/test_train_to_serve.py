@@ -167,3 +167,17 @@ def test_a_server_on_another_backbone_is_said_to_answer_through_a_bridge(tiny_ba
         f"http://h:1 runs on {tiny_backbone.name}: it serves mine/2 through a bridge to {train_backbone.name}, and the "
         f"numbers above are the module's on {train_backbone.name} itself; `tmod-train eval --task mine --version 2 "
         "--store /s --backbone ITS_BACKBONE --bridges ITS_BRIDGE_STORE --file ...` scores it as that server answers\n")
+
+
+def test_a_saved_version_a_new_server_would_not_serve_is_said(train_backbone_dir, tmp_path, capsys):
+    """A named version sorts after every number: a numbered run saved beside `wide-1` is not what a
+    tmod-serve started on the store serves, and the run says so with the pin that serves it."""
+    store = tmp_path / "store"
+    argv = sst2_args(tmp_path, train_backbone_dir, store, "-", "mood")[:-2]  # no --load-into
+    assert main([*argv, "--version", "wide-1"]) == 0
+    assert "a tmod-serve started on" not in capsys.readouterr().err  # the one it serves
+    assert main([*argv, "--run-dir", str(tmp_path / "run-2")]) == 0  # numbered: mood/1
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.startswith(f"a tmod-serve started on {store} serves mood/wide-1, not this mood/1: the latest version")
+    assert said.endswith("name mood/1 in its --tasks (TMOD_TASKS) to serve this one, or load it through "
+                         "POST /admin/modules/mood/load")

@@ -96,6 +96,21 @@ def say_if_bridged(url: str, server: dict, task: str, version: str, store: str, 
           "--bridges ITS_BRIDGE_STORE --file ...` scores it as that server answers", file=sys.stderr)
 
 
+def say_if_outranked(store: ModuleStore, task: str, version: str, backbone) -> None:
+    """A tmod-serve started on `store` serves the latest version of `task` on this backbone: where that
+    is not the one just saved (a named version, `mtb-1`, sorts after every number), said, with the pin
+    that serves this one, rather than found out after a restart."""
+    try:
+        served = servable_version(store, task, backbone)
+    except ArtifactError:
+        return
+    if served != version:
+        print(f"a tmod-serve started on {store.root} serves {task}/{served}, not this {task}/{version}: the latest "
+              f"version on {backbone.name} is the highest number, then named ones alphabetically; name {task}/{version} "
+              f"in its --tasks (TMOD_TASKS) to serve this one, or load it through POST /admin/modules/{task}/load",
+              file=sys.stderr)
+
+
 def served_at_start(store: ModuleStore, backbone) -> list[str]:
     """The tasks a tmod-serve started on `store` and `backbone` answers without --tasks: those with a
     module for this backbone whose newest is not opt-in (bridges aside: training does not know them)."""

@@ -604,6 +604,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     artifact, version = save_as_free_version(save, store, task, s.version, numbered)
     s = s.model_copy(update={"version": version})
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
+    serving.say_if_outranked(store, task, s.version, backbone)
     example = val_data.examples[0]
     others = list(server["tasks"]) if server else serving.served_at_start(store, backbone)
     request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task, others, example.text,
