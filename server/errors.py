@@ -152,6 +152,21 @@ PROTOCOLS = {"/v1/embeddings": (openai_error_body, 400), "/classify": (openai_er
              "/tokenize": (tei_error_body, 422), "/health": (tei_error_body, 422), "/info": (tei_error_body, 422),
              "/decode": (tei_error_body, 422), "/detokenize": (openai_error_body, 400)}
 
+# peers' routes a client moving to tmod may call that tmod does not serve: why, and what answers instead
+# (404 in that peer's error shape, where a route that is not there answers a bare 'no route')
+NOT_SERVED = {
+    "/embed_all": (tei_error_body, "Text Embeddings Inference's per-token embeddings are not served: /embed "
+                                   "answers one pooled vector a text"),
+    "/embed_sparse": (tei_error_body, "Text Embeddings Inference's sparse (SPLADE) embeddings are not served: "
+                                      "/embed answers dense vectors"),
+    "/pooling": (openai_error_body, "vLLM's pooling API is not served: /v1/embeddings (or /embed) answers pooled "
+                                    "vectors, /classify labels, /v1/infer every task"),
+    "/v1/completions": (openai_error_body, "tmod generates no text: it serves encoder tasks (/v1/infer) and "
+                                           "embeddings (/v1/embeddings)"),
+    "/v1/chat/completions": (openai_error_body, "tmod generates no text: it serves encoder tasks (/v1/infer) "
+                                                "and embeddings (/v1/embeddings)"),
+}
+
 
 # KServe V1's inference paths (server/predict_api.py): here, where each path's error shape is chosen
 KSERVE_V1_PREDICT = re.compile(r"/v1/models/([^/]+):(predict|explain)")
@@ -161,6 +176,8 @@ def protocol_of(path: str):
     """(the error body builder, the status of a malformed body) for the protocol `path` belongs to."""
     if path in PROTOCOLS:  # vLLM's /v2/rerank is no OIP route
         return PROTOCOLS[path]
+    if path in NOT_SERVED:
+        return NOT_SERVED[path][0], 400
     if is_oip(path):
         return oip_error_body, 422
     if KSERVE_V1_PREDICT.fullmatch(path):  # KServe V1: as its servers, and V2's, answer: the message in "error"
@@ -255,7 +272,8 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
         headers = {**headers, "Allow": ", ".join([*allowed, "HEAD"])}
     message = str(exc.detail)[:200]
     if exc.status_code == 404:
-        message = f"no route {clip(path)}{route_hint(request.app, path)}"
+        message = f"no route {clip(path)}" + (f": {NOT_SERVED[path][1]}" if path in NOT_SERVED
+                                              else route_hint(request.app, path))
     return error_response(path, exc.status_code, type_, message, headers=headers)
 
 

@@ -644,6 +644,23 @@ def test_an_openai_client_whose_base_url_lacks_v1_is_told(served):
     assert httpx.get(served + "/nothing/here").json()["error"]["message"] == "no route '/nothing/here'"
 
 
+def test_a_peer_route_tmod_does_not_serve_says_what_answers_instead(served):
+    """A client moving from TEI or vLLM to tmod that calls a route of theirs tmod lacks is told so, and
+    what answers instead, in that peer's error shape (it was tmod's bare 'no route')."""
+    import openai
+
+    client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match=r"no route '/v1/chat/completions': tmod generates no text"):
+        client.chat.completions.create(model="embedding", messages=[{"role": "user", "content": "hi"}])
+    tei = httpx.post(served + "/embed_all", json={"inputs": "A fine film."})
+    assert tei.status_code == 404 and tei.json()["error"] == (
+        "no route '/embed_all': Text Embeddings Inference's per-token embeddings are not served: /embed answers one "
+        "pooled vector a text")
+    vllm = httpx.post(served + "/pooling", json={"model": "embedding", "input": "A fine film."})
+    assert vllm.status_code == 404 and vllm.json()["error"]["message"].startswith(
+        "no route '/pooling': vLLM's pooling API is not served: /v1/embeddings (or /embed) answers pooled vectors")
+
+
 def test_a_query_parameter_a_route_does_not_read_is_refused_not_ignored(served):
     """An option sent in the query instead of the body was ignored: `/embed?normalize=false` answered
     normalized vectors, `/v1/embeddings?dimensions=3` all 384 of them. Each inference and tokenize route refuses
