@@ -713,7 +713,7 @@ def test_word_pieces_the_vocabulary_lacks_are_counted_and_said(tmp_path, train_b
 def test_runs_started_in_the_same_second_get_a_run_folder_each(tmp_path):
     """A sweep launched at once: runs/<task>-<version>-<second> was one folder for all, each report written
     over the last."""
-    from training.trainer import new_run_dir
+    from training.runs import new_run_dir
     base = tmp_path / "runs" / "s-2-20261130-072000"
     assert [new_run_dir(base) for _ in range(3)] == [base, base.with_name(base.name + "-2"),
                                                      base.with_name(base.name + "-3")]

@@ -12,7 +12,7 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -482,6 +482,76 @@ def say_what_the_data_holds(s: TrainSettings, train_data, labels: list[str], pro
               file=sys.stderr)
 
 
+@dataclass(frozen=True)
+class RunOutputs:
+    """Where a run writes: its store and report folder, by default in its run folder
+    (`runs/TASK-VERSION-TIME`), which is made only when saving and only where something goes in it."""
+    run_dir: Path
+    store: ModuleStore
+    report_dir: Path
+    store_given: bool
+    report_given: bool
+    run_dir_given: bool
+
+    @classmethod
+    def checked(cls, s: TrainSettings, task: str) -> "RunOutputs":
+        """Before any work: a version that exists (without --overwrite) or a folder that cannot be made
+        is refused, as is a --store no server would find the module in."""
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
+        outputs = cls(run_dir, ModuleStore(Path(s.store) if s.store else run_dir / "store"),
+                      Path(s.report_dir) if s.report_dir else run_dir / "report",
+                      bool(s.store), bool(s.report_dir), bool(s.run_dir))
+        if s.store and (misplaced := misplaced_store(outputs.store.root)):  # where no store finds the module
+            raise UsageError(f"--store: {misplaced}")
+        check_outputs(outputs.store, task, s.version, s.overwrite, (outputs.store.root, outputs.report_dir),
+                      fix="give --run-dir (or --store and --report-dir) in a folder you can write")
+        return outputs
+
+    def claimed(self) -> "RunOutputs":
+        """These outputs with the run folder made now: a run started in the same second may have taken
+        its name (then `-2`, `-3`, ...)."""
+        if self.run_dir_given or (self.store_given and self.report_given):
+            return self
+        folder = new_run_dir(self.run_dir)
+        return replace(self, run_dir=folder, store=self.store if self.store_given else ModuleStore(folder / "store"),
+                       report_dir=self.report_dir if self.report_given else folder / "report")
+
+
+def encoded_splits(train_data, val_data, labels: list[str], backbone: Backbone,
+                   provenance: dict) -> tuple[Split, Split]:
+    """The training and validation splits tokenized; examples longer than the backbone reads at once
+    (cut to its first window) and word pieces it does not know are said, not silent."""
+    train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
+    for name, split in (("training", train_split), ("validation", val_split)):
+        cut = sum(row.truncated for row in split.encoded)
+        provenance[f"{name}_examples_cut"] = cut
+        if cut:  # the server reads such texts whole, in windows
+            print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
+                  f"({backbone.text.max_tokens} word pieces): {'learnt' if name == 'training' else 'scored'} on their "
+                  f"first {backbone.text.max_tokens}; the server reads long texts in windows (docs/windows.md)",
+                  file=sys.stderr)
+    say_unknown_pieces(train_split, backbone, provenance)
+    return train_split, val_split
+
+
+def offer_to_serve(s: TrainSettings, task: str, store: ModuleStore, backbone: Backbone, server: dict | None,
+                   example) -> tuple[str, str | None, UsageError | None]:
+    """(the request that asks the new task beside the served ones, the --load-into URL that loaded it,
+    the server's refusal of it): a refused load keeps the trained module and its report."""
+    others = list(server["tasks"]) if server else serving.served_at_start(store, backbone)
+    request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task, others, example.text,
+                                      getattr(example, "text_pair", None), bool(server and server.get("api_key")))
+    if not server:
+        return request, None, None
+    try:
+        serving.load_into(s.load_into, task, s.version)
+    except UsageError as exc:
+        return request, None, exc
+    serving.say_if_bridged(s.load_into, server, task, s.version, s.store, backbone)
+    return request, s.load_into, None
+
+
 def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = "",
           config_file: str | None = None, splits: Splits | None = None) -> TrainResult:
     """The whole run: data, head, fit, served-path validation (and test), baselines, artifact, report.
@@ -499,14 +569,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     numbered = s.version is None  # the next free number; without --store the run's own new store: 1
     if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"  # made when saving
-    store = ModuleStore(Path(s.store) if s.store else run_dir / "store")
-    report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
-    if s.store and (misplaced := misplaced_store(store.root)):  # the module would land where no store finds it
-        raise UsageError(f"--store: {misplaced}")
-    check_outputs(store, task, s.version, s.overwrite, (store.root, report_dir),
-                  fix="give --run-dir (or --store and --report-dir) in a folder you can write")
+    outputs = RunOutputs.checked(s, task)
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     say_what_the_data_holds(s, train_data, labels, provenance)
@@ -523,16 +586,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
     if s.document_windows:
         train_data = add_document_windows(train_data, provenance, backbone, s.document_windows)
-    train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
-    for name, split in (("training", train_split), ("validation", val_split)):
-        cut = sum(row.truncated for row in split.encoded)
-        provenance[f"{name}_examples_cut"] = cut
-        if cut:  # said, not silent: the server reads such texts whole, in windows
-            print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
-                  f"({backbone.text.max_tokens} word pieces): {'learnt' if name == 'training' else 'scored'} on their "
-                  f"first {backbone.text.max_tokens}; the server reads long texts in windows (docs/windows.md)",
-                  file=sys.stderr)
-    say_unknown_pieces(train_split, backbone, provenance)
+    train_split, val_split = encoded_splits(train_data, val_data, labels, backbone, provenance)
     teacher, distillation = None, None
     if s.distill_from:
         words = teacher_words(s.distill_from, provenance["train_file"], s.distill_backbone, device=str(device),
@@ -589,12 +643,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     # the file's name, not its path: /v1/tasks shows the description to every client
     description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or Path(s.train).name}"
                                      + (f", distilled from {s.distill_from}" if s.distill_from else ""))
-    # the run folder claimed now (a run started in the same second may have taken the name), and only where
-    # something goes in it
-    if not s.run_dir and not (s.store and s.report_dir):
-        claimed = new_run_dir(run_dir)
-        store = store if s.store else ModuleStore(claimed / "store")
-        report_dir = report_dir if s.report_dir else claimed / "report"
+    outputs = outputs.claimed()
+    store, report_dir = outputs.store, outputs.report_dir
 
     def save(version: str) -> Path:
         training["settings"]["version"] = version
@@ -605,18 +655,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     s = s.model_copy(update={"version": version})
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
     serving.say_if_outranked(store, task, s.version, backbone)
-    example = val_data.examples[0]
-    others = list(server["tasks"]) if server else serving.served_at_start(store, backbone)
-    request = serving.example_request(s.load_into or "http://127.0.0.1:8080", task, others, example.text,
-                                      getattr(example, "text_pair", None), bool(server and server.get("api_key")))
-    loaded_into, refusal = None, None
-    if server:
-        try:
-            serving.load_into(s.load_into, task, s.version)
-            loaded_into = s.load_into
-            serving.say_if_bridged(s.load_into, server, task, s.version, s.store, backbone)
-        except UsageError as exc:  # the trained module and its report are kept either way
-            refusal = exc
+    request, loaded_into, refusal = offer_to_serve(s, task, store, backbone, server, val_data.examples[0])
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
                           history=result.history, layer_weights=weights, training=training, decoding=decoding,
                           assessment=assessment, request=request, loaded_into=loaded_into)
