@@ -291,7 +291,7 @@ def cmd_align(args, command: str) -> int:
     from modules_store import DEFAULT_STORE
     from server.backbone import Backbone
     from server.bridges import bridge_store, save_bridge
-    from training.runs import check_outputs, new_run_dir, save_as_free_version, stored_name
+    from training.runs import RunOutputs, save_as_free_version, stored_name
     from training.settings import pick_device
 
     if args.threads:
@@ -319,10 +319,9 @@ def cmd_align(args, command: str) -> int:
     store = bridge_store(Path(args.store) if args.store else Path(DEFAULT_STORE) / "_bridges")
     numbered = args.version is None
     version = store.next_version(name) if numbered else args.version
-    run_dir = Path("runs") / f"{name}-{version}-{time.strftime('%Y%m%d-%H%M%S')}"  # made when saving
-    report_dir = Path(args.report_dir) if args.report_dir else run_dir / "report"
-    check_outputs(store, name, version, args.overwrite, (store.root, report_dir), what="bridge ",
-                  fix="give --store and --report-dir in a folder you can write")
+    outputs = RunOutputs.checked(Path("runs") / f"{name}-{version}-{time.strftime('%Y%m%d-%H%M%S')}", None, store,
+                                 args.report_dir, name, version, args.overwrite, what="bridge ",
+                                 fix="give --store and --report-dir in a folder you can write")
 
     t_load = time.perf_counter()
     build = dict(source_layers=source_states, target_layers=targets, batch_size=args.batch_size,
@@ -351,8 +350,7 @@ def cmd_align(args, command: str) -> int:
                **({"held_out_mean_matched_correlation": diagnostics["held_out_mean_matched_correlation"]}
                   if held_out else {}),
                "per_state": {str(j): v for j, v in diagnostics["per_state"].items()}}
-    if not args.report_dir:  # claimed now: a run started in the same second may have taken the name
-        report_dir = new_run_dir(run_dir) / "report"
+    report_dir = outputs.claimed().report_dir
     artifact, version = save_as_free_version(
         lambda v: save_bridge(store, name, v, bridge, source, target, training=training, metrics=metrics,
                               description=args.description or f"alignment bridge: {target.name} modules served on "

@@ -489,7 +489,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from server.bridges import bridge_store, load_bridge, save_bridge
     from training.pairing import PairedStates
     from training.settings import pick_device
-    from training.runs import check_outputs, new_run_dir, save_as_free_version, stored_name
+    from training.runs import RunOutputs, save_as_free_version, stored_name
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
         raise UsageError("--objective distill needs --module (a module of the target backbone: TASK/VERSION of "
@@ -528,10 +528,9 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     numbered = s.version is None
     s = s.model_copy(update={"version": store.next_version(name) if numbered else s.version})
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"bridge-{name}-{s.version}-{stamp}"  # made when saving
-    report_dir = Path(s.report_dir) if s.report_dir else run_dir / "report"
-    check_outputs(store, name, s.version, s.overwrite, (store.root, report_dir), what="bridge ",
-                  fix="give --run-dir (or --bridge-store and --report-dir) in a folder you can write")
+    outputs = RunOutputs.checked(Path("runs") / f"bridge-{name}-{s.version}-{stamp}", s.run_dir, store, s.report_dir,
+                                 name, s.version, s.overwrite, what="bridge ",
+                                 fix="give --run-dir (or --bridge-store and --report-dir) in a folder you can write")
 
     t0 = time.perf_counter()
     build = dict(source=source, target=target, source_layers=source_layers, target_layers=target_layers,
@@ -570,8 +569,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     description = s.description or (f"transformer bridge {source.name} -> {target.name}, {s.objective} objective"
                                      + (f" through {module.task}/{module.version}" if module and s.objective == "distill" else ""))
     bridge.cpu()
-    if not s.run_dir and not s.report_dir:  # claimed now: a run started in the same second may have taken the name
-        report_dir = new_run_dir(run_dir) / "report"
+    report_dir = outputs.claimed().report_dir
 
     def save(version: str) -> Path:
         training["settings"]["version"] = version

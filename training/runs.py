@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -62,6 +63,42 @@ def new_run_dir(path: Path) -> Path:
             return claimed
         except FileExistsError:
             continue
+
+
+@dataclass(frozen=True)
+class RunOutputs:
+    """Where a run writes: its store and report folder, by default in the run's own folder
+    (`runs/NAME-VERSION-TIME`), which is made only when saving and only where something goes in it."""
+    run_dir: Path
+    store: ModuleStore
+    report_dir: Path
+    claim: bool  # the run folder is the default one, and the store or the report goes in it
+
+    @classmethod
+    def checked(cls, default_run_dir: Path, run_dir: str | None, store: ModuleStore | None, report_dir: str | None,
+                name: str, version: str, overwrite: bool, *, what: str = "", fix: str) -> "RunOutputs":
+        """The outputs (`store` None: the run folder's own), refused before the work as `check_outputs` says."""
+        folder = Path(run_dir) if run_dir else default_run_dir
+        outputs = cls(folder, store or ModuleStore(folder / "store"),
+                      Path(report_dir) if report_dir else folder / "report",
+                      claim=not run_dir and (store is None or not report_dir))
+        check_outputs(outputs.store, name, version, overwrite, (outputs.store.root, outputs.report_dir), what=what,
+                      fix=fix)
+        return outputs
+
+    def claimed(self) -> "RunOutputs":
+        """These outputs with the run folder made now, where it is the default one: a run started in the same
+        second may have taken its name (then `-2`, `-3`, ...)."""
+        if not self.claim:
+            return self
+        folder = new_run_dir(self.run_dir)
+
+        def moved(path: Path) -> Path:
+            return folder / path.relative_to(self.run_dir) if path.is_relative_to(self.run_dir) else path
+
+        store = self.store if moved(self.store.root) == self.store.root else \
+            ModuleStore(moved(self.store.root), manifest_cls=self.store.manifest_cls)
+        return RunOutputs(folder, store, moved(self.report_dir), claim=False)
 
 
 def save_as_free_version(save: Callable[[str], Path], store: ModuleStore, name: str, version: str,

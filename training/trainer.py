@@ -12,7 +12,7 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
 from training.report import write_report
-from training.runs import check_outputs, new_run_dir, save_as_free_version, stored_name
+from training.runs import RunOutputs, save_as_free_version, stored_name
 from training.settings import TrainSettings, check_layers, pick_device
 from training.states import CachedStates, RecomputedStates, Split, free_memory
 
@@ -482,42 +482,6 @@ def say_what_the_data_holds(s: TrainSettings, train_data, labels: list[str], pro
               file=sys.stderr)
 
 
-@dataclass(frozen=True)
-class RunOutputs:
-    """Where a run writes: its store and report folder, by default in its run folder
-    (`runs/TASK-VERSION-TIME`), which is made only when saving and only where something goes in it."""
-    run_dir: Path
-    store: ModuleStore
-    report_dir: Path
-    store_given: bool
-    report_given: bool
-    run_dir_given: bool
-
-    @classmethod
-    def checked(cls, s: TrainSettings, task: str) -> "RunOutputs":
-        """Before any work: a version that exists (without --overwrite) or a folder that cannot be made
-        is refused, as is a --store no server would find the module in."""
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(s.run_dir) if s.run_dir else Path("runs") / f"{task}-{s.version}-{stamp}"
-        outputs = cls(run_dir, ModuleStore(Path(s.store) if s.store else run_dir / "store"),
-                      Path(s.report_dir) if s.report_dir else run_dir / "report",
-                      bool(s.store), bool(s.report_dir), bool(s.run_dir))
-        if s.store and (misplaced := misplaced_store(outputs.store.root)):  # where no store finds the module
-            raise UsageError(f"--store: {misplaced}")
-        check_outputs(outputs.store, task, s.version, s.overwrite, (outputs.store.root, outputs.report_dir),
-                      fix="give --run-dir (or --store and --report-dir) in a folder you can write")
-        return outputs
-
-    def claimed(self) -> "RunOutputs":
-        """These outputs with the run folder made now: a run started in the same second may have taken
-        its name (then `-2`, `-3`, ...)."""
-        if self.run_dir_given or (self.store_given and self.report_given):
-            return self
-        folder = new_run_dir(self.run_dir)
-        return replace(self, run_dir=folder, store=self.store if self.store_given else ModuleStore(folder / "store"),
-                       report_dir=self.report_dir if self.report_given else folder / "report")
-
-
 def encoded_splits(train_data, val_data, labels: list[str], backbone: Backbone,
                    provenance: dict) -> tuple[Split, Split]:
     """The training and validation splits tokenized; examples longer than the backbone reads at once
@@ -569,7 +533,12 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     numbered = s.version is None  # the next free number; without --store the run's own new store: 1
     if numbered:
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
-    outputs = RunOutputs.checked(s, task)
+    if s.store and (misplaced := misplaced_store(Path(s.store))):  # the module would land where no store finds it
+        raise UsageError(f"--store: {misplaced}")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    outputs = RunOutputs.checked(Path("runs") / f"{task}-{s.version}-{stamp}", s.run_dir,
+                                 ModuleStore(Path(s.store)) if s.store else None, s.report_dir, task, s.version,
+                                 s.overwrite, fix="give --run-dir (or --store and --report-dir) in a folder you can write")
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     say_what_the_data_holds(s, train_data, labels, provenance)
