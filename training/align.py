@@ -319,7 +319,7 @@ def cmd_align(args, command: str) -> int:
     store = bridge_store(Path(args.store) if args.store else Path(DEFAULT_STORE) / "_bridges")
     numbered = args.version is None
     version = store.next_version(name) if numbered else args.version
-    outputs = RunOutputs.checked(Path("runs") / f"{name}-{version}-{time.strftime('%Y%m%d-%H%M%S')}", None, store,
+    outputs = RunOutputs.checked(f"{name}-{version}", None, store,
                                  args.report_dir, name, version, args.overwrite, what="bridge ",
                                  fix="give --store and --report-dir in a folder you can write")
 

@@ -33,7 +33,6 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -527,8 +526,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     store = bridge_store(s.bridge_store or DEFAULT_BRIDGE_STORE)
     numbered = s.version is None
     s = s.model_copy(update={"version": store.next_version(name) if numbered else s.version})
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    outputs = RunOutputs.checked(Path("runs") / f"bridge-{name}-{s.version}-{stamp}", s.run_dir, store, s.report_dir,
+    outputs = RunOutputs.checked(f"bridge-{name}-{s.version}", s.run_dir, store, s.report_dir,
                                  name, s.version, s.overwrite, what="bridge ",
                                  fix="give --run-dir (or --bridge-store and --report-dir) in a folder you can write")
 

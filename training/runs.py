@@ -8,6 +8,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -75,10 +76,12 @@ class RunOutputs:
     claim: bool  # the run folder is the default one, and the store or the report goes in it
 
     @classmethod
-    def checked(cls, default_run_dir: Path, run_dir: str | None, store: ModuleStore | None, report_dir: str | None,
+    def checked(cls, run_name: str, run_dir: str | None, store: ModuleStore | None, report_dir: str | None,
                 name: str, version: str, overwrite: bool, *, what: str = "", fix: str) -> "RunOutputs":
-        """The outputs (`store` None: the run folder's own), refused before the work as `check_outputs` says."""
-        folder = Path(run_dir) if run_dir else default_run_dir
+        """The outputs (`run_dir` None: runs/RUN_NAME-TIME, in UTC; `store` None: the run folder's own),
+        refused before the work as `check_outputs` says."""
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        folder = Path(run_dir) if run_dir else Path("runs") / f"{run_name}-{stamp}"
         outputs = cls(folder, store or ModuleStore(folder / "store"),
                       Path(report_dir) if report_dir else folder / "report",
                       claim=not run_dir and (store is None or not report_dir))

@@ -13,7 +13,6 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -535,8 +534,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
     if s.store and (misplaced := misplaced_store(Path(s.store))):  # the module would land where no store finds it
         raise UsageError(f"--store: {misplaced}")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    outputs = RunOutputs.checked(Path("runs") / f"{task}-{s.version}-{stamp}", s.run_dir,
+    outputs = RunOutputs.checked(f"{task}-{s.version}", s.run_dir,
                                  ModuleStore(Path(s.store)) if s.store else None, s.report_dir, task, s.version,
                                  s.overwrite, fix="give --run-dir (or --store and --report-dir) in a folder you can write")
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
