@@ -177,6 +177,19 @@ def test_refuses_missing_weights_and_unknown_task(store, tiny_backbone):
         load_module(store, "sentiment", None, tiny_backbone)
 
 
+def test_a_store_folder_gone_under_a_running_server_is_said(store, tiny_backbone):
+    """A store moved, deleted or unmounted while a server runs: an admin load or reload said only 'no module'
+    or 'it has []', as if the task were misspelt."""
+    assert "folder is not there" not in str(pytest.raises(ArtifactError, store.read_manifest, "nope").value)
+    gone = ModuleStore(store.root.parent / "unmounted")
+    with pytest.raises(ArtifactError, match=r"no module 'sentiment' in store .*unmounted \(that folder is not there: "
+                                            r"moved, deleted or not mounted\)"):
+        load_module(gone, "sentiment", None, tiny_backbone)
+    with pytest.raises(ArtifactError, match=r"no version '1' of sentiment in the store .*unmounted; it has \[\] "
+                                            r"\(that folder is not there"):
+        load_module(gone, "sentiment", "1", tiny_backbone)
+
+
 def test_saved_artifacts_are_readable_by_other_users(store):
     folder = store.path("sentiment", "1")
     assert folder.stat().st_mode & 0o755 == 0o755
