@@ -15,6 +15,7 @@ import torch
 
 from modules_store import ArtifactError, Manifest, ModuleStore, TaskType
 from modules_store.store import _version_key
+from server.backbone.sources import named_for
 from server.heads import Head, build_head
 
 
@@ -166,11 +167,19 @@ def find_bridge(manifest: Manifest, bridges: dict, backbone):
     wanted = manifest.backbone.identity()
     leading = [bridges[name] for name in sorted(bridges) if bridges[name].manifest.target.identity() == wanted]
     if not leading:
+        theirs = manifest.backbone.name
+        if theirs and theirs != backbone.name:  # another model: its hashes say nothing more
+            named = named_for(theirs)
+            raise ArtifactError(
+                "fingerprint_mismatch",
+                f"{manifest.task}/{manifest.version} was trained on {theirs}, not on this server's {backbone.name}, "
+                f"and no loaded bridge leads there: serve it with --backbone {named or 'a folder of ' + theirs}, or "
+                f"give --bridges a store with a bridge from {backbone.name} to {theirs}")
         diffs = "; ".join(manifest.backbone.differences(backbone.fingerprint))
         raise ArtifactError(
             "fingerprint_mismatch",
             f"{manifest.task}/{manifest.version}: backbone fingerprint mismatch ({diffs}), and no loaded bridge "
-            f"leads from {backbone.name} to {manifest.backbone.name or manifest.backbone.short}",
+            f"leads from {backbone.name} to {theirs or manifest.backbone.short}",
         )
     serving = [b for b in leading if set(manifest.layers) <= set(b.bridge.states_out())]
     if not serving:

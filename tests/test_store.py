@@ -106,6 +106,14 @@ def test_refuses_other_backbone(store, tmp_path):
     with pytest.raises(ArtifactError, match=r"no version for backbone .*its versions are 1 \(") as info:
         load_module(store, "sentiment", None, other)  # no version asked: none of them is for this backbone
     assert info.value.reason == "other_backbone"
+    # another model altogether (as a pinned ner/mpnet-2 on MiniLM): named, with what serves it, not its hashes
+    renamed = Backbone.load(make_tiny_backbone_dir(tmp_path / "renamed", "bert", layers=3, seed=99), name="tiny-other")
+    with pytest.raises(ArtifactError) as info:
+        load_module(store, "sentiment", "1", renamed)
+    mine = store.read_manifest("sentiment", "1").backbone.name
+    assert info.value.reason == "fingerprint_mismatch" and info.value.message == (
+        f"sentiment/1 was trained on {mine}, not on this server's tiny-other, and no loaded bridge leads there: "
+        f"serve it with --backbone a folder of {mine}, or give --bridges a store with a bridge from tiny-other to {mine}")
 
 
 def test_without_a_version_each_backbone_gets_its_own_latest(store, tiny_backbone, tmp_path):
