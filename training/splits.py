@@ -34,9 +34,9 @@ class Splits:
     provenance: dict
 
 
-def resolve_data(s: TrainSettings) -> Splits:
-    """Train, validation and (optional) test splits, the head's labels, the selection metric and
-    provenance. Every user mistake found here is a UsageError: nothing has touched a backbone yet."""
+def data_files(s: TrainSettings) -> tuple[dict, list[str] | None, str | None]:
+    """(split -> the file spec it is read from, --labels or the preset's, the preset's metric): a preset's
+    files, or the user's (--train with --validation or --split, and --test)."""
     if s.dataset:
         if s.train or s.validation or s.split:
             raise UsageError("give either --dataset or --train/--validation/--split, not both")
@@ -51,18 +51,43 @@ def resolve_data(s: TrainSettings) -> Splits:
             specs["test"] = replace(specs["validation"], path=Path(s.test), format=s.format or guess_format(Path(s.test)))
         if s.multi_label and not preset.multi_label:
             raise UsageError(f"--multi-label: preset {s.dataset!r} has one label per example")
-        labels, metric = s.labels or list(preset.labels), preset.metric
-    else:
-        if not s.train:
-            raise UsageError("give --dataset NAME, or --train FILE with --validation FILE or --split VAL[,TEST]")
-        if bool(s.validation) == bool(s.split):
-            raise UsageError("give one of --validation FILE or --split VAL[,TEST] (carved from --train)")
-        if s.split and len(s.split) == 2 and s.test:
-            raise UsageError("--split VAL,TEST carves a test split; give --split VAL with --test FILE")
-        named = {"train": s.train, "validation": s.validation, "test": s.test}
-        specs = {split: file_spec(path, s.format, s.text_column, s.label_column, s.pair_column, s.header,
-                                  s.label_map, s.multi_label) for split, path in named.items() if path}
-        labels, metric = s.labels, None
+        return specs, s.labels or list(preset.labels), preset.metric
+    if not s.train:
+        raise UsageError("give --dataset NAME, or --train FILE with --validation FILE or --split VAL[,TEST]")
+    if bool(s.validation) == bool(s.split):
+        raise UsageError("give one of --validation FILE or --split VAL[,TEST] (carved from --train)")
+    if s.split and len(s.split) == 2 and s.test:
+        raise UsageError("--split VAL,TEST carves a test split; give --split VAL with --test FILE")
+    named = {"train": s.train, "validation": s.validation, "test": s.test}
+    specs = {split: file_spec(path, s.format, s.text_column, s.label_column, s.pair_column, s.header,
+                              s.label_map, s.multi_label) for split, path in named.items() if path}
+    return specs, s.labels, None
+
+
+def shared_rows(train: LabelledData, validation: LabelledData, test: LabelledData | None) -> dict:
+    """Provenance counts of rows that are less held out than they look: validation and test rows whose
+    text is also a training row's (files given apart may share texts), test rows validation holds too
+    (validation chose the epoch), and training texts taught two answers (label noise)."""
+    counts = {}
+    learnt = {text_key(ex) for ex in train.examples}
+    for name, part in (("validation", validation), ("test", test)):
+        if part is not None:
+            counts[f"{name}_rows_also_in_training"] = sum(text_key(ex) in learnt for ex in part.examples)
+    if test is not None:
+        chose = {text_key(ex) for ex in validation.examples}
+        counts["test_rows_also_in_validation"] = sum(text_key(ex) in chose for ex in test.examples)
+    if train.task_type != TaskType.token_classification:
+        answers: dict = {}
+        for ex in train.examples:
+            answers.setdefault(text_key(ex), set()).add(ex.label if isinstance(ex.label, str) else frozenset(ex.label))
+        counts["train_texts_labelled_two_ways"] = sum(len(labels) > 1 for labels in answers.values())
+    return counts
+
+
+def resolve_data(s: TrainSettings) -> Splits:
+    """Train, validation and (optional) test splits, the head's labels, the selection metric and
+    provenance. Every user mistake found here is a UsageError: nothing has touched a backbone yet."""
+    specs, labels, metric = data_files(s)
     data = {split: spec.read() for split, spec in specs.items()}
     if labels and not s.label_map:  # class ids (0, 1, ...) named by their place in --labels
         data = {split: part.named_by_position(labels) for split, part in data.items()}
@@ -112,18 +137,7 @@ def resolve_data(s: TrainSettings) -> Splits:
     provenance.update(train_examples=len(train), validation_examples=len(validation))
     if test is not None:
         provenance["test_examples"] = len(test)
-    learnt = {text_key(ex) for ex in train.examples}
-    for name, part in (("validation", validation), ("test", test)):  # given as files, they may share texts
-        if part is not None:
-            provenance[f"{name}_rows_also_in_training"] = sum(text_key(ex) in learnt for ex in part.examples)
-    if test is not None:  # validation chose the epoch: a test row it holds too is not wholly unseen
-        chose = {text_key(ex) for ex in validation.examples}
-        provenance["test_rows_also_in_validation"] = sum(text_key(ex) in chose for ex in test.examples)
-    if train.task_type != TaskType.token_classification:  # the same text taught two answers: label noise
-        answers: dict = {}
-        for ex in train.examples:
-            answers.setdefault(text_key(ex), set()).add(ex.label if isinstance(ex.label, str) else frozenset(ex.label))
-        provenance["train_texts_labelled_two_ways"] = sum(len(labels) > 1 for labels in answers.values())
+    provenance.update(shared_rows(train, validation, test))
     metric = check_options(s, train, labels, metric)
     return Splits(train, validation, test, labels, metric, provenance)
 
