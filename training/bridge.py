@@ -509,15 +509,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
         store = ModuleStore(folder)
         module = load_module(store, task, version, target, device=str(device), probe=probe_module)  # checks the TARGET fingerprint
 
-    source_layers = s.source_layers or list(range(source.num_layers + 1))
-    target_layers = s.target_layers or (module.head.layers_read() if module else list(range(target.num_layers + 1)))
-    check_layers(source_layers, source, "--source-layers")
-    check_layers(target_layers, target, "--target-layers")
-    if module is not None:
-        missing = sorted(set(module.head.layers_read()) - set(target_layers))
-        if missing:
-            raise UsageError(f"module {module.task}/{module.version} reads target states {missing} "
-                             f"that --target-layers {target_layers} leaves out")
+    source_layers, target_layers = bridge_layers(s, source, target, module)
     s = s.model_copy(update={"source_layers": source_layers, "target_layers": target_layers})
 
     name = stored_name(s.name, "-".join([source.name, "to", target.name, s.objective]
@@ -584,6 +576,22 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
                            history=result.history, training=training)
     write_bridge_report(report_dir, outcome)
     return outcome
+
+
+def bridge_layers(s: BridgeSettings, source, target, module) -> tuple[list[int], list[int]]:
+    """(the source states mixed, the target states produced): --source-layers, default every state;
+    --target-layers, default the module's, else every state; each the backbone's, and every state the
+    module reads among those produced."""
+    source_layers = s.source_layers or list(range(source.num_layers + 1))
+    target_layers = s.target_layers or (module.head.layers_read() if module else list(range(target.num_layers + 1)))
+    check_layers(source_layers, source, "--source-layers")
+    check_layers(target_layers, target, "--target-layers")
+    if module is not None:
+        missing = sorted(set(module.head.layers_read()) - set(target_layers))
+        if missing:
+            raise UsageError(f"module {module.task}/{module.version} reads target states {missing} "
+                             f"that --target-layers {target_layers} leaves out")
+    return source_layers, target_layers
 
 
 def module_probe(s: BridgeSettings, module, train: tuple, validation: tuple, device) -> ModuleProbe:
