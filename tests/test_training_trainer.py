@@ -817,3 +817,25 @@ def test_no_run_folder_is_made_where_store_and_report_go_elsewhere(sentiment_run
     at = argv.index("--store")
     assert main([*argv[:at], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"), "--epochs", "1"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r", "s"]
+
+
+def test_the_curves_show_the_simple_baselines_where_they_were_measured_on_validation(tmp_path, monkeypatch):
+    """The validation curve alone did not say how the head compares with the simple baselines the report's
+    table names; drawn beside it where they were scored on the same split (not where a test split scored them)."""
+    from training import report
+
+    drawn = []
+    monkeypatch.setattr(report.plt, "close", drawn.append)
+    history = [{"epoch": e, "train_loss": 0.7 - e / 10, "validation_loss": 0.6 - e / 20, "accuracy": 0.6 + e / 10}
+               for e in (1, 2)]
+    baselines = {"split": "validation", "metric": "accuracy", "head": 0.8, "verdict": "above both",
+                 "majority": {"baseline": "majority", "accuracy": 0.5}, "margin_over_majority": 0.3,
+                 "tfidf_logreg": {"baseline": "tfidf_logreg", "accuracy": 0.675}, "margin_over_tfidf_logreg": 0.125}
+
+    def curve_labels(baselines) -> list[str]:
+        report.plot_curves(history, [], "accuracy", tmp_path / "curves.png", "t", 2, baselines)
+        return [line.get_label() for line in drawn[-1].axes[1].get_lines() if not line.get_label().startswith("_")]
+
+    assert curve_labels(baselines) == ["head", "majority (0.500)", "tfidf_logreg (0.675)"]
+    assert curve_labels({**baselines, "split": "test"}) == ["head"]
+    assert curve_labels(None) == ["head"]

@@ -64,7 +64,7 @@ def write_report(report_dir: Path, result) -> dict[str, Path]:
         paths["layer_weights"] = report_dir / "layer_weights.png"
         plot_layer_weights(result.layer_weights, paths["layer_weights"], f"{result.task}: learned layer distribution")
     plot_curves(result.history, sorted(result.layer_weights), result.metrics.get("metric", ""), paths["curves"],
-                result.task, result.training.get("best_epoch"))
+                result.task, result.training.get("best_epoch"), result.metrics.get("baselines"))
     return paths
 
 
@@ -255,7 +255,9 @@ def mark_epochs(axes, best_epoch: int | None) -> None:
 
 
 def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path, task: str,
-                best_epoch: int | None = None) -> None:
+                best_epoch: int | None = None, baselines: dict | None = None) -> None:
+    """Loss, the validation metric (with the simple baselines' scores on the same split, where they were
+    measured there) and, for a layer-mix head, its layer weights, epoch by epoch."""
     epochs = [h["epoch"] for h in history]
     mixed = bool(history and history[0].get("layer_weights"))  # a layer-mix head's learnt weights, epoch by epoch
     fig, axes = plt.subplots(1, 3 if mixed else 2, figsize=(14 if mixed else 9.5, 3.4))
@@ -263,8 +265,15 @@ def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path,
     axes[0].plot(epochs, [h["validation_loss"] for h in history], marker="o", label="validation")
     axes[0].set_title("loss")
     axes[0].legend()
-    axes[1].plot(epochs, [h[metric] for h in history], marker="o", color="#55a868")
+    axes[1].plot(epochs, [h[metric] for h in history], marker="o", color="#55a868", label="head")
     axes[1].set_title(f"validation {metric}")
+    if baselines and baselines.get("split") == "validation" and baselines.get("metric") == metric:
+        runs = [run for run in baselines.values() if isinstance(run, dict) and isinstance(run.get(metric), (int, float))]
+        for run, style in zip(runs, (":", "-.")):
+            axes[1].axhline(run[metric], color="grey", linestyle=style, linewidth=1,
+                            label=f"{run['baseline']} ({run[metric]:.3f})")
+        if runs:
+            axes[1].legend(fontsize=7, loc="best")
     if mixed:
         per_state = list(zip(*[h["layer_weights"] for h in history]))
         for i, series in zip(layers, per_state):
