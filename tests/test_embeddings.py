@@ -143,6 +143,19 @@ def test_embedding_command_numbers_its_versions_and_refuses_one_that_exists_in_a
                    "(the next free number: --version 3, or leave --version out) or --overwrite\n")
 
 
+def test_an_embedding_task_name_no_store_takes_is_stored_as_the_name_it_becomes(tmp_path, tiny_backbone_dir, capsys):
+    """`tmod-train embedding --task '../My Vectors'` was refused (exit 1) where layermix's, mtb's and lora-mtb's
+    --task is stored under the name it becomes, said; now the same."""
+    from training.cli import main
+
+    store = tmp_path / "store"
+    assert main(["embedding", "--backbone", str(tiny_backbone_dir), "--task", "../My Vectors", "--store", str(store),
+                 "--check", "0"]) == 0
+    assert ("--task '../My Vectors' is stored and served as 'my-vectors' (task names are a-z, 0-9, '_' and '-')"
+            in capsys.readouterr().err)
+    assert [p.name for p in tmp_path.iterdir()] == ["store"] and (store / "my-vectors" / "1" / "manifest.json").is_file()
+
+
 def test_grouped_embedding_heads_equal_each_alone(tiny_backbone):
     """Two embedding heads in one plan run as one EmbeddingGroup; each answer equals its head alone."""
     from server.modules import LoadedModule

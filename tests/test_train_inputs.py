@@ -672,15 +672,6 @@ def test_a_count_out_of_range_is_argparses_line(argv, said, capsys):
     assert capsys.readouterr().err.splitlines()[-1] == f"tmod-train {argv[0]}: error: {said}"
 
 
-def test_a_name_no_store_takes_is_one_line_before_anything_loads(tmp_path, tiny_backbone_dir, capsys):
-    """An ArtifactError (here '../x' as a task name) was a traceback; now its reason, exit status 1."""
-    assert main(["embedding", "--backbone", str(tiny_backbone_dir), "--task", "../x", "--store", str(tmp_path),
-                 "--check", "0"]) == 1
-    assert capsys.readouterr().err == ("tmod-train embedding: error: '../x' is not a valid task or version name: use "
-                                       "1-64 of a-z, 0-9, '_' and '-', starting with a letter or digit\n")
-    assert list(tmp_path.iterdir()) == []
-
-
 NOT_A_NAME = ("'../x' is not a valid task or version name: use 1-64 of a-z, 0-9, '_' and '-', starting with a letter "
               "or digit")
 

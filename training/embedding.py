@@ -27,7 +27,7 @@ from server.engine import Engine
 from server.heads.embedding import EmbeddingHead
 from server.modules import LoadedModule, load_module, save_module
 from server.probe import probe_module
-from training.runs import check_outputs, save_as_free_version
+from training.runs import check_outputs, save_as_free_version, stored_name
 
 
 def embed(engine: Engine, module: LoadedModule, texts: list[str], batch_size: int = 64,
@@ -74,9 +74,10 @@ def cmd_embedding(args: argparse.Namespace, command: str) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     store = ModuleStore(args.store or DEFAULT_STORE)
+    task = stored_name(args.task, "embedding", "--task", "task", served=True)
     numbered = args.version is None
-    version = store.next_version(args.task) if numbered else args.version
-    check_outputs(store, args.task, version, args.overwrite, (store.root,), fix="give --store in a folder you can write")
+    version = store.next_version(task) if numbered else args.version
+    check_outputs(store, task, version, args.overwrite, (store.root,), fix="give --store in a folder you can write")
     folder, name = resolve_backbone(args.backbone)
     backbone = Backbone.load(args.backbone)
     head = EmbeddingHead.from_backbone(backbone, folder, name)
@@ -85,7 +86,7 @@ def cmd_embedding(args: argparse.Namespace, command: str) -> int:
         from training.data.presets import PRESETS, preset_spec
 
         texts = preset_spec(PRESETS["sst2"], "validation", args.data_dir).read().texts()[:args.check]
-        module = LoadedModule(args.task, version, None, head.eval())
+        module = LoadedModule(task, version, None, head.eval())
         ours = embed(Engine(backbone), module, texts)
         try:
             import sentence_transformers
@@ -97,12 +98,12 @@ def cmd_embedding(args: argparse.Namespace, command: str) -> int:
                                            f"sentence-transformers {sentence_transformers.__version__} encode",
                                            **compare(ours, reference)}}
     path, version = save_as_free_version(
-        lambda v: save_module(store, args.task, v, head, backbone, overwrite=args.overwrite and not numbered,
+        lambda v: save_module(store, task, v, head, backbone, overwrite=args.overwrite and not numbered,
                               metrics=metrics, training={"command": command, "trained": False,
                                                          "settings_from": head.config.settings_from},
                               description=f"{name}'s own sentence embedding ({'+'.join(head.config.pooling)} pooling"
                                           f"{', normalised' if head.config.normalize else ''}), computed in the shared pass"),
-        store, args.task, version, numbered)
-    loaded = load_module(store, args.task, version, backbone, probe=probe_module)  # what was written loads and checks
+        store, task, version, numbered)
+    loaded = load_module(store, task, version, backbone, probe=probe_module)  # what was written loads and checks
     print(json.dumps({"artifact": str(path), "config": loaded.manifest.config, "metrics": metrics}, indent=2))
     return 0
