@@ -438,6 +438,15 @@ def test_align_again_takes_the_next_version_and_a_mistake_is_one_line(tmp_path, 
     assert main(["align", *bad, "--name", "other"]) == 2
     assert capsys.readouterr().err.startswith("tmod-train align: error: unknown dataset 'sst9'")
     assert bridge_store(tmp_path / "bridges").versions("other") == []
+    # a --cache-dir where no folder can be made: one line before pairing (it was '[Errno 20] Not a directory'
+    # after the states were paired)
+    (tmp_path / "a-file").write_text("")
+    at = common.index("--cache-dir")
+    unmakeable = [*common[:at], "--cache-dir", str(tmp_path / "a-file" / "cache"), *common[at + 2:]]
+    assert main(["align", *unmakeable, "--name", "other"]) == 2
+    assert capsys.readouterr().err == (f"tmod-train align: error: --cache-dir {tmp_path / 'a-file' / 'cache'}: cannot "
+                                       f"make it: {tmp_path / 'a-file'} is a file\n")
+    assert bridge_store(tmp_path / "bridges").versions("other") == []
 
 
 def test_align_on_a_file_of_the_users_texts(tmp_path, bert, permuted, capsys):

@@ -6,6 +6,7 @@ import os
 import random
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -839,3 +840,26 @@ def test_the_curves_show_the_simple_baselines_where_they_were_measured_on_valida
     assert curve_labels(baselines) == ["head", "majority (0.500)", "tfidf_logreg (0.675)"]
     assert curve_labels({**baselines, "split": "test"}) == ["head"]
     assert curve_labels(None) == ["head"]
+
+
+def test_a_cache_that_cannot_be_written_is_said_and_the_run_goes_on(tmp_path, capsys):
+    """Every training cache (states, paired states, teacher logits, baselines) is written through one
+    function; one that cannot be written (a full disk, a folder under a file) failed the whole run after
+    its work was done."""
+    from training.baselines import cached_run
+    from training.runs import write_cache_file
+
+    (tmp_path / "a-file").write_text("")
+    assert write_cache_file(tmp_path / "c" / "x.json", lambda tmp: Path(tmp).write_text("{}")) is True
+    assert (tmp_path / "c" / "x.json").read_text() == "{}" and list((tmp_path / "c").iterdir()) == [tmp_path / "c" / "x.json"]
+    assert write_cache_file(tmp_path / "a-file" / "x.json", lambda tmp: Path(tmp).write_text("{}")) is False
+    assert capsys.readouterr().err.startswith(f"not cached: cannot write {tmp_path / 'a-file' / 'x.json'} (")
+
+    def failing(tmp):
+        Path(tmp).write_text("half")
+        raise OSError(28, "No space left on device")
+
+    assert write_cache_file(tmp_path / "c" / "y.json", failing) is False  # nothing half-written is left
+    assert "(No space left on device); the run goes on" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["x.json"]
+    assert cached_run(tmp_path / "a-file", {"k": 1}, lambda: {"accuracy": 0.5}) == {"accuracy": 0.5}

@@ -291,7 +291,7 @@ def cmd_align(args, command: str) -> int:
     from modules_store import DEFAULT_STORE
     from server.backbone import Backbone
     from server.bridges import bridge_store, save_bridge
-    from training.runs import RunOutputs, save_as_free_version, stored_name
+    from training.runs import RunOutputs, check_cache_dir, save_as_free_version, stored_name
     from training.settings import pick_device
 
     if args.threads:
@@ -322,6 +322,7 @@ def cmd_align(args, command: str) -> int:
     outputs = RunOutputs.checked(f"{name}-{version}", None, store,
                                  args.report_dir, name, version, args.overwrite, what="bridge ",
                                  fix="give --store and --report-dir in a folder you can write")
+    check_cache_dir(args.cache_dir)
 
     t_load = time.perf_counter()
     build = dict(source_layers=source_states, target_layers=targets, batch_size=args.batch_size,

@@ -22,6 +22,7 @@ from sklearn.preprocessing import MultiLabelBinarizer
 from sklearn.svm import LinearSVC
 
 from training.metrics import classification_scores, entity_scores, multilabel_scores
+from training.runs import write_cache_file
 
 PAIR_SEPARATOR = " ||| "  # joins a text pair into one string for the bag-of-words models
 WINDOW = 2  # the tagger sees each word with this many words either side
@@ -191,7 +192,6 @@ def cached_run(cache: Path | str | None, key: dict, run):
         return run()
     import hashlib
     import json
-    import os
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(json.dumps(key, sort_keys=True, default=_key_part).encode())
@@ -201,10 +201,7 @@ def cached_run(cache: Path | str | None, key: dict, run):
     except (OSError, ValueError):
         pass
     result = json.loads(json.dumps(run(), default=float))  # as a later read gives it back
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, path)  # a half-written file is never found
+    write_cache_file(path, lambda tmp: Path(tmp).write_text(json.dumps(result)))
     return result
 
 

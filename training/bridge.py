@@ -488,7 +488,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from server.bridges import bridge_store, load_bridge, save_bridge
     from training.pairing import PairedStates
     from training.settings import pick_device
-    from training.runs import RunOutputs, save_as_free_version, stored_name
+    from training.runs import RunOutputs, check_cache_dir, save_as_free_version, stored_name
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
         raise UsageError("--objective distill needs --module (a module of the target backbone: TASK/VERSION of "
@@ -521,6 +521,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     outputs = RunOutputs.checked(f"bridge-{name}-{s.version}", s.run_dir, store, s.report_dir,
                                  name, s.version, s.overwrite, what="bridge ",
                                  fix="give --run-dir (or --bridge-store and --report-dir) in a folder you can write")
+    check_cache_dir(s.cache_dir)
 
     t0 = time.perf_counter()
     build = dict(source=source, target=target, source_layers=source_layers, target_layers=target_layers,

@@ -42,7 +42,8 @@ from training.data.files import UsageError
 from training.data.word_tags import word_first_tokens
 from training.evaluate import served_logits, word_values
 from training.splits import module_folder
-from training.states import Split, write_then_rename
+from training.runs import write_cache_file
+from training.states import Split
 
 TEACHER_FORMAT = 1
 # the backbone a manifest names -> the name `Backbone.load` knows it by
@@ -164,7 +165,7 @@ def read_cache(path: Path, words: int) -> tuple[np.ndarray, np.ndarray, list[str
 def write_cache(path: Path, logits: np.ndarray, has_token: np.ndarray, labels: list[str]) -> None:
     from safetensors.numpy import save_file
 
-    write_then_rename(path, lambda tmp: save_file({"logits": logits, "has_token": has_token.astype(np.uint8)}, tmp,
+    write_cache_file(path, lambda tmp: save_file({"logits": logits, "has_token": has_token.astype(np.uint8)}, tmp,
                                                  metadata={"labels": json.dumps(labels)}))
 
 

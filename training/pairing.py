@@ -30,7 +30,8 @@ from server.backbone import Backbone, EncodedInput, TokenBatch
 from server.backbone.sources import default_cache_dir
 from server.backbone.tokens import TextEncoder
 from training.progress import progress_of
-from training.states import TokenStateCache, length_batches, write_then_rename
+from training.runs import write_cache_file
+from training.states import TokenStateCache, length_batches
 
 log = logging.getLogger("tmod")
 
@@ -171,20 +172,21 @@ class PairedStates:
                                     desc=f"source states ({source.name})")
         tgt_cache = TokenStateCache(target, target_encoded, target_layers, batch_size, progress=progress,
                                     desc=f"target states ({target.name})")
-        if cache:
-            cls._save(path, meta_path, meta, src_cache, tgt_cache)
+        saved = cache and cls._save(path, meta_path, meta, src_cache, tgt_cache)
         return cls(texts, source.text, target.text, source_encoded, target_encoded, src_cache, tgt_cache,
-                   source.fingerprint, target.fingerprint, path if cache else None)
+                   source.fingerprint, target.fingerprint, path if saved else None)
 
     @staticmethod
-    def _save(path: Path, meta_path: Path, meta: dict, src: TokenStateCache, tgt: TokenStateCache) -> None:
+    def _save(path: Path, meta_path: Path, meta: dict, src: TokenStateCache, tgt: TokenStateCache) -> bool:
         from safetensors.torch import save_file
 
         tensors = {f"source.{i}": t.contiguous() for i, t in src.cache.items()}
         tensors.update({f"target.{i}": t.contiguous() for i, t in tgt.cache.items()})
-        write_then_rename(path, lambda tmp: save_file(tensors, tmp, metadata={"format": str(CACHE_FORMAT)}))
-        write_then_rename(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta) + "\n"))
-        log.info("paired states saved to %s", path)
+        saved = write_cache_file(path, lambda tmp: save_file(tensors, tmp, metadata={"format": str(CACHE_FORMAT)})) \
+            and write_cache_file(meta_path, lambda tmp: Path(tmp).write_text(json.dumps(meta) + "\n"))
+        if saved:
+            log.info("paired states saved to %s", path)
+        return saved
 
     @staticmethod
     def _load(path, meta_path, meta, source_encoded, target_encoded, source_layers, target_layers):

@@ -12,6 +12,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from safetensors import SafetensorError
+from tqdm.auto import tqdm
+
 from modules_store import ArtifactError, ModuleStore
 from training.data.files import UsageError
 
@@ -117,3 +120,30 @@ def save_as_free_version(save: Callable[[str], Path], store: ModuleStore, name: 
             taken, version = version, store.next_version(name)
             print(f"{name}/{taken} was written meanwhile by another run: this one is {name}/{version}",
                   file=sys.stderr)
+
+
+def check_cache_dir(cache_dir: str | None) -> None:
+    """A --cache-dir given where no folder can be made: refused before the work."""
+    if cache_dir and (problem := cannot_make(Path(cache_dir))):
+        raise UsageError(f"--cache-dir {cache_dir}: cannot make it: {problem}")
+
+
+def write_cache_file(path: Path, write: Callable[[str], None]) -> bool:
+    """`write(tmp)` a cache file beside `path`, then rename it to `path`: a half-written one is never
+    found. One that cannot be written (no folder can be made there, a full disk) is said, not fatal: the
+    run goes on, and a later run computes it again. -> whether it was written."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        write(tmp)
+        os.replace(tmp, path)
+        return True
+    except (OSError, SafetensorError) as exc:  # safetensors' own on a write that fails (a full disk)
+        tqdm.write(f"not cached: cannot write {path} ({getattr(exc, 'strerror', None) or exc}); the run goes on, "
+                   "and a later one computes it again", file=sys.stderr)
+        return False
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)

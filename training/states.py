@@ -13,11 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
-import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -26,6 +24,7 @@ from server.backbone import Backbone, EncodedInput, TokenBatch
 from training.data.examples import LabelledData
 from training.data.word_tags import IGNORE_INDEX, token_labels
 from training.progress import progress_of
+from training.runs import write_cache_file
 
 log = logging.getLogger("tmod")
 
@@ -277,17 +276,5 @@ def save_state_file(prefix: Path, index: int, tensor: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
     path = Path(f"{prefix}.state{index}.safetensors")
-    write_then_rename(path, lambda tmp: save_file({"state": tensor.contiguous()}, tmp))
+    write_cache_file(path, lambda tmp: save_file({"state": tensor.contiguous()}, tmp))
 
-
-def write_then_rename(path: Path, write: Callable[[str], None]) -> None:
-    """`write(tmp)` a file beside `path`, then rename it to `path`: a half-written cache file is never found."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
