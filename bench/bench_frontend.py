@@ -155,7 +155,7 @@ def serve(argv: list[str]) -> None:
     install_standin(float(os.environ.get("BENCH_PASS_MS", "1")) / 1000)
     stack = os.environ.get("BENCH_UVICORN")  # "h11,asyncio": the pure-Python HTTP parser and event loop
     if stack and stack.startswith("h11"):  # httptools + uvloop is what tmod-serve runs (with its own limits)
-        from server import http_limits
+        from server.api import http_limits
 
         made, (http, loop) = http_limits.uvicorn_config, stack.split(",")
 

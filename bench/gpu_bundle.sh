@@ -101,7 +101,7 @@ shared=${TMOD_SHARED:-../shared}
 mkdir -p .git/info  # bundle.sh lists its folders in .git/info/exclude
 bash "$shared/gpu/bundle.sh"
 # the serving path's compiled parts that bundle.sh (written before them) leaves out, at the lock's pins
-# (grpcio, its health service and protobuf: server/oip_grpc.py, imported by the app whether or not
+# (grpcio, its health service and protobuf: server/api/oip_grpc.py, imported by the app whether or not
 # --grpc-port is set)
 extra=$(grep -oE '^(msgspec|httptools|uvloop|grpcio|grpcio-health-checking|protobuf)==[0-9.]+' requirements/gpu.lock)
 plat=""; for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do plat="$plat --platform $p"; done

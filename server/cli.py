@@ -189,8 +189,8 @@ def serve_settings(settings: Settings) -> None:
         finally:
             if made:
                 shutil.rmtree(made, ignore_errors=True)
-    from server.app import create_app  # imported late so --help stays fast
-    from server.http_limits import DrainingServer, uvicorn_config
+    from server.api.app import create_app  # imported late so --help stays fast
+    from server.api.http_limits import DrainingServer, uvicorn_config
 
     server = DrainingServer(uvicorn_config(create_app(settings), settings))
     stop_on_device_failure(lambda: setattr(server, "should_exit", True))

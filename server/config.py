@@ -17,7 +17,7 @@ class SettingError(ValueError):
     in one line and exits, without a traceback."""
 
 
-# what stops tmod-serve, its requests drained (server/http_limits.py, server/workers/processes.py): SIGHUP too (a
+# what stops tmod-serve, its requests drained (server/api/http_limits.py, server/workers/processes.py): SIGHUP too (a
 # closed terminal or SSH session), whose default action ended the process at once, its requests unanswered
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -6,7 +6,7 @@ beside it. OpenAI's `/v1/embeddings` and `/v1/models`: {"error": {"message", "ty
 body 400. Text Embeddings Inference's `/embed` and `/tokenize`: {"error", "error_type"}. Every
 refusal goes through `error_response`, which picks the shape from the path, whoever raises it: a
 route, FastAPI's validation, Starlette's routing (404, 405), the body limits, or an exception nobody
-caught. `refusal` builds the answer's bytes once for every caller: the raw ASGI layer of server/app.py
+caught. `refusal` builds the answer's bytes once for every caller: the raw ASGI layer of server/api/app.py
 (the inference routes, and whatever escapes FastAPI) and FastAPI's exception handlers.
 """
 from __future__ import annotations
@@ -168,7 +168,7 @@ NOT_SERVED = {
 }
 
 
-# KServe V1's inference paths (server/predict_api.py): here, where each path's error shape is chosen
+# KServe V1's inference paths (server/api/predict.py): here, where each path's error shape is chosen
 KSERVE_V1_PREDICT = re.compile(r"/v1/models/([^/]+):(predict|explain)")
 
 
@@ -268,7 +268,7 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> R
     count_error(request.app, type_)
     headers = exc.headers
     allowed = (headers or {}).get("Allow", "").split(", ")
-    if "GET" in allowed and "HEAD" not in allowed:  # the raw layer answers HEAD as GET (server/app.py)
+    if "GET" in allowed and "HEAD" not in allowed:  # the raw layer answers HEAD as GET (server/api/app.py)
         headers = {**headers, "Allow": ", ".join([*allowed, "HEAD"])}
     message = str(exc.detail)[:200]
     if exc.status_code == 404:

@@ -461,7 +461,7 @@ def native_part(modules: dict[str, LoadedModule]) -> dict[str, LoadedModule]:
 
 
 def served_task_sets(modules: dict[str, LoadedModule]) -> list[dict[str, LoadedModule]]:
-    """The task sets requests that name no tasks run (server/serving.py, `fit_to_inputs`): single texts
+    """The task sets requests that name no tasks run (server/api/serving.py, `fit_to_inputs`): single texts
     get every task but the pair tasks, text pairs every task. Distinct and non-empty, pairs first."""
     single = {task: m for task, m in modules.items() if not compares_pairs(m.manifest)}
     return [s for s in ([modules, single] if len(single) < len(modules) else [modules]) if s]

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from modules_store import ModuleStore
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.modules import save_module
 from tests.helpers import LiveServer, random_head

@@ -552,7 +552,7 @@ def test_a_long_text_reads_in_windows_through_the_alignment_bridge_as_on_its_own
     import httpx
 
     from modules_store import ModuleStore
-    from server.app import create_app
+    from server.api.app import create_app
     from server.config import Settings
     from server.modules import save_module
     from tests.helpers import LiveServer, start_tmod_serve

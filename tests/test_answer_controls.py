@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modules_store import DEFAULT_STORE, ModuleStore, TaskType
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.engine import Engine
 from server.heads.decode import AnswerOptions, decode

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import httpx
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from tests.helpers import LiveServer, metric_sample
 

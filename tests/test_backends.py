@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from modules_store import ModuleStore
-from server.app import create_app
+from server.api.app import create_app
 from server.backbone import Backbone
 from server.backbone.backends import make_backend
 from server.backbone.backends import onnx_backend

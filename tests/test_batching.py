@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from bench.live_server import wait_until
 from tests.helpers import LiveServer, metric_sample

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from tests.helpers import LiveServer
 

@@ -11,7 +11,7 @@ import os
 import httpx
 import pytest
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from tests.helpers import LiveServer, populate_store, start_tmod_serve
 
@@ -90,7 +90,7 @@ def test_a_value_that_is_not_an_origin_is_refused(value):
 
 
 def test_origins_match_whatever_their_case_and_nothing_else():
-    from server.cors import Cors
+    from server.api.cors import Cors
 
     cors = Cors("https://App.example:8443, http://localhost:3000")
     assert cors.allowed_origin([(b"origin", b"https://app.example:8443")]) == b"https://app.example:8443"

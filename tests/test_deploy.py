@@ -6,7 +6,7 @@
   `kubernetes-validate` ships, for the oldest and the newest Kubernetes version we claim. The
   ServiceMonitor (a CRD, not in those schemas) is validated against the prometheus-operator models
   generated from its CRD, with unknown fields refused too.
-- The manifests agree with the server: probe paths are routes of `server.app.create_app`, every
+- The manifests agree with the server: probe paths are routes of `server.api.app.create_app`, every
   TMOD_* name is a field of `server.config.Settings` and every value parses, ports, store path,
   user id, threads and CPU request, the metric the autoscaler reads is one the server exports; and
   a real `tmod-serve` process started with the rendered environment answers the probes.
@@ -38,7 +38,7 @@ from packaging.requirements import Requirement
 
 from modules_store import ModuleStore
 from server.backbone.sources import MPNET_PACKAGES
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.metrics import Metrics
 from server.modules import save_module

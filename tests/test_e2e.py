@@ -83,7 +83,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
 @pytest.mark.smoke
 def test_shipped_modules_answer_sensibly_on_the_real_backbone(minilm):
     """The modules that ship in modules_store/ load on the default backbone and do their jobs."""
-    from server.app import create_app
+    from server.api.app import create_app
     from server.config import Settings
     from tests.helpers import LiveServer
 

@@ -1,4 +1,4 @@
-"""The embedding head (server/heads/embedding/) and its three protocols (server/embeddings_api.py,
+"""The embedding head (server/heads/embedding/) and its three protocols (server/api/embeddings.py,
 OIP): equal to sentence-transformers' own `encode` on the same model folder, through the real
 clients (`openai`, `huggingface_hub.InferenceClient`) against a real `tmod-serve`."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from modules_store import DEFAULT_STORE, ModuleStore, TaskType
-from server.app import create_app
+from server.api.app import create_app
 from server.backbone import default_backbone_path
 from server.config import Settings
 from server.engine import Engine

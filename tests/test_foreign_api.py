@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from modules_store import ArtifactError, ModuleStore
-from server.app import create_app
+from server.api.app import create_app
 from server.bridges import bridge_store, save_bridge
 from server.bridges.transformer import TransformerBridge
 from server.config import Settings

@@ -17,7 +17,7 @@ import torch
 
 import server.runtime as runtime_module
 from modules_store import ModuleStore
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.engine import Engine
 from server.modules import load_module, save_module

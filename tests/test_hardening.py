@@ -19,7 +19,7 @@ import torch
 
 from modules_store import ArtifactError, ModuleStore
 from modules_store.store import WEIGHTS_FILE
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.logs import JsonFormatter
@@ -268,7 +268,7 @@ def test_an_unhandled_error_keeps_its_shape_request_id_log_line_and_connection(t
         def describe(module):
             raise KeyError("a bug")
         monkeypatch.setattr(runtime, "describe", describe)
-        monkeypatch.setattr("server.oip.model_metadata", describe)
+        monkeypatch.setattr("server.api.oip.model_metadata", describe)
         captured = CapturedLog()
         logging.getLogger("tmod").addHandler(captured)
         try:

@@ -371,7 +371,7 @@ CASES = [
 # refusals before a request exists are still JSON, checked where given). Where the two HTTP parsers
 # uvicorn may run (httptools when installed, else h11) read a request differently, the status is
 # given per parser.
-PARSER = "httptools"  # what tmod-serve runs (server/http_limits.py uvicorn_config); the h11 column is kept for reference
+PARSER = "httptools"  # what tmod-serve runs (server/api/http_limits.py uvicorn_config); the h11 column is kept for reference
 
 
 def per_parser(h11: int, httptools: int) -> int:

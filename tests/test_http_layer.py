@@ -1,5 +1,5 @@
 """The HTTP layer's own parts against real sockets: the request head's size limit of the protocol
-tmod-serve runs (httptools, `server/http_limits.py`), the sampled access log, and the OpenAPI
+tmod-serve runs (httptools, `server/api/http_limits.py`), the sampled access log, and the OpenAPI
 schema of the inference routes generated from their msgspec structs."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from server.config import Settings
-from server.http_limits import IDLE_DRAIN_GRACE_S, uvicorn_config
+from server.api.http_limits import IDLE_DRAIN_GRACE_S, uvicorn_config
 from server.logs import AccessLog
 from bench.live_server import free_port, read_until_closed, wait_until
 
@@ -132,9 +132,9 @@ def test_the_access_log_samples_at_high_rates(monkeypatch, caplog):
 
 
 def test_the_inference_routes_schema_is_the_structs_schema():
-    from server.app import create_app
-    from server.embeddings_api import OpenAIEmbeddingRequest, TEIEmbedRequest
-    from server.schemas import InferRequest, InferResponse, TokenizeRequest
+    from server.api.app import create_app
+    from server.api.embeddings import OpenAIEmbeddingRequest, TEIEmbedRequest
+    from server.api.schemas import InferRequest, InferResponse, TokenizeRequest
 
     schema = create_app(Settings()).openapi()
     kinds = [InferRequest, InferResponse, OpenAIEmbeddingRequest, TEIEmbedRequest, TokenizeRequest]
@@ -151,7 +151,7 @@ def test_the_inference_routes_schema_is_the_structs_schema():
 def test_an_answers_writes_of_one_iteration_reach_the_socket_as_one():
     """`OneWriteTransport`: a head and a body written back to back go out in one write; a lone write
     goes out at the iteration's end; a close sends what is held first; the rest is the transport's."""
-    from server.http_limits import OneWriteTransport
+    from server.api.http_limits import OneWriteTransport
 
     class Recording:
         def __init__(self):
@@ -298,7 +298,7 @@ def test_a_served_request_leaves_no_reference_cycle():
     worker under load leaves nothing to the garbage collector (issue 37: ~9 objects a request)."""
     import gc
 
-    from server.app import TmodApp
+    from server.api.app import TmodApp
 
     async def answer(body, request):
         return b'{"ok": true}', {}

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from tests.helpers import LiveServer
 

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol v2 over gRPC (`--grpc-port`, server/oip_grpc.py) on a real `tmod-serve`,
+"""The Open Inference Protocol v2 over gRPC (`--grpc-port`, server/api/oip_grpc.py) on a real `tmod-serve`,
 through the clients that speak it: `tritonclient.grpc` and KServe's `InferenceGRPCClient`. Every
 answer is compared with the same request's answer over HTTP.
 
@@ -98,7 +98,7 @@ def over_http(server, task, inputs, parameters=None, outputs=None):
 
 
 def test_the_compiled_descriptor_is_the_proto_and_the_protocols_numbers(in_a_fresh_process):
-    """server/oip_v2_descriptor.py is protoc's reading of server/oip_v2.proto, and every message and
+    """server/api/oip_v2_descriptor.py is protoc's reading of server/api/oip_v2.proto, and every message and
     field it declares has the number Triton's client gives it (the wire format is the numbers)."""
     in_a_fresh_process(descriptor_matches_the_proto_and_triton).result(timeout=300)
 
@@ -107,11 +107,12 @@ def descriptor_matches_the_proto_and_triton():
     from google.protobuf import descriptor_pb2
     from tritonclient.grpc import service_pb2
 
-    from server import oip_grpc
-    from server.oip_v2_descriptor import FILE
+    from server.api import oip_grpc
+    from server.api.oip_v2_descriptor import FILE
 
-    out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "server", "--descriptor_set_out=/dev/stdout",
-                          "server/oip_v2.proto"], capture_output=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "server/api",
+                          "--descriptor_set_out=/dev/stdout", "server/api/oip_v2.proto"],
+                         capture_output=True, check=True).stdout
     assert descriptor_pb2.FileDescriptorSet.FromString(out).file[0].SerializeToString() == FILE
 
     def fields(descriptor):

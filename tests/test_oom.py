@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.engine import Engine
 from server.modules import load_module

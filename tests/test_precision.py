@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from modules_store import ModuleStore
-from server.app import create_app
+from server.api.app import create_app
 from server.backbone import Backbone
 from server.backbone.backends import make_backend
 from server.config import Settings, auto_precision, cpu_has_native_bf16, device_problem, precision_problem

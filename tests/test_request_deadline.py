@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from modules_store import ModuleStore
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.modules import save_module
 from tests import slow_head

@@ -493,7 +493,7 @@ def test_cuda_reload_under_load_switches_answers_and_drops_no_request(tiny_backb
 
     import httpx
 
-    from server.app import create_app
+    from server.api.app import create_app
     from tests.helpers import LiveServer
 
     backbone = Backbone.load(tiny_backbone_dir, device="cuda")
@@ -552,7 +552,7 @@ def test_pipelined_batches_prepare_the_next_while_one_runs_and_answer_the_same(t
 
     import httpx
 
-    from server.app import create_app
+    from server.api.app import create_app
     from tests.helpers import LiveServer
 
     requests = [([TEXTS[i % 6]], "sentiment,ner") for i in range(24)]
@@ -718,7 +718,7 @@ def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(ti
 
     import httpx
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.runner import LaunchedPass
     from tests.helpers import LiveServer
 

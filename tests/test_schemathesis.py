@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from tests.helpers import LiveServer
 

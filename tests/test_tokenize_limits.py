@@ -8,8 +8,8 @@ import threading
 import httpx
 import pytest
 
-from server import tokenize_api
-from server.app import create_app
+from server.api import tokenize
+from server.api.app import create_app
 from server.config import Settings
 from tests.helpers import LiveServer
 
@@ -42,14 +42,14 @@ def test_healthz_answers_while_a_tokenize_answer_is_built(live, route, monkeypat
     """The answer's builder is held until /healthz has answered: were it built on the event loop,
     /healthz could not answer (it times out, and the builder is let go only then)."""
     healthz_answered, building = threading.Event(), threading.Event()
-    build = getattr(tokenize_api, ROUTES[route])
+    build = getattr(tokenize, ROUTES[route])
 
     def held(*args, **kwargs):
         building.set()
         healthz_answered.wait(timeout=20)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(tokenize_api, ROUTES[route], held)
+    monkeypatch.setattr(tokenize, ROUTES[route], held)
     answers = []
     client = threading.Thread(target=lambda: answers.append(
         httpx.post(live.url + route, json={"inputs": ["A text of " + "many words " * 300]}, timeout=60)))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modules_store import DEFAULT_STORE
-from server.app import create_app
+from server.api.app import create_app
 from server.config import Settings
 from server.windows import (MEASURED_WINDOWS, TextWindows, WindowSettings, cut, furthest_from_edge, mean_by_tokens,
                             mean_of_pooled_vectors, parts, split)

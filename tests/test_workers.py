@@ -15,7 +15,7 @@ import pytest
 
 from modules_store import ModuleStore
 from server.config import Settings
-from server.app import create_app
+from server.api.app import create_app
 from server.modules import save_module
 from bench.live_server import alive, engine_pids, engines_on_port, wait_until, worker_pids
 from tests.helpers import LiveServer, metric_sample, populate_store, random_head, start_tmod_serve

@@ -1,6 +1,6 @@
 """`tmod-serve --workers N`: N HTTP worker processes feed one engine process that owns the device.
 
-The split is vLLM's (API server / engine core). Each worker runs the whole HTTP app (`server/app.py`:
+The split is vLLM's (API server / engine core). Each worker runs the whole HTTP app (`server/api/app.py`:
 validation, tokenization, decode) over a `RemoteRuntime`; the engine process (the one `tmod-serve`
 started) runs the `Runtime` (backbone, modules, batcher, model runner) and an `EngineService` that
 takes every worker's requests, so one batch forms across workers. The workers share one listening

@@ -1,7 +1,7 @@
 """A worker process's side of `--workers N`: `RemoteRuntime`, the `Runtime` interface the whole HTTP
-app (server/app.py: validation, tokenization, decode) runs over, forwarding each request's rows to the
+app (server/api/app.py: validation, tokenization, decode) runs over, forwarding each request's rows to the
 engine process in frames (`WorkerOutbox`) and decoding the answers that come back; `run_worker`, the
-worker process itself (uvicorn on the shared socket, server/http_limits.py's drain)."""
+worker process itself (uvicorn on the shared socket, server/api/http_limits.py's drain)."""
 from __future__ import annotations
 
 import asyncio
@@ -342,8 +342,8 @@ class RemoteRuntime:
 
 def run_worker(settings: Settings, engine_path: str, listener: socket.socket, index: int) -> None:
     """A worker process: the HTTP app over a RemoteRuntime, on the shared listening socket."""
-    from server.app import create_app
-    from server.http_limits import DrainingServer, uvicorn_config
+    from server.api.app import create_app
+    from server.api.http_limits import DrainingServer, uvicorn_config
 
     configure_logging(settings.log_level)
     one_host_thread()  # decode's small tensors, one request's token lists: the cores belong to the others

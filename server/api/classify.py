@@ -20,11 +20,11 @@ import msgspec
 from msgspec import Meta, Struct
 
 from modules_store import TaskType
-from server.embeddings_api import PoolingUsage, as_texts
+from server.api.embeddings import PoolingUsage, as_texts
 from server.errors import ApiError, clip, not_loaded
 from server.modules import compares_pairs
-from server.schemas import decode
-from server.serving import Serving
+from server.api.schemas import decode
+from server.api.serving import Serving
 
 
 class ClassifyRequest(Struct, forbid_unknown_fields=True):

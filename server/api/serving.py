@@ -2,9 +2,9 @@
 asks for, and one inference request's path (limits, tokenization with long texts in windows, the
 batcher, metrics, timing headers) that every protocol's route takes (`Serving.run_inference`).
 
-The app (server/app.py) makes one `Serving` over its runtime and hands it to each group of routes:
-v1 and health there, the admin routes (server/admin_api.py), OIP v2 (server/oip.py, server/oip_grpc.py),
-tokenize (server/tokenize_api.py), the embedding, classify and predict routes of the other protocols."""
+The app (server/api/app.py) makes one `Serving` over its runtime and hands it to each group of routes:
+v1 and health there, the admin routes (server/api/admin.py), OIP v2 (server/api/oip.py, server/api/oip_grpc.py),
+tokenize (server/api/tokenize.py), the embedding, classify and predict routes of the other protocols."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +22,7 @@ from server.batcher import Job
 from server.config import Settings
 from server.errors import ApiError, clip, clip_list, did_you_mean, no_such_task, protocol_of, unknown_tasks
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
-from server.schemas import DEFAULT_CONTROLS, AnswerControls, ModelInfo
+from server.api.schemas import DEFAULT_CONTROLS, AnswerControls, ModelInfo
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
 # costs more CPU than its tokenization (bench/bench_frontend.py --workers, issues 25 and 37: at 1,000

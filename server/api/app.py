@@ -2,18 +2,18 @@
 
 `TmodApp` is a FastAPI app with one raw ASGI layer in front (`TmodApp.__call__`) that every request
 passes: its request id (echoed, and on every log line written while serving it), the body limits
-(server/http_limits.py `limit_body`), a refusal in the protocol shape of its path (server/errors.py
+(server/api/http_limits.py `limit_body`), a refusal in the protocol shape of its path (server/errors.py
 `refusal`) and the access line (server/logs.py `AccessLog`, sampled at high rates). The inference routes
 (`/v1/infer`, OpenAI's `/v1/embeddings`, TEI's `/embed`, OIP v2 `infer`) are answered in that layer,
 never by FastAPI: the body is read once, decoded and validated in one pass into a msgspec struct
-(server/schemas.py), and the answer encoded once into bytes; `/openapi.json` documents them from the
+(server/api/schemas.py), and the answer encoded once into bytes; `/openapi.json` documents them from the
 same structs. Task names are checked against one snapshot of the runtime's modules per request, so a
 module swapped mid-request does not change what the request sees.
 
-`create_app` makes one `Serving` (server/serving.py: readiness, the modules a request names, one
+`create_app` makes one `Serving` (server/api/serving.py: readiness, the modules a request names, one
 request's path through tokenizer and batcher) and hands it to each group of routes: v1's tasks and
-health here, the admin routes (server/admin_api.py), OIP v2 (server/oip.py), tokenize
-(server/tokenize_api.py) and the other protocols' modules."""
+health here, the admin routes (server/api/admin.py), OIP v2 (server/api/oip.py), tokenize
+(server/api/tokenize.py) and the other protocols' modules."""
 from __future__ import annotations
 
 import functools
@@ -30,27 +30,27 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server import oip_grpc
-from server.admin_api import admin_routes
+from server.api import oip_grpc
+from server.api.admin import admin_routes
 from server.backbone import Backbone
-from server.classify_api import ClassifyRequest, ClassifyResponse, classify_routes
+from server.api.classify import ClassifyRequest, ClassifyResponse, classify_routes
 from server.config import Settings
-from server.cors import Cors
-from server.embeddings_api import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
+from server.api.cors import Cors
+from server.api.embeddings import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
                                    ScoreRequest, ScoreResponse, TEIEmbedRequest, TEIRank, TEIRerankRequest,
                                    TEISimilarityRequest, embeddings_routes, model_list_routes, tei_info, tei_root)
 from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, error_content, http_error_handler,
                            no_such_task, refusal, validation_error_handler)
-from server.http_limits import CYCLE, answer_whole, limit_body, read_body
+from server.api.http_limits import CYCLE, answer_whole, limit_body, read_body
 from server.logs import AccessLog, request_id, request_id_for
-from server.oip import oip_routes
-from server.predict_api import PredictRequest, PredictResponse, TEIPredictRequest, predict_route, tei_predict_route
+from server.api.oip import oip_routes
+from server.api.predict import PredictRequest, PredictResponse, TEIPredictRequest, predict_route, tei_predict_route
 from server.runtime import Runtime
-from server.schemas import (InferRequest, InferResponse, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
+from server.api.schemas import (InferRequest, InferResponse, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
                             TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
                             VllmTokenizeResponse, decode, openapi_components)
-from server.serving import SHORT_QUERY, Serving, bearer_matches, check_query, require_json, task_types
-from server.tokenize_api import tokenize_routes
+from server.api.serving import SHORT_QUERY, Serving, bearer_matches, check_query, require_json, task_types
+from server.api.tokenize import tokenize_routes
 
 
 # what stays open with an API key set: probes, scrapers and the schema (module changes have their own token)
@@ -137,7 +137,7 @@ class Reply:
     """A request's answer on its way out. Called, it is the ASGI `send` the FastAPI routes get; every
     answer carries the request id; it keeps the status once the answer began and whether it was sent
     whole. `whole` answers with bytes made here: through uvicorn's cycle at once where tmod's protocol
-    serves the request (server/http_limits.py `answer_whole`), else as two ASGI messages."""
+    serves the request (server/api/http_limits.py `answer_whole`), else as two ASGI messages."""
 
     __slots__ = ("send", "rid", "cycle", "status", "complete", "extra")
 
@@ -145,7 +145,7 @@ class Reply:
         self.send, self.rid, self.cycle = send, rid, cycle
         self.status: int | None = None
         self.complete = False
-        self.extra: dict[str, str] = NO_HEADERS  # on every answer: CORS headers (server/cors.py)
+        self.extra: dict[str, str] = NO_HEADERS  # on every answer: CORS headers (server/api/cors.py)
 
     async def __call__(self, message) -> None:
         if message["type"] == "http.response.start":
@@ -159,7 +159,7 @@ class Reply:
     async def whole(self, status: int, content: bytes, headers: dict[str, str]) -> None:
         """One answer: JSON unless `headers` names its content-type. `headers`: names in lower case,
         values the app made (numbers, constants): nothing a client sent but the checked request id and
-        the CORS values server/cors.py checked (an allowed origin, a list of header names)."""
+        the CORS values server/api/cors.py checked (an allowed origin, a list of header names)."""
         if self.cycle is not None:  # (through `respond`, the extra headers are added where it sends, above)
             lines = (f"content-length: {len(content)}\r\n"
                      + ("" if "content-type" in headers else "content-type: application/json\r\n")
@@ -373,7 +373,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
 
 # the inference routes, answered by `TmodApp.__call__`: (path, summary, body, answer, protocol's errors)
 OIP_BODY = {"type": "object", "description": "an Open Inference Protocol v2 inference request (JSON, or the binary "
-            "data extension: a JSON header of Inference-Header-Content-Length bytes, then raw tensors); server/oip.py "
+            "data extension: a JSON header of Inference-Header-Content-Length bytes, then raw tensors); server/api/oip.py "
             "says what each model reads and answers (GET /v2/models/{task})"}
 FAST_ROUTES_DOC = [
     ("/v1/infer", "Tasks on texts or text pairs, every task from one backbone pass", "inference",
@@ -414,7 +414,7 @@ TASKS_QUERY = {"name": "tasks", "in": "query", "required": False, "schema": {"ty
 
 def openapi(app: TmodApp) -> dict:
     """FastAPI's schema of its own routes, with the inference routes' paths and the msgspec structs'
-    JSON Schema (server/schemas.py `openapi_components`): one declaration of each shape."""
+    JSON Schema (server/api/schemas.py `openapi_components`): one declaration of each shape."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)

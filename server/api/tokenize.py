@@ -9,12 +9,12 @@ import msgspec
 from fastapi import Request, Response
 
 from server.backbone.tokens import END, IDS, SEGMENT, START, EncodedInput, TextEncoder
-from server.embeddings_api import refuse_prompt
+from server.api.embeddings import refuse_prompt
 from server.errors import ApiError, clip, protocol_of
-from server.schemas import (TeiDecodeRequest, TeiTokenizeRequest, TokenizeRequest, VllmDetokenizeRequest,
+from server.api.schemas import (TeiDecodeRequest, TeiTokenizeRequest, TokenizeRequest, VllmDetokenizeRequest,
                             VllmDetokenizeResponse, VllmTokenizeRequest, VllmTokenizeResponse, decode, probe,
                             request_body)
-from server.serving import Serving, check_query, require_json
+from server.api.serving import Serving, check_query, require_json
 from server.windows import TextWindows
 
 

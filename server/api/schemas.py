@@ -1,7 +1,7 @@
 """Request and response bodies of the HTTP API: one declaration each, from which `/openapi.json` is
 generated.
 
-The inference routes' bodies (`/v1/infer`, `/v1/tokenize`, `/tokenize`, and in embeddings_api.py
+The inference routes' bodies (`/v1/infer`, `/v1/tokenize`, `/tokenize`, and in embeddings.py
 OpenAI's and TEI's) are msgspec structs: decoded and validated in one pass over the bytes
 (`decode`), strictly typed (JSON `true`, not `"true"`; `1`, not `"1"`), answers encoded once. Their
 JSON Schema comes from msgspec (`openapi_components`). The admin and task listing routes, answered
@@ -81,7 +81,7 @@ class InferRequest(AnswerControls, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self):
         check_one_form(self.inputs, "inputs")
-        # empty texts and limits are checked where every protocol shares them (server/serving.py)
+        # empty texts and limits are checked where every protocol shares them (server/api/serving.py)
 
 
 def check_one_form(items: list, field: str) -> None:

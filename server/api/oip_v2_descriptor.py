@@ -1,5 +1,5 @@
-"""server/oip_v2.proto compiled: its FileDescriptorProto, serialized, base64. Generated, not edited:
-    python -m grpc_tools.protoc -I server --descriptor_set_out=oip_v2.pb server/oip_v2.proto
+"""server/api/oip_v2.proto compiled: its FileDescriptorProto, serialized, base64. Generated, not edited:
+    python -m grpc_tools.protoc -I server/api --descriptor_set_out=oip_v2.pb server/api/oip_v2.proto
 (the one file of that set; tests/test_oip_grpc.py checks that it matches the .proto)."""
 import base64
 

@@ -1,6 +1,6 @@
 """Limits on what one connection may cost before its request reaches a route.
 
-- `limit_body` (server/app.py applies it to every request): a body over `max_body_bytes` (declared or streamed, chunked
+- `limit_body` (server/api/app.py applies it to every request): a body over `max_body_bytes` (declared or streamed, chunked
   included) answers 413; a body still arriving `body_timeout_s` after it began answers 408. A body
   sent with `Content-Encoding: gzip` or `deflate` (tritonclient's request compression) is read
   decompressed, and its decompressed size meets the same limit as it is inflated (a zip bomb costs

@@ -2,7 +2,7 @@
 and vLLM's `--allowed-origins` do. Off by default: no CORS header is sent and a browser page on
 another origin cannot read an answer.
 
-Handled in the raw ASGI layer (server/app.py `TmodApp.__call__`), because the inference routes are
+Handled in the raw ASGI layer (server/api/app.py `TmodApp.__call__`), because the inference routes are
 answered there and never reach a Starlette middleware. A preflight (OPTIONS with
 Access-Control-Request-Method) from an allowed origin is answered before the API key is checked (a
 browser sends no credentials with it); every answer to an allowed origin names it in

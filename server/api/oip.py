@@ -1,6 +1,6 @@
 """Open Inference Protocol v2 (KServe / Triton REST) for each task, with the binary data extension:
-its routes (`oip_routes`; Triton's repository routes are server/admin_api.py's) and how they read and
-answer; its gRPC twin (server/oip_grpc.py) reads and answers through the same functions.
+its routes (`oip_routes`; Triton's repository routes are server/api/admin.py's) and how they read and
+answer; its gRPC twin (server/api/oip_grpc.py) reads and answers through the same functions.
 
 Inputs: a BYTES tensor `text` of shape [N] (and optionally `text_pair`, as many texts); another shape
 (e.g. tritonclient's [1, N]) is read as its texts in row-major order, and every output then leads
@@ -12,7 +12,7 @@ tasks `labels` (BYTES [N], each a JSON list of the labels at or over their thres
 regression `value` (FP32 [N]); embeddings `embedding` (FP32 [N, D]).
 
 Request parameters: `truncate`, `window`, `stride` and the answer controls of /v1/infer (`top_k`,
-`raw_scores`, `threshold`, `aggregation`, `truncation_direction`; server/schemas.py AnswerControls);
+`raw_scores`, `threshold`, `aggregation`, `truncation_direction`; server/api/schemas.py AnswerControls);
 one spelt near these (`topk`) is refused, any other let pass (another server's: Triton's `priority`). The
 classification extension (as Triton defines it): an output requested with the parameter
 `"classification": k` (tritonclient's `class_count`) comes back as BYTES [N, k] strings
@@ -40,8 +40,8 @@ from server import windows
 from server.errors import ApiError, clip, clip_list, did_you_mean
 from server.heads.embedding import vector_size
 from server.modules import LoadedModule, compares_pairs
-from server.schemas import AnswerControls
-from server.serving import Serving
+from server.api.schemas import AnswerControls
+from server.api.serving import Serving
 
 HEADER = "inference-header-content-length"
 INPUTS = ("text", "text_pair")
@@ -387,7 +387,7 @@ def encode_response(module: LoadedModule, request: dict, tensors: list[tuple[str
 
 def oip_routes(app, serving: Serving):
     """Adds the protocol's server, health and model metadata routes to the FastAPI `app` (Triton's
-    repository routes: server/admin_api.py) -> (infer, answer): `infer(body, request, task, version)`
+    repository routes: server/api/admin.py) -> (infer, answer): `infer(body, request, task, version)`
     answers an HTTP inference request (the app's raw ASGI layer calls it); `answer(module, read, request)`
     a read one, over HTTP or gRPC."""
     require_ready, module_of = serving.require_ready, serving.module

@@ -3,11 +3,11 @@
 
 Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelInfer, and Triton's
 ModelConfig and RepositoryIndex (HTTP's `GET .../config` and `POST /v2/repository/index`) of
-`inference.GRPCInferenceService` (server/oip_v2.proto); Triton's other RPCs (statistics, repository
+`inference.GRPCInferenceService` (server/api/oip_v2.proto); Triton's other RPCs (statistics, repository
 load and unload, shared memory, streaming, trace and log settings) are answered UNIMPLEMENTED with
 what to do instead (`REFUSED_RPCS`), any other name by gRPC itself. Beside
 it, gRPC's standard health service (`Health`, below). A ModelInferRequest is read as its HTTP twin
-(server/oip.py `read_request`: the same inputs, parameters, outputs and checks) and answered through
+(server/api/oip.py `read_request`: the same inputs, parameters, outputs and checks) and answered through
 the same path, so a text gets the same answer on both transports; the outputs travel as
 `raw_output_contents`, as Triton sends them.
 
@@ -17,7 +17,7 @@ deadline DEADLINE_EXCEEDED), anything else INTERNAL. With an API key (`--api-key
 ServerLive and ServerReady needs metadata `authorization: Bearer <key>` (tritonclient's `headers=`).
 Messages over `--max-body-bytes` are refused by gRPC (RESOURCE_EXHAUSTED).
 
-The message classes come from the compiled .proto (server/oip_v2_descriptor.py) in a descriptor pool
+The message classes come from the compiled .proto (server/api/oip_v2_descriptor.py) in a descriptor pool
 of their own: KServe's and Triton's client packages register the same names in protobuf's default
 pool, and a process may hold either beside tmod.
 """
@@ -33,11 +33,11 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from server import oip
-from server.admin_api import repository_index
+from server.api import oip
+from server.api.admin import repository_index
 from server.errors import ApiError, count_error
-from server.oip_v2_descriptor import FILE
-from server.serving import Serving
+from server.api.oip_v2_descriptor import FILE
+from server.api.serving import Serving
 
 log = logging.getLogger("tmod")
 
@@ -121,8 +121,8 @@ class GrpcCall:
 
 def service(app, serving: Serving, oip_answer, authorized):
     """The generic handler of `inference.GRPCInferenceService` over the app's own OIP functions: the
-    app's `serving` (server/serving.py), `oip_answer(module, read, call)` to answer a read request
-    (server/oip.py `oip_routes`), `authorized(headers)` to check the API key."""
+    app's `serving` (server/api/serving.py), `oip_answer(module, read, call)` to answer a read request
+    (server/api/oip.py `oip_routes`), `authorized(headers)` to check the API key."""
     require_ready, require_serving, oip_module = serving.require_ready, serving.require_serving, serving.module
 
     methods = _POOL.FindServiceByName(SERVICE).methods_by_name

@@ -6,7 +6,7 @@
   sizes); errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (server/errors.py
   picks every refusal's shape from its path, those raised before the route included).
 - `GET /v1/models`, `GET /v1/models/{model}`: OpenAI's model list and lookup (`client.models.list()`):
-  the names `model` takes, each embedding task and then the backbone's name (server/app.py serves them).
+  the names `model` takes, each embedding task and then the backbone's name (server/api/app.py serves them).
 - `POST /embed`: Text Embeddings Inference's route (`huggingface_hub.InferenceClient.feature_extraction`
   pointed at it): `inputs`, `normalize`, `truncate`, `truncation_direction`; answers `[[floats]]`;
   errors in TEI's shape, `{"error", "error_type"}` (as TEI's `/tokenize`).
@@ -20,9 +20,9 @@
   APIs as vLLM answers them for an embedding model: cosine similarities of the texts' embeddings (1:N or
   N:N pairs; a query's documents best first, `top_n`, `return_documents`); errors in OpenAI's shape.
 
-All go through `Serving.run_inference` (server/serving.py: limits, tokenization, the batcher, metrics, timing
+All go through `Serving.run_inference` (server/api/serving.py: limits, tokenization, the batcher, metrics, timing
 headers), so they batch with `/v1/infer` requests and work the same with `--workers N`. Their bodies
-are msgspec structs (server/schemas.py `decode`), answered by the app's raw ASGI layer, not FastAPI.
+are msgspec structs (server/api/schemas.py `decode`), answered by the app's raw ASGI layer, not FastAPI.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from modules_store import TaskType
 from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
 from server.modules import token_limit
-from server.schemas import AnswerControls, OpenAIModel, OpenAIModelList, PromptName, TEIDirection, decode, probe
-from server.serving import Serving
+from server.api.schemas import AnswerControls, OpenAIModel, OpenAIModelList, PromptName, TEIDirection, decode, probe
+from server.api.serving import Serving
 
 
 # ---- request bodies ---------------------------------------------------------------------------------
