@@ -37,8 +37,8 @@ import yaml
 from packaging.requirements import Requirement
 
 from modules_store import ModuleStore
-from server.backbone.sources import MPNET_PACKAGES
 from server.api.app import create_app
+from server.backbone.sources import MPNET_PACKAGES
 from server.config import Settings
 from server.metrics import Metrics
 from server.modules import save_module

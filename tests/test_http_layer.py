@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import uvicorn
 
-from server.config import Settings
 from server.api.http_limits import IDLE_DRAIN_GRACE_S, uvicorn_config
+from server.config import Settings
 from server.logs import AccessLog
 from bench.live_server import free_port, read_until_closed, wait_until
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from modules_store import ModuleStore
-from server.config import Settings
 from server.api.app import create_app
+from server.config import Settings
 from server.modules import save_module
 from bench.live_server import alive, engine_pids, engines_on_port, wait_until, worker_pids
 from tests.helpers import LiveServer, metric_sample, populate_store, random_head, start_tmod_serve

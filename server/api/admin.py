@@ -9,10 +9,10 @@ from fastapi import Request, Response
 
 from modules_store import ModuleStore
 from modules_store.manifest import NAME_PATTERN
-from server.errors import ApiError, clip, clip_list, did_you_mean, protocol_of
 from server.api.schemas import (AdminModules, ModuleAction, ModuleActionResult, RepositoryChangeRequest,
-                            RepositoryIndexRequest, decode)
+                                RepositoryIndexRequest, decode)
 from server.api.serving import Serving, bearer_matches
+from server.errors import ApiError, clip, clip_list, did_you_mean, protocol_of
 
 
 def repository_index(serving: Serving, ready_only: bool) -> list[dict]:

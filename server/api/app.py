@@ -32,25 +32,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api import oip_grpc
 from server.api.admin import admin_routes
-from server.backbone import Backbone
 from server.api.classify import ClassifyRequest, ClassifyResponse, classify_routes
-from server.config import Settings
 from server.api.cors import Cors
 from server.api.embeddings import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
                                    ScoreRequest, ScoreResponse, TEIEmbedRequest, TEIRank, TEIRerankRequest,
                                    TEISimilarityRequest, embeddings_routes, model_list_routes, tei_info, tei_root)
-from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, error_content, http_error_handler,
-                           no_such_task, refusal, validation_error_handler)
 from server.api.http_limits import CYCLE, answer_whole, limit_body, read_body
-from server.logs import AccessLog, request_id, request_id_for
 from server.api.oip import oip_routes
 from server.api.predict import PredictRequest, PredictResponse, TEIPredictRequest, predict_route, tei_predict_route
-from server.runtime import Runtime
 from server.api.schemas import (InferRequest, InferResponse, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
-                            TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
-                            VllmTokenizeResponse, decode, openapi_components)
+                                TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
+                                VllmTokenizeResponse, decode, openapi_components)
 from server.api.serving import SHORT_QUERY, Serving, bearer_matches, check_query, require_json, task_types
 from server.api.tokenize import tokenize_routes
+from server.backbone import Backbone
+from server.config import Settings
+from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, error_content, http_error_handler,
+                           no_such_task, refusal, validation_error_handler)
+from server.logs import AccessLog, request_id, request_id_for
+from server.runtime import Runtime
 
 
 # what stays open with an API key set: probes, scrapers and the schema (module changes have their own token)

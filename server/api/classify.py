@@ -21,10 +21,10 @@ from msgspec import Meta, Struct
 
 from modules_store import TaskType
 from server.api.embeddings import PoolingUsage, as_texts
-from server.errors import ApiError, clip, not_loaded
-from server.modules import compares_pairs
 from server.api.schemas import decode
 from server.api.serving import Serving
+from server.errors import ApiError, clip, not_loaded
+from server.modules import compares_pairs
 
 
 class ClassifyRequest(Struct, forbid_unknown_fields=True):

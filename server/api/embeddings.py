@@ -36,11 +36,11 @@ import numpy as np
 from msgspec import Meta, Struct
 
 from modules_store import TaskType
+from server.api.schemas import AnswerControls, OpenAIModel, OpenAIModelList, PromptName, TEIDirection, decode, probe
+from server.api.serving import Serving
 from server.errors import ApiError, clip
 from server.heads.embedding import vector_size
 from server.modules import token_limit
-from server.api.schemas import AnswerControls, OpenAIModel, OpenAIModelList, PromptName, TEIDirection, decode, probe
-from server.api.serving import Serving
 
 
 # ---- request bodies ---------------------------------------------------------------------------------

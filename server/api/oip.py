@@ -37,11 +37,11 @@ import numpy as np
 from modules_store import TaskType
 
 from server import windows
+from server.api.schemas import AnswerControls
+from server.api.serving import Serving
 from server.errors import ApiError, clip, clip_list, did_you_mean
 from server.heads.embedding import vector_size
 from server.modules import LoadedModule, compares_pairs
-from server.api.schemas import AnswerControls
-from server.api.serving import Serving
 
 HEADER = "inference-header-content-length"
 INPUTS = ("text", "text_pair")

@@ -35,9 +35,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from server.api import oip
 from server.api.admin import repository_index
-from server.errors import ApiError, count_error
 from server.api.oip_v2_descriptor import FILE
 from server.api.serving import Serving
+from server.errors import ApiError, count_error
 
 log = logging.getLogger("tmod")
 

@@ -35,10 +35,10 @@ import msgspec
 from msgspec import Meta, Struct
 
 from modules_store import TaskType
-from server.errors import ApiError, clip, did_you_mean
-from server.modules import compares_pairs
 from server.api.schemas import AnswerControls, TEIDirection, TextPair, check_one_form, decode
 from server.api.serving import Serving
+from server.errors import ApiError, clip, did_you_mean
+from server.modules import compares_pairs
 
 Instances = Annotated[list[Union[str, TextPair]], Meta(
     min_length=1, description="texts, or {text, text_pair} objects for a pair task; not mixed in one request")]

@@ -18,11 +18,11 @@ from typing import Callable
 from urllib.parse import parse_qsl
 
 from server import windows
+from server.api.schemas import DEFAULT_CONTROLS, AnswerControls, ModelInfo
 from server.batcher import Job
 from server.config import Settings
 from server.errors import ApiError, clip, clip_list, did_you_mean, no_such_task, protocol_of, unknown_tasks
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
-from server.api.schemas import DEFAULT_CONTROLS, AnswerControls, ModelInfo
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
 # costs more CPU than its tokenization (bench/bench_frontend.py --workers, issues 25 and 37: at 1,000

@@ -8,13 +8,13 @@ import asyncio
 import msgspec
 from fastapi import Request, Response
 
-from server.backbone.tokens import END, IDS, SEGMENT, START, EncodedInput, TextEncoder
 from server.api.embeddings import refuse_prompt
-from server.errors import ApiError, clip, protocol_of
 from server.api.schemas import (TeiDecodeRequest, TeiTokenizeRequest, TokenizeRequest, VllmDetokenizeRequest,
-                            VllmDetokenizeResponse, VllmTokenizeRequest, VllmTokenizeResponse, decode, probe,
-                            request_body)
+                                VllmDetokenizeResponse, VllmTokenizeRequest, VllmTokenizeResponse, decode, probe,
+                                request_body)
 from server.api.serving import Serving, check_query, require_json
+from server.backbone.tokens import END, IDS, SEGMENT, START, EncodedInput, TextEncoder
+from server.errors import ApiError, clip, protocol_of
 from server.windows import TextWindows
 
 
