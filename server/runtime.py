@@ -304,58 +304,13 @@ class Runtime:
             set_host_threads(self.settings)
             if torch.device(self.settings.device).type == "cpu":
                 keep_freed_memory()  # passes on the CPU reuse their activations' memory (server/host_memory.py)
-            if self.backbone is None:
-                t0 = time.perf_counter()
-                self.backbone = Backbone.load(self.settings.backbone, device=self.settings.device,
-                                              cache_dir=self.settings.cache_dir)
-                log.info("backbone %s loaded in %.1fs", self.backbone.name, time.perf_counter() - t0)
-            if (self.settings.backend, self.settings.precision) != (self.backbone.backend.name, self.backbone.backend.precision):
-                t0 = time.perf_counter()
-                self.backbone = self.backbone.use_backend(
-                    self.settings.backend, self.settings.precision, self.settings.cache_dir, self.settings.threads)
-                log.info("backend %s %s ready in %.1fs (%s)", self.settings.backend, self.settings.precision,
-                         time.perf_counter() - t0, self.backbone.backend.describe())
-            problem = server_window_problem(self.backbone.text, self.settings.max_tokens, self.settings.window_tokens,
-                                            self.settings.window_stride)
-            if problem:  # known only now: the backbone's limit
-                raise SettingError(f"{problem} ({self.backbone.name})")
+            self.backbone = self._started_backbone()
             self.bridges = self.load_bridges()
             self.engine = Engine(self.backbone, bridges=self.bridges, int8=head_precision(self.settings) == "int8")
             self.runner = ModelRunner(self.engine, self.settings, self.metrics)
             log.info("passes on %s: backbone %s %s, heads %s", self.settings.device, self.backbone.backend.name,
                      self.backbone.backend.precision, self.runner.head_precision)
-            asked = self.settings.tasks is not None
-            wanted = self.settings.task_versions() if asked else dict.fromkeys(self.store.tasks())
-            loaded = {}
-            for task, pinned in wanted.items():
-                try:
-                    if pinned is not None:  # the version named, or none: a pin falls back to no other
-                        module, refused = load_module(self.store, task, pinned, self.backbone, self.settings.device,
-                                                      self.bridges, probe_module), []
-                    else:  # the newest version that passes its checks; each newer one refused is reported
-                        module, refused = load_servable(self.store, task, self.backbone, self.settings.device,
-                                                        self.bridges, probe_module)
-                    if not asked and module.manifest.opt_in:  # served when named, not on a start-up over the store
-                        log.info("module %s/%s skipped: opt-in (%s); name it in --tasks to serve it", task,
-                                 module.version, module.manifest.opt_in)
-                        why = module.manifest.opt_in.split("; ")[0]  # its first reason; the log has them all
-                        self.skipped[task] = (f"{task}/{module.version} is opt-in ({why}): name it in --tasks, or load "
-                                              f"it with POST /admin/modules/{task}/load")
-                        continue
-                    loaded[task] = module
-                    via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
-                    log.info("module %s/%s loaded%s", task, loaded[task].version, via)
-                    if refused:
-                        self.refuse(task, "; ".join(f"{err.message}" for err in refused)
-                                    + f" (serving {task}/{loaded[task].version})", *refused)
-                except ArtifactError as exc:
-                    if exc.reason == "other_backbone" and not asked:
-                        # one store serves several backbones: another backbone's module is not a refusal
-                        log.info("module %s skipped: %s", task, exc.message)
-                        self.skipped[task] = exc.message
-                        continue
-                    # one broken artifact must not keep the others from serving
-                    self.refuse(task, exc.message, exc)
+            loaded = self._load_store_modules()
             self._read_layers(loaded)
             self.modules = loaded
             self.metrics.modules_loaded.set(len(loaded))
@@ -384,6 +339,65 @@ class Runtime:
                 _startup_failure = self.startup_error
                 if on_device_failure is not None:
                     on_device_failure()
+
+    def _started_backbone(self) -> Backbone:
+        """The backbone (given, else loaded) on the backend and precision the settings ask, its window
+        settings checked against its limit (known only now)."""
+        backbone = self.backbone
+        if backbone is None:
+            t0 = time.perf_counter()
+            backbone = Backbone.load(self.settings.backbone, device=self.settings.device,
+                                     cache_dir=self.settings.cache_dir)
+            log.info("backbone %s loaded in %.1fs", backbone.name, time.perf_counter() - t0)
+        if (self.settings.backend, self.settings.precision) != (backbone.backend.name, backbone.backend.precision):
+            t0 = time.perf_counter()
+            backbone = backbone.use_backend(self.settings.backend, self.settings.precision, self.settings.cache_dir,
+                                            self.settings.threads)
+            log.info("backend %s %s ready in %.1fs (%s)", self.settings.backend, self.settings.precision,
+                     time.perf_counter() - t0, backbone.backend.describe())
+        problem = server_window_problem(backbone.text, self.settings.max_tokens, self.settings.window_tokens,
+                                        self.settings.window_stride)
+        if problem:
+            raise SettingError(f"{problem} ({backbone.name})")
+        return backbone
+
+    def _load_store_modules(self) -> dict[str, LoadedModule]:
+        """The modules start-up serves: each task of --tasks (its pinned version, or its newest that
+        passes), else every task of the store but the opt-in ones and other backbones' (`skipped`, said
+        why); a refused artifact is reported (`refuse`) and keeps no other module from serving."""
+        asked = self.settings.tasks is not None
+        wanted = self.settings.task_versions() if asked else dict.fromkeys(self.store.tasks())
+        loaded = {}
+        for task, pinned in wanted.items():
+            try:
+                if pinned is not None:  # the version named, or none: a pin falls back to no other
+                    module, refused = load_module(self.store, task, pinned, self.backbone, self.settings.device,
+                                                  self.bridges, probe_module), []
+                else:  # the newest version that passes its checks; each newer one refused is reported
+                    module, refused = load_servable(self.store, task, self.backbone, self.settings.device,
+                                                    self.bridges, probe_module)
+                if not asked and module.manifest.opt_in:  # served when named, not on a start-up over the store
+                    log.info("module %s/%s skipped: opt-in (%s); name it in --tasks to serve it", task,
+                             module.version, module.manifest.opt_in)
+                    why = module.manifest.opt_in.split("; ")[0]  # its first reason; the log has them all
+                    self.skipped[task] = (f"{task}/{module.version} is opt-in ({why}): name it in --tasks, or load "
+                                          f"it with POST /admin/modules/{task}/load")
+                    continue
+                loaded[task] = module
+                via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
+                log.info("module %s/%s loaded%s", task, loaded[task].version, via)
+                if refused:
+                    self.refuse(task, "; ".join(f"{err.message}" for err in refused)
+                                + f" (serving {task}/{loaded[task].version})", *refused)
+            except ArtifactError as exc:
+                if exc.reason == "other_backbone" and not asked:
+                    # one store serves several backbones: another backbone's module is not a refusal
+                    log.info("module %s skipped: %s", task, exc.message)
+                    self.skipped[task] = exc.message
+                    continue
+                # one broken artifact must not keep the others from serving
+                self.refuse(task, exc.message, exc)
+        return loaded
 
     def refuse(self, task: str, message: str, *errors: ArtifactError) -> None:
         """An artifact not served: on /readyz ("refused"), in the log and in the metrics."""
