@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         or (port_problem(settings.host, settings.grpc_port, "--grpc-port") if settings.grpc_port else None)
     if problem:
         raise SystemExit(f"tmod-serve: {problem}")
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     for warning in unknown_variables(os.environ):  # a log line, as the server's others
         logging.getLogger("tmod").warning(warning)
     try:

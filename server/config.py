@@ -156,8 +156,11 @@ class Settings(BaseSettings):
         "or * for any; preflights from them are answered (before the API key, which browsers send only after) and "
         "every answer to them names the origin (unset: no CORS headers, so pages on other origins cannot read answers)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        "info", description="log level of uvicorn's and tmod's JSON lines: critical, error, warning, info or debug "
+        "info", description="log level of uvicorn's and tmod's log lines: critical, error, warning, info or debug "
         "(either case)")
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto", description="log lines as JSON objects (what a log collector parses) or text: auto writes text where "
+        "stderr is a terminal, JSON everywhere else (a container, a service, a file)")
     access_log_per_s: float = Field(
         100.0, ge=0, description="most access-log lines (one per request, at info) a process writes per second: "
         "beyond it lines are sampled and the next one written says how many were skipped; a written line costs ~16-24 "

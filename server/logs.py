@@ -1,10 +1,12 @@
-"""Structured JSON logs, one object per line, with the request id where there is one."""
+"""Logs: structured JSON, one object per line (what a log collector parses), or plain text lines on a
+terminal; with the request id where there is one."""
 from __future__ import annotations
 
 import json
 import logging
 import os
 import re
+import sys
 import time
 from contextvars import ContextVar
 
@@ -32,14 +34,35 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str = "info") -> None:
-    """Every line the process writes is one JSON object (a log collector parses each): tmod's,
-    uvicorn's, transformers' (which has a handler of its own) and Python warnings; transformers'
-    "Loading weights" progress bar is off (the log says how long loading took)."""
+class TextFormatter(JsonFormatter):
+    """The JSON line's fields as one line a person reads: time, level, logger, message, then the extra
+    fields (request id, an access line's method, path, status, ...) as key=value."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = json.loads(super().format(record))
+        head = f"{entry.pop('ts')} {entry.pop('level'):<7} {entry.pop('logger')}: {entry.pop('message')}"
+        entry.pop("pid")
+        exception = entry.pop("exception", None)
+        extras = " ".join(f"{k}={v}" for k, v in entry.items())
+        return head + (f" {extras}" if extras else "") + (f"\n{exception}" if exception else "")
+
+
+def log_formatter(log_format: str = "auto") -> logging.Formatter:
+    """json, text, or auto: text where stderr is a terminal (a person starting the server), JSON
+    everywhere else (a container, a service, a file)."""
+    text = log_format == "text" or (log_format == "auto" and sys.stderr.isatty())
+    return TextFormatter() if text else JsonFormatter()
+
+
+def configure_logging(level: str = "info", log_format: str = "auto") -> None:
+    """Every line the process writes goes through one formatter (`log_formatter`: a JSON object a log
+    collector parses, or text on a terminal): tmod's, uvicorn's, transformers' (which has a handler of
+    its own) and Python warnings; transformers' "Loading weights" progress bar is off (the log says how
+    long loading took)."""
     from transformers.utils import logging as transformers_logging
 
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(log_formatter(log_format))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

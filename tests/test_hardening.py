@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -245,6 +246,22 @@ def test_json_log_lines_keep_extra_fields_but_not_uvicorns_colour_codes():
     record.color_message, record.task = "Finished server process [\x1b[36m%d\x1b[0m]", "ner"  # as uvicorn logs it
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "Finished server process [7]" and line["task"] == "ner" and "color_message" not in line
+
+
+def test_log_lines_are_text_on_a_terminal_and_json_elsewhere(monkeypatch):
+    """Started by a person in a terminal (the README's first command), every line was a JSON object;
+    auto writes text there and JSON where a collector reads (a pipe, a file, a container)."""
+    from server.logs import TextFormatter, log_formatter
+
+    record = logging.LogRecord("tmod.access", logging.INFO, __file__, 1, "request", (), None)
+    record.method, record.status = "POST", 200
+    text = TextFormatter().format(record)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z info    tmod\.access: request method=POST "
+                        r"status=200", text)
+    for tty, chosen in ((True, TextFormatter), (False, JsonFormatter)):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda tty=tty: tty)
+        assert type(log_formatter("auto")) is chosen
+        assert type(log_formatter("json")) is JsonFormatter and type(log_formatter("text")) is TextFormatter
 
 
 def raw_get(sock: socket.socket, path: str) -> tuple[int, dict, bytes]:

@@ -211,7 +211,7 @@ def run_engine(settings: Settings, index: int, first_loaded, reasons) -> None:
     device failed (as `tmod-serve` does), the reason put on `reasons` for the parent to say."""
     from server import runtime
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     runtime.on_device_failure = lambda: os.kill(os.getpid(), signal.SIGTERM)
     serve(settings, index, first_loaded)
     reason = runtime.exit_reason()

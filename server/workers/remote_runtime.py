@@ -345,7 +345,7 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
     from server.api.app import create_app
     from server.api.http_limits import DrainingServer, uvicorn_config
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     one_host_thread()  # decode's small tensors, one request's token lists: the cores belong to the others
     app = create_app(settings, runtime=RemoteRuntime(settings, engine_path))
     config = uvicorn_config(app, settings)
