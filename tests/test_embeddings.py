@@ -153,7 +153,8 @@ def test_an_embedding_task_name_no_store_takes_is_stored_as_the_name_it_becomes(
                  "--check", "0"]) == 0
     assert ("--task '../My Vectors' is stored and served as 'my-vectors' (task names are a-z, 0-9, '_' and '-')"
             in capsys.readouterr().err)
-    assert [p.name for p in tmp_path.iterdir()] == ["store"] and (store / "my-vectors" / "1" / "manifest.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["store"]
+    assert (store / "my-vectors" / "1" / "manifest.json").is_file()
 
 
 def test_grouped_embedding_heads_equal_each_alone(tiny_backbone):

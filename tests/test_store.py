@@ -113,7 +113,8 @@ def test_refuses_other_backbone(store, tmp_path):
     mine = store.read_manifest("sentiment", "1").backbone.name
     assert info.value.reason == "fingerprint_mismatch" and info.value.message == (
         f"sentiment/1 was trained on {mine}, not on this server's tiny-other, and no loaded bridge leads there: "
-        f"serve it with --backbone a folder of {mine}, or give --bridges a store with a bridge from tiny-other to {mine}")
+        f"serve it with --backbone a folder of {mine}, or give --bridges a store with a bridge from tiny-other to "
+        f"{mine}")
 
 
 def test_without_a_version_each_backbone_gets_its_own_latest(store, tiny_backbone, tmp_path):

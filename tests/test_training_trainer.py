@@ -851,7 +851,8 @@ def test_a_cache_that_cannot_be_written_is_said_and_the_run_goes_on(tmp_path, ca
 
     (tmp_path / "a-file").write_text("")
     assert write_cache_file(tmp_path / "c" / "x.json", lambda tmp: Path(tmp).write_text("{}")) is True
-    assert (tmp_path / "c" / "x.json").read_text() == "{}" and list((tmp_path / "c").iterdir()) == [tmp_path / "c" / "x.json"]
+    assert (tmp_path / "c" / "x.json").read_text() == "{}"
+    assert list((tmp_path / "c").iterdir()) == [tmp_path / "c" / "x.json"]
     assert write_cache_file(tmp_path / "a-file" / "x.json", lambda tmp: Path(tmp).write_text("{}")) is False
     assert capsys.readouterr().err.startswith(f"not cached: cannot write {tmp_path / 'a-file' / 'x.json'} (")
 

@@ -268,7 +268,8 @@ def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path,
     axes[1].plot(epochs, [h[metric] for h in history], marker="o", color="#55a868", label="head")
     axes[1].set_title(f"validation {metric}")
     if baselines and baselines.get("split") == "validation" and baselines.get("metric") == metric:
-        runs = [run for run in baselines.values() if isinstance(run, dict) and isinstance(run.get(metric), (int, float))]
+        runs = [run for run in baselines.values()
+                if isinstance(run, dict) and isinstance(run.get(metric), (int, float))]
         for run, style in zip(runs, (":", "-.")):
             axes[1].axhline(run[metric], color="grey", linestyle=style, linewidth=1,
                             label=f"{run['baseline']} ({run[metric]:.3f})")

@@ -106,9 +106,9 @@ def say_if_outranked(store: ModuleStore, task: str, version: str, backbone) -> N
         return
     if served != version:
         print(f"a tmod-serve started on {store.root} serves {task}/{served}, not this {task}/{version}: the latest "
-              f"version on {backbone.name} is the highest number, then named ones alphabetically; name {task}/{version} "
-              f"in its --tasks (TMOD_TASKS) to serve this one, or load it through POST /admin/modules/{task}/load",
-              file=sys.stderr)
+              f"version on {backbone.name} is the highest number, then named ones alphabetically; name "
+              f"{task}/{version} in its --tasks (TMOD_TASKS) to serve this one, or load it through POST "
+              f"/admin/modules/{task}/load", file=sys.stderr)
 
 
 def served_at_start(store: ModuleStore, backbone) -> list[str]:

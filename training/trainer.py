@@ -534,9 +534,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         s = s.model_copy(update={"version": ModuleStore(Path(s.store)).next_version(task) if s.store else "1"})
     if s.store and (misplaced := misplaced_store(Path(s.store))):  # the module would land where no store finds it
         raise UsageError(f"--store: {misplaced}")
-    outputs = RunOutputs.checked(f"{task}-{s.version}", s.run_dir,
-                                 ModuleStore(Path(s.store)) if s.store else None, s.report_dir, task, s.version,
-                                 s.overwrite, fix="give --run-dir (or --store and --report-dir) in a folder you can write")
+    outputs = RunOutputs.checked(f"{task}-{s.version}", s.run_dir, ModuleStore(Path(s.store)) if s.store else None,
+                                 s.report_dir, task, s.version, s.overwrite,
+                                 fix="give --run-dir (or --store and --report-dir) in a folder you can write")
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     say_what_the_data_holds(s, train_data, labels, provenance)
