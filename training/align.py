@@ -291,7 +291,8 @@ def cmd_align(args, command: str) -> int:
     from modules_store import DEFAULT_STORE
     from server.backbone import Backbone
     from server.bridges import bridge_store, save_bridge
-    from training.runs import RunOutputs, check_cache_dir, save_as_free_version, stored_name
+    from training.runs import (RunOutputs, check_cache_dir, save_as_free_version, say_if_bridge_outranked,
+                               stored_name)
     from training.settings import pick_device
 
     if args.threads:
@@ -357,6 +358,7 @@ def cmd_align(args, command: str) -> int:
                               description=args.description or f"alignment bridge: {target.name} modules served on "
                                                               f"{source.name}", overwrite=args.overwrite and not numbered),
         store, name, version, numbered)
+    say_if_bridge_outranked(store, name, version)
     report_dir.mkdir(parents=True, exist_ok=True)
     said = findings(diagnostics, len(texts), len(held_out_texts), held_from)
     summary = {"name": name, "version": version, "artifact": str(artifact), **training, "metrics": metrics,

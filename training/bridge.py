@@ -488,7 +488,8 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from server.bridges import bridge_store, load_bridge, save_bridge
     from training.pairing import PairedStates
     from training.settings import pick_device
-    from training.runs import RunOutputs, check_cache_dir, save_as_free_version, stored_name
+    from training.runs import (RunOutputs, check_cache_dir, save_as_free_version, say_if_bridge_outranked,
+                               stored_name)
 
     if s.objective == "distill" and not s.module:  # a user's mistake: before any backbone loads
         raise UsageError("--objective distill needs --module (a module of the target backbone: TASK/VERSION of "
@@ -569,6 +570,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
 
     artifact, version = save_as_free_version(save, store, name, s.version, numbered)
     s = s.model_copy(update={"version": version})
+    say_if_bridge_outranked(store, name, version)
     # refuse to report success on an artifact that does not load; measure it the way it serves
     loaded = load_bridge(store, name, s.version, source, device=str(device))
     served = evaluate(loaded.bridge, val_pairs, "validation", probe, s, device, served=True, progress=s.progress)

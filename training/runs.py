@@ -122,6 +122,16 @@ def save_as_free_version(save: Callable[[str], Path], store: ModuleStore, name: 
                   file=sys.stderr)
 
 
+def say_if_bridge_outranked(store: ModuleStore, name: str, version: str) -> None:
+    """tmod-serve loads the latest version of each bridge in its --bridges store: where that is not the
+    one just saved (a named version sorts after every number), said, rather than found out when serving."""
+    latest = store.latest(name)
+    if latest != version:
+        print(f"tmod-serve --bridges {store.root} loads bridge {name}/{latest}, not this {name}/{version}: it takes "
+              "the latest version of each bridge (the highest number, then named ones alphabetically); save this "
+              f"one under another --name to serve it beside, or remove {name}/{latest}", file=sys.stderr)
+
+
 def check_cache_dir(cache_dir: str | None) -> None:
     """A --cache-dir given where no folder can be made: refused before the work."""
     if cache_dir and (problem := cannot_make(Path(cache_dir))):
