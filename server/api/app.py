@@ -21,7 +21,6 @@ import re
 import time
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import parse_qsl
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -43,7 +42,7 @@ from server.api.predict import PredictRequest, PredictResponse, TEIPredictReques
 from server.api.schemas import (InferRequest, InferResponse, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
                                 TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
                                 VllmTokenizeResponse, decode, openapi_components)
-from server.api.serving import SHORT_QUERY, Serving, bearer_matches, check_query, require_json, task_types
+from server.api.serving import Serving, bearer_matches, check_query, query_pairs, require_json, task_types
 from server.api.tokenize import tokenize_routes
 from server.backbone import Backbone
 from server.config import Settings
@@ -188,10 +187,7 @@ class Call:
 
     def query(self, name: str) -> tuple[str, ...]:
         """The values of `name` in the query string, in order (`?tasks=a&tasks=b`: both)."""
-        query = self.scope["query_string"]
-        if len(query) <= SHORT_QUERY:  # clients send the same few again and again
-            return query_values(query, name)
-        return query_values.__wrapped__(query, name)
+        return tuple(value for key, value in query_pairs(self.scope["query_string"]) if key == name)
 
     async def is_disconnected(self) -> bool:
         """Whether the client left. Its body is read, so the next ASGI message is a disconnect: one step
@@ -206,15 +202,6 @@ class Call:
             else:
                 step.close()  # it would wait: the client is still there
         return self.gone
-
-
-@functools.lru_cache(maxsize=256)
-def query_values(query: bytes, name: str) -> tuple[str, ...]:
-    """The values of `name` in a query string, in order."""
-    text = query.decode("latin-1")
-    if "%" in text or "+" in text:  # percent-encoded: the standard reading
-        return tuple(v for k, v in parse_qsl(text, keep_blank_values=True) if k == name)
-    return tuple(v for k, _, v in (pair.partition("=") for pair in text.split("&")) if k == name)
 
 
 async def respond(send, status: int, content: bytes, headers: dict[str, str]) -> None:

@@ -352,7 +352,7 @@ QUERY_READ = {
     "/": (frozenset({"tasks"}), "only ?tasks=<task>, the task a body of /predict's asks"),
 }
 NO_QUERY = (frozenset(), "no query parameters (what it reads goes in the JSON body)")
-SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_names`, app.query_values)
+SHORT_QUERY = 256  # bytes: a query string this short has its reading remembered (`query_pairs`)
 
 
 def check_query(scope) -> None:
@@ -360,7 +360,7 @@ def check_query(scope) -> None:
     otherwise be ignored and every task answered, `/embed?normalize=false` answered normalized."""
     query = scope["query_string"]
     if query:
-        names = query_names(query) if len(query) <= SHORT_QUERY else query_names.__wrapped__(query)
+        names = {name for name, _ in query_pairs(query)}
         known, takes = QUERY_READ.get(scope["path"], NO_QUERY)
         unknown = sorted(names - known)
         if unknown:
@@ -368,10 +368,18 @@ def check_query(scope) -> None:
                            f"{did_you_mean(unknown, known)}: {scope['path']} takes {takes}")
 
 
+def query_pairs(query: bytes) -> tuple[tuple[str, str], ...]:
+    """(name, value) of each parameter of a query string, in order; a short one's reading remembered
+    (clients send the same few again and again)."""
+    return _read_query(query) if len(query) <= SHORT_QUERY else _read_query.__wrapped__(query)
+
+
 @functools.lru_cache(maxsize=256)
-def query_names(query: bytes) -> frozenset[str]:
-    """The parameter names in a query string."""
-    return frozenset(name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
+def _read_query(query: bytes) -> tuple[tuple[str, str], ...]:
+    text = query.decode("latin-1")
+    if "%" in text or "+" in text:  # percent-encoded: the standard reading
+        return tuple(parse_qsl(text, keep_blank_values=True))
+    return tuple((name, value) for name, _, value in (pair.partition("=") for pair in text.split("&") if pair))
 
 
 def require_json(scope) -> None:
