@@ -154,6 +154,7 @@ PROTOCOLS = {"/v1/embeddings": (openai_error_body, 400), "/classify": (openai_er
 
 # peers' routes a client moving to tmod may call that tmod does not serve: why, and what answers instead
 # (404 in that peer's error shape, where a route that is not there answers a bare 'no route')
+NO_GENERATION = "tmod generates no text: it serves encoder tasks (/v1/infer) and embeddings (/v1/embeddings)"
 NOT_SERVED = {
     "/embed_all": (tei_error_body, "Text Embeddings Inference's per-token embeddings are not served: /embed "
                                    "answers one pooled vector a text"),
@@ -161,10 +162,8 @@ NOT_SERVED = {
                                       "/embed answers dense vectors"),
     "/pooling": (openai_error_body, "vLLM's pooling API is not served: /v1/embeddings (or /embed) answers pooled "
                                     "vectors, /classify labels, /v1/infer every task"),
-    "/v1/completions": (openai_error_body, "tmod generates no text: it serves encoder tasks (/v1/infer) and "
-                                           "embeddings (/v1/embeddings)"),
-    "/v1/chat/completions": (openai_error_body, "tmod generates no text: it serves encoder tasks (/v1/infer) "
-                                                "and embeddings (/v1/embeddings)"),
+    "/v1/completions": (openai_error_body, NO_GENERATION),
+    "/v1/chat/completions": (openai_error_body, NO_GENERATION),
 }
 
 

@@ -19,6 +19,10 @@ _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "co
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(self.fields(record), default=str)
+
+    def fields(self, record: logging.LogRecord) -> dict:
+        """A line's fields: time, level, logger, message, process, request id, the record's extra fields."""
         entry = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -31,7 +35,7 @@ class JsonFormatter(logging.Formatter):
         entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return entry
 
 
 class TextFormatter(JsonFormatter):
@@ -39,7 +43,7 @@ class TextFormatter(JsonFormatter):
     fields (request id, an access line's method, path, status, ...) as key=value."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = json.loads(super().format(record))
+        entry = self.fields(record)
         head = f"{entry.pop('ts')} {entry.pop('level'):<7} {entry.pop('logger')}: {entry.pop('message')}"
         entry.pop("pid")
         exception = entry.pop("exception", None)
