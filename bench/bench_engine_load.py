@@ -53,7 +53,7 @@ def engine(config: dict) -> None:
     from bench.harness import engine_side_of_workers  # this tree's (bench/ is a namespace package: after the
     sys.path.insert(0, config["code"])              # insert, bench.harness would be the measured checkout's)
     from server.config import Settings
-    from server.runner import ModelRunner
+    from server.runner.model_runner import ModelRunner
     from server.runtime import Runtime, one_host_thread
 
     workers = engine_side_of_workers()

@@ -91,7 +91,7 @@ TASKS = ["sentiment", "ner", "acceptability"]
 def install_standin(pass_s: float) -> None:
     """Replace the serving path's device pass (`ModelRunner._pass`) with a fixed sleep returning
     correctly shaped host logits (`standin_logits`)."""
-    from server.runner import ModelRunner
+    from server.runner.model_runner import ModelRunner
 
     def standin_pass(self, item, rows, modules, timings):
         start = time.perf_counter()

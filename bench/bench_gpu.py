@@ -57,7 +57,7 @@ from server.backbone import Backbone  # noqa: E402
 from server.config import Settings  # noqa: E402
 from server.engine import Engine  # noqa: E402
 from server.timings import Timings  # noqa: E402
-from server.runner import ModelRunner  # noqa: E402
+from server.runner.model_runner import ModelRunner# noqa: E402
 
 
 def sync(device: str) -> None:
@@ -279,7 +279,7 @@ def served_section(args, sentences: list[str], tmp: Path):
         finally:
             server.stop()
             LIVE_SERVERS.remove(server)
-            # why passes ran eager where graphs are captured (server/runner.py says it once per shape, and
+            # why passes ran eager where graphs are captured (server/runner/model_runner.py says it once per shape, and
             # once where the graph memory cap stopped capture)
             for line in [line for line in server.log_tail(100_000).splitlines()
                          if "ran eager" in line or "not captured" in line or "--graph-memory-mb" in line][:30]:

@@ -102,7 +102,7 @@ def shown(r: dict | None) -> str:
 
 
 def heads_autocast_run(fn, heads: str, backbone: str):
-    from server.runner import heads_autocast
+    from server.runner.precision import heads_autocast
 
     def run():
         with heads_autocast(heads, "cpu", backbone):

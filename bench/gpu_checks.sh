@@ -29,7 +29,7 @@
 #                     (bench/bench_engine_load.py asks the same on a CPU); last, so a timeout cuts it first;
 # and on request: switch0.5, the GIL's switch interval at 0.5 ms (Python's default: 5) in the engine alone.
 # On 2026-11-28 (H200) the batch window (2, 0.5, 0 ms) and the copy's wait made a sleep were measured here: the
-# window is not the lever, and a replay's copy now waits on a blocking CUDA event (server/runner.py).
+# window is not the lever, and a replay's copy now waits on a blocking CUDA event (server/runner/graphs.py).
 # PATH=$PWD/.venv/bin:$PATH DEVICE=cpu LEVELS=1x16 DURATION=2 checks the script on a CPU (its python3 needs torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -125,15 +125,15 @@ check_pyspy() {
 }
 
 # the order before this code's, in the engine process alone: `ModelRunner.launch` made to launch nothing
-# when server.runner is first imported (imported here it would bring prometheus_client in before tmod-serve
-# names its folder)
+# when server.runner.model_runner is first imported (imported here it would bring prometheus_client in
+# before tmod-serve names its folder)
 sequential=$(engine_site <<'PY'
 import importlib.abc, importlib.util, os
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "server.runner":
+        if name != "server.runner.model_runner":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

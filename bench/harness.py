@@ -485,7 +485,7 @@ def metrics_delta(before: dict, after: dict) -> dict:
                           for k in after if k.startswith("tmod_request_errors_total{") and after[k] - before.get(k, 0.0)},
         "dropped": {k.split("reason=", 1)[1].rstrip("}"): int(after[k] - before.get(k, 0.0))
                     for k in after if k.startswith("tmod_dropped_requests_total{") and after[k] - before.get(k, 0.0)},
-        # how the passes ran (server/runner.py): launched ahead by a tokenizer thread, by the compute thread, eager;
+        # how the passes ran (server/runner/model_runner.py): launched ahead by a tokenizer thread, by the compute thread, eager;
         # and those whose inputs were not page-locked
         "passes_by_path": {k.split("path=", 1)[1].rstrip("}"): int(d(k))
                            for k in after if k.startswith("tmod_passes_total{") and d(k)},

@@ -54,7 +54,7 @@ def score_tasks(backbone_name: str, variants: list[str], tasks: list[str] | None
     from server.config import Settings
     from server.engine import Engine
     from server.modules import load_module
-    from server.runner import ModelRunner
+    from server.runner.model_runner import ModelRunner
     from training.data.presets import PRESETS, preset_spec
     from training.evaluate import collect, score
     from training.states import Split

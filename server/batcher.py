@@ -47,7 +47,7 @@ from server.backbone import EncodedInput
 from server.backbone.tokens import BlockRows, are_pairs, gather_rows
 from server.metrics import observe_all
 from server.modules import LoadedModule
-from server.runner import SortedRows
+from server.runner.model_runner import SortedRows
 from server.timings import Timings
 
 log = logging.getLogger("tmod.batcher")

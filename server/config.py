@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         30.0, gt=0, description="one deadline per request, from when its body has been read: a request (every "
         "part of a long one) not taken into a batch by then is answered 503 and its parts not yet run are not run")
-    # ---- the model runner (server/runner.py): batch shapes, CUDA graphs, head precision ----------
+    # ---- the model runner (server/runner/): batch shapes, CUDA graphs, head precision -----------
     batch_shapes: Literal["auto", "length_runs", "buckets", "bucket_runs"] = Field(
         "auto", description="how a batch becomes backbone passes: length_runs (rows cut into runs within "
         "max_padding_ratio, one pass each: right on a CPU, where compute scales with padded tokens); buckets (one "
@@ -322,7 +322,7 @@ def auto_precision(backend: str, device: str) -> str:
     accuracy cost. Backend torch on cuda: fp16 (within the accuracy rule on every shipped module, an
     fp16 backbone and fp16 heads alike: bench/results/head-precision-cpu.md, fp16 computed on the
     CPU; tensor-core products several times fp32's rate); fp32 matrix products that remain there use TF32
-    (server/runner.py, `use_device`). Backend torch on a CPU with native bfloat16: bf16
+    (server/runner/model_runner.py, `use_device`). Backend torch on a CPU with native bfloat16: bf16
     (bench/results/backends-cpu.md, 1.7-1.9x fp32 at batch 32, shipped modules' metrics within 0.04
     points). fp32 everywhere else (onnx; a CPU that would emulate bfloat16)."""
     if backend == "torch" and _device_type(device) == "cuda":

@@ -1,6 +1,6 @@
 """The engine: one backbone pass per batch, states streamed into the heads of a plan.
 
-Layers call downwards only: runtime -> runner (server/runner.py) -> engine -> plan (server/plan.py).
+Layers call downwards only: runtime -> runner (server/runner/) -> engine -> plan (server/plan.py).
 The runner asks for a plan once per pass (`plan`) and runs it (`run_plan`); the engine knows
 nothing of batch shapes, graphs or answers (logits become answers in server/answers.py, which the
 runner calls).
@@ -10,7 +10,7 @@ the output of layer l); each state is handed to its readers (the plan's groups, 
 bridges) and dropped, so at most two states are alive at once
 (tests/test_streaming.py::test_at_most_two_layer_outputs_alive checks it with weak references), and
 layers past the deepest are never run. Nothing in the pass reads a device value on the host, so the
-whole pass can be captured as one CUDA graph (server/runner.py)."""
+whole pass can be captured as one CUDA graph (server/runner/graphs.py)."""
 from __future__ import annotations
 
 import time

@@ -145,6 +145,24 @@ def token_limit(modules: dict, limit: int | None) -> int | None:
     return limit
 
 
+def token_classes_read(modules: dict[str, LoadedModule]) -> set[str]:
+    """The per-token classes the native heads of these modules read (casing, segment): made at
+    collate time, and static inputs of a captured pass."""
+    return {name for m in modules.values() if m.bridge is None for name in m.head.token_classes_read()}
+
+
+def native_part(modules: dict[str, LoadedModule]) -> dict[str, LoadedModule]:
+    """The modules that read this backbone's states themselves (not through a bridge)."""
+    return {task: m for task, m in modules.items() if m.bridge is None}
+
+
+def served_task_sets(modules: dict[str, LoadedModule]) -> list[dict[str, LoadedModule]]:
+    """The task sets requests that name no tasks run (server/api/serving.py, `fit_to_inputs`): single texts
+    get every task but the pair tasks, text pairs every task. Distinct and non-empty, pairs first."""
+    single = {task: m for task, m in modules.items() if not compares_pairs(m.manifest)}
+    return [s for s in ([modules, single] if len(single) < len(modules) else [modules]) if s]
+
+
 def servable_tasks(store: ModuleStore, backbone, bridges: dict | None = None) -> list[str]:
     """The store's tasks that have a version `backbone` serves (see `servable_version`)."""
     out = []

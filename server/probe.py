@@ -11,7 +11,7 @@ import torch
 
 from modules_store import ArtifactError, TaskType
 from server.engine import Engine
-from server.runner import token_classes_read
+from server.modules import token_classes_read
 
 PROBE_TEXTS = ["The probe checks that Ada Lovelace's module answers in Paris.", "Fine."]
 PROBE_PAIRS = ["A second text for pair tasks.", "Yes."]

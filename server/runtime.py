@@ -31,13 +31,15 @@ from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
 from server.probe import probe_module
-from server.runner import ModelRunner, PreparedBatch, error_text, head_precision, is_device_failure
+from server.runner.failures import error_text, is_device_failure
+from server.runner.model_runner import ModelRunner, PreparedBatch
+from server.runner.precision import head_precision
 from server.timings import Timings
 from server.windows import server_window_problem, window_rule
 
 log = logging.getLogger("tmod")
 
-# A sticky device error (server/runner.py, `is_device_failure`) leaves the whole process's CUDA
+# A sticky device error (server/runner/failures.py, `is_device_failure`) leaves the whole process's CUDA
 # context unusable: the first one seen in this process, and what to do then (tmod-serve: stop the
 # process, and exit non-zero once it has stopped; server/cli.py). Tests leave it None.
 _device_failure: str | None = None
@@ -473,7 +475,7 @@ class Runtime:
                   timings: Timings) -> dict[str, list]:
         """Backbone passes for rows gathered from one or more requests (compute thread), sorted by
         length, or already prepared. The runner cuts them into passes (length runs on a CPU, one
-        bucket-padded pass on a GPU: `server/runner.py`, `BatchShapes`). A row refused for memory
+        bucket-padded pass on a GPU: `server/runner/shapes.py`, `BatchShapes`). A row refused for memory
         holds an `OutOfMemory` (503) in place of its answers. A sticky device error fails the
         runtime (`fail`): this batch and every later one are answered 503."""
         if self.failure is not None:

@@ -235,7 +235,7 @@ def test_rows_of_many_input_jobs_are_sorted_by_length_and_each_job_gets_its_own_
     """A batch of many-input jobs: the runner gets every row sorted by length (stable: equal lengths
     keep their queue order) with those lengths beside them (`SortedRows`, no row asked), and each job
     gets the answers of its own rows, in its own order."""
-    from server.runner import SortedRows
+    from server.runner.model_runner import SortedRows
 
     modules = {"task0": object()}
     lengths = [[9, 3, 7], [3], [12, 1, 3, 9], [5, 5]]

@@ -109,7 +109,7 @@ def test_requests_whose_client_left_are_dropped_before_compute(tiny_store, tiny_
 
 
 def test_length_runs_bound_padding():
-    from server.runner import length_runs
+    from server.runner.shapes import length_runs
     lengths = [3, 4, 4, 5, 9, 10, 30, 31]
     runs = length_runs(lengths, 1.25)
     assert [lengths[r] for r in runs] == [[3, 4, 4, 5], [9, 10], [30, 31]]

@@ -170,7 +170,7 @@ def test_a_plan_with_foreign_modules_replays_its_native_part(setup, tiny_backbon
     the bridge eager on the unpadded rows: the answers of one eager pass."""
     from server.bridges import load_bridge
     from server.modules import load_module
-    from server.runner import ModelRunner
+    from server.runner.model_runner import ModelRunner
     from tests.test_runner import assert_same_answers, record_eager, sorted_rows
 
     store, bridges, _ = setup

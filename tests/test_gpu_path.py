@@ -20,19 +20,12 @@ from modules_store import ModuleStore
 from server.api.app import create_app
 from server.config import Settings
 from server.engine import Engine
-from server.modules import load_module, save_module
-from server.runner import (
-    Bucket,
-    GraphCache,
-    ModelRunner,
-    StagingBuffers,
-    can_capture,
-    capture_on,
-    is_device_failure,
-    is_out_of_memory,
-    pool_bytes,
-    served_task_sets,
-)
+from server.modules import load_module, save_module, served_task_sets
+from server.runner.failures import is_device_failure, is_out_of_memory
+from server.runner.graphs import GraphCache, can_capture, capture_on, pool_bytes
+from server.runner.model_runner import ModelRunner
+from server.runner.shapes import Bucket
+from server.runner.staging import StagingBuffers
 from server.timings import Timings
 from tests.device_failure_head import MESSAGE, TRIGGER, DeviceFailureHead
 from bench.live_server import free_port, wait_until
@@ -350,7 +343,7 @@ def test_task_list_uses_the_layers_read_at_load(tiny_backbone, tiny_store, monke
 
 
 def test_a_cuda_device_is_made_current_and_fp32_products_use_tf32(monkeypatch):
-    from server.runner import use_device
+    from server.runner.model_runner import use_device
 
     made_current = []
     monkeypatch.setattr(torch.cuda, "set_device", made_current.append)  # no GPU here: recorded

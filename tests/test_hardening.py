@@ -133,7 +133,7 @@ def test_a_head_that_raises_fails_only_its_own_task_in_a_shared_batch(tmp_path, 
         break_head(runtime, "fragile")
         rows = runtime.encode(TEXTS * 2, None, False, None)
         outputs = runtime.run_batch(rows, dict(runtime.modules), Timings())  # one batch, all three tasks
-        from server.runner import HeadFailed  # (imported here: the module's other tests run without it)
+        from server.runner.failures import HeadFailed# (imported here: the module's other tests run without it)
 
         assert all(isinstance(answer, HeadFailed) for answer in outputs["fragile"])
         assert all(isinstance(answer, dict) and "entities" in answer for answer in outputs["ner"])

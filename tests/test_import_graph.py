@@ -23,7 +23,7 @@ LAYERS = [  # lowest first; patterns over dotted module names
     ("modules", ["server.modules"]),
     ("plan", ["server.plan", "server.answers"]),
     ("engine", ["server.engine"]),
-    ("runner", ["server.runner"]),
+    ("runner", ["server.runner", "server.runner.*"]),
     ("probe", ["server.probe"]),
     ("runtime", ["server.batcher", "server.windows", "server.runtime"]),
     ("api", ["server.api", "server.api.*"]),

@@ -11,7 +11,7 @@ from server.config import Settings
 from server.engine import Engine
 from server.heads.layermix.grouped import WEIGHT_LEVELS, Int8Projection, MixGroup
 from server.modules import load_module, servable_tasks
-from server.runner import ModelRunner
+from server.runner.model_runner import ModelRunner
 from tests.test_grouped_heads import PAIRS, TEXTS, alone, as_modules, assert_equal, layermix_heads, mtb_heads
 
 
@@ -134,7 +134,7 @@ def test_a_server_with_int8_heads_answers_as_fp32_on_the_real_backbone(minilm):
 def test_int8_heads_beside_a_bf16_backbone(tiny_backbone):
     """bf16 states are quantised from their own values (cast to float first), and the rest of the heads
     run under the backbone's bf16 autocast, as ModelRunner runs them."""
-    from server.runner import heads_autocast
+    from server.runner.precision import heads_autocast
 
     modules = as_modules(**layermix_heads(tiny_backbone))
     bf16 = tiny_backbone.use_backend("torch", "bf16")

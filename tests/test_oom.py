@@ -19,7 +19,8 @@ from server.api.app import create_app
 from server.config import Settings
 from server.engine import Engine
 from server.modules import load_module
-from server.runner import ModelRunner, OutOfMemory, is_out_of_memory
+from server.runner.failures import OutOfMemory, is_out_of_memory
+from server.runner.model_runner import ModelRunner
 from tests.helpers import LiveServer
 from tests.test_runner import assert_same_answers
 

@@ -32,7 +32,7 @@ from server.backbone.backends import make_backend
 from server.config import Settings, auto_precision, cpu_has_native_bf16, device_problem, precision_problem
 from server.engine import Engine
 from server.modules import LoadedModule, compares_pairs, load_module, servable_tasks
-from server.runner import head_precision
+from server.runner.precision import head_precision
 from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head, served_answer
 from tests.test_backends import PAIRS, SAMPLE
 

@@ -1,4 +1,4 @@
-"""The model runner (server/runner.py): batch shapes, bucket padding, the graph cache and its
+"""The model runner (server/runner/): batch shapes, bucket padding, the graph cache and its
 invalidation on module changes, no host syncs inside a pass, head precision. CPU tests use the real
 tiny backbone and real modules; CUDA-only tests are marked and skipped without a GPU."""
 from __future__ import annotations
@@ -16,19 +16,11 @@ from modules_store import ModuleStore
 from server.backbone import Backbone
 from server.config import Settings
 from server.engine import Engine
-from server.modules import LoadedModule, load_module, save_module
-from server.runner import (
-    Bucket,
-    BatchShapes,
-    CapturedPass,
-    ModelRunner,
-    bounded,
-    head_precision,
-    pack_logits,
-    static_batch,
-    token_classes_read,
-    unpack_logits,
-)
+from server.modules import LoadedModule, load_module, save_module, token_classes_read
+from server.runner.graphs import CapturedPass, pack_logits, static_batch, unpack_logits
+from server.runner.model_runner import ModelRunner
+from server.runner.precision import head_precision
+from server.runner.shapes import BatchShapes, Bucket, bounded
 from server.runtime import Runtime
 from server.timings import Timings
 from tests.helpers import metric_sample, random_head
@@ -719,7 +711,7 @@ def test_served_batches_launched_ahead_answer_as_eager_passes_across_a_reload(ti
     import httpx
 
     from server.api.app import create_app
-    from server.runner import LaunchedPass
+    from server.runner.graphs import LaunchedPass
     from tests.helpers import LiveServer
 
     token = "t" * 32

@@ -298,7 +298,7 @@ class TokenBatch:
     texts: Sequence[str]  # a list, or `TextSpans` of a RowBlock's string
     text_pairs: Sequence[str | None] | None
     truncated: list[bool]
-    # rows added at the end to fill a bucket shape (server/runner.py); each attends to its first
+    # rows added at the end to fill a bucket shape (server/runner/shapes.py); each attends to its first
     # token only, so no attention row is fully masked; their outputs are dropped (`real`)
     filler_rows: int = 0
     # per-token classes some heads read (TOKEN_CLASSES: casing, segment), (B, T) each, made once
