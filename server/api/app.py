@@ -11,9 +11,10 @@ same structs. Task names are checked against one snapshot of the runtime's modul
 module swapped mid-request does not change what the request sees.
 
 `create_app` makes one `Serving` (server/api/serving.py: readiness, the modules a request names, one
-request's path through tokenizer and batcher) and hands it to each group of routes: v1's tasks and
-health here, the admin routes (server/api/admin.py), OIP v2 (server/api/oip.py), tokenize
-(server/api/tokenize.py) and the other protocols' modules."""
+request's path through tokenizer and batcher) and hands it to each group of routes: `/v1/infer` and
+`/v1/tasks` (server/api/infer.py), the admin routes (server/api/admin.py), OIP v2 (server/api/oip.py),
+tokenize (server/api/tokenize.py), health and metrics (server/api/health.py) and the other protocols'
+modules."""
 from __future__ import annotations
 
 import functools
@@ -22,11 +23,9 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-import msgspec
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api import oip_grpc
@@ -35,19 +34,21 @@ from server.api.classify import ClassifyRequest, ClassifyResponse, classify_rout
 from server.api.cors import Cors
 from server.api.embeddings import (OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, RerankRequest, RerankResponse,
                                    ScoreRequest, ScoreResponse, TEIEmbedRequest, TEIRank, TEIRerankRequest,
-                                   TEISimilarityRequest, embeddings_routes, model_list_routes, tei_info, tei_root)
+                                   TEISimilarityRequest, embeddings_routes, model_list_routes, tei_root)
+from server.api.health import health_routes
 from server.api.http_limits import CYCLE, answer_whole, limit_body, read_body
+from server.api.infer import infer_route, task_routes
 from server.api.oip import oip_routes
 from server.api.predict import PredictRequest, PredictResponse, TEIPredictRequest, predict_route, tei_predict_route
-from server.api.schemas import (InferRequest, InferResponse, TaskDetail, TaskList, TeiDecodeRequest, TeiTokenizeRequest,
-                                TokenizeRequest, VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest,
-                                VllmTokenizeResponse, decode, openapi_components)
-from server.api.serving import Serving, bearer_matches, check_query, query_pairs, require_json, task_types
+from server.api.schemas import (InferRequest, InferResponse, TeiDecodeRequest, TeiTokenizeRequest, TokenizeRequest,
+                                VllmDetokenizeRequest, VllmDetokenizeResponse, VllmTokenizeRequest, VllmTokenizeResponse,
+                                openapi_components)
+from server.api.serving import Serving, bearer_matches, check_query, query_pairs, require_json
 from server.api.tokenize import tokenize_routes
 from server.backbone import Backbone
 from server.config import Settings
-from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, error_content, http_error_handler,
-                           no_such_task, refusal, validation_error_handler)
+from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, http_error_handler, refusal,
+                           validation_error_handler)
 from server.logs import AccessLog, request_id, request_id_for
 from server.runtime import Runtime
 
@@ -226,7 +227,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         await runtime.open()
         grpc_server = None
         if settings.grpc_port is not None:  # OIP over gRPC beside HTTP, in each process that serves HTTP
-            health = oip_grpc.Health(require_serving)
+            health = oip_grpc.Health(serving.require_serving)
             grpc_server = await oip_grpc.start(app.grpc_service, health, settings.host, settings.grpc_port,
                                                settings.max_body_bytes)
         yield
@@ -246,52 +247,17 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
     app.add_exception_handler(Exception, api_error_handler)  # a 500 in the protocol's shape, its traceback logged
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    metrics = runtime.metrics
 
     serving = Serving(settings, runtime)
-    require_ready, require_serving = serving.require_ready, serving.require_serving
 
-    async def infer(body: bytes, request: Call) -> tuple[bytes, dict]:
-        require_ready()
-        asked = decode(InferRequest, body)
-        named = request.query("tasks")  # ?tasks=a&tasks=b asks for both: the lists are joined
-        tasks = ",".join(named) if named else None
-        pairs = not isinstance(asked.inputs[0], str)
-        modules = serving.modules_for(tasks, pairs)
-        texts = [item.text for item in asked.inputs] if pairs else asked.inputs
-        text_pairs = [item.text_pair for item in asked.inputs] if pairs else None
-        results, job, headers = await serving.run_inference(texts, text_pairs, modules, asked.truncate, request,
-                                                            asked.window, asked.stride, asked)
-        return msgspec.json.encode(InferResponse(
-            results=results, model=serving.model_info(), tasks={t: m.version for t, m in job.modules.items()},
-            truncated=[i for i, row in enumerate(job.rows) if row.truncated], windows=job.windows,
-        )), headers
-
-    @app.get("/v1/tasks", response_model=TaskList, tags=["tasks"])
-    async def list_tasks():
-        require_ready()
-        window_settings = serving.window_settings
-        return {"tasks": [runtime.describe(m) for _, m in sorted(runtime.modules.items())],
-                "backbone": msgspec.structs.asdict(serving.model_info()),
-                "windows": {**window_settings(None, None).describe(), "window_by_task_type": {
-                    kind: window_settings(None, None, None, [kind]).window for kind in sorted(task_types(runtime.modules))}}}
-
-    @app.get("/v1/tasks/{name}", response_model=TaskDetail, tags=["tasks"], responses={404: {}})
-    async def get_task(name: str):
-        require_ready()
-        module = runtime.modules.get(name)
-        if module is None:
-            raise no_such_task(name, runtime.modules, runtime.load_errors, runtime.skipped)
-        # not its training record: the command, file paths, store and machine of whoever trained it are
-        # the operator's (the store's manifest.json), not every client's
-        return {**runtime.describe(module), "manifest": module.manifest.model_dump(mode="json", exclude={"training"})}
-
+    task_routes(app, serving)
     admin_routes(app, serving)
     model_list_routes(app, serving)
     oip_infer, oip_answer = oip_routes(app, serving)
     tokenize_routes(app, serving)
+    health_routes(app, serving)
 
-    app.fast_routes = {"/v1/infer": infer, **embeddings_routes(serving), **classify_routes(serving),
+    app.fast_routes = {**infer_route(serving), **embeddings_routes(serving), **classify_routes(serving),
                        **tei_predict_route(serving)}
     app.fast_routes["/"] = tei_root(app.fast_routes)
     app.oip_infer = oip_infer
@@ -299,62 +265,6 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
                                         lambda headers: app.api_keys is None or bearer_matches(headers, *app.api_keys))
     app.v1_predict = predict_route(serving)
     app.openapi = functools.partial(openapi, app)
-
-    def device_failed() -> Response | None:
-        """`Serving.device_failure` as tmod's health routes answer it."""
-        failed = serving.device_failure()
-        if failed is None:
-            return None
-        return Response(content=error_content("/healthz", 503, failed.type, failed.message), status_code=503,
-                        media_type="application/json")
-
-    @app.get("/healthz", tags=["health"], responses={503: {}})
-    async def healthz():
-        return device_failed() or {"status": "ok"}
-
-    @app.get("/info", tags=["embeddings"], responses={503: {}})
-    async def tei_endpoint_info():
-        """Text Embeddings Inference's /info (huggingface_hub's `get_endpoint_info`): the backbone, its
-        precision, the embedding's pooling and this server's limits, in TEI's field names."""
-        require_ready()
-        return tei_info(runtime, settings, app.version)
-
-    @app.get("/health", tags=["embeddings"], responses={503: {}})
-    @app.get("/", tags=["embeddings", "kserve-v1"], responses={503: {}})
-    async def tei_health(request: Request):
-        """Text Embeddings Inference's health route (huggingface_hub's `health_check`; TEI answers it at
-        `GET /` too): 200 while the server can answer, else 503 in TEI's error shape. The body is empty,
-        but at `/`: KServe V1's liveness there (the kserve client's `is_server_live`) is {"status": "alive"}."""
-        failed = serving.device_failure()
-        if failed is not None:
-            raise failed
-        require_serving()
-        if request.url.path == "/":
-            return Response(b'{"status":"alive"}', status_code=200, media_type="application/json")
-        return Response(status_code=200)
-
-    @app.get("/readyz", tags=["health"], responses={503: {}})
-    async def readyz():
-        failed = device_failed()
-        if failed is not None:
-            return failed
-        if not runtime.ready.is_set():
-            detail = runtime.startup_error or "loading"
-            return Response(
-                content=error_content("/readyz", 503, "not_ready", f"not ready: {detail}"),
-                status_code=503, media_type="application/json",
-            )
-        if not runtime.modules:  # every module unloaded (or none loaded at start): out of service
-            out = serving.no_modules()
-            return Response(content=error_content("/readyz", 503, out.type, out.message, **out.details),
-                            status_code=503, media_type="application/json")
-        return {"status": "ready", "backbone": runtime.model_info()[0], "tasks": sorted(runtime.modules),
-                "refused": runtime.load_errors}
-
-    @app.get("/metrics", tags=["health"])
-    async def prometheus_metrics():
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
     return app
 
 
