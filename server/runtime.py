@@ -26,7 +26,7 @@ from server.backbone import Backbone, EncodedInput
 from server.config import SettingError, Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine
-from server.errors import ApiError, clip, no_such_task
+from server.errors import ApiError, clip, no_such_task, nothing_served
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
@@ -323,10 +323,10 @@ class Runtime:
             gc.freeze()
             self.ready.set()
             log.info("ready in %.1fs: %d tasks", time.perf_counter() - began, len(loaded))
-            if not loaded:  # e.g. a store of another backbone's modules: say so where operators look
-                log.warning("no module loaded from the store %s%s: /readyz answers 503 no_modules until one is "
-                            "loaded through /admin", self.settings.store,
-                            f" (refused: {sorted(self.load_errors)})" if self.load_errors else "")
+            if not loaded:  # e.g. a store of another backbone's modules: say so, and why, where operators look
+                log.warning("%s (/readyz answers 503 no_modules until then)", nothing_served(
+                    self.settings.store, ModuleStore(self.settings.store).tasks(), self.load_errors, self.skipped,
+                    bool(self.settings.admin_token)))
         except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
             if isinstance(exc, SettingError):  # the operator's setting: its one line says it all
                 self.startup_error = str(exc)

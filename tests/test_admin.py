@@ -78,8 +78,10 @@ def test_a_start_with_no_module_says_so(store, tiny_backbone, tmp_path, caplog):
             ready = httpx.get(server.url + "/readyz").json()["error"]
             infer = httpx.post(server.url + "/v1/infer", json={"inputs": ["x"]})
             assert infer.status_code == 503 and infer.json()["error"]["type"] == "no_modules"
-            assert infer.json()["error"]["message"] == ready["message"] and "load one through /admin" in ready["message"]
-    assert f"no module loaded from the store {empty}: /readyz answers 503 no_modules" in caplog.text
+            assert infer.json()["error"]["message"] == ready["message"] == (
+                f"no task modules are loaded from the store {empty} (it holds no module: train one into it, "
+                "tmod-train layermix ... --store STORE); load one through /admin")
+    assert f"{ready['message']} (/readyz answers 503 no_modules until then)" in caplog.text
 
 
 def test_load_switch_and_unload(live):

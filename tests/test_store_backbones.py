@@ -4,6 +4,7 @@ without refusals for the other backbone's modules, and /v1/tasks names each modu
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -131,3 +132,31 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
         assert httpx.get(server.url + "/readyz").json()["tasks"] == ["entailment"]
     # tmod-train's example request (no --load-into) names the tasks such a server answers, no others
     assert served_at_start(store, bert) == ["sentiment"] and served_at_start(store, mpnet) == ["entailment"]
+
+
+def test_a_store_with_nothing_to_serve_here_says_why_at_readiness(backbones, tmp_path, caplog):
+    """Every task of the store left out at start (one opt-in, one another backbone's): /readyz and the
+    start-up warning say why for each, not only that nothing is loaded, and that /admin needs its token."""
+    bert, mpnet = backbones["bert"], backbones["mpnet"]
+    store = ModuleStore(tmp_path / "store")
+    save_module(store, "entailment", "1", random_head(bert, "sequence_classification", ENTAILMENT, 4,
+                                                      pooling="pair"), bert)
+    path = store.path("entailment", "1") / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "opt_in": "58.1% on RTE, TF-IDF 57.0%"}))
+    save_module(store, "sentiment", "mpnet-1", random_head(mpnet, "sequence_classification", SENTIMENT, 3), mpnet)
+
+    def serves_nothing(response):
+        return response.status_code == 503 and response.json()["error"]["type"] == "no_modules"
+
+    with caplog.at_level(logging.WARNING, logger="tmod"):
+        with LiveServer(create_app(Settings(store=store.root), backbone=bert), ready_when=serves_nothing) as server:
+            error = httpx.get(server.url + "/readyz").json()["error"]
+    assert error["message"] == (
+        f"no task modules are loaded from the store {store.root} (entailment is not served: entailment/1 is opt-in "
+        "(58.1% on RTE, TF-IDF 57.0%): name it in --tasks, or load it with POST /admin/modules/entailment/load; "
+        f"sentiment is not served: {error['not_served']['sentiment']}); load one through /admin, which needs "
+        "TMOD_ADMIN_TOKEN set at start")
+    assert list(error["not_served"]) == ["entailment", "sentiment"] and error["refused"] == {}
+    assert "no version for backbone tiny-bert" in error["not_served"]["sentiment"]
+    assert "mpnet-1 (tiny-mpnet)" in error["not_served"]["sentiment"]
+    assert f"{error['message']} (/readyz answers 503 no_modules until then)" in caplog.text

@@ -17,11 +17,13 @@ from collections import Counter
 from typing import Callable
 from urllib.parse import parse_qsl
 
+from modules_store import ModuleStore
 from server import windows
 from server.api.schemas import DEFAULT_CONTROLS, AnswerControls, ModelInfo
 from server.batcher import Job
 from server.config import Settings
-from server.errors import ApiError, clip, clip_list, did_you_mean, no_such_task, protocol_of, unknown_tasks
+from server.errors import (ApiError, clip, clip_list, did_you_mean, no_such_task, nothing_served, protocol_of,
+                           unknown_tasks)
 from server.modules import LoadedModule, compares_pairs, reads_single_texts, token_limit
 
 # A request this short is tokenized on the event loop: the hand-off to a tokenizer thread and back
@@ -91,8 +93,11 @@ class Serving:
             raise ApiError(503, "not_ready", f"server not ready: {detail}")
 
     def no_modules(self) -> ApiError:
-        return ApiError(503, "no_modules", f"no task modules are loaded (store: {self.settings.store}); load one "
-                                           "through /admin", refused=self.runtime.load_errors)
+        runtime = self.runtime
+        return ApiError(503, "no_modules", nothing_served(
+            self.settings.store, ModuleStore(self.settings.store).tasks(), runtime.load_errors, runtime.skipped,
+            bool(self.settings.admin_token)),
+            refused=runtime.load_errors, not_served=dict(sorted(runtime.skipped.items())))
 
     def require_serving(self) -> None:
         """Ready to answer inference: the backbone loaded and at least one module (an operator who
