@@ -105,7 +105,9 @@ def not_loaded(tasks: list[str], refused: dict[str, str], skipped: dict[str, str
     for those of `tasks` (the first 10) refused at load, as /readyz lists them, or left out at start
     (`skipped`); '' when none was."""
     skipped = skipped or {}
-    why = [f"{task} was refused at load: {refused[task]}" if task in refused else f"{task} is not served: {skipped[task]}"
+    # an artifact's error begins with the task's name ('ner: no version for ...'): not said twice
+    why = [f"{task} was refused at load: {refused[task]}" if task in refused
+           else f"{task} is not served: {skipped[task].removeprefix(f'{task}: ')}"
            for task in tasks[:10] if task in refused or task in skipped]
     return f" ({'; '.join(why)})" if why else ""
 
