@@ -2,6 +2,7 @@
 setting, store or port stops it at once with one line."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -148,3 +149,15 @@ def test_a_port_in_use_is_one_line_before_anything_loads(tmp_path, workers):
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip() == f"tmod-serve: cannot listen on 127.0.0.1:{port}: Address already in use " \
                                   "(--host / --port)", done.stderr
+
+
+def test_every_tmod_train_command_lists_each_option_once_with_its_help():
+    """`tmod-train layermix --help` printed two groups titled 'data', and `--max-validation` with no help."""
+    from training.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        titles = [group.title for group in command._action_groups if group._group_actions]
+        assert len(titles) == len(set(titles)), (name, titles)
+        unexplained = [a.option_strings for a in command._actions if a.help is None and a.option_strings != ["-h", "--help"]]
+        assert not unexplained, (name, unexplained)

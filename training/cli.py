@@ -55,7 +55,7 @@ def _csv_list(value: str) -> list[str]:
 
 
 def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
-    g = p.add_argument_group("data")
+    g = p.add_argument_group("reading the files (format, columns, labels)")
     g.add_argument("--data-dir", default=default, help="folder of the presets' files "
                    "(default: $TMOD_DATA_DIR, else ../shared/data from the repository root)")
     g.add_argument("--format", choices=["tsv", "csv", "jsonl", "conll"], default=default,
@@ -102,7 +102,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
                    help="single-label tasks: answer no label ('none of these', label null) when the best probability "
                         "is under P; auto: chosen on validation. Stored in the manifest; a request's threshold overrides it")
     g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
-    g.add_argument("--max-validation", type=int, default=S)
+    g.add_argument("--max-validation", type=int, default=S,
+                   help="validate on a seeded random subset of N examples (the epoch is then chosen on fewer)")
     g.add_argument("--document-windows", default=S,
                    help="token tasks from a CoNLL file: also train on its documents read in windows of these "
                         "many word pieces, comma-separated (e.g. 256,128), cut as the server cuts long texts; "
@@ -171,8 +172,10 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--run-dir", default=S, help="default: runs/<task>-<version>-<time>")
     g.add_argument("--report-dir", default=S, help="default: RUN_DIR/report")
     g.add_argument("--backbone", default=S, help="backbone folder, or a named one: minilm (default), smollm2, mpnet")
-    g.add_argument("--description", default=S)
-    g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=S)
+    g.add_argument("--description", default=S, help="what /v1/tasks says the module is (default: '<kind> head on "
+                   "<backbone>, trained on <data>')")
+    g.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=S,
+                   help="replace a --version the store holds (else it is refused before training)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=S,
                    help="progress bars (default: only when stderr is a terminal; without them a plain line every 30 s of a "
                         "long step; one line per epoch is always written)")
@@ -245,20 +248,22 @@ def add_align_command(commands) -> None:
                    help="held-out texts where the matching is measured, at most this many (0: all) of the "
                         "presets' validation split or of --texts' held-out tenth (it is chosen on the others, "
                         "where it looks better)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the subsets and of the held-out tenth (default: 0)")
     p.add_argument("--heatmap", action=argparse.BooleanOptionalAction, default=True,
                    help="also pair every source state and report every source x target state correlation")
     p.add_argument("--store", default=None, help="bridge store (default: <module store>/_bridges)")
     p.add_argument("--name", default=None, help="bridge name (default: align-<source>-to-<target>)")
     p.add_argument("--version", type=version_name, default=None,
                    help="default: the next free number of this name in the store (the mapping is in its manifest)")
-    p.add_argument("--description", default=None)
-    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--description", default=None, help="what the bridge's manifest says it is (default: 'alignment "
+                   "bridge: TARGET modules served on SOURCE')")
+    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False,
+                   help="replace a --version the store holds (else it is refused before any state is paired)")
     p.add_argument("--report-dir", default=None, help="default: runs/<name>-<version>-<time>/report")
     p.add_argument("--cache-dir", default=None, help="paired states cache root (default: $TMOD_CACHE_DIR, else "
                    "$XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="backbone batch size")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda")
     p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: only when stderr is a terminal)")
@@ -312,9 +317,11 @@ def add_bridge_command(commands) -> None:
     p.add_argument("--version", type=version_name, default=None,
                    help="default: the next free number of this name in the bridge store")
     p.add_argument("--report-dir", default=None, help="default: runs/bridge-<name>-<version>-<time>/report")
-    p.add_argument("--run-dir", default=None)
-    p.add_argument("--description", default=None)
-    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--run-dir", default=None, help="default: runs/bridge-<name>-<version>-<time>")
+    p.add_argument("--description", default=None, help="what the bridge's manifest says it is (default: 'transformer "
+                   "bridge SOURCE -> TARGET, OBJECTIVE objective')")
+    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=None,
+                   help="replace a --version the store holds (else it is refused before training)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: only when stderr is a terminal)")
 
@@ -327,7 +334,7 @@ def add_embedding_command(commands) -> None:
     p.add_argument("--version", type=version_name, default=None,
                    help="default: the next free number of the task in the store")
     p.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace a --version the store holds")
     p.add_argument("--check", type=at_least(0), default=872, help="SST-2 validation sentences compared with "
                    "sentence-transformers (0: no check; default: all 872)")
     p.add_argument("--data-dir", default=None, help="folder of the datasets (default: $TMOD_DATA_DIR)")
@@ -345,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = commands.add_parser("eval", help="score a stored module on a labelled file (served path)")
     e.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
-    e.add_argument("--task", required=True)
+    e.add_argument("--task", required=True, help="the stored module's task name")
     e.add_argument("--version", type=version_name, default=None, help="default: the latest")
     e.add_argument("--dataset", default=None, help="preset to score on")
     e.add_argument("--split", default="validation", choices=["train", "validation"], help="preset split")
@@ -356,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: the module's own); another needs --bridges")
     e.add_argument("--bridges", default=None, help="bridge store: a module of another backbone scored through the "
                                                     "bridge that serves it on --backbone, as tmod-serve --bridges serves it")
-    e.add_argument("--batch-size", type=at_least(1), default=128)
-    e.add_argument("--device", default="auto")
+    e.add_argument("--batch-size", type=at_least(1), default=128, help="backbone batch size (default: 128)")
+    e.add_argument("--device", default="auto", help="auto (default), cpu, cuda")
     e.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
                    help="backbone precision (backend torch), as the module is served")
     e.add_argument("--output", default=None, help="also write the metrics JSON here")
