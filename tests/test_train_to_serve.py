@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 
 import httpx
@@ -126,7 +127,7 @@ def test_a_refused_load_keeps_the_trained_module_and_its_report(server, tiny_bac
     assert (store.root / "foreign" / "1" / "manifest.json").is_file()
     report = tmp_path / "run" / "report"
     assert f"its report in {report}" in line
-    assert "once a tmod-serve with this store runs" in (report / "report.md").read_text()  # not "loaded into"
+    assert "## Serve it, then query it" in (report / "report.md").read_text()  # not "loaded into"
     assert "foreign" not in httpx.get(url + "/v1/tasks", timeout=30).json()["tasks"]
 
 
@@ -181,3 +182,36 @@ def test_a_saved_version_a_new_server_would_not_serve_is_said(train_backbone_dir
     assert said.startswith(f"a tmod-serve started on {store} serves mood/wide-1, not this mood/1: the latest version")
     assert said.endswith("name mood/1 in its --tasks (TMOD_TASKS) to serve this one, or load it through "
                          "POST /admin/modules/mood/load")
+
+
+def test_the_printed_serve_command_and_query_work_as_printed(train_backbone_dir, tmp_path, capsys):
+    """Without --load-into the run said only the request to send 'once a tmod-serve with this store runs':
+    now also the tmod-serve command that serves its store (on its backbone), and both work as printed."""
+    if not preset_spec(PRESETS["sst2"], "validation").path.is_file():
+        pytest.skip(f"shared data not found at {default_data_dir()}")
+    run = tmp_path / "run"
+    argv = ["layermix", "--dataset", "sst2", "--task", "mood", "--max-train", "96", "--max-validation", "48",
+            "--epochs", "1", "--batch-size", "16", "--backbone", str(train_backbone_dir), "--run-dir", str(run),
+            "--threads", "1"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["serve"] == shlex.join(["tmod-serve", "--store", str(run / "store"), "--backbone",
+                                           str(train_backbone_dir)])
+    assert f"    {summary['serve']}\n\n    {summary['query']}" in (run / "report" / "report.md").read_text()
+    # numbers as a person reads them: no float sum's tail (0.07000000000000006)
+    numbers = [v for v in [*summary["validation"].values(), *summary["baselines"].values()] if isinstance(v, float)]
+    assert numbers and all(v == round(v, 6) for v in numbers)
+
+    command = shlex.split(summary["serve"])
+    assert command[0] == "tmod-serve"
+    url, process = start_tmod_serve(command[1:], {**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        query = summary["query"].replace("http://127.0.0.1:8080", url)
+        answer = subprocess.run(["bash", "-c", query + " -w '\\n%{http_code}'"], capture_output=True, text=True,
+                                timeout=60)
+        body, code = answer.stdout.rsplit("\n", 1)
+        assert code == "200", answer.stdout
+        assert set(json.loads(body)["results"][0]) == {"mood"}
+    finally:
+        process.kill()
+        process.wait(timeout=30)

@@ -415,19 +415,21 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
 
     result = train(settings, command=command, config_file=args.config, splits=splits)
 
+    def shown(value):  # 0.07 for the float sum's 0.07000000000000006
+        return round(value, 6) if isinstance(value, float) else value
+
     def headline(metrics: dict) -> dict:
-        return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
+        return {k: shown(v) for k, v in metrics.items() if isinstance(v, (int, float, str))}
 
     baselines = result.metrics["baselines"]
     summary = {"task": result.task, "version": result.version, "artifact": str(result.artifact),
                "report": str(result.report_dir), "validation": headline(result.metrics)}
     if "test" in result.metrics:
         summary["test"] = headline(result.metrics["test"])
-    summary["baselines"] = {k: (v.get(baselines["metric"], v.get("error")) if isinstance(v, dict) else v)
+    summary["baselines"] = {k: shown(v.get(baselines["metric"], v.get("error")) if isinstance(v, dict) else v)
                             for k, v in baselines.items()}
-    summary["loaded_into" if result.loaded_into else "query"] = result.loaded_into or result.request
-    if result.loaded_into:
-        summary["query"] = result.request
+    summary["loaded_into" if result.loaded_into else "serve"] = result.loaded_into or result.serve
+    summary["query"] = result.request
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -149,8 +149,10 @@ def report_text(result) -> str:
             cells = [w["text"]] + ([w["wrong"]] if by_word else [w["missed"], w["wrong"]])
             lines.append("| " + " | ".join((c if isinstance(c, str) else "; ".join(c) or "-").replace("|", "\\|")
                                            for c in cells) + " |")
-    where = f"loaded into {result.loaded_into}" if result.loaded_into else "once a tmod-serve with this store runs"
-    lines += ["", f"## Query it ({where})", "", "    " + result.request, ""]
+    if result.loaded_into:
+        lines += ["", f"## Query it (loaded into {result.loaded_into})", "", "    " + result.request, ""]
+    else:
+        lines += ["", "## Serve it, then query it", "", "    " + result.serve, "", "    " + result.request, ""]
     return "\n".join(lines)
 
 

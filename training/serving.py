@@ -125,6 +125,15 @@ def served_at_start(store: ModuleStore, backbone) -> list[str]:
     return served
 
 
+def serve_command(store: ModuleStore, backbone: str | None) -> str:
+    """The tmod-serve command that serves `store` (the new module among its tasks) on the run's
+    `--backbone` (left out for the default one, as tmod-serve's own default is it)."""
+    words = ["tmod-serve", "--store", str(store.root)]
+    if backbone and backbone != "minilm":
+        words += ["--backbone", backbone]
+    return shlex.join(words)
+
+
 def example_request(url: str, task: str, others: list[str], text: str, text_pair: str | None = None,
                     api_key: bool = False) -> str:
     """A curl command asking the new task and `others` (the served ones) in one request; with the key

@@ -60,6 +60,7 @@ class TrainResult:
     assessment: dict = field(default_factory=dict)  # baselines and per-class / per-type scores (training/assess.py)
     request: str = ""  # a request that queries the new task beside the loaded ones
     loaded_into: str | None = None  # the server it was hot-loaded into
+    serve: str = ""  # else the tmod-serve command that serves it
 
 
 # ---- data ----------------------------------------------------------------------------------
@@ -625,7 +626,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     request, loaded_into, refusal = offer_to_serve(s, task, store, backbone, server, val_data.examples[0])
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
                           history=result.history, layer_weights=weights, training=training, decoding=decoding,
-                          assessment=assessment, request=request, loaded_into=loaded_into)
+                          assessment=assessment, request=request, loaded_into=loaded_into,
+                          serve="" if loaded_into else serving.serve_command(store, s.backbone))
     write_report(report_dir, outcome)
     if refusal:
         raise UsageError(f"{refusal} (the module is saved in {artifact}, its report in {report_dir})")
