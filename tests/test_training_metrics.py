@@ -207,3 +207,19 @@ def test_a_confusion_matrix_of_many_labels_shows_the_most_confused(tmp_path):
     plot_confusion({"labels": [f"L{i}" for i in range(n)], "counts": counts}, tmp_path / "c.png", "t")
     width, height = struct.unpack(">II", (tmp_path / "c.png").read_bytes()[16:24])
     assert width < 2000 and height < 2000  # 20 labels, not 30
+
+
+def test_a_long_task_name_stays_inside_the_confusion_plot(tmp_path, monkeypatch):
+    """The title ran past a two-label matrix's edge ('mysent: confusion on the validation split' lost its
+    last word): it is wrapped to the figure's width."""
+    from training import report
+
+    figures = []
+    monkeypatch.setattr(report.plt, "close", figures.append)  # keep the figure to measure it
+    report.plot_confusion({"labels": ["negative", "positive"], "counts": [[75, 16], [16, 93]]}, tmp_path / "c.png",
+                          "customer-support-intents: confusion on the validation split")
+    figure = figures[0]
+    title = figure.axes[0].title.get_window_extent(figure.canvas.get_renderer())
+    assert 0 <= title.x0 and title.x1 <= figure.bbox.width
+    monkeypatch.undo()
+    report.plt.close(figure)

@@ -3,6 +3,7 @@ distribution)."""
 from __future__ import annotations
 
 import json
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -186,7 +187,8 @@ def plot_confusion(confusion: dict, path: Path, title: str) -> None:
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.set_xlabel("predicted")
     ax.set_ylabel("gold")
-    ax.set_title(title)
+    # wrapped to the figure's width: a task's name made a one-line title run past a small matrix's edge
+    ax.set_title("\n".join(textwrap.fill(line, int(8 * size)) for line in title.split("\n")), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
