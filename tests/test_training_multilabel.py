@@ -1,8 +1,11 @@
 """tmod-train --multi-label: reading, the loss, threshold choice, a tiny end-to-end run, served answers."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -136,7 +139,10 @@ def multilabel_run(tmp_path_factory, train_backbone_dir):
             "--task", "kinds", "--store", str(root / "store"), "--report-dir", str(root / "report"),
             "--epochs", "12", "--lr", "0.01", "--alpha", "2", "--batch-size", "8", "--project-dim", "16",
             "--patience", "12", "--no-progress"]
-    assert main(argv) == 0
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        assert main(argv) == 0
+    (root / "stderr.txt").write_text(said.getvalue())
     return root
 
 
@@ -156,6 +162,12 @@ def test_multilabel_training_writes_thresholds_and_reports(multilabel_run, train
     assert all(f"| {label} | {thresholds[label]:.2f} |" in table for label in manifest.labels)
     assert (report / "per_label_f1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((report / "metrics.json").read_text())["decoding"]["thresholds"] == thresholds
+    # an epoch's number is at one threshold for every label, the kept head's at its own per label: each says so
+    epochs = [line for line in (multilabel_run / "stderr.txt").read_text().splitlines() if line.startswith("epoch ")]
+    assert epochs and all(re.search(r"validation f1_macro [\d.]+ at threshold [\d.]+ for all labels", line)
+                          for line in epochs), epochs
+    assert (f"- validation f1_macro: **{manifest.metrics['f1_macro']:.4f}** (48 examples; this split chose the epoch "
+            "and the per-label thresholds, so the number is optimistic)") in (report / "report.md").read_text()
 
 
 def test_served_answers_use_the_shipped_thresholds(multilabel_run, train_backbone):

@@ -76,7 +76,8 @@ def report_text(result) -> str:
     metric = m["metric"]
     lines = [f"# {result.task} {result.version}", "",
              f"- validation {metric}: **{m[metric]:.4f}** ({m['examples'] if 'examples' in m else m.get('sentences')} "
-             f"examples; this split chose the epoch, so the number is optimistic)"]
+             f"examples; this split chose the epoch{' and the per-label thresholds' if result.decoding.get('thresholds') else ''}"
+             f", so the number is optimistic)"]
     if "test" in m:
         t = m["test"]
         lines.append(f"- test {metric}: **{t[metric]:.4f}** ({t.get('examples', t.get('sentences'))} examples; "

@@ -396,8 +396,11 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
             best_state = copy.deepcopy(keep())
         else:
             stale += 1
+        # a multi-label epoch is scored at one threshold for every label; the kept head's per-label
+        # thresholds, chosen after training, score higher: said, so the two numbers do not puzzle
+        at = f" at threshold {val_metrics['threshold']:.2f} for all labels" if val_split.is_multi_label else ""
         tqdm.write(f"epoch {epoch}/{s.epochs}: train loss {train_loss:.4f}  validation loss {val_loss:.4f}  "
-                   f"validation {s.metric} {value:.4f}{'  (kept)' if improved else ''}  [{train_seconds:.1f}s]",
+                   f"validation {s.metric} {value:.4f}{at}{'  (kept)' if improved else ''}  [{train_seconds:.1f}s]",
                    file=sys.stderr)
         if s.select == "best":
             scheduler.step(value)
