@@ -15,8 +15,8 @@ from server.backbone import Backbone
 from server.bridges import BRIDGE_KINDS, bridge_store, load_bridge, save_bridge
 from server.bridges.alignment import AlignmentBridge, AlignmentConfig
 from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head
-from training.align import align, correlation, correlation_grid, layer_groups, match
-from training.pairing import PairedStates
+from training.bridges.align import align, correlation, correlation_grid, layer_groups, match
+from training.bridges.pairing import PairedStates
 
 WORDS = ("the cat sat on a mat while unbelievably quiet dogs were playing football near Paris "
          "and nobody said anything about it , really ! Strange weather : 42 % rain").split()

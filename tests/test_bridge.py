@@ -1,4 +1,4 @@
-"""The transformer bridge (server/bridges/transformer.py) and its training (training/bridge.py).
+"""The transformer bridge (server/bridges/transformer.py) and its training (training/bridges/transformer.py).
 
 Tiny random backbones (the real MiniLM tokenizer), CPU, seeded: a rotation the MSE objective must
 learn, distillation through a frozen foreign module, artifacts that round-trip (and refuse damage),
@@ -21,9 +21,9 @@ from server.bridges.transformer import TransformerBridge
 from server.engine import Engine
 from server.modules import load_module, save_module
 from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head
-from training.bridge import (BridgeSettings, ModuleProbe, evaluate, fit_bridge, state_statistics,
-                             train_bridge)
-from training.pairing import PairedStates
+from training.bridges.pairing import PairedStates
+from training.bridges.transformer import (BridgeSettings, ModuleProbe, evaluate, fit_bridge, state_statistics,
+                                          train_bridge)
 
 WORDS = ("the a cat dog house river green small quick slow runs sleeps eats over under near city music "
          "film good bad very not movie story plot actor great terrible boring fun long short red blue "
@@ -316,23 +316,24 @@ def test_train_bridge_distill_writes_a_loadable_artifact_and_report(sst2_dir, so
 def test_ctrl_c_keeps_the_best_epoch_so_far_and_finishes_the_run(sst2_dir, source, target, tmp_path, monkeypatch):
     """A long bridge run interrupted in epoch 3 was lost whole (KeyboardInterrupt out of the command);
     now epochs 1-2's best is saved, loads and is reported as interrupted, as a head's run does."""
-    import training.bridge
+    import training.bridges.transformer
 
-    real = training.bridge.run_bridge_epoch
+    real = training.bridges.transformer.run_bridge_epoch
 
     def interrupted_in_epoch_3(*args):
         if args[8] == 3:  # epoch
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(training.bridge, "run_bridge_epoch", interrupted_in_epoch_3)
+    monkeypatch.setattr(training.bridges.transformer, "run_bridge_epoch", interrupted_in_epoch_3)
     s = settings(dataset="sst2", data_dir=str(sst2_dir), epochs=10, bridge_store=str(tmp_path / "bridges"),
                  report_dir=str(tmp_path / "report"), cache_dir=str(tmp_path / "cache"), name="cut", threads=1)
     result = train_bridge(s, source=source, target=target)
     assert [h["epoch"] for h in result.history] == [1, 2] and result.history[-1]["stopped_by"] == "interrupt"
     assert load_bridge(bridge_store(tmp_path / "bridges"), "cut", "1", source).manifest.training["epochs_run"] == 2
     assert "interrupted (Ctrl-C) after epoch 2: kept epoch " in (tmp_path / "report" / "report.md").read_text()
-    monkeypatch.setattr(training.bridge, "run_bridge_epoch", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(training.bridges.transformer, "run_bridge_epoch",
+                        lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):  # nothing kept yet: the command says it was interrupted
         train_bridge(s.model_copy(update={"name": "none"}), source=source, target=target)
 

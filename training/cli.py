@@ -225,7 +225,7 @@ def add_head_options(p: argparse.ArgumentParser, kind: str) -> None:
 
 
 def add_align_command(commands) -> None:
-    """`tmod-train align` (training/align.py): an alignment bridge, fitted without training."""
+    """`tmod-train align` (training/bridges/align.py): an alignment bridge, fitted without training."""
     p = commands.add_parser("align", help="alignment bridge: serve TARGET's modules on SOURCE by matching "
                                           "hidden dimensions (Pearson + linear assignment; no training)")
     p.add_argument("--source", default="minilm", help="backbone the bridge is served on: minilm, smollm2, mpnet, a folder")
@@ -270,7 +270,8 @@ def add_align_command(commands) -> None:
 
 
 def add_bridge_command(commands) -> None:
-    """`tmod-train bridge` (training/bridge.py): a transformer bridge, trained (MSE or distillation)."""
+    """`tmod-train bridge` (training/bridges/transformer.py): a transformer bridge, trained (MSE or
+    distillation)."""
     p = commands.add_parser("bridge", help="transformer bridge: serve TARGET's modules on SOURCE; trained on "
                                            "paired states (MSE) or through a frozen target module (distill)")
     p.add_argument("--config", default=None, help="YAML or JSON file of settings (same names as the options, '_' or "
@@ -687,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
             from server.errors import did_you_mean
 
             if args.command == "bridge":
-                from training.bridge import BridgeSettings
+                from training.bridges.transformer import BridgeSettings
                 fields = BridgeSettings.model_fields
             else:
                 from training.settings import TrainSettings
@@ -717,11 +718,11 @@ def run_command(args: argparse.Namespace, argv: list[str]) -> int:
         return cmd_train(args, shlex.join(["tmod-train", *argv]))  # checks the data first, then quiet_transformers
     quiet_transformers(args)
     if args.command == "align":
-        from training.align import cmd_align
+        from training.bridges.align import cmd_align
 
         return cmd_align(args, shlex.join(["tmod-train", *argv]))
     if args.command == "bridge":
-        from training.bridge import cmd_bridge
+        from training.bridges.transformer import cmd_bridge
 
         return cmd_bridge(args, shlex.join(["tmod-train", *argv]))
     if args.command == "embedding":

@@ -2,7 +2,7 @@
 
 The backbone is frozen, so its states are a function of the input alone. `CachedStates` runs it
 once per split and keeps only the states the head reads, real tokens only, in fp16 (a
-`TokenStateCache`, which `training.pairing.PairedStates` uses too);
+`TokenStateCache`, which `training.bridges.pairing.PairedStates` uses too);
 `RecomputedStates` runs it again for every batch (no memory cost, a backbone pass per epoch).
 `CachedStates(disk=...)` also keeps them on disk, for later runs on the same split.
 Either way every input is encoded by `Backbone.encode` and padded by `Backbone.collate`, exactly

@@ -1,6 +1,6 @@
 """The alignment bridge: parameter-free transfer by matching hidden dimensions (Klimaszewski et al.).
 
-Fitted by `training.align.align` on paired states: for every target state j it reads one source
+Fitted by `training.bridges.align.align` on paired states: for every target state j it reads one source
 state (SKIP) or the mean of a consecutive group of source states (AVG), and each target dimension
 d takes the source dimension matched to it by a linear assignment on the Pearson correlations
 between source and target dimensions:

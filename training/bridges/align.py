@@ -1,7 +1,7 @@
 """Alignment transfer (Klimaszewski et al.): serve modules of backbone B on backbone A, no training.
 
 On paired states (the same texts through both backbones, rows aligned by characters: see
-`training.pairing`), the Pearson correlation C (H_s x H_t) between every source dimension and
+`training.bridges.pairing`), the Pearson correlation C (H_s x H_t) between every source dimension and
 every target dimension is measured, and `scipy.optimize.linear_sum_assignment(-C)` matches
 min(H_s, H_t) pairs of dimensions one to one, maximising the summed correlation. The bridge
 (`server.bridges.alignment.AlignmentBridge`) then feeds each target dimension from its matched
@@ -30,7 +30,7 @@ import torch
 from server.bridges.alignment import AlignmentBridge, AlignmentConfig
 from training.data.examples import hold_out, seeded_subset
 from training.data.files import UsageError, read_text_lines
-from training.pairing import PairedStates
+from training.bridges.pairing import PairedStates
 from training.progress import progress_of
 from training.settings import check_layers, parse_layers
 

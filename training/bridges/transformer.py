@@ -486,7 +486,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     """Backbones, texts, pairs, (module), bridge, fit, save, load back, served-path metrics, report."""
     from server.backbone import Backbone
     from server.bridges import bridge_store, load_bridge, save_bridge
-    from training.pairing import PairedStates
+    from training.bridges.pairing import PairedStates
     from training.settings import pick_device
     from training.runs import (RunOutputs, check_cache_dir, save_as_free_version, say_if_bridge_outranked,
                                stored_name)
