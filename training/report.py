@@ -74,10 +74,10 @@ def report_text(result) -> str:
     head fails (per class / per type, the most confidently wrong examples) and how to query it."""
     a, m = result.assessment, result.metrics
     metric = m["metric"]
+    chose = "the epoch and the per-label thresholds" if result.decoding.get("thresholds") else "the epoch"
     lines = [f"# {result.task} {result.version}", "",
              f"- validation {metric}: **{m[metric]:.4f}** ({m['examples'] if 'examples' in m else m.get('sentences')} "
-             f"examples; this split chose the epoch{' and the per-label thresholds' if result.decoding.get('thresholds') else ''}"
-             f", so the number is optimistic)"]
+             f"examples; this split chose {chose}, so the number is optimistic)"]
     if "test" in m:
         t = m["test"]
         lines.append(f"- test {metric}: **{t[metric]:.4f}** ({t.get('examples', t.get('sentences'))} examples; "
