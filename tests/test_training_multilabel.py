@@ -185,3 +185,10 @@ def test_served_answers_use_the_shipped_thresholds(multilabel_run, train_backbon
     for answer in answers:
         assert answer["labels"] == [l for l in labels if answer["scores"][l] >= thresholds[l]]
     assert multilabel_scores(gold, pred, labels)["f1_macro"] == pytest.approx(module.manifest.metrics["f1_macro"], abs=0.03)
+
+
+def test_scoring_the_validation_file_says_it_chose_the_thresholds_too(multilabel_run, train_backbone_dir, capsys):
+    assert main(["eval", "--store", str(multilabel_run / "store"), "--task", "kinds", "--file",
+                 str(multilabel_run / "val.tsv"), "--backbone", str(train_backbone_dir), "--no-progress"]) == 0
+    role = json.loads(capsys.readouterr().out)["file_role"]
+    assert role == "validation: this file chose the epoch and the decision thresholds, so this score is optimistic"

@@ -484,7 +484,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         answers = Split(data, module.head.labels, Backbone.load(own, device=str(backbone.device)))
     metrics = score_module(split, module, args.batch_size, progress=args.progress,
                            engine=Engine(backbone, bridges=bridges), answer_split=answers)
-    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path))
+    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path),
+                     thresholds=bool(module.manifest.decoding.get("thresholds") or module.manifest.decoding.get("threshold")))
     if not role.startswith(("test", "not a file")):
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
     result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
