@@ -130,7 +130,7 @@ def test_every_shipped_number_says_what_chose_it_and_what_a_simple_model_scores(
         linear = "window_tagger" if manifest["task_type"] == "token_classification" else "tfidf_logreg"
         for run in ("majority", linear):
             assert baselines[run]["baseline"] == run, name
-            assert baselines[f"margin_over_{run}"] == pytest.approx(metrics[metric] - baselines[run][metric], abs=1e-12)
+            assert baselines[f"margin_over_{run}"] == pytest.approx(metrics[metric] - baselines[run][metric], abs=1e-6)
         assert baselines["verdict"].startswith(("above", "no better"))
         assert f"the validation split also {metrics['role']}:" in baselines["verdict"], name
         data = manifest["training"]["data"]

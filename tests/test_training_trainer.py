@@ -131,7 +131,7 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     baseline = result["baseline"]
     assert baseline["metric"] == manifest.metrics["metric"] == "accuracy" and baseline["head"] == result["metrics"]["accuracy"]
     assert baseline["majority_in_file"] == pytest.approx(share) and baseline["margin"] == pytest.approx(
-        result["metrics"]["accuracy"] - share)
+        result["metrics"]["accuracy"] - share, abs=1e-6)  # to 6 places
     assert f"accuracy {result['metrics']['accuracy']:.4f} against {share:.4f} for every row answered with the file's " \
         "most frequent label" in err
     # the training file: said to be no held-out score, in the JSON and on stderr

@@ -105,7 +105,8 @@ def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType)
     for run in runs:
         baselines[run["baseline"]] = run
         if metric in run:  # not where it could not be trained (`baseline_runs`)
-            baselines[f"margin_over_{run['baseline']}"] = head[metric] - run[metric]
+            # a difference of two scores, rounded: 0.07, not the float sum's 0.07000000000000006
+            baselines[f"margin_over_{run['baseline']}"] = round(head[metric] - run[metric], 6)
     baselines["verdict"] = verdict(baselines, kind)
     return baselines
 

@@ -416,18 +416,15 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
 
     result = train(settings, command=command, config_file=args.config, splits=splits)
 
-    def shown(value):  # 0.07 for the float sum's 0.07000000000000006
-        return round(value, 6) if isinstance(value, float) else value
-
     def headline(metrics: dict) -> dict:
-        return {k: shown(v) for k, v in metrics.items() if isinstance(v, (int, float, str))}
+        return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
 
     baselines = result.metrics["baselines"]
     summary = {"task": result.task, "version": result.version, "artifact": str(result.artifact),
                "report": str(result.report_dir), "validation": headline(result.metrics)}
     if "test" in result.metrics:
         summary["test"] = headline(result.metrics["test"])
-    summary["baselines"] = {k: shown(v.get(baselines["metric"], v.get("error")) if isinstance(v, dict) else v)
+    summary["baselines"] = {k: (v.get(baselines["metric"], v.get("error")) if isinstance(v, dict) else v)
                             for k, v in baselines.items()}
     summary["loaded_into" if result.loaded_into else "serve"] = result.loaded_into or result.serve
     summary["query"] = result.request
@@ -594,7 +591,7 @@ def eval_baseline(data, module, metrics: dict) -> dict:
                 TaskType.multi_label_classification: "every row answered with the file's most frequent label set"
                 }.get(task_type, "every row answered with the file's most frequent label")
     baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
-                "margin": metrics[metric] - constant[metric], "majority_in_file_is": f"{answered} (chosen on it)"}
+                "margin": round(metrics[metric] - constant[metric], 6), "majority_in_file_is": f"{answered} (chosen on it)"}
     print(f"tmod-train eval: {metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} "
           f"({baseline['margin']:+.4f})", file=sys.stderr)
     return baseline
