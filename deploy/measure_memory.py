@@ -206,11 +206,12 @@ def main(argv=None) -> int:
     parser.add_argument("--backbone", default=None, help="the server's backbone (default: MiniLM; mpnet: the quality tier)")
     parser.add_argument("--worst-only", action="store_true", help="measure only phase 3, the worst allowed mix")
     parser.add_argument("--worst-clients", default="1,8,32", help="long-document clients at once, one level each")
-    parser.add_argument("--worst-tokenize-clients", type=int, default=8)
-    parser.add_argument("--worst-short-clients", type=int, default=8)
-    parser.add_argument("--worst-seconds", type=float, default=60.0)
+    parser.add_argument("--worst-tokenize-clients", type=int, default=8,
+                        help="phase 3: clients sending tokenize requests at max_tokenize_chars beside them")
+    parser.add_argument("--worst-short-clients", type=int, default=8, help="phase 3: clients sending short requests")
+    parser.add_argument("--worst-seconds", type=float, default=60.0, help="phase 3: how long each level runs")
     parser.add_argument("--mixed-only", action="store_true", help="measure only phase 4, sustained mixed traffic")
-    parser.add_argument("--mixed-rounds", type=int, default=3)
+    parser.add_argument("--mixed-rounds", type=int, default=3, help="phase 4: rounds, RSS read after each")
     parser.add_argument("--mixed-requests", type=int, default=800, help="requests a round (8 clients)")
     parser.add_argument("--onednn-cache", default="default,8",
                         help="oneDNN primitive cache capacities, one fresh server each (default: oneDNN's own)")

@@ -143,9 +143,10 @@ def roll_out_one(opener, host: str, task: str, version: str | None, action: str,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("task")
+    p.add_argument("task", help="the task whose module every replica changes (a folder of the shared store)")
     p.add_argument("--version", default=None, help="version to load (default: the latest in the store)")
-    p.add_argument("--action", choices=("load", "reload", "unload"), default="load")
+    p.add_argument("--action", choices=("load", "reload", "unload"), default="load",
+                   help="load (the version), reload (the served version, its files read again) or unload (default: load)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--hosts", help="comma-separated HOST:PORT of every replica (a HOST alone: --port)")
     where.add_argument("--dns", help="a name that resolves to every replica (a headless Service)")
