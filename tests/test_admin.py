@@ -92,6 +92,11 @@ def test_load_switch_and_unload(live):
         "task": "sentiment", "action": "load", "version": "1", "previous_version": "2"}
     version, v1_scores = scores(live)
     assert version == "1" and v1_scores != v2_scores
+    # a numbered version may come as a JSON number (it was 422 'Input should be a valid string'); true is no version
+    assert admin(live, "sentiment", "load", 2).json()["version"] == "2"
+    assert admin(live, "sentiment", "load", True).status_code == 422
+    assert admin(live, "sentiment", "load", 1).json() == {"task": "sentiment", "action": "load", "version": "1",
+                                                           "previous_version": "2"}
     assert admin(live, "sentiment", "unload").json()["version"] == "1"
     assert live.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x"]}).status_code == 400
     # every module unloaded: out of service (readiness says so) but still managed through /admin
@@ -121,6 +126,16 @@ def test_a_version_in_the_query_string_is_refused_not_ignored(live):
     assert response.status_code == 400 and '{"parameters": {"version": "2"}}' in response.json()["error"]  # OIP's shape
     assert live.post("/admin/modules/sentiment/load", params={"version": "1"}).status_code == 401  # the token first
     assert scores(live)[0] == "2"
+
+
+def test_tritons_repository_load_takes_a_numbered_version_as_a_number_too(live):
+    """{"parameters": {"version": 1}} was 400 'is a string'; as /admin's body, a number names that version."""
+    loaded = live.post("/v2/repository/models/sentiment/load", json={"parameters": {"version": 1}}, headers=AUTH)
+    assert loaded.status_code == 200 and scores(live)[0] == "1"
+    refused = live.post("/v2/repository/models/sentiment/load", json={"parameters": {"version": True}}, headers=AUTH)
+    assert refused.status_code == 400 and refused.json()["error"] == (
+        "parameter 'version' is a version's name, e.g. \"2\" (or 2)")
+    assert admin(live, "sentiment", "load", "2").status_code == 200 and scores(live)[0] == "2"
 
 
 def test_reloads_during_traffic_fail_no_request(live):

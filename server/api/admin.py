@@ -10,7 +10,7 @@ from fastapi import Request, Response
 from modules_store import ModuleStore
 from modules_store.manifest import NAME_PATTERN
 from server.api.schemas import (AdminModules, ModuleAction, ModuleActionResult, RepositoryChangeRequest,
-                                RepositoryIndexRequest, decode)
+                                RepositoryIndexRequest, decode, numbered_version)
 from server.api.serving import Serving, bearer_matches
 from server.errors import ApiError, clip, clip_list, did_you_mean, protocol_of
 
@@ -113,9 +113,9 @@ def admin_routes(app, serving: Serving) -> None:
                            + ("tmod loads the store's artifacts, not a configuration or files sent with the request "
                               "(write the module into the store, e.g. tmod-train --store, and load it by name)"
                               if sent_files else f"{action} takes {sorted(known)}{did_you_mean(sent, known)}"))
-        version = parameters.get("version")
+        version = numbered_version(parameters.get("version"))
         if version is not None and not isinstance(version, str):
-            raise ApiError(400, "invalid_request", "parameter 'version' is a string, e.g. \"2\"")
+            raise ApiError(400, "invalid_request", "parameter 'version' is a version's name, e.g. \"2\" (or 2)")
         await change_module(request, task, action, version,
                             'a version goes in the JSON body: {"parameters": {"version": "2"}}')
         return Response(status_code=200)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import CLIP, ApiError, did_you_mean
 
@@ -395,10 +395,22 @@ class OpenAIModelList(BaseModel):
     data: list[OpenAIModel]
 
 
+def numbered_version(value):
+    """A version sent as a JSON number (`2`, how a person writes a numbered one) as the store names it
+    ("2"); anything else as it came (true is no version: refused as such)."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
+
+
 class ModuleAction(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$",
-                                description="store version; default: latest (load) or the loaded one (reload)")
+                                description="store version (a numbered one also as a JSON number: 2 is \"2\"); "
+                                            "default: latest (load) or the loaded one (reload)")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _numbered(cls, value):
+        return numbered_version(value)
 
 
 class ModuleActionResult(BaseModel):
