@@ -537,6 +537,8 @@ def test_settings_parsing_and_config_errors(tmp_path):
     for bad in ("a-b", "2-x", "1,,3", "-1"):
         with pytest.raises(UsageError, match="^--layers: .* is not a state number or range: give 6, 0-6 or 1,3,5"):
             parse_layers(bad, "--layers")
+    with pytest.raises(UsageError, match="^--layers: '3-1' runs downwards: give the range low to high, 1-3$"):
+        parse_layers("3-1", "--layers")  # it was pydantic's 'List should have at least 1 item after validation'
     assert parse_label_map("0=neg, 1=pos") == {"0": "neg", "1": "pos"}
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"epochs": 2, "no_such_knob": 1}))

@@ -59,6 +59,9 @@ def parse_layers(value, option: str = "") -> list[int] | None:
         if not (low.strip().isdigit() and (high.strip().isdigit() or not high)):
             raise UsageError(f"{option + ': ' if option else ''}{part.strip()!r} is not a state number or range: "
                              "give 6, 0-6 or 1,3,5 (0 = the embeddings)")
+        if high and int(high) < int(low):  # an empty range: it was 'List should have at least 1 item'
+            raise UsageError(f"{option + ': ' if option else ''}{part.strip()!r} runs downwards: give the range low to "
+                             f"high, {int(high)}-{int(low)}")
         layers.update(range(int(low), int(high or low) + 1))
     return sorted(layers)
 
