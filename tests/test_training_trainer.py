@@ -540,6 +540,16 @@ def test_settings_parsing_and_config_errors(tmp_path):
     with pytest.raises(UsageError, match="^--layers: '3-1' runs downwards: give the range low to high, 1-3$"):
         parse_layers("3-1", "--layers")  # it was pydantic's 'List should have at least 1 item after validation'
     assert parse_label_map("0=neg, 1=pos") == {"0": "neg", "1": "pos"}
+    assert parse_label_map("0=neg,1=neg") == {"0": "neg", "1": "neg"}  # raw labels merged: allowed
+    with pytest.raises(ValueError, match="'0' is mapped twice \\('neg' and 'pos'\\)"):
+        parse_label_map("0=neg,0=pos")  # it kept 'pos' and then refused label '1' as missing from the map
+    # what a value was expected to be, not Python's "could not convert string to float: 'maybe'"
+    for field, value, said in (("none_below", "maybe", "a probability between 0 and 1, or auto (got 'maybe')"),
+                               ("split", "0.1,x", "one or two fractions, VALIDATION[,TEST]: 0.1 or 0.1,0.1 (got 'x')"),
+                               ("document_windows", "256,x", "word pieces a window, comma-separated: 256,128 (got 'x')"),
+                               ("labels", ["neg", "neg"], "names ['neg'] more than once: each label once")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            TrainSettings(dataset="sst2", **{field: value})
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"epochs": 2, "no_such_knob": 1}))
     args = build_parser().parse_args(["layermix", "--config", str(config), "--dataset", "sst2"])

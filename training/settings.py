@@ -73,6 +73,21 @@ def check_layers(layers: list[int], backbone, option: str) -> None:
         raise UsageError(f"{option} {bad}: {backbone.name} has states 0..{backbone.num_layers} (0 = the embeddings)")
 
 
+def number(value, expected: str) -> float:
+    """`value` as a float, or ValueError saying what was expected (not Python's 'could not convert')."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{expected} (got {str(value).strip()!r})") from None
+
+
+def whole_number(value, expected: str) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{expected} (got {str(value).strip()!r})") from None
+
+
 def parse_label_map(value) -> dict[str, str] | None:
     """'0=negative,1=positive' or a dict -> {'0': 'negative', '1': 'positive'}."""
     if value is None or isinstance(value, dict):
@@ -80,7 +95,13 @@ def parse_label_map(value) -> dict[str, str] | None:
     pairs = [item.split("=", 1) for item in str(value).split(",") if item.strip()]
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"label map {value!r}: expected raw=name pairs separated by commas")
-    return {raw.strip(): name.strip() for raw, name in pairs}
+    mapped = {}
+    for raw, name in pairs:  # a raw label mapped twice kept the last name, quietly
+        if raw.strip() in mapped and mapped[raw.strip()] != name.strip():
+            raise ValueError(f"label map {value!r}: {raw.strip()!r} is mapped twice ({mapped[raw.strip()]!r} and "
+                             f"{name.strip()!r}); one raw label has one name (several raw labels may share one)")
+        mapped[raw.strip()] = name.strip()
+    return mapped
 
 
 # Learning rates per head kind: a fresh small head learns fast; copied transformer blocks are
@@ -233,14 +254,23 @@ class TrainSettings(BaseModel):
     @field_validator("document_windows", mode="before")
     @classmethod
     def _document_windows(cls, value):
-        return [int(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        return [whole_number(v, "word pieces a window, comma-separated: 256,128") for v in value.split(",")
+                if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value):
+        twice = sorted({label for label in value or () if value.count(label) > 1})
+        if twice:  # class ids named by place: two ids of one name made every row one label
+            raise ValueError(f"names {twice} more than once: each label once, in the head's order")
+        return value
 
     @field_validator("none_below", mode="before")
     @classmethod
     def _none_below(cls, value):
         if value is None or value == "auto":
             return value
-        value = float(value)
+        value = number(value, "a probability between 0 and 1, or auto")
         if not 0 < value < 1:
             raise ValueError("a probability between 0 and 1, or auto")
         return value
@@ -248,7 +278,8 @@ class TrainSettings(BaseModel):
     @field_validator("split", mode="before")
     @classmethod
     def _split(cls, value):
-        parts = [float(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        parts = [number(v, "one or two fractions, VALIDATION[,TEST]: 0.1 or 0.1,0.1") for v in value.split(",")
+                 if v.strip()] if isinstance(value, str) else value
         if parts is not None and not (1 <= len(parts) <= 2 and all(0 < p < 1 for p in parts) and sum(parts) < 1):
             raise ValueError("give one or two fractions between 0 and 1 that sum to under 1: VALIDATION[,TEST]")
         if parts is not None and sum(parts) > 0.5:  # '--split 0.8' meant as the training share trains on a fifth
