@@ -106,6 +106,22 @@ def test_the_verdict_names_the_first_baseline_the_head_fails_to_beat(head, major
                                   "gives one that chose nothing")
 
 
+def test_a_verdict_on_a_handful_of_rows_says_they_are_too_few():
+    """Two validation rows read 'above both baselines: accuracy +0.5000', as if it were a finding."""
+    from modules_store import TaskType
+    from training.assess import verdict
+    def on(rows):
+        return {"split": "test", "metric": "accuracy", "head": 1.0, "majority": {"accuracy": 0.5, "examples": rows},
+                "tfidf_logreg": {"accuracy": 0.5, "examples": rows}}
+    few = verdict(on(2), TaskType.sequence_classification)
+    assert few.endswith("; scored on 2 rows only, each 50% of them: too few for these numbers to rank the head "
+                        "against the baselines")
+    assert "too few" not in verdict(on(200), TaskType.sequence_classification)
+    sentences = {"split": "test", "metric": "f1", "head": 0.6, "majority": {"f1": 0.0, "sentences": 20},
+                 "window_tagger": {"f1": 0.4, "sentences": 20}}
+    assert "scored on 20 rows only, each 5% of them" in verdict(sentences, TaskType.token_classification)
+
+
 def test_every_shipped_number_says_what_chose_it_and_what_a_simple_model_scores():
     """Each shipped module's validation numbers (what /v1/tasks and OIP metadata show) say what that
     split chose and carry the baselines tmod-train writes: the majority answer and the linear model on

@@ -116,6 +116,9 @@ def linear_baseline(kind: TaskType) -> str:
     return "window_tagger" if kind == TaskType.token_classification else "tfidf_logreg"
 
 
+FEW_ROWS = 100  # under this many scored rows one row moves accuracy by more than a point
+
+
 def verdict(baselines: dict, kind: TaskType) -> str:
     """One line a user reads first: does the head beat the majority answer and the linear model?"""
     split, metric, head = baselines["split"], baselines["metric"], baselines["head"]
@@ -124,6 +127,11 @@ def verdict(baselines: dict, kind: TaskType) -> str:
     role = baselines.get("role", "chose the epoch")
     caveat = (f"; the validation split also {role}: --test FILE or --split VAL,TEST gives one that chose nothing"
               if split == "validation" else "")
+    scored = baselines["majority"]  # on the rows every score here is on (a token task's: sentences)
+    rows = scored.get("examples", scored.get("sentences"))
+    if rows and rows < FEW_ROWS:  # 2 validation rows made "above both baselines: +0.5000" read as a finding
+        caveat = (f"; scored on {rows} rows only, each {100 / rows:.0f}% of them: too few for these numbers to rank "
+                  "the head against the baselines" + caveat)
     if linear_score is None:  # these rows could not train it (`baseline_runs`)
         standing = (f"no better than the majority answer on the {split} split ({metric} {head:.4f} against "
                     f"{majority_score:.4f})" if head <= majority_score else
