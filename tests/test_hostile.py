@@ -351,7 +351,10 @@ CASES = [
      422, "v1"),
     ("admin-version-newline", "POST", "/admin/modules/sentiment/load", {"headers": ADMIN, "json": {"version": "1\n"}},
      422, "v1"),
-    ("admin-version-number", "POST", "/admin/modules/sentiment/load", {"headers": ADMIN, "json": {"version": 1}},
+    # a numbered version may come as a JSON number ({"version": 1} loads "1"); no other number names one
+    ("admin-version-negative", "POST", "/admin/modules/sentiment/load", {"headers": ADMIN, "json": {"version": -1}},
+     422, "v1"),
+    ("admin-version-fraction", "POST", "/admin/modules/sentiment/load", {"headers": ADMIN, "json": {"version": 1.5}},
      422, "v1"),
     ("admin-version-huge", "POST", "/admin/modules/sentiment/load", {"headers": ADMIN, "json": {"version": BIG[:50_000]}},
      422, "v1"),
