@@ -73,17 +73,11 @@ def check_layers(layers: list[int], backbone, option: str) -> None:
         raise UsageError(f"{option} {bad}: {backbone.name} has states 0..{backbone.num_layers} (0 = the embeddings)")
 
 
-def number(value, expected: str) -> float:
-    """`value` as a float, or ValueError saying what was expected (not Python's 'could not convert')."""
+def number(value, expected: str, kind: type = float):
+    """`value` as a `kind` (float, int), or ValueError saying what was expected (not Python's 'could
+    not convert string to float')."""
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{expected} (got {str(value).strip()!r})") from None
-
-
-def whole_number(value, expected: str) -> int:
-    try:
-        return int(str(value).strip())
+        return kind(str(value).strip())
     except ValueError:
         raise ValueError(f"{expected} (got {str(value).strip()!r})") from None
 
@@ -254,7 +248,7 @@ class TrainSettings(BaseModel):
     @field_validator("document_windows", mode="before")
     @classmethod
     def _document_windows(cls, value):
-        return [whole_number(v, "word pieces a window, comma-separated: 256,128") for v in value.split(",")
+        return [number(v, "word pieces a window, comma-separated: 256,128", int) for v in value.split(",")
                 if v.strip()] if isinstance(value, str) else value
 
     @field_validator("labels")
