@@ -70,7 +70,7 @@ class ModuleStore:
     def latest(self, task: str) -> str:
         versions = self.versions(task)
         if not versions:
-            raise ArtifactError("not_found", f"no module '{task}' in store {self.root}{self._gone()}")
+            raise ArtifactError("not_found", f"no module '{task}' in store {self.root}{self.gone_note()}")
         return versions[-1]
 
     def next_version(self, task: str) -> str:
@@ -82,7 +82,7 @@ class ModuleStore:
             check_name(name)
         return self.root / task / version
 
-    def _gone(self) -> str:
+    def gone_note(self) -> str:
         """' (that folder is not there ...)' where the store itself is missing (a volume unmounted, the
         folder moved while a server runs), else ''."""
         return "" if self.root.is_dir() else " (that folder is not there: moved, deleted or not mounted)"
@@ -94,7 +94,7 @@ class ModuleStore:
         if not path.is_file():
             if not path.parent.is_dir():  # a version that was never written: which ones were
                 raise ArtifactError("not_found", f"no version {version!r} of {task} in the store {self.root}; it has "
-                                                 f"{self.versions(task)}{self._gone()}")
+                                                 f"{self.versions(task)}{self.gone_note()}")
             raise ArtifactError("not_found", f"no manifest at {path}")
         try:
             manifest = self.manifest_cls.model_validate_json(path.read_bytes())

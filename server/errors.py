@@ -23,6 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from modules_store import ModuleStore
+
 log = logging.getLogger("tmod")
 
 CLIP = 80  # characters of a client's value an error message quotes back
@@ -112,20 +114,20 @@ def not_loaded(tasks: list[str], refused: dict[str, str], skipped: dict[str, str
     return f" ({'; '.join(why)})" if why else ""
 
 
-def nothing_served(store, store_tasks: list[str], refused: dict[str, str], skipped: dict[str, str],
-                   admin_enabled: bool) -> str:
+def nothing_served(store: ModuleStore, refused: dict[str, str], skipped: dict[str, str], admin_enabled: bool) -> str:
     """Why a server serves no task, and how it gets one: each task refused at load or left out at start
-    with why (opt-in, another backbone's), or a store that holds no module, or tasks unloaded since;
-    then /admin's load, and the token it needs where it is off."""
+    with why (opt-in, another backbone's), or a store folder that is gone or holds no module, or tasks
+    unloaded since; then /admin's load, and the token it needs where it is off."""
     left_out = sorted({**skipped, **refused})
+    tasks = store.tasks()
     if left_out:
         why = not_loaded(left_out, refused, skipped)
-    elif not store_tasks:
-        why = " (it holds no module: train one into it, tmod-train layermix ... --store STORE)"
+    elif not tasks:
+        why = store.gone_note() or " (it holds no module: train one into it, tmod-train layermix ... --store STORE)"
     else:
-        why = f" (its tasks {clip_list(store_tasks)} are not loaded: unloaded, or added since start-up)"
+        why = f" (its tasks {clip_list(tasks)} are not loaded: unloaded, or added since start-up)"
     how = "load one through /admin" + ("" if admin_enabled else ", which needs TMOD_ADMIN_TOKEN set at start")
-    return f"no task modules are loaded from the store {store}{why}; {how}"
+    return f"no task modules are loaded from the store {store.root}{why}; {how}"
 
 
 def error_body(type_: str, message: str, **details: Any) -> dict:

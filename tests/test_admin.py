@@ -81,6 +81,10 @@ def test_a_start_with_no_module_says_so(store, tiny_backbone, tmp_path, caplog):
             assert infer.json()["error"]["message"] == ready["message"] == (
                 f"no task modules are loaded from the store {empty} (it holds no module: train one into it, "
                 "tmod-train layermix ... --store STORE); load one through /admin")
+            empty.rmdir()  # the volume unmounted under the running server: not an empty store any more
+            assert httpx.get(server.url + "/readyz").json()["error"]["message"] == (
+                f"no task modules are loaded from the store {empty} (that folder is not there: moved, deleted or not "
+                "mounted); load one through /admin")
     assert f"{ready['message']} (/readyz answers 503 no_modules until then)" in caplog.text
 
 

@@ -95,8 +95,7 @@ class Serving:
     def no_modules(self) -> ApiError:
         runtime = self.runtime
         return ApiError(503, "no_modules", nothing_served(
-            self.settings.store, ModuleStore(self.settings.store).tasks(), runtime.load_errors, runtime.skipped,
-            bool(self.settings.admin_token)),
+            ModuleStore(self.settings.store), runtime.load_errors, runtime.skipped, bool(self.settings.admin_token)),
             refused=runtime.load_errors, not_served=dict(sorted(runtime.skipped.items())))
 
     def require_serving(self) -> None:
