@@ -119,10 +119,9 @@ def nothing_served(store: ModuleStore, refused: dict[str, str], skipped: dict[st
     with why (opt-in, another backbone's), or a store folder that is gone or holds no module, or tasks
     unloaded since; then /admin's load, and the token it needs where it is off."""
     left_out = sorted({**skipped, **refused})
-    tasks = store.tasks()
     if left_out:
         why = not_loaded(left_out, refused, skipped)
-    elif not tasks:
+    elif not (tasks := store.tasks()):  # the store is read only where the reasons above do not say it all
         why = store.gone_note() or " (it holds no module: train one into it, tmod-train layermix ... --store STORE)"
     else:
         why = f" (its tasks {clip_list(tasks)} are not loaded: unloaded, or added since start-up)"

@@ -325,7 +325,7 @@ class Runtime:
             log.info("ready in %.1fs: %d tasks", time.perf_counter() - began, len(loaded))
             if not loaded:  # e.g. a store of another backbone's modules: say so, and why, where operators look
                 log.warning("%s (/readyz answers 503 no_modules until then)", nothing_served(
-                    ModuleStore(self.settings.store), self.load_errors, self.skipped, bool(self.settings.admin_token)))
+                    self.store, self.load_errors, self.skipped, bool(self.settings.admin_token)))
         except Exception as exc:  # a process that cannot serve says why, and (under tmod-serve) exits
             if isinstance(exc, SettingError):  # the operator's setting: its one line says it all
                 self.startup_error = str(exc)

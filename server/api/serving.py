@@ -3,8 +3,9 @@ asks for, and one inference request's path (limits, tokenization with long texts
 batcher, metrics, timing headers) that every protocol's route takes (`Serving.run_inference`).
 
 The app (server/api/app.py) makes one `Serving` over its runtime and hands it to each group of routes:
-v1 and health there, the admin routes (server/api/admin.py), OIP v2 (server/api/oip.py, server/api/oip_grpc.py),
-tokenize (server/api/tokenize.py), the embedding, classify and predict routes of the other protocols."""
+/v1/infer and /v1/tasks (server/api/infer.py), health (server/api/health.py), the admin routes
+(server/api/admin.py), OIP v2 (server/api/oip.py, server/api/oip_grpc.py), tokenize (server/api/tokenize.py),
+the embedding, classify and predict routes of the other protocols."""
 from __future__ import annotations
 
 import asyncio
