@@ -140,7 +140,7 @@ def test_every_shipped_number_says_what_chose_it_and_what_a_simple_model_scores(
             continue  # an embedding module: nothing trained, nothing chosen
         name, metric = f"{manifest['task']}/{manifest['version']}", metrics["metric"]
         thresholds = bool((manifest.get("decoding") or {}).get("thresholds"))
-        assert metrics["role"] == "chose the epoch" + (" and thresholds" if thresholds else ""), name
+        assert metrics["role"] == "chose the epoch" + (" and the decision thresholds" if thresholds else ""), name
         baselines = metrics["baselines"]
         assert (baselines["split"], baselines["metric"], baselines["head"]) == ("validation", metric, metrics[metric]), name
         linear = "window_tagger" if manifest["task_type"] == "token_classification" else "tfidf_logreg"

@@ -122,7 +122,7 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     for key in ("accuracy", "f1", "mcc", "examples"):
         assert result["metrics"][key] == pytest.approx(manifest.metrics[key])
     # no decision threshold was chosen for this module: the role does not say one was
-    assert result["file_role"] == "validation: this file chose the epoch, so this score is optimistic"
+    assert result["file_role"] == "validation: this file chose the epoch, so this number is optimistic"
     err = capsys.readouterr().err
     assert f"{sentiment_files[1]}: validation: " in err
     # beside the simplest answer on the same rows: the file's most frequent label for every row
@@ -134,6 +134,9 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
         result["metrics"]["accuracy"] - share, abs=1e-6)  # to 6 places
     assert f"accuracy {result['metrics']['accuracy']:.4f} against {share:.4f} for every row answered with the file's " \
         "most frequent label" in err
+    # 24 rows: each 4% of them, too few to rank the head against the baseline, said in the JSON and on stderr
+    few = "scored on 24 rows only, each 4% of them: too few for these numbers to rank the head against the baselines"
+    assert baseline["too_few_rows"] == few and f"; {few}" in err
     # the training file: said to be no held-out score, in the JSON and on stderr
     assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[0]),
                  "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
@@ -406,6 +409,36 @@ def test_select_last_trains_every_epoch_and_keeps_the_last(tmp_path, train_backb
     assert {h["lr"] for h in result.history} == {1e-3}
     assert result.layer_weights == {2: 1.0}
     assert (tmp_path / "run" / "report" / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize("select, none_below, role", [
+    ("last", None, "chose nothing (--select last kept the last epoch)"),
+    ("last", 0.5, "chose nothing (--select last kept the last epoch)"),
+    ("best", 0.5, "chose the epoch"),
+    ("best", "auto", "chose the epoch and the none-of-these threshold")])
+def test_what_validation_chose_is_said_as_it_was(sentiment_files, train_backbone, train_backbone_dir, tmp_path,
+                                                capsys, select, none_below, role):
+    """A run's validation number says what that split chose, one way in the manifest, report.md, the
+    verdict and `eval` on that file: --select last chose no epoch, a --none-below P the user set chose no
+    threshold (both were said as chosen: "optimistic" over a number that chose nothing), auto did."""
+    train_file, validation_file = sentiment_files
+    settings = TrainSettings(train=str(train_file), validation=str(validation_file), text_column="sentence",
+                             label_column="label", backbone=str(train_backbone_dir), task="mood", layers="2",
+                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=2, select=select,
+                             none_below=none_below, states="recompute", progress=False)
+    result = train(settings, backbone=train_backbone)
+    assert result.metrics["role"] == role
+    optimistic = role != "chose nothing (--select last kept the last epoch)"
+    report = (tmp_path / "run" / "report" / "report.md").read_text()
+    assert f"this split {role}{', so this number is optimistic' if optimistic else ''})" in report
+    verdict = result.metrics["baselines"]["verdict"]
+    assert ("the validation split also " + role in verdict) == optimistic, verdict
+    capsys.readouterr()
+    assert main(["eval", "--store", str(tmp_path / "run" / "store"), "--task", "mood", "--file", str(validation_file),
+                 "--text-column", "sentence", "--label-column", "label", "--backbone", str(train_backbone_dir),
+                 "--no-progress"]) == 0
+    said = json.loads(capsys.readouterr().out)["file_role"]
+    assert said == f"validation: this file {role}{', so this number is optimistic' if optimistic else ''}"
 
 
 def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_are_said(tmp_path, train_backbone, train_backbone_dir,

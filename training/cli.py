@@ -482,7 +482,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     metrics = score_module(split, module, args.batch_size, progress=args.progress,
                            engine=Engine(backbone, bridges=bridges), answer_split=answers)
     role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path),
-                     thresholds=bool(module.manifest.decoding.get("thresholds") or module.manifest.decoding.get("threshold")))
+                     module.manifest.metrics.get("role", "chose the epoch"))
     if not role.startswith(("test", "not a file")):
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
     result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
@@ -580,6 +580,7 @@ def eval_baseline(data, module, metrics: dict) -> dict:
     given the file's own most frequent label (chosen on this file, so the best any constant answer
     scores here: no head should need a backbone to beat it)."""
     from modules_store import TaskType
+    from training.assess import too_few
     from training.baselines import majority
 
     task_type = module.manifest.task_type
@@ -592,9 +593,13 @@ def eval_baseline(data, module, metrics: dict) -> dict:
                 }.get(task_type, "every row answered with the file's most frequent label")
     baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
                 "margin": round(metrics[metric] - constant[metric], 6), "majority_in_file_is": f"{answered} (chosen on it)"}
+    caveat = too_few(len(gold))
+    if caveat:
+        baseline["too_few_rows"] = caveat
     print(f"tmod-train eval: {metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} "
-          f"({baseline['margin']:+.4f})", file=sys.stderr)
+          f"({baseline['margin']:+.4f})" + (f"; {caveat}" if caveat else ""), file=sys.stderr)
     return baseline
+
 
 def training_run(manifest):
     """(the settings of the tmod-train run that made the module, as its manifest records them; the

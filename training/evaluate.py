@@ -15,7 +15,7 @@ from server.engine import Engine
 from server.heads.decode import word_tags
 from server.modules import LoadedModule
 from training.data.word_tags import word_first_tokens
-from training.metrics import classification_scores, entity_scores, multilabel_scores
+from training.metrics import classification_scores, entity_scores, multilabel_scores, optimistic
 from training.progress import progress_of
 from training.states import Split
 
@@ -108,18 +108,17 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     return score(split, predicted, thresholds)
 
 
-def file_role(training_data: dict, sha256: str, thresholds: bool = False) -> str:
+def file_role(training_data: dict, sha256: str, validation_role: str = "chose the epoch") -> str:
     """What a scored file was to the module's training run (its manifest's `training.data`, which
     records each file's sha256): a score on rows the head learnt from says nothing about new text.
-    `thresholds`: the module's decision thresholds were chosen on validation too."""
+    `validation_role`: what the validation split chose (the manifest's `metrics.role`)."""
     if sha256 == training_data.get("train_sha256"):
         if training_data.get("split"):
             return ("training: the file the run carved its training, validation (and test) rows from; most rows "
                     "were trained on, so this score is not held out")
         return "training: the head was trained on this file, so this score is not held out"
     if sha256 == training_data.get("validation_sha256"):
-        chose = "the epoch and the decision thresholds" if thresholds else "the epoch"
-        return f"validation: this file chose {chose}, so this score is optimistic"
+        return f"validation: this file {validation_role}{optimistic(validation_role)}"
     if sha256 == training_data.get("test_sha256"):
         return "test: scored once at the end of training; it chose nothing"
     return "not a file of the training run: held out, unless it shares rows with the training file"

@@ -193,6 +193,24 @@ def choose_none_threshold(gold: Sequence[str], probs: np.ndarray, labels: Sequen
                               f"most right minus wrong answers on the validation split"}
 
 
+# ---- what validation chose -------------------------------------------------------------------
+NOTHING_CHOSEN = "chose nothing (--select last kept the last epoch)"
+
+
+def validation_role(epoch: bool, decision_thresholds: bool, none_threshold: bool) -> str:
+    """What a run's validation split chose, said once (the manifest's `metrics.role`) and read wherever a
+    validation number is shown (report.md, the verdict, `eval` on that file): a number on rows that chose
+    something is optimistic. A --none-below P the user set, or --select last's epoch, was not chosen."""
+    chose = [what for what, did in (("the epoch", epoch), ("the decision thresholds", decision_thresholds),
+                                    ("the none-of-these threshold", none_threshold)) if did]
+    return "chose " + " and ".join(chose) if chose else NOTHING_CHOSEN
+
+
+def optimistic(role: str) -> str:
+    """The clause after a validation number: optimistic where its rows chose something (`validation_role`)."""
+    return "" if role == NOTHING_CHOSEN else ", so this number is optimistic"
+
+
 # ---- entities ---------------------------------------------------------------------------------
 def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
     """(type, first, last) word indices of each entity in one sentence's tags (last inclusive): the

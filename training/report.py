@@ -15,6 +15,8 @@ warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", cat
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from training.metrics import optimistic  # noqa: E402
+
 
 def state_name(index: int) -> str:
     return "emb" if index == 0 else f"L{index}"
@@ -74,10 +76,9 @@ def report_text(result) -> str:
     head fails (per class / per type, the most confidently wrong examples) and how to query it."""
     a, m = result.assessment, result.metrics
     metric = m["metric"]
-    chose = "the epoch and the per-label thresholds" if result.decoding.get("thresholds") else "the epoch"
     lines = [f"# {result.task} {result.version}", "",
              f"- validation {metric}: **{m[metric]:.4f}** ({m['examples'] if 'examples' in m else m.get('sentences')} "
-             f"examples; this split chose {chose}, so the number is optimistic)"]
+             f"examples; this split {m['role']}{optimistic(m['role'])})"]
     if "test" in m:
         t = m["test"]
         lines.append(f"- test {metric}: **{t[metric]:.4f}** ({t.get('examples', t.get('sentences'))} examples; "

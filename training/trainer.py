@@ -40,7 +40,7 @@ from training.splits import Splits, resolve_data
 from training.distill import DistillTargets, teacher_words
 from training.assess import assess
 from training.evaluate import predictions, score, score_module
-from training.metrics import answered_scores, choose_none_threshold, choose_thresholds
+from training.metrics import answered_scores, choose_none_threshold, choose_thresholds, validation_role
 from training.report import write_report
 from training.runs import RunOutputs, save_as_free_version, stored_name
 from training.settings import TrainSettings, check_layers, pick_device
@@ -436,7 +436,7 @@ def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: 
         decoding = {"threshold": chosen.pop("threshold"), "threshold_rule": chosen.pop("threshold_rule")}
         metrics["none_of_these"] = chosen
     metrics.update(metric=metric, split="validation",
-                   role="chose the epoch" + (" and thresholds" if decoding else ""))
+                   role=validation_role(s.select == "best", "thresholds" in decoding, s.none_below == "auto"))
     evaluated, probabilities = val_split, val_probabilities
     if data.test is not None:
         evaluated, probabilities = Split(data.test, labels, backbone), []
