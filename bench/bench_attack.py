@@ -478,17 +478,21 @@ CHECKS = ("missing_backbone", "load", "burst", "task_list_attack", "slow_clients
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--burst", type=int, default=512)
-    parser.add_argument("--reload-rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=2000,
+                        help="requests of the load check (half of them under the reloads, a quarter at the SIGTERM)")
+    parser.add_argument("--concurrency", type=int, default=64,
+                        help="requests at once in the load and SIGTERM checks, keep-alive clients in the drain")
+    parser.add_argument("--burst", type=int, default=512, help="requests sent all at once in the burst check")
+    parser.add_argument("--reload-rounds", type=int, default=5,
+                        help="reloads: rounds of loading every corrupted version, then the good one, under load")
     parser.add_argument("--workers", default="1,2", help="comma list of --workers layouts to check")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server (the machine is shared)")
     parser.add_argument("--backbone", default=None, help="default: the shipped MiniLM")
     parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of checks to run (of {','.join(CHECKS)})")
     parser.add_argument("--race-seconds", type=float, default=30.0, help="each reload race (in place, by rename)")
     parser.add_argument("--tokenize-requests", type=int, default=8, help="tokenize requests at the cap at once")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "attack-cpu.json"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "attack-cpu.json"),
+                        help="JSON results (default bench/results/attack-cpu.json)")
     args = parser.parse_args(argv)
     checks = set(args.checks.split(","))
     if checks - set(CHECKS):

@@ -258,12 +258,15 @@ def main() -> None:
     parser.add_argument("--think-ms", default="20,5", help="levels: the think times (ms), comma-separated")
     parser.add_argument("--pass-ms", type=float, default=3.9, help="the stand-in pass (H200: 3.9 ms at ~61 rows)")
     parser.add_argument("--releases", type=int, default=6, help="GIL releases per queued pass")
-    parser.add_argument("--conns", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=256)
-    parser.add_argument("--tick-ms", type=float, default=0.25)
-    parser.add_argument("--max-wait-ms", type=float, default=2.0)
-    parser.add_argument("--warmup", type=float, default=4.0)
-    parser.add_argument("--duration", type=float, default=6.0)
+    parser.add_argument("--conns", type=int, default=4,
+                        help="emulated HTTP workers: the driver's connections to the engine's Unix socket")
+    parser.add_argument("--concurrency", type=int, default=256,
+                        help="one-text requests kept in the engine, shared evenly by the --conns connections")
+    parser.add_argument("--tick-ms", type=float, default=0.25,
+                        help="a worker's event-loop tick (ms): the requests due in one tick go back in one frame")
+    parser.add_argument("--max-wait-ms", type=float, default=2.0, help="the engine's TMOD_MAX_WAIT_MS (ms)")
+    parser.add_argument("--warmup", type=float, default=4.0, help="unrecorded seconds before each run's window")
+    parser.add_argument("--duration", type=float, default=6.0, help="recorded seconds per run")
     parser.add_argument("--out", help="JSON results (and a .md beside it)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--driver", nargs=2, help=argparse.SUPPRESS)

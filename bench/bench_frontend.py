@@ -848,15 +848,16 @@ def parse_args(argv=None):
     p.add_argument("--batch-shapes", choices=["buckets", "length_runs"], default="buckets",
                    help="how the server cuts a batch into passes (TMOD_BATCH_SHAPES): buckets, one pass per batch as "
                         "on a GPU, whose pass the stand-in stands for; length_runs, a CPU's several passes per batch")
-    p.add_argument("--max-wait-ms", type=float, default=2.0)
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="the servers' TMOD_MAX_WAIT_MS (ms)")
     p.add_argument("--max-batch-size", type=int, default=512,
                    help="rows per batch (TMOD_MAX_BATCH_SIZE): default 512, a GPU host's default (server/config.py), "
                         "whose pass the stand-in stands for")
     p.add_argument("--clients", type=int, default=4, help="load-generator processes")
-    p.add_argument("--warmup", type=float, default=2.0)
-    p.add_argument("--duration", type=float, default=6.0)
-    p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--warmup", type=float, default=2.0, help="unrecorded seconds per level")
+    p.add_argument("--duration", type=float, default=6.0, help="recorded seconds per level")
+    p.add_argument("--no-profile", action="store_true",
+                   help="leave out step 5, the server run under cProfile (one 1-input and one 32-input level)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 1 s warm-up, 2 s windows")
     p.add_argument("--workers", action="store_true",
                    help="compare tmod-serve --workers 1 and 2 instead (bench/results/frontend-workers-cpu.{json,md})")
     p.add_argument("--worker-counts", type=lambda text: [int(n) for n in text.split(",")], default=[1, 2],
@@ -872,7 +873,9 @@ def parse_args(argv=None):
     p.add_argument("--spread", type=Path, nargs="+", default=None, metavar="RESULT",
                    help="recorded --workers --before results (JSON): print each issue-37 figure's median, quartiles, "
                         "range and how many runs met its target; no server is started")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "frontend-cpu.json")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "frontend-cpu.json",
+                   help="JSON results, a .md beside it (default bench/results/frontend-cpu.json; with --workers or "
+                        "--engine-only that name becomes frontend-workers-cpu.json or frontend-engine-cpu.json)")
     p.add_argument("--server-cpus", type=cpu_list, default=None,
                    help="CPUs the servers run on, e.g. 0 or 0-7 (default: the first half of the usable CPUs)")
     p.add_argument("--generator-cpus", type=cpu_list, default=None,

@@ -340,17 +340,24 @@ SECTION_KEYS = {"engine": "results", "separate": "separate", "pipelines": "pipel
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="torch device of every section: cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--backbone", default=None, help="model folder or name (default: minilm)")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
-    p.add_argument("--shapes", nargs="+", default=["1x32", "32x32", "128x32", "512x32", "128x128"])
-    p.add_argument("--precisions", nargs="+", default=["fp16", "bf16", "fp32"])
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help=f"sections to run, in this order (default all: {' '.join(SECTIONS)})")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64],
+                   help="engine: numbers of heads K on one pass (default 1 4 8 16 32 64)")
+    p.add_argument("--shapes", nargs="+", default=["1x32", "32x32", "128x32", "512x32", "128x128"],
+                   help="engine: batch shapes, rows x tokens (default 1x32 32x32 128x32 512x32 128x128)")
+    p.add_argument("--precisions", nargs="+", default=["fp16", "bf16", "fp32"],
+                   help="engine, separate: backbone precisions, of fp16 bf16 fp32 (default all three)")
+    p.add_argument("--repeats", type=int, default=30,
+                   help="engine, separate: timed calls per figure, their mean (after 3 untimed)")
     p.add_argument("--separate-ks", type=int, nargs="+", default=[1, 4, 8], help="separate: numbers of models")
-    p.add_argument("--separate-shapes", nargs="+", default=["1x32", "128x32"])
+    p.add_argument("--separate-shapes", nargs="+", default=["1x32", "128x32"],
+                   help="separate: batch shapes, rows x tokens (default 1x32 128x32)")
     p.add_argument("--pipeline-sentences", type=int, default=4096, help="pipelines: SST-2 sentences (repeated)")
-    p.add_argument("--pipeline-batch", type=int, default=128)
+    p.add_argument("--pipeline-batch", type=int, default=128,
+                   help="pipelines: sentences per batch, for the pipelines and for tmod alike")
     p.add_argument("--levels", nargs="+", default=["1x64", "1x256", "32x64", "32x256"],
                    help="served: inputs per request x concurrency")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4], help="served: tmod-serve --workers counts")

@@ -214,11 +214,12 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="2,8,32", help="windows per document in the speed section")
     p.add_argument("--repeats", type=int, default=5, help="timings per size (median)")
     p.add_argument("--limit", type=int, default=None, help="first N documents only (a quick check)")
-    p.add_argument("--skip-speed", action="store_true")
-    p.add_argument("--skip-ner", action="store_true")
+    p.add_argument("--skip-speed", action="store_true", help="leave out the speed section (step 3)")
+    p.add_argument("--skip-ner", action="store_true", help="leave out the NER scores (step 2)")
     p.add_argument("--host-cost", action="store_true", help="only the host work per short request, before and "
                    "after windows, in this process (no server)")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/long-documents-"
+                   "<backbone>.json; with --host-cost, long-documents-host-cost-<backbone>.json)")
     args = p.parse_args(argv)
     windows = [int(w) for w in args.window.split(",")]
     if args.host_cost:

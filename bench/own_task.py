@@ -49,7 +49,7 @@ def summarise(run_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="tmod-train run folders (their report/metrics.json)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write, e.g. bench/results/own-task.json")
     parser.add_argument("--note", default="", help="what the runs are (recorded as is)")
     args = parser.parse_args()
     runs = [summarise(run) for run in args.runs]

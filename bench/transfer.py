@@ -375,15 +375,16 @@ def main() -> None:
     p.add_argument("--merge-only", action="store_true", help="only merge the per-direction JSON files into the report")
     p.add_argument("--only", default=None, help="train only these directions (comma-separated)")
     p.add_argument("--retrain", action="store_true", help="train every bridge again")
-    p.add_argument("--skip-costs", action="store_true")
+    p.add_argument("--skip-costs", action="store_true",
+                   help="leave out the costs (CPU time of each bridge and module against the backbone alone)")
     p.add_argument("--bridge-texts", default="sentiment=8000,ner=2500",
                    help="training texts per bridge, per task (a seeded subset of the task's training split)")
     p.add_argument("--align-texts", type=int, default=4000, help="texts whose paired token states align")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3, help="epochs of each MSE and distillation bridge")
     p.add_argument("--long-epochs", type=int, default=8, help="epochs of the distillation + hard labels bridge")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of tmod-train and the scoring (costs: one)")
     p.add_argument("--max-validation", type=int, default=None, help="score on a subset of each validation split")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="cost rounds, each timing every configuration in a new order")
     args = p.parse_args()
     args.bridge_texts = {k: int(v) for k, v in (kv.split("=") for kv in args.bridge_texts.split(","))}
     if args.quick:
