@@ -322,7 +322,7 @@ class Runtime:
             # rows unpickled in half the CPU: bench/results/frontend-workers-cpu.md)
             gc.freeze()
             self.ready.set()
-            log.info("ready in %.1fs: %d tasks", time.perf_counter() - began, len(loaded))
+            log.info("ready in %.1fs: %d task%s", time.perf_counter() - began, len(loaded), "" if len(loaded) == 1 else "s")
             if not loaded:  # e.g. a store of another backbone's modules: say so, and why, where operators look
                 log.warning("%s (/readyz answers 503 no_modules until then)", nothing_served(
                     self.store, self.load_errors, self.skipped, bool(self.settings.admin_token)))
