@@ -62,7 +62,8 @@ def test_load_into_serves_the_new_task_beside_the_shipped_ones(server, train_bac
     answer = httpx.get(url + "/v1/tasks/mood", timeout=10)
     described = answer.json()["manifest"]
     assert described["decoding"]["threshold"] == 0.6 and described["metrics"]["split"] == "validation"
-    assert described["metrics"]["role"] == "chose the epoch"  # 0.6 was the user's, not chosen on validation
+    # one epoch, and a threshold of the user's (0.6): validation chose neither
+    assert described["metrics"]["role"] == "chose nothing (the run kept its last epoch)"
     # the training record (its command, the store's and run's paths, the URL it was loaded into) is the
     # operator's, in the store, not every client's
     assert "training" not in described and str(store.root) not in answer.text and str(tmp_path) not in answer.text

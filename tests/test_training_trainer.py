@@ -411,24 +411,27 @@ def test_select_last_trains_every_epoch_and_keeps_the_last(tmp_path, train_backb
     assert (tmp_path / "run" / "report" / "metrics.json").is_file()
 
 
-@pytest.mark.parametrize("select, none_below, role", [
-    ("last", None, "chose nothing (--select last kept the last epoch)"),
-    ("last", 0.5, "chose nothing (--select last kept the last epoch)"),
-    ("best", 0.5, "chose the epoch"),
-    ("best", "auto", "chose the epoch and the none-of-these threshold")])
+@pytest.mark.parametrize("select, epochs, none_below, role", [
+    ("last", 2, None, "chose nothing (the run kept its last epoch)"),
+    ("best", 1, None, "chose nothing (the run kept its last epoch)"),
+    ("last", 2, 0.5, "chose nothing (the run kept its last epoch)"),
+    ("best", 2, 0.5, "chose the epoch"),
+    ("best", 1, "auto", "chose the none-of-these threshold"),
+    ("best", 2, "auto", "chose the epoch and the none-of-these threshold")])
 def test_what_validation_chose_is_said_as_it_was(sentiment_files, train_backbone, train_backbone_dir, tmp_path,
-                                                capsys, select, none_below, role):
+                                                capsys, select, epochs, none_below, role):
     """A run's validation number says what that split chose, one way in the manifest, report.md, the
-    verdict and `eval` on that file: --select last chose no epoch, a --none-below P the user set chose no
-    threshold (both were said as chosen: "optimistic" over a number that chose nothing), auto did."""
+    verdict and `eval` on that file: --select last or a single epoch chose no epoch, a --none-below P the
+    user set chose no threshold (each was said as chosen: "optimistic" over a number that chose nothing),
+    auto did."""
     train_file, validation_file = sentiment_files
     settings = TrainSettings(train=str(train_file), validation=str(validation_file), text_column="sentence",
                              label_column="label", backbone=str(train_backbone_dir), task="mood", layers="2",
-                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=2, select=select,
+                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=epochs, select=select,
                              none_below=none_below, states="recompute", progress=False)
     result = train(settings, backbone=train_backbone)
     assert result.metrics["role"] == role
-    optimistic = role != "chose nothing (--select last kept the last epoch)"
+    optimistic = role != "chose nothing (the run kept its last epoch)"
     report = (tmp_path / "run" / "report" / "report.md").read_text()
     assert f"this split {role}{', so this number is optimistic' if optimistic else ''})" in report
     verdict = result.metrics["baselines"]["verdict"]

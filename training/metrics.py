@@ -194,13 +194,14 @@ def choose_none_threshold(gold: Sequence[str], probs: np.ndarray, labels: Sequen
 
 
 # ---- what validation chose -------------------------------------------------------------------
-NOTHING_CHOSEN = "chose nothing (--select last kept the last epoch)"
+NOTHING_CHOSEN = "chose nothing (the run kept its last epoch)"
 
 
 def validation_role(epoch: bool, decision_thresholds: bool, none_threshold: bool) -> str:
     """What a run's validation split chose, said once (the manifest's `metrics.role`) and read wherever a
     validation number is shown (report.md, the verdict, `eval` on that file): a number on rows that chose
-    something is optimistic. A --none-below P the user set, or --select last's epoch, was not chosen."""
+    something is optimistic. A --none-below P the user set was not chosen, nor the epoch of a one-epoch run
+    or of --select last."""
     chose = [what for what, did in (("the epoch", epoch), ("the decision thresholds", decision_thresholds),
                                     ("the none-of-these threshold", none_threshold)) if did]
     return "chose " + " and ".join(chose) if chose else NOTHING_CHOSEN

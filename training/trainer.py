@@ -411,9 +411,9 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
 
 
 def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: list[str], backbone: Backbone,
-                  s: TrainSettings) -> tuple[dict, dict, Split, list]:
-    """The kept head measured the way the server runs it: on validation (which chose the epoch, and here
-    any decision threshold) and on the test split (which chose nothing).
+                  s: TrainSettings, epoch_chosen: bool) -> tuple[dict, dict, Split, list]:
+    """The kept head measured the way the server runs it: on validation (which chose the epoch where
+    `epoch_chosen`, and here any decision threshold) and on the test split (which chose nothing).
     -> (metrics, the decoding thresholds chosen, the split the baselines are scored on, its probabilities)."""
     task_type, metric, val_data = data.train.task_type, s.metric, data.validation
     decoding, thresholds = {}, None
@@ -436,7 +436,7 @@ def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: 
         decoding = {"threshold": chosen.pop("threshold"), "threshold_rule": chosen.pop("threshold_rule")}
         metrics["none_of_these"] = chosen
     metrics.update(metric=metric, split="validation",
-                   role=validation_role(s.select == "best", "thresholds" in decoding, s.none_below == "auto"))
+                   role=validation_role(epoch_chosen, "thresholds" in decoding, s.none_below == "auto"))
     evaluated, probabilities = val_split, val_probabilities
     if data.test is not None:
         evaluated, probabilities = Split(data.test, labels, backbone), []
@@ -572,7 +572,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     for param in head.parameters():
         param.requires_grad_(False)
     served = LoadedModule(task=task, version=s.version, manifest=None, head=head)  # the numbers that ship
-    metrics, decoding, evaluated, probabilities = served_scores(served, val_split, data, labels, backbone, s)
+    # validation chose among epochs only where the run kept its best of several
+    metrics, decoding, evaluated, probabilities = served_scores(served, val_split, data, labels, backbone, s,
+                                                                s.select == "best" and len(result.history) > 1)
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed,
                         cache=default_cache_dir() / "baselines" if s.state_cache else None)
     metrics["baselines"] = assessment["baselines"]
