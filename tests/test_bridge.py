@@ -392,7 +392,8 @@ def test_cli_bridge_numbers_its_versions_and_says_what_its_numbers_are(sst2_dir,
         said = capsys.readouterr()
         printed = json.loads(said.out)
         assert printed["version"] == version and "cosine" in printed["untrained"]
-        assert "they chose the epoch, so the numbers are optimistic" in said.err and "epoch 1/1: " in said.err
+        # one epoch: validation chose nothing
+        assert "they chose nothing (the run kept its last epoch)" in said.err and "epoch 1/1: " in said.err
     assert bridge_store(tmp_path / "bridges").versions("b") == ["1", "2"]
     reports = sorted((tmp_path / "runs").glob("bridge-b-*/report/report.md"))
     assert len(reports) == 2 and "(untrained bridge " in reports[0].read_text()
@@ -474,6 +475,7 @@ def test_cli_bridge_on_a_file_of_the_users_texts(tiny_backbone_dir, target_dir, 
     unique = len(set(texts))
     assert (data["train_texts"], data["validation_texts"]) == (unique - round(unique / 10), round(unique / 10))
     assert data["texts_file"] == str((tmp_path / "domain.txt").resolve()) and "dataset" not in data
-    assert "texts, a held-out tenth of domain.txt; they chose the epoch" in capsys.readouterr().err
+    assert "texts, a held-out tenth of domain.txt; they chose nothing (the run kept its last epoch)" in \
+        capsys.readouterr().err
     assert main([*argv, "--texts", str(tmp_path / "none.txt"), "--source", "/no/such/backbone"]) == 2
     assert capsys.readouterr().err == f"tmod-train bridge: error: --texts {tmp_path / 'none.txt'}: No such file or directory\n"

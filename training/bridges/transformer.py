@@ -51,6 +51,7 @@ from training.data.files import UsageError, read_text_lines
 from training.data.presets import PRESETS, preset_spec
 from training.data.word_tags import IGNORE_INDEX, token_labels
 from training.distill import distill_kl
+from training.metrics import optimistic, validation_role
 from training.progress import progress_of
 from training.settings import check_layers, checked_version, parse_layers
 from training.splits import module_folder
@@ -639,8 +640,9 @@ def findings(result: BridgeResult) -> list[str]:
     m, untrained = result.metrics, result.metrics.get("untrained", {})
     data = result.training.get("data", {})
     token_task = (result.training.get("module") or {}).get("task_type") == TaskType.token_classification.value
-    lines = [f"validation: {data.get('validation_texts', '?')} texts, {data.get('validation', '?')}; they chose the "
-             "epoch, so the numbers are optimistic"]
+    role = validation_role(result.training.get("epochs_run", 1) > 1, False, False)  # one epoch: nothing chosen
+    lines = [f"validation: {data.get('validation_texts', '?')} texts, {data.get('validation', '?')}; they {role}"
+             + (", so the numbers are optimistic" if optimistic(role) else "")]
     if "agreement" in m:
         lines.append(f"the module's answer through the bridge is its answer on its own backbone for "
                      f"{m['agreement']:.1%} of the {'tokens' if token_task else 'texts'} "
