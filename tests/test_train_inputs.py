@@ -107,6 +107,12 @@ def test_with_no_label_column_named_the_column_of_fewest_values_is_read_and_said
     assert "labels read from column 2" in capsys.readouterr().err
     usual = write(tmp_path / "usual.tsv", "".join(f"{r}\t{y}\n" for _, r, y in rows))  # text, label: as before
     assert file_spec(usual, header=False).read().examples[0].label == "neg" and capsys.readouterr().err == ""
+    # the same table as JSONL: was refused as "no key 'label' in ['id', 'review', 'sentiment']"
+    lines = "".join(json.dumps({"id": i, "review": r, "sentiment": y}) + "\n" for i, r, y in rows)
+    data = file_spec(write(tmp_path / "reviews.jsonl", lines)).read()
+    assert [(ex.text, ex.label) for ex in data.examples] == [(r, y) for _, r, y in rows]
+    assert "labels read from key 'sentiment' (the fewest different values; no key is named 'label')" in \
+        capsys.readouterr().err
     named = file_spec(table, text_column="review", label_column="id").read()  # named columns are read as named
     assert named.examples[0].label == "0" and "labels read" not in capsys.readouterr().err
 

@@ -70,6 +70,10 @@ def _record_examples(path: Path, text_column: Column | None, label_column: Colum
     records = accepted_records(path, list(json_records(path)))
     if text_column is None and records:
         text_column = _text_key(path, records[0][1], {label_column, pair_column, *(flags or ())})
+    if label_column is None and not flags and records and isinstance(records[0][1], dict):
+        text_key, label_key = json_keys(records[0][1], text_column, None, multi_label)
+        if label_key not in records[0][1] and isinstance(records[0][1].get(text_key), str):
+            label_column = _label_key(path, records, {text_key, pair_column})
     for where, record in records:
         try:
             text_key, label_key = json_keys(record, text_column, flags[0] if flags else label_column, multi_label)
@@ -242,6 +246,27 @@ def _text_key(path: Path, record, taken: set) -> str | None:
 
 
 SAMPLE_ROWS = 500  # the first rows of a file, which choose the columns not named
+
+
+def _label_key(path: Path, records: list, taken: set) -> str | None:
+    """A JSONL file's labels' key where none is named and its first record has no `label` (nor `labels`):
+    of the keys the texts and pairs do not take, the one whose values repeat most over the first records,
+    as `_label_column` chooses a CSV's, said (`{"review", "stars"}` was refused as "no key 'label'" where
+    the same table as a CSV trained); None where no key is left, for that refusal."""
+    sample = [record for _, record in records[:SAMPLE_ROWS] if isinstance(record, dict)]
+    free = [key for key in sample[0] if key not in taken]
+    if not free:
+        return None
+
+    def rank(key: str) -> tuple:
+        values = [json.dumps(record.get(key), sort_keys=True) for record in sample]
+        different = len(set(values))
+        return different == len(values), different < 2, different  # of equals, the first key
+
+    key = min(free, key=rank)
+    print(f"{path}: labels read from key {key!r} (the fewest different values; no key is named 'label'): "
+          "--label-column names another", file=sys.stderr)
+    return key
 
 
 def _free_columns(sample: list, taken: set) -> list[int]:
