@@ -186,6 +186,24 @@ def test_a_saved_version_a_new_server_would_not_serve_is_said(train_backbone_dir
                          "POST /admin/modules/mood/load")
 
 
+def test_a_saved_version_that_replaces_the_served_one_is_said_with_its_labels(train_backbone_dir, tmp_path, capsys):
+    """A head trained on one's own file under a task the store serves (the shipped `sentiment`) became,
+    unsaid, what a restarted tmod-serve answers for it, other labels and all: said, with the pin that
+    keeps the earlier one."""
+    store = tmp_path / "store"
+    assert main([*sst2_args(tmp_path, train_backbone_dir, store, "-", "mood")[:-2]]) == 0  # mood/1: negative, positive
+    assert "replaces" not in capsys.readouterr().err  # nothing served before it
+    own = tmp_path / "own.csv"
+    own.write_text("text,label\n" + "".join(f"the service was {w} {i},{y}\n" for i in range(20)
+                                           for w, y in (("great", "good"), ("awful", "bad"))))
+    assert main(["layermix", "--train", str(own), "--split", "0.25", "--task", "mood", "--epochs", "1",
+                 "--backbone", str(train_backbone_dir), "--store", str(store), "--run-dir", str(tmp_path / "run-2"),
+                 "--threads", "1", "--no-progress"]) == 0
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said == (f"mood/2 replaces mood/1: a tmod-serve started on {store} answers mood with this head (its labels "
+                    "bad, good; mood/1's negative, positive); --tasks mood/1 (TMOD_TASKS) keeps serving mood/1")
+
+
 def test_the_printed_serve_command_and_query_work_as_printed(train_backbone_dir, tmp_path, capsys):
     """Without --load-into the run said only the request to send 'once a tmod-serve with this store runs':
     now also the tmod-serve command that serves its store (on its backbone), and both work as printed."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from modules_store import ArtifactError, ModuleStore
 from server.backbone.sources import named_for
-from server.modules import servable_version
+from server.modules import servable_version, servable_versions
 from training.data.files import UsageError
 
 TOKEN_VARIABLE = "TMOD_ADMIN_TOKEN"  # what tmod-serve reads its admin token from
@@ -96,19 +96,32 @@ def say_if_bridged(url: str, server: dict, task: str, version: str, store: str, 
           "--bridges ITS_BRIDGE_STORE --file ...` scores it as that server answers", file=sys.stderr)
 
 
-def say_if_outranked(store: ModuleStore, task: str, version: str, backbone) -> None:
-    """A tmod-serve started on `store` serves the latest version of `task` on this backbone: where that
-    is not the one just saved (a named version, `mtb-1`, sorts after every number), said, with the pin
-    that serves this one, rather than found out after a restart."""
+def say_which_version_serves(store: ModuleStore, task: str, version: str, backbone) -> None:
+    """A tmod-serve started on `store` serves the latest version of `task` on this backbone. Where that is
+    not the one just saved (a named version, `mtb-1`, sorts after every number), said, with the pin that
+    serves this one; where it is, and replaces an earlier version (a head trained on one's own file under
+    the shipped `sentiment`), said too, with its labels where they differ: found out after a restart,
+    it changes every client's answers."""
     try:
-        served = servable_version(store, task, backbone)
+        versions = servable_versions(store, task, backbone)
     except ArtifactError:
         return
-    if served != version:
-        print(f"a tmod-serve started on {store.root} serves {task}/{served}, not this {task}/{version}: the latest "
-              f"version on {backbone.name} is the highest number, then named ones alphabetically; name "
+    if versions[0] != version:
+        print(f"a tmod-serve started on {store.root} serves {task}/{versions[0]}, not this {task}/{version}: the "
+              f"latest version on {backbone.name} is the highest number, then named ones alphabetically; name "
               f"{task}/{version} in its --tasks (TMOD_TASKS) to serve this one, or load it through POST "
               f"/admin/modules/{task}/load", file=sys.stderr)
+    elif len(versions) > 1:
+        before = versions[1]
+        try:
+            labels, earlier = store.read_manifest(task, version).labels, store.read_manifest(task, before).labels
+        except ArtifactError:
+            labels = earlier = None
+        differ = (f" (its labels {', '.join(labels)}; {task}/{before}'s {', '.join(earlier)})"
+                  if labels is not None and labels != earlier else "")
+        print(f"{task}/{version} replaces {task}/{before}: a tmod-serve started on {store.root} answers {task} with "
+              f"this head{differ}; --tasks {task}/{before} (TMOD_TASKS) keeps serving {task}/{before}",
+              file=sys.stderr)
 
 
 def served_at_start(store: ModuleStore, backbone) -> list[str]:

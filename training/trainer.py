@@ -627,7 +627,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     artifact, version = save_as_free_version(save, store, task, s.version, numbered)
     s = s.model_copy(update={"version": version})
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
-    serving.say_if_outranked(store, task, s.version, backbone)
+    serving.say_which_version_serves(store, task, s.version, backbone)
     request, loaded_into, refusal = offer_to_serve(s, task, store, backbone, server, val_data.examples[0])
     outcome = TrainResult(task=task, version=s.version, artifact=artifact, report_dir=report_dir, metrics=metrics,
                           history=result.history, layer_weights=weights, training=training, decoding=decoding,
