@@ -186,24 +186,6 @@ def test_a_saved_version_a_new_server_would_not_serve_is_said(train_backbone_dir
                          "POST /admin/modules/mood/load")
 
 
-def test_a_saved_version_that_replaces_the_served_one_is_said_with_its_labels(train_backbone_dir, tmp_path, capsys):
-    """A head trained on one's own file under a task the store serves (the shipped `sentiment`) became,
-    unsaid, what a restarted tmod-serve answers for it, other labels and all: said, with the pin that
-    keeps the earlier one."""
-    store = tmp_path / "store"
-    assert main([*sst2_args(tmp_path, train_backbone_dir, store, "-", "mood")[:-2]]) == 0  # mood/1: negative, positive
-    assert "replaces" not in capsys.readouterr().err  # nothing served before it
-    own = tmp_path / "own.csv"
-    own.write_text("text,label\n" + "".join(f"the service was {w} {i},{y}\n" for i in range(20)
-                                           for w, y in (("great", "good"), ("awful", "bad"))))
-    assert main(["layermix", "--train", str(own), "--split", "0.25", "--task", "mood", "--epochs", "1",
-                 "--backbone", str(train_backbone_dir), "--store", str(store), "--run-dir", str(tmp_path / "run-2"),
-                 "--threads", "1", "--no-progress"]) == 0
-    said = capsys.readouterr().err.splitlines()[-1]
-    assert said == (f"mood/2 replaces mood/1: a tmod-serve started on {store} answers mood with this head (its labels "
-                    "bad, good; mood/1's negative, positive); --tasks mood/1 (TMOD_TASKS) keeps serving mood/1")
-
-
 def test_the_printed_serve_command_and_query_work_as_printed(train_backbone_dir, tmp_path, capsys):
     """Without --load-into the run said only the request to send 'once a tmod-serve with this store runs':
     now also the tmod-serve command that serves its store (on its backbone), and both work as printed."""
@@ -235,3 +217,35 @@ def test_the_printed_serve_command_and_query_work_as_printed(train_backbone_dir,
     finally:
         process.kill()
         process.wait(timeout=30)
+
+
+def test_a_version_that_replaces_the_served_one_is_said_with_its_labels(server, train_backbone_dir, tmp_path,
+                                                                         monkeypatch, capsys):
+    """A head trained on one's own file under a task the server answers (the store's `sentiment`) and
+    loaded with --load-into replaced, unsaid, what every client got for it, other labels and all, now and
+    after a restart: both said, with the request that loads the earlier one back (it does) and the pin
+    that keeps it across a restart."""
+    url, store = server
+    monkeypatch.setenv("TMOD_ADMIN_TOKEN", TOKEN)
+    own = tmp_path / "own.csv"
+    own.write_text("text,label\n" + "".join(f"the service was {w} {i},{y}\n" for i in range(20)
+                                           for w, y in (("great", "good"), ("awful", "bad"))))
+    assert main(["layermix", "--train", str(own), "--split", "0.25", "--task", "sentiment", "--epochs", "1",
+                 "--backbone", str(train_backbone_dir), "--store", str(store.root), "--run-dir", str(tmp_path / "run"),
+                 "--threads", "1", "--no-progress", "--load-into", url]) == 0
+    err = capsys.readouterr().err
+    labels = "(its labels bad, good; sentiment/1's negative, positive)"
+    assert (f"sentiment/2 replaces sentiment/1: a tmod-serve started on {store.root} answers sentiment with this head "
+            f"{labels}; --tasks sentiment/1 (TMOD_TASKS) keeps serving sentiment/1") in err
+    assert (f"{url} answered sentiment with sentiment/1 until now, and with this sentiment/2 from now on {labels}; "
+            'POST /admin/modules/sentiment/load {"version": "1"} loads sentiment/1 back') in err
+
+    def answered_labels() -> set:
+        answer = httpx.post(url + "/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["fine"]}, timeout=60)
+        return set(answer.json()["results"][0]["sentiment"]["scores"])
+
+    assert answered_labels() == {"bad", "good"}
+    back = httpx.post(url + "/admin/modules/sentiment/load", json={"version": "1"},
+                      headers={"authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert back.status_code == 200, back.text
+    assert answered_labels() == {"negative", "positive"}

@@ -113,15 +113,28 @@ def say_which_version_serves(store: ModuleStore, task: str, version: str, backbo
               f"/admin/modules/{task}/load", file=sys.stderr)
     elif len(versions) > 1:
         before = versions[1]
-        try:
-            labels, earlier = store.read_manifest(task, version).labels, store.read_manifest(task, before).labels
-        except ArtifactError:
-            labels = earlier = None
-        differ = (f" (its labels {', '.join(labels)}; {task}/{before}'s {', '.join(earlier)})"
-                  if labels is not None and labels != earlier else "")
         print(f"{task}/{version} replaces {task}/{before}: a tmod-serve started on {store.root} answers {task} with "
-              f"this head{differ}; --tasks {task}/{before} (TMOD_TASKS) keeps serving {task}/{before}",
-              file=sys.stderr)
+              f"this head{other_labels(store, task, version, before)}; --tasks {task}/{before} (TMOD_TASKS) keeps "
+              f"serving {task}/{before}", file=sys.stderr)
+
+
+def say_if_replaced_live(url: str, store: ModuleStore, task: str, version: str, previous: str | None) -> None:
+    """--load-into put `version` in place of the version the server answered `task` with: said, with the
+    labels where they differ and the request that loads the earlier one back."""
+    if previous and previous != version:
+        print(f"{url} answered {task} with {task}/{previous} until now, and with this {task}/{version} from now on"
+              f"{other_labels(store, task, version, previous)}; POST /admin/modules/{task}/load "
+              f"{{\"version\": \"{previous}\"}} loads {task}/{previous} back", file=sys.stderr)
+
+
+def other_labels(store: ModuleStore, task: str, version: str, before: str) -> str:
+    """' (its labels ...; TASK/BEFORE's ...)' where the two versions answer with other labels (every client
+    reading them is affected), else ''."""
+    try:
+        labels, earlier = store.read_manifest(task, version).labels, store.read_manifest(task, before).labels
+    except ArtifactError:
+        return ""
+    return f" (its labels {', '.join(labels)}; {task}/{before}'s {', '.join(earlier)})" if labels != earlier else ""
 
 
 def served_at_start(store: ModuleStore, backbone) -> list[str]:

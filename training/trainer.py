@@ -512,9 +512,10 @@ def offer_to_serve(s: TrainSettings, task: str, store: ModuleStore, backbone: Ba
     if not server:
         return request, None, None
     try:
-        serving.load_into(s.load_into, task, s.version)
+        loaded = serving.load_into(s.load_into, task, s.version)
     except UsageError as exc:
         return request, None, exc
+    serving.say_if_replaced_live(s.load_into, store, task, s.version, loaded.get("previous_version"))
     serving.say_if_bridged(s.load_into, server, task, s.version, s.store, backbone)
     return request, s.load_into, None
 
