@@ -201,3 +201,26 @@ def test_tfidf_logreg_on_a_toy_file_whose_words_each_appear_once():
     assert scores["baseline"] == "tfidf_logreg" and scores["examples"] == 2
     multi = tfidf_logreg(texts, [(label,) for label in labels], ["lovely ending"], [("pos",)], multi_label=True)
     assert multi["examples"] == 1
+
+
+def test_a_text_answered_wrong_many_times_is_listed_once_with_its_count(train_backbone):
+    """The most confidently wrong examples listed one text the split held six times six times (a file of
+    repeated rows filled report.md's table with it); now once, with its count, and other texts after it."""
+    import numpy as np
+
+    from modules_store import TaskType
+    from training.assess import assess
+    from training.data.examples import LabelledData, SequenceExample
+    from training.states import Split
+
+    examples = [SequenceExample("the same words", "neg")] * 6 + [SequenceExample(f"other words {i}", "pos")
+                                                                 for i in range(4)]
+    train = LabelledData(TaskType.sequence_classification, examples * 2, "train")
+    evaluated = Split(LabelledData(TaskType.sequence_classification, examples, "validation"), ["neg", "pos"],
+                      train_backbone)
+    probabilities = [np.array(p) for p in [[0.1, 0.9]] * 6 + [[0.8, 0.2], [0.7, 0.3], [0.6, 0.4], [0.3, 0.7]]]
+    head = {"split": "validation", "accuracy": 0.0, "examples": 10}
+    worst = assess(train, evaluated, probabilities, head, "accuracy")["worst"]
+    assert [(w["text"], w["rows"]) for w in worst] == [("the same words", 6), ("other words 0", 1), ("other words 1", 1),
+                                                       ("other words 2", 1)]  # "other words 3" answers pos, right
+    assert worst[0]["score"] == 0.9 and worst[0]["predicted"] == "pos"

@@ -33,9 +33,17 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
         out["confusion"] = {"labels": labels, "counts": confusion_matrix(gold, pred, labels)}
         wrong = [r for r in range(len(gold)) if pred[r] != gold[r]]
         wrong.sort(key=lambda r: -float(probs[r].max()))
-        out["worst"] = [{"text": examples[r].text, **({"text_pair": examples[r].text_pair} if examples[r].text_pair else {}),
-                         "gold": gold[r], "predicted": pred[r], "score": round(float(probs[r].max()), 4),
-                         "gold_score": round(float(probs[r][labels.index(gold[r])]), 4)} for r in wrong[:WORST]]
+        listed: dict[tuple, dict] = {}  # a text the split holds many times (with one label) is listed once, counted
+        for r in wrong:
+            key = (examples[r].text, examples[r].text_pair, gold[r])
+            if key in listed:
+                listed[key]["rows"] += 1
+            elif len(listed) < WORST:
+                listed[key] = {"text": examples[r].text,
+                               **({"text_pair": examples[r].text_pair} if examples[r].text_pair else {}),
+                               "gold": gold[r], "predicted": pred[r], "score": round(float(probs[r].max()), 4),
+                               "gold_score": round(float(probs[r][labels.index(gold[r])]), 4), "rows": 1}
+        out["worst"] = list(listed.values())
     elif kind == TaskType.token_classification:
         out["per_type"] = head["per_type"]
         if probabilities:  # the head's word tags per sentence

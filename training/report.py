@@ -142,7 +142,8 @@ def report_text(result) -> str:
                   "| --- | --- | --- |"]
         for w in a["worst"]:
             text = (w["text"] + (" ||| " + w["text_pair"] if "text_pair" in w else "")).replace("|", "\\|")
-            lines.append(f"| {text} | {w['gold']} ({w['gold_score']:.2f}) | {w['predicted']} ({w['score']:.2f}) |")
+            rows = f" ({w['rows']} rows)" if w.get("rows", 1) > 1 else ""
+            lines.append(f"| {text}{rows} | {w['gold']} ({w['gold_score']:.2f}) | {w['predicted']} ({w['score']:.2f}) |")
     if a.get("worst_sentences"):
         by_word = "missed" not in a["worst_sentences"][0]
         lines += ["", f"## Sentences with the most mistakes ({a['split']} split)", ""]
