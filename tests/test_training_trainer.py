@@ -839,11 +839,12 @@ def test_a_task_name_the_store_spells_otherwise_is_said(sentiment_run, tmp_path,
     assert ModuleStore(tmp_path / "s").tasks() == ["my-reviews"]
 
 
-@pytest.mark.parametrize("best, said", [(0.9, True), (1.0, False)])
-def test_train_longer_is_not_said_of_a_perfect_validation_score(sentiment_run, tmp_path, capsys, monkeypatch, best,
-                                                               said):
+@pytest.mark.parametrize("epochs, best, said", [(2, 0.9, True), (2, 1.0, False), (1, 0.9, False)])
+def test_train_longer_is_not_said_of_a_perfect_validation_score(sentiment_run, tmp_path, capsys, monkeypatch, epochs,
+                                                               best, said):
     """'validation accuracy was still improving; train longer' was said of a head at 1.0000 (a toy
-    part-of-speech file): a perfect score has nowhere left to go."""
+    part-of-speech file): a perfect score has nowhere left to go; nor of a one-epoch run: one epoch shows
+    no trend."""
     import training.trainer
 
     real = training.trainer.train_epochs
@@ -855,7 +856,7 @@ def test_train_longer_is_not_said_of_a_perfect_validation_score(sentiment_run, t
     monkeypatch.setattr(training.trainer, "train_epochs", kept_last_at)
     _, argv = sentiment_run
     at = argv.index("--store")
-    assert main([*argv[:at], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"), "--epochs", "1"]) == 0
+    assert main([*argv[:at], "--store", str(tmp_path / "s"), "--report-dir", str(tmp_path / "r"), "--epochs", str(epochs)]) == 0
     assert ("validation accuracy was still improving; train longer" in capsys.readouterr().err) == said
     assert ModuleStore(tmp_path / "s").read_manifest("sentiment").training["still_improving"] == said
 

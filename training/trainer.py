@@ -580,8 +580,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
                         cache=default_cache_dir() / "baselines" if s.state_cache else None)
     metrics["baselines"] = assessment["baselines"]
     tqdm.write(f"against simple baselines: {metrics['baselines']['verdict']}", file=sys.stderr)
-    still_improving = (s.select == "best" and result.best_epoch == len(result.history) == s.epochs
-                       and result.best_value < 1.0)  # a perfect validation score has nowhere left to go
+    # the last of several epochs kept (one epoch shows no trend), and a perfect score has nowhere left to go
+    still_improving = (s.select == "best" and result.best_epoch == len(result.history) == s.epochs > 1
+                       and result.best_value < 1.0)
     if still_improving:
         tqdm.write(f"the kept epoch is the last one ({s.epochs}): validation {metric} was still improving; "
                    f"train longer (e.g. --epochs {2 * s.epochs}) for a better head", file=sys.stderr)

@@ -658,7 +658,7 @@ def findings(result: BridgeResult) -> list[str]:
     if stopped:
         lines.append(f"{'interrupted (Ctrl-C)' if stopped == 'interrupt' else 'stopped by --max-minutes'} after "
                      f"epoch {epochs}: kept epoch {best}, the best so far")
-    elif best and best == epochs == result.training.get("settings", {}).get("epochs"):
+    elif best and best == epochs == result.training.get("settings", {}).get("epochs") > 1:  # one shows no trend
         lines.append(f"kept epoch {best} of {epochs}, the last: validation was still improving; train longer")
     elif best:
         lines.append(f"kept epoch {best} of {epochs} run")
