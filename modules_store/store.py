@@ -7,6 +7,7 @@ with SIGBUS) or replaced between the check and the load (other bytes served unde
 sha256) can only be refused, never served or crash the server."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -165,6 +166,7 @@ class ModuleStore:
         folder = self.path(manifest.task, manifest.version)
         if folder.exists() and not overwrite:
             raise ArtifactError("exists", f"{manifest.task}/{manifest.version} already exists in {self.root}")
+        new_task = not folder.parent.exists()  # made here, and removed again if nothing lands in it
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{manifest.version}-", dir=folder.parent))
         staging.chmod(0o755)  # mkdtemp makes 0700: a server running as another user must read it
@@ -191,4 +193,7 @@ class ModuleStore:
         finally:
             if staging.exists():
                 shutil.rmtree(staging)
+            if new_task and not folder.exists():  # a failed write leaves no empty task folder (a task with no version)
+                with contextlib.suppress(OSError):
+                    folder.parent.rmdir()
         return folder

@@ -812,6 +812,31 @@ def test_a_run_folder_that_cannot_be_made_is_one_line_before_training(sentiment_
         assert "cannot make /proc/tmod-run/store: " in err and "epoch 1/1" not in err, err
 
 
+def test_a_module_the_disk_cannot_take_is_one_line_and_leaves_nothing_half_written(sentiment_files, train_backbone_dir,
+                                                                                     tmp_path, capsys, monkeypatch):
+    """A full disk when the trained head is written ended the run in a safetensors traceback: one line now,
+    naming the module and the store, and the store holds no half-written folder."""
+    from safetensors import SafetensorError
+
+    import modules_store.store
+
+    def full_disk(tensors, path, *args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+
+    monkeypatch.setattr(modules_store.store, "save_file", full_disk)
+    train_file, validation_file = sentiment_files
+    store = tmp_path / "store"
+    assert main(["layermix", "--train", str(train_file), "--validation", str(validation_file), "--label-column",
+                 "label", "--backbone", str(train_backbone_dir), "--task", "s", "--epochs", "1", "--no-progress",
+                 "--store", str(store), "--report-dir", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"tmod-train layermix: error: cannot write s/1 into {store} (Error while serializing: ")
+    assert last.endswith("No space left on device\" })): nothing was saved") and "Traceback" not in err
+    assert list(store.rglob("*")) == []  # no staging folder, no task folder without a version
+
+
 def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment_files, train_backbone_dir, tmp_path,
                                                         capsys):
     """--layers 0,99 ended in a traceback (a ValueError after the data was read); so did eval --version

@@ -110,10 +110,15 @@ class RunOutputs:
 def save_as_free_version(save: Callable[[str], Path], store: ModuleStore, name: str, version: str,
                          numbered: bool) -> tuple[Path, str]:
     """(artifact, version) of `save(version)`. Where the run numbered itself (no --version) and a run
-    beside it (a sweep into one store) took that number meanwhile, the next free one, said."""
+    beside it (a sweep into one store) took that number meanwhile, the next free one, said. A write that
+    fails (a full disk, a store made read-only meanwhile) is one line: the store's writes are atomic, so
+    nothing half-written is left."""
     while True:
         try:
             return save(version), version
+        except (OSError, SafetensorError) as exc:  # safetensors' own on a write that fails
+            raise UsageError(f"cannot write {name}/{version} into {store.root} "
+                             f"({getattr(exc, 'strerror', None) or exc}): nothing was saved") from None
         except ArtifactError as exc:
             if not (numbered and exc.reason == "exists"):
                 raise
