@@ -815,7 +815,8 @@ def test_a_run_folder_that_cannot_be_made_is_one_line_before_training(sentiment_
 def test_a_module_the_disk_cannot_take_is_one_line_and_leaves_nothing_half_written(sentiment_files, train_backbone_dir,
                                                                                      tmp_path, capsys, monkeypatch):
     """A full disk when the trained head is written ended the run in a safetensors traceback: one line now,
-    naming the module and the store, and the store holds no half-written folder."""
+    naming the module and the store, and the store holds no half-written folder. Where the report is what
+    the disk cannot take, the line says where the saved module is."""
     from safetensors import SafetensorError
 
     import modules_store.store
@@ -835,6 +836,28 @@ def test_a_module_the_disk_cannot_take_is_one_line_and_leaves_nothing_half_writt
     assert last.startswith(f"tmod-train layermix: error: cannot write s/1 into {store} (Error while serializing: ")
     assert last.endswith("No space left on device\" })): nothing was saved") and "Traceback" not in err
     assert list(store.rglob("*")) == []  # no staging folder, no task folder without a version
+    monkeypatch.undo()
+    import training.trainer
+
+    def full_disk_at_the_report(report_dir, outcome):
+        raise OSError(28, "No space left on device", str(report_dir / "report.md"))
+
+    monkeypatch.setattr(training.trainer, "write_report", full_disk_at_the_report)  # the module is saved by then
+    assert main(["layermix", "--train", str(train_file), "--validation", str(validation_file), "--label-column",
+                 "label", "--backbone", str(train_backbone_dir), "--task", "s", "--epochs", "1", "--no-progress",
+                 "--store", str(store), "--report-dir", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"tmod-train layermix: error: the report cannot be written (No space left on device: "
+        f"{tmp_path / 'report' / 'report.md'}); the module is saved in {store / 's' / '1'}") and "Traceback" not in err
+    import training.cli
+
+    def read_only(args, argv):  # any other write the machine refuses: one line, not a traceback
+        raise OSError(30, "Read-only file system", "runs/s-1")
+
+    monkeypatch.setattr(training.cli, "run_command", read_only)
+    assert main(["layermix", "--train", str(train_file), "--task", "s"]) == 1
+    assert capsys.readouterr().err == "tmod-train layermix: error: Read-only file system: runs/s-1\n"
 
 
 def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment_files, train_backbone_dir, tmp_path,

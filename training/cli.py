@@ -681,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
     except ArtifactError as exc:  # a name no store takes, a stored module or bridge that is broken: its reason
         print(f"tmod-train {args.command}: error: {exc.message}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the machine's, not the user's: a full disk, a folder made read-only meanwhile
+        print(f"tmod-train {args.command}: error: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""),
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # before a first epoch was kept (else the run finishes with the best so far)
         print(f"tmod-train {args.command}: interrupted before the run finished", file=sys.stderr)
         return 130

@@ -635,7 +635,11 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
                           history=result.history, layer_weights=weights, training=training, decoding=decoding,
                           assessment=assessment, request=request, loaded_into=loaded_into,
                           serve="" if loaded_into else serving.serve_command(store, s.backbone))
-    write_report(report_dir, outcome)
+    try:
+        write_report(report_dir, outcome)
+    except OSError as exc:  # a full disk: the module is saved, and the one line says where
+        raise UsageError(f"the report cannot be written ({exc.strerror or exc}: {exc.filename}); the module is saved "
+                         f"in {artifact}") from None
     if refusal:
         raise UsageError(f"{refusal} (the module is saved in {artifact}, its report in {report_dir})")
     return outcome
