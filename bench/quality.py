@@ -126,6 +126,7 @@ def write_module_baselines(store: Path) -> None:
     from modules_store import TaskType
     from server.backbone.sources import default_cache_dir
     from training.assess import against_baselines, baseline_runs, linear_baseline
+    from training.metrics import validation_role
     from training.settings import TrainSettings
     from training.splits import resolve_data
 
@@ -136,12 +137,14 @@ def write_module_baselines(store: Path) -> None:
         if "verdict" in earlier or metrics.get("split") != "validation" or not training.get("settings"):
             continue  # compared already, or nothing trained (an embedding module)
         kind = TaskType(manifest["task_type"])
-        role = "chose the epoch" + (" and thresholds" if (manifest.get("decoding") or {}).get("thresholds") else "")
+        recorded = training["settings"]  # what its validation chose, as tmod-train says it
+        role = validation_role(recorded.get("select", "best") == "best" and training.get("epochs_run", 2) > 1,
+                               bool((manifest.get("decoding") or {}).get("thresholds")),
+                               recorded.get("none_below") == "auto")
         head = {**metrics, "role": metrics.get("role", role)}
         if earlier:  # trained by a tmod-train that compared, before it wrote the verdict: its runs kept
             runs = [earlier["majority"], earlier[linear_baseline(kind)]]
         else:
-            recorded = training["settings"]
             settings = TrainSettings(**{k: v for k, v in recorded.items() if k in TrainSettings.model_fields})
             data = resolve_data(settings)
             runs = baseline_runs(data.train, data.validation, data.labels, settings.seed,
