@@ -615,6 +615,27 @@ def test_an_existing_version_is_refused_before_training_and_none_named_is_the_ne
     assert ModuleStore(store).versions("sentiment") == ["1", "2"]
 
 
+def test_a_version_of_another_kind_than_the_task_is_refused_before_training(sentiment_run, train_backbone_dir,
+                                                                             tmp_path, capsys):
+    """A tagger trained as `sentiment` (a classifier in the store), or a classifier as the store's `embedding`,
+    became the version every client of that task got, answers of another shape and all: refused before
+    any training or writing, with the reason."""
+    run, _ = sentiment_run
+    store = shutil.copytree(run / "store", tmp_path / "store")
+    conll = write_conll(tmp_path / "tags.conll", 12, 0)
+    assert main(["layermix", "--train", str(conll), "--split", "0.25", "--task", "sentiment", "--store", str(store),
+                 "--backbone", str(train_backbone_dir), "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"tmod-train layermix: error: --task sentiment: sentiment/1 in {store} is a sequence classification module, "
+        "this one would be a token classification: every client of sentiment would get answers of another shape; "
+        "pick another --task") and "epoch" not in err
+    assert ModuleStore(store).versions("sentiment") == ["1"] and not (tmp_path / "run").exists()
+    assert main(["embedding", "--backbone", str(train_backbone_dir), "--task", "sentiment", "--store", str(store),
+                 "--check", "0"]) == 2
+    assert "sentiment/1 in" in capsys.readouterr().err and ModuleStore(store).versions("sentiment") == ["1"]
+
+
 def test_a_number_taken_by_a_run_beside_this_one_is_not_lost(sentiment_run, sentiment_files, train_backbone_dir,
                                                                tmp_path, monkeypatch, capsys):
     """Two runs of a sweep into one store both chose version 2 when they started; the second, saving,

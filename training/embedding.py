@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modules_store import DEFAULT_STORE, ModuleStore
+from modules_store import DEFAULT_STORE, ModuleStore, TaskType
 from server.backbone import Backbone
 from server.backbone.sources import resolve_backbone
 from server.engine import Engine
@@ -77,7 +77,8 @@ def cmd_embedding(args: argparse.Namespace, command: str) -> int:
     task = stored_name(args.task, "embedding", "--task", "task", served=True)
     numbered = args.version is None
     version = store.next_version(task) if numbered else args.version
-    check_outputs(store, task, version, args.overwrite, (store.root,), fix="give --store in a folder you can write")
+    check_outputs(store, task, version, args.overwrite, (store.root,), fix="give --store in a folder you can write",
+                  task_type=TaskType.embedding)
     folder, name = resolve_backbone(args.backbone)
     backbone = Backbone.load(args.backbone)
     head = EmbeddingHead.from_backbone(backbone, folder, name)

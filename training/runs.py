@@ -46,15 +46,35 @@ def stored_name(given: str | None, default: str, option: str, kind: str, served:
 
 
 def check_outputs(store: ModuleStore, name: str, version: str, overwrite: bool, folders, *, what: str = "",
-                  fix: str = "give --run-dir in a folder you can write") -> None:
-    """Refuse, before the work, a version that exists (without --overwrite) and a folder that cannot
-    be made: found after the training, either lost its result."""
+                  fix: str = "give --run-dir in a folder you can write", task_type=None) -> None:
+    """Refuse, before the work, a version that exists (without --overwrite), a folder that cannot be made
+    (found after the training, either lost its result) and, given the module's `task_type`, a version of
+    another kind than the task's latest (a classifier saved as `embedding` answered /v1/embeddings'
+    clients with labels from then on)."""
     if store.path(name, version).exists() and not overwrite:
         raise UsageError(f"{what}{name}/{version} already exists in {store.root}; pick another --version (the next "
                          f"free number: --version {store.next_version(name)}, or leave --version out) or --overwrite")
+    if task_type is not None and (earlier := latest_manifest(store, name)) and earlier.task_type != task_type:
+        def kind(of) -> str:
+            words = of.value.replace("_", " ")
+            return f"{'an' if words[0] in 'aeiou' else 'a'} {words}"
+
+        raise UsageError(f"--task {name}: {name}/{earlier.version} in {store.root} is {kind(earlier.task_type)} module, "
+                         f"this one would be {kind(task_type)}: every client of {name} would get answers of another "
+                         "shape; pick another --task")
     for folder in folders:
         if problem := cannot_make(Path(folder)):
             raise UsageError(f"cannot make {folder}: {problem}; {fix}")
+
+
+def latest_manifest(store: ModuleStore, name: str):
+    """The manifest of `name`'s latest version in `store`, or None (no version, or one that cannot be read:
+    loading it says why)."""
+    versions = store.versions(name)
+    try:
+        return store.read_manifest(name, versions[-1]) if versions else None
+    except ArtifactError:
+        return None
 
 
 def new_run_dir(path: Path) -> Path:
@@ -80,7 +100,8 @@ class RunOutputs:
 
     @classmethod
     def checked(cls, run_name: str, run_dir: str | None, store: ModuleStore | None, report_dir: str | None,
-                name: str, version: str, overwrite: bool, *, what: str = "", fix: str) -> "RunOutputs":
+                name: str, version: str, overwrite: bool, *, what: str = "", fix: str,
+                task_type=None) -> "RunOutputs":
         """The outputs (`run_dir` None: runs/RUN_NAME-TIME, in UTC; `store` None: the run folder's own),
         refused before the work as `check_outputs` says."""
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -89,7 +110,7 @@ class RunOutputs:
                       Path(report_dir) if report_dir else folder / "report",
                       claim=not run_dir and (store is None or not report_dir))
         check_outputs(outputs.store, name, version, overwrite, (outputs.store.root, outputs.report_dir), what=what,
-                      fix=fix)
+                      fix=fix, task_type=task_type)
         return outputs
 
     def claimed(self) -> "RunOutputs":

@@ -541,7 +541,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         raise UsageError(f"--store: {misplaced}")
     outputs = RunOutputs.checked(f"{task}-{s.version}", s.run_dir, ModuleStore(Path(s.store)) if s.store else None,
                                  s.report_dir, task, s.version, s.overwrite,
-                                 fix="give --run-dir (or --store and --report-dir) in a folder you can write")
+                                 fix="give --run-dir (or --store and --report-dir) in a folder you can write",
+                                 task_type=task_type)
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     say_what_the_data_holds(s, train_data, labels, provenance)
