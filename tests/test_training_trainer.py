@@ -229,6 +229,43 @@ def test_ctrl_c_in_a_later_epoch_keeps_the_best_so_far_and_finishes(sentiment_fi
     assert ModuleStore(tmp_path / "store").versions("sentiment") == ["1"]
 
 
+def test_eval_split_scores_the_part_the_run_carved_from_the_file(sentiment_run, sentiment_files, train_backbone_dir,
+                                                                 tmp_path, capsys):
+    """A head trained on one file carved by --split could be scored on that file only whole ("not held out"):
+    --split test scores the rows the run held out again (its manifest's test numbers), --split validation
+    the rows that chose the epoch; a file the run did not carve is refused in one line."""
+    train_file, validation_file = sentiment_files
+    store = tmp_path / "store"
+    assert main(["layermix", "--train", str(train_file), "--split", "0.25,0.25", "--label-column", "label",
+                 "--text-column", "sentence", "--backbone", str(train_backbone_dir), "--task", "s", "--epochs", "2",
+                 "--store", str(store), "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
+    manifest = ModuleStore(store).read_manifest("s")
+    capsys.readouterr()
+    scored = {}
+    for part in ("test", "validation"):
+        assert main(["eval", "--store", str(store), "--task", "s", "--file", str(train_file), "--split", part,
+                     "--backbone", str(train_backbone_dir), "--no-progress"]) == 0
+        scored[part] = json.loads(capsys.readouterr().out)
+    test, validation = manifest.metrics["test"], manifest.metrics
+    assert (scored["test"]["metrics"]["examples"], scored["validation"]["metrics"]["examples"]) == (
+        test["examples"], validation["examples"])
+    assert scored["test"]["metrics"]["accuracy"] == pytest.approx(test["accuracy"], abs=1e-6)
+    assert scored["validation"]["metrics"]["accuracy"] == pytest.approx(validation["accuracy"], abs=1e-6)
+    assert scored["test"]["file_role"].startswith("test: the part of this file the run carved for test")
+    assert scored["validation"]["file_role"] == ("validation: the part of this file the run carved for validation; it "
+                                                 "chose the epoch, so this number is optimistic")
+    assert main(["eval", "--store", str(store), "--task", "s", "--file", str(validation_file), "--split", "test",
+                 "--backbone", str(train_backbone_dir), "--no-progress"]) == 2
+    assert f"s/1's run carved its parts from {train_file}, not from {validation_file}" in capsys.readouterr().err
+    run, _ = sentiment_run  # trained with --validation FILE: nothing carved
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(train_file), "--split",
+                 "test", "--backbone", str(train_backbone_dir), "--no-progress"]) == 2
+    assert "sentiment/1's run carved none (it was given --validation): leave out --split" in capsys.readouterr().err
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--dataset", "sst2", "--split",
+                 "test"]) == 2
+    assert "--split test: the sst2 preset has train and validation splits" in capsys.readouterr().err
+
+
 def test_eval_reads_a_file_as_the_training_run_did_and_refuses_a_pair_mismatch(sentiment_run, sentiment_files,
                                                                                  train_backbone_dir, capsys):
     """No column options: the training run's (sentence, label) are taken, and said. A pair task given

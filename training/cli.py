@@ -356,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--task", required=True, help="the stored module's task name")
     e.add_argument("--version", type=version_name, default=None, help="default: the latest")
     e.add_argument("--dataset", default=None, help="preset to score on")
-    e.add_argument("--split", default="validation", choices=["train", "validation"], help="preset split")
+    e.add_argument("--split", default=None, choices=["train", "validation", "test"],
+                   help="with --dataset: the preset's split (train or validation; default validation); with --file: "
+                        "the part the module's training run carved from that file with its --split (the same rows: "
+                        "test scores its held-out rows again); default the whole file")
     e.add_argument("--file", default=None, help="labelled file to score on (instead of a preset)")
     add_data_options(e, default=None)
     e.add_argument("--max-examples", type=at_least(1), default=None, help="score a seeded random subset")
@@ -482,11 +485,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     metrics = score_module(split, module, args.batch_size, progress=args.progress,
                            engine=Engine(backbone, bridges=bridges), answer_split=answers)
     role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path),
-                     module.manifest.metrics.get("role", "chose the epoch"))
+                     module.manifest.metrics.get("role", "chose the epoch"), args.split if args.file else None)
     if not role.startswith(("test", "not a file")):
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
     result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
-              "file": str(spec.path), "file_role": role,
+              "file": str(spec.path), **({"split": args.split or "validation"} if args.split or args.dataset else {}),
+              "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
               "metrics": metrics, "baseline": eval_baseline(data, module, metrics)}
     text = json.dumps(result, indent=2)
@@ -508,7 +512,10 @@ def eval_data(args: argparse.Namespace, manifest):
     if args.dataset:
         if args.dataset not in PRESETS:
             raise UsageError(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
-        spec = preset_spec(PRESETS[args.dataset], args.split, args.data_dir)
+        if args.split == "test":
+            raise UsageError(f"--split test: the {args.dataset} preset has train and validation splits (its test "
+                             "labels are not published)")
+        spec = preset_spec(PRESETS[args.dataset], args.split or "validation", args.data_dir)
     else:
         columns_as_in_training(args, manifest)
         spec = file_spec(args.file, args.format, args.text_column, args.label_column, args.pair_column,
@@ -521,6 +528,8 @@ def eval_data(args: argparse.Namespace, manifest):
     if data.has_pairs != pairs:  # a pair task scored on single texts (or the reverse) scores nothing it answers
         raise UsageError(f"{spec.path}: {args.task} compares a text with a text pair; give --pair-column" if pairs else
                          f"{spec.path}: {args.task} reads single texts; leave out --pair-column")
+    if args.file and args.split:
+        data = carved_part(spec, data, manifest, args.split)
     data = data.subset(args.max_examples, seed=0)
     token_task = manifest.task_type == TaskType.token_classification
     if (data.task_type == TaskType.token_classification) != token_task:
@@ -535,6 +544,29 @@ def eval_data(args: argparse.Namespace, manifest):
             else f"; name them as the head does with --label-map {named}"
         raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
     return spec, data
+
+
+def carved_part(spec, data, manifest, part: str):
+    """The rows of `data` (the file the module's training run carved its parts from with --split) that the
+    run carved as `part`: the same carve, with the fractions and seed its manifest records."""
+    from modules_store import sha256_file
+    from training.data.files import UsageError
+    from training.splits import carve
+
+    recorded = manifest.training.get("data", {})
+    carving = recorded.get("split")
+    if not carving or sha256_file(spec.path) != recorded.get("train_sha256"):
+        raise UsageError(f"--split {part} with --file scores a part the module's training run carved from that file; "
+                         f"{manifest.task}/{manifest.version}'s run " + (
+                             f"carved its parts from {recorded.get('train_file')}, not from {spec.path}" if carving
+                             else "carved none (it was given --validation): leave out --split"))
+    data, _ = data.with_entities_begun_with_b()  # as the run read it before carving
+    parts = dict(zip(("train", "validation", "test"),
+                     carve(data, carving["fractions"], carving["seed"], carving.get("units") == "documents")))
+    if parts[part] is None:
+        raise UsageError(f"--split test: {manifest.task}/{manifest.version}'s run carved no test part from "
+                         f"{spec.path} (its --split was {','.join(map(str, carving['fractions']))})")
+    return parts[part]
 
 
 def eval_module(args: argparse.Namespace, store, manifest):

@@ -108,14 +108,22 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     return score(split, predicted, thresholds)
 
 
-def file_role(training_data: dict, sha256: str, validation_role: str = "chose the epoch") -> str:
+def file_role(training_data: dict, sha256: str, validation_role: str = "chose the epoch", part: str | None = None
+              ) -> str:
     """What a scored file was to the module's training run (its manifest's `training.data`, which
     records each file's sha256): a score on rows the head learnt from says nothing about new text.
-    `validation_role`: what the validation split chose (the manifest's `metrics.role`)."""
+    `validation_role`: what the validation split chose (the manifest's `metrics.role`); `part`: the
+    part of the file the run carved (--split) that is scored, not the whole file."""
+    if part is not None:  # `carved_part` checked that the run carved it from this file
+        return {"train": "training: the part of this file the run carved for training, so this score is not held out",
+                "validation": f"validation: the part of this file the run carved for validation; it {validation_role}"
+                              f"{optimistic(validation_role)}",
+                "test": "test: the part of this file the run carved for test, scored once at the end of training; it "
+                        "chose nothing"}[part]
     if sha256 == training_data.get("train_sha256"):
         if training_data.get("split"):
             return ("training: the file the run carved its training, validation (and test) rows from; most rows "
-                    "were trained on, so this score is not held out")
+                    "were trained on, so this score is not held out (--split test scores its held-out rows)")
         return "training: the head was trained on this file, so this score is not held out"
     if sha256 == training_data.get("validation_sha256"):
         return f"validation: this file {validation_role}{optimistic(validation_role)}"
