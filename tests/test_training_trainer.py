@@ -246,6 +246,10 @@ def test_eval_split_scores_the_part_the_run_carved_from_the_file(sentiment_run, 
         assert main(["eval", "--store", str(store), "--task", "s", "--file", str(train_file), "--split", part,
                      "--backbone", str(train_backbone_dir), "--no-progress"]) == 0
         scored[part] = json.loads(capsys.readouterr().out)
+    assert main(["eval", "--store", str(store), "--task", "s", "--file", str(train_file), "--backbone",
+                 str(train_backbone_dir), "--no-progress"]) == 0  # the whole file: says how to score its test rows
+    assert json.loads(capsys.readouterr().out)["file_role"].endswith(
+        "not held out (--split test scores its test rows)")
     test, validation = manifest.metrics["test"], manifest.metrics
     assert (scored["test"]["metrics"]["examples"], scored["validation"]["metrics"]["examples"]) == (
         test["examples"], validation["examples"])

@@ -122,8 +122,9 @@ def file_role(training_data: dict, sha256: str, validation_role: str = "chose th
                         "chose nothing"}[part]
     if sha256 == training_data.get("train_sha256"):
         if training_data.get("split"):
+            held_out = "test" if len(training_data["split"]["fractions"]) == 2 else "validation"
             return ("training: the file the run carved its training, validation (and test) rows from; most rows "
-                    "were trained on, so this score is not held out (--split test scores its held-out rows)")
+                    f"were trained on, so this score is not held out (--split {held_out} scores its {held_out} rows)")
         return "training: the head was trained on this file, so this score is not held out"
     if sha256 == training_data.get("validation_sha256"):
         return f"validation: this file {validation_role}{optimistic(validation_role)}"
