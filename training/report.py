@@ -101,9 +101,9 @@ def report_text(result) -> str:
         if data.get(f"{name}_rows_also_in_training"):
             lines.append(f"- {data[f'{name}_rows_also_in_training']} of the {data[f'{name}_examples']} {name} rows hold "
                          f"a text the training rows hold too: the {name} number counts them, and so flatters the head")
-    if data.get("test_rows_also_in_validation"):
+    if data.get("test_rows_also_in_validation") and optimistic(m["role"]):  # harmless where validation chose nothing
         lines.append(f"- {data['test_rows_also_in_validation']} of the {data['test_examples']} test rows hold a text "
-                     "the validation rows hold too: the epoch was chosen on them")
+                     f"the validation rows hold too: validation {m['role']} on them")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
     stopped_by = (result.history or [{}])[-1].get("stopped_by")
     stopped = {"interrupt": f"; the run was stopped by Ctrl-C in epoch {run + 1}",
