@@ -142,7 +142,8 @@ def verdict(baselines: dict, kind: TaskType) -> str:
     linear = linear_baseline(kind)
     majority_score, linear_score = baselines["majority"][metric], baselines[linear].get(metric)
     role = baselines.get("role", "chose the epoch")
-    caveat = (f"; the validation split also {role}: --test FILE or --split VAL,TEST gives one that chose nothing"
+    caveat = (f"; the validation split also {role}: a test split (--test FILE; --split VAL,TEST of a --train file) "
+              "gives one that chose nothing"
               if split == "validation" and optimistic(role) else "")
     scored = baselines["majority"]  # on the rows every score here is on (a token task's: sentences)
     rows = scored.get("examples", scored.get("sentences"))

@@ -84,7 +84,8 @@ def report_text(result) -> str:
         lines.append(f"- test {metric}: **{t[metric]:.4f}** ({t.get('examples', t.get('sentences'))} examples; "
                      f"never used to choose anything)")
     else:
-        lines.append("- test: none (give --test FILE, or --split VAL,TEST): only the validation number above exists")
+        lines.append("- test: none (give --test FILE, or --split VAL,TEST of a --train file): only the validation "
+                     "number above exists")
     data = result.training.get("data", {})
     if data.get("entities_begun_with_i"):
         counts = ", ".join(f"{n} in the {split} file" for split, n in data["entities_begun_with_i"].items())
