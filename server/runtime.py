@@ -409,7 +409,7 @@ class Runtime:
         log.error("module %s refused: %s", task, message)
 
     def load_bridges(self, known: dict | None = None) -> dict:
-        """Every bridge in the bridge store that runs on this backbone (latest version of each), the
+        """Every bridge in the bridge store that runs on this backbone (its newest version from it), the
         `known` ones kept as they are: at start none, at each module load those loaded (a bridge written
         into the store since joins then, one refused before is tried again). Bridges from other
         backbones are skipped, broken ones refused with a logged reason."""

@@ -451,8 +451,10 @@ def test_align_again_takes_the_next_version_and_a_mistake_is_one_line(tmp_path, 
     assert main(["align", *common, "--max-texts", "20", "--no-heatmap", "--name", "perm", "--version", "wide"]) == 0
     assert "tmod-serve --bridges" not in capsys.readouterr().err
     assert main(["align", *common, "--max-texts", "20", "--no-heatmap", "--name", "perm"]) == 0
-    assert (f"tmod-serve --bridges {tmp_path / 'bridges'} loads bridge perm/wide, not this perm/3: it takes the latest "
-            "version of each bridge") in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"tmod-serve --bridges {tmp_path / 'bridges'} on " in err
+    assert ("loads bridge perm/wide, not this perm/3: it takes the newest version of each bridge from its backbone"
+            in err)
 
 
 def test_align_on_a_file_of_the_users_texts(tmp_path, bert, permuted, capsys):

@@ -216,6 +216,25 @@ def test_bridge_for_another_source_is_refused(saved_bridge, target):
     assert caught.value.reason == "fingerprint_mismatch"
 
 
+def test_each_backbone_loads_the_newest_version_of_a_bridge_name_from_itself(saved_bridge, source, target, tmp_path,
+                                                                             capsys):
+    """A bridge name holding versions of two sources (tiny/1 from the source, tiny/2 back from the target):
+    a server on the source skipped `tiny` ("it runs on" the target's backbone) for its newest version,
+    as a task is not skipped for a module of another backbone; each backbone now loads its own newest."""
+    from server.bridges import load_bridges_on
+    from training.runs import say_if_bridge_outranked
+
+    store, _, _ = saved_bridge
+    store = bridge_store(shutil.copytree(store.root, tmp_path / "bridges"))
+    back = TransformerBridge.for_backbones(target, source, [1, 2, 3], [0, 2, 3], **SMALL).eval()
+    save_bridge(store, "tiny", "2", back, target, source, training={"objective": "mse"})
+    for backbone, version in ((source, "1"), (target, "2")):
+        loaded, skipped, refused = load_bridges_on(store, backbone)
+        assert (loaded["tiny"].version, skipped, refused) == (version, {}, {})
+    say_if_bridge_outranked(store, "tiny", "1")  # the one a server on its source loads: nothing to say
+    assert capsys.readouterr().err == ""
+
+
 # ---- (d) the streamed path is the training path ------------------------------------------------
 def test_start_consume_finish_equals_forward_train(saved_bridge, source, target):
     _, _, bridge = saved_bridge

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from modules_store import ArtifactError, ModuleStore
+from server.bridges import bridge_version_on
 from training.data.files import UsageError
 
 
@@ -149,13 +150,16 @@ def save_as_free_version(save: Callable[[str], Path], store: ModuleStore, name: 
 
 
 def say_if_bridge_outranked(store: ModuleStore, name: str, version: str) -> None:
-    """tmod-serve loads the latest version of each bridge in its --bridges store: where that is not the
-    one just saved (a named version sorts after every number), said, rather than found out when serving."""
-    latest = store.latest(name)
-    if latest != version:
-        print(f"tmod-serve --bridges {store.root} loads bridge {name}/{latest}, not this {name}/{version}: it takes "
-              "the latest version of each bridge (the highest number, then named ones alphabetically); save this "
-              f"one under another --name to serve it beside, or remove {name}/{latest}", file=sys.stderr)
+    """tmod-serve loads the newest version of each bridge from its backbone in its --bridges store: where
+    that is not the one just saved (a named version sorts after every number), said, rather than found out
+    when serving."""
+    source = store.read_manifest(name, version).source
+    served = bridge_version_on(store, name, source).version
+    if served != version:
+        print(f"tmod-serve --bridges {store.root} on {source.name} loads bridge {name}/{served}, not this "
+              f"{name}/{version}: it takes the newest version of each bridge from its backbone (the highest number, "
+              f"then named ones alphabetically); save this one under another --name to serve it beside, or remove "
+              f"{name}/{served}", file=sys.stderr)
 
 
 def check_cache_dir(cache_dir: str | None) -> None:

@@ -12,10 +12,11 @@ its modules. Bridge artifacts live in their own store (`--bridges`, default `<st
 each with a `BridgeManifest` naming source and target fingerprints and the target tokenizer.
 """
 from server.bridges.base import Bridge
-from server.bridges.loading import LoadedBridge, bridge_store, load_bridge, load_bridges_on, save_bridge
+from server.bridges.loading import (LoadedBridge, bridge_store, bridge_version_on, load_bridge, load_bridges_on,
+                                    save_bridge)
 from server.bridges.registry import BRIDGE_KINDS, build_bridge, register_bridge
 from server.bridges import transformer  # noqa: F401  (registers kind "transformer")
 from server.bridges import alignment  # noqa: F401  (registers kind "alignment")
 
-__all__ = ["BRIDGE_KINDS", "Bridge", "LoadedBridge", "bridge_store", "build_bridge", "load_bridge",
-           "load_bridges_on", "register_bridge", "save_bridge"]
+__all__ = ["BRIDGE_KINDS", "Bridge", "LoadedBridge", "bridge_store", "bridge_version_on", "build_bridge",
+           "load_bridge", "load_bridges_on", "register_bridge", "save_bridge"]

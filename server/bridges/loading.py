@@ -99,16 +99,34 @@ def load_bridge(store: ModuleStore, name: str, version: str | None, backbone, de
     return LoadedBridge(name=name, version=stored.manifest.version, manifest=stored.manifest, bridge=bridge)
 
 
+def bridge_version_on(store: ModuleStore, name: str, source) -> BridgeManifest:
+    """The manifest of `name`'s newest version from backbone `source` (a fingerprint): a bridge name may
+    hold versions of several sources, as a task holds modules of several backbones; where none is from
+    `source`, the newest version's (its source says why the bridge is skipped). Raises the store's error
+    where the newest cannot be read."""
+    newest = store.read_manifest(name)
+    if newest.source.identity() == source.identity():
+        return newest
+    for version in reversed(store.versions(name)):
+        try:
+            manifest = store.read_manifest(name, version)
+        except ArtifactError:
+            continue
+        if manifest.source.identity() == source.identity():
+            return manifest
+    return newest
+
+
 def load_bridges_on(store: ModuleStore, backbone, device="cpu", known=()) -> tuple[dict, dict, dict]:
     """(loaded: name -> LoadedBridge, skipped: name -> the backbone it runs on, refused: name ->
-    ArtifactError) of every bridge in `store` but those named in `known`, the latest version of each:
-    those whose source is `backbone` loaded, as the server and `tmod-train eval --bridges` both take them."""
+    ArtifactError) of every bridge in `store` but those named in `known`, the newest version of each from
+    `backbone` (`bridge_version_on`), as the server and `tmod-train eval --bridges` both take them."""
     loaded, skipped, refused = {}, {}, {}
     for name in store.tasks():
         if name in known:
             continue
         try:
-            manifest = store.read_manifest(name)
+            manifest = bridge_version_on(store, name, backbone.fingerprint)
             if manifest.source.identity() != backbone.fingerprint.identity():
                 skipped[name] = manifest.source.name or manifest.source.short
                 continue
