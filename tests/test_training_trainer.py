@@ -902,6 +902,10 @@ def test_a_module_the_disk_cannot_take_is_one_line_and_leaves_nothing_half_writt
     assert last.startswith(f"tmod-train layermix: error: cannot write s/1 into {store} (Error while serializing: ")
     assert last.endswith("No space left on device\" })): nothing was saved") and "Traceback" not in err
     assert list(store.rglob("*")) == []  # no staging folder, no task folder without a version
+    monkeypatch.chdir(tmp_path)  # the default run folder, runs/s-1-TIME, made for the save: removed with it
+    assert main(["layermix", "--train", str(train_file), "--validation", str(validation_file), "--label-column",
+                 "label", "--backbone", str(train_backbone_dir), "--task", "s", "--epochs", "1", "--no-progress"]) == 2
+    assert "cannot write s/1 into runs/s-1-" in capsys.readouterr().err and list((tmp_path / "runs").iterdir()) == []
     monkeypatch.undo()
     import training.trainer
 

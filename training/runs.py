@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -98,6 +99,12 @@ class RunOutputs:
     store: ModuleStore
     report_dir: Path
     claim: bool  # the run folder is the default one, and the store or the report goes in it
+    made: Path | None = None  # the run folder `claimed` made
+
+    def drop_if_empty(self) -> None:
+        """The run folder this run made, removed where no file was written in it (its save failed)."""
+        if self.made and not any(path.is_file() for path in self.made.rglob("*")):
+            shutil.rmtree(self.made, ignore_errors=True)
 
     @classmethod
     def checked(cls, run_name: str, run_dir: str | None, store: ModuleStore | None, report_dir: str | None,
@@ -126,19 +133,21 @@ class RunOutputs:
 
         store = self.store if moved(self.store.root) == self.store.root else \
             ModuleStore(moved(self.store.root), manifest_cls=self.store.manifest_cls)
-        return RunOutputs(folder, store, moved(self.report_dir), claim=False)
+        return RunOutputs(folder, store, moved(self.report_dir), claim=False, made=folder)
 
 
 def save_as_free_version(save: Callable[[str], Path], store: ModuleStore, name: str, version: str,
-                         numbered: bool) -> tuple[Path, str]:
+                         numbered: bool, run: RunOutputs | None = None) -> tuple[Path, str]:
     """(artifact, version) of `save(version)`. Where the run numbered itself (no --version) and a run
     beside it (a sweep into one store) took that number meanwhile, the next free one, said. A write that
     fails (a full disk, a store made read-only meanwhile) is one line: the store's writes are atomic, so
-    nothing half-written is left."""
+    nothing half-written is left, nor the empty run folder `run` made for it."""
     while True:
         try:
             return save(version), version
         except (OSError, SafetensorError) as exc:  # safetensors' own on a write that fails
+            if run is not None:
+                run.drop_if_empty()
             raise UsageError(f"cannot write {name}/{version} into {store.root} "
                              f"({getattr(exc, 'strerror', None) or exc}): nothing was saved") from None
         except ArtifactError as exc:

@@ -630,7 +630,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         return save_module(store, task, version, head, backbone, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite and not numbered, decoding=decoding)
 
-    artifact, version = save_as_free_version(save, store, task, s.version, numbered)
+    artifact, version = save_as_free_version(save, store, task, s.version, numbered, outputs)
     s = s.model_copy(update={"version": version})
     load_module(store, task, s.version, backbone, probe=probe_module)  # refuse to report success on an unloadable artifact
     serving.say_which_version_serves(store, task, s.version, backbone)

@@ -352,12 +352,13 @@ def cmd_align(args, command: str) -> int:
                **({"held_out_mean_matched_correlation": diagnostics["held_out_mean_matched_correlation"]}
                   if held_out else {}),
                "per_state": {str(j): v for j, v in diagnostics["per_state"].items()}}
-    report_dir = outputs.claimed().report_dir
+    outputs = outputs.claimed()
+    report_dir = outputs.report_dir
     artifact, version = save_as_free_version(
         lambda v: save_bridge(store, name, v, bridge, source, target, training=training, metrics=metrics,
                               description=args.description or f"alignment bridge: {target.name} modules served on "
                                                               f"{source.name}", overwrite=args.overwrite and not numbered),
-        store, name, version, numbered)
+        store, name, version, numbered, outputs)
     say_if_bridge_outranked(store, name, version)
     report_dir.mkdir(parents=True, exist_ok=True)
     said = findings(diagnostics, len(texts), len(held_out_texts), held_from)

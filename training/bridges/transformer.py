@@ -562,14 +562,15 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     description = s.description or (f"transformer bridge {source.name} -> {target.name}, {s.objective} objective"
                                      + (f" through {module.task}/{module.version}" if module and s.objective == "distill" else ""))
     bridge.cpu()
-    report_dir = outputs.claimed().report_dir
+    outputs = outputs.claimed()
+    report_dir = outputs.report_dir
 
     def save(version: str) -> Path:
         training["settings"]["version"] = version
         return save_bridge(store, name, version, bridge, source, target, training=training, metrics=metrics,
                            description=description, overwrite=s.overwrite and not numbered)
 
-    artifact, version = save_as_free_version(save, store, name, s.version, numbered)
+    artifact, version = save_as_free_version(save, store, name, s.version, numbered, outputs)
     s = s.model_copy(update={"version": version})
     say_if_bridge_outranked(store, name, version)
     # refuse to report success on an artifact that does not load; measure it the way it serves
