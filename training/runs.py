@@ -57,16 +57,18 @@ def check_outputs(store: ModuleStore, name: str, version: str, overwrite: bool, 
         raise UsageError(f"{what}{name}/{version} already exists in {store.root}; pick another --version (the next "
                          f"free number: --version {store.next_version(name)}, or leave --version out) or --overwrite")
     if task_type is not None and (earlier := latest_manifest(store, name)) and earlier.task_type != task_type:
-        def kind(of) -> str:
-            words = of.value.replace("_", " ")
-            return f"{'an' if words[0] in 'aeiou' else 'a'} {words}"
-
-        raise UsageError(f"--task {name}: {name}/{earlier.version} in {store.root} is {kind(earlier.task_type)} module, "
-                         f"this one would be {kind(task_type)}: every client of {name} would get answers of another "
-                         "shape; pick another --task")
+        raise UsageError(f"--task {name}: {name}/{earlier.version} in {store.root} is {in_words(earlier.task_type)} "
+                         f"module, this one would be {in_words(task_type)}: every client of {name} would get answers "
+                         "of another shape; pick another --task")
     for folder in folders:
         if problem := cannot_make(Path(folder)):
             raise UsageError(f"cannot make {folder}: {problem}; {fix}")
+
+
+def in_words(task_type) -> str:
+    """A task type in a sentence: 'a sequence classification', 'an embedding'."""
+    words = task_type.value.replace("_", " ")
+    return f"{'an' if words[0] in 'aeiou' else 'a'} {words}"
 
 
 def latest_manifest(store: ModuleStore, name: str):
