@@ -107,7 +107,7 @@ def bridge_version_on(store: ModuleStore, name: str, source) -> BridgeManifest:
     newest = store.read_manifest(name)
     if newest.source.identity() == source.identity():
         return newest
-    for version in reversed(store.versions(name)):
+    for version in reversed(store.versions(name)[:-1]):  # the older ones, newest first (the newest is read above)
         try:
             manifest = store.read_manifest(name, version)
         except ArtifactError:
