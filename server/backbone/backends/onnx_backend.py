@@ -97,18 +97,34 @@ def layer_input(adapter, hidden: torch.Tensor, attention_mask: torch.Tensor) -> 
     return additive_mask(attention_mask.cpu().numpy())
 
 
+# loggers the exporter writes to at info, per graph: torch.onnx ("torchvision is not installed" and
+# similar), onnxscript's optimiser and onnx_ir's passes (~190 lines for MiniLM's seven graphs)
+EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")
+
+
+@contextlib.contextmanager
+def _exporter_quiet() -> Iterator[None]:
+    """Only the exporter's errors reach the server's log while it runs."""
+    loggers = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")  # the exporter's own deprecation / naming chatter
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _export(module, args: tuple, path: Path, input_names, dynamic_shapes, opset: int) -> None:
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # "torchvision is not installed" and similar, once per graph
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")  # the exporter's own deprecation / naming chatter
+    with _exporter_quiet():
         torch.onnx.export(
             module, args, str(path), input_names=list(input_names), output_names=["state"],
             dynamic_shapes=dynamic_shapes, opset_version=opset, dynamo=True, external_data=False,
             verbose=False, report=False,
         )
-    quiet.setLevel(level)
 
 
 def export_fp32(backbone, out: Path, opset: int = OPSET) -> None:
