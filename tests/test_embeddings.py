@@ -157,6 +157,26 @@ def test_an_embedding_task_name_no_store_takes_is_stored_as_the_name_it_becomes(
     assert (store / "my-vectors" / "1" / "manifest.json").is_file()
 
 
+def test_embedding_command_says_how_to_serve_and_ask(tiny_backbone_dir, tmp_path, capsys):
+    """Like a trained head's run, the embedding command ends with the tmod-serve command and a request
+    for the new task (it ended with the manifest only), and a second version says what it replaces."""
+    import json
+    import shlex
+
+    from training.cli import main
+
+    store = tmp_path / "store"
+    for _ in range(2):
+        assert main(["embedding", "--backbone", str(tiny_backbone_dir), "--store", str(store), "--check", "0"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out[out.rindex('{\n  "artifact"'):])
+    assert summary["serve"] == shlex.join(["tmod-serve", "--store", str(store), "--backbone", str(tiny_backbone_dir)])
+    words = shlex.split(summary["query"])
+    assert words[words.index("-X") + 2] == "http://127.0.0.1:8080/v1/embeddings"
+    assert json.loads(words[words.index("-d") + 1])["model"] == "embedding"
+    assert f"embedding/2 replaces embedding/1: a tmod-serve started on {store}" in err
+
+
 def test_grouped_embedding_heads_equal_each_alone(tiny_backbone):
     """Two embedding heads in one plan run as one EmbeddingGroup; each answer equals its head alone."""
     from server.modules import LoadedModule

@@ -27,6 +27,7 @@ from server.engine import Engine
 from server.heads.embedding import EmbeddingHead
 from server.modules import LoadedModule, load_module, save_module
 from server.probe import probe_module
+from training import serving
 from training.runs import check_outputs, save_as_free_version, stored_name
 
 
@@ -106,5 +107,9 @@ def cmd_embedding(args: argparse.Namespace, command: str) -> int:
                                           f"{', normalised' if head.config.normalize else ''}), computed in the shared pass"),
         store, task, version, numbered)
     loaded = load_module(store, task, version, backbone, probe=probe_module)  # what was written loads and checks
-    print(json.dumps({"artifact": str(path), "config": loaded.manifest.config, "metrics": metrics}, indent=2))
+    serving.say_which_version_serves(store, task, version, backbone)
+    print(json.dumps({"artifact": str(path), "config": loaded.manifest.config, "metrics": metrics,
+                      "serve": serving.serve_command(store, args.backbone),
+                      "query": serving.embeddings_request("http://127.0.0.1:8080", task, "tmod embeds this sentence")},
+                     indent=2))
     return 0

@@ -160,6 +160,13 @@ def serve_command(store: ModuleStore, backbone: str | None) -> str:
     return shlex.join(words)
 
 
+def embeddings_request(url: str, task: str, text: str) -> str:
+    """A curl command asking the embedding task `task` for one text's vector (OpenAI's embeddings shape)."""
+    body = json.dumps({"model": task, "input": [text]}, ensure_ascii=False)
+    return (f"curl -s -X POST {shlex.quote(url.rstrip('/') + '/v1/embeddings')} "
+            f"-H 'content-type: application/json' -d {shlex.quote(body)}")
+
+
 def example_request(url: str, task: str, others: list[str], text: str, text_pair: str | None = None,
                     api_key: bool = False) -> str:
     """A curl command asking the new task and `others` (the served ones) in one request; with the key
