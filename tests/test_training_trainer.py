@@ -1032,3 +1032,45 @@ def test_a_cache_that_cannot_be_written_is_said_and_the_run_goes_on(tmp_path, ca
     assert "(No space left on device); the run goes on" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["x.json"]
     assert cached_run(tmp_path / "a-file", {"k": 1}, lambda: {"accuracy": 0.5}) == {"accuracy": 0.5}
+
+
+def test_eval_on_a_backbone_scores_the_version_it_serves_and_defaults_to_the_trained_preset(
+        sentiment_run, sentiment_files, train_backbone_dir, tmp_path, capsys):
+    """`eval --backbone B` without --version scored the version a server on B answers with, but read the
+    data, labels and roles with the store's latest manifest, another backbone's: a later version with
+    other labels refused the file. Without --dataset or --file, eval scores the preset the module was
+    trained on (it was refused: "give exactly one of ..."), or says which files it was trained on."""
+    from tests.helpers import make_tiny_backbone_dir
+
+    run, argv = sentiment_run
+    store = tmp_path / "store"
+    shutil.copytree(run / "store", store)
+    other_backbone = make_tiny_backbone_dir(tmp_path / "other", "bert", layers=2, seed=1)
+    at = argv.index("--store")
+    other = [*argv[:at], "--store", str(store), "--report-dir", str(tmp_path / "r1"), "--epochs", "1",
+             "--version", "other-1"]
+    other[other.index("--backbone") + 1] = str(other_backbone)
+    other[other.index("--label-map") + 1], other[other.index("--labels") + 1] = "0=neg,1=pos", "neg,pos"
+    assert main(other) == 0  # the store's latest version ("other-1" sorts after "1"), on another backbone
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--store", str(store), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                 "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
+                 "--backbone", str(train_backbone_dir), "--output", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["version"] == "1"
+    capsys.readouterr()
+
+    assert main(["eval", "--store", str(store), "--task", "sentiment", "--backbone", str(train_backbone_dir)]) == 2
+    assert capsys.readouterr().err == (f"tmod-train eval: error: give --dataset NAME or --file FILE to score on: "
+                                       f"sentiment/1 was trained on files of its own (validation {sentiment_files[1]})\n")
+
+    preset = [*argv[:argv.index("--train")], "--dataset", "sst2", "--max-train", "40", "--max-validation", "40",
+              "--backbone", str(train_backbone_dir), "--task", "sst", "--store", str(store), "--report-dir",
+              str(tmp_path / "r2"), "--epochs", "1", "--no-progress"]
+    assert main(preset) == 0
+    capsys.readouterr()
+    assert main(["eval", "--store", str(store), "--task", "sst", "--version", "1", "--max-examples", "20",
+                 "--backbone", str(train_backbone_dir), "--output", str(out), "--no-progress"]) == 0
+    assert "tmod-train eval: sst/1 scored on sst2, the preset it was trained on" in capsys.readouterr().err
+    scored = json.loads(out.read_text())
+    assert scored["file"].endswith("validation.tsv") and scored["split"] == "validation"
+    assert scored["metrics"]["examples"] == 20

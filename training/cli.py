@@ -354,8 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = commands.add_parser("eval", help="score a stored module on a labelled file (served path)")
     e.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
     e.add_argument("--task", required=True, help="the stored module's task name")
-    e.add_argument("--version", type=version_name, default=None, help="default: the latest")
-    e.add_argument("--dataset", default=None, help="preset to score on")
+    e.add_argument("--version", type=version_name, default=None, help="default: the latest, on its own backbone; "
+                   "with --backbone, the version a tmod-serve on that backbone (and --bridges) answers with")
+    e.add_argument("--dataset", default=None, help="preset to score on (default, without --file: the preset the "
+                   "module was trained on)")
     e.add_argument("--split", default=None, choices=["train", "validation", "test"],
                    help="with --dataset: the preset's split (train or validation; default validation); with --file: "
                         "the part the module's training run carved from that file with its --split (the same rows: "
@@ -460,16 +462,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from training.states import Split
 
     # the user's mistakes first, before a backbone is loaded
-    if bool(args.dataset) == bool(args.file):
-        raise UsageError("give exactly one of --dataset NAME or --file FILE")
+    if args.dataset and args.file:
+        raise UsageError("give one of --dataset NAME or --file FILE, not both")
     if args.bridges and not Path(args.bridges).is_dir():
         raise UsageError(f"--bridges {args.bridges}: no such folder (a bridge store, as tmod-serve --bridges takes)")
     store = ModuleStore(args.store or DEFAULT_STORE)
     if args.task not in store.tasks():
         raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
-    manifest = store.read_manifest(args.task, args.version)
+    manifest = store.read_manifest(args.task, args.version)  # the latest: the version scored on its own backbone
+    loaded = None
+    if args.version is None and args.backbone:  # the version a server on --backbone answers with: known once loaded
+        loaded = eval_module(args, store, manifest)
+        manifest = loaded[1].manifest
+    if not args.dataset and not args.file:
+        args.dataset = preset_trained_on(manifest)
     spec, data = eval_data(args, manifest)
-    backbone, module, bridges, own = eval_module(args, store, manifest)
+    backbone, module, bridges, own = loaded or eval_module(args, store, manifest)
     split = Split(data, module.head.labels, backbone)
     through = f"{module.bridge}/{bridges[module.bridge].version}" if module.bridge else None
     if through:
@@ -499,6 +507,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text + "\n")
     print(text)
     return 0
+
+
+def preset_trained_on(manifest) -> str:
+    """What `tmod-train eval` scores without --dataset or --file: the preset the module was trained on
+    (said); a module trained on one's own files, or not trained, needs one named."""
+    from training.data.files import UsageError
+    from training.data.presets import PRESETS
+
+    recorded = manifest.training.get("data", {})
+    preset = recorded.get("dataset")
+    name = f"{manifest.task}/{manifest.version}"
+    if preset in PRESETS:
+        print(f"tmod-train eval: {name} scored on {preset}, the preset it was trained on (--dataset or --file to "
+              "choose another)", file=sys.stderr)
+        return preset
+    files = [f"{part} {recorded[f'{part}_file']}" for part in ("validation", "test") if recorded.get(f"{part}_file")]
+    raise UsageError("give --dataset NAME or --file FILE to score on" + (
+        f": {name} was trained on files of its own ({'; '.join(files)})" if files else
+        f": {name} was not trained on a preset" if recorded else f": {name} records no training data"))
 
 
 def eval_data(args: argparse.Namespace, manifest):
@@ -600,11 +627,14 @@ def eval_module(args: argparse.Namespace, store, manifest):
     except ArtifactError as exc:
         if exc.reason not in ("fingerprint_mismatch", "other_backbone"):
             raise
-        raise UsageError(f"{args.task}/{manifest.version} runs on {manifest.backbone.name}, not on {backbone.name}, "
+        which = (f"{args.task}/{manifest.version} runs on {manifest.backbone.name}" if args.version else
+                 f"no version of {args.task} runs on {backbone.name} (the latest, {manifest.version}, runs on "
+                 f"{manifest.backbone.name})")
+        raise UsageError((f"{which}, not on {backbone.name}, " if args.version else f"{which}, ")
                          + (f"and no bridge in {args.bridges} leads there" if args.bridges else
                             f"and no --bridges store was given to lead there; leave out --backbone to score it on its "
                             f"own ({own or 'its folder'})")) from None
-    return backbone, module, bridges, own
+    return backbone, module, bridges, named_for(module.manifest.backbone.name)
 
 
 def eval_baseline(data, module, metrics: dict) -> dict:
