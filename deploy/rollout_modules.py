@@ -108,12 +108,18 @@ def call(opener, method: str, url: str, token: str | None = None, body: dict | N
 def roll_out(hosts: list[str], task: str, version: str | None, action: str, token: str,
              timeout: float = 120, log=print) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    for host in hosts:
+    for done, host in enumerate(hosts):
         try:
-            if not roll_out_one(opener, host, task, version, action, token, timeout, log):
-                return False
+            changed = roll_out_one(opener, host, task, version, action, token, timeout, log)
         except Unreachable as exc:
-            log(f"{host}: no answer ({exc}); the replicas before it have the change, those after it not")
+            log(f"{host}: no answer ({exc})")
+            changed = False
+        if not changed:  # the replicas now serve two versions where some were done: said, with the way back
+            left = len(hosts) - done - 1
+            log(f"stopped at {host}: " + (f"{done} replica(s) before it ({', '.join(hosts[:done])}) have the change"
+                                          if done else "no replica was changed")
+                + (f", the {left} after it were not asked" if left else "")
+                + ("; run again once it is mended, or roll back with --version of the one they served" if done else ""))
             return False
     return True
 
@@ -144,7 +150,8 @@ def roll_out_one(opener, host: str, task: str, version: str | None, action: str,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("task", help="the task whose module every replica changes (a folder of the shared store)")
-    p.add_argument("--version", default=None, help="version to load (default: the latest in the store)")
+    p.add_argument("--version", default=None, help="version to load (default: each replica's newest for its backbone, "
+                   "as tmod-serve picks one)")
     p.add_argument("--action", choices=("load", "reload", "unload"), default="load",
                    help="load (the version), reload (the served version, its files read again) or unload (default: load)")
     where = p.add_mutually_exclusive_group(required=True)
@@ -156,7 +163,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     token = os.environ.get("TMOD_ADMIN_TOKEN")
     if not token:
-        print("TMOD_ADMIN_TOKEN is not set", file=sys.stderr)
+        print("TMOD_ADMIN_TOKEN is not set: export the admin token the replicas were started with (it is read "
+              "from the environment only, never from the command line)", file=sys.stderr)
         return 2
     if not TASK_NAME.fullmatch(args.task):  # it becomes part of the URL: '../x' would reach another route
         print(f"{args.task!r} is not a module name: 1-64 of a-z, 0-9, '_' and '-', starting with a letter or digit",
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
     if not hosts:
         print("no replicas found", file=sys.stderr)
         return 2
-    what = "" if args.action == "unload" else f" version {args.version or 'latest'}"
+    what = "" if args.action == "unload" else f" version {args.version or 'newest'}"
     print(f"{args.action} {args.task}{what} on {len(hosts)} replica(s)", flush=True)
     return 0 if roll_out(hosts, args.task, args.version, args.action, token, args.timeout,
                          log=lambda m: print(m, flush=True)) else 1

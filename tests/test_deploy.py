@@ -613,6 +613,7 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         assert missing.returncode == 1 and f"127.0.0.1:{a.port}" in missing.stdout and versions() == ["1", "1"]
         # the versions there are, not the server's path of a manifest that was never written
         assert f"no version '9' of sentiment in the store {store.root}; it has ['1', '2']" in missing.stdout
+        assert f"stopped at 127.0.0.1:{a.port}: no replica was changed, the 1 after it were not asked" in missing.stdout
         # a HOST alone takes --port (it was port 80: 'no answer'); a task that is no name is refused here
         alone = run("sentiment", "--version", "2", "--hosts", "127.0.0.1", "--port", str(a.port))
         assert alone.returncode == 0 and versions() == ["2", "1"], alone.stdout + alone.stderr
@@ -620,7 +621,8 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         escape = run("../x", "--hosts", hosts)
         assert escape.returncode == 2 and escape.stderr.startswith("'../x' is not a module name")
         # the token comes from the environment only; a wrong one is refused
-        assert run("sentiment", "--hosts", hosts, token=None).returncode == 2
+        unset = run("sentiment", "--hosts", hosts, token=None)
+        assert unset.returncode == 2 and unset.stderr.startswith("TMOD_ADMIN_TOKEN is not set: export the admin token")
         wrong = run("sentiment", "--hosts", hosts, token="wrong")
         assert wrong.returncode == 1 and "401" in wrong.stdout
         # a replica that does not answer, a name that does not resolve: one line each (they were tracebacks)
@@ -628,6 +630,13 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         down = run("sentiment", "--version", "2", "--hosts", f"127.0.0.1:{nobody}")
         assert down.returncode == 1 and "Traceback" not in down.stderr
         assert f"127.0.0.1:{nobody}: no answer (" in down.stdout and versions() == ["1", "1"]
+        # stopped after a replica took the change: which ones serve it now is said (only an unanswering
+        # replica's stop said so, and without naming them)
+        half = run("sentiment", "--version", "2", "--hosts", f"127.0.0.1:{a.port},127.0.0.1:{nobody}")
+        assert half.returncode == 1 and versions() == ["2", "1"]
+        assert (f"stopped at 127.0.0.1:{nobody}: 1 replica(s) before it (127.0.0.1:{a.port}) have the change; run "
+                "again once it is mended, or roll back with --version of the one they served") in half.stdout
+        assert run("sentiment", "--version", "1", "--hosts", f"127.0.0.1:{a.port}").returncode == 0
         # a --hosts entry, a --port or a --timeout that is none: one line, before any replica is called
         for args, said in (
                 (["--hosts", f"127.0.0.1:{a.port},127.0.0.1:abc"], "--hosts: '127.0.0.1:abc': 'abc' is not a port"),
