@@ -166,7 +166,7 @@ class Runtime:
         self.modules: dict[str, LoadedModule] = {}  # replaced whole, never mutated: readers see a snapshot
         self.bridges: dict = {}  # name -> LoadedBridge from this backbone (foreign modules are served through them)
         self.load_errors: dict[str, str] = {}
-        self.skipped: dict[str, str] = {}  # task -> why start-up left the store's task out (opt-in, another backbone's)
+        self.skipped: dict[str, str] = {}  # task -> why the store's task is not served (opt-in, another backbone's, unloaded)
         self.ready = threading.Event()
         self.startup_error: str | None = None
         self.failure: str | None = None  # a sticky device error: not ready, not live, the process stops
@@ -457,6 +457,9 @@ class Runtime:
         self.runner.forget_plans()
         self.runner.warm_up(modules)
         self.metrics.modules_loaded.set(len(modules))
+        # a request that names it then says why it is not served, not only "unknown task"
+        self.skipped[task] = (f"{task}/{removed.version} was unloaded through the admin API: POST "
+                              f"/admin/modules/{task}/load serves it again")
         log.info("module %s/%s unloaded", task, removed.version)
         return removed
 

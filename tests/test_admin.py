@@ -102,7 +102,14 @@ def test_load_switch_and_unload(live):
     assert admin(live, "sentiment", "load", 1).json() == {"task": "sentiment", "action": "load", "version": "1",
                                                            "previous_version": "2"}
     assert admin(live, "sentiment", "unload").json()["version"] == "1"
-    assert live.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x"]}).status_code == 400
+    asked = live.post("/v1/infer", params={"tasks": "sentiment"}, json={"inputs": ["x"]})
+    # an unloaded task says why it is not served (it was a bare "unknown task(s) ['sentiment']"), in
+    # every place that lists what is not served
+    unloaded = "sentiment/1 was unloaded through the admin API: POST /admin/modules/sentiment/load serves it again"
+    assert asked.status_code == 400 and f"(sentiment is not served: {unloaded})" in asked.json()["error"]["message"]
+    assert f"(sentiment is not served: {unloaded})" in live.get("/readyz").json()["error"]["message"]
+    assert live.post("/v2/repository/index", json={}).json() == [
+        {"name": "sentiment", "state": "UNAVAILABLE", "reason": unloaded}]
     # every module unloaded: out of service (readiness says so) but still managed through /admin
     for probe in ("/readyz", "/v2/health/ready", "/health", "/"):
         assert live.get(probe).status_code == 503
