@@ -169,6 +169,8 @@ def test_read_table_errors_name_the_problem(tmp_path):
 def test_data_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TMOD_DATA_DIR", str(tmp_path))
     assert default_data_dir() == tmp_path
+    (tmp_path / "sst2").mkdir()
+    (tmp_path / "sst2" / "train.tsv").write_text("sentence\tlabel\nfine\t1\n")
     assert preset_spec(PRESETS["sst2"], "train").path == tmp_path / "sst2" / "train.tsv"
     monkeypatch.delenv("TMOD_DATA_DIR")
     assert default_data_dir().parts[-2:] == ("shared", "data")

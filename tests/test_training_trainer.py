@@ -756,6 +756,22 @@ def test_a_backbone_that_is_not_there_is_one_line(tmp_path, capsys, command):
         assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.parametrize("command", [["layermix", "--dataset", "sst2", "--task", "x"], ["embedding"],
+                                     ["eval", "--task", "sentiment", "--version", "1"],
+                                     ["align", "--source", "minilm", "--target", "mpnet"]])
+def test_a_preset_whose_files_are_not_there_is_one_line_naming_the_setting(tmp_path, capsys, command):
+    """Training said which setting points at the presets; eval, the embedding check, align and bridge
+    said only 'no such file' (one check, in the preset's spec, now serves each)."""
+    missing = tmp_path / "no-data"
+    store = [] if command[0] == "eval" else ["--store", str(tmp_path / "store")]
+    assert main([*command, "--data-dir", str(missing), *store]) == 2
+    part = "train" if command[0] in ("layermix", "align") else "validation"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"tmod-train {command[0]}: error: no such file: {missing / 'sst2' / f'{part}.tsv'} (the sst2 preset; set "
+        "--data-dir or TMOD_DATA_DIR)")
+    assert not (tmp_path / "store").exists()
+
+
 @pytest.mark.parametrize("failure", [ValueError("This solver needs samples of at least 2 classes"),
                                      MemoryError("the TF-IDF matrix of a big file")])
 def test_a_linear_baseline_the_rows_cannot_fit_keeps_the_trained_head(tmp_path, train_backbone, train_backbone_dir,

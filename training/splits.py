@@ -44,9 +44,6 @@ def data_files(s: TrainSettings) -> tuple[dict, list[str] | None, str | None]:
             raise UsageError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
         preset = PRESETS[s.dataset]
         specs = {split: preset_spec(preset, split, s.data_dir) for split in ("train", "validation")}
-        for spec in specs.values():
-            if not spec.path.is_file():
-                raise UsageError(f"no such file: {spec.path} (the {s.dataset} preset; set --data-dir or TMOD_DATA_DIR)")
         if s.test:
             specs["test"] = replace(specs["validation"], path=Path(s.test), format=s.format or guess_format(Path(s.test)))
         if s.multi_label and not preset.multi_label:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from training.data.conll import CONLL_TAGS, read_conll
 from training.data.examples import LabelledData
-from training.data.files import Column, default_data_dir, guess_format
+from training.data.files import Column, UsageError, default_data_dir, guess_format
 from training.data.tables import read_table
 
 
@@ -94,7 +94,10 @@ def file_spec(path: str | Path, fmt: str | None = None, text_column: Column | No
 
 
 def preset_spec(preset: DatasetPreset, split: str, data_dir: Path | None = None) -> DataSpec:
+    """How to read a preset's split; a file that is not there is one line naming the way to point at it."""
     data_dir = Path(data_dir) if data_dir else default_data_dir()
-    relative = {"train": preset.train, "validation": preset.validation}[split]
-    return DataSpec(data_dir / relative, preset.format, preset.text_column, preset.label_column,
+    path = data_dir / {"train": preset.train, "validation": preset.validation}[split]
+    if not path.is_file():
+        raise UsageError(f"no such file: {path} (the {preset.name} preset; set --data-dir or TMOD_DATA_DIR)")
+    return DataSpec(path, preset.format, preset.text_column, preset.label_column,
                     preset.pair_column, preset.header, dict(preset.label_map) or None, preset.multi_label)
