@@ -22,7 +22,7 @@ from server.engine import Engine
 from server.modules import load_module, save_module
 from tests.helpers import NER_LABELS, make_tiny_backbone_dir, random_head
 from training.bridges.pairing import PairedStates
-from training.bridges.transformer import (BridgeSettings, ModuleProbe, evaluate, fit_bridge, state_statistics,
+from training.bridges.transformer import (BridgeSettings, bridge_verdict, ModuleProbe, evaluate, fit_bridge, state_statistics,
                                           train_bridge)
 
 WORDS = ("the a cat dog house river green small quick slow runs sleeps eats over under near city music "
@@ -329,7 +329,21 @@ def test_train_bridge_distill_writes_a_loadable_artifact_and_report(sst2_dir, so
     assert "chose the epoch, so the numbers are optimistic" in report
     assert f"the majority answer {result.metrics['majority_accuracy']:.4f}" in report
     assert f"untrained bridge {result.metrics['untrained']['accuracy']:.4f}" in report
+    verdict = next(line for line in report.splitlines() if line.startswith("- verdict: "))
+    assert verdict == f"- {bridge_verdict(result.metrics, 40)}" and "scored on 40 rows only" in verdict
     assert list((tmp_path / "cache" / "paired").glob("*.safetensors"))  # paired states cached for the next run
+
+
+@pytest.mark.parametrize("bridged, said", [
+    (0.52, "verdict: through this bridge the module answers no better than the majority answer (0.5200 against "
+           "0.5800): not worth serving this way; pair more texts (--max-texts, --texts) or train longer (--epochs)"),
+    (0.90, "verdict: through this bridge the module is +0.3200 over the majority answer and -0.0400 against itself "
+           "on its own backbone")])
+def test_a_bridged_module_gets_a_verdict_against_the_majority_answer(bridged, said):
+    """A distilled bridge's report gave the bridged accuracy beside the majority answer's and left the
+    reading to the user: a bridge that made the module worse than a constant answer read as a result."""
+    metrics = {"accuracy": bridged, "majority_accuracy": 0.58, "teacher_accuracy": 0.94}
+    assert bridge_verdict(metrics, 872) == said
 
 
 def test_ctrl_c_keeps_the_best_epoch_so_far_and_finishes_the_run(sst2_dir, source, target, tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ from server.bridges.transformer import BridgeShape, TransformerBridge
 from server.heads.base import head_forward
 from server.modules import LoadedModule, count_parameters, load_module
 from server.probe import probe_module
+from training.assess import too_few
 from training.data.examples import LabelledData, SequenceExample, hold_out
 from training.data.files import UsageError, read_text_lines
 from training.data.presets import PRESETS, preset_spec
@@ -652,6 +653,8 @@ def findings(result: BridgeResult) -> list[str]:
         lines.append(f"the module's accuracy through the bridge {m['accuracy']:.4f}; on its own backbone "
                      f"{m['teacher_accuracy']:.4f}; untrained bridge {untrained.get('accuracy', float('nan')):.4f}; "
                      f"the majority answer {m.get('majority_accuracy', float('nan')):.4f}")
+        if "majority_accuracy" in m:
+            lines.append(bridge_verdict(m, data.get("validation_texts")))
     lines.append(f"cosine of the bridged states to the target's real ones {m['cosine']:.4f} "
                  f"(untrained bridge {untrained.get('cosine', float('nan')):.4f})")
     epochs, best = result.training.get("epochs_run"), result.training.get("best_epoch")
@@ -664,6 +667,21 @@ def findings(result: BridgeResult) -> list[str]:
     elif best:
         lines.append(f"kept epoch {best} of {epochs} run")
     return lines
+
+
+def bridge_verdict(m: dict, rows: int | None) -> str:
+    """The line a user reads first: is the module, served through this bridge, worth serving (above the
+    majority answer), and what it costs against the module on its own backbone."""
+    bridged, majority, own = m["accuracy"], m["majority_accuracy"], m["teacher_accuracy"]
+    few = too_few(rows)
+    if bridged <= majority:
+        line = (f"verdict: through this bridge the module answers no better than the majority answer ({bridged:.4f} "
+                f"against {majority:.4f}): not worth serving this way; pair more texts (--max-texts, --texts) or "
+                "train longer (--epochs)")
+    else:
+        line = (f"verdict: through this bridge the module is {bridged - majority:+.4f} over the majority answer and "
+                f"{bridged - own:+.4f} against itself on its own backbone")
+    return line + (f"; {few}" if few else "")
 
 
 def report_text(result: BridgeResult) -> str:
