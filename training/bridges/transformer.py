@@ -400,7 +400,7 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
             if s.lr_patience and stale % s.lr_patience == 0:
                 base_lr *= 0.5
         tqdm.write(f"epoch {epoch}/{s.epochs}: train loss {entry['train_loss']:.4f}  validation {_summary(val)}"
-                   f"{'  (best)' if improved else ''}  [{entry['train_seconds']:.1f}s]", file=sys.stderr)
+                   f"{'  (kept)' if improved else ''}  [{entry['train_seconds']:.1f}s]", file=sys.stderr)
         if stale >= s.patience or (max_steps and step >= max_steps):
             break
     bridge.load_state_dict(best_state)
