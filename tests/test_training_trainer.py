@@ -1073,7 +1073,12 @@ def test_eval_on_a_backbone_scores_the_version_it_serves_and_defaults_to_the_tra
                  "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
                  "--backbone", str(train_backbone_dir), "--output", str(out), "--no-progress"]) == 0
     assert json.loads(out.read_text())["version"] == "1"
+    only_other = tmp_path / "only-other"
+    shutil.copytree(store / "sentiment" / "other-1", only_other / "sentiment" / "other-1")
     capsys.readouterr()
+    assert main(["eval", "--store", str(only_other), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                 "--backbone", str(train_backbone_dir)]) == 2
+    assert "error: no version of sentiment runs on tiny-bert (the latest, other-1, runs on" in capsys.readouterr().err
 
     assert main(["eval", "--store", str(store), "--task", "sentiment", "--backbone", str(train_backbone_dir)]) == 2
     assert capsys.readouterr().err == (f"tmod-train eval: error: give --dataset NAME or --file FILE to score on: "

@@ -627,10 +627,10 @@ def eval_module(args: argparse.Namespace, store, manifest):
     except ArtifactError as exc:
         if exc.reason not in ("fingerprint_mismatch", "other_backbone"):
             raise
-        which = (f"{args.task}/{manifest.version} runs on {manifest.backbone.name}" if args.version else
-                 f"no version of {args.task} runs on {backbone.name} (the latest, {manifest.version}, runs on "
-                 f"{manifest.backbone.name})")
-        raise UsageError((f"{which}, not on {backbone.name}, " if args.version else f"{which}, ")
+        which = (f"{args.task}/{manifest.version} runs on {manifest.backbone.name}, not on {backbone.name}"
+                 if args.version else f"no version of {args.task} runs on {backbone.name} (the latest, "
+                                      f"{manifest.version}, runs on {manifest.backbone.name})")
+        raise UsageError(f"{which}, "
                          + (f"and no bridge in {args.bridges} leads there" if args.bridges else
                             f"and no --bridges store was given to lead there; leave out --backbone to score it on its "
                             f"own ({own or 'its folder'})")) from None

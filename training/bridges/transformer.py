@@ -670,8 +670,8 @@ def findings(result: BridgeResult) -> list[str]:
 
 
 def bridge_verdict(m: dict, rows: int | None) -> str:
-    """The line a user reads first: is the module, served through this bridge, worth serving (above the
-    majority answer), and what it costs against the module on its own backbone."""
+    """Whether the module, served through this bridge, is worth serving (above the majority answer), and
+    what serving it this way costs against the module on its own backbone."""
     bridged, majority, own = m["accuracy"], m["majority_accuracy"], m["teacher_accuracy"]
     few = too_few(rows)
     if bridged <= majority:
