@@ -733,6 +733,9 @@ def write_bridge_report(report_dir: Path, result: BridgeResult) -> dict[str, Pat
                          marker="o", label=label)
     if history and "validation_teacher_accuracy" in history[0]:
         axes[1].axhline(history[0]["validation_teacher_accuracy"], color="grey", linestyle=":", label="module accuracy (real)")
+    if "majority_accuracy" in result.metrics:  # the verdict's bar: a bridged accuracy under it serves nothing
+        axes[1].axhline(result.metrics["majority_accuracy"], color="black", linestyle="-.", linewidth=1,
+                        label="the majority answer's accuracy")
     axes[1].set_title("validation")
     axes[1].legend(fontsize=7)
     mark_epochs(axes, result.training.get("best_epoch"))
