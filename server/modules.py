@@ -207,12 +207,34 @@ def find_bridge(manifest: Manifest, bridges: dict, backbone):
                             f"produces ({made})")
 
     def rank(bridge) -> int:
-        training = bridge.manifest.training or {}
-        if training.get("objective") != "distill":
+        if (bridge.manifest.training or {}).get("objective") != "distill":
             return 1
-        return 0 if (training.get("module") or {}).get("weights_sha256") == manifest.weights_sha256 else 2
+        return 0 if distilled_through(bridge.manifest, manifest) else 2
 
     return min(serving, key=rank)  # the first by name among the best
+
+
+def distilled_through(bridge_manifest, manifest: Manifest) -> bool:
+    """Whether a bridge was distilled through this very module (its weights): the bridge's validation
+    figures are then this module's, served through it."""
+    training = bridge_manifest.training or {}
+    return (training.get("objective") == "distill"
+            and (training.get("module") or {}).get("weights_sha256") == manifest.weights_sha256)
+
+
+def measured_through(bridge_manifest, manifest: Manifest) -> tuple[str, bool]:
+    """(what the bridge's training measured of this module served through it, whether that is no better
+    than the majority answer): said where the module is loaded, so a bridged answer's cost is known."""
+    m = bridge_manifest.metrics or {}
+    if not distilled_through(bridge_manifest, manifest) or "accuracy" not in m:
+        return "its accuracy through the bridge is unmeasured: tmod-train eval --bridges measures it", False
+    texts = (bridge_manifest.training.get("data") or {}).get("validation_texts", "?")
+    said = (f"on the bridge's {texts} validation texts: accuracy {m['accuracy']:.3f} through it, "
+            f"{m['teacher_accuracy']:.3f} on its own backbone")
+    poor = "majority_accuracy" in m and m["accuracy"] <= m["majority_accuracy"]
+    if "majority_accuracy" in m:
+        said += f", {m['majority_accuracy']:.3f} for the majority answer" + (": no better than it" if poor else "")
+    return said, poor
 
 
 def count_parameters(module: torch.nn.Module) -> int:

@@ -29,7 +29,8 @@ from server.engine import Engine
 from server.errors import ApiError, clip, no_such_task, nothing_served
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
-from server.modules import LoadedModule, compares_pairs, count_parameters, load_module, load_servable
+from server.modules import (LoadedModule, compares_pairs, count_parameters, load_module, load_servable,
+                            measured_through)
 from server.probe import probe_module
 from server.runner.failures import error_text, is_device_failure
 from server.runner.model_runner import ModelRunner, PreparedBatch
@@ -385,8 +386,7 @@ class Runtime:
                                           f"it with POST /admin/modules/{task}/load")
                     continue
                 loaded[task] = module
-                via = f" through bridge {loaded[task].bridge}" if loaded[task].bridge else ""
-                log.info("module %s/%s loaded%s", task, loaded[task].version, via)
+                self.say_loaded(module)
                 if refused:
                     self.refuse(task, "; ".join(f"{err.message}" for err in refused)
                                 + f" (serving {task}/{loaded[task].version})", *refused)
@@ -446,8 +446,18 @@ class Runtime:
         self.skipped.pop(task, None)
         self.metrics.modules_refused.set(len(self.load_errors))
         self.metrics.modules_loaded.set(len(self.modules))
-        log.info("module %s/%s loaded", task, module.version)
+        self.say_loaded(module)
         return module
+
+    def say_loaded(self, module: LoadedModule) -> None:
+        """The log line of a module loaded; a foreign one's names its bridge and what that bridge's training
+        measured of it (a warning where it answers no better than the majority answer)."""
+        if module.bridge is None:
+            log.info("module %s/%s loaded", module.task, module.version)
+            return
+        said, poor = measured_through(self.bridges[module.bridge].manifest, module.manifest)
+        log.log(logging.WARNING if poor else logging.INFO, "module %s/%s loaded through bridge %s (%s)",
+                module.task, module.version, module.bridge, said)
 
     def unload_task(self, task: str) -> LoadedModule:
         modules = dict(self.modules)

@@ -146,6 +146,40 @@ def test_a_module_is_served_through_the_bridge_made_for_it(setup, tiny_backbone,
         load_module(store, "llama-ner", None, tiny_backbone, bridges={"b-two-states": loaded["b-two-states"]})
 
 
+@pytest.mark.parametrize("bridged, level, said", [
+    (0.5, "WARNING", "accuracy 0.500 through it, 0.900 on its own backbone, 0.550 for the majority answer: no better "
+                     "than it)"),
+    (0.8, "INFO", "accuracy 0.800 through it, 0.900 on its own backbone, 0.550 for the majority answer)")])
+def test_a_bridged_module_s_load_line_says_what_its_bridge_measured_of_it(setup, tiny_backbone, tiny_llama, tmp_path,
+                                                                         caplog, bridged, level, said):
+    """A foreign module's load line named the bridge only: one made through this very module says what its
+    training measured of it (a warning where that is no better than the majority answer); one made for no
+    module in particular says its accuracy is unmeasured and what measures it."""
+    import logging
+
+    store = setup[0]
+    bridges = bridge_store(tmp_path / "bridges")
+    mine = store.read_manifest("llama-sentiment").weights_sha256
+    made = {"distilled": ({"objective": "distill", "module": {"weights_sha256": mine}, "data": {"validation_texts": 40}},
+                          {"accuracy": bridged, "teacher_accuracy": 0.9, "majority_accuracy": 0.55}),
+            "plain": ({"objective": "mse"}, {"cosine": 0.5})}
+    for name, (training, metrics) in made.items():
+        torch.manual_seed(0)
+        bridge = TransformerBridge.for_backbones(tiny_backbone, tiny_llama, d_model=32, heads=2, ffn_dim=64,
+                                                 token_dim=16, encoder_layers=1, decoder_layers=1)
+        save_bridge(bridges, name, "1", bridge.eval(), tiny_backbone, tiny_llama, training=training, metrics=metrics)
+    with caplog.at_level(logging.INFO, logger="tmod"):
+        with LiveServer(create_app(Settings(store=store.root, bridges=bridges.root), backbone=tiny_backbone)):
+            pass
+    lines = {r.getMessage().split(" loaded")[0]: r for r in caplog.records if " loaded through bridge " in r.getMessage()}
+    sentiment, ner = lines["module llama-sentiment/1"], lines["module llama-ner/1"]
+    assert sentiment.levelname == level and sentiment.getMessage() == (
+        f"module llama-sentiment/1 loaded through bridge distilled (on the bridge's 40 validation texts: {said}")
+    assert ner.levelname == "INFO" and ner.getMessage() == (
+        "module llama-ner/1 loaded through bridge plain (its accuracy through the bridge is unmeasured: tmod-train "
+        "eval --bridges measures it)")
+
+
 def test_broken_bridge_is_refused_and_the_rest_serves(setup, tiny_backbone, tmp_path):
     store, bridges, _ = setup
     broken = bridge_store(tmp_path / "bridges")
