@@ -331,6 +331,7 @@ def test_train_bridge_distill_writes_a_loadable_artifact_and_report(sst2_dir, so
     assert f"untrained bridge {result.metrics['untrained']['accuracy']:.4f}" in report
     verdict = next(line for line in report.splitlines() if line.startswith("- verdict: "))
     assert verdict == f"- {bridge_verdict(result.metrics, 40)}" and "scored on 40 rows only" in verdict
+    assert f"--bridges {tmp_path / 'bridges'}` scores a module of " in report  # the command that measures one
     assert list((tmp_path / "cache" / "paired").glob("*.safetensors"))  # paired states cached for the next run
 
 

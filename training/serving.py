@@ -167,6 +167,15 @@ def embeddings_request(url: str, task: str, text: str) -> str:
             f"-H 'content-type: application/json' -d {shlex.quote(body)}")
 
 
+def bridge_serving(source: str, bridge_store: Path, target: str) -> str:
+    """The closing paragraph of a bridge's report: the tmod-serve command that serves through it, and the
+    eval command that scores a module through it, as served."""
+    return (f"Served by `tmod-serve --backbone {source} --bridges {bridge_store}`: `/v1/tasks` names the bridge each "
+            "foreign module goes through (`served_through`; docs/serving.md says which serves when several could). "
+            f"`tmod-train eval --task TASK --version VERSION --backbone {source} --bridges {bridge_store}` scores "
+            f"a module of {target} through it as served, beside the majority answer.")
+
+
 def example_request(url: str, task: str, others: list[str], text: str, text_pair: str | None = None,
                     api_key: bool = False) -> str:
     """A curl command asking the new task and `others` (the served ones) in one request; with the key

@@ -32,6 +32,7 @@ from training.data.examples import hold_out, seeded_subset
 from training.data.files import UsageError, read_text_lines
 from training.bridges.pairing import PairedStates
 from training.progress import progress_of
+from training.serving import bridge_serving
 from training.settings import check_layers, parse_layers
 
 MAPPINGS = ("skip", "avg")
@@ -375,9 +376,7 @@ def cmd_align(args, command: str) -> int:
         + [f"- {line}" for line in said]
         + ["- per target state (bars; the black marks: pairs shuffled)"
            + (" and every source x target pair of states" if grid else "") + ": correlation.png", "",
-           f"Served by `tmod-serve --backbone {args.source} --bridges {store.root}`: `/v1/tasks` names the bridge "
-           "each foreign module goes through (`served_through`; docs/serving.md says which serves when several "
-           "could).", ""]))
+           bridge_serving(args.source, store.root, target.name), ""]))
     for line in said:
         print(line, file=sys.stderr)
     print(json.dumps({"name": name, "version": version, "artifact": str(artifact), "report": str(report_dir),

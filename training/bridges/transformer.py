@@ -54,6 +54,7 @@ from training.data.word_tags import IGNORE_INDEX, token_labels
 from training.distill import distill_kl
 from training.metrics import optimistic, validation_role
 from training.progress import progress_of
+from training.serving import bridge_serving
 from training.settings import check_layers, checked_version, parse_layers
 from training.splits import module_folder
 from training.trainer import decay_groups, next_epoch_past_budget, seed_everything, stop_early
@@ -694,9 +695,7 @@ def report_text(result: BridgeResult) -> str:
              f"{data.get('train_texts')} texts, {data.get('train')}.", ""]
     lines += [f"- {line}" for line in findings(result)]
     lines += ["- the losses and validation numbers by epoch (0: untrained): curves.png", "",
-              f"Served by `tmod-serve --backbone {settings.get('source')} --bridges {Path(result.artifact).parents[1]}`"
-              ": `/v1/tasks` names the bridge each foreign module goes through (`served_through`; docs/serving.md "
-              "says which serves when several could).", ""]
+              bridge_serving(settings.get("source"), Path(result.artifact).parents[1], settings.get("target")), ""]
     return "\n".join(lines)
 
 
