@@ -279,7 +279,9 @@ class Runtime:
             b = self.bridges[module.bridge].manifest
             via = {"bridge": b.name, "version": b.version, "kind": b.kind, "objective": b.training.get("objective"),
                    "chain": [b.source.name or b.source.short, f"bridge {b.name}/{b.version}",
-                             b.target.name or b.target.short]}
+                             b.target.name or b.target.short],
+                   # `metrics` are the module's on its own backbone; what serving it this way costs:
+                   "measured": measured_through(b, m)[0]}
         return {
             "task": module.task, "version": module.version, "kind": m.kind, "task_type": m.task_type.value,
             "labels": m.labels, "layers": self.layers_read(module), "parameters": count_parameters(module.head),

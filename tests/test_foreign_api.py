@@ -169,8 +169,10 @@ def test_a_bridged_module_s_load_line_says_what_its_bridge_measured_of_it(setup,
                                                  token_dim=16, encoder_layers=1, decoder_layers=1)
         save_bridge(bridges, name, "1", bridge.eval(), tiny_backbone, tiny_llama, training=training, metrics=metrics)
     with caplog.at_level(logging.INFO, logger="tmod"):
-        with LiveServer(create_app(Settings(store=store.root, bridges=bridges.root), backbone=tiny_backbone)):
-            pass
+        with LiveServer(create_app(Settings(store=store.root, bridges=bridges.root), backbone=tiny_backbone)) as server:
+            described = httpx.get(server.url + "/v1/tasks/llama-sentiment").json()
+    # /v1/tasks says it too, beside the module's own metrics (measured on its own backbone)
+    assert described["served_through"]["measured"] == f"on the bridge's 40 validation texts: {said}".removesuffix(")")
     lines = {r.getMessage().split(" loaded")[0]: r for r in caplog.records if " loaded through bridge " in r.getMessage()}
     sentiment, ner = lines["module llama-sentiment/1"], lines["module llama-ner/1"]
     assert sentiment.levelname == level and sentiment.getMessage() == (
