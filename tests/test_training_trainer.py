@@ -1095,3 +1095,20 @@ def test_eval_on_a_backbone_scores_the_version_it_serves_and_defaults_to_the_tra
     scored = json.loads(out.read_text())
     assert scored["file"].endswith("validation.tsv") and scored["split"] == "validation"
     assert scored["metrics"]["examples"] == 20
+
+
+def test_eval_output_that_cannot_be_written_is_refused_before_scoring(sentiment_run, sentiment_files, tmp_path,
+                                                                     capsys, monkeypatch):
+    """`eval --output` naming a folder, or a place whose folder cannot be made, failed after the whole
+    scoring (an OSError's raw text); now one line first."""
+    import training.cli
+
+    run, _ = sentiment_run
+    monkeypatch.setattr(training.cli, "eval_module", lambda *a: pytest.fail("scored before --output was checked"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for output, said in ((tmp_path, f"--output {tmp_path}: a folder; give a file's name, e.g. {tmp_path / 'eval.json'}"),
+                         (blocker / "eval.json", f"--output {blocker / 'eval.json'}: its folder cannot be made (")):
+        assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                     "--output", str(output)]) == 2
+        assert capsys.readouterr().err.startswith(f"tmod-train eval: error: {said}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from dataclasses import replace
@@ -466,6 +467,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError("give one of --dataset NAME or --file FILE, not both")
     if args.bridges and not Path(args.bridges).is_dir():
         raise UsageError(f"--bridges {args.bridges}: no such folder (a bridge store, as tmod-serve --bridges takes)")
+    if args.output:  # found out after the scoring, it cost the whole run
+        check_output_file(Path(args.output))
     store = ModuleStore(args.store or DEFAULT_STORE)
     if args.task not in store.tasks():
         raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
@@ -503,10 +506,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "metrics": metrics, "baseline": eval_baseline(data, module, metrics)}
     text = json.dumps(result, indent=2)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text + "\n")
     print(text)
     return 0
+
+
+def check_output_file(path: Path) -> None:
+    """--output names a file that can be written: its folder made now, a folder or unwritable place refused."""
+    from training.data.files import UsageError
+
+    if path.is_dir():
+        raise UsageError(f"--output {path}: a folder; give a file's name, e.g. {path / 'eval.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--output {path}: its folder cannot be made ({exc.strerror or exc})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--output {path}: its folder {path.parent} is not writable")
 
 
 def preset_trained_on(manifest) -> str:
