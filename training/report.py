@@ -76,7 +76,7 @@ def report_text(result) -> str:
     head fails (per class / per type, the most confidently wrong examples) and how to query it."""
     a, m = result.assessment, result.metrics
     metric = m["metric"]
-    lines = [f"# {result.task} {result.version}", "",
+    lines = [f"# {result.task}/{result.version}", "",
              f"- validation {metric}: **{m[metric]:.4f}** ({m['examples'] if 'examples' in m else m.get('sentences')} "
              f"examples; this split {m['role']}{optimistic(m['role'])})"]
     if "test" in m:
