@@ -1108,7 +1108,7 @@ def test_eval_output_that_cannot_be_written_is_refused_before_scoring(sentiment_
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     for output, said in ((tmp_path, f"--output {tmp_path}: a folder; give a file's name, e.g. {tmp_path / 'eval.json'}"),
-                         (blocker / "eval.json", f"--output {blocker / 'eval.json'}: its folder cannot be made (")):
+                         (blocker / "eval.json", f"--output {blocker / 'eval.json'}: {blocker} is a file")):
         assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
                      "--output", str(output)]) == 2
         assert capsys.readouterr().err.startswith(f"tmod-train eval: error: {said}")

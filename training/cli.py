@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from dataclasses import replace
@@ -506,23 +505,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "metrics": metrics, "baseline": eval_baseline(data, module, metrics)}
     text = json.dumps(result, indent=2)
     if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text + "\n")
     print(text)
     return 0
 
 
 def check_output_file(path: Path) -> None:
-    """--output names a file that can be written: its folder made now, a folder or unwritable place refused."""
+    """--output names a file that can be written (its folder is made when the file is written)."""
     from training.data.files import UsageError
+    from training.runs import cannot_make
 
     if path.is_dir():
         raise UsageError(f"--output {path}: a folder; give a file's name, e.g. {path / 'eval.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--output {path}: its folder cannot be made ({exc.strerror or exc})") from None
-    if not os.access(path.parent, os.W_OK):
-        raise UsageError(f"--output {path}: its folder {path.parent} is not writable")
+    why = cannot_make(path.parent)
+    if why:
+        raise UsageError(f"--output {path}: {why}")
 
 
 def preset_trained_on(manifest) -> str:
