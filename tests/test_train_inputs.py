@@ -733,6 +733,15 @@ def test_split_is_stratified_seeded_and_disjoint():
     assert carve(data, [0.1], seed=0)[2] is None
 
 
+def test_an_empty_carved_part_says_when_repeated_texts_are_why():
+    """200 rows of 3 texts: every text's rows stay in one part, so validation had none; the line said only
+    'would be empty'."""
+    examples = [SequenceExample(f"text {i % 3}", "ab"[i % 2]) for i in range(200)]
+    with pytest.raises(UsageError, match=r"the validation part of mem would be empty: its 200 rows hold 3 different "
+                                         r"texts, and the rows of one stay in one part"):
+        carve(LabelledData(TaskType.sequence_classification, examples, "mem"), [0.1], seed=0)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_rare_label_is_never_carved_away_from_training(seed):
     """A carved row whose label no training row has goes back to training (else the run ends on 'never

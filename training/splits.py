@@ -394,5 +394,8 @@ def carve(data: LabelledData, fractions: list[float], seed: int, by_documents: b
                                             data.has_pairs) for rows in parts)
     for name, part in (("training", train), ("validation", validation)):
         if not len(part):
-            raise UsageError(f"--split {fractions}: the {name} part of {data.source} would be empty")
+            few = (f": its {len(data.examples)} rows hold {len(units)} different "
+                   f"{'documents' if by_documents else 'texts'}, and the rows of one stay in one part"
+                   if len(units) < len(data.examples) else "")
+            raise UsageError(f"--split {fractions}: the {name} part of {data.source} would be empty{few}")
     return train, validation, (test if len(fractions) == 2 else None)
