@@ -60,6 +60,16 @@ class ModuleStore:
             if p.is_dir() and NAME_PATTERN.match(p.name) and self.versions(p.name)
         )
 
+    def misnamed(self) -> list[str]:
+        """Folders holding module versions under a name that is no task's (capitals, spaces: 'Sentiment',
+        'my task'), so never served: a copy under such a name was left out without a word. Hidden and
+        '_' folders (`.incoming/`, `_bridges/`) are the operator's and the bridges'."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and not p.name.startswith((".", "_")) and not NAME_PATTERN.match(p.name)
+                      and any((v / MANIFEST_FILE).is_file() for v in p.iterdir() if v.is_dir()))
+
     def versions(self, task: str) -> list[str]:
         check_name(task)
         task_dir = self.root / task

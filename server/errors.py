@@ -122,7 +122,11 @@ def nothing_served(store: ModuleStore, refused: dict[str, str], skipped: dict[st
     if left_out:
         why = not_loaded(left_out, refused, skipped)
     elif not (tasks := store.tasks()):  # the store is read only where the reasons above do not say it all
-        why = store.gone_note() or " (it holds no module: train one into it, tmod-train layermix ... --store STORE)"
+        misnamed = store.misnamed()
+        why = store.gone_note() or (
+            f" (its folder(s) {clip_list(misnamed)} hold modules under names that are no task's: rename them, 1-64 of "
+            "a-z, 0-9, '_' and '-')" if misnamed else
+            " (it holds no module: train one into it, tmod-train layermix ... --store STORE)")
     else:
         why = f" (its tasks {clip_list(tasks)} are not loaded: unloaded, or added since start-up)"
     how = "load one through /admin" + ("" if admin_enabled else ", which needs TMOD_ADMIN_TOKEN set at start")

@@ -371,6 +371,9 @@ class Runtime:
         why); a refused artifact is reported (`refuse`) and keeps no other module from serving."""
         asked = self.settings.tasks is not None
         wanted = self.settings.task_versions() if asked else dict.fromkeys(self.store.tasks())
+        for folder in self.store.misnamed():
+            log.warning("store folder %r holds modules but is not a task name (1-64 of a-z, 0-9, '_' and '-', "
+                        "starting with a letter or digit): not served; rename it", folder)
         loaded = {}
         for task, pinned in wanted.items():
             try:

@@ -64,6 +64,27 @@ def test_the_module_listing_says_where_modules_come_from(live, store, tiny_backb
     assert live.get("/admin/modules", headers=AUTH).json()["tasks"] == {}
 
 
+def test_modules_under_a_name_that_is_no_task_s_are_said(store, tiny_backbone, tmp_path, caplog):
+    """A module copied into the store as 'Sentiment/1' was never served and never mentioned; a store holding
+    only such folders said it "holds no module"."""
+    import shutil
+
+    misnamed = tmp_path / "misnamed-store"
+    shutil.copytree(store.root / "sentiment", misnamed / "Sentiment")
+    (misnamed / ".incoming" / "2").mkdir(parents=True)  # the operator's own hidden folder: not a store folder
+    shutil.copy(store.root / "sentiment" / "1" / "manifest.json", misnamed / ".incoming" / "2")
+    with caplog.at_level(logging.WARNING, logger="tmod"):
+        with LiveServer(create_app(Settings(store=misnamed), backbone=tiny_backbone),
+                        ready_when=lambda r: r.status_code == 503 and r.json()["error"]["type"] == "no_modules") as server:
+            message = httpx.get(server.url + "/readyz").json()["error"]["message"]
+    assert message == (f"no task modules are loaded from the store {misnamed} (its folder(s) ['Sentiment'] hold modules "
+                       "under names that are no task's: rename them, 1-64 of a-z, 0-9, '_' and '-'); load one through "
+                       "/admin, which needs TMOD_ADMIN_TOKEN set at start")
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("store folder")]
+    assert warned == ["store folder 'Sentiment' holds modules but is not a task name (1-64 of a-z, 0-9, '_' and '-', "
+                      "starting with a letter or digit): not served; rename it"]
+
+
 def test_a_start_with_no_module_says_so(store, tiny_backbone, tmp_path, caplog):
     empty = tmp_path / "empty-store"
     empty.mkdir()
