@@ -64,11 +64,17 @@ class ModuleStore:
         """Folders holding module versions under a name that is no task's (capitals, spaces: 'Sentiment',
         'my task'), so never served: a copy under such a name was left out without a word. Hidden and
         '_' folders (`.incoming/`, `_bridges/`) are the operator's and the bridges'."""
+        def holds_modules(folder: Path) -> bool:
+            try:
+                return any((v / MANIFEST_FILE).is_file() for v in folder.iterdir() if v.is_dir())
+            except OSError:  # unreadable: not the store's to judge, and no reason to stop a start
+                return False
+
         if not self.root.is_dir():
             return []
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and not p.name.startswith((".", "_")) and not NAME_PATTERN.match(p.name)
-                      and any((v / MANIFEST_FILE).is_file() for v in p.iterdir() if v.is_dir()))
+                      and holds_modules(p))
 
     def versions(self, task: str) -> list[str]:
         check_name(task)
