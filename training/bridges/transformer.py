@@ -466,11 +466,12 @@ def read_texts(s: BridgeSettings) -> tuple[LabelledData, LabelledData, dict]:
     if s.dataset not in PRESETS:
         raise UsageError(f"unknown dataset {s.dataset!r}; presets: {sorted(PRESETS)}")
     preset = PRESETS[s.dataset]
-    train = preset_spec(preset, "train", s.data_dir).read().subset(s.max_texts, s.seed)
+    train_spec = preset_spec(preset, "train", s.data_dir)
+    train = train_spec.read().subset(s.max_texts, s.seed)
     validation = preset_spec(preset, "validation", s.data_dir).read().subset(s.max_validation, s.seed)
     if train.has_pairs:
         raise UsageError(f"dataset {s.dataset} holds text pairs; bridges are trained on single texts for now")
-    return train, validation, {"dataset": s.dataset, "train_file": str(preset_spec(preset, "train", s.data_dir).path),
+    return train, validation, {"dataset": s.dataset, "train_file": str(train_spec.path),
                                "train": f"{s.dataset}'s training split", "validation": f"{s.dataset}'s validation split"}
 
 

@@ -248,6 +248,14 @@ def _text_key(path: Path, record, taken: set) -> str | None:
 SAMPLE_ROWS = 500  # the first rows of a file, which choose the columns not named
 
 
+def unlike_labels(values: list[str]) -> tuple:
+    """How little a column's (or key's) first `values` look like labels, lowest first: a label repeats,
+    an id or a text does not; a column of one value only where nothing else repeats; then the fewest
+    different values (`min` keeps the first of equals)."""
+    different = len(set(values))
+    return different == len(values), different < 2, different
+
+
 def _label_key(path: Path, records: list, taken: set) -> str | None:
     """A JSONL file's labels' key where none is named and its first record has no `label` (nor `labels`):
     of the keys the texts and pairs do not take, the one whose values repeat most over the first records,
@@ -257,13 +265,7 @@ def _label_key(path: Path, records: list, taken: set) -> str | None:
     free = [key for key in sample[0] if key not in taken]
     if not free:
         return None
-
-    def rank(key: str) -> tuple:
-        values = [json.dumps(record.get(key), sort_keys=True) for record in sample]
-        different = len(set(values))
-        return different == len(values), different < 2, different  # of equals, the first key
-
-    key = min(free, key=rank)
+    key = min(free, key=lambda key: unlike_labels([json.dumps(r.get(key), sort_keys=True) for r in sample]))
     print(f"{path}: labels read from key {key!r} (the fewest different values; no key is named 'label'): "
           "--label-column names another", file=sys.stderr)
     return key
@@ -289,12 +291,8 @@ def _label_column(path: Path, sample: list, names: list[str] | None, taken: set)
     if not free:
         return 1
 
-    def rank(i: int) -> tuple:
-        cells = [row[i].strip() for row in sample if len(row) > i]
-        different = len(set(cells))
-        return different == len(cells), different < 2, different, i != 1  # of equals, column 1 as before
-
-    chosen = min(free, key=rank)
+    chosen = min(free, key=lambda i: (*unlike_labels([row[i].strip() for row in sample if len(row) > i]),
+                                      i != 1))  # of equals, column 1 as before
     if chosen != 1:
         print(f"{path}: labels read from column {_column_name(chosen, names)} (the fewest different values; no "
               "column is named 'label'): --label-column names another", file=sys.stderr)
