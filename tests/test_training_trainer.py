@@ -517,8 +517,37 @@ def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_a
     report = (tmp_path / "run" / "report" / "report.md").read_text()
     assert "- 3 of the 11 validation rows hold a text the training rows hold too" in report
     assert "- training texts labelled more than one way (the same text, different labels): 1" in report
-    assert ("- 2 of the 8 test rows hold a text the validation rows hold too: validation chose the epoch on them"
-            in report) == (epochs > 1)
+    # the test number is read with what its rows are, wherever it is read: beside it, in the verdict, in eval
+    seen = ("2 of its 8 rows hold a text the validation rows hold too, and validation chose the epoch on them, so "
+            "this number is optimistic")
+    test_line = next(line for line in report.splitlines() if line.startswith("- test accuracy"))
+    assert (f"examples; never used to choose anything; not wholly unseen: {seen})" in test_line) == (epochs > 1)
+    assert result.metrics["test"].get("rows_seen") == (seen if epochs > 1 else None)
+    assert (f"the test split is not wholly unseen: {seen}" in result.metrics["baselines"]["verdict"]) == (epochs > 1)
+    capsys.readouterr()
+    assert main(["eval", "--store", str(tmp_path / "run" / "store"), "--task", "sentiment", "--file", str(test_file),
+                 "--text-column", "sentence", "--label-column", "label", "--backbone", str(train_backbone_dir),
+                 "--no-progress"]) == 0
+    said = json.loads(capsys.readouterr().out)["file_role"]
+    assert said == "test: scored once at the end of training; it chose nothing" + (f"; not wholly unseen: {seen}"
+                                                                                  if epochs > 1 else "")
+
+
+def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train_backbone, train_backbone_dir):
+    """Test rows the head was trained on flatter its test number: said beside it in report.md and in the
+    verdict, not only on stderr before training."""
+    train_file = write_sentiment(tmp_path / "train.tsv", 24, 0)
+    test_file = write_sentiment(tmp_path / "test.tsv", 6, 2)
+    test_file.write_text(test_file.read_text() + "\n".join(train_file.read_text().splitlines()[1:4]) + "\n")
+    settings = TrainSettings(train=str(train_file), validation=str(write_sentiment(tmp_path / "validation.tsv", 8, 1)),
+                             test=str(test_file), text_column="sentence", label_column="label", layers="2",
+                             backbone=str(train_backbone_dir), task="sentiment", run_dir=str(tmp_path / "run"),
+                             project_dim=16, epochs=1, states="recompute", progress=False)
+    result = train(settings, backbone=train_backbone)
+    seen = "3 of its 9 rows hold a text the training rows hold too, which flatters the head"
+    assert result.metrics["test"]["rows_seen"] == seen
+    assert result.metrics["baselines"]["verdict"].endswith(f"; the test split is not wholly unseen: {seen}")
+    assert f"not wholly unseen: {seen})" in (tmp_path / "run" / "report" / "report.md").read_text()
 
 
 def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):

@@ -108,8 +108,9 @@ def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType)
     each baseline's metrics and the head's margin over it, and the verdict line. `head`: the head's
     metrics on that split (its `split`, and on validation its `role`: what that split chose)."""
     baselines = {"split": head["split"], "metric": metric, "head": head[metric]}
-    if head.get("role"):
-        baselines["role"] = head["role"]
+    for said in ("role", "rows_seen"):
+        if head.get(said):
+            baselines[said] = head[said]
     for run in runs:
         baselines[run["baseline"]] = run
         if metric in run:  # not where it could not be trained (`baseline_runs`)
@@ -145,6 +146,8 @@ def verdict(baselines: dict, kind: TaskType) -> str:
     caveat = (f"; the validation split also {role}: a test split (--test FILE; --split VAL,TEST of a --train file) "
               "gives one that chose nothing"
               if split == "validation" and optimistic(role) else "")
+    if baselines.get("rows_seen"):
+        caveat = f"; the test split is not wholly unseen: {baselines['rows_seen']}"
     scored = baselines["majority"]  # on the rows every score here is on (a token task's: sentences)
     rows = scored.get("examples", scored.get("sentences"))
     if few := too_few(rows):

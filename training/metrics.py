@@ -212,6 +212,19 @@ def optimistic(role: str) -> str:
     return "" if role == NOTHING_CHOSEN else ", so this number is optimistic"
 
 
+def test_rows_seen(data: dict, validation_role: str) -> str:
+    """Why a run's test number is not wholly unseen though its split chose nothing: its rows whose text
+    the training rows hold too, or the validation rows where validation chose something (the counts of
+    `training.splits.shared_rows`, in the manifest's `training.data`); "" where it is unseen."""
+    rows, seen = data.get("test_examples"), []
+    if shared := data.get("test_rows_also_in_training"):
+        seen.append(f"{shared} of its {rows} rows hold a text the training rows hold too, which flatters the head")
+    if (shared := data.get("test_rows_also_in_validation")) and optimistic(validation_role):
+        seen.append(f"{shared} of its {rows} rows hold a text the validation rows hold too, and validation "
+                    f"{validation_role} on them, so this number is optimistic")
+    return "; ".join(seen)
+
+
 # ---- entities ---------------------------------------------------------------------------------
 def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
     """(type, first, last) word indices of each entity in one sentence's tags (last inclusive): the

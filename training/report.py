@@ -82,7 +82,8 @@ def report_text(result) -> str:
     if "test" in m:
         t = m["test"]
         lines.append(f"- test {metric}: **{t[metric]:.4f}** ({t.get('examples', t.get('sentences'))} examples; "
-                     f"never used to choose anything)")
+                     "never used to choose anything" + (f"; not wholly unseen: {t['rows_seen']})" if t.get("rows_seen")
+                                                        else ")"))
     else:
         lines.append("- test: none (give --test FILE, or --split VAL,TEST of a --train file): only the validation "
                      "number above exists")
@@ -98,13 +99,10 @@ def report_text(result) -> str:
     if data.get("train_texts_labelled_two_ways"):
         lines.append("- training texts labelled more than one way (the same text, different labels): "
                      f"{data['train_texts_labelled_two_ways']}")
-    for name in ("validation", "test"):
-        if data.get(f"{name}_rows_also_in_training"):
-            lines.append(f"- {data[f'{name}_rows_also_in_training']} of the {data[f'{name}_examples']} {name} rows hold "
-                         f"a text the training rows hold too: the {name} number counts them, and so flatters the head")
-    if data.get("test_rows_also_in_validation") and optimistic(m["role"]):  # harmless where validation chose nothing
-        lines.append(f"- {data['test_rows_also_in_validation']} of the {data['test_examples']} test rows hold a text "
-                     f"the validation rows hold too: validation {m['role']} on them")
+    if data.get("validation_rows_also_in_training"):  # the test number's are said on its line
+        lines.append(f"- {data['validation_rows_also_in_training']} of the {data['validation_examples']} validation "
+                     "rows hold a text the training rows hold too: the validation number counts them, and so flatters "
+                     "the head")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
     stopped_by = (result.history or [{}])[-1].get("stopped_by")
     stopped = {"interrupt": f"; the run was stopped by Ctrl-C in epoch {run + 1}",

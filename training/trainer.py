@@ -40,7 +40,8 @@ from training.splits import Splits, resolve_data
 from training.distill import DistillTargets, teacher_words
 from training.assess import assess
 from training.evaluate import predictions, score, score_module
-from training.metrics import answered_scores, choose_none_threshold, choose_thresholds, optimistic, validation_role
+from training.metrics import (answered_scores, choose_none_threshold, choose_thresholds, optimistic, test_rows_seen,
+                              validation_role)
 from training.report import write_report
 from training.runs import RunOutputs, save_as_free_version, stored_name
 from training.settings import TrainSettings, check_layers, pick_device
@@ -443,6 +444,8 @@ def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: 
         metrics["test"] = {**score_module(evaluated, served, s.eval_batch_size, progress=s.progress,
                                           thresholds=thresholds, probabilities=probabilities),
                            "split": "test", "role": "scored once at the end; chose nothing"}
+        if seen := test_rows_seen(data.provenance, metrics["role"]):  # read with the number, in every place
+            metrics["test"]["rows_seen"] = seen
         if "threshold" in decoding and task_type == TaskType.sequence_classification:
             metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
                                                                np.stack(probabilities), labels, decoding["threshold"])
