@@ -237,6 +237,17 @@ def measured_through(bridge_manifest, manifest: Manifest) -> tuple[str, bool]:
     return said, poor
 
 
+def no_better_than_majority(manifest: Manifest) -> str | None:
+    """What its training run measured where a module answers no better than the majority answer (the
+    manifest's `metrics.baselines`), said where it is loaded; None where it does better or is unmeasured."""
+    b = (manifest.metrics or {}).get("baselines") or {}
+    majority = (b.get("majority") or {}).get(b.get("metric"))
+    if majority is None or b.get("head") is None or b["head"] > majority:
+        return None
+    return (f"its training scored it no better than the majority answer on the {b['split']} split ({b['metric']} "
+            f"{b['head']:.4f} against {majority:.4f})")
+
+
 def count_parameters(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 

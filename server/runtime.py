@@ -30,7 +30,7 @@ from server.errors import ApiError, clip, no_such_task, nothing_served
 from server.host_memory import keep_freed_memory
 from server.metrics import Metrics
 from server.modules import (LoadedModule, compares_pairs, count_parameters, load_module, load_servable,
-                            measured_through)
+                            measured_through, no_better_than_majority)
 from server.probe import probe_module
 from server.runner.failures import error_text, is_device_failure
 from server.runner.model_runner import ModelRunner, PreparedBatch
@@ -455,10 +455,13 @@ class Runtime:
         return module
 
     def say_loaded(self, module: LoadedModule) -> None:
-        """The log line of a module loaded; a foreign one's names its bridge and what that bridge's training
-        measured of it (a warning where it answers no better than the majority answer)."""
+        """The log line of a module loaded: a warning where its training (or, for a foreign one, its bridge's)
+        measured it no better than the majority answer; a foreign one's names its bridge and what it measured."""
         if module.bridge is None:
-            log.info("module %s/%s loaded", module.task, module.version)
+            if poor := no_better_than_majority(module.manifest):
+                log.warning("module %s/%s loaded, but %s", module.task, module.version, poor)
+            else:
+                log.info("module %s/%s loaded", module.task, module.version)
             return
         said, poor = measured_through(self.bridges[module.bridge].manifest, module.manifest)
         log.log(logging.WARNING if poor else logging.INFO, "module %s/%s loaded through bridge %s (%s)",

@@ -134,6 +134,26 @@ def test_an_opt_in_module_is_served_only_when_named(backbones, tmp_path):
     assert served_at_start(store, bert) == ["sentiment"] and served_at_start(store, mpnet) == ["entailment"]
 
 
+@pytest.mark.parametrize("head, level", [(0.5, "WARNING"), (0.62, "INFO")])
+def test_a_module_its_training_found_no_better_than_the_majority_answer_is_warned_at_load(backbones, tmp_path, caplog,
+                                                                                         head, level):
+    """tmod-train said a head answers no better than the majority answer, but a server started over the store
+    loaded it without a word: its load line now says it (a warning), as a bridged module's does."""
+    bert = backbones["bert"]
+    store = ModuleStore(tmp_path / "store")
+    baselines = {"split": "validation", "metric": "accuracy", "head": head, "majority": {"accuracy": 0.5},
+                 "tfidf_logreg": {"accuracy": 0.6}}
+    save_module(store, "sentiment", "1", random_head(bert, "sequence_classification", SENTIMENT, 1), bert,
+                metrics={"accuracy": head, "baselines": baselines})
+    with caplog.at_level(logging.INFO, logger="tmod"):
+        with LiveServer(create_app(Settings(store=store.root), backbone=bert)) as server:
+            assert httpx.get(server.url + "/readyz").json()["tasks"] == ["sentiment"]
+    [line] = [r for r in caplog.records if r.getMessage().startswith("module sentiment/1 loaded")]
+    assert line.levelname == level and line.getMessage() == (
+        "module sentiment/1 loaded" + (", but its training scored it no better than the majority answer on the "
+                                       "validation split (accuracy 0.5000 against 0.5000)" if head == 0.5 else ""))
+
+
 def test_a_store_with_nothing_to_serve_here_says_why_at_readiness(backbones, tmp_path, caplog):
     """Every task of the store left out at start (one opt-in, one another backbone's): /readyz and the
     start-up warning say why for each, not only that nothing is loaded, and that /admin needs its token."""
