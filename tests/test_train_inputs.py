@@ -896,6 +896,41 @@ def test_config_file_mistakes(tmp_path, capsys, tables, name, content, expected)
     assert expected.format(path=path) in line
 
 
+@pytest.mark.parametrize("written, read", [
+    # a list option written in a config file as YAML types a value: one number was a traceback (split) or
+    # 'Input should be a valid list' (document_windows, labels given as the command line gives them)
+    ("split: 0.2\n", {"split": [0.2]}),
+    ("split: [0.1, 0.1]\n", {"split": [0.1, 0.1]}),
+    ("split: '0.1,0.1'\n", {"split": [0.1, 0.1]}),
+    ("document_windows: 128\n", {"document_windows": [128]}),
+    ("document_windows: '256, 128'\n", {"document_windows": [256, 128]}),
+    ("labels: neg, pos\n", {"labels": ["neg", "pos"]}),
+    ("labels: [neg, pos]\n", {"labels": ["neg", "pos"]}),
+    ("labels: [0, 1]\n", {"labels": ["0", "1"]}),
+    ("targets: query\n", {"targets": ["query"]}),
+])
+def test_a_list_setting_reads_alike_from_a_config_file_and_the_command_line(tmp_path, written, read):
+    from training.cli import build_parser, settings_from_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text(written)
+    settings = settings_from_args(build_parser().parse_args(["lora-mtb", "--train", "t.tsv", "--config", str(config)]))
+    assert {name: getattr(settings, name) for name in read} == read
+    (name, value), = read.items()
+    option = ",".join(map(str, value))
+    given = settings_from_args(build_parser().parse_args(["lora-mtb", "--train", "t.tsv", f"--{name.replace('_', '-')}",
+                                                          option]))
+    assert getattr(given, name) == value
+
+
+def test_a_list_setting_of_the_wrong_kind_in_a_config_file_is_one_line(tmp_path, capsys, tables):
+    _, train, validation = tables
+    path = tmp_path / "run.yaml"
+    path.write_text("document_windows: [128, many]\n")
+    line = one_line_error(capsys, train_args(tmp_path, "--train", train, "--validation", validation, "--config", str(path)))
+    assert line.endswith("--document-windows: word pieces a window, comma-separated: 256,128 (got 'many')")
+
+
 @pytest.mark.parametrize("command", ["layermix", "eval"])
 def test_a_device_torch_cannot_use_is_one_line(tmp_path, capsys, tables, command):
     _, train, validation = tables

@@ -50,10 +50,6 @@ def version_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _csv_list(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def add_data_options(p: argparse.ArgumentParser, default=S) -> None:
     g = p.add_argument_group("reading the files (format, columns, labels)")
     g.add_argument("--data-dir", default=default, help="folder of the presets' files "
@@ -92,7 +88,7 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
                         "repeated text's rows (a CoNLL file's document) kept in one part: '0.1,0.1' (for a single labelled "
                         "file; the held-out "
                         "share, at most half)")
-    g.add_argument("--labels", type=_csv_list, default=S,
+    g.add_argument("--labels", default=S,
                    help="label order, comma-separated; class ids in the files (0, 1, ...) are named by their place")
     g.add_argument("--multi-label", action="store_true", default=S,
                    help="independent labels, one sigmoid each (binary cross-entropy); a label cell holds "

@@ -82,6 +82,15 @@ def number(value, expected: str, kind: type = float):
         raise ValueError(f"{expected} (got {str(value).strip()!r})") from None
 
 
+def listed(value, expected: str, kind: type = str) -> list | None:
+    """A list setting given as the command line gives it ('256,128') or as a config file may (that string,
+    one value, or a list): a list of `kind`, or ValueError saying what was expected."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [value]
+    return [number(v, expected, kind) for v in items if str(v).strip()]
+
+
 def parse_label_map(value) -> dict[str, str] | None:
     """'0=negative,1=positive' or a dict -> {'0': 'negative', '1': 'positive'}."""
     if value is None or isinstance(value, dict):
@@ -248,12 +257,12 @@ class TrainSettings(BaseModel):
     @field_validator("document_windows", mode="before")
     @classmethod
     def _document_windows(cls, value):
-        return [number(v, "word pieces a window, comma-separated: 256,128", int) for v in value.split(",")
-                if v.strip()] if isinstance(value, str) else value
+        return listed(value, "word pieces a window, comma-separated: 256,128", int)
 
-    @field_validator("labels")
+    @field_validator("labels", mode="before")
     @classmethod
     def _labels(cls, value):
+        value = listed(value, "label names, comma-separated")
         twice = sorted({label for label in value or () if value.count(label) > 1})
         if twice:  # class ids named by place: two ids of one name made every row one label
             raise ValueError(f"names {twice} more than once: each label once, in the head's order")
@@ -272,8 +281,7 @@ class TrainSettings(BaseModel):
     @field_validator("split", mode="before")
     @classmethod
     def _split(cls, value):
-        parts = [number(v, "one or two fractions, VALIDATION[,TEST]: 0.1 or 0.1,0.1") for v in value.split(",")
-                 if v.strip()] if isinstance(value, str) else value
+        parts = listed(value, "one or two fractions, VALIDATION[,TEST]: 0.1 or 0.1,0.1", float)
         if parts is not None and not (1 <= len(parts) <= 2 and all(0 < p < 1 for p in parts) and sum(parts) < 1):
             raise ValueError("give one or two fractions between 0 and 1 that sum to under 1: VALIDATION[,TEST]")
         if parts is not None and sum(parts) > 0.5:  # '--split 0.8' meant as the training share trains on a fifth
@@ -285,7 +293,7 @@ class TrainSettings(BaseModel):
     @field_validator("targets", mode="before")
     @classmethod
     def _targets(cls, value):
-        return [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
+        return listed(value, "block linears, comma-separated: query,value")
 
     @field_validator("label_map", mode="before")
     @classmethod
