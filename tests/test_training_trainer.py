@@ -512,7 +512,8 @@ def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_a
     err = capsys.readouterr().err
     assert "3 of 11 validation rows hold a text the training rows hold too" in err
     assert "training texts labelled more than one way (the same text, different labels): 1; check them" in err
-    shared = "2 of 8 test rows hold a text the validation rows hold too: validation chose the epoch on them"
+    shared = ("the test split is not wholly unseen: 2 of its 8 rows hold a text the validation rows hold too, and "
+              "validation chose the epoch on them")
     assert (shared in err) == (epochs > 1)
     report = (tmp_path / "run" / "report" / "report.md").read_text()
     assert "- 3 of the 11 validation rows hold a text the training rows hold too" in report
@@ -533,7 +534,7 @@ def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_a
                                                                                   if epochs > 1 else "")
 
 
-def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train_backbone, train_backbone_dir):
+def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train_backbone, train_backbone_dir, capsys):
     """Test rows the head was trained on flatter its test number: said beside it in report.md and in the
     verdict, not only on stderr before training."""
     train_file = write_sentiment(tmp_path / "train.tsv", 24, 0)
@@ -545,6 +546,7 @@ def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train
                              project_dim=16, epochs=1, states="recompute", progress=False)
     result = train(settings, backbone=train_backbone)
     seen = "3 of its 9 rows hold a text the training rows hold too, which flatters the head"
+    assert f"the test split is not wholly unseen: {seen}; drop those rows" in capsys.readouterr().err
     assert result.metrics["test"]["rows_seen"] == seen
     assert result.metrics["baselines"]["verdict"].endswith(f"; the test split is not wholly unseen: {seen}")
     assert f"not wholly unseen: {seen})" in (tmp_path / "run" / "report" / "report.md").read_text()
