@@ -19,6 +19,8 @@ from training.metrics import (
     f1_binary,
     f1_macro,
     matthews,
+    NOTHING_CHOSEN,
+    rows_seen,
 )
 
 GOLD = [1, 1, 1, 1, 0, 0, 0, 0, 0, 1]
@@ -223,3 +225,17 @@ def test_a_long_task_name_stays_inside_the_confusion_plot(tmp_path, monkeypatch)
     assert 0 <= title.x0 and title.x1 <= figure.bbox.width
     monkeypatch.undo()
     report.plt.close(figure)
+
+
+def test_rows_seen_says_what_a_split_shares_and_only_what_matters():
+    """A split's rows that are not unseen, said in one wording wherever its number is read: test rows that
+    validation holds count only where validation chose something; one row is one row ('holds')."""
+    data = {"validation_examples": 10, "validation_rows_also_in_training": 1, "test_examples": 8,
+            "test_rows_also_in_training": 0, "test_rows_also_in_validation": 2}
+    assert rows_seen(data, "validation") == ("1 of its 10 rows holds a text the training rows hold too, which flatters "
+                                             "the head")
+    assert rows_seen(data, "test", "chose the epoch") == ("2 of its 8 rows hold a text the validation rows hold too, "
+                                                          "and validation chose the epoch on them, so this number is "
+                                                          "optimistic")
+    assert rows_seen(data, "test", NOTHING_CHOSEN) == ""
+    assert rows_seen({}, "test", "chose the epoch") == ""

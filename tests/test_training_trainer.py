@@ -510,13 +510,15 @@ def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_a
     assert result.training["data"]["test_rows_also_in_validation"] == 2
     assert result.training["data"]["train_texts_labelled_two_ways"] == 1
     err = capsys.readouterr().err
-    assert "3 of 11 validation rows hold a text the training rows hold too" in err
+    assert ("the validation split is not wholly unseen: 3 of its 11 rows hold a text the training rows hold too, "
+            "which flatters the head; drop those rows" in err)
     assert "training texts labelled more than one way (the same text, different labels): 1; check them" in err
     shared = ("the test split is not wholly unseen: 2 of its 8 rows hold a text the validation rows hold too, and "
               "validation chose the epoch on them")
     assert (shared in err) == (epochs > 1)
     report = (tmp_path / "run" / "report" / "report.md").read_text()
-    assert "- 3 of the 11 validation rows hold a text the training rows hold too" in report
+    assert ("- the validation split is not wholly unseen: 3 of its 11 rows hold a text the training rows hold too, "
+            "which flatters the head" in report)
     assert "- training texts labelled more than one way (the same text, different labels): 1" in report
     # the test number is read with what its rows are, wherever it is read: beside it, in the verdict, in eval
     seen = ("2 of its 8 rows hold a text the validation rows hold too, and validation chose the epoch on them, so "

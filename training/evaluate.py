@@ -15,7 +15,7 @@ from server.engine import Engine
 from server.heads.decode import word_tags
 from server.modules import LoadedModule
 from training.data.word_tags import word_first_tokens
-from training.metrics import classification_scores, entity_scores, multilabel_scores, optimistic, test_rows_seen
+from training.metrics import classification_scores, entity_scores, multilabel_scores, optimistic, rows_seen
 from training.progress import progress_of
 from training.states import Split
 
@@ -129,7 +129,7 @@ def file_role(training_data: dict, sha256: str, validation_role: str = "chose th
     if sha256 == training_data.get("validation_sha256"):
         return f"validation: this file {validation_role}{optimistic(validation_role)}"
     if sha256 == training_data.get("test_sha256"):
-        seen = test_rows_seen(training_data, validation_role)
+        seen = rows_seen(training_data, "test", validation_role)
         return "test: scored once at the end of training; it chose nothing" + (f"; not wholly unseen: {seen}"
                                                                                if seen else "")
     return "not a file of the training run: held out, unless it shares rows with the training file"

@@ -212,16 +212,20 @@ def optimistic(role: str) -> str:
     return "" if role == NOTHING_CHOSEN else ", so this number is optimistic"
 
 
-def test_rows_seen(data: dict, validation_role: str) -> str:
-    """Why a run's test number is not wholly unseen though its split chose nothing: its rows whose text
-    the training rows hold too, or the validation rows where validation chose something (the counts of
+def rows_seen(data: dict, split: str, validation_role: str = NOTHING_CHOSEN) -> str:
+    """Why a run's validation or test number is not wholly unseen: its rows whose text the training rows
+    hold too, and for test those the validation rows hold where validation chose something (the counts of
     `training.splits.shared_rows`, in the manifest's `training.data`); "" where it is unseen."""
-    rows, seen = data.get("test_examples"), []
-    if shared := data.get("test_rows_also_in_training"):
-        seen.append(f"{shared} of its {rows} rows hold a text the training rows hold too, which flatters the head")
-    if (shared := data.get("test_rows_also_in_validation")) and optimistic(validation_role):
-        seen.append(f"{shared} of its {rows} rows hold a text the validation rows hold too, and validation "
-                    f"{validation_role} on them, so this number is optimistic")
+    rows, seen = data.get(f"{split}_examples"), []
+
+    def holding(shared: int, other: str) -> str:
+        return f"{shared} of its {rows} rows {'holds' if shared == 1 else 'hold'} a text the {other} rows hold too"
+
+    if shared := data.get(f"{split}_rows_also_in_training"):
+        seen.append(holding(shared, "training") + ", which flatters the head")
+    if split == "test" and (shared := data.get("test_rows_also_in_validation")) and optimistic(validation_role):
+        seen.append(holding(shared, "validation") + f", and validation {validation_role} on them, so this number is "
+                    "optimistic")
     return "; ".join(seen)
 
 

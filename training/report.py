@@ -15,7 +15,7 @@ warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", cat
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from training.metrics import optimistic  # noqa: E402
+from training.metrics import optimistic, rows_seen  # noqa: E402
 
 
 def state_name(index: int) -> str:
@@ -99,10 +99,8 @@ def report_text(result) -> str:
     if data.get("train_texts_labelled_two_ways"):
         lines.append("- training texts labelled more than one way (the same text, different labels): "
                      f"{data['train_texts_labelled_two_ways']}")
-    if data.get("validation_rows_also_in_training"):  # the test number's are said on its line
-        lines.append(f"- {data['validation_rows_also_in_training']} of the {data['validation_examples']} validation "
-                     "rows hold a text the training rows hold too: the validation number counts them, and so flatters "
-                     "the head")
+    if seen := rows_seen(data, "validation"):  # the test number's are said on its line
+        lines.append(f"- the validation split is not wholly unseen: {seen}")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
     stopped_by = (result.history or [{}])[-1].get("stopped_by")
     stopped = {"interrupt": f"; the run was stopped by Ctrl-C in epoch {run + 1}",

@@ -40,7 +40,7 @@ from training.splits import Splits, resolve_data
 from training.distill import DistillTargets, teacher_words
 from training.assess import assess
 from training.evaluate import predictions, score, score_module
-from training.metrics import answered_scores, choose_none_threshold, choose_thresholds, test_rows_seen, validation_role
+from training.metrics import answered_scores, choose_none_threshold, choose_thresholds, rows_seen, validation_role
 from training.report import write_report
 from training.runs import RunOutputs, save_as_free_version, stored_name
 from training.settings import TrainSettings, check_layers, pick_device
@@ -443,7 +443,7 @@ def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: 
         metrics["test"] = {**score_module(evaluated, served, s.eval_batch_size, progress=s.progress,
                                           thresholds=thresholds, probabilities=probabilities),
                            "split": "test", "role": "scored once at the end; chose nothing"}
-        if seen := test_rows_seen(data.provenance, metrics["role"]):  # read with the number, in every place
+        if seen := rows_seen(data.provenance, "test", metrics["role"]):  # read with the number, in every place
             metrics["test"]["rows_seen"] = seen
         if "threshold" in decoding and task_type == TaskType.sequence_classification:
             metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
@@ -475,16 +475,14 @@ def say_what_the_data_holds(s: TrainSettings, train_data, labels: list[str], pro
     if provenance.get("train_texts_labelled_two_ways"):  # said: the head cannot learn both answers
         print(f"training texts labelled more than one way (the same text, different labels): "
               f"{provenance['train_texts_labelled_two_ways']}; check them, or keep one label each", file=sys.stderr)
-    # said, not silent: scores on texts the head learnt flatter it
-    if shared := provenance.get("validation_rows_also_in_training"):
-        print(f"{shared} of {provenance['validation_examples']} validation rows hold a text the training rows hold "
-              "too: the validation scores count them, so they flatter the head; drop them from one of the files "
-              "(--split keeps a text's rows in one part)", file=sys.stderr)
-    # what validation will choose (several epochs kept at their best, thresholds): nothing, and sharing is harmless
+    # said, not silent: scores on texts the head learnt flatter it; what validation will choose (several epochs
+    # kept at their best, thresholds): where nothing, test rows it shares are harmless
     chooses = validation_role(s.select == "best" and s.epochs > 1, task_type == TaskType.multi_label_classification,
                               s.none_below == "auto")
-    if seen := test_rows_seen(provenance, chooses):
-        print(f"the test split is not wholly unseen: {seen}; drop those rows from one of the files", file=sys.stderr)
+    for split in ("validation", "test"):
+        if seen := rows_seen(provenance, split, chooses):
+            print(f"the {split} split is not wholly unseen: {seen}; drop those rows from one of the files (--split "
+                  "keeps a text's rows in one part)", file=sys.stderr)
 
 
 def encoded_splits(train_data, val_data, labels: list[str], backbone: Backbone,
