@@ -554,6 +554,36 @@ def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train
     assert f"not wholly unseen: {seen})" in (tmp_path / "run" / "report" / "report.md").read_text()
 
 
+def test_eval_on_a_file_of_no_part_of_the_run_counts_the_rows_it_learnt(tmp_path, train_backbone, train_backbone_dir,
+                                                                      capsys, monkeypatch):
+    """`eval` on a file the run did not use said 'held out, unless it shares rows with the training file':
+    it now reads the run's training rows again (as its manifest records them, the same file by sha256) and
+    says how many of the file's rows hold a text among them, or why it cannot tell."""
+    monkeypatch.chdir(tmp_path)  # the run records its files as given: relative paths, read again from here
+    train_file = write_sentiment(Path("train.tsv"), 24, 0)
+    settings = TrainSettings(train="train.tsv", split=[0.25], text_column="sentence", label_column="label",
+                             layers="2", backbone=str(train_backbone_dir), task="mood", run_dir="run", project_dim=16,
+                             epochs=1, states="recompute", progress=False)
+    train(settings, backbone=train_backbone)
+    other = write_sentiment(Path("other.tsv"), 6, 3)
+    mixed = Path("mixed.tsv")
+    mixed.write_text(other.read_text() + "\n".join(train_file.read_text().splitlines()[1:]) + "\n")
+
+    def role(path: Path) -> str:
+        capsys.readouterr()
+        assert main(["eval", "--store", "run/store", "--task", "mood", "--file", str(path), "--backbone",
+                     str(train_backbone_dir), "--no-progress"]) == 0
+        return json.loads(capsys.readouterr().out)["file_role"]
+
+    assert role(other) == "not a file of the training run: held out: none of its 6 rows holds a text the training rows hold"
+    # every row of the training file: the 18 the run carved for training are learnt, the 6 of validation not
+    assert role(mixed) == ("not a file of the training run: not wholly unseen: 18 of its 30 rows hold a text the "
+                           "training rows hold too, which flatters the head")
+    train_file.rename("moved.tsv")
+    assert role(other) == ("not a file of the training run: held out, unless it shares rows with the training file "
+                           "(its training data cannot be read here: no such file: train.tsv)")
+
+
 def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):
     """Training cuts a text at the backbone's limit (the server would read it in windows): said on
     stderr and recorded in the manifest, never silent."""

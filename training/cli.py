@@ -491,7 +491,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     metrics = score_module(split, module, args.batch_size, progress=args.progress,
                            engine=Engine(backbone, bridges=bridges), answer_split=answers)
     role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path),
-                     module.manifest.metrics.get("role", "chose the epoch"), args.split if args.file else None)
+                     module.manifest.metrics.get("role", "chose the epoch"), args.split if args.file else None,
+                     held_out=lambda: rows_learnt(module.manifest, data))
     if not role.startswith(("test", "not a file")):
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
     result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
@@ -505,6 +506,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text + "\n")
     print(text)
     return 0
+
+
+def rows_learnt(manifest, data) -> str:
+    """What `file_role` says of a file of none of the run's parts: how many of its rows hold a text the
+    module's training rows hold (the run's data read again as its manifest records it, and checked to be
+    the same file), or why that cannot be told here."""
+    import contextlib
+    import io
+
+    from training.data.files import UsageError
+    from training.metrics import rows_seen
+    from training.settings import TrainSettings
+    from training.splits import resolve_data, rows_also_in
+
+    trained, recorded = manifest.training.get("settings"), manifest.training.get("data", {})
+    unknown = "held out, unless it shares rows with the training file ({})"
+    if not trained or not recorded.get("train_sha256"):
+        return unknown.format("the module records no tmod-train run to check against")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # what the run's data holds was said when it trained
+            run = resolve_data(TrainSettings(**trained))
+    except (UsageError, ValueError) as exc:  # a file moved or gone, settings of an older tmod-train
+        return unknown.format(f"its training data cannot be read here: {str(exc).splitlines()[0][:200]}")
+    if run.provenance["train_sha256"] != recorded["train_sha256"]:
+        return unknown.format(f"its training file {recorded.get('train_file')} has changed since")
+    shared = rows_also_in(data, run.train)
+    if not shared:
+        return f"held out: none of its {len(data)} rows holds a text the training rows hold"
+    return "not wholly unseen: " + rows_seen({"file_examples": len(data), "file_rows_also_in_training": shared}, "file")
 
 
 def check_output_file(path: Path) -> None:

@@ -108,12 +108,13 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     return score(split, predicted, thresholds)
 
 
-def file_role(training_data: dict, sha256: str, validation_role: str = "chose the epoch", part: str | None = None
-              ) -> str:
+def file_role(training_data: dict, sha256: str, validation_role: str = "chose the epoch", part: str | None = None,
+              held_out: Callable[[], str] = lambda: "held out, unless it shares rows with the training file") -> str:
     """What a scored file was to the module's training run (its manifest's `training.data`, which
     records each file's sha256): a score on rows the head learnt from says nothing about new text.
     `validation_role`: what the validation split chose (the manifest's `metrics.role`); `part`: the
-    part of the file the run carved (--split) that is scored, not the whole file."""
+    part of the file the run carved (--split) that is scored, not the whole file; `held_out`: what is
+    known of a file of none of the run's parts (called only for such a file: it may read the run's data)."""
     if part is not None:  # `carved_part` checked that the run carved it from this file
         return {"train": "training: the part of this file the run carved for training, so this score is not held out",
                 "validation": f"validation: the part of this file the run carved for validation; it {validation_role}"
@@ -132,4 +133,4 @@ def file_role(training_data: dict, sha256: str, validation_role: str = "chose th
         seen = rows_seen(training_data, "test", validation_role)
         return "test: scored once at the end of training; it chose nothing" + (f"; not wholly unseen: {seen}"
                                                                                if seen else "")
-    return "not a file of the training run: held out, unless it shares rows with the training file"
+    return f"not a file of the training run: {held_out()}"

@@ -61,18 +61,22 @@ def data_files(s: TrainSettings) -> tuple[dict, list[str] | None, str | None]:
     return specs, s.labels, None
 
 
+def rows_also_in(part: LabelledData, other: LabelledData) -> int:
+    """How many of `part`'s rows hold a text (and text pair) that a row of `other` holds."""
+    texts = {text_key(ex) for ex in other.examples}
+    return sum(text_key(ex) in texts for ex in part.examples)
+
+
 def shared_rows(train: LabelledData, validation: LabelledData, test: LabelledData | None) -> dict:
     """Provenance counts of rows that are less held out than they look: validation and test rows whose
     text is also a training row's (files given apart may share texts), test rows validation holds too
     (validation chose the epoch), and training texts taught two answers (label noise)."""
     counts = {}
-    learnt = {text_key(ex) for ex in train.examples}
     for name, part in (("validation", validation), ("test", test)):
         if part is not None:
-            counts[f"{name}_rows_also_in_training"] = sum(text_key(ex) in learnt for ex in part.examples)
+            counts[f"{name}_rows_also_in_training"] = rows_also_in(part, train)
     if test is not None:
-        chose = {text_key(ex) for ex in validation.examples}
-        counts["test_rows_also_in_validation"] = sum(text_key(ex) in chose for ex in test.examples)
+        counts["test_rows_also_in_validation"] = rows_also_in(test, validation)
     if train.task_type != TaskType.token_classification:
         answers: dict = {}
         for ex in train.examples:
