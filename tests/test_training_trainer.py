@@ -573,7 +573,10 @@ def test_eval_on_a_file_of_no_part_of_the_run_counts_the_rows_it_learnt(tmp_path
         capsys.readouterr()
         assert main(["eval", "--store", "run/store", "--task", "mood", "--file", str(path), "--backbone",
                      str(train_backbone_dir), "--no-progress"]) == 0
-        return json.loads(capsys.readouterr().out)["file_role"]
+        said = capsys.readouterr()
+        role = json.loads(said.out)["file_role"]
+        assert (f"tmod-train eval: {path}: {role}" in said.err) == ("not wholly unseen" in role)  # on the terminal too
+        return role
 
     assert role(other) == "not a file of the training run: held out: none of its 6 rows holds a text the training rows hold"
     # every row of the training file: the 18 the run carved for training are learnt, the 6 of validation not
