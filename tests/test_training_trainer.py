@@ -585,6 +585,12 @@ def test_eval_on_a_file_of_no_part_of_the_run_counts_the_rows_it_learnt(tmp_path
     train_file.rename("moved.tsv")
     assert role(other) == ("not a file of the training run: held out, unless it shares rows with the training file "
                            "(its training data cannot be read here: no such file: train.tsv)")
+    manifest = Path("run/store/mood/1/manifest.json")  # as an older tmod-train might have recorded its settings
+    recorded = json.loads(manifest.read_text())
+    recorded["training"]["settings"]["learning_rate"] = 0.01
+    manifest.write_text(json.dumps(recorded))
+    assert role(other).endswith("(its recorded settings are not this tmod-train's: learning_rate: Extra inputs are not "
+                                "permitted)")
 
 
 def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):

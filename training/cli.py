@@ -515,6 +515,8 @@ def rows_learnt(manifest, data) -> str:
     import contextlib
     import io
 
+    from pydantic import ValidationError
+
     from training.data.files import UsageError
     from training.metrics import rows_seen
     from training.settings import TrainSettings
@@ -527,7 +529,11 @@ def rows_learnt(manifest, data) -> str:
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # what the run's data holds was said when it trained
             run = resolve_data(TrainSettings(**trained))
-    except (UsageError, ValueError) as exc:  # a file moved or gone, settings of an older tmod-train
+    except ValidationError as exc:  # settings an older tmod-train recorded
+        first = exc.errors()[0]
+        return unknown.format(f"its recorded settings are not this tmod-train's: {'.'.join(map(str, first['loc']))}: "
+                              f"{first['msg']}")
+    except UsageError as exc:  # a file moved or gone
         return unknown.format(f"its training data cannot be read here: {str(exc).splitlines()[0][:200]}")
     if run.provenance["train_sha256"] != recorded["train_sha256"]:
         return unknown.format(f"its training file {recorded.get('train_file')} has changed since")
