@@ -108,8 +108,8 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     return score(split, predicted, thresholds)
 
 
-def file_role(training_data: dict, sha256: str, validation_role: str = "chose the epoch", part: str | None = None,
-              held_out: Callable[[], str] = lambda: "held out, unless it shares rows with the training file") -> str:
+def file_role(training_data: dict, sha256: str, validation_role: str, part: str | None, *,
+              held_out: Callable[[], str]) -> str:
     """What a scored file was to the module's training run (its manifest's `training.data`, which
     records each file's sha256): a score on rows the head learnt from says nothing about new text.
     `validation_role`: what the validation split chose (the manifest's `metrics.role`); `part`: the
