@@ -16,6 +16,7 @@ from server.engine import Engine
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.layermix.layer import cutoff_weights
 from server.modules import load_module, save_module
+from training import report as report_module
 from training.cli import build_parser, main, settings_from_args
 from training.data.files import UsageError
 from training.data.tables import read_table
@@ -474,7 +475,7 @@ def test_what_validation_chose_is_said_as_it_was(sentiment_files, train_backbone
     assert result.metrics["role"] == role
     optimistic = role != "chose nothing (the run kept its last epoch)"
     report = (tmp_path / "run" / "report" / "report.md").read_text()
-    assert f"this split {role}{', so this number is optimistic' if optimistic else ''})" in report
+    assert f"this split {role}{', so this number is optimistic' if optimistic else ''}; majority " in report
     verdict = result.metrics["baselines"]["verdict"]
     assert ("the validation split also " + role in verdict) == optimistic, verdict
     capsys.readouterr()
@@ -551,7 +552,16 @@ def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train
     assert f"the test split is not wholly unseen: {seen}; drop those rows" in capsys.readouterr().err
     assert result.metrics["test"]["rows_seen"] == seen
     assert result.metrics["baselines"]["verdict"].endswith(f"; the test split is not wholly unseen: {seen}")
-    assert f"not wholly unseen: {seen})" in (tmp_path / "run" / "report" / "report.md").read_text()
+    report = (tmp_path / "run" / "report" / "report.md").read_text()
+    assert f"not wholly unseen: {seen})" in report
+    # the verdict is on test; the validation number is still set beside the baselines on its own rows
+    beside = result.metrics["validation_baselines"]
+    assert beside["split"] == "validation" and beside["head"] == result.metrics["accuracy"]
+    assert report_module.validation_baselines(result.metrics) is beside  # what the curves plot draws
+    assert beside["majority"]["examples"] == 8 and "accuracy" in beside["tfidf_logreg"]
+    validation_line = next(line for line in report.splitlines() if line.startswith("- validation accuracy"))
+    assert validation_line.endswith(f"; majority {beside['majority']['accuracy']:.4f}, tfidf_logreg "
+                                    f"{beside['tfidf_logreg']['accuracy']:.4f} on the same rows)")
 
 
 def test_eval_on_a_file_of_no_part_of_the_run_counts_the_rows_it_learnt(tmp_path, train_backbone, train_backbone_dir,
