@@ -78,10 +78,16 @@ def validation_baselines(metrics: dict) -> dict | None:
     return metrics.get("validation_baselines") or (baselines if baselines.get("split") == "validation" else None)
 
 
+def scored_baselines(baselines: dict | None, metric: str) -> list[dict]:
+    """The baseline runs of a `metrics.baselines` entry that have a `metric` score (not those that could
+    not be trained)."""
+    return [run for run in (baselines or {}).values()
+            if isinstance(run, dict) and isinstance(run.get(metric), (int, float))]
+
+
 def beside_baselines(baselines: dict | None, metric: str) -> str:
     """'; majority 0.5222, tfidf_logreg 0.6556 on the same rows' after a number the baselines were scored beside."""
-    scores = [f"{run['baseline']} {run[metric]:.4f}" for run in (baselines or {}).values()
-              if isinstance(run, dict) and isinstance(run.get(metric), (int, float))]
+    scores = [f"{run['baseline']} {run[metric]:.4f}" for run in scored_baselines(baselines, metric)]
     return f"; {', '.join(scores)} on the same rows" if scores else ""
 
 
@@ -287,8 +293,7 @@ def plot_curves(history: list[dict], layers: list[int], metric: str, path: Path,
     axes[1].plot(epochs, [h[metric] for h in history], marker="o", color="#55a868", label="head")
     axes[1].set_title(f"validation {metric}")
     if baselines and baselines.get("split") == "validation" and baselines.get("metric") == metric:
-        runs = [run for run in baselines.values()
-                if isinstance(run, dict) and isinstance(run.get(metric), (int, float))]
+        runs = scored_baselines(baselines, metric)
         for run, style in zip(runs, (":", "-.")):
             axes[1].axhline(run[metric], color="grey", linestyle=style, linewidth=1,
                             label=f"{run['baseline']} ({run[metric]:.3f})")
