@@ -107,7 +107,8 @@ def baselines(tasks: list[str]) -> dict:
         preset = PRESETS[dataset]
         train, validation = (preset_spec(preset, split).read() for split in ("train", "validation"))
         started = time.perf_counter()
-        base, linear = baseline_runs(train, validation, list(preset.labels), cache=default_cache_dir() / "baselines")
+        [(base, linear)] = baseline_runs(train, [validation], list(preset.labels),
+                                         cache=default_cache_dir() / "baselines")
         seconds = time.perf_counter() - started
         out[task] = {"dataset": dataset, "metric": metric, "train_rows": len(train), "validation_rows": len(validation),
                      "majority": base[metric], "linear": linear[metric], "linear_model": linear["baseline"],
@@ -147,8 +148,8 @@ def write_module_baselines(store: Path) -> None:
         else:
             settings = TrainSettings(**{k: v for k, v in recorded.items() if k in TrainSettings.model_fields})
             data = resolve_data(settings)
-            runs = baseline_runs(data.train, data.validation, data.labels, settings.seed,
-                                 default_cache_dir() / "baselines")
+            [runs] = baseline_runs(data.train, [data.validation], data.labels, settings.seed,
+                                   default_cache_dir() / "baselines")
         head["baselines"] = against_baselines(runs, head, metrics["metric"], kind)
         manifest["metrics"] = head
         path.write_text(json.dumps(manifest, indent=2) + "\n")

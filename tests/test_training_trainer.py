@@ -537,9 +537,15 @@ def test_validation_rows_whose_text_was_trained_on_and_texts_labelled_two_ways_a
                                                                                   if epochs > 1 else "")
 
 
-def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train_backbone, train_backbone_dir, capsys):
+def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train_backbone, train_backbone_dir, capsys,
+                                                                  monkeypatch):
     """Test rows the head was trained on flatter its test number: said beside it in report.md and in the
-    verdict, not only on stderr before training."""
+    verdict, not only on stderr before training. The linear baseline is fitted once for the test and the
+    validation rows."""
+    from training import baselines
+    fits = []
+    fit_on_tfidf = baselines.fit_on_tfidf
+    monkeypatch.setattr(baselines, "fit_on_tfidf", lambda *args: fits.append(1) or fit_on_tfidf(*args))
     train_file = write_sentiment(tmp_path / "train.tsv", 24, 0)
     test_file = write_sentiment(tmp_path / "test.tsv", 6, 2)
     test_file.write_text(test_file.read_text() + "\n".join(train_file.read_text().splitlines()[1:4]) + "\n")
@@ -558,6 +564,12 @@ def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train
     beside = result.metrics["validation_baselines"]
     assert beside["split"] == "validation" and beside["head"] == result.metrics["accuracy"]
     assert report_module.validation_baselines(result.metrics) is beside  # what the curves plot draws
+    assert len(fits) == 1
+    rows = [line.split("\t") for line in Path(settings.validation).read_text().splitlines()[1:]]
+    train_rows = [line.split("\t") for line in train_file.read_text().splitlines()[1:]]
+    alone = baselines.tfidf_logreg([r[0] for r in train_rows], [r[1] for r in train_rows], [r[0] for r in rows],
+                                   [r[1] for r in rows])  # the same rows, fitted for them alone
+    assert beside["tfidf_logreg"]["accuracy"] == pytest.approx(alone["accuracy"])
     assert beside["majority"]["examples"] == 8 and "accuracy" in beside["tfidf_logreg"]
     validation_line = next(line for line in report.splitlines() if line.startswith("- validation accuracy"))
     assert validation_line.endswith(f"; majority {beside['majority']['accuracy']:.4f}, tfidf_logreg "
@@ -867,7 +879,7 @@ def test_a_linear_baseline_the_rows_cannot_fit_keeps_the_trained_head(tmp_path, 
     def refuse(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(assess, "window_tagger", refuse)
+    monkeypatch.setattr(assess, "window_tagger_scores", refuse)
     train_file, validation_file = write_conll(tmp_path / "train.txt", 40, 0), write_conll(tmp_path / "val.txt", 12, 1)
     settings = TrainSettings(train=str(train_file), validation=str(validation_file), backbone=str(train_backbone_dir),
                              task="ner", store=str(tmp_path / "store"), report_dir=str(tmp_path / "report"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from modules_store import TaskType
-from training.baselines import cached_run, majority, tfidf_logreg, window_tagger
+from training.baselines import cached_run, majority, tfidf_logreg_scores, window_tagger_scores
 from training.data.examples import LabelledData
 from training.metrics import confusion_matrix, entities, optimistic, per_class_scores
 from training.states import Split
@@ -16,15 +16,19 @@ WORST = 10  # confidently wrong examples listed
 
 
 def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dict, metric: str, seed: int = 0,
-           cache=None) -> dict:
+           cache=None, validation: tuple[LabelledData, dict] | None = None) -> dict:
     """`head`: the head's metrics on `evaluated` (with its `split` name); `probabilities`: its label
     probabilities per row (sequence tasks); `cache`: a folder keeping the linear baseline's result for
-    a later run on the same data (`baselines.cached_run`)."""
+    a later run on the same data (`baselines.cached_run`); `validation`: where `evaluated` is the test
+    split, the validation rows and the head's metrics on them, which get the baselines too (from the
+    same fit) as `validation_baselines`."""
     examples, labels = evaluated.data.examples, evaluated.labels
     kind = evaluated.data.task_type
-    runs = baseline_runs(train, evaluated.data, labels, seed, cache)
-    baselines = against_baselines(runs, head, metric, kind)
+    runs = baseline_runs(train, [evaluated.data, *([validation[0]] if validation else [])], labels, seed, cache)
+    baselines = against_baselines(runs[0], head, metric, kind)
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
+    if validation:
+        out["validation_baselines"] = against_baselines(runs[1], validation[1], metric, kind)
     if kind == TaskType.sequence_classification:
         probs = np.stack(probabilities)
         pred = [labels[i] for i in probs.argmax(1)]
@@ -74,33 +78,34 @@ def worst_sentences(examples: list, predicted: list[list[str]], by_word: bool = 
     return [row for *_, row in sorted(found)[:WORST]]
 
 
-def baseline_runs(train: LabelledData, evaluated: LabelledData, labels: list[str], seed: int = 0,
-                  cache=None) -> list[dict]:
-    """The majority answer and the linear model (window tagger for token tasks), trained on `train`
-    and scored on `evaluated`, each as the metrics dict `training/baselines.py` returns. A linear model
-    these rows cannot fit (or that fails otherwise) is `{"baseline", "error"}`: the head it is measured
-    for is kept, not lost to a traceback after its training."""
-    kind = evaluated.task_type
+def baseline_runs(train: LabelledData, evaluated: list[LabelledData], labels: list[str], seed: int = 0,
+                  cache=None) -> list[list[dict]]:
+    """For each of `evaluated`: the majority answer and the linear model (window tagger for token
+    tasks), trained on `train` and scored on it, each as the metrics dict `training/baselines.py`
+    returns. The linear model is fitted once for every split scored (the test and validation rows of
+    a run with a test split). One these rows cannot fit (or that fails otherwise) is `{"baseline",
+    "error"}`: the head it is measured for is kept, not lost to a traceback after its training."""
+    kind = train.task_type
     if kind == TaskType.token_classification:
-        gold = [ex.tags for ex in evaluated.examples]
-        train_words, train_tags, words = ([ex.words for ex in train.examples], [ex.tags for ex in train.examples],
-                                          [ex.words for ex in evaluated.examples])
-        base = majority(train_tags, gold)
-        key = {"baseline": "window_tagger", "seed": seed, "train": [train_words, train_tags], "evaluate": [words, gold]}
-        fit = lambda: window_tagger(train_words, train_tags, words, gold, seed=seed)  # noqa: E731
+        train_x, train_y = [ex.words for ex in train.examples], [ex.tags for ex in train.examples]
+        sets = [([ex.words for ex in d.examples], [ex.tags for ex in d.examples]) for d in evaluated]
+        bases = [majority(train_y, gold) for _, gold in sets]
+        key = {"baseline": "window_tagger", "seed": seed, "train": [train_x, train_y], "evaluate": sets}
+        fit = lambda: window_tagger_scores(train_x, train_y, sets, seed=seed)  # noqa: E731
     else:
         multi = kind == TaskType.multi_label_classification
-        texts, train_texts = [_text(ex) for ex in evaluated.examples], [_text(ex) for ex in train.examples]
-        train_labels, gold = [ex.label for ex in train.examples], [ex.label for ex in evaluated.examples]
-        base = majority(train_labels, gold, multi_label=multi, labels=labels)
+        train_x, train_y = [_text(ex) for ex in train.examples], [ex.label for ex in train.examples]
+        sets = [([_text(ex) for ex in d.examples], [ex.label for ex in d.examples]) for d in evaluated]
+        bases = [majority(train_y, gold, multi_label=multi, labels=labels) for _, gold in sets]
         key = {"baseline": "tfidf_logreg", "seed": seed, "multi_label": multi, "labels": labels,
-               "train": [train_texts, train_labels], "evaluate": [texts, gold]}
-        fit = lambda: tfidf_logreg(train_texts, train_labels, texts, gold, multi_label=multi,  # noqa: E731
-                                   seed=seed, labels=labels)
+               "train": [train_x, train_y], "evaluate": sets}
+        fit = lambda: tfidf_logreg_scores(train_x, train_y, sets, multi_label=multi, seed=seed,  # noqa: E731
+                                          labels=labels)
     try:
-        return [base, cached_run(cache, key, fit)]
+        linear = cached_run(cache, key, fit)
     except Exception as exc:  # noqa: BLE001 - scikit-learn refusing the rows, memory a big file outgrows: recorded
-        return [base, {"baseline": key["baseline"], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}]
+        linear = [{"baseline": key["baseline"], "error": f"{type(exc).__name__}: {str(exc)[:200]}"}] * len(sets)
+    return [[base, run] for base, run in zip(bases, linear)]
 
 
 def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType) -> dict:

@@ -73,37 +73,48 @@ def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequ
     """TF-IDF of word 1-2-grams and character 2-5-grams (within words), logistic regression on top
     (one-vs-rest with a 0.5 threshold for multi-label). A text may be a (text, text_pair) pair: the
     two are joined with a separator. Fixed settings, nothing tuned on the evaluation split."""
-    train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
-    if multi_label:  # one binary model per label; liblinear is the fast solver for those
-        learner = OneVsRestClassifier(LogisticRegression(C=10.0, solver="liblinear", random_state=seed))
-        binarizer = MultiLabelBinarizer().fit([*train_labels, *eval_labels])
-        model = fit_on_tfidf(learner, train_x, binarizer.transform(train_labels))
-        predicted = [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
-        return {"baseline": "tfidf_logreg", **_multi_label_scores(train_labels, eval_labels, predicted, labels)}
-    predicted = _tfidf_logreg_fit_predict(train_x, train_labels, eval_x, seed)
-    return {"baseline": "tfidf_logreg", **_sequence_scores(train_labels, eval_labels, predicted, labels)}
+    return tfidf_logreg_scores(train_texts, train_labels, [(eval_texts, eval_labels)], multi_label, seed, labels)[0]
+
+
+def tfidf_logreg_scores(train_texts: Sequence, train_labels: Sequence, evaluations: Sequence[tuple[Sequence, Sequence]],
+                        multi_label: bool = False, seed: int = 0, labels: Sequence[str] | None = None) -> list[dict]:
+    """`tfidf_logreg` fitted once and scored on each (texts, labels) of `evaluations`: a run with a
+    test split scores its validation and test rows with one fit."""
+    predicted = tfidf_logreg_predictions(train_texts, train_labels, [t for texts, _ in evaluations for t in texts], seed,
+                                         multi_label)
+    score = _multi_label_scores if multi_label else _sequence_scores
+    return [{"baseline": "tfidf_logreg", **score(train_labels, eval_labels, answers, labels)}
+            for (_, eval_labels), answers in zip(evaluations, _parts(predicted, evaluations))]
 
 
 def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence,
-                             seed: int = 0) -> list:
-    """The single-label linear baseline's answer for each evaluation text (the model `tfidf_logreg`
-    scores), for paired comparisons row by row."""
-    return _tfidf_logreg_fit_predict([_joined(t) for t in train_texts], train_labels, [_joined(t) for t in eval_texts],
-                                     seed)
-
-
-def _tfidf_logreg_fit_predict(train_x, train_labels, eval_x, seed: int) -> list:
+                             seed: int = 0, multi_label: bool = False) -> list:
+    """The linear baseline's answer for each evaluation text (the model `tfidf_logreg` scores; a set
+    of labels with `multi_label`), for paired comparisons row by row."""
+    train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
+    if multi_label:  # one binary model per label; liblinear is the fast solver for those
+        learner = OneVsRestClassifier(LogisticRegression(C=10.0, solver="liblinear", random_state=seed))
+        binarizer = MultiLabelBinarizer().fit(train_labels)  # a label no training row has is never answered
+        model = fit_on_tfidf(learner, train_x, binarizer.transform(train_labels))
+        return [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
     learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed)  # multinomial over the labels
-    model = fit_on_tfidf(learner, train_x, list(train_labels))
-    return list(model.predict(eval_x))
+    return list(fit_on_tfidf(learner, train_x, list(train_labels)).predict(eval_x))
 
 
 def window_tagger(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
                   eval_words: Sequence[Sequence[str]], eval_tags: Sequence[Sequence[str]], seed: int = 0) -> dict:
     """A linear SVM tagging each word independently from features of the words around it (forms,
     lowercase, affixes, shape); entity scores as the head's."""
-    predicted = window_tags(train_words, train_tags, eval_words, seed)
-    return {"baseline": "window_tagger", **entity_scores(eval_tags, predicted)}
+    return window_tagger_scores(train_words, train_tags, [(eval_words, eval_tags)], seed)[0]
+
+
+def window_tagger_scores(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
+                         evaluations: Sequence[tuple[Sequence, Sequence]], seed: int = 0) -> list[dict]:
+    """`window_tagger` fitted once and scored on each (words, tags) of `evaluations`."""
+    predicted = window_tags(train_words, train_tags, [words for eval_words, _ in evaluations for words in eval_words],
+                            seed)
+    return [{"baseline": "window_tagger", **entity_scores(eval_tags, answers)}
+            for (_, eval_tags), answers in zip(evaluations, _parts(predicted, evaluations))]
 
 
 def window_tags(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
@@ -123,6 +134,15 @@ def window_tags(train_words: Sequence[Sequence[str]], train_tags: Sequence[Seque
 # ---- helpers ----------------------------------------------------------------------------------
 def _is_token_task(labels: Sequence) -> bool:
     return bool(labels) and not isinstance(labels[0], str)
+
+
+def _parts(predicted: list, evaluations) -> list[list]:
+    """`predicted` (the answers for every evaluation set's rows, in order) cut back into one list per set."""
+    parts, start = [], 0
+    for rows, _ in evaluations:
+        parts.append(predicted[start:start + len(rows)])
+        start += len(rows)
+    return parts
 
 
 def _joined(text) -> str:
@@ -184,7 +204,7 @@ def _window_features(words: Sequence[str]) -> list[dict]:
 
 
 def cached_run(cache: Path | str | None, key: dict, run):
-    """`run()`'s result (a JSON-able dict), kept in `cache` (a folder) under the sha256 of `key` and of
+    """`run()`'s result (JSON-able), kept in `cache` (a folder) under the sha256 of `key` and of
     this file's source: a later training run on the same data (another head on the same split) reads
     it instead of training the baseline again (the window tagger takes minutes on CoNLL). No cache:
     just `run()`. A damaged file is recomputed."""

@@ -38,7 +38,7 @@ from training import serving
 from training.progress import progress_of
 from training.splits import Splits, resolve_data
 from training.distill import DistillTargets, teacher_words
-from training.assess import against_baselines, assess, baseline_runs
+from training.assess import assess
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds, rows_seen, validation_role
 from training.report import write_report
@@ -578,11 +578,12 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     metrics, decoding, evaluated, probabilities = served_scores(served, val_split, data, labels, backbone, s,
                                                                 s.select == "best" and len(result.history) > 1)
     cache = default_cache_dir() / "baselines" if s.state_cache else None
-    assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed, cache=cache)
+    # the verdict is on test where there is one; the validation numbers then get the baselines on their own rows
+    assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed, cache=cache,
+                        validation=(val_data, metrics) if data.test is not None else None)
     metrics["baselines"] = assessment["baselines"]
-    if data.test is not None:  # the verdict is on test; the validation numbers get the baselines on their own rows
-        metrics["validation_baselines"] = against_baselines(
-            baseline_runs(train_data, val_data, labels, s.seed, cache), metrics, metric, train_data.task_type)
+    if "validation_baselines" in assessment:
+        metrics["validation_baselines"] = assessment["validation_baselines"]
     tqdm.write(f"against simple baselines: {metrics['baselines']['verdict']}", file=sys.stderr)
     # the last of several epochs kept (one epoch shows no trend), and a perfect score has nowhere left to go
     still_improving = (s.select == "best" and result.best_epoch == len(result.history) == s.epochs > 1
