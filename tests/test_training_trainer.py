@@ -168,7 +168,7 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
 
 
 def test_a_label_map_is_guessed_only_where_each_label_has_one_match():
-    from training.cli import label_map_guess
+    from training.eval_command import label_map_guess
 
     assert label_map_guess(["NEG", "positive"], ["negative", "positive"]) == "NEG=negative,positive=positive"
     assert label_map_guess(["p", "negative"], ["pos", "pro", "negative"]) == "FILE_LABEL=HEAD_LABEL,..."
@@ -291,7 +291,7 @@ def test_eval_reads_a_file_as_the_training_run_did_and_refuses_a_pair_mismatch(s
     # a layout the file's name does not say (a table named .txt, trained with --format tsv): the format too
     import argparse
 
-    from training.cli import columns_as_in_training
+    from training.eval_command import columns_as_in_training
 
     txt_run = manifest.model_copy(update={"training": {"settings": {"train": "reviews.txt", "format": "tsv"}}})
     args = argparse.Namespace(file="new.txt", format=None, text_column=None, pair_column=None, label_column=None,
@@ -309,7 +309,7 @@ def test_eval_reads_a_file_as_the_training_run_did_and_refuses_a_pair_mismatch(s
 
 
 def test_eval_names_class_ids_by_their_place_in_the_training_labels(sentiment_run, sentiment_files):
-    from training.cli import named_as_in_training
+    from training.eval_command import named_as_in_training
     from training.data.presets import file_spec
 
     run, _ = sentiment_run
@@ -1195,10 +1195,10 @@ def test_eval_output_that_cannot_be_written_is_refused_before_scoring(sentiment_
                                                                      capsys, monkeypatch):
     """`eval --output` naming a folder, or a place whose folder cannot be made, failed after the whole
     scoring (an OSError's raw text); now one line first."""
-    import training.cli
+    import training.eval_command
 
     run, _ = sentiment_run
-    monkeypatch.setattr(training.cli, "eval_module", lambda *a: pytest.fail("scored before --output was checked"))
+    monkeypatch.setattr(training.eval_command, "eval_module", lambda *a: pytest.fail("scored before --output was checked"))
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     for output, said in ((tmp_path, f"--output {tmp_path}: a folder; give a file's name, e.g. {tmp_path / 'eval.json'}"),

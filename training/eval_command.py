@@ -1,0 +1,351 @@
+"""`tmod-train eval`: score a stored module the way the server runs it, on a preset's split or on a
+file, and say what that file was to the module's training run (training, validation, test, or
+held out, counted) beside the majority answer on the same rows.
+
+    tmod-train eval --store modules_store --task sentiment --dataset sst2
+    tmod-train eval --task sentiment --file reviews.csv --text-column review --label-column stars
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+
+def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
+    """`--label-map` for a file whose labels are spelt otherwise than the head's (a map names every
+    label of the file): each paired with the one head label it is, begins or is begun by (any case:
+    positive=pos, NEG=negative), else a pattern."""
+    def match(label: str) -> list[str]:
+        if label in head_labels:
+            return [label]
+        return [head for head in head_labels
+                if label.lower().startswith(head.lower()) or head.lower().startswith(label.lower())]
+
+    guesses = [match(label) for label in seen]
+    if all(len(found) == 1 for found in guesses):
+        return ",".join(f"{label}={found[0]}" for label, found in zip(seen, guesses))
+    return "FILE_LABEL=HEAD_LABEL,..."
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from modules_store import DEFAULT_STORE, ModuleStore, TaskType, sha256_file
+    from server.backbone import Backbone
+    from server.engine import Engine
+    from training.data.files import UsageError
+    from training.evaluate import file_role, score_module
+    from training.states import Split
+
+    # the user's mistakes first, before a backbone is loaded
+    if args.dataset and args.file:
+        raise UsageError("give one of --dataset NAME or --file FILE, not both")
+    if args.bridges and not Path(args.bridges).is_dir():
+        raise UsageError(f"--bridges {args.bridges}: no such folder (a bridge store, as tmod-serve --bridges takes)")
+    if args.output:  # found out after the scoring, it cost the whole run
+        check_output_file(Path(args.output))
+    store = ModuleStore(args.store or DEFAULT_STORE)
+    if args.task not in store.tasks():
+        raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
+    manifest = store.read_manifest(args.task, args.version)  # the latest: the version scored on its own backbone
+    loaded = None
+    if args.version is None and args.backbone:  # the version a server on --backbone answers with: known once loaded
+        loaded = eval_module(args, store, manifest)
+        manifest = loaded[1].manifest
+    if not args.dataset and not args.file:
+        args.dataset = preset_trained_on(manifest)
+    spec, data = eval_data(args, manifest)
+    backbone, module, bridges, own = loaded or eval_module(args, store, manifest)
+    split = Split(data, module.head.labels, backbone)
+    through = f"{module.bridge}/{bridges[module.bridge].version}" if module.bridge else None
+    if through:
+        print(f"tmod-train eval: {args.task}/{module.version} scored on {backbone.name} through bridge {through}",
+              file=sys.stderr)
+    token_task = manifest.task_type == TaskType.token_classification
+    answers = split  # where a token task's tags are read: a bridge that re-tokenizes answers on the target's tokens
+    if token_task and module.retokenized:
+        if own is None:
+            raise UsageError(f"{args.task}/{manifest.version} tags the tokens of {manifest.backbone.name!r}, which has "
+                             "no name here: it cannot be scored through a bridge")
+        answers = Split(data, module.head.labels, Backbone.load(own, device=str(backbone.device)))
+    metrics = score_module(split, module, args.batch_size, progress=args.progress,
+                           engine=Engine(backbone, bridges=bridges), answer_split=answers)
+    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path),
+                     module.manifest.metrics.get("role", "chose the epoch"), args.split if args.file else None,
+                     held_out=lambda: rows_learnt(module.manifest, data))
+    if not role.startswith(("test", "not a file")) or "not wholly unseen" in role:  # a score that flatters: said
+        print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
+    result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
+              "file": str(spec.path), **({"split": args.split or "validation"} if args.split or args.dataset else {}),
+              "file_role": role,
+              "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
+              "metrics": metrics, "baseline": eval_baseline(data, module, metrics)}
+    text = json.dumps(result, indent=2)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def rows_learnt(manifest, data) -> str:
+    """What `file_role` says of a file of none of the run's parts: how many of its rows hold a text the
+    module's training rows hold (the run's data read again as its manifest records it, and checked to be
+    the same file), or why that cannot be told here."""
+    import contextlib
+    import io
+
+    from pydantic import ValidationError
+
+    from training.data.files import UsageError
+    from training.metrics import rows_seen
+    from training.settings import TrainSettings
+    from training.splits import resolve_data, rows_also_in
+
+    trained, recorded = manifest.training.get("settings"), manifest.training.get("data", {})
+    unknown = "held out, unless it shares rows with the training file ({})"
+    if not trained or not recorded.get("train_sha256"):
+        return unknown.format("the module records no tmod-train run to check against")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # what the run's data holds was said when it trained
+            run = resolve_data(TrainSettings(**trained))
+    except ValidationError as exc:  # settings an older tmod-train recorded
+        first = exc.errors()[0]
+        return unknown.format(f"its recorded settings are not this tmod-train's: {'.'.join(map(str, first['loc']))}: "
+                              f"{first['msg']}")
+    except UsageError as exc:  # a file moved or gone
+        return unknown.format(f"its training data cannot be read here: {str(exc).splitlines()[0][:200]}")
+    if run.provenance["train_sha256"] != recorded["train_sha256"]:
+        return unknown.format(f"its training file {recorded.get('train_file')} has changed since")
+    shared = rows_also_in(data, run.train)
+    if not shared:
+        return f"held out: none of its {len(data)} rows holds a text the training rows hold"
+    return "not wholly unseen: " + rows_seen({"file_examples": len(data), "file_rows_also_in_training": shared}, "file")
+
+
+def check_output_file(path: Path) -> None:
+    """--output names a file that can be written (its folder is made when the file is written)."""
+    from training.data.files import UsageError
+    from training.runs import cannot_make
+
+    if path.is_dir():
+        raise UsageError(f"--output {path}: a folder; give a file's name, e.g. {path / 'eval.json'}")
+    why = cannot_make(path.parent)
+    if why:
+        raise UsageError(f"--output {path}: {why}")
+
+
+def preset_trained_on(manifest) -> str:
+    """What `tmod-train eval` scores without --dataset or --file: the preset the module was trained on
+    (said); a module trained on one's own files, or not trained, needs one named."""
+    from training.data.files import UsageError
+    from training.data.presets import PRESETS
+
+    recorded = manifest.training.get("data", {})
+    preset = recorded.get("dataset")
+    name = f"{manifest.task}/{manifest.version}"
+    if preset in PRESETS:
+        print(f"tmod-train eval: {name} scored on {preset}, the preset it was trained on (--dataset or --file to "
+              "choose another)", file=sys.stderr)
+        return preset
+    files = [f"{part} {recorded[f'{part}_file']}" for part in ("validation", "test") if recorded.get(f"{part}_file")]
+    raise UsageError("give --dataset NAME or --file FILE to score on" + (
+        f": {name} was trained on files of its own ({'; '.join(files)})" if files else
+        f": {name} was not trained on a preset" if recorded else f": {name} records no training data"))
+
+
+def eval_data(args: argparse.Namespace, manifest):
+    """(spec, data): the labelled rows `tmod-train eval` scores, read as the options (or the module's
+    training run) say, and refused in one line where the module cannot answer them."""
+    from modules_store import TaskType
+    from training.data.files import UsageError
+    from training.data.presets import PRESETS, file_spec, preset_spec
+    from training.settings import parse_label_map
+
+    if args.dataset:
+        if args.dataset not in PRESETS:
+            raise UsageError(f"unknown dataset {args.dataset!r}; presets: {sorted(PRESETS)}")
+        if args.split == "test":
+            raise UsageError(f"--split test: the {args.dataset} preset has train and validation splits (its test "
+                             "labels are not published)")
+        spec = preset_spec(PRESETS[args.dataset], args.split or "validation", args.data_dir)
+    else:
+        columns_as_in_training(args, manifest)
+        spec = file_spec(args.file, args.format, args.text_column, args.label_column, args.pair_column,
+                         args.header is not False, parse_label_map(args.label_map),
+                         multi_label=manifest.task_type == TaskType.multi_label_classification)
+    data = spec.read()
+    if args.file and not args.label_map and not set(data.labels_seen()) <= set(manifest.labels):
+        spec, data = named_as_in_training(spec, data, manifest)
+    pairs = trained_on_pairs(manifest)
+    if data.has_pairs != pairs:  # a pair task scored on single texts (or the reverse) scores nothing it answers
+        raise UsageError(f"{spec.path}: {args.task} compares a text with a text pair; give --pair-column" if pairs else
+                         f"{spec.path}: {args.task} reads single texts; leave out --pair-column")
+    if args.file and args.split:
+        data = carved_part(spec, data, manifest, args.split)
+    data = data.subset(args.max_examples, seed=0)
+    token_task = manifest.task_type == TaskType.token_classification
+    if (data.task_type == TaskType.token_classification) != token_task:
+        hint = " (a CoNLL file under another name? give --format conll)" if token_task else ""
+        raise UsageError(f"{spec.path}: holds {data.task_type.value} data and {args.task} is a "
+                         f"{manifest.task_type.value} task{hint}")
+    head_labels = manifest.labels
+    unknown = sorted(set(data.labels_seen()) - set(head_labels))
+    if unknown:
+        named = label_map_guess(sorted(set(data.labels_seen())), head_labels)
+        hint = "; class ids need their names: --label-map 0=NAME,1=NAME,..." if all(map(str.isdigit, unknown)) \
+            else f"; name them as the head does with --label-map {named}"
+        raise UsageError(f"{spec.path}: label(s) {unknown} are not among {args.task}'s labels {head_labels}{hint}")
+    return spec, data
+
+
+def carved_part(spec, data, manifest, part: str):
+    """The rows of `data` (the file the module's training run carved its parts from with --split) that the
+    run carved as `part`: the same carve, with the fractions and seed its manifest records."""
+    from modules_store import sha256_file
+    from training.data.files import UsageError
+    from training.splits import carve
+
+    recorded = manifest.training.get("data", {})
+    carving = recorded.get("split")
+    if not carving or sha256_file(spec.path) != recorded.get("train_sha256"):
+        raise UsageError(f"--split {part} with --file scores a part the module's training run carved from that file; "
+                         f"{manifest.task}/{manifest.version}'s run " + (
+                             f"carved its parts from {recorded.get('train_file')}, not from {spec.path}" if carving
+                             else "carved none (it was given --validation): leave out --split"))
+    data, _ = data.with_entities_begun_with_b()  # as the run read it before carving
+    parts = dict(zip(("train", "validation", "test"),
+                     carve(data, carving["fractions"], carving["seed"], carving.get("units") == "documents")))
+    if parts[part] is None:
+        raise UsageError(f"--split test: {manifest.task}/{manifest.version}'s run carved no test part from "
+                         f"{spec.path} (its --split was {','.join(map(str, carving['fractions']))})")
+    return parts[part]
+
+
+def eval_module(args: argparse.Namespace, store, manifest):
+    """(backbone, module, bridges, own): the module loaded as the server would load it, on its own
+    backbone (`own`, its name here) or on --backbone through a bridge of --bridges."""
+    from modules_store import ArtifactError
+    from server.backbone import Backbone
+    from server.backbone.sources import named_for
+    from server.bridges import bridge_store, load_bridges_on
+    from server.modules import load_module
+    from server.probe import probe_module
+    from training.data.files import UsageError
+    from training.settings import pick_device
+
+    own = named_for(manifest.backbone.name)
+    if not (args.backbone or own):
+        raise UsageError(f"{args.task}/{manifest.version} runs on {manifest.backbone.name!r}, which has no name here; "
+                         "give its folder with --backbone")
+    device = str(pick_device(args.device))
+    backbone = Backbone.load(args.backbone or own, device=device)
+    if args.precision != "fp32":
+        backbone = backbone.use_backend("torch", args.precision)
+    bridges = {}
+    if args.bridges:
+        bridges, _, refused = load_bridges_on(bridge_store(args.bridges), backbone, device)
+        for name, exc in refused.items():  # as the server logs them: a broken bridge is no silent absence
+            print(f"tmod-train eval: bridge {name} refused: {exc.message}", file=sys.stderr)
+    try:
+        module = load_module(store, args.task, args.version, backbone, device=device, bridges=bridges,
+                             probe=probe_module)
+    except ArtifactError as exc:
+        if exc.reason not in ("fingerprint_mismatch", "other_backbone"):
+            raise
+        which = (f"{args.task}/{manifest.version} runs on {manifest.backbone.name}, not on {backbone.name}"
+                 if args.version else f"no version of {args.task} runs on {backbone.name} (the latest, "
+                                      f"{manifest.version}, runs on {manifest.backbone.name})")
+        raise UsageError(f"{which}, "
+                         + (f"and no bridge in {args.bridges} leads there" if args.bridges else
+                            f"and no --bridges store was given to lead there; leave out --backbone to score it on its "
+                            f"own ({own or 'its folder'})")) from None
+    return backbone, module, bridges, named_for(module.manifest.backbone.name)
+
+
+def eval_baseline(data, module, metrics: dict) -> dict:
+    """The simplest answer on the same rows beside the module's score, also said on stderr: every row
+    given the file's own most frequent label (chosen on this file, so the best any constant answer
+    scores here: no head should need a backbone to beat it)."""
+    from modules_store import TaskType
+    from training.assess import too_few
+    from training.baselines import majority
+
+    task_type = module.manifest.task_type
+    gold = [ex.tags if task_type == TaskType.token_classification else ex.label for ex in data.examples]
+    constant = majority(gold, gold, multi_label=task_type == TaskType.multi_label_classification,
+                        labels=module.head.labels)
+    metric = module.manifest.metrics.get("metric") or next(k for k in ("f1", "accuracy", "f1_macro") if k in metrics)
+    answered = {TaskType.token_classification: "every word tagged with the file's most frequent tag",
+                TaskType.multi_label_classification: "every row answered with the file's most frequent label set"
+                }.get(task_type, "every row answered with the file's most frequent label")
+    baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
+                "margin": round(metrics[metric] - constant[metric], 6), "majority_in_file_is": f"{answered} (chosen on it)"}
+    caveat = too_few(len(gold))
+    if caveat:
+        baseline["too_few_rows"] = caveat
+    print(f"tmod-train eval: {metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} "
+          f"({baseline['margin']:+.4f})" + (f"; {caveat}" if caveat else ""), file=sys.stderr)
+    return baseline
+
+
+def training_run(manifest):
+    """(the settings of the tmod-train run that made the module, as its manifest records them; the
+    preset it trained on, or None)."""
+    from training.data.presets import PRESETS
+
+    trained = manifest.training.get("settings", {})
+    return trained, PRESETS.get(trained.get("dataset"))
+
+
+def columns_as_in_training(args: argparse.Namespace, manifest) -> None:
+    """The column options not given on the command line, as the module's training run read its files
+    (its manifest records them), so a new file of the same layout needs none; said on stderr."""
+    trained, _ = training_run(manifest)
+    if not trained.get("train"):  # trained on a preset, or not by tmod-train: nothing to go by
+        return
+    taken = []
+    for option in ("text_column", "pair_column", "label_column"):
+        if getattr(args, option) is None and trained.get(option) is not None:
+            setattr(args, option, trained[option])
+            taken.append(f"--{option.replace('_', '-')} {trained[option]}")
+    if args.header is None and trained.get("header") is False:
+        args.header = False
+        taken.append("--no-header")
+    if args.format is None and trained.get("format") and Path(args.file).suffix == Path(trained["train"]).suffix:
+        args.format = trained["format"]  # a layout its name does not say (a table named .txt), as in training
+        taken.append(f"--format {trained['format']}")
+    if taken:
+        print(f"tmod-train eval: {args.file}: read as {manifest.task}'s training run read its files: {' '.join(taken)}",
+              file=sys.stderr)
+
+
+def trained_on_pairs(manifest) -> bool:
+    """Whether the module was trained on a text with a text pair (pair pooling, a --pair-column, or a
+    pair preset such as RTE)."""
+    from server.modules import compares_pairs
+
+    trained, preset = training_run(manifest)
+    return compares_pairs(manifest) or trained.get("pair_column") is not None or \
+        (preset is not None and preset.pair_column is not None)
+
+
+def named_as_in_training(spec, data, manifest):
+    """A scored file's class ids (0, 1, ...) named as the module's training run named its own files':
+    by its --label-map (a preset's own, for a run on a preset), or by their place in its --labels (never
+    by the module's label order alone: that need not be the ids' order). Else the file as read."""
+    trained, preset = training_run(manifest)
+    label_map = trained.get("label_map") or (dict(preset.label_map) if preset else None)
+    seen = set(data.labels_seen())
+    if label_map and seen <= set(label_map):
+        spec = replace(spec, label_map=label_map)
+        named = spec.read()
+        how = (f"by the --label-map of {manifest.task}'s training run" if trained.get("label_map") else
+               f"as the {preset.name} preset that {manifest.task} was trained on names them")
+    elif trained.get("labels") and (named := data.named_by_position(trained["labels"])) is not data:
+        how = f"by their place in the --labels of {manifest.task}'s training run"
+    else:
+        return spec, data
+    print(f"tmod-train eval: {spec.path}: class ids named {how}", file=sys.stderr)
+    return spec, named
