@@ -12,6 +12,9 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
+
+from training.metrics import optimistic, rows_seen
 
 
 def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
@@ -35,7 +38,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from server.backbone import Backbone
     from server.engine import Engine
     from training.data.files import UsageError
-    from training.evaluate import file_role, score_module
+    from training.evaluate import score_module
     from training.states import Split
 
     # the user's mistakes first, before a backbone is loaded
@@ -99,7 +102,6 @@ def rows_learnt(manifest, data) -> str:
     from pydantic import ValidationError
 
     from training.data.files import UsageError
-    from training.metrics import rows_seen
     from training.settings import TrainSettings
     from training.splits import resolve_data, rows_also_in
 
@@ -349,3 +351,31 @@ def named_as_in_training(spec, data, manifest):
         return spec, data
     print(f"tmod-train eval: {spec.path}: class ids named {how}", file=sys.stderr)
     return spec, named
+
+
+def file_role(training_data: dict, sha256: str, validation_role: str, part: str | None, *,
+              held_out: Callable[[], str]) -> str:
+    """What a scored file was to the module's training run (its manifest's `training.data`, which
+    records each file's sha256): a score on rows the head learnt from says nothing about new text.
+    `validation_role`: what the validation split chose (the manifest's `metrics.role`); `part`: the
+    part of the file the run carved (--split) that is scored, not the whole file; `held_out`: what is
+    known of a file of none of the run's parts (called only for such a file: it may read the run's data)."""
+    if part is not None:  # `carved_part` checked that the run carved it from this file
+        return {"train": "training: the part of this file the run carved for training, so this score is not held out",
+                "validation": f"validation: the part of this file the run carved for validation; it {validation_role}"
+                              f"{optimistic(validation_role)}",
+                "test": "test: the part of this file the run carved for test, scored once at the end of training; it "
+                        "chose nothing"}[part]
+    if sha256 == training_data.get("train_sha256"):
+        if training_data.get("split"):
+            held_out = "test" if len(training_data["split"]["fractions"]) == 2 else "validation"
+            return ("training: the file the run carved its training, validation (and test) rows from; most rows "
+                    f"were trained on, so this score is not held out (--split {held_out} scores its {held_out} rows)")
+        return "training: the head was trained on this file, so this score is not held out"
+    if sha256 == training_data.get("validation_sha256"):
+        return f"validation: this file {validation_role}{optimistic(validation_role)}"
+    if sha256 == training_data.get("test_sha256"):
+        seen = rows_seen(training_data, "test", validation_role)
+        return "test: scored once at the end of training; it chose nothing" + (f"; not wholly unseen: {seen}"
+                                                                               if seen else "")
+    return f"not a file of the training run: {held_out()}"

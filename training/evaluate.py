@@ -15,7 +15,7 @@ from server.engine import Engine
 from server.heads.decode import word_tags
 from server.modules import LoadedModule
 from training.data.word_tags import word_first_tokens
-from training.metrics import classification_scores, entity_scores, multilabel_scores, optimistic, rows_seen
+from training.metrics import classification_scores, entity_scores, multilabel_scores
 from training.progress import progress_of
 from training.states import Split
 
@@ -106,31 +106,3 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     if thresholds is None:
         thresholds = [module.manifest.decoding["thresholds"][label] for label in split.labels]
     return score(split, predicted, thresholds)
-
-
-def file_role(training_data: dict, sha256: str, validation_role: str, part: str | None, *,
-              held_out: Callable[[], str]) -> str:
-    """What a scored file was to the module's training run (its manifest's `training.data`, which
-    records each file's sha256): a score on rows the head learnt from says nothing about new text.
-    `validation_role`: what the validation split chose (the manifest's `metrics.role`); `part`: the
-    part of the file the run carved (--split) that is scored, not the whole file; `held_out`: what is
-    known of a file of none of the run's parts (called only for such a file: it may read the run's data)."""
-    if part is not None:  # `carved_part` checked that the run carved it from this file
-        return {"train": "training: the part of this file the run carved for training, so this score is not held out",
-                "validation": f"validation: the part of this file the run carved for validation; it {validation_role}"
-                              f"{optimistic(validation_role)}",
-                "test": "test: the part of this file the run carved for test, scored once at the end of training; it "
-                        "chose nothing"}[part]
-    if sha256 == training_data.get("train_sha256"):
-        if training_data.get("split"):
-            held_out = "test" if len(training_data["split"]["fractions"]) == 2 else "validation"
-            return ("training: the file the run carved its training, validation (and test) rows from; most rows "
-                    f"were trained on, so this score is not held out (--split {held_out} scores its {held_out} rows)")
-        return "training: the head was trained on this file, so this score is not held out"
-    if sha256 == training_data.get("validation_sha256"):
-        return f"validation: this file {validation_role}{optimistic(validation_role)}"
-    if sha256 == training_data.get("test_sha256"):
-        seen = rows_seen(training_data, "test", validation_role)
-        return "test: scored once at the end of training; it chose nothing" + (f"; not wholly unseen: {seen}"
-                                                                               if seen else "")
-    return f"not a file of the training run: {held_out()}"
