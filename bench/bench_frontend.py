@@ -91,7 +91,10 @@ TASKS = ["sentiment", "ner", "acceptability"]
 def install_standin(pass_s: float) -> None:
     """Replace the serving path's device pass (`ModelRunner._pass`) with a fixed sleep returning
     correctly shaped host logits (`standin_logits`)."""
-    from server.runner.model_runner import ModelRunner
+    try:
+        from server.runner.model_runner import ModelRunner
+    except ImportError:  # a --before checkout from before server/runner/ became a package (2026-11-30)
+        from server.runner import ModelRunner
 
     def standin_pass(self, item, rows, modules, timings):
         start = time.perf_counter()
@@ -155,7 +158,10 @@ def serve(argv: list[str]) -> None:
     install_standin(float(os.environ.get("BENCH_PASS_MS", "1")) / 1000)
     stack = os.environ.get("BENCH_UVICORN")  # "h11,asyncio": the pure-Python HTTP parser and event loop
     if stack and stack.startswith("h11"):  # httptools + uvloop is what tmod-serve runs (with its own limits)
-        from server.api import http_limits
+        try:
+            from server.api import http_limits
+        except ImportError:  # a --before checkout from before server/api/ (2026-11-30)
+            from server import http_limits
 
         made, (http, loop) = http_limits.uvicorn_config, stack.split(",")
 
