@@ -12,6 +12,8 @@ from contextvars import ContextVar
 
 request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
 _VALID_ID = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
+# W3C Trace Context: version-traceid-parentid-flags (a later version may add fields after them)
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}(?:-.*)?$")
 # a record's attributes that are not extra fields: the standard ones, and uvicorn's `color_message`
 # (its message with terminal colour codes, for a console, not a JSON line)
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}
@@ -86,13 +88,18 @@ def _clipped(query: bytes, limit: int = 1024) -> str:
 
 
 def request_id_for(headers) -> str:
-    """The client's `x-request-id` if sane, else a fresh one."""
+    """The client's `x-request-id` if sane; else the trace id of a valid W3C `traceparent`, so a request's
+    log lines carry the id of the trace it belongs to; else a fresh one."""
+    traced = None
     for name, value in headers:
         if name == b"x-request-id":
             given = value.decode("latin-1")
             if _VALID_ID.match(given):
                 return given
-            break
+        elif name == b"traceparent" and traced is None:
+            traced = _TRACEPARENT.match(value.decode("latin-1"))
+    if traced and traced[1] != "ff" and traced[2] != "0" * 32:  # version ff and an all-zero trace id are invalid
+        return traced[2]
     return os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID object
 
 

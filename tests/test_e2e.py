@@ -52,6 +52,10 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
     url, process = served
     response = httpx.post(url + "/v1/infer", json={"inputs": ["traced"]}, headers={"x-request-id": "trace-123"})
     assert response.headers["x-request-id"] == "trace-123"
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"  # a W3C traceparent's trace id, where no x-request-id is given
+    traced = httpx.post(url + "/v1/infer", json={"inputs": ["traced"]},
+                        headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"})
+    assert traced.status_code == 200 and traced.headers["x-request-id"] == trace
     long_inputs = [" ".join(["The European Commission said on Thursday it disagreed."] * 12)] * 4
 
     def slow_request():
@@ -77,6 +81,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
     records = [json.loads(line) for line in lines if line.strip()]  # each line one JSON object, no progress bar
     access = [r for r in records if r["logger"] == "tmod.access"]
     assert any(r["request_id"] == "trace-123" and r["path"] == "/v1/infer" and r["status"] == 200 for r in access)
+    assert any(r["request_id"] == trace and r["path"] == "/v1/infer" and r["status"] == 200 for r in access)
     assert all(len(r["request_id"]) >= 8 for r in access)
 
 

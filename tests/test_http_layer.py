@@ -113,6 +113,23 @@ def test_a_head_trickled_past_the_limit_is_refused_before_it_ends(port):
     assert received.startswith(b"HTTP/1.1 400 "), received[:200]
 
 
+def test_a_request_id_is_the_clients_else_its_trace_id_else_new():
+    """A request's id (its log lines' `request_id`, the answer's `x-request-id`): the client's x-request-id
+    if sane, else the trace id of a W3C traceparent (log lines join the trace), else a fresh one."""
+    from server.logs import request_id_for
+
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = f"00-{trace}-00f067aa0ba902b7-01"
+    assert request_id_for([(b"traceparent", parent.encode())]) == trace
+    assert request_id_for([(b"traceparent", parent.encode()), (b"x-request-id", b"mine-1")]) == "mine-1"
+    assert request_id_for([(b"x-request-id", b"<bad>"), (b"traceparent", parent.encode())]) == trace
+    assert request_id_for([(b"traceparent", f"01-{trace}-00f067aa0ba902b7-01-later".encode())]) == trace
+    for invalid in (f"ff-{trace}-00f067aa0ba902b7-01", f"00-{'0' * 32}-00f067aa0ba902b7-01",
+                    f"00-{trace.upper()}-00f067aa0ba902b7-01", f"00-{trace}-01", "garbage"):
+        fresh = request_id_for([(b"traceparent", invalid.encode())])
+        assert fresh != trace and len(fresh) == 32 and fresh != request_id_for([(b"traceparent", invalid.encode())])
+
+
 def test_the_access_log_samples_at_high_rates(monkeypatch, caplog):
     now = [1000.0]
     monkeypatch.setattr("server.logs.time.monotonic", lambda: now[0])
