@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from training.baselines import majority, tfidf_logreg, window_tagger, window_tags
+from training.baselines import (majority, tfidf_logreg, tfidf_logreg_scores, window_tagger, window_tagger_scores,
+                                window_tags)
 from training.data.files import default_data_dir
 from training.data.presets import PRESETS, preset_spec
 from training.metrics import classification_scores, optimistic, validation_role
@@ -56,6 +57,22 @@ def test_tfidf_logreg_multi_label():
                           multi_label=True, labels=labels)
     assert set(linear["per_label"]) == set(labels)
     assert linear["f1_macro"] > base["f1_macro"] + 0.05  # majority answers "neutral" only
+
+
+def test_one_fit_scores_each_split_as_a_fit_for_it_alone():
+    """A run with a test split fits the linear baseline once and scores its test and validation rows
+    (`*_scores`): each split's scores are those of the one-split function."""
+    train, evaluation, labels = _splits("goemotions", 600, 200)
+    texts, gold = [e.text for e in evaluation], [e.label for e in evaluation]
+    sets = [(texts[:120], gold[:120]), (texts[120:], gold[120:])]
+    both = tfidf_logreg_scores([e.text for e in train], [e.label for e in train], sets, multi_label=True, labels=labels)
+    assert both == [tfidf_logreg([e.text for e in train], [e.label for e in train], *split, multi_label=True,
+                                 labels=labels) for split in sets]
+    train, evaluation, _ = _splits("conll2003", 400, 120)
+    words, tags = [e.words for e in train], [e.tags for e in train]
+    sets = [([e.words for e in evaluation[:70]], [e.tags for e in evaluation[:70]]),
+            ([e.words for e in evaluation[70:]], [e.tags for e in evaluation[70:]])]
+    assert window_tagger_scores(words, tags, sets) == [window_tagger(words, tags, *split) for split in sets]
 
 
 def test_window_tagger_on_conll_agrees_with_seqeval():
