@@ -285,10 +285,16 @@ def refusals_carry_the_grpc_status_and_the_message_http_gives(server):
         with pytest.raises(grpc.RpcError) as caught:
             infer(request, metadata=list(AUTH.items()))
         assert "BYTES element overruns the body" in caught.value.details()
+        # each call's request id, as HTTP's x-request-id: the client's, else its traceparent's trace id
+        trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(request, metadata=[*AUTH.items(), ("traceparent", f"00-{trace}-00f067aa0ba902b7-01")])
+        assert dict(caught.value.trailing_metadata())["x-request-id"] == trace
         typed = triton_grpc.service_pb2.ModelInferRequest(model_name="sentiment")  # texts as bytes_contents
         typed.inputs.add(name="text", datatype="BYTES", shape=[3]).contents.bytes_contents.extend(
             [t.encode() for t in TEXTS])
-        answer = infer(typed, metadata=list(AUTH.items()))
+        answer, call = infer.with_call(typed, metadata=[*AUTH.items(), ("x-request-id", "grpc-call-1")])
+        assert dict(call.trailing_metadata())["x-request-id"] == "grpc-call-1"
         label = [o.name for o in answer.outputs].index("label")
         assert triton_grpc.deserialize_bytes_tensor(answer.raw_output_contents[label]).tolist() == \
             [v.encode() for v in over_http(server, "sentiment", {"text": TEXTS})["label"]]

@@ -38,6 +38,7 @@ from server.api.admin import repository_index
 from server.api.oip_v2_descriptor import FILE
 from server.api.serving import Serving
 from server.errors import ApiError, count_error
+from server.logs import request_id, request_id_for
 
 log = logging.getLogger("tmod")
 
@@ -133,10 +134,13 @@ def service(app, serving: Serving, oip_answer, authorized):
         parse = message(request_type).FromString
 
         async def handle(body: bytes, context):
+            metadata = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in context.invocation_metadata()
+                        if isinstance(v, str)]
+            rid = request_id_for(metadata)  # as HTTP's: the client's x-request-id, else its traceparent's trace id
+            request_id.set(rid)  # this call's own context: its log lines carry it
+            context.set_trailing_metadata((("x-request-id", rid),))
             try:
-                if name not in OPEN_RPCS and not authorized([(k.encode("latin-1"), v.encode("latin-1"))
-                                                              for k, v in context.invocation_metadata()
-                                                              if isinstance(v, str)]):
+                if name not in OPEN_RPCS and not authorized(metadata):
                     raise ApiError(401, "unauthorized", "this server needs metadata 'authorization: Bearer <API key>'")
                 try:  # here, not by gRPC: its own refusal of a malformed message is UNKNOWN, and logged as an error
                     request = parse(body)
