@@ -241,7 +241,10 @@ def test_eval_split_scores_the_part_the_run_carved_from_the_file(sentiment_run, 
                  "--text-column", "sentence", "--backbone", str(train_backbone_dir), "--task", "s", "--epochs", "2",
                  "--store", str(store), "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
     manifest = ModuleStore(store).read_manifest("s")
-    capsys.readouterr()
+    summary = json.loads(capsys.readouterr().out)  # each split's number beside the baselines on its own rows
+    assert summary["baselines"]["split"] == "test" and summary["validation_baselines"]["split"] == "validation"
+    assert summary["validation_baselines"]["tfidf_logreg"] == manifest.metrics["validation_baselines"]["tfidf_logreg"][
+        "accuracy"]
     scored = {}
     for part in ("test", "validation"):
         assert main(["eval", "--store", str(store), "--task", "s", "--file", str(train_file), "--split", part,

@@ -418,13 +418,17 @@ def cmd_train(args: argparse.Namespace, command: str) -> int:
     def headline(metrics: dict) -> dict:
         return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
 
-    baselines = result.metrics["baselines"]
+    def scores(baselines: dict) -> dict:  # each baseline's score on the compared metric (or why it has none)
+        return {k: (v.get(baselines["metric"], v.get("error")) if isinstance(v, dict) else v)
+                for k, v in baselines.items()}
+
     summary = {"task": result.task, "version": result.version, "artifact": str(result.artifact),
                "report": str(result.report_dir), "validation": headline(result.metrics)}
+    if "validation_baselines" in result.metrics:  # with a test split: the validation rows' own baselines
+        summary["validation_baselines"] = scores(result.metrics["validation_baselines"])
     if "test" in result.metrics:
         summary["test"] = headline(result.metrics["test"])
-    summary["baselines"] = {k: (v.get(baselines["metric"], v.get("error")) if isinstance(v, dict) else v)
-                            for k, v in baselines.items()}
+    summary["baselines"] = scores(result.metrics["baselines"])
     summary["loaded_into" if result.loaded_into else "serve"] = result.loaded_into or result.serve
     summary["query"] = result.request
     print(json.dumps(summary, indent=2))
