@@ -83,8 +83,8 @@ def baseline_runs(train: LabelledData, evaluated: list[LabelledData], labels: li
     """For each of `evaluated`: the majority answer and the linear model (window tagger for token
     tasks), trained on `train` and scored on it, each as the metrics dict `training/baselines.py`
     returns. The linear model is fitted once for every split scored (the test and validation rows of
-    a run with a test split). One these rows cannot fit (or that fails otherwise) is `{"baseline",
-    "error"}`: the head it is measured for is kept, not lost to a traceback after its training."""
+    a run with a test split). A linear model these rows cannot fit (or that fails otherwise) is
+    `{"baseline", "error"}`: the head it is measured for is kept, not lost to a traceback after its training."""
     kind = train.task_type
     if kind == TaskType.token_classification:
         train_x, train_y = [ex.words for ex in train.examples], [ex.tags for ex in train.examples]
