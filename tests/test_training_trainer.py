@@ -243,6 +243,7 @@ def test_eval_split_scores_the_part_the_run_carved_from_the_file(sentiment_run, 
     manifest = ModuleStore(store).read_manifest("s")
     summary = json.loads(capsys.readouterr().out)  # each split's number beside the baselines on its own rows
     assert summary["baselines"]["split"] == "test" and summary["validation_baselines"]["split"] == "validation"
+    assert "verdict" not in summary["validation_baselines"]  # the test split's is the verdict
     assert summary["validation_baselines"]["tfidf_logreg"] == manifest.metrics["validation_baselines"]["tfidf_logreg"][
         "accuracy"]
     scored = {}

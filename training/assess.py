@@ -28,7 +28,8 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
     baselines = against_baselines(runs[0], head, metric, kind)
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
     if validation:
-        out["validation_baselines"] = against_baselines(runs[1], validation[1], metric, kind)
+        # no verdict of their own: the verdict is the test split's (one that told to add a test split misled)
+        out["validation_baselines"] = against_baselines(runs[1], validation[1], metric, kind, with_verdict=False)
     if kind == TaskType.sequence_classification:
         probs = np.stack(probabilities)
         pred = [labels[i] for i in probs.argmax(1)]
@@ -108,9 +109,10 @@ def baseline_runs(train: LabelledData, evaluated: list[LabelledData], labels: li
     return [[base, run] for base, run in zip(bases, linear)]
 
 
-def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType) -> dict:
+def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType, with_verdict: bool = True) -> dict:
     """What a manifest's `metrics.baselines` holds: the split and metric compared, the head's score,
-    each baseline's metrics and the head's margin over it, and the verdict line. `head`: the head's
+    each baseline's metrics and the head's margin over it, and the verdict line (not `with_verdict`:
+    the validation rows' baselines beside a test split, which has the verdict). `head`: the head's
     metrics on that split (its `split`, and on validation its `role`: what that split chose)."""
     baselines = {"split": head["split"], "metric": metric, "head": head[metric]}
     for said in ("role", "rows_seen"):
@@ -121,7 +123,8 @@ def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType)
         if metric in run:  # not where it could not be trained (`baseline_runs`)
             # a difference of two scores, rounded: 0.07, not the float sum's 0.07000000000000006
             baselines[f"margin_over_{run['baseline']}"] = round(head[metric] - run[metric], 6)
-    baselines["verdict"] = verdict(baselines, kind)
+    if with_verdict:
+        baselines["verdict"] = verdict(baselines, kind)
     return baselines
 
 
