@@ -1210,3 +1210,59 @@ def test_eval_output_that_cannot_be_written_is_refused_before_scoring(sentiment_
         assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
                      "--output", str(output)]) == 2
         assert capsys.readouterr().err.startswith(f"tmod-train eval: error: {said}")
+
+
+def write_imbalanced(path, positive, negative, seed):
+    """A sentiment TSV of `positive` rows labelled pos and `negative` labelled neg, shuffled."""
+    rng = random.Random(seed)
+    rows = [(" ".join(rng.sample(FILLER, 4) + [rng.choice(words)]), label)
+            for words, label, n in ((POSITIVE, "pos", positive), (NEGATIVE, "neg", negative)) for _ in range(n)]
+    rng.shuffle(rows)
+    path.write_text("sentence\tlabel\n" + "".join(f"{text}\t{label}\n" for text, label in rows))
+    return path
+
+
+def test_imbalanced_labels_are_said_and_class_weights_balance_the_loss(tmp_path, train_backbone_dir, capsys,
+                                                                        monkeypatch):
+    """A 90/10 file chose its epoch on accuracy without a word, which a head mostly answering the frequent
+    label wins; now that is said with the remedies, and --class-weights balanced weighs each class's
+    loss by the inverse of its share (scikit-learn's 'balanced'), in training and validation alike."""
+    from training import trainer
+
+    train_file = write_imbalanced(tmp_path / "train.tsv", 45, 5, 0)
+    validation_file = write_imbalanced(tmp_path / "validation.tsv", 18, 2, 1)
+    argv = ["layermix", "--train", str(train_file), "--validation", str(validation_file), "--task", "s",
+            "--backbone", str(train_backbone_dir), "--epochs", "1", "--no-progress"]
+    assert main([*argv, "--run-dir", str(tmp_path / "plain")]) == 0
+    said = ("the labels are imbalanced ('pos' holds 45 of the 50 training rows, 90%; 'neg' 5): accuracy, which "
+            "chooses the epoch, rewards answering the frequent label; --metric mcc (or f1_macro) chooses it on every "
+            "class, and --class-weights balanced trains on every class alike")
+    assert f"{train_file}: {said}" in capsys.readouterr().err
+    assert main([*argv, "--run-dir", str(tmp_path / "mcc"), "--metric", "mcc"]) == 0
+    assert "the labels are imbalanced" not in capsys.readouterr().err  # a metric chosen: its choice
+    losses = []
+    task_loss = trainer.task_loss
+    monkeypatch.setattr(trainer, "task_loss", lambda logits, targets, weights=None: losses.append(weights) or
+                        task_loss(logits, targets, weights))
+    assert main([*argv, "--run-dir", str(tmp_path / "balanced"), "--class-weights", "balanced"]) == 0
+    assert "the labels are imbalanced" not in capsys.readouterr().err
+    labels = ModuleStore(tmp_path / "balanced" / "store").read_manifest("s").labels
+    expected = {"pos": 50 / (2 * 45), "neg": 50 / (2 * 5)}
+    assert losses and all(w is not None and w.tolist() == pytest.approx([expected[label] for label in labels])
+                          for w in losses)
+    assert "- trained with balanced class weights" in (tmp_path / "balanced" / "report" / "report.md").read_text()
+    conll = write_conll(tmp_path / "ner.txt", 20, 0)
+    assert main(["layermix", "--train", str(conll), "--split", "0.25", "--task", "n", "--class-weights", "balanced",
+                 "--backbone", str(train_backbone_dir), "--run-dir", str(tmp_path / "ner")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "tmod-train layermix: error: --class-weights balanced: only single-label sequence tasks (multi-label tasks "
+        "choose each label's threshold on validation; token tasks are scored on their entities)")
+
+
+def test_class_weights_count_the_training_rows_of_each_class():
+    from training.trainer import class_weights
+
+    split = type("S", (), {"label_ids": [0] * 9 + [2] * 3, "labels": ["a", "b", "c"]})()
+    weights = class_weights(split, TrainSettings(class_weights="balanced"), "cpu")
+    assert weights.tolist() == pytest.approx([12 / (2 * 9), 1.0, 12 / (2 * 3)])  # b: no row, weight 1
+    assert class_weights(split, TrainSettings(), "cpu") is None

@@ -144,6 +144,11 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--min-lr", type=float, default=S)
     g.add_argument("--grad-clip", type=float, default=S, help="max gradient norm (0: off)")
     g.add_argument("--metric", default=S, help="validation metric to select on (default: per dataset/task)")
+    g.add_argument("--class-weights", choices=["none", "balanced"], default=S,
+                   help="single-label sequence tasks: balanced weighs each class's loss by the inverse of its "
+                        "share of the training rows, so a rare class counts as much as a frequent one (its "
+                        "scores then lean toward rare classes); pair it with --metric mcc or f1_macro "
+                        "(default: none)")
     g.add_argument("--seed", type=int, default=S)
     g.add_argument("--states", choices=["cache", "recompute"], default=S,
                    help="cache backbone states once in fp16 (in memory: word pieces x states x hidden size x 2 "

@@ -120,6 +120,9 @@ def report_text(result) -> str:
     if data.get("train_texts_labelled_two_ways"):
         lines.append("- training texts labelled more than one way (the same text, different labels): "
                      f"{data['train_texts_labelled_two_ways']}")
+    if (result.training.get("settings") or {}).get("class_weights") == "balanced":
+        lines.append("- trained with balanced class weights (--class-weights balanced): a rare class's rows weigh as "
+                     "much as a frequent one's, so the head's scores lean toward rare classes")
     if seen := rows_seen(data, "validation"):  # the test number's are said on its line
         lines.append(f"- the validation split is not wholly unseen: {seen}")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")

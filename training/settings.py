@@ -218,6 +218,10 @@ class TrainSettings(BaseModel):
     min_lr: float = Field(1e-6, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 turns clipping off")
     metric: str | None = Field(None, description="validation metric to select on (default per task)")
+    class_weights: Literal["none", "balanced"] = Field(
+        "none", description="single-label sequence tasks: balanced weighs each class's loss by the inverse of its "
+        "share of the training rows (scikit-learn's class_weight='balanced'), so a rare class counts as much as "
+        "a frequent one; the head's scores then lean toward rare classes")
     seed: int = 0
     states: Literal["cache", "recompute"] = Field(
         "cache", description="cache backbone states once (fp16) or recompute them every epoch")

@@ -144,8 +144,8 @@ def resolve_data(s: TrainSettings) -> Splits:
 
 
 def check_options(s: TrainSettings, train: LabelledData, labels: list[str], preset_metric: str | None) -> str:
-    """The options that depend on the training data (the selection metric, --none-below,
-    --distill-from) or on an optional package (lora-mtb's peft) -> the selection metric."""
+    """The options that depend on the training data (the selection metric, --class-weights,
+    --none-below, --distill-from) or on an optional package (lora-mtb's peft) -> the selection metric."""
     task_type = train.task_type
     metric = s.metric or preset_metric or TASK_DEFAULTS[task_type]["metric"]
     if not (s.metric or preset_metric) and task_type == TaskType.token_classification and not entity_tags(train):
@@ -156,6 +156,12 @@ def check_options(s: TrainSettings, train: LabelledData, labels: list[str], pres
                                             and len(labels) != 2):
         raise UsageError(f"--metric {metric!r} is not available for {task_type.value} with {len(labels)} labels; "
                          f"choose from {METRICS[task_type]}")
+    if s.class_weights != "none" and task_type != TaskType.sequence_classification:
+        raise UsageError(f"--class-weights {s.class_weights}: only single-label sequence tasks (multi-label tasks choose "
+                         "each label's threshold on validation; token tasks are scored on their entities)")
+    if task_type == TaskType.sequence_classification and metric == "accuracy" and not s.metric \
+            and s.class_weights == "none":  # accuracy by default, not chosen
+        say_imbalance(train)
     if s.none_below is not None and task_type != TaskType.sequence_classification:
         raise UsageError("--none-below: only single-label classifiers answer 'none of these' "
                          "(multi-label tasks have per-label thresholds)")
@@ -276,6 +282,23 @@ def say_labels_differing_in_case(train: LabelledData) -> None:
            if len(merge) <= 12 else "a --label-map naming each label merges them")
     print(f"{train.source}: labels {shown} differ only in case: they are learnt as different labels; {fix}",
           file=sys.stderr)
+
+
+IMBALANCED = 4  # the most frequent training label this many times the rarest: accuracy mostly counts the first
+
+
+def say_imbalance(train: LabelledData) -> None:
+    """Labels far apart in number, with the epoch chosen on accuracy: a head that mostly answers the
+    frequent label scores well there (90% on a 90/10 file), so say which metric and which weighting
+    judge and train every class; not refused, accuracy may be what the task wants."""
+    counts = Counter(ex.label for ex in train.examples).most_common()
+    (most, most_rows), (rarest, rarest_rows) = counts[0], counts[-1]
+    if len(counts) < 2 or most_rows < IMBALANCED * rarest_rows:
+        return
+    print(f"{train.source}: the labels are imbalanced ({most!r} holds {most_rows:,} of the {len(train):,} training rows, "
+          f"{100 * most_rows / len(train):.0f}%; {rarest!r} {rarest_rows:,}): accuracy, which chooses the epoch, rewards "
+          "answering the frequent label; --metric mcc (or f1_macro) chooses it on every class, and --class-weights "
+          "balanced trains on every class alike", file=sys.stderr)
 
 
 def check_labels(data: LabelledData, given: list[str] | None, labels: list[str], train: LabelledData) -> None:

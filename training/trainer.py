@@ -123,13 +123,25 @@ def layer_distribution(head: Head) -> dict[int, float]:
     return {index: 1.0 for index in head.layers_read()}
 
 
-def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over one label (class ids), or binary cross-entropy per label (multi-hot
-    float targets: multi-label tasks, one sigmoid each)."""
+def task_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy over one label (class ids; `weights`: one per class, `class_weights`), or binary
+    cross-entropy per label (multi-hot float targets: multi-label tasks, one sigmoid each)."""
     if targets.is_floating_point():
         return F.binary_cross_entropy_with_logits(logits.float(), targets)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), weight=weights,
                            ignore_index=IGNORE_INDEX)
+
+
+def class_weights(split: Split, s: TrainSettings, device) -> torch.Tensor | None:
+    """--class-weights balanced: each class's loss weighed by rows / (classes * its rows), over the
+    classes the training rows hold (scikit-learn's 'balanced'); a class no row holds keeps 1. None: unweighed."""
+    if s.class_weights == "none":
+        return None
+    counts = np.bincount(split.label_ids, minlength=len(split.labels))
+    present = counts > 0
+    weights = np.ones(len(split.labels))
+    weights[present] = counts.sum() / (present.sum() * counts[present])
+    return torch.tensor(weights, dtype=torch.float32, device=device)
 
 
 def layer_entropy(head: LayerMixHead) -> torch.Tensor:
@@ -234,9 +246,9 @@ def say_unknown_pieces(split: Split, backbone: Backbone, provenance: dict) -> No
 
 # ---- the loop --------------------------------------------------------------------------------
 def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: random.Random, device, amp: bool,
-              desc: str, teacher: DistillTargets | None = None) -> float:
+              desc: str, teacher: DistillTargets | None = None, weights: torch.Tensor | None = None) -> float:
     """One pass over the training rows; the mean of the loss trained on (with a teacher: the mix of
-    cross-entropy and KL, training/distill.py)."""
+    cross-entropy and KL, training/distill.py; `weights`: per class, `class_weights`)."""
     head.train()
     total, count = 0.0, 0
     lam = (s.lambda_entropy or 0.0) if isinstance(head, LayerMixHead) else 0.0
@@ -246,7 +258,7 @@ def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: rand
         targets = split.targets(rows, batch.seq_len).to(device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = head_forward(head, batch, source.states(rows, batch))
-        loss = task_loss(logits, targets)
+        loss = task_loss(logits, targets, weights)
         if teacher is not None:
             loss = teacher.loss(loss, logits, rows)
         objective = loss + lam * layer_entropy(head) if lam else loss
@@ -262,8 +274,10 @@ def run_epoch(head, split: Split, source, optimizer, s: TrainSettings, rng: rand
 
 
 @torch.no_grad()
-def validate(head, split: Split, source, s: TrainSettings, device, amp: bool) -> tuple[float, dict]:
-    """Validation loss and metrics from the same states source used in training."""
+def validate(head, split: Split, source, s: TrainSettings, device, amp: bool,
+             weights: torch.Tensor | None = None) -> tuple[float, dict]:
+    """Validation loss (weighed per class as training's, `weights`) and metrics from the same states
+    source used in training."""
     head.eval()
     predicted: list = [None] * len(split)
     total, count = 0.0, 0
@@ -271,7 +285,7 @@ def validate(head, split: Split, source, s: TrainSettings, device, amp: bool) ->
         batch = split.token_batch(rows).to(device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = head_forward(head, batch, source.states(rows, batch))
-        total += task_loss(logits, split.targets(rows, batch.seq_len).to(device)).item() * len(rows)
+        total += task_loss(logits, split.targets(rows, batch.seq_len).to(device), weights).item() * len(rows)
         count += len(rows)
         for r, p in zip(rows, predictions(split, rows, logits.float())):
             predicted[r] = p
@@ -361,6 +375,7 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
     scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
         optimizer, mode="max", factor=s.lr_factor, patience=s.lr_patience, min_lr=s.min_lr)
     rng = random.Random(s.seed)
+    weights = class_weights(train_split, s, device)
     history, best, best_loss, best_epoch, stale = [], -math.inf, math.inf, 0, 0
     best_state = copy.deepcopy(keep())
     started = time.perf_counter()
@@ -371,10 +386,10 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
         t0 = time.perf_counter()
         try:
             train_loss = run_epoch(model, train_split, train_source, optimizer, s, rng, device, amp,
-                                   desc=f"epoch {epoch}/{s.epochs}", teacher=teacher)
+                                   desc=f"epoch {epoch}/{s.epochs}", teacher=teacher, weights=weights)
             train_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
-            val_loss, val_metrics = validate(model, val_split, val_source, s, device, amp)
+            val_loss, val_metrics = validate(model, val_split, val_source, s, device, amp, weights)
         except KeyboardInterrupt:  # Ctrl-C on a long run: the best epoch so far is a result, not lost
             if not history or s.select != "best":  # nothing kept yet, or a fixed epoch count not reached
                 raise
