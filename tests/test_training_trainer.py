@@ -1240,11 +1240,16 @@ def test_imbalanced_labels_are_said_and_class_weights_balance_the_loss(tmp_path,
     assert f"{train_file}: {said}" in capsys.readouterr().err
     assert main([*argv, "--run-dir", str(tmp_path / "mcc"), "--metric", "mcc"]) == 0
     assert "the labels are imbalanced" not in capsys.readouterr().err  # a metric chosen: its choice
-    losses = []
+    losses, learners = [], []
     task_loss = trainer.task_loss
     monkeypatch.setattr(trainer, "task_loss", lambda logits, targets, weights=None: losses.append(weights) or
                         task_loss(logits, targets, weights))
+    from training import baselines
+    fit_on_tfidf = baselines.fit_on_tfidf
+    monkeypatch.setattr(baselines, "fit_on_tfidf", lambda learner, *args: learners.append(learner) or
+                        fit_on_tfidf(learner, *args))
     assert main([*argv, "--run-dir", str(tmp_path / "balanced"), "--class-weights", "balanced"]) == 0
+    assert [learner.class_weight for learner in learners] == ["balanced"]  # the linear baseline weighed alike
     assert "the labels are imbalanced" not in capsys.readouterr().err
     labels = ModuleStore(tmp_path / "balanced" / "store").read_manifest("s").labels
     expected = {"pos": 50 / (2 * 45), "neg": 50 / (2 * 5)}

@@ -16,15 +16,17 @@ WORST = 10  # confidently wrong examples listed
 
 
 def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dict, metric: str, seed: int = 0,
-           cache=None, validation: tuple[LabelledData, dict] | None = None) -> dict:
+           cache=None, validation: tuple[LabelledData, dict] | None = None, balanced: bool = False) -> dict:
     """`head`: the head's metrics on `evaluated` (with its `split` name); `probabilities`: its label
     probabilities per row (sequence tasks); `cache`: a folder keeping the linear baseline's result for
     a later run on the same data (`baselines.cached_run`); `validation`: where `evaluated` is the test
     split, the validation rows and the head's metrics on them, which get the baselines too (from the
-    same fit) as `validation_baselines`."""
+    same fit) as `validation_baselines`; `balanced`: the head was trained with --class-weights balanced, and
+    the linear model is too."""
     examples, labels = evaluated.data.examples, evaluated.labels
     kind = evaluated.data.task_type
-    runs = baseline_runs(train, [evaluated.data, *([validation[0]] if validation else [])], labels, seed, cache)
+    runs = baseline_runs(train, [evaluated.data, *([validation[0]] if validation else [])], labels, seed, cache,
+                         balanced)
     baselines = against_baselines(runs[0], head, metric, kind)
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
     if validation:
@@ -80,12 +82,13 @@ def worst_sentences(examples: list, predicted: list[list[str]], by_word: bool = 
 
 
 def baseline_runs(train: LabelledData, evaluated: list[LabelledData], labels: list[str], seed: int = 0,
-                  cache=None) -> list[list[dict]]:
+                  cache=None, balanced: bool = False) -> list[list[dict]]:
     """For each of `evaluated`: the majority answer and the linear model (window tagger for token
     tasks), trained on `train` and scored on it, each as the metrics dict `training/baselines.py`
     returns. The linear model is fitted once for every split scored (the test and validation rows of
-    a run with a test split). A linear model these rows cannot fit (or that fails otherwise) is
-    `{"baseline", "error"}`: the head it is measured for is kept, not lost to a traceback after its training."""
+    a run with a test split), its classes weighed where the head's were (`balanced`). A linear model
+    these rows cannot fit (or that fails otherwise) is `{"baseline", "error"}`: the head it is measured
+    for is kept, not lost to a traceback after its training."""
     kind = train.task_type
     if kind == TaskType.token_classification:
         train_x, train_y = [ex.words for ex in train.examples], [ex.tags for ex in train.examples]
@@ -99,9 +102,9 @@ def baseline_runs(train: LabelledData, evaluated: list[LabelledData], labels: li
         sets = [([_text(ex) for ex in d.examples], [ex.label for ex in d.examples]) for d in evaluated]
         bases = [majority(train_y, gold, multi_label=multi, labels=labels) for _, gold in sets]
         key = {"baseline": "tfidf_logreg", "seed": seed, "multi_label": multi, "labels": labels,
-               "train": [train_x, train_y], "evaluate": sets}
+               "train": [train_x, train_y], "evaluate": sets, **({"balanced": True} if balanced else {})}
         fit = lambda: tfidf_logreg_scores(train_x, train_y, sets, multi_label=multi, seed=seed,  # noqa: E731
-                                          labels=labels)
+                                          labels=labels, balanced=balanced)
     try:
         linear = cached_run(cache, key, fit)
     except Exception as exc:  # noqa: BLE001 - scikit-learn refusing the rows, memory a big file outgrows: recorded

@@ -77,18 +77,20 @@ def tfidf_logreg(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequ
 
 
 def tfidf_logreg_scores(train_texts: Sequence, train_labels: Sequence, evaluations: Sequence[tuple[Sequence, Sequence]],
-                        multi_label: bool = False, seed: int = 0, labels: Sequence[str] | None = None) -> list[dict]:
+                        multi_label: bool = False, seed: int = 0, labels: Sequence[str] | None = None,
+                        balanced: bool = False) -> list[dict]:
     """`tfidf_logreg` fitted once and scored on each (texts, labels) of `evaluations`: a run with a
-    test split scores its validation and test rows with one fit."""
+    test split scores its validation and test rows with one fit. `balanced`: classes weighed as a head
+    trained with --class-weights balanced (single-label)."""
     predicted = tfidf_logreg_predictions(train_texts, train_labels, [t for texts, _ in evaluations for t in texts], seed,
-                                         multi_label)
+                                         multi_label, balanced)
     score = _multi_label_scores if multi_label else _sequence_scores
     return [{"baseline": "tfidf_logreg", **score(train_labels, eval_labels, answers, labels)}
             for (_, eval_labels), answers in zip(evaluations, _parts(predicted, evaluations))]
 
 
 def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence,
-                             seed: int = 0, multi_label: bool = False) -> list:
+                             seed: int = 0, multi_label: bool = False, balanced: bool = False) -> list:
     """The linear baseline's answer for each evaluation text (the model `tfidf_logreg` scores; a set
     of labels with `multi_label`), for paired comparisons row by row."""
     train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
@@ -97,7 +99,8 @@ def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval
         binarizer = MultiLabelBinarizer().fit(train_labels)  # a label no training row has is never answered
         model = fit_on_tfidf(learner, train_x, binarizer.transform(train_labels))
         return [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
-    learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed)  # multinomial over the labels
+    learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed,  # multinomial over the labels
+                                 class_weight="balanced" if balanced else None)
     return list(fit_on_tfidf(learner, train_x, list(train_labels)).predict(eval_x))
 
 

@@ -122,7 +122,8 @@ def report_text(result) -> str:
                      f"{data['train_texts_labelled_two_ways']}")
     if (result.training.get("settings") or {}).get("class_weights") == "balanced":
         lines.append("- trained with balanced class weights (--class-weights balanced): a rare class's rows weigh as "
-                     "much as a frequent one's, so the head's scores lean toward rare classes")
+                     "much as a frequent one's, so the head's scores lean toward rare classes; the linear baseline "
+                     "is weighed alike")
     if seen := rows_seen(data, "validation"):  # the test number's are said on its line
         lines.append(f"- the validation split is not wholly unseen: {seen}")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
