@@ -117,6 +117,9 @@ def test_the_verdict_names_the_first_baseline_the_head_fails_to_beat(head, major
     line = verdict(baselines, TaskType.sequence_classification)
     assert expected in line
     assert ("imbalanced" in line) == (head <= majority_score)  # the majority class alone scores 0.66 in accuracy
+    weigh = ", and --class-weights balanced trains on every class alike"
+    assert (weigh in line) == (head <= majority_score)  # the remedy not used yet
+    assert weigh not in verdict({**baselines, "class_weights": "balanced"}, TaskType.sequence_classification)
     assert "chose the epoch" not in line  # the test split chose nothing
     on_validation = verdict({**baselines, "split": "validation"}, TaskType.sequence_classification)
     # --split VAL,TEST is refused with a preset's --dataset: the advice says where it applies

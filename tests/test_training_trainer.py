@@ -1256,6 +1256,8 @@ def test_imbalanced_labels_are_said_and_class_weights_balance_the_loss(tmp_path,
     assert losses and all(w is not None and w.tolist() == pytest.approx([expected[label] for label in labels])
                           for w in losses)
     assert "- trained with balanced class weights" in (tmp_path / "balanced" / "report" / "report.md").read_text()
+    assert ModuleStore(tmp_path / "balanced" / "store").read_manifest("s").metrics["baselines"]["class_weights"] == \
+        "balanced"
     conll = write_conll(tmp_path / "ner.txt", 20, 0)
     assert main(["layermix", "--train", str(conll), "--split", "0.25", "--task", "n", "--class-weights", "balanced",
                  "--backbone", str(train_backbone_dir), "--run-dir", str(tmp_path / "ner")]) == 2

@@ -27,11 +27,12 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
     kind = evaluated.data.task_type
     runs = baseline_runs(train, [evaluated.data, *([validation[0]] if validation else [])], labels, seed, cache,
                          balanced)
-    baselines = against_baselines(runs[0], head, metric, kind)
+    baselines = against_baselines(runs[0], head, metric, kind, balanced=balanced)
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
     if validation:
         # no verdict of their own: the verdict is the test split's (one that told to add a test split misled)
-        out["validation_baselines"] = against_baselines(runs[1], validation[1], metric, kind, with_verdict=False)
+        out["validation_baselines"] = against_baselines(runs[1], validation[1], metric, kind, with_verdict=False,
+                                                        balanced=balanced)
     if kind == TaskType.sequence_classification:
         probs = np.stack(probabilities)
         pred = [labels[i] for i in probs.argmax(1)]
@@ -112,12 +113,15 @@ def baseline_runs(train: LabelledData, evaluated: list[LabelledData], labels: li
     return [[base, run] for base, run in zip(bases, linear)]
 
 
-def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType, with_verdict: bool = True) -> dict:
+def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType, with_verdict: bool = True,
+                      balanced: bool = False) -> dict:
     """What a manifest's `metrics.baselines` holds: the split and metric compared, the head's score,
     each baseline's metrics and the head's margin over it, and the verdict line (not `with_verdict`:
     the validation rows' baselines beside a test split, which has the verdict). `head`: the head's
-    metrics on that split (its `split`, and on validation its `role`: what that split chose)."""
-    baselines = {"split": head["split"], "metric": metric, "head": head[metric]}
+    metrics on that split (its `split`, and on validation its `role`: what that split chose);
+    `balanced`: head and linear model trained with balanced class weights (`class_weights` said)."""
+    baselines = {"split": head["split"], "metric": metric, "head": head[metric],
+                 **({"class_weights": "balanced"} if balanced else {})}
     for said in ("role", "rows_seen"):
         if head.get(said):
             baselines[said] = head[said]
@@ -171,10 +175,11 @@ def verdict(baselines: dict, kind: TaskType) -> str:
                 f"({baselines[linear]['error']})" + caveat)
     if head <= majority_score:
         imbalanced = metric == "accuracy" and majority_score >= 0.6  # the majority answer alone scores well
+        weigh = "" if baselines.get("class_weights") else ", and --class-weights balanced trains on every class alike"
         return (f"no better than the majority answer on the {split} split ({metric} {head:.4f} against "
                 f"{majority_score:.4f}): the head has not learnt this task from these rows"
-                + ("; the classes are imbalanced, so --metric f1_macro or mcc judges a head better" if imbalanced
-                   else "") + caveat)
+                + (f"; the classes are imbalanced, so --metric f1_macro or mcc judges a head better{weigh}"
+                   if imbalanced else "") + caveat)
     if head <= linear_score:
         return (f"above the majority answer but no better than the linear model ({linear}) on the {split} split "
                 f"({metric} {head:.4f} against {linear_score:.4f}): not worth a backbone pass for this task alone"
