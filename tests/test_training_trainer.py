@@ -135,6 +135,16 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
         result["metrics"]["accuracy"] - share, abs=1e-6)  # to 6 places
     assert f"accuracy {result['metrics']['accuracy']:.4f} against {share:.4f} for every row answered with the file's " \
         "most frequent label" in err
+    # and the linear model trained on the module's training rows, scored on the same rows
+    from training.baselines import tfidf_logreg
+    named = {"0": "negative", "1": "positive"}
+    rows = [[line.rsplit("\t", 1) for line in f.read_text().splitlines()[1:]] for f in sentiment_files]
+    alone = tfidf_logreg([t for t, _ in rows[0]], [named[y] for _, y in rows[0]], [t for t, _ in rows[1]],
+                         [named[y] for _, y in rows[1]])
+    assert baseline["linear"] == {"model": "tfidf_logreg", "accuracy": pytest.approx(alone["accuracy"]),
+                                  "margin": pytest.approx(result["metrics"]["accuracy"] - alone["accuracy"], abs=1e-6),
+                                  "trained_on": f"the module's {len(rows[0])} training rows"}
+    assert f", and {alone['accuracy']:.4f} for tfidf_logreg trained on its training rows" in err
     # 24 rows: each 4% of them, too few to rank the head against the baseline, said in the JSON and on stderr
     few = "scored on 24 rows only, each 4% of them: too few for these numbers to rank the head against the baselines"
     assert baseline["too_few_rows"] == few and f"; {few}" in err
@@ -600,8 +610,12 @@ def test_eval_on_a_file_of_no_part_of_the_run_counts_the_rows_it_learnt(tmp_path
         assert main(["eval", "--store", "run/store", "--task", "mood", "--file", str(path), "--backbone",
                      str(train_backbone_dir), "--no-progress"]) == 0
         said = capsys.readouterr()
-        role = json.loads(said.out)["file_role"]
+        role, linear = json.loads(said.out)["file_role"], json.loads(said.out)["baseline"]["linear"]
         assert (f"tmod-train eval: {path}: {role}" in said.err) == ("not wholly unseen" in role)  # on the terminal too
+        # the linear model is trained on the same rows the role counts against, or not, for the same reason
+        assert linear["model"] == "tfidf_logreg"
+        assert (linear.get("trained_on") == "the module's 18 training rows") == ("unless" not in role)
+        assert "unless" not in role or role.endswith(f"({linear['not_fitted']})")
         return role
 
     assert role(other) == "not a file of the training run: held out: none of its 6 rows holds a text the training rows hold"

@@ -74,16 +74,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         answers = Split(data, module.head.labels, Backbone.load(own, device=str(backbone.device)))
     metrics = score_module(split, module, args.batch_size, progress=args.progress,
                            engine=Engine(backbone, bridges=bridges), answer_split=answers)
+    trained = training_rows(module.manifest)
     role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path),
                      module.manifest.metrics.get("role", "chose the epoch"), args.split if args.file else None,
-                     held_out=lambda: rows_learnt(module.manifest, data))
+                     held_out=lambda: rows_learnt(data, trained))
     if not role.startswith(("test", "not a file")) or "not wholly unseen" in role:  # a score that flatters: said
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
     result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
               "file": str(spec.path), **({"split": args.split or "validation"} if args.split or args.dataset else {}),
               "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
-              "metrics": metrics, "baseline": eval_baseline(data, module, metrics)}
+              "metrics": metrics, "baseline": eval_baseline(data, module, metrics, trained)}
     text = json.dumps(result, indent=2)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -92,10 +93,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def rows_learnt(manifest, data) -> str:
-    """What `file_role` says of a file of none of the run's parts: how many of its rows hold a text the
-    module's training rows hold (the run's data read again as its manifest records it, and checked to be
-    the same file), or why that cannot be told here."""
+def training_rows(manifest) -> tuple:
+    """(the module's training rows, "") read again as its manifest records them (its settings, the
+    `--split` carve and `--max-train` included, the training file checked by its sha256), or (None,
+    why they cannot be read here)."""
     import contextlib
     import io
 
@@ -103,24 +104,34 @@ def rows_learnt(manifest, data) -> str:
 
     from training.data.files import UsageError
     from training.settings import TrainSettings
-    from training.splits import resolve_data, rows_also_in
+    from training.splits import resolve_data
 
     trained, recorded = manifest.training.get("settings"), manifest.training.get("data", {})
-    unknown = "held out, unless it shares rows with the training file ({})"
     if not trained or not recorded.get("train_sha256"):
-        return unknown.format("the module records no tmod-train run to check against")
+        return None, "the module records no tmod-train run to check against"
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # what the run's data holds was said when it trained
             run = resolve_data(TrainSettings(**trained))
     except ValidationError as exc:  # settings an older tmod-train recorded
         first = exc.errors()[0]
-        return unknown.format(f"its recorded settings are not this tmod-train's: {'.'.join(map(str, first['loc']))}: "
-                              f"{first['msg']}")
+        return None, f"its recorded settings are not this tmod-train's: {'.'.join(map(str, first['loc']))}: " \
+                     f"{first['msg']}"
     except UsageError as exc:  # a file moved or gone
-        return unknown.format(f"its training data cannot be read here: {str(exc).splitlines()[0][:200]}")
+        return None, f"its training data cannot be read here: {str(exc).splitlines()[0][:200]}"
     if run.provenance["train_sha256"] != recorded["train_sha256"]:
-        return unknown.format(f"its training file {recorded.get('train_file')} has changed since")
-    shared = rows_also_in(data, run.train)
+        return None, f"its training file {recorded.get('train_file')} has changed since"
+    return run.train, ""
+
+
+def rows_learnt(data, trained: tuple) -> str:
+    """What `file_role` says of a file of none of the run's parts: how many of its rows hold a text the
+    module's training rows (`training_rows`) hold, or why that cannot be told here."""
+    from training.splits import rows_also_in
+
+    rows, why = trained
+    if rows is None:
+        return f"held out, unless it shares rows with the training file ({why})"
+    shared = rows_also_in(data, rows)
     if not shared:
         return f"held out: none of its {len(data)} rows holds a text the training rows hold"
     return "not wholly unseen: " + rows_seen({"file_examples": len(data), "file_rows_also_in_training": shared}, "file")
@@ -266,12 +277,15 @@ def eval_module(args: argparse.Namespace, store, manifest):
     return backbone, module, bridges, named_for(module.manifest.backbone.name)
 
 
-def eval_baseline(data, module, metrics: dict) -> dict:
-    """The simplest answer on the same rows beside the module's score, also said on stderr: every row
+def eval_baseline(data, module, metrics: dict, trained: tuple) -> dict:
+    """The simple answers on the same rows beside the module's score, also said on stderr: every row
     given the file's own most frequent label (chosen on this file, so the best any constant answer
-    scores here: no head should need a backbone to beat it)."""
+    scores here: no head should need a backbone to beat it), and the linear model (TF-IDF + logistic
+    regression, the window tagger for token tasks) trained on the module's training rows (`trained`,
+    `training_rows`), as tmod-train compared it: does the head beat a bag of words on this file?"""
     from modules_store import TaskType
-    from training.assess import too_few
+    from server.backbone.sources import default_cache_dir
+    from training.assess import baseline_runs, linear_baseline, too_few
     from training.baselines import majority
 
     task_type = module.manifest.task_type
@@ -284,11 +298,28 @@ def eval_baseline(data, module, metrics: dict) -> dict:
                 }.get(task_type, "every row answered with the file's most frequent label")
     baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
                 "margin": round(metrics[metric] - constant[metric], 6), "majority_in_file_is": f"{answered} (chosen on it)"}
+    said = f"{metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} ({baseline['margin']:+.4f})"
+    rows, why = trained
+    name = linear_baseline(task_type)
+    if rows is None:
+        baseline["linear"] = {"model": name, "not_fitted": why}
+    else:
+        settings = module.manifest.training["settings"]
+        print(f"tmod-train eval: fitting the linear baseline ({name}) on the module's {len(rows):,} training rows "
+              "(kept in the cache for the next eval of this file)", file=sys.stderr)
+        [(_, linear)] = baseline_runs(rows, [data], module.head.labels, settings.get("seed", 0),
+                                      default_cache_dir() / "baselines", settings.get("class_weights") == "balanced")
+        if metric in linear:
+            baseline["linear"] = {"model": name, metric: linear[metric],
+                                  "margin": round(metrics[metric] - linear[metric], 6),
+                                  "trained_on": f"the module's {len(rows)} training rows"}
+            said += f", and {linear[metric]:.4f} for {name} trained on its training rows ({baseline['linear']['margin']:+.4f})"
+        else:
+            baseline["linear"] = {"model": name, "error": linear["error"]}
     caveat = too_few(len(gold))
     if caveat:
         baseline["too_few_rows"] = caveat
-    print(f"tmod-train eval: {metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} "
-          f"({baseline['margin']:+.4f})" + (f"; {caveat}" if caveat else ""), file=sys.stderr)
+    print(f"tmod-train eval: {said}" + (f"; {caveat}" if caveat else ""), file=sys.stderr)
     return baseline
 
 
