@@ -74,17 +74,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         answers = Split(data, module.head.labels, Backbone.load(own, device=str(backbone.device)))
     metrics = score_module(split, module, args.batch_size, progress=args.progress,
                            engine=Engine(backbone, bridges=bridges), answer_split=answers)
-    trained = training_rows(module.manifest)
-    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path),
-                     module.manifest.metrics.get("role", "chose the epoch"), args.split if args.file else None,
-                     held_out=lambda: rows_learnt(data, trained))
+    ran, validation_role = run_data(module.manifest), module.manifest.metrics.get("role", "chose the epoch")
+    role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path), validation_role,
+                     args.split if args.file else None, held_out=lambda: rows_learnt(data, ran, validation_role))
     if not role.startswith(("test", "not a file")) or "not wholly unseen" in role:  # a score that flatters: said
         print(f"tmod-train eval: {spec.path}: {role}", file=sys.stderr)
     result = {"task": module.task, "version": module.version, "backbone": backbone.name, "bridge": through,
               "file": str(spec.path), **({"split": args.split or "validation"} if args.split or args.dataset else {}),
               "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
-              "metrics": metrics, "baseline": eval_baseline(data, module, metrics, trained)}
+              "metrics": metrics, "baseline": eval_baseline(data, module, metrics, ran)}
     text = json.dumps(result, indent=2)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -93,10 +92,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def training_rows(manifest) -> tuple:
-    """(the module's training rows, "") read again as its manifest records them (its settings, the
-    `--split` carve and `--max-train` included, the training file checked by its sha256), or (None,
-    why they cannot be read here)."""
+def run_data(manifest) -> tuple:
+    """(the module's training run's data: its training and validation rows, "") read again as its
+    manifest records them (its settings, the `--split` carve and `--max-train` included, the training
+    file checked by its sha256), or (None, why they cannot be read here)."""
     import contextlib
     import io
 
@@ -120,21 +119,23 @@ def training_rows(manifest) -> tuple:
         return None, f"its training data cannot be read here: {str(exc).splitlines()[0][:200]}"
     if run.provenance["train_sha256"] != recorded["train_sha256"]:
         return None, f"its training file {recorded.get('train_file')} has changed since"
-    return run.train, ""
+    return run, ""
 
 
-def rows_learnt(data, trained: tuple) -> str:
+def rows_learnt(data, ran: tuple, validation_role: str) -> str:
     """What `file_role` says of a file of none of the run's parts: how many of its rows hold a text the
-    module's training rows (`training_rows`) hold, or why that cannot be told here."""
+    module's training rows hold, and the validation rows where validation chose something (`ran`:
+    `run_data`), or why that cannot be told here."""
     from training.splits import rows_also_in
 
-    rows, why = trained
-    if rows is None:
+    run, why = ran
+    if run is None:
         return f"held out, unless it shares rows with the training file ({why})"
-    shared = rows_also_in(data, rows)
-    if not shared:
-        return f"held out: none of its {len(data)} rows holds a text the training rows hold"
-    return "not wholly unseen: " + rows_seen({"file_examples": len(data), "file_rows_also_in_training": shared}, "file")
+    shared = {"file_examples": len(data), "file_rows_also_in_training": rows_also_in(data, run.train),
+              "file_rows_also_in_validation": rows_also_in(data, run.validation)}
+    if seen := rows_seen(shared, "file", validation_role):
+        return f"not wholly unseen: {seen}"
+    return f"held out: none of its {len(data)} rows holds a text the training rows hold"
 
 
 def check_output_file(path: Path) -> None:
@@ -277,12 +278,12 @@ def eval_module(args: argparse.Namespace, store, manifest):
     return backbone, module, bridges, named_for(module.manifest.backbone.name)
 
 
-def eval_baseline(data, module, metrics: dict, trained: tuple) -> dict:
+def eval_baseline(data, module, metrics: dict, ran: tuple) -> dict:
     """The simple answers on the same rows beside the module's score, also said on stderr: every row
     given the file's own most frequent label (chosen on this file, so the best any constant answer
     scores here: no head should need a backbone to beat it), and the linear model (TF-IDF + logistic
-    regression, the window tagger for token tasks) trained on the module's training rows (`trained`,
-    `training_rows`), as tmod-train compared it: does the head beat a bag of words on this file?"""
+    regression, the window tagger for token tasks) trained on the module's training rows (`ran`:
+    `run_data`), as tmod-train compared it: does the head beat a bag of words on this file?"""
     from modules_store import TaskType
     from server.backbone.sources import default_cache_dir
     from training.assess import baseline_runs, linear_baseline, too_few
@@ -299,12 +300,13 @@ def eval_baseline(data, module, metrics: dict, trained: tuple) -> dict:
     baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
                 "margin": round(metrics[metric] - constant[metric], 6), "majority_in_file_is": f"{answered} (chosen on it)"}
     said = f"{metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} ({baseline['margin']:+.4f})"
-    rows, why = trained
+    run, why = ran
     name = linear_baseline(task_type)
-    if rows is None:
+    if run is None:
         baseline["linear"] = {"model": name, "not_fitted": why}
     else:
         settings = module.manifest.training["settings"]
+        rows = run.train
         print(f"tmod-train eval: fitting the linear baseline ({name}) on the module's {len(rows):,} training rows "
               "(kept in the cache for the next eval of this file)", file=sys.stderr)
         [(_, linear)] = baseline_runs(rows, [data], module.head.labels, settings.get("seed", 0),

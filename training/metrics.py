@@ -213,9 +213,10 @@ def optimistic(role: str) -> str:
 
 
 def rows_seen(data: dict, split: str, validation_role: str = NOTHING_CHOSEN) -> str:
-    """Why a run's validation or test number is not wholly unseen: its rows whose text the training rows
-    hold too, and for test those the validation rows hold where validation chose something (the counts of
-    `training.splits.shared_rows`, in the manifest's `training.data`); "" where it is unseen."""
+    """Why a run's validation or test number (or eval's on a `file` of no part of the run) is not wholly
+    unseen: its rows whose text the training rows hold too, and for test (or such a file) those the
+    validation rows hold where validation chose something (the counts of `training.splits.shared_rows`,
+    in the manifest's `training.data`); "" where it is unseen."""
     rows, seen = data.get(f"{split}_examples"), []
 
     def holding(shared: int, other: str) -> str:
@@ -223,7 +224,8 @@ def rows_seen(data: dict, split: str, validation_role: str = NOTHING_CHOSEN) -> 
 
     if shared := data.get(f"{split}_rows_also_in_training"):
         seen.append(holding(shared, "training") + ", which flatters the head")
-    if split == "test" and (shared := data.get("test_rows_also_in_validation")) and optimistic(validation_role):
+    if split in ("test", "file") and (shared := data.get(f"{split}_rows_also_in_validation")) \
+            and optimistic(validation_role):
         seen.append(holding(shared, "validation") + f", and validation {validation_role} on them, so this number is "
                     "optimistic")
     return "; ".join(seen)
