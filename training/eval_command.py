@@ -317,7 +317,7 @@ def eval_baseline(data, module, metrics: dict, ran: tuple) -> dict:
                                   "trained_on": f"the module's {len(rows)} training rows"}
             said += f", and {linear[metric]:.4f} for {name} trained on its training rows ({baseline['linear']['margin']:+.4f})"
         else:
-            baseline["linear"] = {"model": name, "error": linear["error"]}
+            baseline["linear"] = {"model": name, "error": linear.get("error", f"it scores no {metric}")}
     caveat = too_few(len(gold))
     if caveat:
         baseline["too_few_rows"] = caveat
