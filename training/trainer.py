@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from sklearn.utils.class_weight import compute_class_weight
 from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType, misplaced_store
@@ -137,10 +138,9 @@ def class_weights(split: Split, s: TrainSettings, device) -> torch.Tensor | None
     classes the training rows hold (scikit-learn's 'balanced'); a class no row holds keeps 1. None: unweighed."""
     if s.class_weights == "none":
         return None
-    counts = np.bincount(split.label_ids, minlength=len(split.labels))
-    present = counts > 0
+    present = np.unique(split.label_ids)
     weights = np.ones(len(split.labels))
-    weights[present] = counts.sum() / (present.sum() * counts[present])
+    weights[present] = compute_class_weight("balanced", classes=present, y=split.label_ids)
     return torch.tensor(weights, dtype=torch.float32, device=device)
 
 
