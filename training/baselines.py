@@ -9,6 +9,7 @@ multi-label, entity micro F1 with per-type scores for token tasks; plus `baselin
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate
 from pathlib import Path
 from typing import Sequence
 
@@ -85,8 +86,9 @@ def tfidf_logreg_scores(train_texts: Sequence, train_labels: Sequence, evaluatio
     predicted = tfidf_logreg_predictions(train_texts, train_labels, [t for texts, _ in evaluations for t in texts], seed,
                                          multi_label, balanced)
     score = _multi_label_scores if multi_label else _sequence_scores
+    parts = _cut(predicted, [len(texts) for texts, _ in evaluations])
     return [{"baseline": "tfidf_logreg", **score(train_labels, eval_labels, answers, labels)}
-            for (_, eval_labels), answers in zip(evaluations, _parts(predicted, evaluations))]
+            for (_, eval_labels), answers in zip(evaluations, parts)]
 
 
 def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence,
@@ -116,8 +118,9 @@ def window_tagger_scores(train_words: Sequence[Sequence[str]], train_tags: Seque
     """`window_tagger` fitted once and scored on each (words, tags) of `evaluations`."""
     predicted = window_tags(train_words, train_tags, [words for eval_words, _ in evaluations for words in eval_words],
                             seed)
+    parts = _cut(predicted, [len(eval_words) for eval_words, _ in evaluations])
     return [{"baseline": "window_tagger", **entity_scores(eval_tags, answers)}
-            for (_, eval_tags), answers in zip(evaluations, _parts(predicted, evaluations))]
+            for (_, eval_tags), answers in zip(evaluations, parts)]
 
 
 def window_tags(train_words: Sequence[Sequence[str]], train_tags: Sequence[Sequence[str]],
@@ -127,11 +130,7 @@ def window_tags(train_words: Sequence[Sequence[str]], train_tags: Sequence[Seque
     train_x = _int32_indices(vectorizer.fit_transform([f for words in train_words for f in _window_features(words)]))
     model = LinearSVC(C=0.1, random_state=seed).fit(train_x, [t for tags in train_tags for t in tags])
     flat = model.predict(_int32_indices(vectorizer.transform([f for words in eval_words for f in _window_features(words)])))
-    predicted, start = [], 0
-    for words in eval_words:
-        predicted.append([str(t) for t in flat[start:start + len(words)]])
-        start += len(words)
-    return predicted
+    return [[str(t) for t in tags] for tags in _cut(flat, [len(words) for words in eval_words])]
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -139,13 +138,10 @@ def _is_token_task(labels: Sequence) -> bool:
     return bool(labels) and not isinstance(labels[0], str)
 
 
-def _parts(predicted: list, evaluations) -> list[list]:
-    """`predicted` (the answers for every evaluation set's rows, in order) cut back into one list per set."""
-    parts, start = [], 0
-    for rows, _ in evaluations:
-        parts.append(predicted[start:start + len(rows)])
-        start += len(rows)
-    return parts
+def _cut(flat, lengths: Sequence[int]) -> list:
+    """`flat` (answers one after another) cut back into consecutive parts of `lengths` (a sentence's
+    words, an evaluation set's rows)."""
+    return [flat[end - n:end] for n, end in zip(lengths, accumulate(lengths))]
 
 
 def _joined(text) -> str:
