@@ -201,8 +201,10 @@ def test_the_printed_serve_command_and_query_work_as_printed(train_backbone_dir,
                                            str(train_backbone_dir)])
     assert f"    {summary['serve']}\n\n    {summary['query']}" in (run / "report" / "report.md").read_text()
     # margins as a person reads them: no float difference's tail (0.07000000000000006)
-    margins = [v for k, v in summary["baselines"].items() if k.startswith("margin_over_")]
-    assert len(margins) == 2 and all(v == round(v, 6) for v in margins)
+    margins = [v for k, v in summary["baselines"].items()
+               if k.startswith("margin_over_") and not k.endswith("_interval")]
+    intervals = [end for k, v in summary["baselines"].items() if k.endswith("_interval") for end in v]
+    assert len(margins) == 2 and len(intervals) == 4 and all(v == round(v, 6) for v in margins + intervals)
 
     command = shlex.split(summary["serve"])
     assert command[0] == "tmod-serve"

@@ -22,6 +22,7 @@ from training.metrics import (
     NOTHING_CHOSEN,
     rows_seen,
 )
+from training.settings import METRICS
 
 GOLD = [1, 1, 1, 1, 0, 0, 0, 0, 0, 1]
 PRED = [1, 1, 1, 0, 0, 0, 1, 1, 0, 1]
@@ -239,3 +240,68 @@ def test_rows_seen_says_what_a_split_shares_and_only_what_matters():
                                                           "optimistic")
     assert rows_seen(data, "test", NOTHING_CHOSEN) == ""
     assert rows_seen({}, "test", "chose the epoch") == ""
+
+
+def _random_rows(kind, rng, n):
+    """(gold, pred, labels) of `n` random rows of a task type, pred right on about 60% of them."""
+    if kind == TaskType.token_classification:
+        labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+        gold = [[rng.choice(labels) for _ in range(rng.randint(1, 12))] for _ in range(n)]
+        return gold, [[t if rng.random() < 0.6 else rng.choice(labels) for t in tags] for tags in gold], labels
+    labels = ["a", "b", "c"]
+    if kind == TaskType.multi_label_classification:
+        gold = [[label for label in labels if rng.random() < 0.3] for _ in range(n)]
+        return gold, [g if rng.random() < 0.6 else [label for label in labels if rng.random() < 0.3]
+                      for g in gold], labels
+    gold = [rng.choice(labels) for _ in range(n)]
+    return gold, [g if rng.random() < 0.6 else rng.choice(labels) for g in gold], labels
+
+
+@pytest.mark.parametrize("kind", list(METRICS))
+def test_the_bootstraps_counts_score_every_metric_as_the_metrics_do(kind):
+    """`margin_interval` scores its draws from summed per-row counts: on all the rows, those give each
+    selection metric exactly as the metric functions give it (two labels for binary F1 too)."""
+    import numpy as np
+
+    from training.metrics import multi_hot, multilabel_scores, row_counts, scores_of_counts
+
+    rng = random.Random(7)
+    gold, pred, labels = _random_rows(kind, rng, 300)
+    cases = [(gold, pred, labels)]
+    if kind == TaskType.sequence_classification:  # binary F1 exists for two labels only
+        cases.append(([g if g != "c" else "a" for g in gold], [p if p != "c" else "b" for p in pred], ["a", "b"]))
+    for gold, pred, labels in cases:
+        counted = scores_of_counts(kind, np.asarray(row_counts(kind, gold, pred, labels).sum(0)), labels)
+        if kind == TaskType.token_classification:
+            expected = entity_scores(gold, pred)
+        elif kind == TaskType.multi_label_classification:
+            expected = multilabel_scores(multi_hot(gold, labels), multi_hot(pred, labels), labels)
+        else:
+            expected = classification_scores(gold, pred, labels)
+        for metric in METRICS[kind]:
+            if metric in expected:
+                assert counted[metric][0] == pytest.approx(expected[metric], abs=1e-12), metric
+        assert set(counted) >= {m for m in METRICS[kind] if m in expected}
+
+
+def test_the_margin_interval_is_a_paired_bootstrap():
+    """The interval is of the margin, row by row: the same answers give [0, 0]; for accuracy its width
+    is the paired difference's normal interval (1.96 standard errors of the mean per-row difference)
+    within 15%; a seed gives the same interval again."""
+    import numpy as np
+
+    from training.metrics import margin_interval
+
+    rng = random.Random(11)
+    gold, head, labels = _random_rows(TaskType.sequence_classification, rng, 2000)
+    other = [h if rng.random() < 0.8 else rng.choice(labels) for h in head]  # mostly the same answers: paired
+    kind = TaskType.sequence_classification
+    assert margin_interval(kind, "accuracy", gold, head, head, labels) == (0.0, 0.0)
+    low, high = margin_interval(kind, "accuracy", gold, head, other, labels, seed=3)
+    assert (low, high) == margin_interval(kind, "accuracy", gold, head, other, labels, seed=3)
+    differences = np.array([(h == g) - (o == g) for g, h, o in zip(gold, head, other)], dtype=float)
+    mean, error = differences.mean(), differences.std() / np.sqrt(len(differences))
+    assert low < mean < high
+    assert (high - low) == pytest.approx(2 * 1.96 * error, rel=0.15)
+    # unpaired, the two accuracies' own noise would make it about 3x wider: the pairing is what is measured
+    assert high - low < 0.5 * 2 * 1.96 * np.sqrt(2 * 0.24 / len(gold))

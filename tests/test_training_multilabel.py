@@ -157,6 +157,11 @@ def test_multilabel_training_writes_thresholds_and_reports(multilabel_run, train
     assert set(thresholds) == set(manifest.labels) and manifest.decoding["threshold_rule"].startswith(manifest.metrics["rule"])
     assert manifest.metrics["f1_macro"] == max(manifest.metrics["global_f1_macro"], manifest.metrics["per_label_f1_macro"])
     assert manifest.metrics["f1_macro"] > 0.5  # the cue words are easy to learn
+    # each margin over a baseline with its paired bootstrap interval: the head's answers at its thresholds
+    baselines = manifest.metrics["baselines"]
+    for name in ("majority", "tfidf_logreg"):
+        low, high = baselines[f"margin_over_{name}_interval"]
+        assert low <= baselines[f"margin_over_{name}"] <= high, name
     report = multilabel_run / "report"
     table = (report / "per_label.md").read_text()
     assert all(f"| {label} | {thresholds[label]:.2f} |" in table for label in manifest.labels)

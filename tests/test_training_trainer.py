@@ -361,6 +361,12 @@ def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train
     assert counts == sorted(counts, reverse=True)
     section = "## Sentences with the most mistakes (validation split)" in (tmp_path / "report" / "report.md").read_text()
     assert section == bool(worst)
+    # the margins' intervals draw sentences, each scored with the head's tags and the baseline's
+    baselines = module.manifest.metrics["baselines"]
+    for name in ("majority", "window_tagger"):
+        low, high = baselines[f"margin_over_{name}_interval"]
+        assert low <= baselines[f"margin_over_{name}"] <= high, name
+    assert "1000 draws of these 12 sentences" in baselines["intervals"]
 
 
 def test_worst_sentences_name_missed_and_wrong_entities_or_words():

@@ -1,7 +1,8 @@
 """Is the head worth it? The baselines trained on the same training data and scored on the same
 split as the head (the test split when there is one, else validation), the head's margin over
-each, and the detail a user reads to see where it fails: per-class scores, the confusion matrix and
-the most confidently wrong examples (sequence tasks), per-type scores (token tasks)."""
+each with its paired bootstrap interval (can these rows tell the two apart?), and the detail a user
+reads to see where it fails: per-class scores, the confusion matrix and the most confidently wrong
+examples (sequence tasks), per-type scores (token tasks)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,34 +10,37 @@ import numpy as np
 from modules_store import TaskType
 from training.baselines import cached_run, majority, tfidf_logreg_scores, window_tagger_scores
 from training.data.examples import LabelledData
-from training.metrics import confusion_matrix, entities, optimistic, per_class_scores
+from training.metrics import (LEVEL, ROUNDS, confusion_matrix, drawn_unit, entities, margin_interval, optimistic,
+                              per_class_scores)
 from training.states import Split
 
 WORST = 10  # confidently wrong examples listed
 
 
 def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dict, metric: str, seed: int = 0,
-           cache=None, validation: tuple[LabelledData, dict] | None = None, balanced: bool = False) -> dict:
+           cache=None, validation: tuple[LabelledData, dict] | None = None, balanced: bool = False,
+           thresholds: dict | None = None) -> dict:
     """`head`: the head's metrics on `evaluated` (with its `split` name); `probabilities`: its label
-    probabilities per row (sequence tasks); `cache`: a folder keeping the linear baseline's result for
-    a later run on the same data (`baselines.cached_run`); `validation`: where `evaluated` is the test
-    split, the validation rows and the head's metrics on them, which get the baselines too (from the
-    same fit) as `validation_baselines`; `balanced`: the head was trained with --class-weights balanced, and
-    the linear model is too."""
+    probabilities per row (sequence and multi-label tasks, the latter answered at `thresholds`, label
+    -> threshold), its word tags per sentence (token tasks); `cache`: a folder keeping the linear
+    baseline's result for a later run on the same data (`baselines.cached_run`); `validation`: where
+    `evaluated` is the test split, the validation rows and the head's metrics on them, which get the
+    baselines too (from the same fit) as `validation_baselines`; `balanced`: the head was trained with
+    --class-weights balanced, and the linear model is too."""
     examples, labels = evaluated.data.examples, evaluated.labels
     kind = evaluated.data.task_type
     runs = baseline_runs(train, [evaluated.data, *([validation[0]] if validation else [])], labels, seed, cache,
                          balanced)
-    baselines = against_baselines(runs[0], head, metric, kind, balanced=balanced)
+    gold, answered = head_answers(evaluated, probabilities, thresholds)
+    baselines = against_baselines(runs[0], head, metric, kind, balanced=balanced, seed=seed,
+                                  paired=(gold, answered, labels) if answered is not None else None)
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
     if validation:
         # no verdict of their own: the verdict is the test split's (one that told to add a test split misled)
         out["validation_baselines"] = against_baselines(runs[1], validation[1], metric, kind, with_verdict=False,
                                                         balanced=balanced)
     if kind == TaskType.sequence_classification:
-        probs = np.stack(probabilities)
-        pred = [labels[i] for i in probs.argmax(1)]
-        gold = [ex.label for ex in examples]
+        probs, pred = np.stack(probabilities), answered
         out["per_class"] = per_class_scores(gold, pred, labels)
         out["confusion"] = {"labels": labels, "counts": confusion_matrix(gold, pred, labels)}
         wrong = [r for r in range(len(gold)) if pred[r] != gold[r]]
@@ -59,6 +63,23 @@ def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dic
     else:
         out["per_label"] = head["per_label"]
     return out
+
+
+def head_answers(evaluated: Split, probabilities: list, thresholds: dict | None = None) -> tuple[list, list | None]:
+    """(the gold answers of `evaluated`'s rows, the head's answers as the metrics count them: the most
+    probable label, the labels at or over their `thresholds` (multi-label), a sentence's word tags;
+    None where `assess` was given no probabilities, or no thresholds for a multi-label head)."""
+    kind, labels, examples = evaluated.data.task_type, evaluated.labels, evaluated.data.examples
+    if kind == TaskType.token_classification:
+        return [ex.tags for ex in examples], (list(probabilities) if probabilities else None)
+    gold = [ex.label for ex in examples]
+    if not probabilities or (kind == TaskType.multi_label_classification and thresholds is None):
+        return gold, None
+    probs = np.stack(probabilities)
+    if kind == TaskType.multi_label_classification:
+        cut = np.array([thresholds[label] for label in labels])
+        return gold, [[labels[j] for j in np.flatnonzero(row >= cut)] for row in probs]
+    return gold, [labels[i] for i in probs.argmax(1)]
 
 
 def worst_sentences(examples: list, predicted: list[list[str]], by_word: bool = False) -> list[dict]:
@@ -114,22 +135,33 @@ def baseline_runs(train: LabelledData, evaluated: list[LabelledData], labels: li
 
 
 def against_baselines(runs: list[dict], head: dict, metric: str, kind: TaskType, with_verdict: bool = True,
-                      balanced: bool = False) -> dict:
+                      balanced: bool = False, paired: tuple[list, list, list] | None = None, seed: int = 0) -> dict:
     """What a manifest's `metrics.baselines` holds: the split and metric compared, the head's score,
-    each baseline's metrics and the head's margin over it, and the verdict line (not `with_verdict`:
-    the validation rows' baselines beside a test split, which has the verdict). `head`: the head's
-    metrics on that split (its `split`, and on validation its `role`: what that split chose);
-    `balanced`: head and linear model trained with balanced class weights (`class_weights` said)."""
+    each baseline's metrics (not its answers) and the head's margin over it, and the verdict line (not
+    `with_verdict`: the validation rows' baselines beside a test split, which has the verdict). `head`:
+    the head's metrics on that split (its `split`, and on validation its `role`: what that split
+    chose); `balanced`: head and linear model trained with balanced class weights (`class_weights`
+    said); `paired`: (gold answers, the head's answers, labels) of those rows: each margin gets its
+    LEVEL paired bootstrap interval (`margin_interval`, seeded with `seed`), which the verdict reads."""
     baselines = {"split": head["split"], "metric": metric, "head": head[metric],
                  **({"class_weights": "balanced"} if balanced else {})}
     for said in ("role", "rows_seen"):
         if head.get(said):
             baselines[said] = head[said]
     for run in runs:
-        baselines[run["baseline"]] = run
+        name = run["baseline"]
+        baselines[name] = {k: v for k, v in run.items() if k != "answers"}
         if metric in run:  # not where it could not be trained (`baseline_runs`)
             # a difference of two scores, rounded: 0.07, not the float sum's 0.07000000000000006
-            baselines[f"margin_over_{run['baseline']}"] = round(head[metric] - run[metric], 6)
+            baselines[f"margin_over_{name}"] = round(head[metric] - run[metric], 6)
+            if paired and "answers" in run:
+                gold, answered, labels = paired
+                if interval := margin_interval(kind, metric, gold, answered, run["answers"], labels, seed):
+                    baselines[f"margin_over_{name}_interval"] = [round(end, 6) for end in interval]
+    if any(key.endswith("_interval") for key in baselines):
+        baselines["intervals"] = (f"{LEVEL:.0%} paired bootstrap intervals of the margins: {ROUNDS} draws of these "
+                                  f"{len(paired[0])} {drawn_unit(kind)} with replacement, each scored with both "
+                                  "answers")
     if with_verdict:
         baselines["verdict"] = verdict(baselines, kind)
     return baselines
@@ -153,7 +185,9 @@ def too_few(rows: int | None) -> str:
 
 
 def verdict(baselines: dict, kind: TaskType) -> str:
-    """One line a user reads first: does the head beat the majority answer and the linear model?"""
+    """One line a user reads first: does the head beat the majority answer and the linear model? A margin
+    whose paired bootstrap interval holds 0 (`against_baselines`) is said to be within the noise of the
+    rows scored, not a win."""
     split, metric, head = baselines["split"], baselines["metric"], baselines["head"]
     linear = linear_baseline(kind)
     majority_score, linear_score = baselines["majority"][metric], baselines[linear].get(metric)
@@ -180,12 +214,30 @@ def verdict(baselines: dict, kind: TaskType) -> str:
                 f"{majority_score:.4f}): the head has not learnt this task from these rows"
                 + (f"; the classes are imbalanced, so --metric f1_macro or mcc judges a head better{weigh}"
                    if imbalanced else "") + caveat)
+    over_majority, over_linear = (baselines.get(f"margin_over_{name}_interval") for name in ("majority", linear))
+    unit = drawn_unit(kind)
+    if over_majority and over_majority[0] <= 0:
+        return (f"above the majority answer on the {split} split by {head - majority_score:+.4f} {metric}, but within "
+                f"the noise of these {rows} {unit} ({LEVEL:.0%} paired bootstrap interval of the margin: "
+                f"{_interval(over_majority)}): not shown to have learnt this task; more scored {unit} can tell"
+                + caveat)
     if head <= linear_score:
         return (f"above the majority answer but no better than the linear model ({linear}) on the {split} split "
                 f"({metric} {head:.4f} against {linear_score:.4f}): not worth a backbone pass for this task alone"
                 + caveat)
+    if over_linear and over_linear[0] <= 0:
+        return (f"above the majority answer on the {split} split ({metric} {head - majority_score:+.4f}), but level "
+                f"with the linear model ({linear}) within the noise of these {rows} {unit}: {head - linear_score:+.4f} "
+                f"over it, {LEVEL:.0%} paired bootstrap interval of the margin {_interval(over_linear)}: not shown "
+                f"better than the linear model; more scored {unit} can tell" + caveat)
+    intervals = (f" ({LEVEL:.0%} paired bootstrap intervals of the margins over these {rows} {unit}: "
+                 f"{_interval(over_majority)} and {_interval(over_linear)})" if over_majority and over_linear else "")
     return (f"above both baselines on the {split} split: {metric} {head - majority_score:+.4f} over the majority "
-            f"answer, {head - linear_score:+.4f} over the linear model ({linear})" + caveat)
+            f"answer, {head - linear_score:+.4f} over the linear model ({linear}){intervals}" + caveat)
+
+
+def _interval(interval: list[float]) -> str:
+    return f"{interval[0]:+.4f} to {interval[1]:+.4f}"
 
 
 def _text(example):

@@ -4,7 +4,9 @@ tasks, and a linear tagger on word-window features for token tasks (scikit-learn
 
 Each function returns the metrics dict the project's evaluation reports for the task type:
 accuracy / macro F1 / MCC (and binary F1) for sequence classification, macro and micro F1 for
-multi-label, entity micro F1 with per-type scores for token tasks; plus `baseline`, its name.
+multi-label, entity micro F1 with per-type scores for token tasks; plus `baseline`, its name, and
+`answers`, its answer for each evaluation row (JSON-able: a label, a list of labels, a sentence's
+tags), which a paired comparison with the head reads (`training.metrics.margin_interval`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from sklearn.pipeline import FeatureUnion, make_pipeline
 from sklearn.preprocessing import MultiLabelBinarizer
 from sklearn.svm import LinearSVC
 
-from training.metrics import classification_scores, entity_scores, multilabel_scores
+from training.metrics import classification_scores, entity_scores, multi_hot, multilabel_scores
 from training.runs import write_cache_file
 
 PAIR_SEPARATOR = " ||| "  # joins a text pair into one string for the bag-of-words models
@@ -38,13 +40,16 @@ def majority(train_labels: Sequence, eval_labels: Sequence, multi_label: bool = 
     frequent tag, usually O, so entity F1 is 0). `labels`: the head's label order (binary F1 takes
     labels[1] as positive; default: sorted)."""
     if multi_label:
-        most = Counter(frozenset(y) for y in train_labels).most_common(1)[0][0]
-        return {"baseline": "majority", **_multi_label_scores(train_labels, eval_labels, [most] * len(eval_labels), labels)}
+        most = sorted(Counter(frozenset(y) for y in train_labels).most_common(1)[0][0])
+        answers = [most] * len(eval_labels)
+        return {"baseline": "majority", **_multi_label_scores(train_labels, eval_labels, answers, labels),
+                "answers": answers}
     if _is_token_task(train_labels):
         tag = Counter(t for tags in train_labels for t in tags).most_common(1)[0][0]
-        return {"baseline": "majority", **entity_scores(eval_labels, [[tag] * len(tags) for tags in eval_labels])}
-    answer = Counter(train_labels).most_common(1)[0][0]
-    return {"baseline": "majority", **_sequence_scores(train_labels, eval_labels, [answer] * len(eval_labels), labels)}
+        answers = [[tag] * len(tags) for tags in eval_labels]
+        return {"baseline": "majority", **entity_scores(eval_labels, answers), "answers": answers}
+    answers = [Counter(train_labels).most_common(1)[0][0]] * len(eval_labels)
+    return {"baseline": "majority", **_sequence_scores(train_labels, eval_labels, answers, labels), "answers": answers}
 
 
 def tfidf_features(min_df: int = 2) -> FeatureUnion:
@@ -87,20 +92,20 @@ def tfidf_logreg_scores(train_texts: Sequence, train_labels: Sequence, evaluatio
                                          multi_label, balanced)
     score = _multi_label_scores if multi_label else _sequence_scores
     parts = _cut(predicted, [len(texts) for texts, _ in evaluations])
-    return [{"baseline": "tfidf_logreg", **score(train_labels, eval_labels, answers, labels)}
+    return [{"baseline": "tfidf_logreg", **score(train_labels, eval_labels, answers, labels), "answers": answers}
             for (_, eval_labels), answers in zip(evaluations, parts)]
 
 
 def tfidf_logreg_predictions(train_texts: Sequence, train_labels: Sequence, eval_texts: Sequence,
                              seed: int = 0, multi_label: bool = False, balanced: bool = False) -> list:
-    """The linear baseline's answer for each evaluation text (the model `tfidf_logreg` scores; a set
-    of labels with `multi_label`), for paired comparisons row by row."""
+    """The linear baseline's answer for each evaluation text (the model `tfidf_logreg` scores; a sorted
+    list of labels with `multi_label`)."""
     train_x, eval_x = [_joined(t) for t in train_texts], [_joined(t) for t in eval_texts]
     if multi_label:  # one binary model per label; liblinear is the fast solver for those
         learner = OneVsRestClassifier(LogisticRegression(C=10.0, solver="liblinear", random_state=seed))
         binarizer = MultiLabelBinarizer().fit(train_labels)  # a label no training row has is never answered
         model = fit_on_tfidf(learner, train_x, binarizer.transform(train_labels))
-        return [set(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
+        return [sorted(row) for row in binarizer.inverse_transform(model.predict(eval_x))]
     learner = LogisticRegression(C=10.0, max_iter=2000, random_state=seed,  # multinomial over the labels
                                  class_weight="balanced" if balanced else None)
     return list(fit_on_tfidf(learner, train_x, list(train_labels)).predict(eval_x))
@@ -119,7 +124,7 @@ def window_tagger_scores(train_words: Sequence[Sequence[str]], train_tags: Seque
     predicted = window_tags(train_words, train_tags, [words for eval_words, _ in evaluations for words in eval_words],
                             seed)
     parts = _cut(predicted, [len(eval_words) for eval_words, _ in evaluations])
-    return [{"baseline": "window_tagger", **entity_scores(eval_tags, answers)}
+    return [{"baseline": "window_tagger", **entity_scores(eval_tags, answers), "answers": answers}
             for (_, eval_tags), answers in zip(evaluations, parts)]
 
 
@@ -155,15 +160,7 @@ def _sequence_scores(train_labels, eval_labels, predicted, labels) -> dict:
 
 def _multi_label_scores(train_labels, eval_labels, predicted, labels) -> dict:
     labels = list(labels) if labels else sorted({y for row in [*train_labels, *eval_labels] for y in row})
-    index = {label: i for i, label in enumerate(labels)}
-
-    def multi_hot(rows):
-        out = np.zeros((len(rows), len(labels)), dtype=bool)
-        for r, row in enumerate(rows):
-            out[r, [index[y] for y in row]] = True
-        return out
-
-    return multilabel_scores(multi_hot(eval_labels), multi_hot(predicted), labels)
+    return multilabel_scores(multi_hot(eval_labels, labels), multi_hot(predicted, labels), labels)
 
 
 def _int32_indices(matrix):

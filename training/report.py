@@ -15,7 +15,7 @@ warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", cat
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from training.metrics import optimistic, rows_seen  # noqa: E402
+from training.metrics import LEVEL, optimistic, rows_seen  # noqa: E402
 
 
 def state_name(index: int) -> str:
@@ -140,13 +140,18 @@ def report_text(result) -> str:
     b = m["baselines"]
     lines.append(f"- against simple baselines: {b['verdict']}")
     lines += ["", f"## Baselines on the {b['split']} split ({metric})", "",
-              "| model | " + metric + " | head's margin |", "| --- | ---: | ---: |",
-              f"| this head | {b['head']:.4f} | |"]
+              "| model | " + metric + f" | head's margin | its {LEVEL:.0%} interval |", "| --- | ---: | ---: | ---: |",
+              f"| this head | {b['head']:.4f} | | |"]
     for name in ("majority", "tfidf_logreg", "window_tagger"):
         if name in b and metric in b[name]:
-            lines.append(f"| {name} | {b[name][metric]:.4f} | {b[f'margin_over_{name}']:+.4f} |")
+            interval = b.get(f"margin_over_{name}_interval")
+            lines.append(f"| {name} | {b[name][metric]:.4f} | {b[f'margin_over_{name}']:+.4f} | "
+                         + (f"{interval[0]:+.4f} to {interval[1]:+.4f} |" if interval else "|"))
         elif name in b:
-            lines.append(f"| {name} | not trained: {b[name]['error']} | |")
+            lines.append(f"| {name} | not trained: {b[name]['error']} | | |")
+    if "intervals" in b:
+        lines += ["", f"Intervals: {b['intervals']}; one that holds 0 means these rows cannot tell the head from "
+                      "that baseline."]
     rows = a.get("per_class") or a.get("per_type") or a.get("per_label")
     if rows:
         what = "class" if "per_class" in a else "type" if "per_type" in a else "label"

@@ -596,7 +596,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     # the verdict is on test where there is one; the validation numbers then get the baselines on their own rows
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed, cache=cache,
                         validation=(val_data, metrics) if data.test is not None else None,
-                        balanced=s.class_weights == "balanced")
+                        balanced=s.class_weights == "balanced", thresholds=decoding.get("thresholds"))
     metrics["baselines"] = assessment["baselines"]
     if "validation_baselines" in assessment:
         metrics["validation_baselines"] = assessment["validation_baselines"]
