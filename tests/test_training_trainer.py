@@ -141,10 +141,16 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     rows = [[line.rsplit("\t", 1) for line in f.read_text().splitlines()[1:]] for f in sentiment_files]
     alone = tfidf_logreg([t for t, _ in rows[0]], [named[y] for _, y in rows[0]], [t for t, _ in rows[1]],
                          [named[y] for _, y in rows[1]])
+    interval = baseline["linear"].pop("margin_interval")  # paired bootstrap over the file's rows
     assert baseline["linear"] == {"model": "tfidf_logreg", "accuracy": pytest.approx(alone["accuracy"]),
                                   "margin": pytest.approx(result["metrics"]["accuracy"] - alone["accuracy"], abs=1e-6),
                                   "trained_on": f"the module's {len(rows[0])} training rows"}
     assert f", and {alone['accuracy']:.4f} for tfidf_logreg trained on its training rows" in err
+    assert interval[0] <= baseline["linear"]["margin"] <= interval[1]
+    assert baseline["margin_interval"][0] <= baseline["margin"] <= baseline["margin_interval"][1]
+    assert f"95% paired bootstrap interval {interval[0]:+.4f} to {interval[1]:+.4f}" in err
+    if interval[0] <= 0:  # 24 rows can hardly tell a tiny head from a bag of words
+        assert f"{interval[1]:+.4f}: within the noise of these 24 rows" in err
     # 24 rows: each 4% of them, too few to rank the head against the baseline, said in the JSON and on stderr
     few = "scored on 24 rows only, each 4% of them: too few for these numbers to rank the head against the baselines"
     assert baseline["too_few_rows"] == few and f"; {few}" in err

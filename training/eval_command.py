@@ -72,8 +72,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.task}/{manifest.version} tags the tokens of {manifest.backbone.name!r}, which has "
                              "no name here: it cannot be scored through a bridge")
         answers = Split(data, module.head.labels, Backbone.load(own, device=str(backbone.device)))
+    answered: list = []  # the module's answer per row, for the margins' intervals
     metrics = score_module(split, module, args.batch_size, progress=args.progress,
-                           engine=Engine(backbone, bridges=bridges), answer_split=answers)
+                           engine=Engine(backbone, bridges=bridges), answer_split=answers, probabilities=answered)
     ran, validation_role = run_data(module.manifest), module.manifest.metrics.get("role", "chose the epoch")
     role = file_role(module.manifest.training.get("data", {}), sha256_file(spec.path), validation_role,
                      args.split if args.file else None, held_out=lambda: rows_learnt(data, ran, validation_role))
@@ -83,7 +84,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "file": str(spec.path), **({"split": args.split or "validation"} if args.split or args.dataset else {}),
               "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
-              "metrics": metrics, "baseline": eval_baseline(data, module, metrics, ran)}
+              "metrics": metrics, "baseline": eval_baseline(split, module, metrics, ran, answered)}
     text = json.dumps(result, indent=2)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -278,44 +279,60 @@ def eval_module(args: argparse.Namespace, store, manifest):
     return backbone, module, bridges, named_for(module.manifest.backbone.name)
 
 
-def eval_baseline(data, module, metrics: dict, ran: tuple) -> dict:
+def eval_baseline(split, module, metrics: dict, ran: tuple, probabilities: list) -> dict:
     """The simple answers on the same rows beside the module's score, also said on stderr: every row
     given the file's own most frequent label (chosen on this file, so the best any constant answer
     scores here: no head should need a backbone to beat it), and the linear model (TF-IDF + logistic
     regression, the window tagger for token tasks) trained on the module's training rows (`ran`:
-    `run_data`), as tmod-train compared it: does the head beat a bag of words on this file?"""
+    `run_data`), as tmod-train compared it: does the head beat a bag of words on this file? Each
+    margin with its paired bootstrap interval (the module's `probabilities` as `score_module` gives
+    them); one that holds 0 is said to be within the noise of the file's rows."""
     from modules_store import TaskType
     from server.backbone.sources import default_cache_dir
-    from training.assess import baseline_runs, linear_baseline, too_few
+    from training.assess import baseline_runs, head_answers, linear_baseline, too_few
     from training.baselines import majority
+    from training.metrics import LEVEL, drawn_unit, margin_interval
 
-    task_type = module.manifest.task_type
-    gold = [ex.tags if task_type == TaskType.token_classification else ex.label for ex in data.examples]
-    constant = majority(gold, gold, multi_label=task_type == TaskType.multi_label_classification,
-                        labels=module.head.labels)
+    data, task_type, labels = split.data, module.manifest.task_type, module.head.labels
+    gold, answered = head_answers(split, probabilities, (module.manifest.decoding or {}).get("thresholds"))
+    constant = majority(gold, gold, multi_label=task_type == TaskType.multi_label_classification, labels=labels)
+    seed = module.manifest.training.get("settings", {}).get("seed", 0)
     metric = module.manifest.metrics.get("metric") or next(k for k in ("f1", "accuracy", "f1_macro") if k in metrics)
-    answered = {TaskType.token_classification: "every word tagged with the file's most frequent tag",
-                TaskType.multi_label_classification: "every row answered with the file's most frequent label set"
-                }.get(task_type, "every row answered with the file's most frequent label")
+    constant_is = {TaskType.token_classification: "every word tagged with the file's most frequent tag",
+                   TaskType.multi_label_classification: "every row answered with the file's most frequent label set"
+                   }.get(task_type, "every row answered with the file's most frequent label")
+
+    def noise(other: dict, into: dict) -> str:
+        """The margin's interval over `other`'s answers, kept in `into`; its words for stderr."""
+        interval = answered and margin_interval(task_type, metric, gold, answered, other["answers"], labels, seed)
+        if not interval:
+            return ""
+        into["margin_interval"] = [round(end, 6) for end in interval]
+        return (f", {LEVEL:.0%} paired bootstrap interval {interval[0]:+.4f} to {interval[1]:+.4f}"
+                + (f": within the noise of these {len(gold)} {drawn_unit(task_type)}"
+                   if interval[0] <= 0 else ""))
+
     baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
-                "margin": round(metrics[metric] - constant[metric], 6), "majority_in_file_is": f"{answered} (chosen on it)"}
-    said = f"{metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {answered} ({baseline['margin']:+.4f})"
+                "margin": round(metrics[metric] - constant[metric], 6),
+                "majority_in_file_is": f"{constant_is} (chosen on it)"}
+    said = (f"{metric} {metrics[metric]:.4f} against {constant[metric]:.4f} for {constant_is} "
+            f"({baseline['margin']:+.4f}{noise(constant, baseline)})")
     run, why = ran
     name = linear_baseline(task_type)
     if run is None:
         baseline["linear"] = {"model": name, "not_fitted": why}
     else:
-        settings = module.manifest.training["settings"]
         rows = run.train
         print(f"tmod-train eval: fitting the linear baseline ({name}) on the module's {len(rows):,} training rows "
               "(kept in the cache for the next eval of this file)", file=sys.stderr)
-        [(_, linear)] = baseline_runs(rows, [data], module.head.labels, settings.get("seed", 0),
-                                      default_cache_dir() / "baselines", settings.get("class_weights") == "balanced")
+        [(_, linear)] = baseline_runs(rows, [data], labels, seed, default_cache_dir() / "baselines",
+                                      module.manifest.training["settings"].get("class_weights") == "balanced")
         if metric in linear:
             baseline["linear"] = {"model": name, metric: linear[metric],
                                   "margin": round(metrics[metric] - linear[metric], 6),
                                   "trained_on": f"the module's {len(rows)} training rows"}
-            said += f", and {linear[metric]:.4f} for {name} trained on its training rows ({baseline['linear']['margin']:+.4f})"
+            said += (f", and {linear[metric]:.4f} for {name} trained on its training rows "
+                     f"({baseline['linear']['margin']:+.4f}{noise(linear, baseline['linear'])})")
         else:
             baseline["linear"] = {"model": name, "error": linear.get("error", f"it scores no {metric}")}
     caveat = too_few(len(gold))
