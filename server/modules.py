@@ -238,14 +238,22 @@ def measured_through(bridge_manifest, manifest: Manifest) -> tuple[str, bool]:
 
 
 def no_better_than_majority(manifest: Manifest) -> str | None:
-    """What its training run measured where a module answers no better than the majority answer (the
-    manifest's `metrics.baselines`), said where it is loaded; None where it does better or is unmeasured."""
+    """What its training run measured where a module answers no better than the majority answer, or
+    better by a margin within the noise of the rows scored (its paired bootstrap interval holds 0), as
+    the manifest's `metrics.baselines` records them, said where it is loaded; None where it does
+    better or is unmeasured."""
     b = (manifest.metrics or {}).get("baselines") or {}
     majority = (b.get("majority") or {}).get(b.get("metric"))
-    if majority is None or b.get("head") is None or b["head"] > majority:
+    if majority is None or b.get("head") is None:
         return None
-    return (f"its training scored it no better than the majority answer on the {b['split']} split ({b['metric']} "
-            f"{b['head']:.4f} against {majority:.4f})")
+    scores = f"({b['metric']} {b['head']:.4f} against {majority:.4f}"
+    if b["head"] <= majority:
+        return f"its training scored it no better than the majority answer on the {b['split']} split {scores})"
+    interval = b.get("margin_over_majority_interval")
+    if interval and interval[0] <= 0:
+        return (f"its training could not tell it from the majority answer on the {b['split']} split {scores}; the "
+                f"margin's 95% paired bootstrap interval {interval[0]:+.4f} to {interval[1]:+.4f} holds 0)")
+    return None
 
 
 def count_parameters(module: torch.nn.Module) -> int:
