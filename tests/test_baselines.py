@@ -190,7 +190,8 @@ def test_every_shipped_number_says_what_chose_it_and_what_a_simple_model_scores(
 
 def test_the_shipped_comparison_is_what_the_baselines_score_again(tmp_path, monkeypatch):
     """bench/quality.py's write_module_baselines, run afresh (empty cache) on a copy of a shipped module
-    without its comparison, writes the comparison the module ships with (RTE: seconds to train)."""
+    without its comparison, then write_margin_intervals (the module scored again on its validation
+    rows), write the comparison the module ships with (RTE: seconds to train)."""
     import importlib.util
     import json
     import shutil
@@ -208,6 +209,7 @@ def test_the_shipped_comparison_is_what_the_baselines_score_again(tmp_path, monk
     quality = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quality)
     quality.write_module_baselines(tmp_path / "store")
+    quality.write_margin_intervals(tmp_path / "store")
     written = json.loads((tmp_path / "store/entailment/1/manifest.json").read_text())
     assert {**written, "metrics": {}} == {**shipped, "metrics": {}}  # nothing but the metrics touched
     ours, theirs = written["metrics"]["baselines"], shipped["metrics"]["baselines"]
@@ -216,7 +218,44 @@ def test_the_shipped_comparison_is_what_the_baselines_score_again(tmp_path, monk
     assert ours.keys() == theirs.keys() and "the validation split also" not in ours["verdict"]
     for run in ("majority", "tfidf_logreg"):  # within one of 277 rows: another CPU's float sums may flip a tie
         assert ours[run]["accuracy"] == pytest.approx(theirs[run]["accuracy"], abs=1.01 / 277)
+        # the same draws of the same rows: a flipped tie moves an end by a row or two
+        assert ours[f"margin_over_{run}_interval"] == pytest.approx(theirs[f"margin_over_{run}_interval"], abs=2.01 / 277)
     assert any((tmp_path / "cache/baselines").iterdir())  # trained here, not read from an earlier run's cache
+
+
+def test_intervals_are_not_written_beside_scores_that_cannot_be_measured_again(tmp_path, monkeypatch, capsys):
+    """write_margin_intervals scores a shipped module and fits its baselines again for the answers the
+    intervals draw: where its recorded linear score is not what it scores again (here moved by 0.01),
+    the intervals would be of other answers than the recorded margin's, so the module is left as it is,
+    and said; where it is, the recorded scores stay and only the intervals and the verdict are added."""
+    import importlib.util
+    import json
+    import shutil
+    from pathlib import Path
+
+    if not preset_spec(PRESETS["rte"], "validation").path.is_file():
+        pytest.skip(f"shared data not found at {default_data_dir()}")
+    repo = Path(__file__).resolve().parents[1]
+    shipped = json.loads((repo / "modules_store/entailment/1/manifest.json").read_text())
+    earlier = {k: v for k, v in shipped["metrics"]["baselines"].items() if not k.startswith("interval")
+               and not k.endswith("_interval")}
+    moved = {**earlier, "tfidf_logreg": {**earlier["tfidf_logreg"], "accuracy": earlier["tfidf_logreg"]["accuracy"] + 0.01}}
+    for version, baselines in (("1", moved), ("2", earlier)):
+        shutil.copytree(repo / "modules_store/entailment/1", tmp_path / f"store/entailment/{version}")
+        written = {**shipped, "version": version, "metrics": {**shipped["metrics"], "baselines": baselines}}
+        (tmp_path / f"store/entailment/{version}/manifest.json").write_text(json.dumps(written, indent=2) + "\n")
+    monkeypatch.setenv("TMOD_CACHE_DIR", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location("bench_quality", repo / "bench/quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    quality.write_margin_intervals(tmp_path / "store")
+    said = capsys.readouterr().out
+    assert "entailment/1: left as it is: scored here (again, recorded)" in said
+    assert json.loads((tmp_path / "store/entailment/1/manifest.json").read_text())["metrics"]["baselines"] == moved
+    again = json.loads((tmp_path / "store/entailment/2/manifest.json").read_text())["metrics"]["baselines"]
+    assert again["tfidf_logreg"] == earlier["tfidf_logreg"] and again["majority"] == earlier["majority"]
+    assert again["margin_over_majority_interval"][0] <= 0  # 277 rows: within the noise, said in the verdict
+    assert f"entailment/2: {again['verdict']}" in said and "within the noise of these 277 rows" in again["verdict"]
 
 
 def test_tfidf_logreg_on_a_toy_file_whose_words_each_appear_once():
