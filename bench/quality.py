@@ -212,18 +212,19 @@ def write_margin_intervals(store: Path, modules: list[str] | None = None) -> Non
         gold, answered = head_answers(split, probabilities, (manifest.get("decoding") or {}).get("thresholds"))
 
         def fit(train):
+            """(the baselines fitted on `train`, {name: (its score here, its recorded score)}, the largest
+            difference; inf where one was not trained here or then)."""
             runs = baseline_runs(train, [data.validation], labels, settings.seed, default_cache_dir() / "baselines",
                                  settings.class_weights == "balanced")[0]
-            then = [earlier.get(run["baseline"], {}).get(metric) for run in runs]  # None: not trained then
-            return runs, max(abs(run[metric] - score) if metric in run and score is not None else float("inf")
-                             for run, score in zip(runs, then))
+            scores = {run["baseline"]: (run.get(metric), earlier.get(run["baseline"], {}).get(metric)) for run in runs}
+            return runs, scores, max(abs(again - then) if None not in (again, then) else float("inf")
+                                     for again, then in scores.values())
 
-        runs, off = fit(data.train)
+        runs, scores, off = fit(data.train)
         if off > 1e-9 and settings.document_windows:  # tmod-train fitted them on the windows too
-            runs, off = min((runs, off), fit(add_document_windows(data.train, dict(data.provenance), backbone,
-                                                                  settings.document_windows)), key=lambda r: r[1])
-        scores = {"head": (rescored, earlier["head"]), **{run["baseline"]: (run[metric], earlier[run["baseline"]][metric])
-                                                          for run in runs if metric in run}}
+            runs, scores, off = min((runs, scores, off), fit(add_document_windows(
+                data.train, dict(data.provenance), backbone, settings.document_windows)), key=lambda fitted: fitted[2])
+        scores = {"head": (rescored, earlier["head"]), **scores}
         if max(off, abs(rescored - earlier["head"])) > max(AGAIN, AGAIN_ROWS / len(gold)):
             print(f"{name}: left as it is: scored here (again, recorded) {scores}", flush=True)
             continue
