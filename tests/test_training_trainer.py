@@ -597,6 +597,10 @@ def test_a_test_file_sharing_training_texts_is_not_called_unseen(tmp_path, train
                                    [r[1] for r in rows])  # the same rows, fitted for them alone
     assert beside["tfidf_logreg"]["accuracy"] == pytest.approx(alone["accuracy"])
     assert beside["majority"]["examples"] == 8 and "accuracy" in beside["tfidf_logreg"]
+    for name in ("majority", "tfidf_logreg"):  # the head's validation answers beside theirs, as on test
+        low, high = beside[f"margin_over_{name}_interval"]
+        assert low <= beside[f"margin_over_{name}"] <= high
+    assert "1000 draws of these 8 rows" in beside["intervals"] and "verdict" not in beside
     validation_line = next(line for line in report.splitlines() if line.startswith("- validation accuracy"))
     assert validation_line.endswith(f"; majority {beside['majority']['accuracy']:.4f}, tfidf_logreg "
                                     f"{beside['tfidf_logreg']['accuracy']:.4f} on the same rows)")

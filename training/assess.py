@@ -18,27 +18,33 @@ WORST = 10  # confidently wrong examples listed
 
 
 def assess(train: LabelledData, evaluated: Split, probabilities: list, head: dict, metric: str, seed: int = 0,
-           cache=None, validation: tuple[LabelledData, dict] | None = None, balanced: bool = False,
+           cache=None, validation: tuple[Split, dict, list] | None = None, balanced: bool = False,
            thresholds: dict | None = None) -> dict:
     """`head`: the head's metrics on `evaluated` (with its `split` name); `probabilities`: its label
     probabilities per row (sequence and multi-label tasks, the latter answered at `thresholds`, label
     -> threshold), its word tags per sentence (token tasks); `cache`: a folder keeping the linear
     baseline's result for a later run on the same data (`baselines.cached_run`); `validation`: where
-    `evaluated` is the test split, the validation rows and the head's metrics on them, which get the
-    baselines too (from the same fit) as `validation_baselines`; `balanced`: the head was trained with
+    `evaluated` is the test split, the validation rows, the head's metrics and probabilities on them,
+    which get the baselines too (from the same fit) as `validation_baselines`; `balanced`: the head was trained with
     --class-weights balanced, and the linear model is too."""
     examples, labels = evaluated.data.examples, evaluated.labels
     kind = evaluated.data.task_type
-    runs = baseline_runs(train, [evaluated.data, *([validation[0]] if validation else [])], labels, seed, cache,
+    runs = baseline_runs(train, [evaluated.data, *([validation[0].data] if validation else [])], labels, seed, cache,
                          balanced)
     gold, answered = head_answers(evaluated, probabilities, thresholds)
+
+    def paired(gold, answered):  # what `against_baselines` draws its intervals from, where there are answers
+        return (gold, answered, labels) if answered is not None else None
+
     baselines = against_baselines(runs[0], head, metric, kind, balanced=balanced, seed=seed,
-                                  paired=(gold, answered, labels) if answered is not None else None)
+                                  paired=paired(gold, answered))
     out = {"split": head["split"], "metric": metric, "head": head, "baselines": baselines}
     if validation:
         # no verdict of their own: the verdict is the test split's (one that told to add a test split misled)
-        out["validation_baselines"] = against_baselines(runs[1], validation[1], metric, kind, with_verdict=False,
-                                                        balanced=balanced)
+        split, scores, split_probabilities = validation
+        out["validation_baselines"] = against_baselines(
+            runs[1], scores, metric, kind, with_verdict=False, balanced=balanced, seed=seed,
+            paired=paired(*head_answers(split, split_probabilities, thresholds)))
     if kind == TaskType.sequence_classification:
         probs, pred = np.stack(probabilities), answered
         out["per_class"] = per_class_scores(gold, pred, labels)

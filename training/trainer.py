@@ -426,10 +426,11 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
 
 
 def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: list[str], backbone: Backbone,
-                  s: TrainSettings, epoch_chosen: bool) -> tuple[dict, dict, Split, list]:
+                  s: TrainSettings, epoch_chosen: bool) -> tuple[dict, dict, Split, list, list]:
     """The kept head measured the way the server runs it: on validation (which chose the epoch where
     `epoch_chosen`, and here any decision threshold) and on the test split (which chose nothing).
-    -> (metrics, the decoding thresholds chosen, the split the baselines are scored on, its probabilities)."""
+    -> (metrics, the decoding thresholds chosen, the split the baselines are scored on, its probabilities,
+    the validation split's probabilities)."""
     task_type, metric, val_data = data.train.task_type, s.metric, data.validation
     decoding, thresholds = {}, None
     val_probabilities: list = []
@@ -463,7 +464,7 @@ def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: 
         if "threshold" in decoding and task_type == TaskType.sequence_classification:
             metrics["test"]["none_of_these"] = answered_scores([ex.label for ex in data.test.examples],
                                                                np.stack(probabilities), labels, decoding["threshold"])
-    return metrics, decoding, evaluated, probabilities
+    return metrics, decoding, evaluated, probabilities, val_probabilities
 
 
 def say_what_the_data_holds(s: TrainSettings, train_data, labels: list[str], provenance: dict) -> None:
@@ -590,12 +591,13 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         param.requires_grad_(False)
     served = LoadedModule(task=task, version=s.version, manifest=None, head=head)  # the numbers that ship
     # validation chose among epochs only where the run kept its best of several
-    metrics, decoding, evaluated, probabilities = served_scores(served, val_split, data, labels, backbone, s,
+    metrics, decoding, evaluated, probabilities, val_probabilities = served_scores(served, val_split, data, labels,
+                                                                                   backbone, s,
                                                                 s.select == "best" and len(result.history) > 1)
     cache = default_cache_dir() / "baselines" if s.state_cache else None
     # the verdict is on test where there is one; the validation numbers then get the baselines on their own rows
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed, cache=cache,
-                        validation=(val_data, metrics) if data.test is not None else None,
+                        validation=(val_split, metrics, val_probabilities) if data.test is not None else None,
                         balanced=s.class_weights == "balanced", thresholds=decoding.get("thresholds"))
     metrics["baselines"] = assessment["baselines"]
     if "validation_baselines" in assessment:
