@@ -10,8 +10,8 @@ import numpy as np
 from modules_store import TaskType
 from training.baselines import cached_run, majority, tfidf_logreg_scores, window_tagger_scores
 from training.data.examples import LabelledData
-from training.metrics import (LEVEL, ROUNDS, confusion_matrix, drawn_unit, entities, margin_interval, optimistic,
-                              per_class_scores)
+from training.metrics import (LEVEL, ROUNDS, confusion_matrix, drawn_unit, entities, interval_text, margin_interval,
+                              optimistic, per_class_scores)
 from training.states import Split
 
 WORST = 10  # confidently wrong examples listed
@@ -225,7 +225,7 @@ def verdict(baselines: dict, kind: TaskType) -> str:
     if over_majority and over_majority[0] <= 0:
         return (f"above the majority answer on the {split} split by {head - majority_score:+.4f} {metric}, but within "
                 f"the noise of these {rows} {unit} ({LEVEL:.0%} paired bootstrap interval of the margin: "
-                f"{_interval(over_majority)}): not shown to have learnt this task; more scored {unit} can tell"
+                f"{interval_text(over_majority)}): not shown to have learnt this task; more scored {unit} can tell"
                 + caveat)
     if head <= linear_score:
         return (f"above the majority answer but no better than the linear model ({linear}) on the {split} split "
@@ -234,16 +234,13 @@ def verdict(baselines: dict, kind: TaskType) -> str:
     if over_linear and over_linear[0] <= 0:
         return (f"above the majority answer on the {split} split ({metric} {head - majority_score:+.4f}), but level "
                 f"with the linear model ({linear}) within the noise of these {rows} {unit}: {head - linear_score:+.4f} "
-                f"over it, {LEVEL:.0%} paired bootstrap interval of the margin {_interval(over_linear)}: not shown "
+                f"over it, {LEVEL:.0%} paired bootstrap interval of the margin {interval_text(over_linear)}: not shown "
                 f"better than the linear model; more scored {unit} can tell" + caveat)
     intervals = (f" ({LEVEL:.0%} paired bootstrap intervals of the margins over these {rows} {unit}: "
-                 f"{_interval(over_majority)} and {_interval(over_linear)})" if over_majority and over_linear else "")
+                 f"{interval_text(over_majority)} and {interval_text(over_linear)})"
+                 if over_majority and over_linear else "")
     return (f"above both baselines on the {split} split: {metric} {head - majority_score:+.4f} over the majority "
             f"answer, {head - linear_score:+.4f} over the linear model ({linear}){intervals}" + caveat)
-
-
-def _interval(interval: list[float]) -> str:
-    return f"{interval[0]:+.4f} to {interval[1]:+.4f}"
 
 
 def _text(example):

@@ -313,6 +313,11 @@ ROUNDS = 1000
 LEVEL = 0.95
 
 
+def interval_text(interval: Sequence[float]) -> str:
+    """A margin's interval as every report writes it: '-0.0092 to +0.0241'."""
+    return f"{interval[0]:+.4f} to {interval[1]:+.4f}"
+
+
 def drawn_unit(kind: TaskType) -> str:
     """What `margin_interval` draws: a token task's sentences, another task's rows."""
     return "sentences" if kind == TaskType.token_classification else "rows"

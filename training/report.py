@@ -15,7 +15,7 @@ warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", cat
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from training.metrics import LEVEL, optimistic, rows_seen  # noqa: E402
+from training.metrics import LEVEL, interval_text, optimistic, rows_seen  # noqa: E402
 
 
 def state_name(index: int) -> str:
@@ -146,7 +146,7 @@ def report_text(result) -> str:
         if name in b and metric in b[name]:
             interval = b.get(f"margin_over_{name}_interval")
             lines.append(f"| {name} | {b[name][metric]:.4f} | {b[f'margin_over_{name}']:+.4f} | "
-                         + (f"{interval[0]:+.4f} to {interval[1]:+.4f} |" if interval else "|"))
+                         + (f"{interval_text(interval)} |" if interval else "|"))
         elif name in b:
             lines.append(f"| {name} | not trained: {b[name]['error']} | | |")
     if "intervals" in b:

@@ -591,9 +591,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
         param.requires_grad_(False)
     served = LoadedModule(task=task, version=s.version, manifest=None, head=head)  # the numbers that ship
     # validation chose among epochs only where the run kept its best of several
-    metrics, decoding, evaluated, probabilities, val_probabilities = served_scores(served, val_split, data, labels,
-                                                                                   backbone, s,
-                                                                s.select == "best" and len(result.history) > 1)
+    metrics, decoding, evaluated, probabilities, val_probabilities = served_scores(
+        served, val_split, data, labels, backbone, s, s.select == "best" and len(result.history) > 1)
     cache = default_cache_dir() / "baselines" if s.state_cache else None
     # the verdict is on test where there is one; the validation numbers then get the baselines on their own rows
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed, cache=cache,
