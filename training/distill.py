@@ -1,7 +1,7 @@
 """Knowledge distillation for token heads (`tmod-train ... --distill-from TASK/VERSION`).
 
-A stored module, the teacher (e.g. the quality tier's `ner/mpnet-2`), tags every word of the
-training file once; the student learns from a mix of the gold tags' cross-entropy and the KL
+A stored module, the teacher (e.g. the quality tier's `ner/mpnet-2`), tags every word the run
+trains on once; the student learns from a mix of the gold tags' cross-entropy and the KL
 divergence towards the teacher's tag distribution of each word (Hinton et al., 2015):
 
     loss = (1 - w) * CE(gold) + w * T^2 * KL(softmax(teacher / T) || softmax(student / T))
@@ -12,11 +12,12 @@ The two backbones tokenize differently, so the two are aligned by the data's WOR
 logits of a word are read at the word's first sub-token, as scoring and the server read a word
 (`training.evaluate.word_values`). The teacher reads each training sentence once, through the
 served path (`training.evaluate.served_logits`: Engine.logits on its own backbone at the precision
-it was trained at); every training row, a sentence or a document window (training/data/conll.py), knows
+it was trained at), only the sentences that hold a training word (--max-train and --split leave most
+of a large file out); every training row, a sentence or a document window (training/data/conll.py), knows
 where its words start among the file's words (`TokenExample.file_offset`) and looks their teacher
 logits up there. The teacher's word logits are kept in $TMOD_CACHE_DIR/teacher/<key>.safetensors
-(key: the teacher's weights and backbone, its precision, the training file), so a later run with
-the same teacher and file does not run it again.
+(key: the teacher's weights and backbone, its precision, the training file) with a mask of the
+sentences read so far, so a later run with the same teacher and file reads only those it lacks.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ from server.backbone.sources import default_cache_dir, named_for
 from server.modules import load_module
 from server.probe import probe_module
 from training.data.conll import read_conll
+from training.data.examples import LabelledData
 from training.data.files import UsageError
 from training.data.word_tags import word_first_tokens
 from training.evaluate import served_logits, word_values
@@ -45,8 +48,7 @@ from training.splits import module_folder
 from training.runs import write_cache_file
 from training.states import Split
 
-TEACHER_FORMAT = 1
-# the backbone a manifest names -> the name `Backbone.load` knows it by
+TEACHER_FORMAT = 2  # 2: a `tagged` mask (sentences read so far)
 
 
 def distill_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -86,9 +88,13 @@ class TeacherWords:
 
 
 def teacher_words(spec: str, train_file: str | Path, backbone_spec: str | None = None, device: str = "cpu",
-                  batch_size: int = 128, progress: bool = True, cache_dir: Path | None = None) -> TeacherWords:
-    """The teacher's word logits for every sentence of `train_file` (a CoNLL file), read from the
-    cache or computed once through the served path and cached."""
+                  batch_size: int = 128, progress: bool = True, cache_dir: Path | None = None,
+                  rows: Sequence | None = None) -> TeacherWords:
+    """The teacher's word logits of `train_file` (a CoNLL file) wherever `rows` (the examples a run
+    trains on: sentences and document windows, each knowing its file_offset; default: the whole
+    file) hold a word: the file's sentences that hold one are tagged, the others not (with
+    --max-train or --split, most of a large file). The cache keeps every sentence tagged so far, so a
+    later run with the same teacher and file tags only the sentences it lacks."""
     store, task, version = resolve_teacher(spec)
     manifest = store.read_manifest(task, version)
     if manifest.task_type != TaskType.token_classification:
@@ -105,39 +111,45 @@ def teacher_words(spec: str, train_file: str | Path, backbone_spec: str | None =
         "precision": precision, "file": file_sha}, sort_keys=True).encode()).hexdigest()
     path = (cache_dir or default_cache_dir() / "teacher") / f"{key}.safetensors"
     words = [w for ex in data.examples for w in ex.words]
-    about = {"teacher": f"{task}/{version}", "teacher_weights_sha256": manifest.weights_sha256,
-             "teacher_backbone": manifest.backbone.name, "teacher_precision": precision,
-             "train_file_sha256": file_sha, "words": len(words), "cache_key": key}
+    wanted = np.zeros(len(words), dtype=bool)
+    for example in (data.examples if rows is None else rows):
+        wanted[example.file_offset:example.file_offset + len(example.words)] = True
+    sentences = [ex for ex in data.examples if wanted[ex.file_offset:ex.file_offset + len(ex.words)].any()]
     gold = [t for ex in data.examples for t in ex.tags]
     cached = read_cache(path, len(words))
-    if cached is not None:
-        logits, has_token, labels = cached
-        about.update(from_cache=True, teacher_train_word_accuracy=word_accuracy(logits, has_token, labels, gold))
-        return TeacherWords(words, logits, has_token, labels, about)
-
-    started = time.perf_counter()
-    backbone = Backbone.load(backbone_spec, device=device)
-    if precision != "fp32":  # the states it was trained (and is scored) on
-        backbone = backbone.use_backend("torch", precision)
-    module = load_module(store, task, version, backbone, device=device, probe=probe_module)
-    labels = list(module.head.labels)
-    split = Split(data, labels, backbone)
-    logits = np.zeros((len(words), len(labels)), dtype=np.float32)
-    has_token = np.zeros(len(words), dtype=bool)
-    tqdm.write(f"teacher {task}/{version} ({manifest.backbone.name}, {precision}): tagging {len(words)} words of "
-               f"{len(split)} training sentences once", file=sys.stderr)
-    for rows, batch_logits in served_logits(split, module, batch_size, progress):
-        batch_logits = batch_logits.float().cpu().numpy()
-        for i, r in enumerate(rows):
-            values, has = word_values(split, r, batch_logits[i])
-            offset = data.examples[r].file_offset
-            logits[offset:offset + len(values)] = values
-            has_token[offset:offset + len(values)] = has
-    seconds = time.perf_counter() - started
-    write_cache(path, logits, has_token, labels)
-    about.update(from_cache=False, teacher_seconds=round(seconds, 1), teacher_tokens=sum(split.lengths),
-                 teacher_train_word_accuracy=word_accuracy(logits, has_token, labels, gold))
-    return TeacherWords(words, logits, has_token, labels, about)
+    logits, has_token, tagged, labels = cached or (None, np.zeros(len(words), dtype=bool),
+                                                    np.zeros(len(words), dtype=bool), None)
+    missing = [ex for ex in sentences if not tagged[ex.file_offset:ex.file_offset + len(ex.words)].all()]
+    about = {"teacher": f"{task}/{version}", "teacher_weights_sha256": manifest.weights_sha256,
+             "teacher_backbone": manifest.backbone.name, "teacher_precision": precision,
+             "train_file_sha256": file_sha, "words": int(wanted.sum()), "sentences": len(sentences),
+             "sentences_tagged_now": len(missing), "cache_key": key}
+    if missing:
+        started = time.perf_counter()
+        backbone = Backbone.load(backbone_spec, device=device)
+        if precision != "fp32":  # the states it was trained (and is scored) on
+            backbone = backbone.use_backend("torch", precision)
+        module = load_module(store, task, version, backbone, device=device, probe=probe_module)
+        labels = list(module.head.labels)
+        if logits is None:
+            logits = np.zeros((len(words), len(labels)), dtype=np.float32)
+        split = Split(LabelledData(data.task_type, missing, data.source), labels, backbone)
+        tqdm.write(f"teacher {task}/{version} ({manifest.backbone.name}, {precision}): tagging "
+                   f"{sum(len(ex.words) for ex in missing)} words of {len(missing)} training sentences once "
+                   f"(of the file's {len(data.examples)}; kept for later runs)", file=sys.stderr)
+        for batch_rows, batch_logits in served_logits(split, module, batch_size, progress):
+            batch_logits = batch_logits.float().cpu().numpy()
+            for i, r in enumerate(batch_rows):
+                values, has = word_values(split, r, batch_logits[i])
+                offset = missing[r].file_offset
+                logits[offset:offset + len(values)] = values
+                has_token[offset:offset + len(values)] = has
+                tagged[offset:offset + len(values)] = True
+        write_cache(path, logits, has_token, tagged, labels)
+        about.update(teacher_seconds=round(time.perf_counter() - started, 1), teacher_tokens=sum(split.lengths))
+    about.update(from_cache=not missing,
+                 teacher_train_word_accuracy=word_accuracy(logits, has_token & wanted, labels, gold))
+    return TeacherWords(words, logits, has_token & wanted, labels, about)
 
 
 def word_accuracy(logits: np.ndarray, has_token: np.ndarray, labels: list[str], gold: list[str]) -> float:
@@ -147,7 +159,8 @@ def word_accuracy(logits: np.ndarray, has_token: np.ndarray, labels: list[str], 
     return round(float((predicted == np.array(gold))[has_token].mean()), 4)
 
 
-def read_cache(path: Path, words: int) -> tuple[np.ndarray, np.ndarray, list[str]] | None:
+def read_cache(path: Path, words: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]] | None:
+    """(logits, has_token, tagged: the words whose sentence the teacher read, labels), or None."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -156,16 +169,18 @@ def read_cache(path: Path, words: int) -> tuple[np.ndarray, np.ndarray, list[str
         with safe_open(str(path), "np") as fh:
             labels = json.loads(fh.metadata()["labels"])
             logits, has_token = fh.get_tensor("logits"), fh.get_tensor("has_token").astype(bool)
+            tagged = fh.get_tensor("tagged").astype(bool)
     except Exception as exc:  # a damaged file is recomputed, whatever the damage
         tqdm.write(f"ignoring the teacher cache {path}: {exc} (recomputing)", file=sys.stderr)
         return None
-    return (logits, has_token, labels) if logits.shape[0] == words else None
+    return (logits, has_token, tagged, labels) if logits.shape[0] == words else None
 
 
-def write_cache(path: Path, logits: np.ndarray, has_token: np.ndarray, labels: list[str]) -> None:
+def write_cache(path: Path, logits: np.ndarray, has_token: np.ndarray, tagged: np.ndarray, labels: list[str]) -> None:
     from safetensors.numpy import save_file
 
-    write_cache_file(path, lambda tmp: save_file({"logits": logits, "has_token": has_token.astype(np.uint8)}, tmp,
+    write_cache_file(path, lambda tmp: save_file({"logits": logits, "has_token": has_token.astype(np.uint8),
+                                                           "tagged": tagged.astype(np.uint8)}, tmp,
                                                  metadata={"labels": json.dumps(labels)}))
 
 

@@ -579,7 +579,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     teacher, distillation = None, None
     if s.distill_from:
         words = teacher_words(s.distill_from, provenance["train_file"], s.distill_backbone, device=str(device),
-                              batch_size=s.eval_batch_size, progress=s.progress)
+                              batch_size=s.eval_batch_size, progress=s.progress, rows=train_split.data.examples)
         teacher = DistillTargets(train_split, words, s.distill_temperature, s.distill_weight)
         distillation = {**words.about, "temperature": s.distill_temperature, "weight": s.distill_weight,
                         "training_words_with_teacher": int(sum(len(p) for p in teacher.positions))}
