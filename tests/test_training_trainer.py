@@ -942,9 +942,24 @@ def test_long_steps_write_plain_progress_lines_where_there_are_no_bars(sentiment
                  "--run-dir", str(tmp_path / "run"), "--epochs", "1", "--batch-size", "16", "--no-progress"]) == 0
     lines = capsys.readouterr().err.splitlines()
     said = "\n".join(lines)
-    assert re.search(r"^caching train states: 48/48 ex \(100%\) in \d+ s, ~0 s left$", said, re.M)  # its last line
+    assert re.search(r"^caching train states: (\d+)/\1 tok \(100%\) in \d+ s, ~0 s left$", said, re.M)  # its last line
     assert re.search(r"^epoch 1/1: 3/3 batch \(100%\) in \d+ s, ~0 s left  loss \d\.\d{4}$", said, re.M)
     assert not [line for line in lines if "\r" in line or "\x1b" in line]  # no terminal codes in a log
+
+
+def test_a_pass_in_length_order_counts_its_progress_in_padded_word_pieces(train_backbone, capsys, monkeypatch):
+    """Rows go to the backbone shortest first, so counting rows (or batches) said "~350 s left" of a
+    teacher's pass for seven minutes and it ended 17 minutes later; padded word pieces keep pace."""
+    from training import progress
+    from training.states import TokenStateCache
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    texts = [" ".join(["word"] * n) for n in (40, 2, 3, 30, 2, 5)]
+    encoded = train_backbone.encode(texts)
+    TokenStateCache(train_backbone, encoded, [1], batch_size=2, progress=False, desc="caching")
+    counts = [tuple(map(int, m)) for m in re.findall(r"^caching: (\d+)/(\d+) tok", capsys.readouterr().err, re.M)]
+    lengths = sorted(len(e) for e in encoded)  # batches of two, shortest first, each padded to its longer
+    done = [2 * lengths[1], 2 * lengths[1] + 2 * lengths[3], 2 * (lengths[1] + lengths[3] + lengths[5])]
+    assert counts == [(n, done[-1]) for n in done]
 
 
 def test_word_pieces_the_vocabulary_lacks_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):

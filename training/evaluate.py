@@ -17,7 +17,7 @@ from server.modules import LoadedModule
 from training.data.word_tags import word_first_tokens
 from training.metrics import classification_scores, entity_scores, multilabel_scores
 from training.progress import progress_of
-from training.states import Split
+from training.states import Split, padded_tokens
 
 
 def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
@@ -75,8 +75,12 @@ def served_logits(split: Split, module: LoadedModule, batch_size: int = 128, pro
                   engine: Engine | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
     """(rows, the module's logits) for batches of `split`, through the served path (Engine.logits)."""
     engine = engine or Engine(split.backbone)
-    for rows in progress_of(split.batches(batch_size), bars=progress, desc=f"scoring {module.task}", unit="batch"):
-        yield rows, engine.logits(split.token_batch(rows), {module.task: module})[module.task]
+    batches = split.batches(batch_size)
+    total = sum(padded_tokens(split.lengths, rows) for rows in batches)
+    with progress_of(total=total, bars=progress, desc=f"scoring {module.task}", unit="tok") as bar:
+        for rows in batches:
+            yield rows, engine.logits(split.token_batch(rows), {module.task: module})[module.task]
+            bar.update(padded_tokens(split.lengths, rows))
 
 
 def score_module(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,

@@ -86,6 +86,13 @@ class Split:
         return length_batches(self.lengths, batch_size, shuffle, rng)
 
 
+def padded_tokens(lengths: Sequence[int], rows: Sequence[int]) -> int:
+    """Word pieces a batch of `rows` costs padded to its longest: what the progress of a pass in
+    length order counts, since its batches grow longer and a count of rows or batches would promise
+    the end far too soon."""
+    return len(rows) * max(lengths[r] for r in rows)
+
+
 def length_batches(lengths: Sequence[int], batch_size: int, shuffle: bool = False,
                    rng: random.Random | None = None) -> list[list[int]]:
     """Row indices grouped by similar length to cut padding. Not shuffled: sorted by length, cut
@@ -182,8 +189,10 @@ class TokenStateCache:
         self.cache = {i: torch.zeros(total + 1, backbone.hidden_size, dtype=dtype, device=self.device)
                       for i in self.layers}
         upto = max(self.layers)
-        with progress_of(total=len(encoded), bars=progress, desc=desc, unit="ex") as bar:
-            for rows in length_batches(self.lengths, batch_size):
+        batches = length_batches(self.lengths, batch_size)
+        total = sum(padded_tokens(self.lengths, rows) for rows in batches)
+        with progress_of(total=total, bars=progress, desc=desc, unit="tok") as bar:
+            for rows in batches:
                 batch = backbone.collate([encoded[r] for r in rows])
                 for index, hidden in backbone.stream(batch, upto=upto):
                     if index not in self.cache:
@@ -192,7 +201,7 @@ class TokenStateCache:
                     for i, r in enumerate(rows):
                         start, n = self.starts[r], self.lengths[r]
                         self.cache[index][start:start + n] = hidden[i, :n]
-                bar.update(len(rows))
+                bar.update(padded_tokens(self.lengths, rows))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.cache.values())
