@@ -150,6 +150,20 @@ def test_the_teacher_reads_only_the_sentences_a_run_trains_on_and_a_later_run_on
     assert again.about["words"] == int(again.has_token.sum()) < len(again.words)
 
 
+@pytest.mark.parametrize("trained_at, device, native_bf16, reads_at", [
+    ("bf16", "cpu", False, "fp32"),  # emulated: 7.7x fp32's time on an AVX2 CPU, and served in fp32 there
+    ("bf16", "cpu", True, "bf16"), ("fp16", "cpu", True, "fp32"), ("fp32", "cpu", True, "fp32"),
+    ("bf16", "cuda", False, "bf16"), ("fp16", "cuda", False, "fp16"),
+    ("auto", "cpu", False, "fp32"), ("auto", "cpu", True, "bf16"), ("auto", "cuda", False, "fp16")])
+def test_the_teacher_reads_at_its_training_precision_where_the_device_has_it_natively(
+        trained_at, device, native_bf16, reads_at, monkeypatch):
+    from training import distill
+    from server import config
+    monkeypatch.setattr(distill, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native_bf16)
+    assert distill.teacher_precision(trained_at, device) == reads_at
+
+
 def test_the_student_learns_the_teachers_tags_with_the_kl_term_and_the_gold_tags_without_it(
         tmp_path, files, teacher, teacher_backbone_dir, train_backbone, train_backbone_dir, cache_dir):
     """The teacher says people are places; with weight 1 (KL only) the student answers as the teacher

@@ -109,8 +109,9 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g = p.add_argument_group("knowledge distillation (token tasks from a CoNLL file)")
     g.add_argument("--distill-from", default=S, metavar="TASK/VERSION",
                    help="teacher module: TASK/VERSION in the shipped store (e.g. ner/mpnet-2) or a STORE/TASK/VERSION "
-                        "folder. It tags every word of the training file once, through the served path on its own "
-                        "backbone at the precision it was trained at (word logits kept in $TMOD_CACHE_DIR/teacher); "
+                        "folder. It tags every training word once, through the served path on its own backbone at the "
+                        "precision it was trained at, or fp32 where this device would emulate that (bf16 on a CPU "
+                        "without native bfloat16), and keeps its word logits in $TMOD_CACHE_DIR/teacher; "
                         "document windows look their words up there. Loss: (1 - w) * cross-entropy on the gold tags "
                         "+ w * T^2 * KL(teacher || student) at temperature T, per word (first sub-tokens)")
     g.add_argument("--distill-backbone", default=S,

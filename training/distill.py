@@ -12,8 +12,8 @@ The two backbones tokenize differently, so the two are aligned by the data's WOR
 logits of a word are read at the word's first sub-token, as scoring and the server read a word
 (`training.evaluate.word_values`). The teacher reads each training sentence once, through the
 served path (`training.evaluate.served_logits`: Engine.logits on its own backbone at the precision
-it was trained at), only the sentences that hold a training word (--max-train and --split leave most
-of a large file out); every training row, a sentence or a document window (training/data/conll.py), knows
+it was trained at, or fp32 where this device would emulate that one), only the sentences that hold a
+training word (--max-train and --split leave most of a large file out); every training row, a sentence or a document window (training/data/conll.py), knows
 where its words start among the file's words (`TokenExample.file_offset`) and looks their teacher
 logits up there. The teacher's word logits are kept in $TMOD_CACHE_DIR/teacher/<key>.safetensors
 (key: the teacher's weights and backbone, its precision, the training file) with a mask of the
@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from modules_store import ModuleStore, TaskType
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir, named_for
+from server.config import auto_precision, cpu_has_native_bf16
 from server.modules import load_module
 from server.probe import probe_module
 from training.data.conll import read_conll
@@ -87,6 +88,16 @@ class TeacherWords:
         return TeacherWords(self.words, self.logits[:, columns], self.has_token, list(labels), self.about)
 
 
+def teacher_precision(trained_at: str, device: str) -> str:
+    """The precision the teacher reads at: the one it was trained at (the states it learnt from),
+    but fp32 where this device would emulate that one, as `tmod-serve --precision auto` serves it
+    there: bf16 on a CPU without native bfloat16 took 7.7x fp32's time on an AVX2 CPU, fp16 on a CPU."""
+    if trained_at == "auto":  # what suits the device, here as where it was trained
+        return auto_precision("torch", device)
+    native = trained_at == "fp32" or torch.device(device).type == "cuda" or (trained_at == "bf16" and cpu_has_native_bf16())
+    return trained_at if native else "fp32"
+
+
 def teacher_words(spec: str, train_file: str | Path, backbone_spec: str | None = None, device: str = "cpu",
                   batch_size: int = 128, progress: bool = True, cache_dir: Path | None = None,
                   rows: Sequence | None = None) -> TeacherWords:
@@ -103,7 +114,7 @@ def teacher_words(spec: str, train_file: str | Path, backbone_spec: str | None =
     if backbone_spec is None:
         raise UsageError(f"--distill-from {spec}: its backbone {manifest.backbone.name!r} has no name here; "
                          f"give its folder with --distill-backbone")
-    precision = (manifest.training or {}).get("settings", {}).get("precision", "fp32")
+    precision = teacher_precision((manifest.training or {}).get("settings", {}).get("precision", "fp32"), device)
     data = read_conll(train_file)
     file_sha = hashlib.sha256(Path(train_file).read_bytes()).hexdigest()
     key = hashlib.sha256(json.dumps({
@@ -127,7 +138,7 @@ def teacher_words(spec: str, train_file: str | Path, backbone_spec: str | None =
     if missing:
         started = time.perf_counter()
         backbone = Backbone.load(backbone_spec, device=device)
-        if precision != "fp32":  # the states it was trained (and is scored) on
+        if precision != "fp32":
             backbone = backbone.use_backend("torch", precision)
         module = load_module(store, task, version, backbone, device=device, probe=probe_module)
         labels = list(module.head.labels)
