@@ -124,6 +124,11 @@ def report_text(result) -> str:
         lines.append("- trained with balanced class weights (--class-weights balanced): a rare class's rows weigh as "
                      "much as a frequent one's, so the head's scores lean toward rare classes; the linear baseline "
                      "is weighed alike")
+    if d := result.training.get("distillation"):
+        lines.append(f"- distilled from {d['teacher']} ({d['teacher_backbone']}, {d['teacher_precision']}; KL weight "
+                     f"{d['weight']}, temperature {d['temperature']}): its most likely tag is the gold one for "
+                     f"{100 * d['teacher_train_word_accuracy']:.1f}% of the {d['words']} training words (its view of "
+                     "the training data, a check that it tags the right words, not a score)")
     if seen := rows_seen(data, "validation"):  # the test number's are said on its line
         lines.append(f"- the validation split is not wholly unseen: {seen}")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
