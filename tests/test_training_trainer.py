@@ -410,6 +410,31 @@ def test_document_windows_add_the_training_documents_in_windows(tmp_path, train_
                             store=str(tmp_path / "store2")), backbone=train_backbone)
 
 
+def test_max_train_with_document_windows_draws_whole_documents_so_windows_exist(tmp_path, train_backbone, capsys):
+    """--max-train 800 of CoNLL-2003 drew 800 sentences scattered over its 946 documents, and a window holds
+    training sentences only: --document-windows 128 added 2 windows, unsaid."""
+    lines = []
+    for d in range(10):
+        lines += ["-DOCSTART- -X- -X- O", ""]
+        for k in range(6):
+            lines += [f"Alice{d} X X B-PER", f"met{k} X X O", "Bob X X B-PER", ". X X O", ""]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(lines))
+    settings = TrainSettings(train=str(path), split="0.2", max_train=20, document_windows=[64], progress=False)
+    data = resolve_data(settings)
+    documents = [ex.document for ex in data.train.examples]
+    assert len(documents) == 20 and len(set(documents)) == 4  # three documents whole and 2 sentences of a fourth
+    assert sorted(documents.count(d) for d in set(documents)) == [2, 6, 6, 6]
+    assert [ex.file_offset for ex in data.train.examples] == sorted(ex.file_offset for ex in data.train.examples)
+    assert resolve_data(settings).train.examples == data.train.examples  # seeded
+    widened = add_document_windows(data.train, dict(data.provenance), train_backbone, [64])
+    assert len(widened.examples) - 20 == 3  # each whole document in one window; the cut one's would hold others
+    assert "--document-windows: 3 windows of 64 word pieces of the training documents, beside their 20 sentences" in \
+        capsys.readouterr().err
+    scattered = resolve_data(settings.model_copy(update={"document_windows": None})).train  # without windows: any rows
+    assert len(scattered) == 20 and len({ex.document for ex in scattered.examples}) > 4
+
+
 def test_split_keeps_a_conll_document_in_one_part_and_its_windows_hold_training_words_only(tmp_path, train_backbone,
                                                                                            capsys):
     """--split carved a CoNLL file sentence by sentence: a document's sentences (its names again and again)

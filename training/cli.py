@@ -95,7 +95,9 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
     g.add_argument("--none-below", default=S, metavar="P|auto",
                    help="single-label tasks: answer no label ('none of these', label null) when the best probability "
                         "is under P; auto: chosen on validation. Stored in the manifest; a request's threshold overrides it")
-    g.add_argument("--max-train", type=int, default=S, help="train on a seeded random subset of N examples")
+    g.add_argument("--max-train", type=int, default=S,
+                   help="train on a seeded random subset of N examples (with --document-windows: whole documents, N "
+                        "sentences in all, so that their windows exist)")
     g.add_argument("--max-validation", type=int, default=S,
                    help="validate on a seeded random subset of N examples (the epoch is then chosen on fewer)")
     g.add_argument("--document-windows", default=S,

@@ -150,7 +150,8 @@ class TrainSettings(BaseModel):
     multi_label: bool = Field(False, description="independent labels (one sigmoid each, binary cross-entropy): a "
                               "label cell holds comma-separated labels; decision thresholds are chosen on validation")
     data_dir: str | None = None
-    max_train: int | None = Field(None, ge=1, description="seeded random subset of the training split")
+    max_train: int | None = Field(None, ge=1, description="seeded random subset of the training split (with "
+                                  "document_windows: whole documents, N sentences in all)")
     max_validation: int | None = Field(None, ge=1)
     document_windows: list[int] | None = Field(
         None, description="token tasks from a CoNLL file: also train on its documents (the sentences between "

@@ -77,6 +77,8 @@ def add_document_windows(train: LabelledData, provenance: dict, backbone: Backbo
     added = {w: [ex for ex in examples if all(ex.file_offset + k in trained for k in range(len(ex.words)))]
              for w, examples in added.items()}
     provenance["document_window_examples"] = {str(w): len(examples) for w, examples in added.items()}
+    tqdm.write("--document-windows: " + ", ".join(f"{len(added[w])} windows of {w} word pieces" for w in windows)
+               + f" of the training documents, beside their {len(train)} sentences", file=sys.stderr)
     examples = [*train.examples, *(ex for w in windows for ex in added[w])]
     provenance["train_examples"] = len(examples)
     return LabelledData(train.task_type, examples, train.source, train.has_pairs)
