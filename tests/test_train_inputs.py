@@ -654,6 +654,11 @@ def test_eval_mistakes(tmp_path, capsys, tables):
     _, _, validation = tables
     assert "no such file" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", str(tmp_path / "x.tsv")])
     assert "no task 'nope'" in one_line_error(capsys, ["eval", "--task", "nope", "--file", validation])
+    assert one_line_error(capsys, ["eval", "--task", "sentiment/1", "--version", "2", "--file", validation]).endswith(
+        "--task sentiment/1 names version 1, --version 2: give one")
+    assert "--task sentiment/..: '..' is not a valid task or version name" in one_line_error(
+        capsys, ["eval", "--task", "sentiment/..", "--file", validation])
+    assert "no version '99' of sentiment" in one_line_error(capsys, ["eval", "--task", "sentiment/99", "--file", validation])
     assert "not among sentiment's labels" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", validation])
     # a token task scored on a table (a CoNLL file named .tsv): it was a traceback from the scorer
     conll_like = write(tmp_path / "dev.tsv", "EU\tB-ORG\nrejects\tO\n\nPeter\tB-PER\nBlackburn\tI-PER\n")

@@ -133,6 +133,14 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     assert baseline["metric"] == manifest.metrics["metric"] == "accuracy" and baseline["head"] == result["metrics"]["accuracy"]
     assert baseline["majority_in_file"] == pytest.approx(share) and baseline["margin"] == pytest.approx(
         result["metrics"]["accuracy"] - share, abs=1e-6)  # to 6 places
+    # TASK/VERSION, as tmod-serve --tasks names a module: it was "no task 'sentiment/1' in the store"
+    by_name = tmp_path / "by_name.json"
+    assert main(["eval", "--store", str(run / "store"), "--task", f"sentiment/{manifest.version}", "--file",
+                 str(sentiment_files[1]), "--text-column", "sentence", "--label-column", "label", "--label-map",
+                 "0=negative,1=positive", "--backbone", str(train_backbone_dir), "--output", str(by_name),
+                 "--no-progress"]) == 0
+    assert json.loads(by_name.read_text())["metrics"] == result["metrics"]
+    capsys.readouterr()
     assert f"accuracy {result['metrics']['accuracy']:.4f} against {share:.4f} for every row answered with the file's " \
         "most frequent label" in err
     # and the linear model trained on the module's training rows, scored on the same rows

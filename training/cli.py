@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = commands.add_parser("eval", help="score a stored module on a labelled file (served path)")
     e.add_argument("--store", default=None, help="module store (default: the shipped modules_store/)")
-    e.add_argument("--task", required=True, help="the stored module's task name")
+    e.add_argument("--task", required=True, help="the stored module's task name, or TASK/VERSION (e.g. sentiment/1)")
     e.add_argument("--version", type=version_name, default=None, help="default: the latest, on its own backbone; "
                    "with --backbone, the version a tmod-serve on that backbone (and --bridges) answers with")
     e.add_argument("--dataset", default=None, help="preset to score on (default, without --file: the preset the "

@@ -39,6 +39,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from server.engine import Engine
     from training.data.files import UsageError
     from training.evaluate import score_module
+    from training.settings import checked_version
     from training.states import Split
 
     # the user's mistakes first, before a backbone is loaded
@@ -48,9 +49,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--bridges {args.bridges}: no such folder (a bridge store, as tmod-serve --bridges takes)")
     if args.output:  # found out after the scoring, it cost the whole run
         check_output_file(Path(args.output))
+    if "/" in args.task:  # TASK/VERSION, as tmod-serve --tasks and --distill-from name a module
+        args.task, _, version = args.task.partition("/")
+        if args.version not in (None, version):
+            raise UsageError(f"--task {args.task}/{version} names version {version}, --version {args.version}: give one")
+        try:
+            args.version = checked_version(version)
+        except ValueError as exc:
+            raise UsageError(f"--task {args.task}/{version}: {exc}") from None
     store = ModuleStore(args.store or DEFAULT_STORE)
     if args.task not in store.tasks():
         raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
+    if args.version is not None and args.version not in store.versions(args.task):  # a mistake, not a broken store
+        raise UsageError(f"no version {args.version!r} of {args.task} in the store {store.root}; it has "
+                         f"{store.versions(args.task)}")
     manifest = store.read_manifest(args.task, args.version)  # the latest: the version scored on its own backbone
     loaded = None
     if args.version is None and args.backbone:  # the version a server on --backbone answers with: known once loaded
