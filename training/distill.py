@@ -190,9 +190,8 @@ def read_cache(path: Path, words: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 def write_cache(path: Path, logits: np.ndarray, has_token: np.ndarray, tagged: np.ndarray, labels: list[str]) -> None:
     from safetensors.numpy import save_file
 
-    write_cache_file(path, lambda tmp: save_file({"logits": logits, "has_token": has_token.astype(np.uint8),
-                                                           "tagged": tagged.astype(np.uint8)}, tmp,
-                                                 metadata={"labels": json.dumps(labels)}))
+    tensors = {"logits": logits, "has_token": has_token.astype(np.uint8), "tagged": tagged.astype(np.uint8)}
+    write_cache_file(path, lambda tmp: save_file(tensors, tmp, metadata={"labels": json.dumps(labels)}))
 
 
 class DistillTargets:

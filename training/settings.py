@@ -188,8 +188,7 @@ class TrainSettings(BaseModel):
         None, description="token tasks from a CoNLL file: a stored module tags every training word once (the "
         "teacher: TASK/VERSION in the shipped store, or a STORE/TASK/VERSION folder; e.g. ner/mpnet-2), through the "
         "served path on its own backbone at the precision it was trained at (fp32 where this device would emulate "
-        "that); its word logits are kept in "
-        "$TMOD_CACHE_DIR/teacher. The loss mixes the gold tags' cross-entropy with KL towards the teacher's tag "
+        "that); its word logits are kept in $TMOD_CACHE_DIR/teacher. The loss mixes the gold tags' cross-entropy with KL towards the teacher's tag "
         "distribution of each word (the words' first sub-tokens on both sides)")
     distill_backbone: str | None = Field(None, description="the teacher's backbone: a folder, or minilm / smollm2 / "
                                          "mpnet (default: the one its manifest names)")
