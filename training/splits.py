@@ -327,7 +327,7 @@ def whole_documents(data: LabelledData, n: int | None, seed: int) -> LabelledDat
     """--max-train N with --document-windows: a seeded random choice of whole documents, N sentences
     in all (the last document cut), in file order. N sentences drawn one by one are scattered over the
     file's documents, and a window holds only training sentences: 800 of CoNLL-2003's gave 2 windows
-    of 128 pieces."""
+    of 128 pieces. A file without -DOCSTART- lines is one document: its first N sentences."""
     if not n or n >= len(data.examples):
         return data
     documents: dict = {}
