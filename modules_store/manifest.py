@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
+FORMAT_VERSION = 1  # of the manifests this tmod writes and reads; a newer one is refused, named as such
 
 
 def sha256_file(path: Path) -> str:
@@ -79,7 +80,7 @@ class BackboneFingerprint(BaseModel):
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
     task: str
     version: str
     kind: str = Field(description="head kind, e.g. 'layermix'; the runtime's registry maps it to a class")
@@ -125,7 +126,7 @@ class BridgeManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
     name: str
     version: str
     kind: str = Field(description="bridge kind, e.g. 'transformer' or 'alignment'; the registry maps it to a class")

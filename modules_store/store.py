@@ -21,7 +21,8 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors, save_file
 
-from modules_store.manifest import NAME_PATTERN, ArtifactError, BackboneFingerprint, Manifest, check_name, sha256_file
+from modules_store.manifest import (FORMAT_VERSION, NAME_PATTERN, ArtifactError, BackboneFingerprint, Manifest, check_name,
+                                    sha256_file)
 
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -38,6 +39,25 @@ def _version_key(version: str):
     # numeric versions sort numerically, others after them alphabetically
     return (0, int(version), "") if version.isdigit() else (1, 0, version)
 
+
+def written_by_newer(path: Path, text: bytes) -> None:
+    """A manifest of a format newer than this tmod reads is refused as that, whatever else it holds:
+    read as this format, its new fields were 'Extra inputs are not permitted', or, with none, it was
+    served as if this tmod understood it."""
+    try:
+        written = json.loads(text).get("format_version", FORMAT_VERSION)
+    except (ValueError, AttributeError):
+        return  # not a JSON object: the schema's check says what is wrong
+    if isinstance(written, int) and written > FORMAT_VERSION:
+        raise ArtifactError("newer_format", f"manifest {path} is of format {written}, written by a newer tmod; this "
+                            f"one reads format {FORMAT_VERSION}: upgrade tmod to serve it")
+
+
+def validation_text(exc: ValidationError) -> str:
+    """A manifest's schema errors on one line: `field: what is wrong` for each (pydantic's own text
+    spans lines and ends with a web address)."""
+    return "; ".join(f"{'.'.join(str(part) for part in error['loc']) or 'the file'}: {error['msg']}"
+                     for error in exc.errors())
 
 class ModuleStore:
     """A directory of `<task>/<version>/{manifest.json,weights.safetensors}`.
@@ -114,11 +134,14 @@ class ModuleStore:
                                                  f"{self.versions(task)}{self.gone_note()}")
             raise ArtifactError("not_found", f"no manifest at {path}")
         try:
-            manifest = self.manifest_cls.model_validate_json(path.read_bytes())
-        except ValidationError as exc:
-            raise ArtifactError("bad_manifest", f"invalid manifest {path}: {exc}") from exc
+            text = path.read_bytes()
         except OSError as exc:
             raise ArtifactError("unreadable", f"cannot read manifest {path}: {exc}") from exc
+        written_by_newer(path, text)
+        try:
+            manifest = self.manifest_cls.model_validate_json(text)
+        except ValidationError as exc:
+            raise ArtifactError("bad_manifest", f"invalid manifest {path}: {validation_text(exc)}") from exc
         if (manifest.task, manifest.version) != (task, version):
             raise ArtifactError(
                 "bad_manifest",

@@ -160,6 +160,30 @@ def test_refuses_unknown_kind_and_bad_manifest(store, tiny_backbone):
     assert info.value.reason == "bad_manifest"
 
 
+def test_a_manifest_of_a_newer_format_is_refused_as_that_and_a_bad_one_in_one_line(store, tiny_backbone):
+    """A newer tmod's manifest (format 2, a new field) was refused as pydantic's several lines ending in
+    a web address ('Extra inputs are not permitted'); one with no new field was served as if understood."""
+    from modules_store.manifest import FORMAT_VERSION
+    path = store.path("sentiment", "1") / "manifest.json"
+    good = path.read_text()
+    for changes in ({"format_version": FORMAT_VERSION + 1}, {"format_version": FORMAT_VERSION + 1, "calibration": 1.3}):
+        rewrite_manifest(store, "sentiment", "1", **changes)
+        with pytest.raises(ArtifactError) as info:
+            load_module(store, "sentiment", None, tiny_backbone)
+        assert info.value.reason == "newer_format"
+        assert info.value.message == (f"manifest {path} is of format {FORMAT_VERSION + 1}, written by a newer tmod; "
+                                      f"this one reads format {FORMAT_VERSION}: upgrade tmod to serve it")
+        path.write_text(good)
+    rewrite_manifest(store, "sentiment", "1", calibration=1.3, layers="all")
+    with pytest.raises(ArtifactError) as info:
+        load_module(store, "sentiment", None, tiny_backbone)
+    assert info.value.reason == "bad_manifest" and "\n" not in info.value.message and "http" not in info.value.message
+    assert info.value.message == (f"invalid manifest {path}: layers: Input should be a valid array; "
+                                  "calibration: Extra inputs are not permitted")
+    path.write_text(good)
+    assert load_module(store, "sentiment", None, tiny_backbone).version == "1"
+
+
 @pytest.mark.smoke
 def test_never_unpickles(store, tiny_backbone, tmp_path):
     """A pickle in place of the safetensors file is refused as unreadable, never executed."""
