@@ -1135,7 +1135,7 @@ def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment
                  "--layers", "0,99", "--no-progress"]) == 2
     assert capsys.readouterr().err.endswith("error: --layers [99]: tiny-bert has states 0..2 (0 = the embeddings)\n")
     assert main(["eval", "--store", str(store), "--task", "sentiment", "--version", "9", "--file",
-                 str(sentiment_files[1]), "--backbone", str(train_backbone_dir)]) == 1
+                 str(sentiment_files[1]), "--backbone", str(train_backbone_dir)]) == 2  # the user's mistake
     assert capsys.readouterr().err == (f"tmod-train eval: error: no version '9' of sentiment in the store {store}; "
                                        "it has ['1']\n")
 
