@@ -151,6 +151,29 @@ def test_the_teacher_reads_only_the_sentences_a_run_trains_on_and_a_later_run_on
     assert again.about["words"] == int(again.has_token.sum()) < len(again.words)
 
 
+def test_a_teacher_stopped_midway_keeps_what_it_read_and_a_rerun_reads_only_the_rest(
+        files, teacher, teacher_backbone_dir, cache_dir, monkeypatch, capsys):
+    """Ctrl-C in a teacher's pass (CoNLL-2003 in bf16: 15 minutes) threw its logits away."""
+    from training import distill
+    whole = teacher_words(str(teacher), files["train"], str(teacher_backbone_dir), progress=False,
+                          cache_dir=cache_dir / "whole")
+    passes = distill.served_logits
+
+    def stopped(*args, **kwargs):  # the second batch never comes: Ctrl-C
+        batches = passes(*args, **kwargs)
+        yield next(batches)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "served_logits", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        teacher_words(str(teacher), files["train"], str(teacher_backbone_dir), progress=False, batch_size=16)
+    assert "teacher: stopped after 16 of 60 sentences; those are kept in " in capsys.readouterr().err
+    monkeypatch.setattr(distill, "served_logits", passes)
+    rerun = teacher_words(str(teacher), files["train"], str(teacher_backbone_dir), progress=False, batch_size=16)
+    assert rerun.about["sentences_tagged_now"] == 44 and rerun.has_token.all()
+    np.testing.assert_allclose(rerun.logits, whole.logits, atol=1e-5)
+
+
 @pytest.mark.parametrize("trained_at, device, native_bf16, reads_at", [
     ("bf16", "cpu", False, "fp32"),  # emulated: 7.7x fp32's time on an AVX2 CPU, and served in fp32 there
     ("bf16", "cpu", True, "bf16"), ("fp16", "cpu", True, "fp32"), ("fp32", "cpu", True, "fp32"),

@@ -148,15 +148,23 @@ def teacher_words(spec: str, train_file: str | Path, backbone_spec: str | None =
         tqdm.write(f"teacher {task}/{version} ({manifest.backbone.name}, {precision}): tagging "
                    f"{sum(len(ex.words) for ex in missing)} words of {len(missing)} training sentences once "
                    f"(of the file's {len(data.examples)}; kept for later runs)", file=sys.stderr)
-        for batch_rows, batch_logits in served_logits(split, module, batch_size, progress):
-            batch_logits = batch_logits.float().cpu().numpy()
-            for i, r in enumerate(batch_rows):
-                values, has = word_values(split, r, batch_logits[i])
-                offset = missing[r].file_offset
-                logits[offset:offset + len(values)] = values
-                has_token[offset:offset + len(values)] = has
-                tagged[offset:offset + len(values)] = True
-        write_cache(path, logits, has_token, tagged, labels)
+        read = 0
+        try:
+            for batch_rows, batch_logits in served_logits(split, module, batch_size, progress):
+                batch_logits = batch_logits.float().cpu().numpy()
+                for i, r in enumerate(batch_rows):
+                    values, has = word_values(split, r, batch_logits[i])
+                    offset = missing[r].file_offset
+                    logits[offset:offset + len(values)] = values
+                    has_token[offset:offset + len(values)] = has
+                    tagged[offset:offset + len(values)] = True
+                read += len(batch_rows)
+        finally:  # what was read is kept, Ctrl-C or not: a rerun reads only the rest
+            if read:
+                write_cache(path, logits, has_token, tagged, labels)
+            if read < len(missing):
+                tqdm.write(f"teacher: stopped after {read} of {len(missing)} sentences; those are kept in {path.parent} "
+                           "and a rerun reads only the rest", file=sys.stderr)
         about.update(teacher_seconds=round(time.perf_counter() - started, 1), teacher_tokens=sum(split.lengths))
     about.update(from_cache=not missing,
                  teacher_train_word_accuracy=word_accuracy(logits, has_token & wanted, labels, gold))
