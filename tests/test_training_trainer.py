@@ -977,6 +977,7 @@ def test_long_steps_write_plain_progress_lines_where_there_are_no_bars(sentiment
     said = "\n".join(lines)
     assert re.search(r"^caching train states: (\d+)/\1 tok \(100%\) in \d+ s, ~0 s left$", said, re.M)  # its last line
     assert re.search(r"^epoch 1/1: 3/3 batch \(100%\) in \d+ s, ~0 s left  loss \d\.\d{4}$", said, re.M)
+    assert "scoring against simple baselines: the majority answer, and tfidf_logreg fitted on the 48 training rows" in said
     assert not [line for line in lines if "\r" in line or "\x1b" in line]  # no terminal codes in a log
 
 

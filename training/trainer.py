@@ -596,6 +596,9 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     metrics, decoding, evaluated, probabilities, val_probabilities = served_scores(
         served, val_split, data, labels, backbone, s, s.select == "best" and len(result.history) > 1)
     cache = default_cache_dir() / "baselines" if s.state_cache else None
+    linear = "window_tagger" if task_type == TaskType.token_classification else "tfidf_logreg"
+    tqdm.write(f"scoring against simple baselines: the majority answer, and {linear} fitted on the {len(train_data):,} "
+               "training rows", file=sys.stderr)  # a big file's fit takes a while: said, not silent
     # the verdict is on test where there is one; the validation numbers then get the baselines on their own rows
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed, cache=cache,
                         validation=(val_split, metrics, val_probabilities) if data.test is not None else None,
