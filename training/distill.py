@@ -10,14 +10,15 @@ the KL term averaged over the words the teacher tagged.
 
 The two backbones tokenize differently, so the two are aligned by the data's WORDS: each head's
 logits of a word are read at the word's first sub-token, as scoring and the server read a word
-(`training.evaluate.word_values`). The teacher reads each training sentence once, through the
-served path (`training.evaluate.served_logits`: Engine.logits on its own backbone at the precision
-it was trained at, or fp32 where this device would emulate that one), only the sentences that hold a
-training word (--max-train and --split leave most of a large file out); every training row, a sentence or a document window (training/data/conll.py), knows
-where its words start among the file's words (`TokenExample.file_offset`) and looks their teacher
-logits up there. The teacher's word logits are kept in $TMOD_CACHE_DIR/teacher/<key>.safetensors
-(key: the teacher's weights and backbone, its precision, the training file) with a mask of the
-sentences read so far, so a later run with the same teacher and file reads only those it lacks.
+(`training.evaluate.word_values`). The teacher reads each training sentence once, through the served
+path (`training.evaluate.served_logits`: Engine.logits on its own backbone at the precision it was
+trained at, or fp32 where this device would emulate that one), only the sentences that hold a
+training word (--max-train and --split leave most of a large file out); every training row, a
+sentence or a document window (training/data/conll.py), knows where its words start among the file's
+words (`TokenExample.file_offset`) and looks their teacher logits up there. The teacher's word
+logits are kept in $TMOD_CACHE_DIR/teacher/<key>.safetensors (key: the teacher's weights and
+backbone, its precision, the training file) with a mask of the sentences read so far, so a later run
+with the same teacher and file reads only those it lacks.
 """
 from __future__ import annotations
 
