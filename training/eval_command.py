@@ -34,7 +34,7 @@ def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from modules_store import DEFAULT_STORE, ModuleStore, TaskType, sha256_file
+    from modules_store import DEFAULT_STORE, ArtifactError, ModuleStore, TaskType, sha256_file
     from server.backbone import Backbone
     from server.engine import Engine
     from training.data.files import UsageError
@@ -60,10 +60,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     store = ModuleStore(args.store or DEFAULT_STORE)
     if args.task not in store.tasks():
         raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
-    if args.version is not None and args.version not in store.versions(args.task):  # a mistake, not a broken store
-        raise UsageError(f"no version {args.version!r} of {args.task} in the store {store.root}; it has "
-                         f"{store.versions(args.task)}")
-    manifest = store.read_manifest(args.task, args.version)  # the latest: the version scored on its own backbone
+    try:
+        manifest = store.read_manifest(args.task, args.version)  # the latest: the version scored on its own backbone
+    except ArtifactError as exc:
+        if args.version is not None and args.version not in store.versions(args.task):
+            raise UsageError(exc.message) from None  # a version the store lacks: a mistake, not a broken store
+        raise
     loaded = None
     if args.version is None and args.backbone:  # the version a server on --backbone answers with: known once loaded
         loaded = eval_module(args, store, manifest)
