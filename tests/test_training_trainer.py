@@ -418,14 +418,20 @@ def test_document_windows_add_the_training_documents_in_windows(tmp_path, train_
                             store=str(tmp_path / "store2")), backbone=train_backbone)
 
 
+def document_lines(documents: int, sentences: int) -> list[str]:
+    """A CoNLL file's lines: `documents` documents of `sentences` four-word sentences each."""
+    lines = []
+    for d in range(documents):
+        lines += ["-DOCSTART- -X- -X- O", ""]
+        for k in range(sentences):
+            lines += [f"Alice{d} X X B-PER", f"met{k} X X O", "Bob X X B-PER", ". X X O", ""]
+    return lines
+
+
 def test_max_train_with_document_windows_draws_whole_documents_so_windows_exist(tmp_path, train_backbone, capsys):
     """--max-train 800 of CoNLL-2003 drew 800 sentences scattered over its 946 documents, and a window holds
     training sentences only: --document-windows 128 added 2 windows, unsaid."""
-    lines = []
-    for d in range(10):
-        lines += ["-DOCSTART- -X- -X- O", ""]
-        for k in range(6):
-            lines += [f"Alice{d} X X B-PER", f"met{k} X X O", "Bob X X B-PER", ". X X O", ""]
+    lines = document_lines(10, 6)
     path = tmp_path / "docs.txt"
     path.write_text("\n".join(lines))
     settings = TrainSettings(train=str(path), split="0.2", max_train=20, document_windows=[64], progress=False)
@@ -448,11 +454,7 @@ def test_split_keeps_a_conll_document_in_one_part_and_its_windows_hold_training_
     """--split carved a CoNLL file sentence by sentence: a document's sentences (its names again and again)
     sat in training and validation, and --document-windows read the whole training file in windows,
     validation's sentences included, so validation scored what the head had learnt."""
-    lines = []
-    for d in range(8):
-        lines += ["-DOCSTART- -X- -X- O", ""]
-        for k in range(5):
-            lines += [f"Alice{d} X X B-PER", f"met{k} X X O", "Bob X X B-PER", ". X X O", ""]
+    lines = document_lines(8, 5)
     path = tmp_path / "docs.txt"
     path.write_text("\n".join(lines))
     settings = TrainSettings(train=str(path), split="0.25", progress=False)
