@@ -157,8 +157,8 @@ def test_eval_rescores_the_stored_module_through_the_engine(sentiment_run, senti
     assert interval[0] <= baseline["linear"]["margin"] <= interval[1]
     assert baseline["margin_interval"][0] <= baseline["margin"] <= baseline["margin_interval"][1]
     assert f"95% paired bootstrap interval {interval[0]:+.4f} to {interval[1]:+.4f}" in err
-    if interval[0] <= 0:  # 24 rows can hardly tell a tiny head from a bag of words
-        assert f"{interval[1]:+.4f}: within the noise of these 24 rows" in err
+    # 24 rows can hardly tell a tiny head from a bag of words; an interval wholly below 0 can
+    assert (f"{interval[1]:+.4f}: within the noise of these 24 rows" in err) == (interval[0] <= 0 <= interval[1])
     # 24 rows: each 4% of them, too few to rank the head against the baseline, said in the JSON and on stderr
     few = "scored on 24 rows only, each 4% of them: too few for these numbers to rank the head against the baselines"
     assert baseline["too_few_rows"] == few and f"; {few}" in err
@@ -1126,6 +1126,21 @@ def test_a_module_the_disk_cannot_take_is_one_line_and_leaves_nothing_half_writt
     monkeypatch.setattr(training.cli, "run_command", read_only)
     assert main(["layermix", "--train", str(train_file), "--task", "s"]) == 1
     assert capsys.readouterr().err == "tmod-train layermix: error: Read-only file system: runs/s-1\n"
+
+
+@pytest.mark.parametrize("interval, said", [((-0.13, -0.005), False), ((-0.1, 0.02), True), ((0.01, 0.2), False)])
+def test_eval_calls_a_margin_within_the_noise_only_where_its_interval_holds_0(
+        sentiment_run, sentiment_files, train_backbone_dir, capsys, monkeypatch, interval, said):
+    """eval said a margin of -0.0685 (interval -0.1315 to -0.0054, wholly below 0) was 'within the noise'."""
+    from training import metrics
+    monkeypatch.setattr(metrics, "margin_interval", lambda *args, **kwargs: interval)
+    run, _ = sentiment_run
+    assert main(["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
+                 "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
+                 "--backbone", str(train_backbone_dir), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"95% paired bootstrap interval {interval[0]:+.4f} to {interval[1]:+.4f}") == 2
+    assert ("within the noise of these 24 rows" in err) == said
 
 
 def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment_files, train_backbone_dir, tmp_path,

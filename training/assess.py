@@ -11,7 +11,7 @@ from modules_store import TaskType
 from training.baselines import cached_run, majority, tfidf_logreg_scores, window_tagger_scores
 from training.data.examples import LabelledData
 from training.metrics import (LEVEL, ROUNDS, confusion_matrix, drawn_unit, entities, interval_text, margin_interval,
-                              optimistic, per_class_scores)
+                              optimistic, per_class_scores, within_noise)
 from training.states import Split
 
 WORST = 10  # confidently wrong examples listed
@@ -222,7 +222,7 @@ def verdict(baselines: dict, kind: TaskType) -> str:
                    if imbalanced else "") + caveat)
     over_majority, over_linear = (baselines.get(f"margin_over_{name}_interval") for name in ("majority", linear))
     unit = drawn_unit(kind)
-    if over_majority and over_majority[0] <= 0:
+    if within_noise(over_majority):
         return (f"above the majority answer on the {split} split by {head - majority_score:+.4f} {metric}, but within "
                 f"the noise of these {rows} {unit} ({LEVEL:.0%} paired bootstrap interval of the margin: "
                 f"{interval_text(over_majority)}): not shown to have learnt this task; more scored {unit} can tell"
@@ -231,7 +231,7 @@ def verdict(baselines: dict, kind: TaskType) -> str:
         return (f"above the majority answer but no better than the linear model ({linear}) on the {split} split "
                 f"({metric} {head:.4f} against {linear_score:.4f}): not worth a backbone pass for this task alone"
                 + caveat)
-    if over_linear and over_linear[0] <= 0:
+    if within_noise(over_linear):
         return (f"above the majority answer on the {split} split ({metric} {head - majority_score:+.4f}), but level "
                 f"with the linear model ({linear}) within the noise of these {rows} {unit}: {head - linear_score:+.4f} "
                 f"over it, {LEVEL:.0%} paired bootstrap interval of the margin {interval_text(over_linear)}: not shown "

@@ -305,7 +305,7 @@ def eval_baseline(split, module, metrics: dict, ran: tuple, probabilities: list)
     from server.backbone.sources import default_cache_dir
     from training.assess import baseline_runs, head_answers, linear_baseline, too_few
     from training.baselines import majority
-    from training.metrics import LEVEL, drawn_unit, interval_text, margin_interval
+    from training.metrics import LEVEL, drawn_unit, interval_text, margin_interval, within_noise
 
     data, task_type, labels = split.data, module.manifest.task_type, module.head.labels
     gold, answered = head_answers(split, probabilities, (module.manifest.decoding or {}).get("thresholds"))
@@ -324,7 +324,7 @@ def eval_baseline(split, module, metrics: dict, ran: tuple, probabilities: list)
         into["margin_interval"] = [round(end, 6) for end in interval]
         return (f", {LEVEL:.0%} paired bootstrap interval {interval_text(interval)}"
                 + (f": within the noise of these {len(gold)} {drawn_unit(task_type)}"
-                   if interval[0] <= 0 else ""))
+                   if within_noise(interval) else ""))
 
     baseline = {"metric": metric, "head": metrics[metric], "majority_in_file": constant[metric],
                 "margin": round(metrics[metric] - constant[metric], 6),

@@ -318,6 +318,11 @@ def interval_text(interval: Sequence[float]) -> str:
     return f"{interval[0]:+.4f} to {interval[1]:+.4f}"
 
 
+def within_noise(interval: Sequence[float] | None) -> bool:
+    """Whether a margin's interval holds 0: its rows cannot tell the head from that baseline, either way."""
+    return bool(interval) and interval[0] <= 0 <= interval[1]
+
+
 def drawn_unit(kind: TaskType) -> str:
     """What `margin_interval` draws: a token task's sentences, another task's rows."""
     return "sentences" if kind == TaskType.token_classification else "rows"
