@@ -39,7 +39,7 @@ from training import serving
 from training.progress import progress_of
 from training.splits import Splits, resolve_data
 from training.distill import DistillTargets, teacher_words
-from training.assess import assess
+from training.assess import assess, linear_baseline
 from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds, rows_seen, validation_role
 from training.report import write_report
@@ -596,9 +596,8 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     metrics, decoding, evaluated, probabilities, val_probabilities = served_scores(
         served, val_split, data, labels, backbone, s, s.select == "best" and len(result.history) > 1)
     cache = default_cache_dir() / "baselines" if s.state_cache else None
-    linear = "window_tagger" if task_type == TaskType.token_classification else "tfidf_logreg"
-    tqdm.write(f"scoring against simple baselines: the majority answer, and {linear} fitted on the {len(train_data):,} "
-               "training rows", file=sys.stderr)  # a big file's fit takes a while: said, not silent
+    tqdm.write(f"scoring against simple baselines: the majority answer, and {linear_baseline(task_type)} fitted on "
+               f"the {len(train_data):,} training rows", file=sys.stderr)  # a big file's fit takes a while: said, not silent
     # the verdict is on test where there is one; the validation numbers then get the baselines on their own rows
     assessment = assess(train_data, evaluated, probabilities, metrics.get("test", metrics), metric, s.seed, cache=cache,
                         validation=(val_split, metrics, val_probabilities) if data.test is not None else None,
