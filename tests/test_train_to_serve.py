@@ -251,3 +251,19 @@ def test_a_version_that_replaces_the_served_one_is_said_with_its_labels(server, 
                       headers={"authorization": f"Bearer {TOKEN}"}, timeout=60)
     assert back.status_code == 200, back.text
     assert answered_labels() == {"negative", "positive"}
+
+
+def test_the_printed_request_shows_a_long_document_cut_to_a_readable_example():
+    """A task trained on long documents printed (and wrote into report.md) a curl command holding the
+    whole first validation document, 3,000 characters of it on one line: the example shows its start,
+    cut after a whole word, as pair texts are."""
+    from training.serving import EXAMPLE_CHARS, example_request
+
+    document = " ".join(f"word{i}" for i in range(600))
+    body = json.loads(shlex.split(example_request("http://h:1", "long", ["ner"], document))[-1])
+    text = body["inputs"][0]
+    assert document.startswith(text + " ") and len(text) <= EXAMPLE_CHARS and text.split()[-1].startswith("word")
+    body = json.loads(shlex.split(example_request("http://h:1", "pairs", [], document, "short one"))[-1])
+    assert document.startswith(body["inputs"][0]["text"] + " ") and body["inputs"][0]["text_pair"] == "short one"
+    short = json.loads(shlex.split(example_request("http://h:1", "mood", [], "it 's a charming journey ."))[-1])
+    assert short["inputs"] == ["it 's a charming journey ."]  # a sentence is shown whole

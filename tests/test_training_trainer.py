@@ -689,20 +689,24 @@ def test_eval_on_a_file_of_no_part_of_the_run_counts_the_rows_it_learnt(tmp_path
 
 def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, train_backbone, train_backbone_dir, capsys):
     """Training cuts a text at the backbone's limit (the server would read it in windows): said on
-    stderr and recorded in the manifest, never silent."""
+    stderr and recorded in the manifest, never silent; and in report.md, which said nothing of it, with
+    the test split's count, which was not taken."""
     limit = train_backbone.text.max_tokens
     rows = ["sentence\tlabel"] + [f"{'the cat sat ' * (limit if i % 3 == 0 else 2)}{i}\t{'a' if i % 2 else 'b'}"
                                     for i in range(12)]
     path = tmp_path / "long.tsv"
     path.write_text("\n".join(rows) + "\n")
-    settings = TrainSettings(train=str(path), validation=str(path), text_column="sentence", label_column="label",
-                             backbone=str(train_backbone_dir), task="long", run_dir=str(tmp_path / "run"), project_dim=16,
-                             epochs=1, progress=False)
+    settings = TrainSettings(train=str(path), validation=str(path), test=str(path), text_column="sentence",
+                             label_column="label", backbone=str(train_backbone_dir), task="long",
+                             run_dir=str(tmp_path / "run"), project_dim=16, epochs=1, progress=False)
     result = train(settings, backbone=train_backbone)
-    assert result.training["data"]["training_examples_cut"] == result.training["data"]["validation_examples_cut"] == 4
+    data = result.training["data"]
+    assert data["training_examples_cut"] == data["validation_examples_cut"] == data["test_examples_cut"] == 4
     err = capsys.readouterr().err
     assert f"4 of 12 training examples are longer than the backbone reads at once ({limit} word pieces): learnt on " \
-        f"their first {limit}" in err and "4 of 12 validation examples" in err
+        f"their first {limit}" in err and "4 of 12 validation examples" in err and "4 of 12 test examples" in err
+    assert (f"- examples longer than the backbone reads at once ({limit} word pieces): 4 of 12 training, 4 of 12 "
+            "validation, 4 of 12 test; learnt and scored on their first window") in report_module.report_text(result)
 
 
 @pytest.mark.parametrize("budget,epochs_run", [(1e-6, 1), (600.0, 3)])

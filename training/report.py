@@ -91,6 +91,13 @@ def beside_baselines(baselines: dict | None, metric: str) -> str:
     return f"; {', '.join(scores)} on the same rows" if scores else ""
 
 
+def examples_cut(data: dict) -> str:
+    """'294 of 300 training, 99 of 100 validation' examples cut to the backbone's first window, or ''."""
+    counted = {"training": "train_examples", "validation": "validation_examples", "test": "test_examples"}
+    return ", ".join(f"{data[f'{name}_examples_cut']}" + (f" of {data[total]}" if total in data else "") + f" {name}"
+                     for name, total in counted.items() if data.get(f"{name}_examples_cut"))
+
+
 def report_text(result) -> str:
     """report.md: each number named for what it is, the baselines and the head's margins, where the
     head fails (per class / per type, the most confidently wrong examples) and how to query it."""
@@ -117,6 +124,10 @@ def report_text(result) -> str:
         unknown, pieces = data["training_word_pieces_unknown"], data["training_word_pieces"]
         lines.append(f"- {unknown} of the {pieces} training word pieces ({100 * unknown / pieces:.2f}%) are unknown to "
                      "the backbone's vocabulary ([UNK]: another script, emoji): the head learns nothing from them")
+    if cut := examples_cut(data):
+        lines.append(f"- examples longer than the backbone reads at once ({data['examples_cut_at']} word pieces): {cut}; "
+                     "learnt and scored on their first window, where the server reads a long text whole, in windows "
+                     "(docs/windows.md): `tmod-train eval` scores the module as served")
     if data.get("train_texts_labelled_two_ways"):
         lines.append("- training texts labelled more than one way (the same text, different labels): "
                      f"{data['train_texts_labelled_two_ways']}")

@@ -18,6 +18,7 @@ from training.data.files import UsageError
 
 TOKEN_VARIABLE = "TMOD_ADMIN_TOKEN"  # what tmod-serve reads its admin token from
 TIMEOUT_S = 30
+EXAMPLE_CHARS = 200  # longest text an example request shows
 
 
 def _call(url: str, method: str = "GET", body: dict | None = None, token: str | None = None) -> dict:
@@ -176,11 +177,19 @@ def bridge_serving(source: str, bridge_store: Path, target: str) -> str:
             f"a module of {target} through it as served, beside the majority answer.")
 
 
+def example_text(text: str, most: int = EXAMPLE_CHARS) -> str:
+    """A validation text as an example request shows it: a long document cut after its last whole
+    word within `most` characters, so that the command stays one a person reads and copies."""
+    cut = text[:most]
+    return text if len(text) <= most else cut.rsplit(" ", 1)[0] if " " in cut.strip() else cut
+
+
 def example_request(url: str, task: str, others: list[str], text: str, text_pair: str | None = None,
                     api_key: bool = False) -> str:
     """A curl command asking the new task and `others` (the served ones) in one request; with the key
     the server asks for (`api_key`) read from $TMOD_API_KEY where it runs."""
     names = [task, *sorted(t for t in others if t not in (task, "embedding"))]
+    text, text_pair = example_text(text), text_pair and example_text(text_pair)
     item = {"text": text, "text_pair": text_pair} if text_pair else text
     body = json.dumps({"inputs": [item]}, ensure_ascii=False)
     return (f"curl -s -X POST {shlex.quote(url.rstrip('/') + '/v1/infer?tasks=' + ','.join(names))} "

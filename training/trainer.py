@@ -458,6 +458,7 @@ def served_scores(served: LoadedModule, val_split: Split, data: Splits, labels: 
     evaluated, probabilities = val_split, val_probabilities
     if data.test is not None:
         evaluated, probabilities = Split(data.test, labels, backbone), []
+        say_examples_cut("test", evaluated, backbone, data.provenance)
         metrics["test"] = {**score_module(evaluated, served, s.eval_batch_size, progress=s.progress,
                                           thresholds=thresholds, probabilities=probabilities),
                            "split": "test", "role": "scored once at the end; chose nothing"}
@@ -509,15 +510,22 @@ def encoded_splits(train_data, val_data, labels: list[str], backbone: Backbone,
     (cut to its first window) and word pieces it does not know are said, not silent."""
     train_split, val_split = Split(train_data, labels, backbone), Split(val_data, labels, backbone)
     for name, split in (("training", train_split), ("validation", val_split)):
-        cut = sum(row.truncated for row in split.encoded)
-        provenance[f"{name}_examples_cut"] = cut
-        if cut:  # the server reads such texts whole, in windows
-            print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
-                  f"({backbone.text.max_tokens} word pieces): {'learnt' if name == 'training' else 'scored'} on their "
-                  f"first {backbone.text.max_tokens}; the server reads long texts in windows (docs/windows.md)",
-                  file=sys.stderr)
+        say_examples_cut(name, split, backbone, provenance)
     say_unknown_pieces(train_split, backbone, provenance)
     return train_split, val_split
+
+
+def say_examples_cut(name: str, split: Split, backbone: Backbone, provenance: dict) -> None:
+    """How many of a split's examples are longer than the backbone reads at once (cut to their first
+    window), in `provenance` (the report says it) and on stderr."""
+    cut = sum(row.truncated for row in split.encoded)
+    provenance[f"{name}_examples_cut"] = cut
+    if cut:  # the server reads such texts whole, in windows
+        provenance["examples_cut_at"] = backbone.text.max_tokens
+        print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
+              f"({backbone.text.max_tokens} word pieces): {'learnt' if name == 'training' else 'scored'} on their "
+              f"first {backbone.text.max_tokens}; the server reads long texts in windows (docs/windows.md)",
+              file=sys.stderr)
 
 
 def offer_to_serve(s: TrainSettings, task: str, store: ModuleStore, backbone: Backbone, server: dict | None,
