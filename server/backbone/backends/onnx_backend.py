@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from server.backbone.architectures import BlockContext, MPNetAdapter, run_block
-from server.backbone.sources import default_cache_dir
+from server.backbone.sources import build_once, default_cache_dir
 from server.backbone.tokens import TokenBatch
 
 log = logging.getLogger("tmod")
@@ -189,44 +189,42 @@ def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | Non
     root = root / "onnx"
     target = root / graph_dir_name(backbone, precision, opset)
     files = graph_files(backbone.num_layers)
-    if (target / "meta.json").is_file() and all((target / f).is_file() for f in files):
+
+    def complete(folder: Path) -> bool:
+        return (folder / "meta.json").is_file() and all((folder / f).is_file() for f in files)
+
+    def export(work: Path) -> None:
+        t0 = time.perf_counter()
+        if precision == "fp32":
+            export_fp32(backbone, work, opset)
+        else:  # derived from the fp32 graphs, themselves cached
+            fp32_dir, _ = ensure_graphs(backbone, "fp32", cache_dir if cached else work / "fp32", opset)
+            quantize_int8(fp32_dir, work, backbone.num_layers)
+        seconds = time.perf_counter() - t0
+        meta = {
+            "format": EXPORT_FORMAT, "opset": opset, "precision": precision, "files": files,
+            "fingerprint": backbone.fingerprint.model_dump(), "key": cache_key(backbone.fingerprint, precision, opset),
+            "exporter": "torch.onnx.export(dynamo=True)", "torch": torch.__version__,
+            "onnxruntime": _ort_version(), "seconds": round(seconds, 2),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (work / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks the entry complete
+        log.info("backbone %s exported to onnx (%s, %d graphs) in %.1fs", backbone.name, precision, len(files), seconds)
+
+    if complete(target):
         return target, False
     try:
         root.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+        cached = os.access(root, os.W_OK)
+        problem = "no write permission"
     except OSError as exc:
-        log.warning("onnx cache %s not writable (%s): exporting to a temporary directory", root, exc)
-        root, work = None, Path(tempfile.mkdtemp(prefix="tmod-onnx-"))
-    t0 = time.perf_counter()
-    if precision == "fp32":
-        export_fp32(backbone, work, opset)
-    else:  # derived from the fp32 graphs, themselves cached
-        fp32_dir, _ = ensure_graphs(backbone, "fp32", cache_dir if root is not None else work / "fp32", opset)
-        quantize_int8(fp32_dir, work, backbone.num_layers)
-    seconds = time.perf_counter() - t0
-    meta = {
-        "format": EXPORT_FORMAT, "opset": opset, "precision": precision, "files": files,
-        "fingerprint": backbone.fingerprint.model_dump(), "key": cache_key(backbone.fingerprint, precision, opset),
-        "exporter": "torch.onnx.export(dynamo=True)", "torch": torch.__version__,
-        "onnxruntime": _ort_version(), "seconds": round(seconds, 2),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    (work / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks the entry complete
-    log.info("backbone %s exported to onnx (%s, %d graphs) in %.1fs", backbone.name, precision, len(files), seconds)
-    if root is None:
-        return work, True
-    try:
-        os.rename(work, target)  # atomic; another process that got there first wins
-    except OSError:
-        if not (target / "meta.json").is_file():
-            shutil.rmtree(target, ignore_errors=True)  # a broken leftover: replace it
-            try:
-                os.rename(work, target)
-                return target, True
-            except OSError:
-                pass
-        shutil.rmtree(work, ignore_errors=True)
-    return target, True
+        cached, problem = False, str(exc)
+    if cached:
+        return target, build_once(target, complete, export)
+    log.warning("onnx cache %s not writable (%s): exporting to a temporary directory", root, problem)
+    work = Path(tempfile.mkdtemp(prefix="tmod-onnx-"))
+    export(work)
+    return work, True
 
 
 def _ort_version() -> str:
