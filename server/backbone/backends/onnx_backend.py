@@ -179,10 +179,11 @@ def quantize_int8(src: Path, out: Path, num_layers: int) -> None:
 
 
 def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | None = None,
-                  opset: int = OPSET) -> tuple[Path, bool]:
+                  opset: int = OPSET) -> tuple[Path, bool, bool]:
     """The directory holding this backbone's graphs at `precision`, exporting them if no cache
-    entry exists. Returns (directory, exported_now). An unwritable cache directory is not fatal:
-    the graphs are exported to a temporary directory instead (and exported again next start)."""
+    entry exists. Returns (directory, exported_now, temporary). An unwritable cache directory is not
+    fatal: the graphs are exported to a temporary directory instead (and exported again next start),
+    which the caller removes once it has read them."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not supported by the onnx backend; choose one of {PRECISIONS}")
     root = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -198,7 +199,7 @@ def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | Non
         if precision == "fp32":
             export_fp32(backbone, work, opset)
         else:  # derived from the fp32 graphs, themselves cached
-            fp32_dir, _ = ensure_graphs(backbone, "fp32", cache_dir if cached else work / "fp32", opset)
+            fp32_dir, *_ = ensure_graphs(backbone, "fp32", cache_dir if cached else work / "fp32", opset)
             quantize_int8(fp32_dir, work, backbone.num_layers)
         seconds = time.perf_counter() - t0
         meta = {
@@ -212,7 +213,7 @@ def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | Non
         log.info("backbone %s exported to onnx (%s, %d graphs) in %.1fs", backbone.name, precision, len(files), seconds)
 
     if complete(target):
-        return target, False
+        return target, False, False
     try:
         root.mkdir(parents=True, exist_ok=True)
         cached = os.access(root, os.W_OK)
@@ -220,11 +221,11 @@ def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | Non
     except OSError as exc:
         cached, problem = False, str(exc)
     if cached:
-        return target, build_once(target, complete, export)
+        return target, build_once(target, complete, export), False
     log.warning("onnx cache %s not writable (%s): exporting to a temporary directory", root, problem)
     work = Path(tempfile.mkdtemp(prefix="tmod-onnx-"))
     export(work)
-    return work, True
+    return work, True, True
 
 
 def _ort_version() -> str:
@@ -281,7 +282,7 @@ class OnnxBackend:
         self.uses_token_types = backbone.adapter.uses_token_types
         self.adapter = backbone.adapter  # MPNet: its position bias table feeds the layer graphs
         t0 = time.perf_counter()
-        self.graph_dir, self.exported = ensure_graphs(backbone, precision, cache_dir, opset)
+        self.graph_dir, self.exported, temporary = ensure_graphs(backbone, precision, cache_dir, opset)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -291,10 +292,15 @@ class OnnxBackend:
         # the heads run in torch between two layer graphs: ORT's pool must not spin on the cores then
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.threads = threads
-        self.sessions = [
-            ort.InferenceSession(str(self.graph_dir / f), options, providers=providers)
-            for f in graph_files(self.num_layers)
-        ]
+        try:
+            self.sessions = [
+                ort.InferenceSession(str(self.graph_dir / f), options, providers=providers)
+                for f in graph_files(self.num_layers)
+            ]
+        finally:
+            if temporary:  # no cache keeps it: the sessions hold the graphs (and a --tmpfs /tmp is memory)
+                shutil.rmtree(self.graph_dir, ignore_errors=True)
+                self.graph_dir = None
         self.providers = self.sessions[0].get_providers()
         if self.device.type == "cuda" and "CUDAExecutionProvider" not in self.providers:
             # ONNX Runtime falls back to the CPU silently when the CUDA provider fails to load
@@ -329,5 +335,5 @@ class OnnxBackend:
     def describe(self) -> dict:
         return {"backend": self.name, "precision": self.precision, "onnxruntime": _ort_version(),
                 "device": str(self.device), "providers": self.providers,
-                "intra_op_threads": self.threads or "default", "graph_dir": str(self.graph_dir),
+                "intra_op_threads": self.threads or "default", "graph_dir": str(self.graph_dir or "none: exported for this process, the cache unwritable"),
                 "exported_at_load": self.exported, "load_seconds": round(self.load_seconds, 2)}
