@@ -63,6 +63,22 @@ def test_a_named_backbone_whose_package_is_missing_is_said_before_anything_loads
     assert backbone_problem(Settings(backbone="minilm").backbone, empty_cache) is None
 
 
+def test_a_cache_a_named_backbone_cannot_be_unpacked_into_is_said_before_anything_loads(tmp_path, monkeypatch):
+    """`--backbone mpnet` with a --cache-dir that cannot be written (a file there, a read-only root) was
+    found at start-up: "cannot serve: NotADirectoryError: [Errno 20] Not a directory: ..." after a
+    traceback, naming no setting to change."""
+    from server.backbone import sources
+    from server.cli import backbone_problem
+
+    monkeypatch.setattr(sources, "mpnet_parts", lambda: [tmp_path / "part"])  # its packages installed
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder should be")
+    assert backbone_problem(Settings(backbone="mpnet").backbone, blocker) == (
+        f"--backbone / TMOD_BACKBONE: mpnet is unpacked once into {blocker / 'backbones'}, which cannot be written "
+        "(Not a directory): give --cache-dir (TMOD_CACHE_DIR) a writable folder")
+    assert backbone_problem(Settings(backbone="mpnet").backbone, tmp_path / "fresh") is None  # made, writable
+
+
 def test_a_tmod_variable_that_names_no_setting_is_warned_of_with_the_likely_one(tmp_path):
     """TMOD_MAX_BATCH=64 in a ConfigMap was ignored without a word: now a warning in the log."""
     empty = tmp_path / "empty-backbone"  # passes the checks before start-up, then fails to load: a quick exit

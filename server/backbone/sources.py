@@ -210,9 +210,22 @@ def named_problem(name: str, cache_dir: Path | None = None) -> str | None:
             smollm2_gguf()
         elif name == "mpnet" and not has_config(cached / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"):
             mpnet_parts()
+        else:
+            return None
     except FileNotFoundError as exc:
         return str(exc)
-    return None
+    return cache_problem(name, cached)
+
+
+def cache_problem(name: str, folder: Path) -> str | None:
+    """Why the folder a named backbone is unpacked into once cannot be written, or None."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(folder, os.W_OK) else "no write permission"
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    return problem and (f"{name} is unpacked once into {folder}, which cannot be written ({problem}): give "
+                        "--cache-dir (TMOD_CACHE_DIR) a writable folder")
 
 
 def folder_problem(path: Path) -> str | None:
