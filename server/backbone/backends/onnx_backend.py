@@ -224,7 +224,11 @@ def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | Non
         return target, build_once(target, complete, export), False
     log.warning("onnx cache %s not writable (%s): exporting to a temporary directory", root, problem)
     work = Path(tempfile.mkdtemp(prefix="tmod-onnx-"))
-    export(work)
+    try:
+        export(work)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     return work, True, True
 
 
@@ -335,5 +339,6 @@ class OnnxBackend:
     def describe(self) -> dict:
         return {"backend": self.name, "precision": self.precision, "onnxruntime": _ort_version(),
                 "device": str(self.device), "providers": self.providers,
-                "intra_op_threads": self.threads or "default", "graph_dir": str(self.graph_dir or "none: exported for this process, the cache unwritable"),
+                "intra_op_threads": self.threads or "default",
+                "graph_dir": str(self.graph_dir or "none: exported for this process, the cache unwritable"),
                 "exported_at_load": self.exported, "load_seconds": round(self.load_seconds, 2)}
