@@ -1,23 +1,28 @@
 """From logits to predictions to validation metrics, shared by training and `tmod-train eval`.
 
 `score_module` measures a stored module the way the server runs it: batches tokenized by the
-backbone and pushed through `Engine.logits`.
+backbone and pushed through `Engine.logits`; a sequence task's long text read in the server's
+windows, their logits combined by its rule (server/windows.py).
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator
+
+import sys
 
 import numpy as np
 import torch
 
 from server.backbone import TokenBatch
 from server.engine import Engine
+from server.errors import ApiError
 from server.heads.decode import word_tags
 from server.modules import LoadedModule
+from server.windows import measured_window, read, rule_for, settings_for
 from training.data.word_tags import word_first_tokens
 from training.metrics import classification_scores, entity_scores, multilabel_scores
 from training.progress import progress_of
-from training.states import Split, padded_tokens
+from training.states import Split, length_batches, padded_tokens
 
 
 def predictions(split: Split, rows: list[int], logits: torch.Tensor) -> list:
@@ -83,10 +88,47 @@ def served_logits(split: Split, module: LoadedModule, batch_size: int = 128, pro
             bar.update(padded_tokens(split.lengths, rows))
 
 
+def served_text_logits(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
+                       engine: Engine | None = None) -> torch.Tensor | None:
+    """(texts, labels) logits of a sequence or multi-label task for `split`'s texts as the server
+    answers a request that asks this task alone: each text read in the rows such a request is read in
+    (one where it fits the task's default window, else overlapping windows: server/windows.py), every
+    row through Engine.logits, a text's windows combined by its task type's rule. None where a text
+    cannot be read so (a text pair that leaves a window no room: the server refuses it, 413)."""
+    backbone, task, rule = split.backbone, module.task, rule_for(split.data.task_type)
+    settings = settings_for(backbone.text, None,
+                            task_window=measured_window(backbone.fingerprint.name, [split.data.task_type]))
+    try:
+        reading = read(backbone.text, split.data.texts(), split.data.text_pairs(), settings, truncate=False)
+    except ApiError as exc:
+        print(f"scoring {task}: {exc.message}; its texts are scored on their first {backbone.text.max_tokens} word "
+              "pieces instead", file=sys.stderr)
+        return None
+    rows = reading.rows
+    lengths = [len(row) for row in rows]
+    batches = length_batches(lengths, batch_size)
+    row_logits: list = [None] * len(rows)
+    total = sum(padded_tokens(lengths, chunk) for chunk in batches)
+    engine = engine or Engine(backbone)
+    with progress_of(total=total, bars=progress, desc=f"scoring {task}", unit="tok") as bar:
+        for chunk in batches:
+            logits = engine.logits(backbone.collate([rows[r] for r in chunk]), {task: module})[task]
+            for r, values in zip(chunk, logits.float().cpu().numpy()):
+                row_logits[r] = values
+            bar.update(padded_tokens(lengths, chunk))
+    combined, first = [], 0
+    for text in reading.texts:
+        outputs = row_logits[first:first + len(text.rows)]
+        first += len(text.rows)
+        combined.append(rule.combine(text, outputs) if text.windowed else outputs[0])
+    return torch.from_numpy(np.stack(combined))
+
+
 def score_module(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
                  engine: Engine | None = None, answer_split: Split | None = None, thresholds=None,
                  probabilities: list | None = None) -> dict:
-    """Validation metrics of a loaded module through the served path (Engine.logits).
+    """Validation metrics of a loaded module through the served path (Engine.logits; a sequence
+    task's texts read as the server reads them: `served_text_logits`).
 
     A foreign module behind a bridge that re-tokenizes answers on the target backbone's tokens:
     `answer_split` is the same data encoded by the target backbone, where predictions are read.
@@ -95,7 +137,15 @@ def score_module(split: Split, module: LoadedModule, batch_size: int = 128, prog
     answers = answer_split or split
     predicted: list = [None] * len(split)
     kept: list = [None] * len(split)
-    for rows, logits in served_logits(split, module, batch_size, progress, engine):
+    # a sequence task's texts as the server reads them, long ones in windows; not through a bridge that
+    # re-tokenizes (server/windows.py window_rule: it reads one window only; the rule is the split's task
+    # type's, since no manifest is written yet while training scores the head)
+    by_text = None
+    if not split.is_token_task and not module.retokenized:
+        by_text = served_text_logits(split, module, batch_size, progress, engine)
+    batches = ([(list(range(len(split))), by_text)] if by_text is not None else
+               served_logits(split, module, batch_size, progress, engine))
+    for rows, logits in batches:
         for r, p in zip(rows, predictions(answers, rows, logits)):
             predicted[r] = p
         if probabilities is not None and not split.is_token_task and not split.is_multi_label:

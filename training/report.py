@@ -125,9 +125,12 @@ def report_text(result) -> str:
         lines.append(f"- {unknown} of the {pieces} training word pieces ({100 * unknown / pieces:.2f}%) are unknown to "
                      "the backbone's vocabulary ([UNK]: another script, emoji): the head learns nothing from them")
     if cut := examples_cut(data):
-        lines.append(f"- examples longer than the backbone reads at once ({data['examples_cut_at']} word pieces): {cut}; "
-                     "learnt and scored on their first window, where the server reads a long text whole, in windows "
-                     "(docs/windows.md): `tmod-train eval` scores the module as served")
+        limit = data["examples_cut_at"]
+        scored = (f"learnt and scored on their first {limit}, where the server reads a long text whole, in windows"
+                  if "sentences" in m else f"learnt on their first {limit}; scored (validation, test and `tmod-train "
+                  "eval`) as the server answers them, read in windows")
+        lines.append(f"- examples longer than the backbone reads at once ({limit} word pieces): {cut}; {scored} "
+                     "(docs/windows.md)")
     if data.get("train_texts_labelled_two_ways"):
         lines.append("- training texts labelled more than one way (the same text, different labels): "
                      f"{data['train_texts_labelled_two_ways']}")

@@ -520,12 +520,13 @@ def say_examples_cut(name: str, split: Split, backbone: Backbone, provenance: di
     window), in `provenance` (the report says it) and on stderr."""
     cut = sum(row.truncated for row in split.encoded)
     provenance[f"{name}_examples_cut"] = cut
-    if cut:  # the server reads such texts whole, in windows
-        provenance["examples_cut_at"] = backbone.text.max_tokens
+    if cut:  # the server reads such texts whole, in windows; so are a sequence task's scored (score_module)
+        limit = backbone.text.max_tokens
+        provenance["examples_cut_at"] = limit
+        how = (f"learnt on their first {limit}" if name == "training" else f"scored on their first {limit}"
+               if split.is_token_task else "scored as the server answers them, read in windows")
         print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
-              f"({backbone.text.max_tokens} word pieces): {'learnt' if name == 'training' else 'scored'} on their "
-              f"first {backbone.text.max_tokens}; the server reads long texts in windows (docs/windows.md)",
-              file=sys.stderr)
+              f"({limit} word pieces): {how}; the server reads long texts in windows (docs/windows.md)", file=sys.stderr)
 
 
 def offer_to_serve(s: TrainSettings, task: str, store: ModuleStore, backbone: Backbone, server: dict | None,
