@@ -706,7 +706,7 @@ def test_texts_longer_than_the_backbone_reads_are_counted_and_said(tmp_path, tra
     assert f"4 of 12 training examples are longer than the backbone reads at once ({limit} word pieces): learnt on " \
         f"their first {limit}" in err and "4 of 12 validation examples" in err and "4 of 12 test examples" in err
     assert f"4 of 12 test examples are longer than the backbone reads at once ({limit} word pieces): scored as the " \
-        "server answers them, read in windows" in err  # tests/test_train_to_serve.py: as a real tmod-serve answers
+        "server answers them, in windows" in err  # tests/test_train_to_serve.py: as a real tmod-serve answers
     assert (f"- examples longer than the backbone reads at once ({limit} word pieces): 4 of 12 training, 4 of 12 "
             f"validation, 4 of 12 test; learnt on their first {limit}; scored (validation, test and `tmod-train eval`) "
             "as the server answers them, read in windows") in report_module.report_text(result)

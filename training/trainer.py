@@ -523,10 +523,14 @@ def say_examples_cut(name: str, split: Split, backbone: Backbone, provenance: di
     if cut:  # the server reads such texts whole, in windows; so are a sequence task's scored (score_module)
         limit = backbone.text.max_tokens
         provenance["examples_cut_at"] = limit
-        how = (f"learnt on their first {limit}" if name == "training" else f"scored on their first {limit}"
-               if split.is_token_task else "scored as the server answers them, read in windows")
+        served = "the server reads long texts in windows (docs/windows.md)"
+        how = (f"learnt on their first {limit}; {served}" if name == "training" else
+               f"scored on their first {limit}; {served}" if split.is_token_task else
+               f"each epoch's line scores their first {limit}, the number reported scores them as the server "
+               "answers them, in windows (docs/windows.md)" if name == "validation" else
+               "scored as the server answers them, in windows (docs/windows.md)")
         print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
-              f"({limit} word pieces): {how}; the server reads long texts in windows (docs/windows.md)", file=sys.stderr)
+              f"({limit} word pieces): {how}", file=sys.stderr)
 
 
 def offer_to_serve(s: TrainSettings, task: str, store: ModuleStore, backbone: Backbone, server: dict | None,
