@@ -279,6 +279,7 @@ def test_a_long_text_is_scored_as_the_server_answers_it(tmp_path, train_backbone
     from server.modules import load_module
     from training.evaluate import score_module
     from training.settings import TrainSettings
+    from training.splits import resolve_data
     from training.states import Split
     from training.trainer import train
 
@@ -296,7 +297,7 @@ def test_a_long_text_is_scored_as_the_server_answers_it(tmp_path, train_backbone
     assert result.training["data"]["validation_examples_cut"] == 8
 
     module = load_module(ModuleStore(store), "long", None, train_backbone)
-    split = Split(result_data(path, settings), module.head.labels, train_backbone)
+    split = Split(resolve_data(settings).validation, module.head.labels, train_backbone)  # as training read it
     scored: list = []
     score_module(split, module, progress=False, probabilities=scored)
     url, process = start_tmod_serve(["--backbone", str(train_backbone_dir), "--store", str(store), "--tasks", "long"],
@@ -309,10 +310,3 @@ def test_a_long_text_is_scored_as_the_server_answers_it(tmp_path, train_backbone
     assert answer["windows"].count(1) == 16 and min(w for w in answer["windows"] if w > 1) >= 2
     served = [[row["long"]["scores"][label] for label in module.head.labels] for row in answer["results"]]
     assert max(abs(a - b) for s, v in zip(scored, served) for a, b in zip(s, v)) < 1e-4
-
-
-def result_data(path, settings):
-    """The validation file as training read it (its rows in file order)."""
-    from training.splits import resolve_data
-
-    return resolve_data(settings).validation

@@ -6,9 +6,8 @@ windows, their logits combined by its rule (server/windows.py).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
-
 import sys
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
