@@ -395,8 +395,8 @@ def markdown(rows: dict) -> str:
 def markdown_tier(rows: dict) -> str:
     """A tier without fine-tuning anchors: shipped layer-mix, its training rows, the last-layer
     baseline on the same rows, and the issue's target."""
-    lines = ["| task (validation) | layer-mix (shipped) | train rows used / in file | last layer only (same rows) | "
-             "target | met | layer-mix params | states read | layer-mix train time |",
+    lines = ["| task (validation) | layer-mix (shipped) | train rows used (document windows counted) / rows in file | "
+             "last layer only (same rows) | target | met | layer-mix params | states read | layer-mix train time |",
              "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |"]
     for task, row in rows.items():
         lm, metric, target = row["layermix"], row["metric"], row["target"]
