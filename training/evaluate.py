@@ -78,13 +78,21 @@ def collect(split: Split, batches: Iterable[list[int]],
 def served_logits(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
                   engine: Engine | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
     """(rows, the module's logits) for batches of `split`, through the served path (Engine.logits)."""
-    engine = engine or Engine(split.backbone)
-    batches = split.batches(batch_size)
-    total = sum(padded_tokens(split.lengths, rows) for rows in batches)
+    return rows_logits(split.encoded, split.backbone, module, batch_size, progress, engine)
+
+
+def rows_logits(rows: list, backbone, module: LoadedModule, batch_size: int = 128, progress: bool = True,
+                engine: Engine | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """(indices into `rows`, the module's logits) for batches of encoded `rows` of similar length,
+    through Engine.logits, with progress counted in padded word pieces."""
+    engine = engine or Engine(backbone)
+    lengths = [len(row) for row in rows]
+    batches = length_batches(lengths, batch_size)
+    total = sum(padded_tokens(lengths, chunk) for chunk in batches)
     with progress_of(total=total, bars=progress, desc=f"scoring {module.task}", unit="tok") as bar:
-        for rows in batches:
-            yield rows, engine.logits(split.token_batch(rows), {module.task: module})[module.task]
-            bar.update(padded_tokens(split.lengths, rows))
+        for chunk in batches:
+            yield chunk, engine.logits(backbone.collate([rows[r] for r in chunk]), {module.task: module})[module.task]
+            bar.update(padded_tokens(lengths, chunk))
 
 
 def served_text_logits(split: Split, module: LoadedModule, batch_size: int = 128, progress: bool = True,
@@ -103,18 +111,10 @@ def served_text_logits(split: Split, module: LoadedModule, batch_size: int = 128
         print(f"scoring {task}: {exc.message}; its texts are scored on their first {backbone.text.max_tokens} word "
               "pieces instead", file=sys.stderr)
         return None
-    rows = reading.rows
-    lengths = [len(row) for row in rows]
-    batches = length_batches(lengths, batch_size)
-    row_logits: list = [None] * len(rows)
-    total = sum(padded_tokens(lengths, chunk) for chunk in batches)
-    engine = engine or Engine(backbone)
-    with progress_of(total=total, bars=progress, desc=f"scoring {task}", unit="tok") as bar:
-        for chunk in batches:
-            logits = engine.logits(backbone.collate([rows[r] for r in chunk]), {task: module})[task]
-            for r, values in zip(chunk, logits.float().cpu().numpy()):
-                row_logits[r] = values
-            bar.update(padded_tokens(lengths, chunk))
+    row_logits: list = [None] * len(reading.rows)
+    for chunk, logits in rows_logits(reading.rows, backbone, module, batch_size, progress, engine):
+        for r, values in zip(chunk, logits.float().cpu().numpy()):
+            row_logits[r] = values
     combined, first = [], 0
     for text in reading.texts:
         outputs = row_logits[first:first + len(text.rows)]
