@@ -524,11 +524,15 @@ def say_examples_cut(name: str, split: Split, backbone: Backbone, provenance: di
         limit = backbone.text.max_tokens
         provenance["examples_cut_at"] = limit
         served = "the server reads long texts in windows (docs/windows.md)"
-        how = (f"learnt on their first {limit}; {served}" if name == "training" else
-               f"scored on their first {limit}; {served}" if split.is_token_task else
-               f"each epoch's line scores their first {limit}, the number reported scores them as the server "
-               "answers them, in windows (docs/windows.md)" if name == "validation" else
-               "scored as the server answers them, in windows (docs/windows.md)")
+        if name == "training":
+            how = f"learnt on their first {limit}; {served}"
+        elif split.is_token_task:
+            how = f"scored on their first {limit}; {served}"
+        elif name == "validation":  # its cached states choose the epoch; score_module reads as served
+            how = (f"each epoch's line scores their first {limit}, the number reported scores them as the server "
+                   "answers them, in windows (docs/windows.md)")
+        else:
+            how = "scored as the server answers them, in windows (docs/windows.md)"
         print(f"{cut} of {len(split.encoded)} {name} examples are longer than the backbone reads at once "
               f"({limit} word pieces): {how}", file=sys.stderr)
 
