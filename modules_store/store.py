@@ -130,8 +130,9 @@ class ModuleStore:
         path = self.path(task, version) / MANIFEST_FILE
         if not path.is_file():
             if not path.parent.is_dir():  # a version that was never written: which ones were
-                raise ArtifactError("not_found", f"no version {version!r} of {task} in the store {self.root}; it has "
-                                                 f"{self.versions(task)}{self.gone_note()}")
+                there = ", ".join(self.versions(task)) or "none"
+                raise ArtifactError("not_found", f"no version {version!r} of {task} in the store {self.root}; its "
+                                                 f"versions: {there}{self.gone_note()}")
             raise ArtifactError("not_found", f"no manifest at {path}")
         try:
             text = path.read_bytes()

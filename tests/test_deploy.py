@@ -612,7 +612,7 @@ def test_rollout_script_moves_every_replica_to_the_new_version(tiny_backbone, tm
         missing = run("sentiment", "--version", "9", "--hosts", hosts)
         assert missing.returncode == 1 and f"127.0.0.1:{a.port}" in missing.stdout and versions() == ["1", "1"]
         # the versions there are, not the server's path of a manifest that was never written
-        assert f"no version '9' of sentiment in the store {store.root}; it has ['1', '2']" in missing.stdout
+        assert f"no version '9' of sentiment in the store {store.root}; its versions: 1, 2" in missing.stdout
         assert f"stopped at 127.0.0.1:{a.port}: no replica was changed, the 1 after it were not asked" in missing.stdout
         # a HOST alone takes --port (it was port 80: 'no answer'); a task that is no name is refused here
         alone = run("sentiment", "--version", "2", "--hosts", "127.0.0.1", "--port", str(a.port))

@@ -218,7 +218,7 @@ def test_a_store_folder_gone_under_a_running_server_is_said(store, tiny_backbone
     with pytest.raises(ArtifactError, match=r"no module 'sentiment' in store .*unmounted \(that folder is not there: "
                                             r"moved, deleted or not mounted\)"):
         load_module(gone, "sentiment", None, tiny_backbone)
-    with pytest.raises(ArtifactError, match=r"no version '1' of sentiment in the store .*unmounted; it has \[\] "
+    with pytest.raises(ArtifactError, match=r"no version '1' of sentiment in the store .*unmounted; its versions: none "
                                             r"\(that folder is not there"):
         load_module(gone, "sentiment", "1", tiny_backbone)
 

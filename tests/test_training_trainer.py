@@ -1162,7 +1162,7 @@ def test_a_state_or_version_the_model_lacks_is_one_line(sentiment_run, sentiment
     assert main(["eval", "--store", str(store), "--task", "sentiment", "--version", "9", "--file",
                  str(sentiment_files[1]), "--backbone", str(train_backbone_dir)]) == 2  # the user's mistake
     assert capsys.readouterr().err == (f"tmod-train eval: error: no version '9' of sentiment in the store {store}; "
-                                       "it has ['1']\n")
+                                       "its versions: 1\n")
 
 
 def test_a_task_name_the_store_spells_otherwise_is_said(sentiment_run, tmp_path, capsys):
