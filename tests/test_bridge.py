@@ -372,6 +372,26 @@ def test_ctrl_c_keeps_the_best_epoch_so_far_and_finishes_the_run(sst2_dir, sourc
         train_bridge(s.model_copy(update={"name": "none"}), source=source, target=target)
 
 
+def test_an_early_stop_by_patience_is_reported(sst2_dir, source, target, tmp_path, monkeypatch, capsys):
+    """A bridge whose validation loss stops falling stopped after --patience epochs without a word of why."""
+    import training.bridges.transformer
+
+    real = training.bridges.transformer.run_bridge_epoch
+
+    def worse_after_the_first(*args):
+        entry, val, step = real(*args)
+        return entry, {**val, "loss": float(args[8])}, step  # args[8]: the epoch; the loss grows with it
+
+    monkeypatch.setattr(training.bridges.transformer, "run_bridge_epoch", worse_after_the_first)
+    s = settings(dataset="sst2", data_dir=str(sst2_dir), epochs=6, patience=2, bridge_store=str(tmp_path / "bridges"),
+                 report_dir=str(tmp_path / "report"), cache_dir=str(tmp_path / "cache"), name="stale", threads=1)
+    result = train_bridge(s, source=source, target=target)
+    assert [h.get("stopped_by") for h in result.history] == [None, None, "patience"]
+    assert "stopping after epoch 3/6: 2 epochs in a row without a better validation result" in capsys.readouterr().err
+    assert ("stopped early (2 epochs in a row without a lower validation loss, --patience) after epoch 3: kept epoch 1"
+            in (tmp_path / "report" / "report.md").read_text())
+
+
 @pytest.mark.parametrize("budget, epochs_run", [(1e-6, 1), (600.0, 3)])
 def test_max_minutes_starts_no_bridge_epoch_past_the_budget(sst2_dir, source, target, tmp_path, budget, epochs_run):
     """--max-minutes, as a head's run takes it (a bridge on a large backbone trains for hours on a CPU):

@@ -254,6 +254,35 @@ def test_ctrl_c_in_a_later_epoch_keeps_the_best_so_far_and_finishes(sentiment_fi
     assert ModuleStore(tmp_path / "store").versions("sentiment") == ["1"]
 
 
+def test_an_early_stop_by_patience_is_said_and_reported(sentiment_files, train_backbone_dir, tmp_path, capsys,
+                                                       monkeypatch):
+    """--epochs 10 with validation worse after epoch 1 ran 3 epochs (--patience 2) and said nothing of why:
+    the report's 'kept epoch 1 of 3 run' left a user wondering where the other 7 went."""
+    import training.trainer
+
+    real_validate = training.trainer.validate
+    epochs = []
+
+    def worse_after_the_first(*args, **kwargs):
+        loss, metrics = real_validate(*args, **kwargs)
+        epochs.append(len(epochs) + 1)
+        return 1.0 + len(epochs), {**metrics, "accuracy": 1.0 / (1 + len(epochs))}
+
+    monkeypatch.setattr(training.trainer, "validate", worse_after_the_first)
+    train_file, validation_file = sentiment_files
+    argv = ["layermix", "--train", str(train_file), "--validation", str(validation_file), "--text-column", "sentence",
+            "--label-column", "label", "--label-map", "0=negative,1=positive", "--backbone", str(train_backbone_dir),
+            "--store", str(tmp_path / "store"), "--run-dir", str(tmp_path / "run"), "--epochs", "10",
+            "--patience", "2", "--task", "sentiment", "--no-progress"]
+    assert main(argv) == 0
+    history = ModuleStore(tmp_path / "store").read_manifest("sentiment").training["history"]
+    assert [h.get("stopped_by") for h in history] == [None, None, "patience"]
+    assert ("stopping after epoch 3/10: 2 epochs in a row without a better validation result (--patience 2); "
+            "keeping epoch 1") in capsys.readouterr().err
+    assert ("kept epoch 1 of 3 run; the run stopped early: 2 epochs in a row without a better validation accuracy "
+            "(--patience 2)") in (tmp_path / "run" / "report" / "report.md").read_text()
+
+
 def test_eval_split_scores_the_part_the_run_carved_from_the_file(sentiment_run, sentiment_files, train_backbone_dir,
                                                                  tmp_path, capsys):
     """A head trained on one file carved by --split could be scored on that file only whole ("not held out"):

@@ -147,8 +147,11 @@ def report_text(result) -> str:
         lines.append(f"- the validation split is not wholly unseen: {seen}")
     best, run = result.training.get("best_epoch"), result.training.get("epochs_run")
     stopped_by = (result.history or [{}])[-1].get("stopped_by")
+    patience = result.training.get("settings", {}).get("patience")
     stopped = {"interrupt": f"; the run was stopped by Ctrl-C in epoch {run + 1}",
-               "max_minutes": "; the run was stopped by --max-minutes"}.get(stopped_by, "")
+               "max_minutes": "; the run was stopped by --max-minutes",
+               "patience": f"; the run stopped early: {patience} epochs in a row without a better validation {metric} "
+                           f"(--patience {patience})"}.get(stopped_by, "")
     lines.append(f"- kept epoch {best} of {run} run" + (" (the last: validation was still improving; train longer)"
                                                        if result.training.get("still_improving") else "") + stopped)
     if learns_its_layer_mix(result):

@@ -354,13 +354,20 @@ def next_epoch_past_budget(started: float, epochs_done: int, max_minutes: float 
 
 
 def stop_early(history: list[dict], why: str, epoch: int, epochs: int, best_epoch: int,
-               max_minutes: float | None = None) -> None:
+               max_minutes: float | None = None, patience: int | None = None) -> None:
     """Say and record why the epoch loop stops before its last epoch, heads' and bridges' alike:
-    `max_minutes` (before epoch `epoch`: it would end past the budget) or `interrupt` (Ctrl-C in it)."""
-    tqdm.write(f"stopping after epoch {epoch - 1}/{epochs}: the time budget of {max_minutes:g} min would be passed "
-               "(--max-minutes)" if why == "max_minutes" else
-               f"interrupted in epoch {epoch}/{epochs}: keeping epoch {best_epoch}, the best so far, and finishing "
-               "the run (Ctrl-C again quits before it is saved)", file=sys.stderr)
+    `max_minutes` (before epoch `epoch`: it would end past the budget), `interrupt` (Ctrl-C in it) or
+    `patience` (after it: `patience` epochs in a row without a better one)."""
+    if why == "max_minutes":
+        said = (f"stopping after epoch {epoch - 1}/{epochs}: the time budget of {max_minutes:g} min would be passed "
+                "(--max-minutes)")
+    elif why == "patience":
+        said = (f"stopping after epoch {epoch}/{epochs}: {patience} epochs in a row without a better validation "
+                f"result (--patience {patience}); keeping epoch {best_epoch}")
+    else:
+        said = (f"interrupted in epoch {epoch}/{epochs}: keeping epoch {best_epoch}, the best so far, and finishing "
+                "the run (Ctrl-C again quits before it is saved)")
+    tqdm.write(said, file=sys.stderr)
     history[-1]["stopped_by"] = why
 
 
@@ -422,6 +429,8 @@ def train_epochs(model, train_split: Split, val_split: Split, train_source, val_
         if s.select == "best":
             scheduler.step(value)
             if stale >= s.patience:
+                if epoch < s.epochs:
+                    stop_early(history, "patience", epoch, s.epochs, best_epoch, patience=s.patience)
                 break
     model.load_state_dict(best_state, strict=state is None)
     return history, best_epoch, best

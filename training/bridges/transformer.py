@@ -402,6 +402,8 @@ def fit_bridge(bridge: TransformerBridge, train_pairs, val_pairs, s: BridgeSetti
                 base_lr *= 0.5
         tqdm.write(f"epoch {epoch}/{s.epochs}: train loss {entry['train_loss']:.4f}  validation {_summary(val)}"
                    f"{'  (kept)' if improved else ''}  [{entry['train_seconds']:.1f}s]", file=sys.stderr)
+        if stale >= s.patience and epoch < s.epochs:
+            stop_early(history, "patience", epoch, s.epochs, best_epoch, patience=s.patience)
         if stale >= s.patience or (max_steps and step >= max_steps):
             break
     bridge.load_state_dict(best_state)
@@ -662,8 +664,10 @@ def findings(result: BridgeResult) -> list[str]:
     epochs, best = result.training.get("epochs_run"), result.training.get("best_epoch")
     stopped = result.history[-1].get("stopped_by") if result.history else None
     if stopped:
-        lines.append(f"{'interrupted (Ctrl-C)' if stopped == 'interrupt' else 'stopped by --max-minutes'} after "
-                     f"epoch {epochs}: kept epoch {best}, the best so far")
+        patience = result.training.get("settings", {}).get("patience")
+        why = {"interrupt": "interrupted (Ctrl-C)", "max_minutes": "stopped by --max-minutes",
+               "patience": f"stopped early ({patience} epochs in a row without a lower validation loss, --patience)"}
+        lines.append(f"{why[stopped]} after epoch {epochs}: kept epoch {best}, the best so far")
     elif best and best == epochs == result.training.get("settings", {}).get("epochs") > 1:  # one shows no trend
         lines.append(f"kept epoch {best} of {epochs}, the last: validation was still improving; train longer")
     elif best:
