@@ -306,7 +306,8 @@ def main() -> None:
 
 def write_markdown(path: Path, result: dict) -> None:
     m, s = result["machine"], result["settings"]
-    flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx"))]
+    from bench.harness import vector_flags
+
     codes = {"after": f"`after`: this tree ({m['versions']['tmod_git']['commit']})",
              "before": f"`before`: the code at {result['before']}",
              "sequential": "`sequential`: this tree with each pass queued by the compute thread when it reaches it",
@@ -315,7 +316,7 @@ def write_markdown(path: Path, result: dict) -> None:
     passes = f"a pass at B x T: {model.replace(',', ' + ')} x B x T ms" if model else f"{s['pass_ms']} ms a pass"
     lines = [f"# The engine process under load, its device a stand-in queue ({passes}, "
              f"{s['releases']} GIL releases per queued pass)", "",
-             f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus')} logical CPUs · "
+             f"{result['date']} · {m.get('cpu_model', '')} ({vector_flags(m)}) · {m.get('logical_cpus')} logical CPUs · "
              f"`{result['command']}`", "",
              f"{s['conns']} emulated workers keep {s['concurrency']} one-text requests in the engine, each sent back "
              "after a think time; engine on CPU 0, driver on the rest. "

@@ -581,10 +581,11 @@ def python_and_idle(machine: dict) -> str:
 
 def write_workers_markdown(path: Path, result: dict) -> None:
     m = result["machine"]
-    flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
+    from bench.harness import vector_flags
+
     lines = [f"# Frontend with worker processes (CPU, constant-time stand-in for the device pass: {result['pass_ms']} ms, "
              f"batch shapes {result.get('batch_shapes', 'length_runs')}, up to {result.get('max_batch_size', 128)} rows per batch)",
-             "", f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus', '')} "
+             "", f"{result['date']} · {m.get('cpu_model', '')} ({vector_flags(m)}) · {m.get('logical_cpus', '')} "
              f"logical CPUs, shared with other work (load average at start {m.get('load_average_at_start_1_5_15min')}) · "
              f"servers pinned to CPUs {result.get('server_cpus')}, load generator to {result.get('generator_cpus')} · "
              f"{python_and_idle(m)}`{result['command']}`",
@@ -759,10 +760,11 @@ def engine_driver(config: dict) -> None:
 
 def write_engine_markdown(path: Path, result: dict) -> None:
     m = result["machine"]
-    flags = [f for f in m.get("cpu_flags", []) if f.startswith(("avx", "amx"))]
+    from bench.harness import vector_flags
+
     lines = [f"# The engine process's loop alone (stand-in pass {result['pass_ms']} ms, batch shapes "
              f"{result['batch_shapes']}, up to {result.get('max_batch_size', 128)} rows per batch)", "",
-             f"{result['date']} · {m.get('cpu_model', '')} ({', '.join(flags)}) · {m.get('logical_cpus')} logical CPUs, "
+             f"{result['date']} · {m.get('cpu_model', '')} ({vector_flags(m)}) · {m.get('logical_cpus')} logical CPUs, "
              f"shared with other work (load average at start {m.get('load_average_at_start_1_5_15min')}) · "
              f"`{result['command']}`", "",
              "A Runtime and EngineService in one process, fed a worker's request frames (one frame = one batch, "

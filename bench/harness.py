@@ -74,6 +74,13 @@ def cpu_flags() -> list[str]:
     return (cpuinfo_value("flags") or "").split()
 
 
+def vector_flags(machine: dict) -> str:
+    """The flags a recorded `machine` ran its numbers with that change them (vector units: avx*, amx*,
+    fma, f16c), for a results table's heading; 'flags not recorded' for a result made before they were."""
+    flags = [f for f in machine.get("cpu_flags", []) if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
+    return ", ".join(flags) if flags else "flags not recorded"
+
+
 def interpreter() -> dict:
     """Which Python ran the benchmark: the host path's CPU is mostly the interpreter's, and builds
     differ by more than a fifth. How it was built does not reliably show (Debian's 3.11, whose
@@ -635,7 +642,7 @@ def write_results(stem: Path | str, result: dict, title: str, tables: list[str],
     m = result["machine"]
     commit = (m["versions"]["tmod_git"]["commit"] or "?")[:10]
     md = [f"# {title}", "",
-          f"{m['date']} · {m['cpu_model']}, {m['logical_cpus']} logical CPUs · device {m['device']} · "
+          f"{m['date']} · {m['cpu_model']} ({vector_flags(m)}), {m['logical_cpus']} logical CPUs · device {m['device']} · "
           f"torch {m['versions']['torch']} · tmod {commit} · load average {m['load_average_at_start_1_5_15min']}", ""]
     for table in tables:
         md += [table, ""]

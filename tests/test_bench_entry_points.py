@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import markdown_table, write_results
+from bench.harness import markdown_table, vector_flags, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,6 +35,10 @@ def test_write_results_writes_the_json_and_a_table_with_machine_and_command(tmp_
     assert recorded["rows"] == [1, 2] and recorded["machine"]["cpu_flags"] and recorded["command"]
     md = path.with_suffix(".md").read_text()
     assert md.startswith("# A title") and "| a | b |" in md and "| 1 | 2 |" in md and "Command: `" in md
+    # the vector units a CPU figure depends on, named beside the CPU (x86 CI machines have avx at least)
+    assert f"{recorded['machine']['cpu_model']} ({vector_flags(recorded['machine'])})" in md
+    assert "avx" in vector_flags(recorded["machine"]) or platform.machine() != "x86_64"
+    assert vector_flags({"cpu_flags": []}) == "flags not recorded"
     python = recorded["machine"]["python"]  # which interpreter ran it, and how fast it runs Python
     assert python["executable"] == sys.executable and python["version"] == platform.python_version()
     assert python["interpreter_loop_ms"] > 0 and isinstance(python["libpython_shared"], bool)
