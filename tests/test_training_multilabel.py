@@ -197,3 +197,20 @@ def test_scoring_the_validation_file_says_it_chose_the_thresholds_too(multilabel
                  str(multilabel_run / "val.tsv"), "--backbone", str(train_backbone_dir), "--no-progress"]) == 0
     role = json.loads(capsys.readouterr().out)["file_role"]
     assert role == "validation: this file chose the epoch and the decision thresholds, so this number is optimistic"
+
+
+def test_eval_predictions_hold_each_rows_labels_at_the_thresholds(multilabel_run, train_backbone_dir, tmp_path, capsys):
+    """--predictions of a multi-label module: each row's gold labels, the labels at or over their thresholds
+    (what the metrics counted: the rows' exact matches are the metrics'), every label's probability."""
+    out = tmp_path / "rows.jsonl"
+    assert main(["eval", "--store", str(multilabel_run / "store"), "--task", "kinds", "--file",
+                 str(multilabel_run / "val.tsv"), "--backbone", str(train_backbone_dir), "--no-progress",
+                 "--predictions", str(out)]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    thresholds = ModuleStore(multilabel_run / "store").read_manifest("kinds").decoding["thresholds"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == metrics["examples"]
+    for row in rows:
+        assert row["predicted"] == [l for l in thresholds if row["probabilities"][l] >= thresholds[l]]
+    exact = sum(r["predicted"] == r["gold"] for r in rows) / len(rows)  # both in the head's label order
+    assert exact == pytest.approx(metrics["exact_match"])

@@ -46,3 +46,30 @@ def test_shipped_module_rescores_to_its_manifest_metrics(task, version, dataset,
     metric = result["manifest_metrics"]["metric"]
     assert result["metrics"]["examples" if "examples" in result["metrics"] else "sentences"] > 0
     assert result["metrics"][metric] == pytest.approx(result["manifest_metrics"][metric], abs=2e-3)
+
+
+@pytest.mark.slow
+def test_eval_predictions_of_a_token_task_are_each_sentences_words_and_tags(tmp_path, capsys):
+    """--predictions of the shipped ner on the first sentences of CoNLL-2003 validation (the real
+    backbone): each sentence's words and gold tags as the file has them, one predicted tag a word, and
+    the entity F1 the metrics give is the one these lines give."""
+    from training.metrics import entity_scores
+
+    source = default_data_dir() / PRESETS["conll2003"].validation
+    if not source.is_file():
+        pytest.skip(f"shared data not found at {default_data_dir()}")
+    sentences = source.read_text(encoding="utf-8").split("\n\n")[:40]
+    small = tmp_path / "few.conll"
+    small.write_text("\n\n".join(sentences) + "\n", encoding="utf-8")
+    out = tmp_path / "rows.jsonl"
+    assert main(["eval", "--task", "ner/3", "--file", str(small), "--format", "conll", "--no-progress",
+                 "--predictions", str(out)]) == 0
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    written = [[line.split() for line in s.splitlines() if line.strip() and not line.startswith("-DOCSTART-")]
+               for s in sentences]
+    written = [s for s in written if s]
+    assert [r["words"] for r in rows] == [[w[0] for w in s] for s in written]
+    assert [r["gold"] for r in rows] == [[w[-1] for w in s] for s in written]
+    assert all(len(r["predicted"]) == len(r["words"]) for r in rows)
+    assert entity_scores([r["gold"] for r in rows], [r["predicted"] for r in rows])["f1"] == pytest.approx(metrics["f1"])

@@ -20,6 +20,7 @@ from training import report as report_module
 from training.cli import build_parser, main, settings_from_args
 from training.data.files import UsageError
 from training.data.tables import read_table
+from training.metrics import entity_scores
 from training.settings import TrainSettings, parse_label_map, parse_layers
 from training.states import CachedStates, RecomputedStates, Split
 from training.splits import resolve_data
@@ -283,6 +284,30 @@ def test_an_early_stop_by_patience_is_said_and_reported(sentiment_files, train_b
             "(--patience 2)") in (tmp_path / "run" / "report" / "report.md").read_text()
 
 
+def test_eval_writes_the_answer_to_every_row_it_scored(sentiment_run, sentiment_files, train_backbone_dir, tmp_path,
+                                                       capsys):
+    """eval gave one number per file: which rows a module gets wrong (the first thing a user asks of a
+    score) needed a client of one's own. --predictions writes every scored row's answer, the same
+    answers the metrics counted."""
+    run, _ = sentiment_run
+    argv = ["eval", "--store", str(run / "store"), "--task", "sentiment", "--file", str(sentiment_files[1]),
+            "--text-column", "sentence", "--label-column", "label", "--label-map", "0=negative,1=positive",
+            "--backbone", str(train_backbone_dir), "--no-progress"]
+    assert main([*argv, "--predictions", str(tmp_path / "out" / "rows.jsonl")]) == 0
+    accuracy = json.loads(capsys.readouterr().out)["metrics"]["accuracy"]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    file_rows = [line.rsplit("\t", 1) for line in sentiment_files[1].read_text().splitlines()[1:]]
+    assert [(r["text"], r["gold"]) for r in rows] == [(t, {"0": "negative", "1": "positive"}[l]) for t, l in file_rows]
+    for r in rows:
+        assert set(r["probabilities"]) == {"negative", "positive"}
+        assert sum(r["probabilities"].values()) == pytest.approx(1.0, abs=1e-5)
+        assert r["predicted"] == max(r["probabilities"], key=r["probabilities"].get)
+    assert sum(r["predicted"] == r["gold"] for r in rows) / len(rows) == pytest.approx(accuracy)
+    assert main([*argv, "--predictions", str(tmp_path)]) == 2  # a folder: said before the scoring
+    assert capsys.readouterr().err.strip() == (f"tmod-train eval: error: --predictions {tmp_path}: a folder; give a "
+                                               f"file's name, e.g. {tmp_path / 'predictions.jsonl'}")
+
+
 def test_eval_split_scores_the_part_the_run_carved_from_the_file(sentiment_run, sentiment_files, train_backbone_dir,
                                                                  tmp_path, capsys):
     """A head trained on one file carved by --split could be scored on that file only whole ("not held out"):
@@ -410,6 +435,19 @@ def test_token_task_with_casing_trains_and_loads(tmp_path, train_backbone, train
         low, high = baselines[f"margin_over_{name}_interval"]
         assert low <= baselines[f"margin_over_{name}"] <= high, name
     assert "1000 draws of these 12 sentences" in baselines["intervals"]
+    # eval --predictions: each validation sentence's words, gold tags and one predicted tag a word, which
+    # give the entity F1 the metrics give
+    out = tmp_path / "rows.jsonl"
+    assert main(["eval", "--store", str(tmp_path / "store"), "--task", "ner", "--file", str(validation_file),
+                 "--backbone", str(train_backbone_dir), "--no-progress", "--predictions", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    written = [[line.split() for line in block.splitlines() if not line.startswith("-DOCSTART-")]
+               for block in validation_file.read_text().split("\n\n")]
+    written = [sentence for sentence in written if sentence]
+    assert [(r["words"], r["gold"]) for r in rows] == [([w[0] for w in s], [w[-1] for w in s]) for s in written]
+    assert all(len(r["predicted"]) == len(r["words"]) for r in rows)
+    assert entity_scores([r["gold"] for r in rows], [r["predicted"] for r in rows])["f1"] == pytest.approx(
+        module.manifest.metrics["f1"])
 
 
 def test_worst_sentences_name_missed_and_wrong_entities_or_words():

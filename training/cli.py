@@ -376,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32",
                    help="backbone precision (backend torch), as the module is served")
     e.add_argument("--output", default=None, help="also write the metrics JSON here")
+    e.add_argument("--predictions", default=None, metavar="FILE",
+                   help="also write the module's answer to every scored row here, one JSON line each in the order "
+                        "scored: the text (a token task's words), the gold answer, the answer the metrics counted "
+                        "and, for a sequence or multi-label task, every label's probability")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: only when stderr is a terminal)")
     add_align_command(commands)

@@ -47,8 +47,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError("give one of --dataset NAME or --file FILE, not both")
     if args.bridges and not Path(args.bridges).is_dir():
         raise UsageError(f"--bridges {args.bridges}: no such folder (a bridge store, as tmod-serve --bridges takes)")
-    if args.output:  # found out after the scoring, it cost the whole run
-        check_output_file(Path(args.output))
+    for option, path in (("--output", args.output), ("--predictions", args.predictions)):
+        if path:  # found out after the scoring, it cost the whole run
+            check_output_file(Path(path), option)
     if "/" in args.task:  # TASK/VERSION, as tmod-serve --tasks and --distill-from name a module
         args.task, _, version = args.task.partition("/")
         if args.version not in (None, version):
@@ -99,6 +100,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "file_role": role,
               "manifest_metrics": {k: v for k, v in module.manifest.metrics.items() if not isinstance(v, dict)},
               "metrics": metrics, "baseline": eval_baseline(split, module, metrics, ran, answered)}
+    if args.predictions:
+        write_predictions(Path(args.predictions), answers, answered, (module.manifest.decoding or {}).get("thresholds"))
     text = json.dumps(result, indent=2)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -153,16 +156,40 @@ def rows_learnt(data, ran: tuple, validation_role: str) -> str:
     return f"held out: none of its {len(data)} rows holds a text the training rows hold"
 
 
-def check_output_file(path: Path) -> None:
-    """--output names a file that can be written (its folder is made when the file is written)."""
+def check_output_file(path: Path, option: str = "--output") -> None:
+    """`option` names a file that can be written (its folder is made when the file is written)."""
     from training.data.files import UsageError
     from training.runs import cannot_make
 
     if path.is_dir():
-        raise UsageError(f"--output {path}: a folder; give a file's name, e.g. {path / 'eval.json'}")
+        example = "eval.json" if option == "--output" else "predictions.jsonl"
+        raise UsageError(f"{option} {path}: a folder; give a file's name, e.g. {path / example}")
     why = cannot_make(path.parent)
     if why:
-        raise UsageError(f"--output {path}: {why}")
+        raise UsageError(f"{option} {path}: {why}")
+
+
+def write_predictions(path: Path, split, probabilities: list, thresholds: dict | None) -> None:
+    """--predictions: one JSON line a scored row, in the order scored: its text (and text pair), or a
+    token task's words; the gold answer; the module's answer as the metrics counted it (the most
+    probable label, the labels at or over their thresholds, each word's tag); a sequence or multi-label
+    task's probability of every label. For reading where the module fails, row by row."""
+    from training.assess import head_answers
+
+    gold, answered = head_answers(split, probabilities, thresholds)
+    labels = split.labels
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for r, example in enumerate(split.data.examples):
+            if split.is_token_task:
+                line = {"words": example.words, "gold": gold[r], "predicted": answered[r]}
+            else:
+                line = {"text": example.text, **({"text_pair": example.text_pair} if example.text_pair else {}),
+                        # a multi-label row's gold labels in the head's order, as its predicted ones
+                        "gold": [label for label in labels if label in gold[r]] if split.is_multi_label else gold[r],
+                        "predicted": answered[r],
+                        "probabilities": {label: round(float(p), 6) for label, p in zip(labels, probabilities[r])}}
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
 def preset_trained_on(manifest) -> str:
