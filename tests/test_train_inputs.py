@@ -654,6 +654,11 @@ def test_eval_mistakes(tmp_path, capsys, tables):
     _, _, validation = tables
     assert "no such file" in one_line_error(capsys, ["eval", "--task", "sentiment", "--file", str(tmp_path / "x.tsv")])
     assert "no task 'nope'" in one_line_error(capsys, ["eval", "--task", "nope", "--file", validation])
+    # the store's tasks as names, and the one a mistyped name meant
+    from modules_store import DEFAULT_STORE, ModuleStore
+
+    line = one_line_error(capsys, ["eval", "--task", "Ner", "--file", validation])
+    assert line.endswith(f"; its tasks: {', '.join(ModuleStore(DEFAULT_STORE).tasks())} (did you mean 'ner' for 'Ner'?)")
     assert one_line_error(capsys, ["eval", "--task", "sentiment/1", "--version", "2", "--file", validation]).endswith(
         "--task sentiment/1 names version 1, --version 2: give one")
     assert "--task sentiment/..: '..' is not a valid task or version name" in one_line_error(

@@ -37,6 +37,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from modules_store import DEFAULT_STORE, ArtifactError, ModuleStore, TaskType, sha256_file
     from server.backbone import Backbone
     from server.engine import Engine
+    from server.errors import did_you_mean
     from training.data.files import UsageError
     from training.evaluate import score_module
     from training.settings import checked_version
@@ -60,7 +61,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UsageError(f"--task {args.task}/{version}: {exc}") from None
     store = ModuleStore(args.store or DEFAULT_STORE)
     if args.task not in store.tasks():
-        raise UsageError(f"no task {args.task!r} in the store {store.root}; it has {store.tasks()}")
+        raise UsageError(f"no task {args.task!r} in the store {store.root}; its tasks: "
+                         f"{', '.join(store.tasks()) or 'none'}{did_you_mean([args.task], store.tasks())}")
     try:
         manifest = store.read_manifest(args.task, args.version)  # the latest: the version scored on its own backbone
     except ArtifactError as exc:
