@@ -102,6 +102,11 @@ def did_you_mean(unknown: list[str], names) -> str:
     return ""
 
 
+# how the reason a task is left out because none of its versions runs on this backbone begins (after
+# 'task: '): the one place that writes it (server/modules.py) and the one that reads it (nothing_served)
+NO_VERSION_HERE = "no version for backbone"
+
+
 def not_loaded(tasks: list[str], refused: dict[str, str], skipped: dict[str, str] | None = None) -> str:
     """' (x was refused at load: <its artifact's error>; y is not served: <why start-up left it out>)'
     for those of `tasks` (the first 10) refused at load, as /readyz lists them, or left out at start
@@ -117,8 +122,11 @@ def not_loaded(tasks: list[str], refused: dict[str, str], skipped: dict[str, str
 def nothing_served(store: ModuleStore, refused: dict[str, str], skipped: dict[str, str], admin_enabled: bool) -> str:
     """Why a server serves no task, and how it gets one: each task refused at load or left out at start
     with why (opt-in, another backbone's), or a store folder that is gone or holds no module, or tasks
-    unloaded since; then /admin's load, and the token it needs where it is off."""
+    unloaded since; then /admin's load, and the token it needs where it is off (or, where every module
+    runs on another backbone, which /admin cannot load here, what would serve one)."""
     left_out = sorted({**skipped, **refused})
+    elsewhere = bool(left_out) and not refused and all(
+        skipped[task].startswith(f"{task}: {NO_VERSION_HERE}") for task in left_out)
     if left_out:
         why = not_loaded(left_out, refused, skipped)
     elif not (tasks := store.tasks()):  # the store is read only where the reasons above do not say it all
@@ -129,7 +137,11 @@ def nothing_served(store: ModuleStore, refused: dict[str, str], skipped: dict[st
             " (it holds no module: train one into it, tmod-train layermix ... --store STORE)")
     else:
         why = f" (its tasks {clip_list(tasks)} are not loaded: unloaded, or added since start-up)"
-    how = "load one through /admin" + ("" if admin_enabled else ", which needs TMOD_ADMIN_TOKEN set at start")
+    if elsewhere:  # every module runs on another backbone: /admin cannot load one here either
+        how = ("serve the store on a backbone its modules run on (--backbone), train a module on this one into it "
+               "(tmod-train layermix --backbone ... --store ...), or give --bridges a bridge from this backbone to theirs")
+    else:
+        how = "load one through /admin" + ("" if admin_enabled else ", which needs TMOD_ADMIN_TOKEN set at start")
     return f"no task modules are loaded from the store {store.root}{why}; {how}"
 
 

@@ -16,6 +16,7 @@ import torch
 from modules_store import ArtifactError, Manifest, ModuleStore, TaskType
 from modules_store.store import _version_key
 from server.backbone.sources import named_for
+from server.errors import NO_VERSION_HERE
 from server.heads import Head, build_head
 
 
@@ -115,7 +116,7 @@ def servable_versions(store: ModuleStore, task: str, backbone, bridges: dict | N
     if native or foreign:
         return native + foreign
     owners = ", ".join(f"{m.version} ({m.backbone.name or m.backbone.short})" for m in manifests)
-    raise ArtifactError("other_backbone", f"{task}: no version for backbone {backbone.name} and no loaded bridge "
+    raise ArtifactError("other_backbone", f"{task}: {NO_VERSION_HERE} {backbone.name} and no loaded bridge "
                         f"to the backbone of one; its versions are {owners}")
 
 

@@ -159,6 +159,25 @@ def test_a_module_its_training_found_no_better_than_the_majority_answer_is_warne
                                        noise if level == "WARNING" else ""))
 
 
+def test_a_store_of_another_backbones_modules_says_what_would_serve_one(backbones, tmp_path):
+    """Every module of the store on another backbone (a new backbone folder started on the shipped store):
+    the answer ended 'load one through /admin', which refuses them for the same reason."""
+    bert, mpnet = backbones["bert"], backbones["mpnet"]
+    store = ModuleStore(tmp_path / "store")
+    save_module(store, "sentiment", "mpnet-1", random_head(mpnet, "sequence_classification", SENTIMENT, 3), mpnet)
+
+    def serves_nothing(response):
+        return response.status_code == 503 and response.json()["error"]["type"] == "no_modules"
+
+    with LiveServer(create_app(Settings(store=store.root), backbone=bert), ready_when=serves_nothing) as server:
+        message = httpx.get(server.url + "/readyz").json()["error"]["message"]
+    assert message == (
+        f"no task modules are loaded from the store {store.root} (sentiment is not served: no version for backbone "
+        "tiny-bert and no loaded bridge to the backbone of one; its versions are mpnet-1 (tiny-mpnet)); serve the store "
+        "on a backbone its modules run on (--backbone), train a module on this one into it (tmod-train layermix "
+        "--backbone ... --store ...), or give --bridges a bridge from this backbone to theirs")
+
+
 def test_a_store_with_nothing_to_serve_here_says_why_at_readiness(backbones, tmp_path, caplog):
     """Every task of the store left out at start (one opt-in, one another backbone's): /readyz and the
     start-up warning say why for each, not only that nothing is loaded, and that /admin needs its token."""
