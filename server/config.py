@@ -142,8 +142,9 @@ class Settings(BaseSettings):
         "(16-bit heads measured within the accuracy rule on every shipped module of both tiers, and faster on the "
         "CPU too, see docs/gpu.md), fp32 otherwise; int8 (CPU only): the layer-mix heads' per-state projections, most "
         "of many heads' multiply-adds, as int8 products and the rest of the heads in the backbone's precision "
-        "(with 16 heads beside an fp32 backbone, 0.85x the backbone's throughput against 0.74x for fp32 heads, "
-        "see docs/gpu.md)")
+        "(on a CPU with AVX-512 VNNI, 16 heads beside an fp32 backbone served 0.85x the backbone's throughput "
+        "against 0.74x for fp32 heads; without VNNI, e.g. AVX2, torch's int8 product is far slower and int8 "
+        "heads are much slower than fp32 ones, said at start-up; see docs/gpu.md)")
     admin_token: str | None = Field(None, description="bearer token for /admin endpoints (unset: admin disabled)")
     api_key: str | None = Field(
         None, description="bearer token every other route asks for ('Authorization: Bearer <key>', "
@@ -315,6 +316,19 @@ def cpu_has_native_bf16() -> bool:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512_vnni, ...); None where it cannot
+    be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
 
 
 def auto_precision(backend: str, device: str) -> str:

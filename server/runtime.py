@@ -34,7 +34,7 @@ from server.modules import (LoadedModule, compares_pairs, count_parameters, load
 from server.probe import probe_module
 from server.runner.failures import error_text, is_device_failure
 from server.runner.model_runner import ModelRunner, PreparedBatch
-from server.runner.precision import head_precision
+from server.runner.precision import head_precision, int8_heads_warning
 from server.timings import Timings
 from server.windows import server_window_problem, window_rule
 
@@ -312,6 +312,8 @@ class Runtime:
             self.backbone = self._started_backbone()
             self.bridges = self.load_bridges()
             self.engine = Engine(self.backbone, bridges=self.bridges, int8=head_precision(self.settings) == "int8")
+            if slow := int8_heads_warning(self.settings):
+                log.warning(slow)
             self.runner = ModelRunner(self.engine, self.settings, self.metrics)
             log.info("passes on %s: backbone %s %s, heads %s", self.settings.device, self.backbone.backend.name,
                      self.backbone.backend.precision, self.runner.head_precision)

@@ -6,7 +6,7 @@ import contextlib
 import torch
 
 from server.backbone.backends.torch_backend import DTYPES  # the 16-bit precisions and their torch dtypes
-from server.config import Settings
+from server.config import Settings, cpu_flags
 
 # 16-bit head precisions that passed the accuracy rule (>= 99% labels equal to fp32, metric change
 # < 0.3 points) on every shipped module of both tiers (bench/README.md names the command):
@@ -24,6 +24,20 @@ def head_precision(settings: Settings) -> str:
     if settings.precision in HEAD_PRECISIONS_WITHIN_RULE:
         return settings.precision
     return "fp32"
+
+
+def int8_heads_warning(settings: Settings) -> str | None:
+    """Why int8 heads (asked by name: auto never picks them) are likely slower than fp32 heads here, or
+    None. torch's int8 product (`torch._int_mm`) was measured fast only on a CPU with AVX-512 VNNI
+    (8x fp32's rate, docs/gpu.md); on a 2-core AVX2 AMD EPYC without it (2026-12-01) the projection's
+    product took 36x fp32's time, and 4 heads at batch 32 served 0.36x the backbone alone against
+    0.85x with fp32 heads (bench/results/sharing-cpu-avx2-int8-heads-2026-12-01.md)."""
+    flags = cpu_flags()
+    if head_precision(settings) != "int8" or flags is None or "avx512_vnni" in flags:
+        return None
+    return ("head_precision int8 on a CPU without AVX-512 VNNI (avx512_vnni): torch's int8 product is far slower "
+            "there (on an AVX2 CPU, 4 heads at batch 32 served 0.36x the backbone alone's rate, against 0.85x "
+            "with fp32 heads); use head_precision fp32 (or auto)")
 
 
 def heads_autocast(precision: str, device_type: str, backbone_precision: str = "fp32") -> contextlib.AbstractContextManager:
