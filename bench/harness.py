@@ -71,7 +71,9 @@ def cpu_model() -> str:
 
 def cpu_flags() -> list[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512_bf16, amx_tile, ...)."""
-    return (cpuinfo_value("flags") or "").split()
+    from server.config import cpu_flags as read_flags  # the server's reader, which warns by them
+
+    return read_flags() or []
 
 
 def vector_flags(machine: dict) -> str:

@@ -318,14 +318,14 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def cpu_flags() -> set[str] | None:
+def cpu_flags() -> list[str] | None:
     """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512_vnni, ...); None where it cannot
     be read (not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
             for line in info:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return line.split(":", 1)[1].split()
     except OSError:
         pass
     return None
