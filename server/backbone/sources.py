@@ -223,13 +223,18 @@ def named_problem(name: str, cache_dir: Path | None = None) -> str | None:
     return cache_problem(name, cached)
 
 
-def cache_problem(name: str, folder: Path) -> str | None:
-    """Why the folder a named backbone is unpacked into once cannot be written, or None."""
+def unwritable(folder: Path) -> str | None:
+    """Why the cache folder `folder` (made where missing) cannot be written, or None."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        problem = None if os.access(folder, os.W_OK) else "no write permission"
     except OSError as exc:
-        problem = exc.strerror or str(exc)
+        return exc.strerror or str(exc)
+    return None if os.access(folder, os.W_OK) else "no write permission"
+
+
+def cache_problem(name: str, folder: Path) -> str | None:
+    """Why the folder a named backbone is unpacked into once cannot be written, or None."""
+    problem = unwritable(folder)
     return problem and (f"{name} is unpacked once into {folder}, which cannot be written ({problem}): give "
                         "--cache-dir (TMOD_CACHE_DIR) a writable folder")
 

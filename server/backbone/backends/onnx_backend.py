@@ -20,7 +20,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from server.backbone.architectures import BlockContext, MPNetAdapter, run_block
-from server.backbone.sources import build_once, default_cache_dir
+from server.backbone.sources import build_once, default_cache_dir, unwritable
 from server.backbone.tokens import TokenBatch
 
 log = logging.getLogger("tmod")
@@ -214,12 +213,8 @@ def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | Non
 
     if complete(target):
         return target, False, False
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        cached = os.access(root, os.W_OK)
-        problem = "no write permission"
-    except OSError as exc:
-        cached, problem = False, str(exc)
+    problem = unwritable(root)
+    cached = problem is None
     if cached:
         return target, build_once(target, complete, export), False
     log.warning("onnx cache %s not writable (%s): exporting to a temporary directory", root, problem)
