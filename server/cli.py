@@ -9,11 +9,9 @@ import argparse
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import typing
 from pathlib import Path
 
@@ -178,9 +176,14 @@ def serve_settings(settings: Settings) -> None:
     if settings.workers > 1:
         # N HTTP worker processes and this one as the engine (server/workers/). Metrics of every
         # process go through files here; prometheus_client reads this when first imported, so set it first
+        from server.workers.temp_folders import engine_socket_problem, make_private_folder, remove_private_folder
+
+        if problem := engine_socket_problem():
+            raise SystemExit(f"tmod-serve: {problem}")
         made = None
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            made = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tmod-metrics-")
+            made = make_private_folder("metrics")
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(made)
         from server.workers.processes import serve, serve_engines
 
         stop_on_device_failure()
@@ -188,7 +191,7 @@ def serve_settings(settings: Settings) -> None:
             return serve(settings) if settings.engines == 1 else serve_engines(settings)
         finally:
             if made:
-                shutil.rmtree(made, ignore_errors=True)
+                remove_private_folder(made)
     from server.api.app import create_app  # imported late so --help stays fast
     from server.api.http_limits import DrainingServer, uvicorn_config
 

@@ -156,6 +156,19 @@ def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, 
         assert "(did you mean 'sentiment' for 'sentimnt'?); its tasks: " in done.stderr and "ner, " in done.stderr
 
 
+def test_a_temp_directory_too_deep_for_the_engines_socket_is_one_line(tmp_path):
+    """`--workers 2` with a long $TMPDIR ended in a traceback ('AF_UNIX path too long') once the backbone had
+    loaded: a Unix socket's path holds 107 bytes."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    done = subprocess.run([sys.executable, "-m", "server.cli", "--port", "0", "--workers", "2"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "TMPDIR": str(deep)})
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == f"tmod-serve: --workers puts the engine's socket in the temp directory {deep}, whose " \
+        f"path is too long for a Unix socket ({len(str(deep)) + 33} bytes with the socket's name, at most 107): set " \
+        "TMPDIR to a folder of a shorter path", done.stderr
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_port_in_use_is_one_line_before_anything_loads(tmp_path, workers):
     with socket.create_server(("127.0.0.1", 0)) as taken:  # another server's port

@@ -17,6 +17,7 @@ from modules_store import ModuleStore
 from server.api.app import create_app
 from server.config import Settings
 from server.modules import save_module
+from server.workers.temp_folders import abandoned
 from bench.live_server import alive, engine_pids, engines_on_port, wait_until, worker_pids
 from tests.helpers import LiveServer, metric_sample, populate_store, random_head, start_tmod_serve
 
@@ -215,6 +216,46 @@ def test_workers_stop_when_the_engine_process_dies(store, tiny_backbone_dir):
     wait_until(lambda: not [pid for pid in workers if alive(pid)], "the orphaned workers to stop", timeout=60)
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/healthz", timeout=5)
+
+
+def test_the_next_start_removes_the_folders_a_killed_server_left(store, tiny_backbone_dir, tmp_path):
+    """SIGKILL runs no clean-up: the engine's socket folder and the metrics' files (~0.8 MB a start) stayed
+    in the temp directory for ever, one pair per kill. The next start removes those nobody holds."""
+    temp = tmp_path  # (a Unix socket's path holds 107 bytes: the engine's goes in here)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(temp)}
+    args = ["--workers", "2", "--backbone", str(tiny_backbone_dir), "--store", str(store.root), "--tasks", "sentiment",
+            "--log-level", "info"]
+    other = temp / "tmod-engine-not-ours"  # no lock file: another program's, or one being made: kept
+    other.mkdir()
+    url, killed = start_tmod_serve(args, env)
+    workers = worker_pids(killed.pid)
+    killed.kill()
+    killed.wait(timeout=30)
+    wait_until(lambda: not [pid for pid in workers if alive(pid)], "the orphaned workers to stop", timeout=60)
+    left = sorted(temp.glob("tmod-*-*/.lock"))
+    assert [p.parent.name.split("-")[1] for p in left] == ["engine", "metrics"]
+    old = time.time() - 3600  # a lock file under a minute old may not be locked yet by its maker: left alone
+    for lock in left:
+        os.utime(lock, (old, old))
+
+    url, process = start_tmod_serve(args, env)
+    try:
+        now = sorted(temp.glob("tmod-*-*/.lock"))
+        assert len(now) == 2 and not set(now) & set(left) and other.is_dir()
+        for lock in now:  # a running server's folders are held: another start takes nothing
+            os.utime(lock, (old, old))
+            assert not abandoned(lock)
+        assert httpx.post(url + "/v1/infer", json={"inputs": ["fine"]}).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        records = log_records(process)
+        assert [r["message"] for r in records if r["message"].startswith("removed 1 tmod-")] == \
+               [f"removed 1 tmod-metrics-* folder(s) that stopped servers left in {temp}",
+                f"removed 1 tmod-engine-* folder(s) that stopped servers left in {temp}"]
+        assert not list(temp.glob("tmod-*-*/.lock"))  # a stopped server removes its own
+    finally:
+        if process.poll() is None:
+            process.kill()
 
 
 def test_workers_that_keep_dying_at_start_stop_the_server_with_a_reason(store, tiny_backbone_dir, tmp_path):

@@ -7,11 +7,9 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
 import struct
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from server.logs import configure_logging
 from server.runtime import Runtime, cannot_serve
 from server.workers.engine_service import EngineService
 from server.workers.remote_runtime import run_worker
+from server.workers.temp_folders import ENGINE_SOCKET, make_private_folder, remove_private_folder
 
 log = logging.getLogger("tmod.workers")
 
@@ -222,8 +221,8 @@ def run_engine(settings: Settings, index: int, first_loaded, reasons) -> None:
 
 async def _serve(settings: Settings, index: int = 0, first_loaded=None) -> None:
     loop = asyncio.get_running_loop()
-    folder = Path(tempfile.mkdtemp(prefix="tmod-engine-"))  # mode 0700: only this user reaches the engine
-    engine_path = folder / "engine.sock"
+    folder = make_private_folder("engine")  # only this user reaches the engine
+    engine_path = folder / ENGINE_SOCKET
     # bound before anything loads (a port in use fails at once); a further engine binds once loaded
     listener = listen(settings) if index == 0 else None
     runtime = Runtime(settings)
@@ -245,7 +244,7 @@ async def _serve(settings: Settings, index: int = 0, first_loaded=None) -> None:
         listener.close()
     await service.stop()
     await runtime.shutdown()
-    shutil.rmtree(folder, ignore_errors=True)
+    remove_private_folder(folder)
     log.info("tmod-serve: stopped")
 
 
