@@ -227,12 +227,17 @@ def test_the_next_start_removes_the_folders_a_killed_server_left(store, tiny_bac
             "--log-level", "info"]
     other = temp / "tmod-engine-not-ours"  # no lock file: another program's, or one being made: kept
     other.mkdir()
+    elsewhere = temp / "elsewhere"  # a link is never followed, whatever it leads to
+    elsewhere.mkdir()
+    (elsewhere / ".lock").touch()
+    os.utime(elsewhere / ".lock", (time.time() - 3600,) * 2)
+    (temp / "tmod-metrics-link").symlink_to(elsewhere)
     url, killed = start_tmod_serve(args, env)
     workers = worker_pids(killed.pid)
     killed.kill()
     killed.wait(timeout=30)
     wait_until(lambda: not [pid for pid in workers if alive(pid)], "the orphaned workers to stop", timeout=60)
-    left = sorted(temp.glob("tmod-*-*/.lock"))
+    left = sorted(p for p in temp.glob("tmod-*-*/.lock") if not p.parent.is_symlink())
     assert [p.parent.name.split("-")[1] for p in left] == ["engine", "metrics"]
     old = time.time() - 3600  # a lock file under a minute old may not be locked yet by its maker: left alone
     for lock in left:
@@ -240,8 +245,8 @@ def test_the_next_start_removes_the_folders_a_killed_server_left(store, tiny_bac
 
     url, process = start_tmod_serve(args, env)
     try:
-        now = sorted(temp.glob("tmod-*-*/.lock"))
-        assert len(now) == 2 and not set(now) & set(left) and other.is_dir()
+        now = sorted(p for p in temp.glob("tmod-*-*/.lock") if not p.parent.is_symlink())
+        assert len(now) == 2 and not set(now) & set(left) and other.is_dir() and (elsewhere / ".lock").exists()
         for lock in now:  # a running server's folders are held: another start takes nothing
             os.utime(lock, (old, old))
             assert not abandoned(lock)
@@ -252,7 +257,7 @@ def test_the_next_start_removes_the_folders_a_killed_server_left(store, tiny_bac
         assert [r["message"] for r in records if r["message"].startswith("removed 1 tmod-")] == \
                [f"removed 1 tmod-metrics-* folder(s) that stopped servers left in {temp}",
                 f"removed 1 tmod-engine-* folder(s) that stopped servers left in {temp}"]
-        assert not list(temp.glob("tmod-*-*/.lock"))  # a stopped server removes its own
+        assert list(temp.glob("tmod-*-*/.lock")) == [temp / "tmod-metrics-link/.lock"]  # a stopped server removes its own
     finally:
         if process.poll() is None:
             process.kill()

@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -56,12 +57,21 @@ def remove_private_folder(folder: Path) -> None:
 def remove_abandoned(kind: str) -> None:
     removed = 0
     for folder in Path(tempfile.gettempdir()).glob(f"tmod-{kind}-*"):
-        if not folder.is_symlink() and abandoned(folder / LOCK):
+        if owned(folder) and abandoned(folder / LOCK):
             shutil.rmtree(folder, ignore_errors=True)
             removed += 1
     if removed:
         log.info("removed %d tmod-%s-* folder(s) that stopped servers left in %s", removed, kind,
                  tempfile.gettempdir())
+
+
+def owned(folder: Path) -> bool:
+    """A folder of this user's, not a link to one: only such a folder is ever removed."""
+    try:
+        about = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(about.st_mode) and about.st_uid == os.getuid()
 
 
 def abandoned(lock_path: Path) -> bool:
