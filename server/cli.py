@@ -176,7 +176,7 @@ def serve_settings(settings: Settings) -> None:
     if settings.workers > 1:
         # N HTTP worker processes and this one as the engine (server/workers/). Metrics of every
         # process go through files here; prometheus_client reads this when first imported, so set it first
-        from server.workers.temp_folders import engine_socket_problem, make_private_folder, remove_private_folder
+        from server.temp_folders import engine_socket_problem, make_private_folder, remove_private_folder
 
         if problem := engine_socket_problem():
             raise SystemExit(f"tmod-serve: {problem}")

@@ -7,7 +7,9 @@ cache reused, int8 loading, and the backend picked by one setting of a live serv
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
+import time
 import weakref
 from pathlib import Path
 
@@ -237,11 +239,16 @@ def test_cache_key_follows_weights_precision_and_opset(tiny_backbone, tmp_path):
 def test_unwritable_cache_falls_back_to_a_temporary_export(tiny_backbone, tmp_path, caplog, monkeypatch):
     """...and the export writes none of the exporter's info chatter (onnxscript's optimiser, onnx_ir's
     passes) into the server's log at the default level; the temporary export is removed once its
-    sessions are made (it stayed in /tmp for good, 87 MB a start for MiniLM: memory on a --tmpfs /tmp)."""
+    sessions are made (it stayed in /tmp for good, 87 MB a start for MiniLM: memory on a --tmpfs /tmp),
+    and the one a killed server left (its lock file held by nobody) is removed by the next export."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory should be")
     temp = tmp_path / "tmp"
-    temp.mkdir()
+    left = temp / "tmod-onnx-killed"
+    left.mkdir(parents=True)
+    (left / "layer0.onnx").write_bytes(b"\0" * 1000)
+    (left / ".lock").touch()
+    os.utime(left / ".lock", (time.time() - 3600,) * 2)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     with caplog.at_level(logging.INFO):
         backbone = tiny_backbone.use_backend("onnx", cache_dir=blocker)

@@ -17,7 +17,7 @@ from modules_store import ModuleStore
 from server.api.app import create_app
 from server.config import Settings
 from server.modules import save_module
-from server.workers.temp_folders import abandoned
+from server.temp_folders import abandoned
 from bench.live_server import alive, engine_pids, engines_on_port, wait_until, worker_pids
 from tests.helpers import LiveServer, metric_sample, populate_store, random_head, start_tmod_serve
 

@@ -17,8 +17,6 @@ JSON, tokenization and decode, which caps it near 1,000 requests/s whatever the 
 - `engine_service.py`: the engine's side (`EngineService`, one `Peer` per worker).
 - `remote_runtime.py`: a worker's side (`RemoteRuntime`, `run_worker`).
 - `processes.py`: the process `tmod-serve` starts (`serve`, `serve_engines`, `WorkerPool`, the drain).
-- `temp_folders.py`: the engine's socket folder and the metrics' folder, locked while their server lives,
-  so a start removes those a killed server left.
 
 Backpressure and cancellation: a worker keeps at most `in_flight_limit` requests in the engine and
 answers 429 beyond that (the engine refuses the same way a worker that sends more); a request whose

@@ -22,7 +22,6 @@ import json
 import logging
 import re
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from server.backbone.architectures import BlockContext, MPNetAdapter, run_block
 from server.backbone.sources import build_once, default_cache_dir, unwritable
 from server.backbone.tokens import TokenBatch
+from server.temp_folders import make_private_folder, remove_private_folder
 
 log = logging.getLogger("tmod")
 
@@ -218,11 +218,11 @@ def ensure_graphs(backbone, precision: str = "fp32", cache_dir: Path | str | Non
     if cached:
         return target, build_once(target, complete, export), False
     log.warning("onnx cache %s not writable (%s): exporting to a temporary directory", root, problem)
-    work = Path(tempfile.mkdtemp(prefix="tmod-onnx-"))
+    work = make_private_folder("onnx")
     try:
         export(work)
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_private_folder(work)
         raise
     return work, True, True
 
@@ -298,7 +298,7 @@ class OnnxBackend:
             ]
         finally:
             if temporary:  # no cache keeps it: the sessions hold the graphs (and a --tmpfs /tmp is memory)
-                shutil.rmtree(self.graph_dir, ignore_errors=True)
+                remove_private_folder(self.graph_dir)
                 self.graph_dir = None
         self.providers = self.sessions[0].get_providers()
         if self.device.type == "cuda" and "CUDAExecutionProvider" not in self.providers:

@@ -1,7 +1,8 @@
-"""The private temporary folders of a `tmod-serve --workers N` (the engine's socket, the metrics' files).
+"""The private temporary folders of a running tmod-serve: with `--workers N` the engine's socket and the
+metrics' files; an ONNX export where the cache cannot be written (~87 MB for MiniLM, until its sessions load).
 
-A killed server (SIGKILL, the out-of-memory killer) runs no clean-up and leaves its folders behind: the
-metrics' files take ~0.8 MB a start, so a service restarted in a loop would fill /tmp (often memory).
+A killed server (SIGKILL, the out-of-memory killer) runs no clean-up and leaves its folders behind, so a
+service restarted in a loop would fill /tmp (often memory: a tmpfs, or Kubernetes' emptyDir beside its pod).
 Each folder holds a lock file, locked by the process that made it for as long as it lives (the kernel
 drops the lock when the process goes, however it goes, and it holds across PID namespaces); a start
 removes each folder of its kind whose lock nobody holds. A young lock file is left alone: its maker
@@ -17,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-log = logging.getLogger("tmod.workers")
+log = logging.getLogger("tmod")
 
 LOCK = ".lock"
 ENGINE_SOCKET = "engine.sock"
