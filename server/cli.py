@@ -174,12 +174,12 @@ def serve_settings(settings: Settings) -> None:
         raise SystemExit("tmod-serve: --engines N runs N engine processes with their own HTTP workers: "
                          "give --workers 2 or more")
     if settings.workers > 1:
-        # N HTTP worker processes and this one as the engine (server/workers/). Metrics of every
-        # process go through files here; prometheus_client reads this when first imported, so set it first
         from server.temp_folders import engine_socket_problem, make_private_folder, remove_private_folder
 
         if problem := engine_socket_problem():
             raise SystemExit(f"tmod-serve: {problem}")
+        # N HTTP worker processes and this one as the engine (server/workers/). Metrics of every
+        # process go through files here; prometheus_client reads this when first imported, so set it first
         made = None
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             made = make_private_folder("metrics")

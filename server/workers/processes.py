@@ -17,9 +17,9 @@ from pathlib import Path
 from server.config import STOP_SIGNALS, Settings
 from server.logs import configure_logging
 from server.runtime import Runtime, cannot_serve
+from server.temp_folders import ENGINE_SOCKET, make_private_folder, remove_private_folder
 from server.workers.engine_service import EngineService
 from server.workers.remote_runtime import run_worker
-from server.temp_folders import ENGINE_SOCKET, make_private_folder, remove_private_folder
 
 log = logging.getLogger("tmod.workers")
 
