@@ -345,3 +345,25 @@ def test_a_served_request_leaves_no_reference_cycle():
         thread.join(30)
     assert received.count(b'HTTP/1.1 200 OK') == 50 and received.count(b'{"ok": true}') == 50
     assert left < 50  # before: over 450 (every request's cycle, scope, headers, event and more)
+
+
+def test_a_kept_alive_connection_its_client_reset_ends_without_an_error(caplog):
+    """A client that resets its kept-alive connection (SO_LINGER 0, as one that gives up does): the
+    connection is lost with an error, and its idle timer, when it ran, read a closed socket
+    (fileno -1: `ValueError`), logged as an asyncio callback's traceback (seen in a soak with clients
+    giving up)."""
+    caplog.set_level(logging.ERROR)
+    server, thread, port = serve(ok_app, keep_alive_s=0.2)
+    try:
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            sock.sendall(GET)
+            assert sock.recv(4096).endswith(b"\r\n\r\nok")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            sock.close()  # a reset, not a close
+        time.sleep(0.6)  # past keep_alive_s
+        assert exchange(port, [GET.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")]).endswith(b"ok")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

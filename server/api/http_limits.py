@@ -190,7 +190,7 @@ def unread_bytes(transport) -> int:
         counted = array.array("i", [0])
         fcntl.ioctl(transport.get_extra_info("socket").fileno(), termios.FIONREAD, counted)
         return counted[0]
-    except (AttributeError, OSError):  # no socket (closed, a test's transport)
+    except (AttributeError, OSError, ValueError):  # no socket (a test's transport), or closed (fileno -1)
         return 0
 
 
@@ -285,6 +285,9 @@ def header_timeout_protocol(header_timeout_s: float, max_header_bytes: int) -> t
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            # uvicorn stops the keep-alive timer only on a clean close; one reset by its client kept it
+            # armed, and it fired on a closed socket
+            self._unset_keepalive_if_required()
             super().connection_lost(exc)
 
         def _waiting_for_head(self) -> bool:
