@@ -16,6 +16,7 @@ this process's tally before it reads. Outside an event loop (tests, tools) they 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from bisect import bisect_left
 
@@ -28,6 +29,36 @@ disable_created_metrics()
 
 FLUSH_EVERY_S = 0.1  # while busy: the most time a tallied answer waits to be written
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class MetricsFolderFull(RuntimeError):
+    """The metrics folder's filesystem has no room for this process's files."""
+
+
+def reserve_files() -> None:
+    """With worker processes: give this process's metric files their blocks now. prometheus_client makes
+    each sparse (64 KiB, of which a server uses at most ~20) and writes it through a memory map; a page
+    first written once the filesystem is full kills the process with SIGBUS: a full temp directory
+    took every worker down, each new one dying at its first request. Reserved, a running server
+    outlives a full temp directory; a process started on one stops at once, saying so."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder:
+        return
+    mine = f"_{os.getpid()}.db"  # prometheus_client's file names: <type>_<pid>.db, made as the metrics were
+    for entry in os.scandir(folder):
+        if not entry.name.endswith(mine):
+            continue
+        fd = os.open(entry.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise MetricsFolderFull(f"no room for the metrics' files in {folder} (its filesystem is full): "
+                                        "free room there, or choose another folder (TMPDIR)") from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):  # cannot reserve: as before
+                raise
+        finally:
+            os.close(fd)
 
 
 class Metrics:
@@ -82,6 +113,7 @@ class Metrics:
         self._open = 0  # requests in flight in this process
         self._flush: asyncio.Handle | None = None  # the write of the tally, once scheduled
         self._flush_idle = False  # whether it is scheduled at an iteration's end (the process went idle)
+        reserve_files()
 
     def exposition(self) -> bytes:
         """The /metrics page: this registry, or with worker processes every live process's values."""

@@ -1,7 +1,14 @@
-"""`Metrics.record_answer`: the per-request updates with labelled children kept once made."""
+"""`Metrics.record_answer`: the per-request updates with labelled children kept once made; the metric
+files of worker processes reserved."""
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
 from prometheus_client import generate_latest
 
-from server.metrics import Metrics
+from server.metrics import Metrics, MetricsFolderFull, reserve_files
 from tests.helpers import metric_sample
 
 
@@ -88,3 +95,37 @@ def test_answers_are_tallied_and_written_once_as_each_observed_alone():
     assert len(samples) > 30
     for name in samples:
         assert abs(metric_sample(written, name) - metric_sample(expected, name)) < 1e-9, name
+
+
+def test_with_worker_processes_the_metric_files_have_their_blocks_from_the_start(tmp_path):
+    """prometheus_client makes each process's files sparse and writes them through a memory map: a page
+    first written once the temp filesystem is full killed the process (SIGBUS). Reserved at start, every
+    byte of each file has its block (the full filesystem itself: tests/test_workers.py)."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        fd = os.open(probe, os.O_RDWR)
+        os.posix_fallocate(fd, 0, 4096)
+        os.close(fd)
+    except OSError:
+        pytest.skip("this filesystem reserves no blocks (posix_fallocate)")
+    code = ("from server.metrics import Metrics; import os, sys; Metrics(); "
+            "[print(e.name, e.stat().st_size, e.stat().st_blocks * 512) for e in os.scandir(sys.argv[1])]")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    files = [line.split() for line in out.splitlines() if line.split()[0].endswith(".db")]
+    assert sorted(name.split("_")[0] for name, *_ in files) == ["counter", "gauge", "gauge", "histogram"]
+    assert all(int(blocks) >= int(size) > 0 for _, size, blocks in files), files
+
+
+def test_a_full_metrics_filesystem_is_one_clear_error(tmp_path, monkeypatch):
+    (tmp_path / f"counter_{os.getpid()}.db").write_bytes(bytes(64))
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(MetricsFolderFull, match=r"no room for the metrics' files in .* \(its filesystem is full\)"):
+        reserve_files()

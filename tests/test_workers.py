@@ -7,8 +7,11 @@ import json
 import os
 import re
 import signal
+import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -471,8 +474,54 @@ def test_an_engine_that_dies_stops_the_others_and_the_server_exits_non_zero(stor
         everyone = [*engines, *(w for e in engines for w in worker_pids(e))]
         os.kill(engines[1], signal.SIGKILL)
         assert process.wait(timeout=120) != 0
-        assert "tmod-serve: an engine process exited with -9" in process.stdout.read()
+        assert "tmod-serve: an engine process exited with code -9 (SIGKILL)" in process.stdout.read()
         wait_until(lambda: not [pid for pid in everyone if alive(pid)], "every engine and worker gone", timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_temp_directory_that_fills_up_does_not_take_the_workers_down(store, tiny_backbone_dir, tmp_path):
+    """The workers' metrics live in memory-mapped files in the temp directory, made sparse: once that
+    filesystem was full, a worker's first write to a new page killed it (SIGBUS), and each worker
+    started in its place died at its first request. Their blocks are reserved at start: a running
+    server answers on; a worker that cannot start there says so in one line (needs root for a tmpfs)."""
+    temp = Path(tempfile.mkdtemp())  # a short path: the engine's socket goes in it (107 bytes at most)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(temp)],
+                                           capture_output=True).returncode != 0:
+        temp.rmdir()
+        pytest.skip("mounting a small tmpfs needs root")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(temp)}
+    process = None
+    try:
+        with open(tmp_path / "log", "w") as log:
+            url, process = start_tmod_serve(["--workers", "2", "--backbone", str(tiny_backbone_dir), "--store",
+                                             str(store.root), "--tasks", "sentiment,ner,acceptability"], env,
+                                            output=log)
+        workers = worker_pids(process.pid)
+        with open(temp / "filler", "wb") as filler:  # the temp filesystem full
+            try:
+                while True:
+                    filler.write(bytes(1 << 16))
+                    filler.flush()
+            except OSError:
+                pass
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for i in range(12):  # each worker's answers, refusals and phases: new series, new pages
+                assert client.post("/v1/infer", json={"inputs": [f"{TEXTS[0]} {i}"]}).status_code == 200
+                assert client.post("/v1/infer?tasks=ner", json={"inputs": TEXTS}).status_code == 200
+                assert client.post(f"/v1/infer?tasks=nosuch{i}", json={"inputs": ["a"]}).status_code == 400
+                assert client.get(f"/nowhere{i}").status_code == 404
+            assert "tmod_requests_total" in client.get("/metrics").text
+        assert worker_pids(process.pid) == workers
+        os.kill(workers[0], signal.SIGKILL)  # its replacement has no room for its files
+        assert process.wait(timeout=120) == 1
+        said = (tmp_path / "log").read_text()
+        assert re.search(r"worker \d \(pid \d+\) cannot start: no room for the metrics' files in \S+ \(its "
+                         r"filesystem is full\)", said)
+        assert "Traceback" not in said and "code -7" not in said
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+        subprocess.run(["umount", "-l", str(temp)])
+        temp.rmdir()

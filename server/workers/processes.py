@@ -111,8 +111,9 @@ class WorkerPool:
             _forget_process(process.pid)
             if self.early_deaths[index] >= self.GIVE_UP_AFTER:
                 return (f"HTTP worker {index} exited at start {self.early_deaths[index]} times in a row (the last with "
-                        f"code {process.exitcode}; the log says why)")
-            log.error("worker %d (pid %d) exited with code %s; starting another", index, process.pid, process.exitcode)
+                        f"{exit_status(process.exitcode)}; the log says why)")
+            log.error("worker %d (pid %d) exited with %s; starting another", index, process.pid,
+                      exit_status(process.exitcode))
             self.start(index)
         return None
 
@@ -193,7 +194,15 @@ def serve_engines(settings: Settings) -> None:
     failed = [e.exitcode for e in engines if e.exitcode not in (0, -signal.SIGTERM)]
     if failed:  # in the one line a single engine gives (server/cli.py), the first engine's to fail
         raise SystemExit(f"tmod-serve: {reasons.get()}" if not reasons.empty()
-                         else f"tmod-serve: an engine process exited with {failed[0]}")
+                         else f"tmod-serve: an engine process exited with {exit_status(failed[0])}")
+
+
+def exit_status(code: int) -> str:
+    """'code 1', or for a process a signal ended 'code -7 (SIGBUS)': the name says what happened."""
+    try:
+        return f"code {code} ({signal.Signals(-code).name})" if code < 0 else f"code {code}"
+    except ValueError:
+        return f"code {code}"
 
 
 async def until_both_loaded(runtime: Runtime, first_loaded, stop: asyncio.Event) -> None:

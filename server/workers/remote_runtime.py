@@ -12,6 +12,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from server.config import Settings
 from server.errors import ApiError
 from server.heads.decode import decode_rows
 from server.logs import configure_logging
-from server.metrics import Metrics
+from server.metrics import Metrics, MetricsFolderFull
 from server.runtime import name_os_thread, one_host_thread
 from server.workers.frames import (ANSWERS, EngineState, ModuleView, control_frame, in_flight_limit, read_answers,
                                    read_frame, request_frame, unpack_rows, write_frame)
@@ -347,7 +348,12 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
 
     configure_logging(settings.log_level, settings.log_format)
     one_host_thread()  # decode's small tensors, one request's token lists: the cores belong to the others
-    app = create_app(settings, runtime=RemoteRuntime(settings, engine_path))
+    try:
+        runtime = RemoteRuntime(settings, engine_path)
+    except MetricsFolderFull as exc:
+        log.critical("worker %d (pid %d) cannot start: %s", index, os.getpid(), exc)
+        sys.exit(1)
+    app = create_app(settings, runtime=runtime)
     config = uvicorn_config(app, settings)
     log.info("worker %d (pid %d) serving", index, os.getpid())
     DrainingServer(config).run(sockets=[listener])
