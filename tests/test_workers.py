@@ -525,3 +525,35 @@ def test_a_temp_directory_that_fills_up_does_not_take_the_workers_down(store, ti
             process.kill()
         subprocess.run(["umount", "-l", str(temp)])
         temp.rmdir()
+
+
+def test_an_engine_that_stops_answering_is_said_by_the_workers_and_requests_do_not_hang(store, tiny_backbone_dir):
+    """The engine process stopped (SIGSTOP; as stuck or swapping): the workers answered /healthz and
+    /readyz 200 and held each request for ever. A worker that hears nothing from it for ENGINE_SILENT_S
+    answers 503 engine_unresponsive, its health routes too; once the engine goes on, all is as before."""
+    url, process = serve(store, tiny_backbone_dir)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.post("/v1/infer", json={"inputs": TEXTS}).status_code == 200
+            os.kill(process.pid, signal.SIGSTOP)  # the tmod-serve process is the engine
+            try:
+                waited = client.post("/v1/infer", json={"inputs": TEXTS})
+                assert waited.status_code == 503 and waited.json()["error"]["type"] == "engine_unresponsive"
+                assert "the engine process has sent nothing for" in waited.json()["error"]["message"]
+                close = {"connection": "close"}  # each probe a new connection: on one worker, then the other
+                wait_until(lambda: {client.get("/healthz", headers=close).status_code for _ in range(4)} == {503},
+                           "both workers to say so")
+                for path in ("/healthz", "/readyz", "/v2/health/ready", "/health"):  # tmod's, OIP's, TEI's
+                    answers = [client.get(path, headers=close) for _ in range(4)]
+                    assert {r.status_code for r in answers} == {503}
+                    assert all("the engine process has sent nothing for" in r.text for r in answers)
+            finally:
+                os.kill(process.pid, signal.SIGCONT)
+            wait_until(lambda: client.get("/healthz").status_code == 200, "the engine heard again")
+            assert client.post("/v1/infer", json={"inputs": TEXTS}).status_code == 200
+            assert client.get("/readyz").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()

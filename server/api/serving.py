@@ -101,15 +101,27 @@ class Serving:
 
     def require_serving(self) -> None:
         """Ready to answer inference: the backbone loaded and at least one module (an operator who
-        unloaded every module took the server out of service; it is still ready for /admin)."""
+        unloaded every module took the server out of service; it is still ready for /admin), and (a
+        worker) an engine process that answers."""
         self.require_ready()
+        silence = self.engine_silence()
+        if silence is not None:
+            raise silence
         if not self.runtime.modules:
             raise self.no_modules()
 
     def device_failure(self) -> ApiError | None:
-        """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted."""
+        """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted; or,
+        in a worker, while its engine process sends nothing (stopped or stuck: `RemoteRuntime._silent`)."""
         failure = getattr(self.runtime, "failure", None)  # a worker's RemoteRuntime has none: its engine exits
-        return None if failure is None else ApiError(503, "device_failed", f"the device failed: {failure}")
+        if failure is not None:
+            return ApiError(503, "device_failed", f"the device failed: {failure}")
+        return self.engine_silence()
+
+    def engine_silence(self) -> ApiError | None:
+        """A worker's 503 while its engine process sends nothing (stopped or stuck), else None."""
+        silent = getattr(self.runtime, "engine_silent", None)
+        return None if silent is None else ApiError(503, "engine_unresponsive", silent)
 
     # ---- the modules a request asks for ------------------------------------------------------------
     def module(self, task: str, version: str | None = None) -> LoadedModule:

@@ -22,5 +22,7 @@ Backpressure and cancellation: a worker keeps at most `in_flight_limit` requests
 answers 429 beyond that (the engine refuses the same way a worker that sends more); a request whose
 client left (asked once it has waited `DISCONNECT_CHECK_AFTER`, then every `WATCH_EVERY`) is
 cancelled in the engine, so a batch that has not started yet drops it (no device work). A deadline
-travels with the request and the engine's batcher drops a request past it before compute.
+travels with the request and the engine's batcher drops a request past it before compute. The
+engine says it is alive to each worker every `HEARTBEAT_S`; a worker that hears nothing for
+`ENGINE_SILENT_S` answers 503 `engine_unresponsive`, health routes included, until it hears it again.
 """

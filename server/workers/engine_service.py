@@ -16,8 +16,8 @@ from typing import Callable
 from server.batcher import KEY, DeadlineExceeded, Owner, QueueFull
 from server.errors import ApiError, unknown_tasks
 from server.runtime import Runtime
-from server.workers.frames import (LENGTH, REQUESTS, EngineState, ModuleView, RequestFrame, answer_frame,
-                                   control_frame, describe_error, in_flight_limit, write_frame)
+from server.workers.frames import (HEARTBEAT_S, LENGTH, REQUESTS, EngineState, ModuleView, RequestFrame,
+                                   answer_frame, control_frame, describe_error, in_flight_limit, write_frame)
 
 log = logging.getLogger("tmod.workers")
 
@@ -163,6 +163,7 @@ class EngineService:
         self.server = await asyncio.get_running_loop().create_unix_server(lambda: PeerConnection(self),
                                                                           path=str(path))
         self._keep(self._announce_when_loaded())
+        self._keep(self._heartbeat())
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -181,6 +182,13 @@ class EngineService:
         self.broadcast()
         if self.runtime.ready.is_set() and self.on_loaded is not None:
             self.on_loaded()
+
+    async def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S, each worker hears this process is alive (frames.py: ENGINE_SILENT_S)."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            for peer in list(self.peers):
+                peer.control([("alive",)])
 
     def state(self) -> EngineState:
         rt = self.runtime

@@ -50,6 +50,14 @@ REQUEST_HEAD = struct.Struct("<c3x6I4x")
 ANSWER_HEAD = struct.Struct("<c3x5I")
 
 
+# The engine process says it is alive to every worker every HEARTBEAT_S, from its event loop (a pass
+# runs in its compute thread: a long pass does not silence it). A worker that hears nothing for
+# ENGINE_SILENT_S takes the engine for stopped or stuck: its requests are answered 503 and its
+# health routes say so, until the engine is heard again.
+HEARTBEAT_S = 1.0
+ENGINE_SILENT_S = 10.0
+
+
 def in_flight_limit(settings: Settings) -> int:
     """Requests one worker may have in the engine at once: its share of the engine's queue."""
     return max(1, -(-settings.max_queue // max(1, settings.workers)))

@@ -30,7 +30,7 @@ from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics, MetricsFolderFull
 from server.runtime import name_os_thread, one_host_thread
-from server.workers.frames import (ANSWERS, EngineState, ModuleView, control_frame, in_flight_limit, read_answers,
+from server.workers.frames import (ANSWERS, ENGINE_SILENT_S, EngineState, ModuleView, control_frame, in_flight_limit, read_answers,
                                    read_frame, request_frame, unpack_rows, write_frame)
 
 log = logging.getLogger("tmod.workers")
@@ -110,6 +110,8 @@ class RemoteRuntime:
         self._writer: asyncio.StreamWriter | None = None
         self._listener: asyncio.Task | None = None
         self._gone: ApiError | None = None
+        self._heard = time.monotonic()  # when the engine's last frame came (it sends one every HEARTBEAT_S)
+        self.engine_silent: str | None = None  # why this worker cannot answer while the engine says nothing
 
     async def open(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(self.path)
@@ -138,6 +140,10 @@ class RemoteRuntime:
         try:
             while True:
                 body = await read_frame(reader)
+                self._heard = time.monotonic()
+                if self.engine_silent is not None:
+                    log.warning("worker %d: the engine process answers again", os.getpid())
+                    self.engine_silent = None
                 if body[:1] == ANSWERS:
                     self._answers(body)
                 else:
@@ -189,6 +195,8 @@ class RemoteRuntime:
         if message[0] == "state":
             self._apply(message[1])
             return
+        if message[0] == "alive":  # the heartbeat: hearing it was the point
+            return
         future = self._pending.pop(message[1], None)
         if future is None or future.done():
             return
@@ -216,15 +224,20 @@ class RemoteRuntime:
     def _future(self) -> tuple[int, asyncio.Future]:
         if self._gone is not None:
             raise self._gone
+        if self.engine_silent is not None:
+            raise ApiError(503, "engine_unresponsive", self.engine_silent)
         ident = next(self._ids) & 0x7FFFFFFF  # an int32 on the wire
         future = asyncio.get_running_loop().create_future()
         self._pending[ident] = future
         return ident, future
 
     async def _watch(self) -> None:
-        """Requests whose client left are cancelled in the engine (and answered 499 here)."""
+        """Requests whose client left are cancelled in the engine (and answered 499 here); an engine
+        silent past ENGINE_SILENT_S is taken for stopped or stuck (`_silent`)."""
         while True:
             await asyncio.sleep(WATCH_EVERY)
+            if self.engine_silent is None and time.monotonic() - self._heard > ENGINE_SILENT_S:
+                self._silent()
             ask_before = time.perf_counter() - DISCONNECT_CHECK_AFTER
             for ident, job in list(self._waiting.items()):
                 if job.enqueued < ask_before and job.is_disconnected is not None and await job.is_disconnected():
@@ -232,6 +245,20 @@ class RemoteRuntime:
                     if future is not None and not future.done():
                         future.set_exception(ApiError(499, "client_closed_request", "client disconnected"))
                         self._outbox.cancel(ident)
+
+    def _silent(self) -> None:
+        """The engine process said nothing for ENGINE_SILENT_S (stopped, or its event loop stuck): its
+        requests here are answered 503 (cancelled there, should it come back), and so is every new one
+        and the health routes, until it is heard again. They waited for ever, and /healthz said ok."""
+        self.engine_silent = (f"the engine process has sent nothing for {time.monotonic() - self._heard:.0f} s "
+                              "(stopped or stuck); retry later")
+        log.error("worker %d: %s", os.getpid(), self.engine_silent)
+        refused = ApiError(503, "engine_unresponsive", self.engine_silent)
+        for ident in list(self._waiting):
+            future = self._pending.pop(ident, None)
+            if future is not None and not future.done():
+                future.set_exception(refused)
+                self._outbox.cancel(ident)
 
     # ---- the interface the app uses (as Runtime's) ------------------------------------------------
     def model_info(self) -> tuple[str, str]:
