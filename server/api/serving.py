@@ -120,8 +120,8 @@ class Serving:
 
     def engine_silence(self) -> ApiError | None:
         """A worker's 503 while its engine process sends nothing (stopped or stuck), else None."""
-        silent = getattr(self.runtime, "engine_silent", None)
-        return None if silent is None else ApiError(503, "engine_unresponsive", silent)
+        silence = getattr(self.runtime, "silence", None)  # a worker's RemoteRuntime
+        return None if silence is None else silence()
 
     # ---- the modules a request asks for ------------------------------------------------------------
     def module(self, task: str, version: str | None = None) -> LoadedModule:

@@ -30,8 +30,8 @@ from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics, MetricsFolderFull
 from server.runtime import name_os_thread, one_host_thread
-from server.workers.frames import (ANSWERS, ENGINE_SILENT_S, EngineState, ModuleView, control_frame, in_flight_limit, read_answers,
-                                   read_frame, request_frame, unpack_rows, write_frame)
+from server.workers.frames import (ANSWERS, ENGINE_SILENT_S, EngineState, ModuleView, control_frame, in_flight_limit,
+                                   read_answers, read_frame, request_frame, unpack_rows, write_frame)
 
 log = logging.getLogger("tmod.workers")
 
@@ -111,7 +111,7 @@ class RemoteRuntime:
         self._listener: asyncio.Task | None = None
         self._gone: ApiError | None = None
         self._heard = time.monotonic()  # when the engine's last frame came (it sends one every HEARTBEAT_S)
-        self.engine_silent: str | None = None  # why this worker cannot answer while the engine says nothing
+        self._silence_reason: str | None = None  # while the engine says nothing: why (`_silent`)
 
     async def open(self) -> None:
         reader, self._writer = await asyncio.open_unix_connection(self.path)
@@ -141,9 +141,9 @@ class RemoteRuntime:
             while True:
                 body = await read_frame(reader)
                 self._heard = time.monotonic()
-                if self.engine_silent is not None:
+                if self._silence_reason is not None:
                     log.warning("worker %d: the engine process answers again", os.getpid())
-                    self.engine_silent = None
+                    self._silence_reason = None
                 if body[:1] == ANSWERS:
                     self._answers(body)
                 else:
@@ -224,8 +224,8 @@ class RemoteRuntime:
     def _future(self) -> tuple[int, asyncio.Future]:
         if self._gone is not None:
             raise self._gone
-        if self.engine_silent is not None:
-            raise ApiError(503, "engine_unresponsive", self.engine_silent)
+        if self._silence_reason is not None:
+            raise self.silence()
         ident = next(self._ids) & 0x7FFFFFFF  # an int32 on the wire
         future = asyncio.get_running_loop().create_future()
         self._pending[ident] = future
@@ -234,9 +234,13 @@ class RemoteRuntime:
     async def _watch(self) -> None:
         """Requests whose client left are cancelled in the engine (and answered 499 here); an engine
         silent past ENGINE_SILENT_S is taken for stopped or stuck (`_silent`)."""
+        looked = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_EVERY)
-            if self.engine_silent is None and time.monotonic() - self._heard > ENGINE_SILENT_S:
+            now, before, looked = time.monotonic(), looked, time.monotonic()
+            # after a turn this worker's own loop was held up, its reader goes first: what the engine
+            # sent meanwhile is still unread
+            if self._silence_reason is None and now - self._heard > ENGINE_SILENT_S and now - before < 1.0:
                 self._silent()
             ask_before = time.perf_counter() - DISCONNECT_CHECK_AFTER
             for ident, job in list(self._waiting.items()):
@@ -250,15 +254,21 @@ class RemoteRuntime:
         """The engine process said nothing for ENGINE_SILENT_S (stopped, or its event loop stuck): its
         requests here are answered 503 (cancelled there, should it come back), and so is every new one
         and the health routes, until it is heard again. They waited for ever, and /healthz said ok."""
-        self.engine_silent = (f"the engine process has sent nothing for {time.monotonic() - self._heard:.0f} s "
-                              "(stopped or stuck); retry later")
-        log.error("worker %d: %s", os.getpid(), self.engine_silent)
-        refused = ApiError(503, "engine_unresponsive", self.engine_silent)
+        silent_s = time.monotonic() - self._heard
+        self._silence_reason = (f"the engine process has sent nothing for {silent_s:.0f} s (stopped or stuck); "
+                                "retry later")
+        log.error("worker %d: %s", os.getpid(), self._silence_reason)
         for ident in list(self._waiting):
             future = self._pending.pop(ident, None)
             if future is not None and not future.done():
-                future.set_exception(refused)
+                future.set_exception(self.silence())
                 self._outbox.cancel(ident)
+
+    def silence(self) -> ApiError | None:
+        """The 503 while the engine process says nothing, else None (a new error each time: one raised
+        again and again would grow its traceback)."""
+        reason = self._silence_reason
+        return None if reason is None else ApiError(503, "engine_unresponsive", reason)
 
     # ---- the interface the app uses (as Runtime's) ------------------------------------------------
     def model_info(self) -> tuple[str, str]:
