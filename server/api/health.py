@@ -1,7 +1,7 @@
 """Health, readiness and metrics: tmod's `/healthz` (alive) and `/readyz` (serving), Prometheus'
 `/metrics`, and Text Embeddings Inference's `/health`, `/` and `/info` (huggingface_hub's
-`health_check` and `get_endpoint_info`; KServe V1's liveness at `/`). A dead device answers 503 on
-every one of them but `/metrics`."""
+`health_check` and `get_endpoint_info`; KServe V1's liveness at `/`). A dead device, or (a worker) an
+engine process that sends nothing, answers 503 on every one of them but `/metrics`."""
 from __future__ import annotations
 
 from fastapi import Request, Response
@@ -16,9 +16,9 @@ def health_routes(app, serving: Serving) -> None:
     """Adds the health, readiness, metrics and TEI info routes to the FastAPI `app`."""
     settings, runtime = serving.settings, serving.runtime
 
-    def device_failed() -> Response | None:
-        """`Serving.device_failure` as tmod's health routes answer it."""
-        failed = serving.device_failure()
+    def cannot_answer() -> Response | None:
+        """`Serving.cannot_answer` as tmod's health routes answer it."""
+        failed = serving.cannot_answer()
         if failed is None:
             return None
         return Response(content=error_content("/healthz", 503, failed.type, failed.message), status_code=503,
@@ -26,7 +26,7 @@ def health_routes(app, serving: Serving) -> None:
 
     @app.get("/healthz", tags=["health"], responses={503: {}})
     async def healthz():
-        return device_failed() or {"status": "ok"}
+        return cannot_answer() or {"status": "ok"}
 
     @app.get("/info", tags=["embeddings"], responses={503: {}})
     async def tei_endpoint_info():
@@ -41,7 +41,7 @@ def health_routes(app, serving: Serving) -> None:
         """Text Embeddings Inference's health route (huggingface_hub's `health_check`; TEI answers it at
         `GET /` too): 200 while the server can answer, else 503 in TEI's error shape. The body is empty,
         but at `/`: KServe V1's liveness there (the kserve client's `is_server_live`) is {"status": "alive"}."""
-        failed = serving.device_failure()
+        failed = serving.cannot_answer()
         if failed is not None:
             raise failed
         serving.require_serving()
@@ -51,7 +51,7 @@ def health_routes(app, serving: Serving) -> None:
 
     @app.get("/readyz", tags=["health"], responses={503: {}})
     async def readyz():
-        failed = device_failed()
+        failed = cannot_answer()
         if failed is not None:
             return failed
         if not runtime.ready.is_set():

@@ -110,9 +110,10 @@ class Serving:
         if not self.runtime.modules:
             raise self.no_modules()
 
-    def device_failure(self) -> ApiError | None:
-        """503 once the device failed (a sticky CUDA error): the process is stopping to be restarted; or,
-        in a worker, while its engine process sends nothing (stopped or stuck: `RemoteRuntime._silent`)."""
+    def cannot_answer(self) -> ApiError | None:
+        """The 503 of a process that cannot answer at all, what liveness says: the device failed (a sticky
+        CUDA error; the process is stopping to be restarted), or, in a worker, its engine process sends
+        nothing (stopped or stuck: `RemoteRuntime._silent`)."""
         failure = getattr(self.runtime, "failure", None)  # a worker's RemoteRuntime has none: its engine exits
         if failure is not None:
             return ApiError(503, "device_failed", f"the device failed: {failure}")

@@ -237,18 +237,23 @@ class RemoteRuntime:
         looked = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_EVERY)
-            now, before, looked = time.monotonic(), looked, time.monotonic()
+            now = time.monotonic()
             # after a turn this worker's own loop was held up, its reader goes first: what the engine
             # sent meanwhile is still unread
-            if self._silence_reason is None and now - self._heard > ENGINE_SILENT_S and now - before < 1.0:
+            held_up, looked = now - looked > 1.0, now
+            if self._silence_reason is None and now - self._heard > ENGINE_SILENT_S and not held_up:
                 self._silent()
             ask_before = time.perf_counter() - DISCONNECT_CHECK_AFTER
             for ident, job in list(self._waiting.items()):
                 if job.enqueued < ask_before and job.is_disconnected is not None and await job.is_disconnected():
-                    future = self._pending.pop(ident, None)
-                    if future is not None and not future.done():
-                        future.set_exception(ApiError(499, "client_closed_request", "client disconnected"))
-                        self._outbox.cancel(ident)
+                    self._give_up(ident, ApiError(499, "client_closed_request", "client disconnected"))
+
+    def _give_up(self, ident: int, error: ApiError) -> None:
+        """A request this worker answers itself (with `error`), cancelled in the engine."""
+        future = self._pending.pop(ident, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
+            self._outbox.cancel(ident)
 
     def _silent(self) -> None:
         """The engine process said nothing for ENGINE_SILENT_S (stopped, or its event loop stuck): its
@@ -259,10 +264,7 @@ class RemoteRuntime:
                                 "retry later")
         log.error("worker %d: %s", os.getpid(), self._silence_reason)
         for ident in list(self._waiting):
-            future = self._pending.pop(ident, None)
-            if future is not None and not future.done():
-                future.set_exception(self.silence())
-                self._outbox.cancel(ident)
+            self._give_up(ident, self.silence())
 
     def silence(self) -> ApiError | None:
         """The 503 while the engine process says nothing, else None (a new error each time: one raised
