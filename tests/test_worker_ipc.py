@@ -201,6 +201,30 @@ def test_a_request_whose_client_left_is_cancelled_in_the_engine(tmp_path, tiny_s
     run_pair(tmp_path, tiny_store, tiny_backbone, scenario, max_wait_ms=500)
 
 
+def test_a_request_sent_before_the_worker_heard_of_an_unload_is_answered(tmp_path, tiny_store, tiny_backbone,
+                                                                         monkeypatch):
+    """A worker checks a request's tasks against the set it last heard of; an unload through /admin
+    reaches it a frame later. A request it sent in between was refused 400 unknown_task by the engine
+    (an OIP client read INVALID_ARGUMENT; 17 of 1,500 requests in a load/unload loop under --workers 2)
+    where one process answers it (its job holds the modules). Now the set replaced answers it, and is
+    let go a while later: a task unloaded then is refused."""
+    monkeypatch.setattr(engine_service, "REPLACED_SET_KEPT_S", 1.0)
+
+    async def scenario(single, remote, engine):
+        before = [answer_of(remote, TEXTS[:1], None, ["sentiment", "ner"]) for _ in range(2)]  # the set it saw
+        await remote.manage("sentiment", "unload", None)
+        assert "sentiment" not in remote.modules  # the worker has heard of it; the jobs name the set before
+        answered = await remote.submit(before[0])
+        assert set(answered[0]) == {"sentiment", "ner"}
+        assert answered == await single.submit(answer_of(single, TEXTS[:1], None, ["sentiment", "ner"]))
+        await asyncio.sleep(1.5)  # past the time the replaced set is kept
+        with pytest.raises(ApiError) as refused:
+            await remote.submit(before[1])
+        assert refused.value.status == 400 and refused.value.type == "unknown_task"
+
+    run_pair(tmp_path, tiny_store, tiny_backbone, scenario)
+
+
 def test_answers_the_engine_cannot_frame_are_a_500_not_a_wait(tmp_path, tiny_store, tiny_backbone, monkeypatch):
     framed = wire.answer_frame
 

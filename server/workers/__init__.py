@@ -25,4 +25,6 @@ cancelled in the engine, so a batch that has not started yet drops it (no device
 travels with the request and the engine's batcher drops a request past it before compute. The
 engine says it is alive to each worker every `HEARTBEAT_S`; a worker that hears nothing for
 `ENGINE_SILENT_S` answers 503 `engine_unresponsive`, health routes included, until it hears it again.
+A module change (/admin) is made in the engine and sent to every worker; a request a worker sent before
+it heard of it is answered by the set the change replaced (`REPLACED_SET_KEPT_S`).
 """

@@ -21,6 +21,12 @@ from server.workers.frames import (HEARTBEAT_S, LENGTH, REQUESTS, EngineState, M
 
 log = logging.getLogger("tmod.workers")
 
+# A worker names a request's tasks from the set it last heard of; a change through /admin reaches it a
+# frame later. For this long after a change, a task set the running set lacks is answered from the set
+# replaced (as one process answers the requests it had taken); then that set, and any module unloaded
+# with it, is let go.
+REPLACED_SET_KEPT_S = 10.0
+
 
 class Peer(Owner):
     """One worker's connection, as the batcher's owner of that worker's requests: which are waiting
@@ -157,6 +163,7 @@ class EngineService:
         self._tasks: set[asyncio.Task] = set()
         self._sets: dict[str, dict | ApiError] = {}  # a task set's modules (or why not), for `_sets_of`
         self._sets_of: dict | None = None
+        self._replaced: dict | None = None  # the set the last change replaced, for REPLACED_SET_KEPT_S
 
     async def start(self, path: Path) -> None:
         await self.runtime.open()
@@ -243,8 +250,8 @@ class EngineService:
             self.runtime.metrics.child(self.runtime.metrics.dropped, "client_gone").inc()
 
     def _modules_for(self, tasks: str) -> dict | ApiError:
-        """A task set's modules in the running set (one snapshot per set of loaded modules: the
-        worker's view may be a change behind), or the 400 it gets."""
+        """A task set's modules in the running set (one snapshot per set of loaded modules), or in the
+        set a change just replaced (the worker's view may be a change behind), or the 400 it gets."""
         loaded = self.runtime.modules
         if loaded is not self._sets_of:
             self._sets, self._sets_of = {}, loaded
@@ -255,6 +262,9 @@ class EngineService:
             rt = self.runtime
             found = self._sets[tasks] = (unknown_tasks(unknown, loaded, rt.load_errors, rt.skipped) if unknown
                                          else {t: loaded[t] for t in names})
+        replaced = self._replaced
+        if type(found) is not dict and replaced is not None and all(t in replaced for t in tasks.split(",")):
+            return {t: replaced[t] for t in tasks.split(",")}
         return found
 
     def _requests(self, peer: Peer, frame: RequestFrame) -> None:
@@ -292,6 +302,10 @@ class EngineService:
             peer.waiting_ids.discard(entry[KEY])
             peer.refuse(entry[KEY], refusal, counted=False)
 
+    def _let_go(self, replaced: dict) -> None:
+        if self._replaced is replaced:
+            self._replaced = None
+
     def _overloaded(self) -> ApiError:
         return ApiError(429, "overloaded", f"server overloaded: {self.limit} requests of this worker in flight; "
                                            "retry later")
@@ -308,6 +322,9 @@ class EngineService:
         peer.control([reply])
 
     async def _manage(self, task: str, action: str, version: str | None):
+        # kept from before the change: a request read while it is made may name the set it replaces
+        replaced = self._replaced = self.runtime.modules
+        asyncio.get_running_loop().call_later(REPLACED_SET_KEPT_S, self._let_go, replaced)
         module, previous = await self.runtime.manage(task, action, version)
         self.broadcast()  # every worker has the new set before this answer reaches the one that asked
         return self.view(module), previous
