@@ -129,6 +129,8 @@ def test_load_switch_and_unload(live):
     unloaded = "sentiment/1 was unloaded through the admin API: POST /admin/modules/sentiment/load serves it again"
     assert asked.status_code == 400 and f"(sentiment is not served: {unloaded})" in asked.json()["error"]["message"]
     assert f"(sentiment is not served: {unloaded})" in live.get("/readyz").json()["error"]["message"]
+    asked = live.post("/predict", params={"tasks": "sentiment"}, json={"inputs": "x"})  # TEI's route: its shape
+    assert asked.status_code == 400 and f"(sentiment is not served: {unloaded})" in asked.json()["error"]
     assert live.post("/v2/repository/index", json={}).json() == [
         {"name": "sentiment", "state": "UNAVAILABLE", "reason": unloaded}]
     # every module unloaded: out of service (readiness says so) but still managed through /admin

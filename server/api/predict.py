@@ -37,7 +37,7 @@ from msgspec import Meta, Struct
 from modules_store import TaskType
 from server.api.schemas import AnswerControls, TEIDirection, TextPair, check_one_form, decode
 from server.api.serving import Serving
-from server.errors import ApiError, clip, did_you_mean
+from server.errors import ApiError, clip, did_you_mean, not_loaded
 from server.modules import compares_pairs
 
 Instances = Annotated[list[Union[str, TextPair]], Meta(
@@ -140,10 +140,11 @@ def tei_inputs(inputs) -> tuple[list, bool]:
     return [item[0] if len(item) == 1 else tuple(item) for item in inputs], True
 
 
-def tei_classifier(modules: dict, named: tuple[str, ...], pairs: bool):
+def tei_classifier(runtime, named: tuple[str, ...], pairs: bool):
     """The task TEI's /predict answers: the one named (`?tasks=`: a token task too, on single texts),
     else the one classification task loaded that reads these inputs (single texts or pairs); 400 saying
-    which to name otherwise."""
+    which to name otherwise (one not loaded: why, where the runtime refused it or left it out)."""
+    modules = runtime.modules
     fits = sorted(t for t, m in modules.items()
                   if m.manifest.task_type in CLASSIFIERS and compares_pairs(m.manifest) == pairs)
     inputs = "text pairs" if pairs else "single texts"
@@ -152,7 +153,8 @@ def tei_classifier(modules: dict, named: tuple[str, ...], pairs: bool):
         taggers = [] if pairs else sorted(t for t, m in modules.items()
                                           if m.manifest.task_type == TaskType.token_classification)
         if task not in fits + taggers:
-            why = "is not loaded" if task not in modules else f"is no classification task on {inputs}"
+            why = (f"is not loaded{not_loaded([task], runtime.load_errors, runtime.skipped)}" if task not in modules
+                   else f"is no classification task on {inputs}")
             raise ApiError(400, "unknown_task", f"task {clip(task)} {why}{did_you_mean([task], fits + taggers)}; "
                                                 f"/predict answers one of {sorted(fits + taggers)}")
         return modules[task]
@@ -212,7 +214,7 @@ def tei_predict_route(serving: Serving):
             raise ApiError(422, "invalid_request", "a batch of texts and text pairs: each is a different task here; "
                                                    "send the texts and the pairs in two requests")
         pairs = pairs.pop()
-        module = tei_classifier(runtime.modules, request.query("tasks"), pairs)
+        module = tei_classifier(runtime, request.query("tasks"), pairs)
         texts = [s[0] for s in sequences] if pairs else sequences
         if module.manifest.task_type == TaskType.token_classification:
             return await tagged(texts, batch, module, asked, request)
