@@ -573,9 +573,21 @@ class Batcher:
         except BaseException as exc:  # noqa: BLE001 - reported to the batch's owners, on the loop
             report(None, exc)
 
+    def oldest_running(self) -> float | None:
+        """When (perf_counter) the batch handed to compute longest ago was, or None: none is running."""
+        return min((r.started for r in self._running if type(r) is Running), default=None)
+
+    def abandon_running(self, error: Exception) -> None:
+        """Answer every batch handed to compute with `error` now: the compute thread is stuck, and none
+        of them will report (one that does later is ignored, `_finish`)."""
+        for running in [r for r in self._running if type(r) is Running]:
+            self._finish(running, None, error)
+
     def _finish(self, running: "Running", outputs, error: BaseException | None) -> None:
         """On the loop: a batch's outputs (or its failure) to each owner of its entries."""
-        self._running.discard(running)
+        if running not in self._running:  # abandoned: its owners have their answer
+            return
+        self._running.remove(running)
         running.slots.release()
         try:
             if error is not None:

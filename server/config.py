@@ -113,6 +113,11 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         30.0, gt=0, description="one deadline per request, from when its body has been read: a request (every "
         "part of a long one) not taken into a batch by then is answered 503 and its parts not yet run are not run")
+    pass_timeout_s: float = Field(
+        300.0, ge=0, description="a batch that runs longer is taken for a stuck device (a hung kernel or driver): "
+        "the server fails as on a device error (its requests and /healthz answered 503, the process exits non-zero "
+        "for its supervisor to start a fresh one); 0: never. Ten times the default request deadline, which no "
+        "request of such a batch meets")
     # ---- the model runner (server/runner/): batch shapes, CUDA graphs, head precision -----------
     batch_shapes: Literal["auto", "length_runs", "buckets", "bucket_runs"] = Field(
         "auto", description="how a batch becomes backbone passes: length_runs (rows cut into runs within "

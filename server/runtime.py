@@ -171,6 +171,7 @@ class Runtime:
         self.ready = threading.Event()
         self.startup_error: str | None = None
         self.failure: str | None = None  # a sticky device error: not ready, not live, the process stops
+        self._watch: asyncio.Task | None = None  # `_watch_passes`, where --pass-timeout-s is on
         self._layers: dict[str, tuple[LoadedModule, list[int]]] = {}  # task -> (module, layers_read()), read at load
         # torch work runs on one thread of its own, off the event loop; torch itself uses the cores
         self.executor = ComputeThread("tmod-compute")
@@ -195,10 +196,32 @@ class Runtime:
     async def open(self) -> None:
         """Start loading (in the compute thread, so /healthz answers at once and /readyz tells when
         loading ends) and start batching."""
-        asyncio.get_running_loop().run_in_executor(self.executor, self.start)
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(self.executor, self.start)
         self.batcher.start()
+        if self.settings.pass_timeout_s:
+            self._watch = loop.create_task(self._watch_passes(self.settings.pass_timeout_s))
+
+    async def _watch_passes(self, limit: float) -> None:
+        """A batch running past `limit` seconds is taken for a stuck device (a hung kernel or driver,
+        which no error ever reports): the runtime fails as on a device error. From then on the
+        compute thread's batches are answered here, 503, since none will come back from it."""
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            started = self.batcher.oldest_running()
+            if started is None:
+                continue
+            ran = time.perf_counter() - started
+            if self.failure is None and ran > limit:
+                self.fail(f"a batch has run for {ran:.1f} s, past --pass-timeout-s ({limit:g} s): the device "
+                          "(or its driver) is taken for stuck")
+            if self.failure is not None:
+                self.batcher.abandon_running(ApiError(503, "device_failed", "the device failed and the server is "
+                                                                            f"stopping: {self.failure}"))
 
     async def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self.batcher.drain_and_stop()  # answer what was queued before exiting
         self.close()
 
@@ -485,7 +508,7 @@ class Runtime:
 
     def close(self) -> None:
         self.tokenize_executor.shutdown(wait=True)
-        self.executor.shutdown(wait=True)
+        self.executor.shutdown(wait=self.failure is None)  # after a failure it may be stuck for good
 
     # ---- inference ---------------------------------------------------------------------------
     def prepare_batch(self, rows: list[EncodedInput], modules: dict[str, LoadedModule]) -> PreparedBatch:

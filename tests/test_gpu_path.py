@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -27,7 +28,8 @@ from server.runner.model_runner import ModelRunner
 from server.runner.shapes import Bucket
 from server.runner.staging import StagingBuffers
 from server.timings import Timings
-from tests.device_failure_head import MESSAGE, TRIGGER, DeviceFailureHead
+from tests import device_failure_head
+from tests.device_failure_head import MESSAGE, STUCK, TRIGGER, DeviceFailureHead
 from bench.live_server import free_port, wait_until
 from tests.helpers import LiveServer, populate_store, random_head
 from tests.test_runner import TEXTS, assert_same_answers, record_eager, sorted_rows
@@ -285,29 +287,56 @@ def test_a_sticky_device_error_makes_the_server_not_ready_and_not_live(tiny_back
     assert runtime_module.device_failure() is not None
 
 
-@pytest.mark.slow
-def test_tmod_serve_exits_non_zero_after_a_sticky_device_error(tiny_backbone_dir, tiny_backbone, tmp_path):
-    """The real tmod-serve process (its cli main), with the test head kind registered first: the
-    failing request is answered 503, probes never answer 200 again, and the process exits non-zero."""
+def test_a_pass_that_never_returns_makes_the_server_not_live_and_answers_its_requests(tiny_backbone, tmp_path,
+                                                                                      monkeypatch):
+    """A hung kernel raises nothing: past `pass_timeout_s` the runtime fails as on a device error, and
+    the requests on the stuck compute thread, and those queued after them, are answered 503 there."""
+    monkeypatch.setattr(runtime_module, "_device_failure", None)
+    monkeypatch.setattr(device_failure_head, "STUCK_S", 8.0)  # stuck well past the timeout, then back: ignored
+    store = device_failure_store(tmp_path, tiny_backbone)
+    settings = Settings(store=store.root, precision="fp32", pass_timeout_s=1.0)
+    with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
+        assert httpx.post(server.url + "/v1/infer", json={"inputs": ["fine"]}).status_code == 200
+        with ThreadPoolExecutor(2) as pool:
+            stuck = pool.submit(httpx.post, server.url + "/v1/infer", json={"inputs": [f"a {STUCK} here"]}, timeout=6)
+            time.sleep(0.3)
+            behind = pool.submit(httpx.post, server.url + "/v1/infer", json={"inputs": ["fine"]}, timeout=6)
+            for answer in (stuck.result(), behind.result()):
+                assert answer.status_code == 503 and answer.json()["error"]["type"] == "device_failed", answer.text
+                assert "past --pass-timeout-s (1 s)" in answer.json()["error"]["message"]
+        for probe in ("/readyz", "/healthz", "/v2/health/ready"):
+            assert httpx.get(server.url + probe).status_code == 503, probe
+
+
+def failing_server(tmp_path, tiny_backbone, tiny_backbone_dir, *extra: str) -> tuple[str, subprocess.Popen]:
+    """The real tmod-serve process (its cli main) serving the test head kind (registered first), ready."""
     store = device_failure_store(tmp_path / "store", tiny_backbone)
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-c", "import sys, tests.device_failure_head; from server.cli import main; "
                "main(sys.argv[1:])", "--port", str(port), "--store", str(store.root), "--backbone",
-               str(tiny_backbone_dir), "--precision", "fp32", "--threads", "1"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               str(tiny_backbone_dir), "--precision", "fp32", "--threads", "1", *extra]
+    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            return httpx.get(url + "/readyz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        def ready():
-            assert process.poll() is None, process.communicate()[0]
-            try:
-                return httpx.get(url + "/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
         wait_until(ready, "tmod-serve ready")
-        assert httpx.post(url + "/v1/infer", json={"inputs": ["fine"]}).status_code == 200
-        failed = httpx.post(url + "/v1/infer", json={"inputs": [f"a {TRIGGER} here"]}, timeout=30)
-        assert failed.status_code == 503 and failed.json()["error"]["type"] == "device_failed"
+    except BaseException:
+        process.kill()
+        raise
+    return url, process
+
+
+def stops_failed(url: str, process: subprocess.Popen) -> str:
+    """Until the failed server has exited (probes never 200 meanwhile): its output."""
+    try:
         deadline = time.monotonic() + 60
         while process.poll() is None and time.monotonic() < deadline:
             for probe in ("/readyz", "/healthz"):
@@ -316,13 +345,50 @@ def test_tmod_serve_exits_non_zero_after_a_sticky_device_error(tiny_backbone_dir
                 except httpx.TransportError:
                     pass  # stopping: no longer listening
             time.sleep(0.1)
-        output = process.communicate(timeout=30)[0]
+        return process.communicate(timeout=30)[0]
     finally:
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+@pytest.mark.slow
+def test_tmod_serve_exits_non_zero_after_a_sticky_device_error(tiny_backbone_dir, tiny_backbone, tmp_path):
+    """The failing request is answered 503, probes never answer 200 again, and the process exits non-zero."""
+    url, process = failing_server(tmp_path, tiny_backbone, tiny_backbone_dir)
+    try:
+        assert httpx.post(url + "/v1/infer", json={"inputs": ["fine"]}).status_code == 200
+        failed = httpx.post(url + "/v1/infer", json={"inputs": [f"a {TRIGGER} here"]}, timeout=30)
+        assert failed.status_code == 503 and failed.json()["error"]["type"] == "device_failed"
+    finally:
+        output = stops_failed(url, process)
     assert process.returncode == 1, output  # SystemExit with the reason: not a signal's status
     assert "stopped after a device failure" in output and "an illegal memory access" in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_pass_that_never_returns_fails_the_server_past_the_pass_timeout(tiny_backbone_dir, tiny_backbone, tmp_path,
+                                                                          workers):
+    """A hung kernel or driver raises nothing: its request waited for ever, every later one 503 at its
+    deadline, while /healthz and /readyz said 200, so no supervisor restarted the server. Past
+    --pass-timeout-s the server now fails as on a device error: that request and the ones after it
+    are answered 503 device_failed, and the process exits non-zero (its compute thread still stuck)."""
+    url, process = failing_server(tmp_path, tiny_backbone, tiny_backbone_dir, "--workers", workers,
+                                  "--pass-timeout-s", "2")
+    try:
+        assert httpx.post(url + "/v1/infer", json={"inputs": ["fine"]}).status_code == 200
+        with ThreadPoolExecutor(2) as pool:
+            stuck = pool.submit(httpx.post, url + "/v1/infer", json={"inputs": [f"a {STUCK} here"]}, timeout=60)
+            time.sleep(0.5)
+            behind = pool.submit(httpx.post, url + "/v1/infer", json={"inputs": ["fine"]}, timeout=60)
+            for answer in (stuck.result(), behind.result()):
+                assert answer.status_code == 503 and answer.json()["error"]["type"] == "device_failed", answer.text
+                assert "past --pass-timeout-s (2 s)" in answer.json()["error"]["message"]
+    finally:
+        output = stops_failed(url, process)
+    assert process.returncode == 1, output
+    assert "tmod-serve: stopped after a device failure: a batch has run for" in output
 
 
 # ---- /v1/tasks reads nothing from the device ---------------------------------------------------------
