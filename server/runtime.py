@@ -216,8 +216,7 @@ class Runtime:
                 self.fail(f"a batch has run for {ran:.1f} s, past --pass-timeout-s ({limit:g} s): the device "
                           "(or its driver) is taken for stuck")
             if self.failure is not None:
-                self.batcher.abandon_running(ApiError(503, "device_failed", "the device failed and the server is "
-                                                                            f"stopping: {self.failure}"))
+                self.batcher.abandon_running(self.failed())
 
     async def shutdown(self) -> None:
         if self._watch is not None:
@@ -291,7 +290,7 @@ class Runtime:
             if not is_device_failure(exc):
                 raise
             self.fail(error_text(exc))
-            raise ApiError(503, "device_failed", f"the device failed and the server is stopping: {self.failure}") from None
+            raise self.failed() from None
         return module, current.version if current else None
 
     def describe(self, module: LoadedModule) -> dict:
@@ -524,7 +523,7 @@ class Runtime:
         holds an `OutOfMemory` (503) in place of its answers. A sticky device error fails the
         runtime (`fail`): this batch and every later one are answered 503."""
         if self.failure is not None:
-            raise ApiError(503, "device_failed", f"the device failed and the server is stopping: {self.failure}")
+            raise self.failed()
         prepared = rows if isinstance(rows, PreparedBatch) else self.runner.prepare(rows, modules)
         try:
             return self.runner.execute(prepared, modules, timings)
@@ -533,7 +532,11 @@ class Runtime:
                 raise
             reason = error_text(exc)
         self.fail(reason)
-        raise ApiError(503, "device_failed", f"the device failed and the server is stopping: {reason}")
+        raise self.failed()
+
+    def failed(self) -> ApiError:
+        """The 503 every request gets once the device has failed (`fail`)."""
+        return ApiError(503, "device_failed", f"the device failed and the server is stopping: {self.failure}")
 
     def fail(self, reason: str) -> None:
         """A sticky device error: the CUDA context of this process is unusable, so the server stops
