@@ -103,19 +103,24 @@ def request_id_for(headers) -> str:
     return os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID object
 
 
+# health probes: a supervisor's, every few seconds all day (a kubelet's two, Docker's HEALTHCHECK)
+PROBES = frozenset({"/healthz", "/readyz", "/health", "/v2/health/live", "/v2/health/ready"})
+
+
 class AccessLog:
-    """One access line per request (`tmod.access`, at info), at most `per_second` lines a second in
-    this process: a JSON line costs ~24 us of CPU written to /dev/null (docs/host-path-log.md, issue 37's
-    worker side; ~120 us in the issue's first study), so at high rates lines are sampled (a token
-    bucket holding one second's lines); the next line written says how many were `skipped` since the
-    one before. 0: no access lines. The metrics count every request."""
+    """One access line per request (`tmod.access`, at info; a probe answered 2xx, at debug), at most
+    `per_second` lines a second in this process: a JSON line costs ~24 us of CPU written to /dev/null
+    (docs/host-path-log.md, issue 37's worker side; ~120 us in the issue's first study), so at high
+    rates lines are sampled (a token bucket holding one second's lines); the next line written says how
+    many were `skipped` since the one before. 0: no access lines. The metrics count every request."""
 
     def __init__(self, per_second: float):
         self.log = logging.getLogger("tmod.access")
         self.per_second, self.tokens, self.last, self.skipped = per_second, per_second, time.monotonic(), 0
 
     def write(self, scope, status: int, seconds: float) -> None:
-        if self.per_second <= 0 or not self.log.isEnabledFor(logging.INFO):
+        level = logging.DEBUG if status < 300 and scope["path"] in PROBES else logging.INFO
+        if self.per_second <= 0 or not self.log.isEnabledFor(level):
             return
         now = time.monotonic()
         self.tokens = min(self.per_second, self.tokens + (now - self.last) * self.per_second)
@@ -128,4 +133,4 @@ class AccessLog:
                  "status": status, "duration_ms": round(seconds * 1000, 3)}
         if self.skipped:
             extra["skipped"], self.skipped = self.skipped, 0
-        self.log.info("request", extra=extra)
+        self.log.log(level, "request", extra=extra)

@@ -148,6 +148,21 @@ def test_the_access_log_samples_at_high_rates(monkeypatch, caplog):
         assert len(caplog.records) == 6
 
 
+def test_probes_answered_ok_are_logged_at_debug_and_failing_ones_at_info(caplog):
+    """A kubelet's liveness and readiness probes, every few seconds all day, wrote an access line each at
+    info; now those answered 2xx go at debug, a failing one (what an operator looks for) stays at info."""
+    log = AccessLog(per_second=100)
+    with caplog.at_level(logging.INFO, logger="tmod.access"):
+        for path, status in (("/healthz", 200), ("/readyz", 200), ("/v2/health/ready", 200), ("/readyz", 503),
+                             ("/v1/infer", 200)):
+            log.write({"method": "GET", "path": path, "query_string": b""}, status, 0.001)
+    assert [(r.path, r.status, r.levelno) for r in caplog.records] == [("/readyz", 503, logging.INFO),
+                                                                      ("/v1/infer", 200, logging.INFO)]
+    with caplog.at_level(logging.DEBUG, logger="tmod.access"):
+        log.write({"method": "GET", "path": "/healthz", "query_string": b""}, 200, 0.001)
+    assert (caplog.records[-1].path, caplog.records[-1].levelno) == ("/healthz", logging.DEBUG)
+
+
 def test_the_inference_routes_schema_is_the_structs_schema():
     from server.api.app import create_app
     from server.api.embeddings import OpenAIEmbeddingRequest, TEIEmbedRequest
