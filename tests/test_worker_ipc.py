@@ -205,9 +205,10 @@ def test_a_request_sent_before_the_worker_heard_of_an_unload_is_answered(tmp_pat
                                                                          monkeypatch):
     """A worker checks a request's tasks against the set it last heard of; an unload through /admin
     reaches it a frame later. A request it sent in between was refused 400 unknown_task by the engine
-    (an OIP client read INVALID_ARGUMENT; 17 of 1,500 requests in a load/unload loop under --workers 2)
-    where one process answers it (its job holds the modules). Now the set replaced answers it, and is
-    let go a while later: a task unloaded then is refused."""
+    (an OIP client read INVALID_ARGUMENT; in a load/unload loop under --workers 2, 13 such on OIP and
+    /classify, whose not-found is a 404, beside ~1,500 answered) where one process answers it (its job
+    holds the modules). Now the set replaced answers it, and is let go a while later: a task unloaded
+    then is refused."""
     monkeypatch.setattr(engine_service, "REPLACED_SET_KEPT_S", 1.0)
 
     async def scenario(single, remote, engine):
