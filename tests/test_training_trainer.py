@@ -979,6 +979,9 @@ def test_precision_setting_trains_on_the_states_served_at_that_precision(tmp_pat
     assert environment["backend"] == "torch" and environment["precision"] == "bf16"
     assert result.training["settings"]["precision"] == "bf16"
     assert train_backbone.backend.precision == "fp32"  # the caller's backbone is left as it was
+    # the report says so (on a CPU with native bfloat16 `auto` picks bf16 too: the numbers were bf16's, unsaid)
+    report = (tmp_path / "run" / "report" / "report.md").read_text()
+    assert "- learnt and scored on backbone states read at bf16, as a server at that precision reads them" in report
 
 
 @pytest.mark.parametrize("command", [["layermix", "--dataset", "sst2", "--task", "x"], ["embedding"]])

@@ -138,6 +138,12 @@ def report_text(result) -> str:
         lines.append("- trained with balanced class weights (--class-weights balanced): a rare class's rows weigh as "
                      "much as a frequent one's, so the head's scores lean toward rare classes; the linear baseline "
                      "is weighed alike")
+    asked = (result.training.get("settings") or {}).get("precision", "fp32")
+    read_at = (result.training.get("environment") or {}).get("backbone_backend", {}).get("precision", asked)
+    if read_at != "fp32":
+        how = f" (--precision {asked}, on this device)" if asked != read_at else ""
+        lines.append(f"- learnt and scored on backbone states read at {read_at}{how}, as a server at that precision "
+                     "reads them (a server at another precision answers slightly otherwise)")
     if d := result.training.get("distillation"):
         lines.append(f"- distilled from {d['teacher']} ({d['teacher_backbone']}, {d['teacher_precision']}; KL weight "
                      f"{d['weight']}, temperature {d['temperature']}): its most likely tag is the gold one for "
