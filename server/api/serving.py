@@ -114,9 +114,8 @@ class Serving:
         """The 503 of a process that cannot answer at all, what liveness says: the device failed (a sticky
         CUDA error; the process is stopping to be restarted), or, in a worker, its engine process sends
         nothing (stopped or stuck: `RemoteRuntime._silent`)."""
-        failure = getattr(self.runtime, "failure", None)  # a worker's RemoteRuntime has none: its engine exits
-        if failure is not None:
-            return ApiError(503, "device_failed", f"the device failed: {failure}")
+        if getattr(self.runtime, "failure", None) is not None:  # a worker's RemoteRuntime has none: its engine exits
+            return self.runtime.failed()
         return self.engine_silence()
 
     def engine_silence(self) -> ApiError | None:
