@@ -124,6 +124,37 @@ def test_bf16_minilm_shipped_modules_same_labels(minilm):
                 assert o["label"] == r["label"], (task, r, o)
 
 
+def answer_numbers(answer: dict) -> tuple[list, list]:
+    """(labels and entity spans, every score) of one decoded answer, in a fixed order."""
+    if "entities" in answer:
+        entities = answer["entities"]
+        return [(e["label"], e["start"], e["end"]) for e in entities], [e["score"] for e in entities]
+    scores = answer["scores"]
+    return [answer.get("label", answer.get("labels")), list(scores)], list(scores.values())
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-4), ("bf16", SCORE_TOL)])
+def test_a_texts_answer_alone_and_in_a_padded_batch(minilm, precision, tolerance):
+    """A text answered alone and in one padded pass with texts of other lengths (as the server batches
+    concurrent requests): in fp32 the same answer, scores within 1e-4; in bf16 its scores move, within the
+    bf16 tolerance (docs/serving.md, repeatable answers: the served measurement)."""
+    backbone = minilm if precision == "fp32" else minilm.use_backend("torch", "bf16")
+    modules = {t: load_module(SHIPPED, t, None, minilm) for t in servable_tasks(SHIPPED, minilm)}
+    modules = {t: m for t, m in modules.items() if not compares_pairs(m.manifest) and m.manifest.labels}
+    assert {"ner", "emotion", "acceptability"} <= set(modules)  # token, multi-label and sequence answers
+    engine = Engine(backbone)
+    together = engine.predict(backbone.tokenize(SAMPLE), modules)
+    for i, text in enumerate(SAMPLE):
+        alone = engine.predict(backbone.tokenize([text]), modules)
+        for task in modules:
+            (labels, scores), (labels_in_batch, scores_in_batch) = (answer_numbers(alone[task][0]),
+                                                                     answer_numbers(together[task][i]))
+            if precision == "fp32":
+                assert labels_in_batch == labels, (task, text)
+            if len(scores) == len(scores_in_batch):
+                assert scores_in_batch == pytest.approx(scores, abs=tolerance), (task, text)
+
+
 def test_bf16_heads_never_run_under_autocast(tiny_backbone):
     """Autocast is entered around each layer call only: between two states (where the engine runs
     the heads) it is off, so heads compute in float32 as with fp32."""
