@@ -69,6 +69,15 @@ def compare_to_fp32(reference: dict, other: dict) -> dict:
     return out
 
 
+def shipped_labelling_modules(minilm) -> dict:
+    """The shipped modules MiniLM serves that label a single text: SAMPLE holds single texts, so a pair
+    task (entailment) has no answer for them (bench/results/head-precision-cpu-mpnet-entailment.md has
+    it in bf16 on its own validation pairs), nor has the embedding labels (its bf16 vectors are checked
+    in tests/test_embeddings.py)."""
+    modules = {t: load_module(SHIPPED, t, None, minilm) for t in servable_tasks(SHIPPED, minilm)}
+    return {t: m for t, m in modules.items() if not compares_pairs(m.manifest) and m.manifest.labels}
+
+
 # ---- bf16 against fp32 ---------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert"])
 def test_bf16_states_stay_float32_and_close_for_encoder_families(tmp_path, family):
@@ -95,11 +104,7 @@ def test_bf16_states_stay_float32_and_close_for_encoder_families(tmp_path, famil
 def test_bf16_minilm_shipped_modules_same_labels(minilm):
     """The real backbone and the shipped modules (or random heads where the store lacks one)."""
     bf16 = minilm.use_backend("torch", "bf16")
-    modules = {t: load_module(SHIPPED, t, None, minilm) for t in servable_tasks(SHIPPED, minilm)}
-    # SAMPLE holds single texts: a pair task (entailment) has no answer for them (bench/results/
-    # head-precision-cpu-mpnet-entailment.md has it in bf16 on its own validation pairs)
-    # nor has the embedding labels (its bf16 vectors are checked in tests/test_embeddings.py)
-    modules = {t: m for t, m in modules.items() if not compares_pairs(m.manifest) and m.manifest.labels}
+    modules = shipped_labelling_modules(minilm)
     if "ner" not in modules:
         modules["ner"] = LoadedModule("ner", "1", None, random_head(minilm, "token_classification", NER_LABELS, 12))
     if "sentiment" not in modules:
@@ -139,11 +144,11 @@ def test_a_texts_answer_alone_and_in_a_padded_batch(minilm, precision, tolerance
     concurrent requests): in fp32 the same answer, scores within 1e-4; in bf16 its scores move, within the
     bf16 tolerance (docs/serving.md, repeatable answers: the served measurement)."""
     backbone = minilm if precision == "fp32" else minilm.use_backend("torch", "bf16")
-    modules = {t: load_module(SHIPPED, t, None, minilm) for t in servable_tasks(SHIPPED, minilm)}
-    modules = {t: m for t, m in modules.items() if not compares_pairs(m.manifest) and m.manifest.labels}
+    modules = shipped_labelling_modules(minilm)
     assert {"ner", "emotion", "acceptability"} <= set(modules)  # token, multi-label and sequence answers
     engine = Engine(backbone)
     together = engine.predict(backbone.tokenize(SAMPLE), modules)
+    compared = 0
     for i, text in enumerate(SAMPLE):
         alone = engine.predict(backbone.tokenize([text]), modules)
         for task in modules:
@@ -151,8 +156,10 @@ def test_a_texts_answer_alone_and_in_a_padded_batch(minilm, precision, tolerance
                                                                      answer_numbers(together[task][i]))
             if precision == "fp32":
                 assert labels_in_batch == labels, (task, text)
-            if len(scores) == len(scores_in_batch):
+            if labels_in_batch == labels:  # a bf16 close call may go the other way: then other entities' scores
                 assert scores_in_batch == pytest.approx(scores, abs=tolerance), (task, text)
+                compared += 1
+    assert compared >= 0.9 * len(SAMPLE) * len(modules)  # the bf16 bound is not vacuous either
 
 
 def test_bf16_heads_never_run_under_autocast(tiny_backbone):
