@@ -287,6 +287,18 @@ def test_a_sticky_device_error_makes_the_server_not_ready_and_not_live(tiny_back
     assert runtime_module.device_failure() is not None
 
 
+def assert_stuck_and_the_next_answered_503(url: str, limit: str, timeout: float) -> None:
+    """A request whose pass never returns, and one sent behind it, are both answered 503 device_failed
+    naming the pass timeout `limit` ("2 s")."""
+    with ThreadPoolExecutor(2) as pool:
+        stuck = pool.submit(httpx.post, url + "/v1/infer", json={"inputs": [f"a {STUCK} here"]}, timeout=timeout)
+        time.sleep(0.5)  # the stuck one on the compute thread first
+        behind = pool.submit(httpx.post, url + "/v1/infer", json={"inputs": ["fine"]}, timeout=timeout)
+        for answer in (stuck.result(), behind.result()):
+            assert answer.status_code == 503 and answer.json()["error"]["type"] == "device_failed", answer.text
+            assert f"past --pass-timeout-s ({limit})" in answer.json()["error"]["message"]
+
+
 def test_a_pass_that_never_returns_makes_the_server_not_live_and_answers_its_requests(tiny_backbone, tmp_path,
                                                                                       monkeypatch):
     """A hung kernel raises nothing: past `pass_timeout_s` the runtime fails as on a device error, and
@@ -297,13 +309,7 @@ def test_a_pass_that_never_returns_makes_the_server_not_live_and_answers_its_req
     settings = Settings(store=store.root, precision="fp32", pass_timeout_s=1.0)
     with LiveServer(create_app(settings, backbone=tiny_backbone)) as server:
         assert httpx.post(server.url + "/v1/infer", json={"inputs": ["fine"]}).status_code == 200
-        with ThreadPoolExecutor(2) as pool:
-            stuck = pool.submit(httpx.post, server.url + "/v1/infer", json={"inputs": [f"a {STUCK} here"]}, timeout=6)
-            time.sleep(0.3)
-            behind = pool.submit(httpx.post, server.url + "/v1/infer", json={"inputs": ["fine"]}, timeout=6)
-            for answer in (stuck.result(), behind.result()):
-                assert answer.status_code == 503 and answer.json()["error"]["type"] == "device_failed", answer.text
-                assert "past --pass-timeout-s (1 s)" in answer.json()["error"]["message"]
+        assert_stuck_and_the_next_answered_503(server.url, "1 s", timeout=6)
         for probe in ("/readyz", "/healthz", "/v2/health/ready"):
             assert httpx.get(server.url + probe).status_code == 503, probe
 
@@ -378,13 +384,7 @@ def test_a_pass_that_never_returns_fails_the_server_past_the_pass_timeout(tiny_b
                                   "--pass-timeout-s", "2")
     try:
         assert httpx.post(url + "/v1/infer", json={"inputs": ["fine"]}).status_code == 200
-        with ThreadPoolExecutor(2) as pool:
-            stuck = pool.submit(httpx.post, url + "/v1/infer", json={"inputs": [f"a {STUCK} here"]}, timeout=60)
-            time.sleep(0.5)
-            behind = pool.submit(httpx.post, url + "/v1/infer", json={"inputs": ["fine"]}, timeout=60)
-            for answer in (stuck.result(), behind.result()):
-                assert answer.status_code == 503 and answer.json()["error"]["type"] == "device_failed", answer.text
-                assert "past --pass-timeout-s (2 s)" in answer.json()["error"]["message"]
+        assert_stuck_and_the_next_answered_503(url, "2 s", timeout=60)
     finally:
         output = stops_failed(url, process)
     assert process.returncode == 1, output

@@ -49,13 +49,12 @@ from server.backbone import Backbone
 from server.config import Settings
 from server.errors import (KSERVE_V1_PREDICT, ApiError, api_error_handler, http_error_handler, refusal,
                            validation_error_handler)
-from server.logs import AccessLog, request_id, request_id_for
+from server.logs import PROBES, AccessLog, request_id, request_id_for
 from server.runtime import Runtime
 
 
 # what stays open with an API key set: probes, scrapers and the schema (module changes have their own token)
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs",
-                        "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+OPEN_PATHS = PROBES | {"/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}
 # the routes that change modules: the admin token guards them (in the same Authorization header), not the API key
 ADMIN_PATHS = ("/admin/", "/v2/repository/models/")
 NO_HEADERS: dict[str, str] = {}
