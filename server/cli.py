@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from modules_store import misplaced_store
+from server import __version__
 from server.config import Settings, device_problem
 from server.logs import configure_logging
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve every task module in a store from one frozen backbone pass per batch. "
         "Each flag can also be set as an environment variable TMOD_<NAME> (e.g. TMOD_PORT=9000).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind = _flag_type(field.annotation)

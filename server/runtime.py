@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from modules_store import ArtifactError, ModuleStore
+from server import __version__
 from server.backbone import Backbone, EncodedInput
 from server.config import SettingError, Settings
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
@@ -337,8 +338,8 @@ class Runtime:
             if slow := int8_heads_warning(self.settings):
                 log.warning(slow)
             self.runner = ModelRunner(self.engine, self.settings, self.metrics)
-            log.info("passes on %s: backbone %s %s, heads %s", self.settings.device, self.backbone.backend.name,
-                     self.backbone.backend.precision, self.runner.head_precision)
+            log.info("tmod %s, passes on %s: backbone %s %s, heads %s", __version__, self.settings.device,
+                     self.backbone.backend.name, self.backbone.backend.precision, self.runner.head_precision)
             loaded = self._load_store_modules()
             self._read_layers(loaded)
             self.modules = loaded

@@ -43,6 +43,17 @@ def test_help_runs():
     assert "TMOD_MAX_BATCH_TOKENS" in out.stdout and "--no-batching" in out.stdout
 
 
+def test_both_commands_say_the_installed_version():
+    """`tmod-serve --version` and `tmod-train --version` were refused as unknown arguments; the version they
+    say is the one pip installed (pyproject.toml reads server/__init__.py's, as GET /v2 says it)."""
+    import importlib.metadata
+
+    installed = importlib.metadata.version("tmod")
+    for module, command in (("server.cli", "tmod-serve"), ("training.cli", "tmod-train")):
+        out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True)
+        assert (out.returncode, out.stdout, out.stderr) == (0, f"{command} {installed}\n", ""), out
+
+
 def test_a_named_backbone_whose_package_is_missing_is_said_before_anything_loads(tmp_path, monkeypatch):
     """It was found only once start-up loaded the backbone: a traceback in the log, then the line."""
     import importlib.metadata

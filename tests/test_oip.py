@@ -1,6 +1,7 @@
 """Open Inference Protocol v2: the official tritonclient calls tmod tasks over loopback."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 
@@ -132,7 +133,10 @@ def test_tritonclient_reads_model_configs_and_the_repository_index(live):
     """Triton's model configuration extension and repository index, as tritonclient (and tools built on
     it) ask for them: each was 404."""
     client = tritonclient_http.InferenceServerClient(url=live.url.removeprefix("http://"))
-    assert "model_configuration" in client.get_server_metadata()["extensions"]
+    metadata = client.get_server_metadata()
+    assert "model_configuration" in metadata["extensions"]
+    # the installed version (it was written twice: pyproject.toml and the app)
+    assert metadata["version"] == importlib.metadata.version("tmod") == httpx.get(live.url + "/openapi.json").json()["info"]["version"]
     for task in ("sentiment", "ner"):
         metadata, config = client.get_model_metadata(task), client.get_model_config(task)
         assert config["name"] == task and config["max_batch_size"] == 0  # the batch is the tensors' own [-1]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from modules_store import ModuleStore
+import server
 from server.engine import Engine
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.heads.layermix.layer import cutoff_weights
@@ -975,6 +976,7 @@ def test_precision_setting_trains_on_the_states_served_at_that_precision(tmp_pat
                              backbone=str(train_backbone_dir), run_dir=str(tmp_path / "run"), project_dim=16,
                              epochs=1, precision="bf16", progress=False)
     result = train(settings, backbone=train_backbone)
+    assert result.training["environment"]["tmod"] == server.__version__  # which tmod trained it
     environment = result.training["environment"]["backbone_backend"]
     assert environment["backend"] == "torch" and environment["precision"] == "bf16"
     assert result.training["settings"]["precision"] == "bf16"

@@ -19,6 +19,8 @@ import json
 import shlex
 import sys
 
+from server import __version__
+
 S = argparse.SUPPRESS  # options left out stay out, so the config file and defaults show through
 # transformers' TrainingArguments names for what tmod-train names otherwise (a config file reused from it)
 TRAINING_ARGUMENTS = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_train_batch_size": "batch_size",
@@ -346,6 +348,7 @@ def add_embedding_command(commands) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     add_train_command(commands, "layermix", "train a layer-mix head: a learned mix of the backbone's layers read by a "

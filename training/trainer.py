@@ -22,6 +22,7 @@ from sklearn.utils.class_weight import compute_class_weight
 from tqdm.auto import tqdm
 
 from modules_store import ModuleStore, TaskType, misplaced_store
+from server import __version__
 from server.backbone import Backbone
 from server.backbone.sources import default_cache_dir
 from server.backbone.tokens import IDS
@@ -206,6 +207,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def run_environment(device) -> dict:
+    """What a trained artifact's manifest records of the run's software and machine."""
+    return {"device": str(device), "tmod": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "threads": torch.get_num_threads()}
 
 
 def label_names_beside(train_file: str, highest_id: int) -> Path | None:
@@ -662,10 +669,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
             "epoch_seconds": [h["train_seconds"] for h in result.history],
             "total_seconds": round(train_seconds, 2),
         },
-        "environment": {
-            "device": str(device), "amp": amp, "backbone_backend": backbone.backend.describe(), "torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "threads": torch.get_num_threads(),
-        },
+        "environment": {**run_environment(device), "amp": amp, "backbone_backend": backbone.backend.describe()},
     }
     # the file's name, not its path: /v1/tasks shows the description to every client
     description = s.description or (f"{s.kind} head on {backbone.name}, trained on {s.dataset or Path(s.train).name}"

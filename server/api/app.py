@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server import __version__
 from server.api import oip_grpc
 from server.api.admin import admin_routes
 from server.api.classify import ClassifyRequest, ClassifyResponse, classify_routes
@@ -236,7 +237,7 @@ def create_app(settings: Settings | None = None, backbone: Backbone | None = Non
         await runtime.shutdown()
 
     app = TmodApp(
-        title="tmod", version="0.1.0", lifespan=lifespan,
+        title="tmod", version=__version__, lifespan=lifespan,
         description="Multi-task NLP inference: one frozen backbone pass feeds every requested task head.",
     )
     app.configure(settings)

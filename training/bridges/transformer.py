@@ -27,7 +27,6 @@ import copy
 import json
 import logging
 import math
-import platform
 import random
 import sys
 import time
@@ -57,7 +56,7 @@ from training.progress import progress_of
 from training.serving import bridge_serving
 from training.settings import check_layers, checked_version, parse_layers
 from training.splits import module_folder
-from training.trainer import decay_groups, next_epoch_past_budget, seed_everything, stop_early
+from training.trainer import decay_groups, next_epoch_past_budget, run_environment, seed_everything, stop_early
 
 log = logging.getLogger("tmod")
 
@@ -561,8 +560,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
         "history": result.history, "parameters": count_parameters(bridge),
         "timing": {"pairs_seconds": round(pairs_seconds, 2), "total_seconds": round(train_seconds, 2),
                    "epoch_seconds": [h["train_seconds"] for h in result.history]},
-        "environment": {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
-                        "machine": platform.machine(), "threads": torch.get_num_threads()},
+        "environment": run_environment(device),
     }
     description = s.description or (f"transformer bridge {source.name} -> {target.name}, {s.objective} objective"
                                      + (f" through {module.task}/{module.version}" if module and s.objective == "distill" else ""))
