@@ -13,6 +13,7 @@ import ctypes
 import gc
 import logging
 import os
+import signal
 import threading
 import time
 import queue
@@ -104,6 +105,20 @@ def name_os_thread() -> None:
         ctypes.CDLL(None).prctl(15, threading.current_thread().name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except Exception:  # noqa: BLE001 - a name is not worth a thread: an executor's initializer that raises breaks it
         pass
+
+
+def stop_with_parent() -> bool:
+    """Have the kernel send this process SIGTERM (it drains, as at shutdown) when its parent dies: a
+    worker's (multiprocessing's fork server, whose death makes the engine take every worker it forked
+    for dead and start others) or an `--engines N` engine's (tmod-serve, killed: a supervisor then
+    starts another beside it). Either served on with nobody to stop it. -> False where the parent is
+    already gone. Linux's prctl; elsewhere nothing."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return True
+    return os.getppid() == parent  # it did not die before the request was in place
 
 
 class ComputeThread(Executor):

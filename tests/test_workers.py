@@ -21,7 +21,7 @@ from server.api.app import create_app
 from server.config import Settings
 from server.modules import save_module
 from server.temp_folders import abandoned
-from bench.live_server import alive, engine_pids, engines_on_port, wait_until, worker_pids
+from bench.live_server import alive, child_pids, engine_pids, engines_on_port, wait_until, worker_pids
 from tests.helpers import LiveServer, metric_sample, populate_store, random_head, start_tmod_serve
 
 TEXTS = ["Angela Merkel visited the Siemens plant in Munich.", "A gripping, beautifully acted film.",
@@ -178,6 +178,33 @@ def test_a_dead_worker_is_replaced_and_nothing_is_refused(served):
     assert len(worker_pids(process.pid)) == 2
     assert statuses and set(statuses) == {200}
     wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, "readiness")
+
+
+def test_workers_whose_forkserver_dies_stop_and_are_replaced(store, tiny_backbone_dir):
+    """multiprocessing's fork server (the workers' parent) killed: the engine took both workers for dead
+    and started two more while the first two, reparented, served on beside them with nobody to stop
+    them (four workers of a server started with two, until the server stopped). They now drain and
+    exit, and no request is refused meanwhile."""
+    url, process = serve(store, tiny_backbone_dir, "--log-level", "warning")  # a minute of access lines fills the pipe
+    try:
+        wait_until(lambda: len(worker_pids(process.pid)) == 2, "two worker processes")
+        first = worker_pids(process.pid)
+        [forkserver] = [pid for pid in child_pids(process.pid)
+                        if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(forkserver, signal.SIGKILL)
+        statuses = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with httpx.Client() as client:
+                statuses.append(client.post(url + "/v1/infer", json={"inputs": [TEXTS[0]]}, timeout=60).status_code)
+            if not [pid for pid in first if alive(pid)] and len(worker_pids(process.pid)) == 2:
+                break
+        assert [pid for pid in first if alive(pid)] == []
+        assert len(worker_pids(process.pid)) == 2 and not set(first) & set(worker_pids(process.pid))
+        assert statuses and set(statuses) == {200}
+    finally:
+        process.kill()
+        process.wait(timeout=30)
 
 
 def test_sigterm_answers_in_flight_requests_through_workers_then_exits(served):
@@ -352,6 +379,25 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
         assert not [pid for pid in engines if alive(pid)]
         serving = {r["pid"] for r in log_records(process) if r["logger"] == "tmod.access" and r["path"] == "/v1/infer"}
         assert all(serving & workers for workers in workers_of.values()), (serving, workers_of)  # both engines answered
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_engines_whose_tmod_serve_is_killed_stop_and_free_the_port(store, tiny_backbone_dir):
+    """`--engines 2` with the parent tmod-serve SIGKILLed (as a supervisor does once its stop timeout
+    passes): both engines and their workers served on, on the port, so the supervisor's next tmod-serve
+    (SO_REUSEPORT) served beside them. They now drain and exit; the port is free."""
+    url, process = serve(store, tiny_backbone_dir, "--engines", "2")
+    try:
+        wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
+        left = [pid for engine in engine_pids(process.pid) for pid in (engine, *worker_pids(engine))]
+        process.kill()
+        process.wait(timeout=30)
+        wait_until(lambda: not [pid for pid in left if alive(pid)], "the engines and their workers to stop",
+                   timeout=60)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/healthz", timeout=5)
     finally:
         if process.poll() is None:
             process.kill()

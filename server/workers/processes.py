@@ -220,6 +220,9 @@ def run_engine(settings: Settings, index: int, first_loaded, reasons) -> None:
     from server import runtime
 
     configure_logging(settings.log_level, settings.log_format)
+    if not runtime.stop_with_parent():
+        log.warning("engine %d (pid %d): tmod-serve is gone; not starting", index, os.getpid())
+        raise SystemExit(1)
     runtime.on_device_failure = lambda: os.kill(os.getpid(), signal.SIGTERM)
     serve(settings, index, first_loaded)
     reason = runtime.exit_reason()

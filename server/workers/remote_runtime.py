@@ -29,7 +29,7 @@ from server.errors import ApiError
 from server.heads.decode import decode_rows
 from server.logs import configure_logging
 from server.metrics import Metrics, MetricsFolderFull
-from server.runtime import name_os_thread, one_host_thread
+from server.runtime import name_os_thread, one_host_thread, stop_with_parent
 from server.workers.frames import (ANSWERS, ENGINE_SILENT_S, EngineState, ModuleView, control_frame, in_flight_limit,
                                    read_answers, read_frame, request_frame, unpack_rows, write_frame)
 
@@ -386,6 +386,9 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
     from server.api.http_limits import DrainingServer, uvicorn_config
 
     configure_logging(settings.log_level, settings.log_format)
+    if not stop_with_parent():
+        log.warning("worker %d (pid %d): the process that started it is gone; not starting", index, os.getpid())
+        sys.exit(0)
     one_host_thread()  # decode's small tensors, one request's token lists: the cores belong to the others
     try:
         runtime = RemoteRuntime(settings, engine_path)
