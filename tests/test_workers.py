@@ -161,19 +161,25 @@ def test_a_reload_reaches_every_worker(served, store, tiny_backbone):
         httpx.post(url + "/admin/modules/sentiment/load", json={"version": "1"}, headers=admin)
 
 
+def answers_until(url: str, done, timeout: float = 60) -> list[int]:
+    """The statuses of one-text requests sent one after another, each on a new connection, until `done()`
+    (checked after each) or `timeout` seconds."""
+    statuses = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with httpx.Client() as client:
+            statuses.append(client.post(url + "/v1/infer", json={"inputs": [TEXTS[0]]}, timeout=60).status_code)
+        if done():
+            break
+    return statuses
+
+
 def test_a_dead_worker_is_replaced_and_nothing_is_refused(served):
     url, process = served
     wait_until(lambda: len(worker_pids(process.pid)) == 2, "two worker processes")
     victim, survivor = worker_pids(process.pid)
     os.kill(victim, signal.SIGKILL)
-    statuses = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with httpx.Client() as client:
-            statuses.append(client.post(url + "/v1/infer", json={"inputs": [TEXTS[0]]}, timeout=60).status_code)
-        pids = worker_pids(process.pid)
-        if len(pids) == 2 and victim not in pids:
-            break
+    statuses = answers_until(url, lambda: len(worker_pids(process.pid)) == 2 and victim not in worker_pids(process.pid))
     assert survivor in worker_pids(process.pid) and victim not in worker_pids(process.pid)
     assert len(worker_pids(process.pid)) == 2
     assert statuses and set(statuses) == {200}
@@ -192,13 +198,8 @@ def test_workers_whose_forkserver_dies_stop_and_are_replaced(store, tiny_backbon
         [forkserver] = [pid for pid in child_pids(process.pid)
                         if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         os.kill(forkserver, signal.SIGKILL)
-        statuses = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with httpx.Client() as client:
-                statuses.append(client.post(url + "/v1/infer", json={"inputs": [TEXTS[0]]}, timeout=60).status_code)
-            if not [pid for pid in first if alive(pid)] and len(worker_pids(process.pid)) == 2:
-                break
+        statuses = answers_until(url, lambda: not [pid for pid in first if alive(pid)]
+                                 and len(worker_pids(process.pid)) == 2)
         assert [pid for pid in first if alive(pid)] == []
         assert len(worker_pids(process.pid)) == 2 and not set(first) & set(worker_pids(process.pid))
         assert statuses and set(statuses) == {200}
