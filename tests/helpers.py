@@ -156,17 +156,17 @@ def served_answer(app, texts: list[str]) -> dict:
     return response.json()
 
 
-def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None):
-    """The real `tmod-serve` process on a free loopback port, waited for until /readyz answers 200.
-    Returns (url, process); the caller stops it. Fails the test with its output if it never gets ready.
-    `output`: a file for its log (default a pipe, which a server that logs much while nobody reads it
-    fills, and then waits on)."""
+def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None, port: int | None = None):
+    """The real `tmod-serve` process on a free loopback port (or `port`), waited for until /readyz answers
+    200. Returns (url, process); the caller stops it. Fails the test with its output if it never gets
+    ready. `output`: a file for its log (default a pipe, which a server that logs much while nobody reads
+    it fills, and then waits on)."""
     import subprocess
     import sys
 
     import pytest
 
-    port = free_port()
+    port = port or free_port()
     process = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), *args], env=env,
                                stdout=output or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -37,10 +38,10 @@ def store(tmp_path_factory, tiny_backbone):
     return populate_store(tmp_path_factory.mktemp("workers-store"), tiny_backbone)
 
 
-def serve(store: ModuleStore, backbone_dir, *extra: str, wait_ms: str = "2"):
+def serve(store: ModuleStore, backbone_dir, *extra: str, wait_ms: str = "2", port: int | None = None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMOD_MAX_WAIT_MS": wait_ms, "TMOD_ADMIN_TOKEN": "secret"}
     return start_tmod_serve(["--workers", "2", "--backbone", str(backbone_dir), "--store", str(store.root),
-                             "--tasks", "sentiment,ner,acceptability", "--log-level", "info", *extra], env)
+                             "--tasks", "sentiment,ner,acceptability", "--log-level", "info", *extra], env, port=port)
 
 
 @pytest.fixture(scope="module")
@@ -402,6 +403,34 @@ def test_engines_whose_tmod_serve_is_killed_stop_and_free_the_port(store, tiny_b
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def port_in_time_wait() -> int:
+    """A free loopback port with a connection of it in TIME_WAIT, as a server's port is for a minute after
+    it closed its connections (answers with `Connection: close`, a drain) and stopped."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: it is the side that waits
+    client.recv(1)
+    client.close()
+    listener.close()
+    return port
+
+
+def test_engines_start_on_a_port_a_stopped_server_left_in_time_wait(store, tiny_backbone_dir):
+    """`--engines 2` restarted at once on its port exited with a traceback (`Address already in use`): the
+    stopped server's connections wait there in TIME_WAIT, which the port check, one process and
+    `--workers` bind past (SO_REUSEADDR), and the socket that holds the port for the engines did not."""
+    port = port_in_time_wait()
+    url, process = serve(store, tiny_backbone_dir, "--engines", "2", port=port)
+    try:
+        wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
+        assert httpx.post(url + "/v1/infer", json={"inputs": [TEXTS[0]]}, timeout=60).status_code == 200
+    finally:
+        process.kill()
+        process.wait(timeout=30)
 
 
 # A start-up held (tests below): in the engine process named HOLD_ENGINE, `Runtime.start` waits until the

@@ -167,6 +167,9 @@ def serve_engines(settings: Settings) -> None:
     that stops on its own (a device failure) stops the others, for the supervisor to start afresh."""
     reserve = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
     reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    # as every listener binds (socket.create_server): a stopped server's connections in TIME_WAIT on the
+    # port, for a minute after it closed them, would refuse a restart at once
+    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     reserve.bind((settings.host, settings.port))
     port = reserve.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
