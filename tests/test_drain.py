@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -104,6 +105,47 @@ def test_sighup_drains_as_sigterm_does(store, tiny_backbone_dir, layout):
     assert outcomes["lost"] == 0 and outcomes["refused"] == CLIENTS, outcomes
     assert set(outcomes) <= {200, "closing", "refused"}, outcomes  # every request answered 200
     assert outcomes["closing"] >= 1, outcomes  # answers given while draining said so
+
+
+@pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"]], ids=["1", "2"])
+def test_ctrl_c_drains_and_exits_0_without_a_traceback(store, tiny_backbone_dir, layout):
+    """Ctrl-C (SIGINT) drains as SIGTERM does; one process then printed a KeyboardInterrupt traceback and
+    exited 1 (uvicorn raises the signal again once drained; `uvicorn.run` catches it, tmod-serve did not)."""
+    url, process = serve(store, tiny_backbone_dir, *layout)
+    run = sigterm_under_load(url, process, {REQUEST: CLIENTS}, answers_before=2 * CLIENTS, sig=signal.SIGINT)
+    outcomes = run.outcomes[REQUEST]
+    assert outcomes["lost"] == 0 and outcomes["refused"] == CLIENTS, outcomes
+    assert set(outcomes) <= {200, "closing", "refused"}, outcomes
+    output = process.stdout.read()
+    assert run.exit_code == 0 and "Traceback" not in output, output
+
+
+def test_ctrl_c_twice_ends_the_process_at_once_in_one_line(store, tiny_backbone_dir):
+    """Ctrl-C again while a request is in flight (uvicorn's force quit): its request got a plain-text 500,
+    the log two tracebacks, and a process with a pass running aborted (SIGABRT). Now the process ends at
+    once with 128 + SIGINT, one line saying what it left unanswered, and the connection closed."""
+    url, process = serve(store, tiny_backbone_dir)
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as client:  # a request whose body is still coming
+        client.sendall(REQUEST[:REQUEST.index(b"\r\n\r\n") + 4] + BODY[:10].encode())
+        assert httpx.get(url + "/healthz").status_code == 200  # accepted after it: the first is the server's
+        process.send_signal(signal.SIGINT)
+
+        def refusing() -> bool:  # draining: the listener is closed (a second signal sent sooner may merge with it)
+            try:
+                httpx.get(url + "/healthz", timeout=5)
+            except httpx.ConnectError:
+                return True
+            return False
+
+        wait_until(refusing, "the drain to begin")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 128 + signal.SIGINT
+        client.settimeout(10)
+        assert client.recv(100) == b""  # closed unanswered: not answered as a server error
+    output = process.stdout.read()
+    assert "Traceback" not in output, output
+    assert re.search(r"forced to stop \(Ctrl-C twice\): \d+ connection\(s\) closed unanswered", output), output
 
 
 def serve(store, backbone_dir, *extra: str):

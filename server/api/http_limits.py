@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import signal
@@ -445,6 +446,16 @@ class DrainingServer(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """uvicorn's: the first signal drains. Ctrl-C again (its "force quit") used to cancel the requests
+        in flight into plain-text 500s, log two tracebacks, and abort the process (SIGABRT) where a pass
+        was running while the interpreter shut down: now the process ends at once, in one line."""
+        super().handle_exit(sig, frame)
+        if self.force_exit:
+            logging.getLogger("tmod").warning("forced to stop (Ctrl-C twice): %d connection(s) closed unanswered",
+                                              len(self.server_state.connections))
+            os._exit(128 + sig)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         loop = asyncio.get_running_loop()
