@@ -66,6 +66,14 @@ def unknown_variables(environ) -> list[str]:
 
 
 def main(argv=None) -> None:
+    try:
+        check_and_serve(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the server took its signals over (checks, imports): nothing to drain
+        print("tmod-serve: interrupted (Ctrl-C) before it was serving", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+
+
+def check_and_serve(argv=None) -> None:
     overrides = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     try:
         settings = Settings(**overrides)

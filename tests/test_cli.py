@@ -54,6 +54,19 @@ def test_both_commands_say_the_installed_version():
         assert (out.returncode, out.stdout, out.stderr) == (0, f"{command} {installed}\n", ""), out
 
 
+def test_ctrl_c_before_the_server_serves_is_one_line(tmp_path):
+    """Ctrl-C in the seconds before the server takes its signals over (its checks, its imports) ended in a
+    KeyboardInterrupt traceback: now one line and exit status 130. The interrupt is raised where serving
+    would begin, in a real `main` after every check."""
+    code = ("import sys, server.cli as cli\n"
+            "def interrupted(settings):\n    raise KeyboardInterrupt\n"
+            "cli.serve_settings = interrupted\n"
+            "cli.main(sys.argv[1:])\n")
+    out = subprocess.run([sys.executable, "-c", code, "--store", str(ROOT / "modules_store"), "--port", "0"],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert (out.returncode, out.stderr) == (130, "tmod-serve: interrupted (Ctrl-C) before it was serving\n"), out
+
+
 def test_a_named_backbone_whose_package_is_missing_is_said_before_anything_loads(tmp_path, monkeypatch):
     """It was found only once start-up loaded the backbone: a traceback in the log, then the line."""
     import importlib.metadata

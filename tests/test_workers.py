@@ -467,6 +467,63 @@ sys.meta_path.insert(0, HeldRuntime)
 '''
 
 
+# The fork server's import of the app held (test below): in the process whose command line names
+# multiprocessing's fork server, importing server.api.app writes its pid to HOLD_AT and waits until the
+# file HOLD_RELEASE exists. Put first on PYTHONPATH, every process of the server imports it.
+HOLD_FORK_SERVER = '''
+import importlib.machinery, os, sys, time
+
+
+class HeldApp:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "server.api.app" or b"multiprocessing.forkserver" not in open("/proc/self/cmdline", "rb").read():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            with open(os.environ["HOLD_AT"], "w") as at:
+                at.write(str(os.getpid()))
+            while not os.path.exists(os.environ["HOLD_RELEASE"]):
+                time.sleep(0.05)
+            run(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, HeldApp)
+'''
+
+
+def test_ctrl_c_while_the_fork_server_imports_the_app_does_not_kill_it(store, tiny_backbone_dir, tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group: one that came while the fork server (the
+    process that forks the workers) imported the app killed it with a traceback, and the engine, whose
+    worker could not start, with another (EOFError). The fork server now ignores SIGINT; the engine
+    alone decides to stop. Here SIGINT reaches the fork server alone: the server starts and answers."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_FORK_SERVER)
+    at, release = tmp_path / "holding", tmp_path / "release"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HOLD_AT": str(at), "HOLD_RELEASE": str(release),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(start_tmod_serve, ["--workers", "2", "--backbone", str(tiny_backbone_dir), "--store",
+                                                 str(store.root), "--tasks", "sentiment", "--log-level", "warning"], env)
+        wait_until(lambda: at.exists() and at.read_text(), "the fork server importing the app")
+        os.kill(int(at.read_text()), signal.SIGINT)
+        release.touch()
+        url, process = started.result(timeout=180)
+    try:
+        assert httpx.post(url + "/v1/infer", json={"inputs": [TEXTS[1]]}, timeout=60).status_code == 200
+        wait_until(lambda: len(worker_pids(process.pid)) == 2, "two worker processes")
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert "Traceback" not in process.stdout.read()
+
+
 @pytest.mark.parametrize("held", [0, 1])
 def test_an_engine_takes_connections_only_while_every_listening_engine_is_loaded(store, tiny_backbone_dir, tmp_path,
                                                                                   held):

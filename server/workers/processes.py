@@ -85,7 +85,8 @@ class WorkerPool:
         # Workers are forked from a fresh interpreter (no threads of this process, no CUDA state) that
         # imported this module and the app once: a worker starts without importing torch again
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload([__name__, "server.api.app", "server.api.http_limits"])
+        self.context.set_forkserver_preload(["server.workers.fork_server", __name__, "server.api.app",
+                                             "server.api.http_limits"])
         self.processes: list = [None] * settings.workers
         self.started: list[float] = [0.0] * settings.workers
         self.early_deaths: list[int] = [0] * settings.workers  # in a row, each worker
