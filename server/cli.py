@@ -207,10 +207,7 @@ def serve_settings(settings: Settings) -> None:
 
     server = DrainingServer(uvicorn_config(create_app(settings), settings))
     stop_on_device_failure(lambda: setattr(server, "should_exit", True))
-    try:
-        server.run()
-    except KeyboardInterrupt:  # Ctrl-C, drained: uvicorn raises it again once done, as `uvicorn.run` catches
-        pass
+    server.run()
 
 
 def stop_on_device_failure(stop=None) -> None:

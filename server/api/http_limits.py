@@ -48,7 +48,6 @@ import zlib
 import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
-from uvicorn.server import HANDLED_SIGNALS
 
 from server.config import STOP_SIGNALS
 from server.errors import BodyRefused, error_body, protocol_of
@@ -435,14 +434,15 @@ class DrainingServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
+        """uvicorn's raises each signal again once the server has drained: one process ended by the
+        signal (SIGTERM, SIGHUP) or a KeyboardInterrupt, and each worker of `--workers N` likewise, where
+        the engine process exits 0. Drained is a clean stop: the process returns, exit status 0."""
         if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-            with super().capture_signals():
-                yield
+            yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS if sig not in HANDLED_SIGNALS}
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
         try:
-            with super().capture_signals():
-                yield
+            yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
