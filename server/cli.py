@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 import typing
 from pathlib import Path
@@ -21,6 +20,7 @@ from modules_store import misplaced_store
 from server import __version__
 from server.config import Settings, device_problem
 from server.logs import configure_logging
+from server.ports import bind_port
 
 
 def _flag_type(annotation):
@@ -161,12 +161,10 @@ def port_problem(host: str, port: int, flag: str = "--port") -> str | None:
     (one process would log it once start-up began; the workers' listener would raise)."""
     if port == 0:
         return None
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no problem
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host / {flag})"
+    try:
+        bind_port(host, port).close()
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host / {flag})"
     return None
 
 

@@ -17,6 +17,7 @@ from modules_store import ModuleStore
 from server.backbone import Backbone, default_backbone_path
 from server.heads.layermix import LayerMixConfig, LayerMixHead
 from server.modules import save_module
+from server.ports import http_url
 
 NER_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC"]
 
@@ -156,20 +157,21 @@ def served_answer(app, texts: list[str]) -> dict:
     return response.json()
 
 
-def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None, port: int | None = None):
-    """The real `tmod-serve` process on a free loopback port (or `port`), waited for until /readyz answers
-    200. Returns (url, process); the caller stops it. Fails the test with its output if it never gets
-    ready. `output`: a file for its log (default a pipe, which a server that logs much while nobody reads
-    it fills, and then waits on)."""
+def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None, port: int | None = None,
+                     host: str = "127.0.0.1"):
+    """The real `tmod-serve` process on a free port (or `port`) of `host` (default the IPv4 loopback), waited
+    for until /readyz answers 200. Returns (url, process); the caller stops it. Fails the test with its
+    output if it never gets ready. `output`: a file for its log (default a pipe, which a server that logs
+    much while nobody reads it fills, and then waits on)."""
     import subprocess
     import sys
 
     import pytest
 
     port = port or free_port()
-    process = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), *args], env=env,
-                               stdout=output or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "server.cli", "--host", host, "--port", str(port), *args],
+                               env=env, stdout=output or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = http_url(host, port)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline and process.poll() is None:
         try:

@@ -147,3 +147,35 @@ def test_ctrl_c_while_the_fork_server_imports_the_app_does_not_kill_it(store, ti
         process.kill()
         process.wait(timeout=30)
     assert "Traceback" not in process.stdout.read()
+
+
+def ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+@pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"], ["--workers", "2", "--engines", "2"]])
+def test_an_ipv6_host_is_served_in_every_layout(store, tiny_backbone_dir, layout, tmp_path):
+    """`--host ::1`: one process served it (uvicorn takes a host with a colon for IPv6), while the workers'
+    listener was made for IPv4 alone and `--workers 2` exited with an OSError traceback ("Address family for
+    hostname not supported"). Every layout now binds one way (server/ports.py) and says its address as a
+    client writes it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        url, process = start_tmod_serve([*layout, "--backbone", str(tiny_backbone_dir), "--store", str(store.root),
+                                         "--tasks", "sentiment", "--log-level", "info"], env, output=log, host="::1")
+    try:
+        assert url.startswith("http://[::1]:")
+        answer = httpx.post(url + "/v1/infer", json={"inputs": [TEXTS[1]]}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["results"][0]["sentiment"]["label"]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert process.returncode == 0
+    text = log_path.read_text()
+    assert "Traceback" not in text and url in text, text[-3000:]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from server.config import STOP_SIGNALS, Settings
 from server.logs import configure_logging
+from server.ports import bind_port, http_url
 from server.runtime import Runtime, cannot_serve
 from server.temp_folders import ENGINE_SOCKET, make_private_folder, remove_private_folder
 from server.workers.engine_service import EngineService
@@ -166,12 +167,7 @@ def serve_engines(settings: Settings) -> None:
     This process holds the port (bound, never listening: it takes no connection), starts them, passes
     SIGTERM / SIGINT on (each drains as one server does) and exits non-zero if one of them did; one
     that stops on its own (a device failure) stops the others, for the supervisor to start afresh."""
-    reserve = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
-    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    # as every listener binds (socket.create_server): a stopped server's connections in TIME_WAIT on the
-    # port, for a minute after it closed them, would refuse a restart at once
-    reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    reserve.bind((settings.host, settings.port))
+    reserve = bind_port(settings.host, settings.port, reuse_port=True)
     port = reserve.getsockname()[1]
     settings = settings.model_copy(update={"port": port})
     context = multiprocessing.get_context("spawn")
@@ -183,8 +179,8 @@ def serve_engines(settings: Settings) -> None:
         signal.signal(sig, lambda *_: stop.set())
     for engine in engines:
         engine.start()
-    log.info("tmod-serve: %d engine processes (pids %s), %d HTTP workers each, on http://%s:%d", len(engines),
-             [e.pid for e in engines], settings.workers, settings.host, port)
+    log.info("tmod-serve: %d engine processes (pids %s), %d HTTP workers each, on %s", len(engines),
+             [e.pid for e in engines], settings.workers, http_url(settings.host, port))
     while not stop.wait(0.5):
         if any(not engine.is_alive() for engine in engines):
             log.error("tmod-serve: an engine process exited; stopping the others")
@@ -265,8 +261,9 @@ async def _serve(settings: Settings, index: int = 0, first_loaded=None) -> None:
 
 
 def listen(settings: Settings) -> socket.socket:
-    # several engines (`serve_engines`) each listen on the port: the kernel spreads connections over them
-    return socket.create_server((settings.host, settings.port), backlog=2048, reuse_port=settings.engines > 1)
+    listener = bind_port(settings.host, settings.port, reuse_port=settings.engines > 1)  # (`serve_engines`)
+    listener.listen(2048)
+    return listener
 
 
 async def _serve_port(settings: Settings, engine_path: Path, listener: socket.socket, stop: asyncio.Event) -> None:
@@ -275,8 +272,8 @@ async def _serve_port(settings: Settings, engine_path: Path, listener: socket.so
     pool = WorkerPool(settings, engine_path, listener)
     pool.start_all()
     host, port = listener.getsockname()[:2]
-    log.info("tmod-serve: engine process %d, %d HTTP workers (pids %s) on http://%s:%d", os.getpid(),
-             settings.workers, pool.pids(), host, port)
+    log.info("tmod-serve: engine process %d, %d HTTP workers (pids %s) on %s", os.getpid(),
+             settings.workers, pool.pids(), http_url(host, port))
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
