@@ -251,6 +251,27 @@ def test_auto_precision_is_16_bit_only_where_it_was_measured(monkeypatch, tiny_b
     assert make_backend(tiny_backbone, "torch", precision="auto").precision == native
 
 
+# Flags as /proc/cpuinfo lists them (the vector ones): AVX-512 without bf16 (Cascade Lake, Ice Lake: the
+# common cloud CPUs), with avx512_bf16 and AMX (Sapphire Rapids), AVX2 alone (AMD EPYC Rome / Milan)
+CASCADE_LAKE = ["avx", "avx2", "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_vnni"]
+SAPPHIRE_RAPIDS = [*CASCADE_LAKE, "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"]
+AVX2_ONLY = ["avx", "avx2", "fma"]
+
+
+@pytest.mark.parametrize("flags, native", [(CASCADE_LAKE, False), (SAPPHIRE_RAPIDS, True), (AVX2_ONLY, False),
+                                           (["avx512f", "avx512bw", "avx512_bf16"], True)])
+def test_auto_precision_is_bf16_only_on_a_cpu_with_bfloat16_instructions(monkeypatch, flags, native):
+    """torch's bf16 check (oneDNN's) says yes to any AVX-512 CPU: auto chose bf16 on a Cascade Lake or
+    Ice Lake, which emulates it (with oneDNN capped at their ISA, MiniLM's bf16 passes ran 0.32x fp32's
+    rate at batch 32). Native means avx512_bf16 or AMX in the CPU's flags."""
+    import server.config
+
+    monkeypatch.delenv("TMOD_PRECISION", raising=False)
+    monkeypatch.setattr(server.config, "cpu_flags", lambda: flags)
+    assert cpu_has_native_bf16() is native
+    assert auto_precision("torch", "cpu") == Settings().precision == ("bf16" if native else "fp32")
+
+
 def test_make_backend_refuses_like_settings(tiny_backbone):
     with pytest.raises(ValueError, match="precision fp16 needs a cuda device"):
         make_backend(tiny_backbone, "torch", precision="fp16")
