@@ -15,14 +15,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors, save_file
 
 from modules_store.manifest import (FORMAT_VERSION, NAME_PATTERN, ArtifactError, BackboneFingerprint, Manifest, check_name,
                                     sha256_file)
+
+if TYPE_CHECKING:  # torch is imported where tensors are read or written: listing a store, and the start-up
+    import torch  # checks that do (tmod-serve --tasks, tmod-train eval --task), stay free of its seconds of import
 
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -185,6 +187,9 @@ class ModuleStore:
                     "fingerprint_mismatch",
                     f"{task}/{version}: backbone fingerprint mismatch ({'; '.join(diffs)})",
                 )
+        import torch
+        from safetensors.torch import load as load_tensors
+
         try:
             weights = load_tensors(data)  # the checked bytes, parsed in memory (no mmap, no second open)
         except (SafetensorError, ValueError) as exc:
@@ -203,6 +208,8 @@ class ModuleStore:
         """Write weights then manifest (with the weights' sha256) atomically into the store.
         `extra_files` (name -> bytes, e.g. a bridge's target tokenizer) are written beside them; a
         manifest that must vouch for them records their sha256 itself."""
+        from safetensors.torch import save_file
+
         folder = self.path(manifest.task, manifest.version)
         if folder.exists() and not overwrite:
             raise ArtifactError("exists", f"{manifest.task}/{manifest.version} already exists in {self.root}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import build_parser
-from server.config import Settings
+from server.config import Settings, cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]  # the shipped store is modules_store/ here
 
@@ -178,6 +178,31 @@ def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, 
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(expected), done.stderr
     if "sentimnt" in expected:  # the likely name, and what the store holds
         assert "(did you mean 'sentiment' for 'sentimnt'?); its tasks: " in done.stderr and "ner, " in done.stderr
+
+
+CHECKED_WITHOUT_TORCH = """
+import sys
+from server.cli import main
+for argv in (["--tasks", "ner,sentimnt"], ["--tasks", "ner/9"], ["--backbone", "nope"], ["--store", "no-such-store"]):
+    try:
+        main(argv)
+    except SystemExit as stop:
+        print(stop)
+print(sorted(m for m in ("torch", "transformers", "sentence_transformers") if m in sys.modules))
+"""
+
+
+@pytest.mark.skipif(cpu_flags() is None, reason="auto precision asks torch where /proc/cpuinfo has no flags")
+def test_the_start_up_checks_import_neither_torch_nor_transformers():
+    """A typo in --tasks or --backbone took 9-12 s to be said on this project's 2-core machines: the checks
+    imported torch (auto precision asked it about bfloat16; the store's module and the backbone package
+    imported it at their top) and transformers. They read files and names only now."""
+    done = subprocess.run([sys.executable, "-c", CHECKED_WITHOUT_TORCH], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 5 and all(line.startswith("tmod-serve: ") for line in lines[:4]), done.stdout + done.stderr
+    assert "no task 'sentimnt'" in lines[0] and "no version '9'" in lines[1] and "no backbone 'nope'" in lines[2]
+    assert lines[4] == "[]", lines
 
 
 def test_a_temp_directory_too_deep_for_the_engines_socket_is_one_line(tmp_path):

@@ -68,15 +68,15 @@ def test_refuses_existing_version_without_overwrite(store, tiny_backbone):
 def test_a_version_another_writer_saves_meanwhile_is_kept_not_replaced(store, tiny_backbone, monkeypatch):
     """Two writers of one new version (two training runs of a sweep): the second removed the first's
     artifact and put its own in its place, both told they had saved it."""
-    from modules_store import store as store_module
+    import safetensors.torch  # where the store takes save_file from when it writes
     first = random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 4)
-    write = store_module.save_file
+    write = safetensors.torch.save_file
 
     def meanwhile(tensors, path):  # the other writer finishes while this one writes its weights
-        monkeypatch.setattr(store_module, "save_file", write)
+        monkeypatch.setattr(safetensors.torch, "save_file", write)
         save_module(store, "sentiment", "7", first, tiny_backbone)
         write(tensors, path)
-    monkeypatch.setattr(store_module, "save_file", meanwhile)
+    monkeypatch.setattr(safetensors.torch, "save_file", meanwhile)
     with pytest.raises(ArtifactError, match="sentiment/7 was written meanwhile in"):
         save_module(store, "sentiment", "7", random_head(tiny_backbone, "sequence_classification", ["neg", "pos"], 5),
                     tiny_backbone)

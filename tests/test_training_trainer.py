@@ -1162,13 +1162,13 @@ def test_a_module_the_disk_cannot_take_is_one_line_and_leaves_nothing_half_writt
     the disk cannot take, the line says where the saved module is."""
     from safetensors import SafetensorError
 
-    import modules_store.store
+    import safetensors.torch  # where the store takes save_file from when it writes
 
     def full_disk(tensors, path, *args, **kwargs):
         raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
                               'left on device" })')
 
-    monkeypatch.setattr(modules_store.store, "save_file", full_disk)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     train_file, validation_file = sentiment_files
     store = tmp_path / "store"
     assert main(["layermix", "--train", str(train_file), "--validation", str(validation_file), "--label-column",
