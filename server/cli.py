@@ -115,14 +115,9 @@ def bridges_problem(bridges: Path | None) -> str | None:
 def backbone_problem(backbone: Path | str | None, cache_dir: Path | None = None) -> str | None:
     """A --backbone folder that is not there (a typo, a model hub name), or a named backbone whose
     package is not installed: said before anything loads."""
-    from server.backbone.sources import NAMED, folder_problem, named_problem  # here, not at the top: --help stays fast
+    from server.backbone import sources  # here, not at the top: --help stays fast
 
-    if backbone is None:
-        return None
-    if str(backbone) == "minilm" or (str(backbone) in NAMED and not Path(backbone).exists()):  # as Backbone.load reads it
-        problem = named_problem(str(backbone), cache_dir)
-    else:
-        problem = folder_problem(Path(backbone))
+    problem = sources.backbone_problem(backbone, cache_dir)
     return f"--backbone / TMOD_BACKBONE: {problem}" if problem else None
 
 

@@ -531,5 +531,7 @@ def test_cli_bridge_on_a_file_of_the_users_texts(tiny_backbone_dir, target_dir, 
     assert data["texts_file"] == str((tmp_path / "domain.txt").resolve()) and "dataset" not in data
     assert "texts, a held-out tenth of domain.txt; they chose nothing (the run kept its last epoch)" in \
         capsys.readouterr().err
-    assert main([*argv, "--texts", str(tmp_path / "none.txt"), "--source", "/no/such/backbone"]) == 2
+    assert main([*argv, "--texts", str(tmp_path / "none.txt")]) == 2
     assert capsys.readouterr().err == f"tmod-train bridge: error: --texts {tmp_path / 'none.txt'}: No such file or directory\n"
+    assert main([*argv, "--texts", str(tmp_path / "none.txt"), "--source", "/no/such/backbone"]) == 2  # named first
+    assert capsys.readouterr().err.startswith("tmod-train bridge: error: no backbone '/no/such/backbone': name one of")

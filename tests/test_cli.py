@@ -191,6 +191,16 @@ for argv in (["--tasks", "ner,sentimnt"], ["--tasks", "ner/9"], ["--backbone", "
 print(sorted(m for m in ("torch", "transformers", "sentence_transformers") if m in sys.modules))
 """
 
+TRAIN_CHECKED_WITHOUT_TORCH = """
+import sys
+from training.cli import main
+for argv in (["eval", "--task", "sentimnt"], ["eval", "--task", "ner/9"], ["eval", "--task", "sentiment", "--file",
+             "no-such.csv", "--no-progress"], ["align", "--source", "nope"], ["bridge", "--target", "nope"],
+             ["embedding", "--backbone", "nope"], ["layermix", "--backbone", "nope", "--task", "t", "--train", "x.csv"]):
+    print(main(argv))
+print(sorted(m for m in ("torch", "transformers", "sentence_transformers") if m in sys.modules))
+"""
+
 
 @pytest.mark.skipif(cpu_flags() is None, reason="auto precision asks torch where /proc/cpuinfo has no flags")
 def test_the_start_up_checks_import_neither_torch_nor_transformers():
@@ -203,6 +213,19 @@ def test_the_start_up_checks_import_neither_torch_nor_transformers():
     assert len(lines) == 5 and all(line.startswith("tmod-serve: ") for line in lines[:4]), done.stdout + done.stderr
     assert "no task 'sentimnt'" in lines[0] and "no version '9'" in lines[1] and "no backbone 'nope'" in lines[2]
     assert lines[4] == "[]", lines
+
+
+@pytest.mark.skipif(cpu_flags() is None, reason="auto precision asks torch where /proc/cpuinfo has no flags")
+def test_tmod_train_says_a_wrong_task_file_or_backbone_before_importing_torch():
+    """`tmod-train eval --task sentimnt`, a file not there, or a backbone name no backbone has took 6-13 s
+    to be said (eval imported torch through the training metrics and the engine, align, bridge and
+    embedding transformers first): each is said now before torch or transformers is imported."""
+    done = subprocess.run([sys.executable, "-c", TRAIN_CHECKED_WITHOUT_TORCH], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tmod-train ")]
+    assert done.stdout.split() == ["2"] * 7 + ["[]"], done.stdout + done.stderr
+    assert len(errors) == 7 and "no task 'sentimnt'" in errors[0] and "no version '9'" in errors[1], errors
+    assert "no-such.csv" in errors[2] and all("no backbone 'nope'" in line for line in errors[3:]), errors
 
 
 def test_a_temp_directory_too_deep_for_the_engines_socket_is_one_line(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -500,15 +501,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quiet_transformers(args: argparse.Namespace) -> None:
-    """transformers' own progress bars (its "Loading weights" one too) off where ours are; imported
-    only once a command goes on to load a model, not for a usage error."""
+    """transformers' own progress bars (its "Loading weights" one too) off where ours are: by the variable
+    it reads when imported, not by importing it (seconds before a usage error could be said); by its
+    switch where it is imported already."""
     if not getattr(args, "progress", sys.stderr.isatty()):
-        from transformers.utils import logging as hf_logging
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()
 
 
 def run_command(args: argparse.Namespace, argv: list[str]) -> int:
+    from server.backbone.sources import backbone_problem
+    from training.data.files import UsageError
+
+    for option in ("backbone", "source", "target"):  # a typo said at once, not after torch's seconds of import
+        named = getattr(args, option, None)
+        if isinstance(named, str) and (problem := backbone_problem(named)):
+            raise UsageError(problem)
     if args.command in ("layermix", "mtb", "lora-mtb"):
         return cmd_train(args, shlex.join(["tmod-train", *argv]))  # checks the data first, then quiet_transformers
     quiet_transformers(args)

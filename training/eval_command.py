@@ -14,7 +14,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from training.metrics import optimistic, rows_seen
 
 
 def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
@@ -35,15 +34,11 @@ def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from modules_store import DEFAULT_STORE, ArtifactError, ModuleStore, TaskType, sha256_file
-    from server.backbone import Backbone
-    from server.engine import Engine
     from server.errors import did_you_mean
     from training.data.files import UsageError
-    from training.evaluate import score_module
     from training.settings import checked_version
-    from training.states import Split
 
-    # the user's mistakes first, before a backbone is loaded
+    # the user's mistakes first, before torch is imported (seconds) and a backbone loaded
     if args.dataset and args.file:
         raise UsageError("give one of --dataset NAME or --file FILE, not both")
     if args.bridges and not Path(args.bridges).is_dir():
@@ -76,6 +71,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not args.dataset and not args.file:
         args.dataset = preset_trained_on(manifest)
     spec, data = eval_data(args, manifest)
+    from server.backbone import Backbone
+    from server.engine import Engine
+    from training.evaluate import score_module
+    from training.states import Split
+
     backbone, module, bridges, own = loaded or eval_module(args, store, manifest)
     split = Split(data, module.head.labels, backbone)
     through = f"{module.bridge}/{bridges[module.bridge].version}" if module.bridge else None
@@ -146,6 +146,7 @@ def rows_learnt(data, ran: tuple, validation_role: str) -> str:
     """What `file_role` says of a file of none of the run's parts: how many of its rows hold a text the
     module's training rows hold, and the validation rows where validation chose something (`ran`:
     `run_data`), or why that cannot be told here."""
+    from training.metrics import rows_seen  # (numpy, scipy, the heads: after eval's checks)
     from training.splits import rows_also_in
 
     run, why = ran
@@ -453,6 +454,8 @@ def file_role(training_data: dict, sha256: str, validation_role: str, part: str 
     `validation_role`: what the validation split chose (the manifest's `metrics.role`); `part`: the
     part of the file the run carved (--split) that is scored, not the whole file; `held_out`: what is
     known of a file of none of the run's parts (called only for such a file: it may read the run's data)."""
+    from training.metrics import optimistic, rows_seen  # (numpy, scipy, the heads: after eval's checks)
+
     if part is not None:  # `carved_part` checked that the run carved it from this file
         return {"train": "training: the part of this file the run carved for training, so this score is not held out",
                 "validation": f"validation: the part of this file the run carved for validation; it {validation_role}"

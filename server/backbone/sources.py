@@ -257,6 +257,16 @@ def folder_problem(path: Path) -> str | None:
     return None
 
 
+def backbone_problem(backbone: Path | str | None, cache_dir: Path | None = None) -> str | None:
+    """Why `backbone` (a name or a folder, read as `resolve_backbone` reads it) cannot load here, found
+    from names and files alone: tmod-serve's and tmod-train's checks before anything loads. None where it can."""
+    if backbone is None:
+        return None
+    if str(backbone) == "minilm" or (str(backbone) in NAMED and not Path(backbone).exists()):
+        return named_problem(str(backbone), cache_dir)
+    return folder_problem(Path(backbone))
+
+
 def resolve_backbone(spec: str | Path | None, cache_dir: Path | None = None) -> tuple[Path, str]:
     """(local Hugging Face folder, display name) for a path or one of the NAMED backbones."""
     if spec is None or str(spec) == "minilm":
