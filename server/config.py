@@ -317,7 +317,8 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 matrix products natively: avx512_bf16 or AMX, as /proc/cpuinfo
     lists its flags. torch's own check (oneDNN's) says yes to any AVX-512 CPU, which emulates bf16: with
     oneDNN capped at AVX512_CORE_VNNI (a Cascade Lake's or Ice Lake's ISA) on an AVX-512 + AMX Xeon, the
-    MiniLM backbone's bf16 passes ran 0.32x fp32's rate at batch 32 and 0.72x at batch 1 (docs/performance.md).
+    MiniLM backbone's bf16 passes ran 0.31x fp32's rate at batch 32 and 0.71x at batch 1
+    (bench/results/bf16-emulated-cpu-2026-12-02.md).
     Where the flags cannot be read (not Linux, or not x86), torch's check."""
     flags = cpu_flags()
     if flags is not None:

@@ -262,7 +262,7 @@ AVX2_ONLY = ["avx", "avx2", "fma"]
                                            (["avx512f", "avx512bw", "avx512_bf16"], True)])
 def test_auto_precision_is_bf16_only_on_a_cpu_with_bfloat16_instructions(monkeypatch, flags, native):
     """torch's bf16 check (oneDNN's) says yes to any AVX-512 CPU: auto chose bf16 on a Cascade Lake or
-    Ice Lake, which emulates it (with oneDNN capped at their ISA, MiniLM's bf16 passes ran 0.32x fp32's
+    Ice Lake, which emulates it (with oneDNN capped at their ISA, MiniLM's bf16 passes ran 0.31x fp32's
     rate at batch 32). Native means avx512_bf16 or AMX in the CPU's flags."""
     import server.config
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable
 
 
-
 def label_map_guess(seen: list[str], head_labels: list[str]) -> str:
     """`--label-map` for a file whose labels are spelt otherwise than the head's (a map names every
     label of the file): each paired with the one head label it is, begins or is begun by (any case:

@@ -434,9 +434,9 @@ class DrainingServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        """uvicorn's raises each signal again once the server has drained: one process ended by the
-        signal (SIGTERM, SIGHUP) or a KeyboardInterrupt, and each worker of `--workers N` likewise, where
-        the engine process exits 0. Drained is a clean stop: the process returns, exit status 0."""
+        """uvicorn's raises each signal again once the server has drained: one process drained by SIGTERM
+        then ended by it (exit status 143), by Ctrl-C in a KeyboardInterrupt, where `--workers N` exited 0.
+        Drained is a clean stop: the process returns, exit status 0, whatever the layout."""
         if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
             yield
             return
