@@ -53,7 +53,9 @@ class Settings(BaseSettings):
     tasks: str | None = Field(None, description="comma-separated tasks to load at start, each its newest version this "
                               "backbone serves, or the version named after a slash: 'ner/2,emotion' (a pin holds across "
                               "restarts: a rollback stays rolled back) (default: every task in the store)")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads, and ONNX Runtime's with backend onnx (default: the library's choice)")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads, and ONNX Runtime's with backend onnx "
+                                "(default: the library's choice, one per core; on a CPU in a container whose CPU "
+                                "quota is smaller, the quota)")
     backend: Literal["torch", "onnx"] = Field(
         "torch", description="what runs the backbone's layers: torch (PyTorch eager) or onnx (ONNX Runtime, "
         "one exported graph per layer, cached under cache_dir)")
@@ -341,6 +343,24 @@ def cpu_flags() -> list[str] | None:
                     return line.split(":", 1)[1].split()
     except OSError:
         pass
+    return None
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The CPUs a container's CFS quota lets this process use, rounded up: cgroup v2's `cpu.max`, else v1's
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`, as a container sees its own cgroup at `root`. None where no
+    quota is set or none can be read (not Linux)."""
+    for quota_file, period_file in ((root / "cpu.max", None),
+                                    (root / "cpu" / "cpu.cfs_quota_us", root / "cpu" / "cpu.cfs_period_us")):
+        try:
+            values = quota_file.read_text().split()
+            if period_file is not None:
+                values.append(period_file.read_text().strip())
+            quota, period = int(values[0]), int(values[1])
+        except (OSError, ValueError, IndexError):  # "max" (v2) and a missing file: no quota here
+            continue
+        if quota > 0 and period > 0:  # v1's -1: none
+            return max(1, -(-quota // period))
     return None
 
 

@@ -25,7 +25,7 @@ import torch
 from modules_store import ArtifactError, ModuleStore
 from server import __version__
 from server.backbone import Backbone, EncodedInput
-from server.config import SettingError, Settings
+from server.config import SettingError, Settings, cpu_quota
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine
 from server.errors import ApiError, clip, no_such_task, nothing_served
@@ -84,10 +84,25 @@ def set_host_threads(settings: Settings) -> None:
     sized to every core compete with them: with both at their defaults one process on a 16-core H100
     host used 6.2 cores for 700 1-input req/s and 11.5 for 4,700 seq/s of 32-input requests, 6-12x
     the CPU per request the same code costs on 2 cores (bench_gpu.py served, 2026-11-24)."""
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    threads = host_threads(settings)
+    if threads:
+        torch.set_num_threads(threads)
+        if not settings.threads:
+            log.info("threads: %d, as the container's CPU quota allows (this machine has %d cores; --threads sets "
+                     "them)", threads, os.cpu_count())
     elif torch.device(settings.device).type == "cuda":
         one_host_thread()
+
+
+def host_threads(settings: Settings) -> int | None:
+    """Intra-op threads for torch and ONNX Runtime: `threads` when set; unset, on a CPU in a container whose
+    CPU quota is less than the cores it sees, the quota; else None (the library's choice, one per core). A
+    thread per core of the machine under a smaller quota is throttled: MiniLM's passes (batch 8) under a
+    1-CPU quota on 2 cores ran 6.5 a second with torch's 2 threads, 10.2 with 1 (p50 160 against 97 ms)."""
+    if settings.threads or torch.device(settings.device).type != "cpu":
+        return settings.threads
+    quota = cpu_quota()
+    return quota if quota is not None and quota < len(os.sched_getaffinity(0)) else None
 
 
 def one_host_thread() -> None:
@@ -396,7 +411,7 @@ class Runtime:
         if (self.settings.backend, self.settings.precision) != (backbone.backend.name, backbone.backend.precision):
             t0 = time.perf_counter()
             backbone = backbone.use_backend(self.settings.backend, self.settings.precision, self.settings.cache_dir,
-                                            self.settings.threads)
+                                            host_threads(self.settings))
             log.info("backend %s %s ready in %.1fs (%s)", self.settings.backend, self.settings.precision,
                      time.perf_counter() - t0, backbone.backend.describe())
         problem = server_window_problem(backbone.text, self.settings.max_tokens, self.settings.window_tokens,

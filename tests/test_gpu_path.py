@@ -530,9 +530,11 @@ def test_cuda_soak_over_many_task_subsets_with_reloads_fails_no_request(tiny_bac
 
 
 def test_host_threads_on_cuda_default_to_one_and_no_tokenizer_pool(monkeypatch):
+    import server.runtime
     from server.runtime import set_host_threads
 
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.setattr(server.runtime, "cpu_quota", lambda: None)  # outside a container with a CPU quota
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -542,5 +544,41 @@ def test_host_threads_on_cuda_default_to_one_and_no_tokenizer_pool(monkeypatch):
         assert torch.get_num_threads() == 1 and os.environ["TOKENIZERS_PARALLELISM"] == "false"
         set_host_threads(Settings.model_construct(device="cuda", threads=3))  # what the operator sets wins
         assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_host_threads_on_a_cpu_follow_a_container_quota_smaller_than_its_cores(monkeypatch, tmp_path):
+    """Unset, torch (and ONNX Runtime) took a thread per core the process sees, which a container's smaller
+    CPU quota then throttles (1-CPU quota, 2 cores: 6.5 MiniLM passes a second against 10.2 with one
+    thread). The quota, read from the container's cgroup (v2 cpu.max, else v1's quota and period), now
+    sets them; --threads still wins, and a quota as large as the cores changes nothing."""
+    import server.runtime
+    from server.config import cpu_quota
+    from server.runtime import host_threads, set_host_threads
+
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    v2.mkdir()
+    for text, quota in (("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000\n", 1)):
+        (v2 / "cpu.max").write_text(text)
+        assert cpu_quota(v2) == quota
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    for text, quota in (("-1\n", None), ("250000\n", 3)):
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(text)
+        assert cpu_quota(v1) == quota
+    assert cpu_quota(tmp_path / "none") is None
+
+    cores = len(os.sched_getaffinity(0))
+    cpu = Settings.model_construct(device="cpu", threads=None)
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(server.runtime, "cpu_quota", lambda: 1)
+        assert host_threads(cpu) == (1 if cores > 1 else None)
+        set_host_threads(cpu)
+        assert torch.get_num_threads() == 1
+        assert host_threads(Settings.model_construct(device="cpu", threads=2)) == 2  # what the operator sets wins
+        monkeypatch.setattr(server.runtime, "cpu_quota", lambda: cores)
+        assert host_threads(cpu) is None  # the library's choice
     finally:
         torch.set_num_threads(before)
