@@ -22,6 +22,10 @@ def bind_port(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+def address(host: str, port: int) -> str:
+    """host:port as clients and gRPC write it: an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def http_url(host: str, port: int) -> str:
-    """The address as a client writes it: an IPv6 host in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{address(host, port)}"

@@ -88,8 +88,8 @@ def set_host_threads(settings: Settings) -> None:
     if threads:
         torch.set_num_threads(threads)
         if not settings.threads:
-            log.info("threads: %d, as the container's CPU quota allows (this machine has %d cores; --threads sets "
-                     "them)", threads, os.cpu_count())
+            log.info("threads: %d, as the container's CPU quota allows (this process sees %d cores; --threads sets "
+                     "them)", threads, len(os.sched_getaffinity(0)))
     elif torch.device(settings.device).type == "cuda":
         one_host_thread()
 

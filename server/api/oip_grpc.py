@@ -39,6 +39,7 @@ from server.api.oip_v2_descriptor import FILE
 from server.api.serving import Serving
 from server.errors import ApiError, count_error
 from server.logs import request_id, request_id_for
+from server.ports import address
 
 log = logging.getLogger("tmod")
 
@@ -291,7 +292,7 @@ async def start(handler, health_service: Health, host: str, port: int, max_messa
                                  ("grpc.max_send_message_length", -1)])
     server.add_generic_rpc_handlers((handler,))
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
-    if server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}") == 0:
+    if server.add_insecure_port(address(host, port)) == 0:
         raise RuntimeError(f"gRPC cannot listen on {host}:{port} (--host / --grpc-port)")
     await server.start()
     return server
