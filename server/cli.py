@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from modules_store import misplaced_store
 from server import __version__
+from server.command_line import CommandLineParser
 from server.config import Settings, device_problem
 from server.logs import configure_logging
 from server.ports import bind_port
@@ -29,7 +30,7 @@ def _flag_type(annotation):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="tmod-serve",
         description="Serve every task module in a store from one frozen backbone pass per batch. "
         "Each flag can also be set as an environment variable TMOD_<NAME> (e.g. TMOD_PORT=9000).",

@@ -180,6 +180,25 @@ def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, 
         assert "(did you mean 'sentiment' for 'sentimnt'?); its tasks: " in done.stderr and "ner, " in done.stderr
 
 
+@pytest.mark.parametrize("module, argv, expected", [
+    ("server.cli", ["--prt", "80"], "tmod-serve: error: unrecognized arguments: --prt 80 (did you mean '--port' for "
+                                    "'--prt'?); see tmod-serve --help"),
+    ("server.cli", ["--port", "eighty"], "tmod-serve: error: argument --port: invalid int value: 'eighty'; "
+                                         "see tmod-serve --help"),
+    ("training.cli", ["layermix", "--trian", "f.csv"], "tmod-train layermix: error: unrecognized arguments: --trian "
+                                                       "f.csv (did you mean '--train' for '--trian'?); see tmod-train "
+                                                       "layermix --help"),
+    ("training.cli", ["evl"], "tmod-train: error: argument command: invalid choice: 'evl' (choose from 'layermix', "),
+])
+def test_a_mistyped_flag_is_one_line_with_the_likely_one(module, argv, expected):
+    """argparse put its whole usage (34 lines for tmod-serve, 47 for tmod-train layermix) above the
+    line that says what was wrong, and named no flag for a typo; a subcommand's typo reached tmod-train
+    as a stray argument of its own."""
+    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(expected), done.stderr
+
+
 CHECKED_WITHOUT_TORCH = """
 import sys
 from server.cli import main

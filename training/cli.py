@@ -21,6 +21,7 @@ import shlex
 import sys
 
 from server import __version__
+from server.command_line import CommandLineParser
 
 S = argparse.SUPPRESS  # options left out stay out, so the config file and defaults show through
 # transformers' TrainingArguments names for what tmod-train names otherwise (a config file reused from it)
@@ -348,7 +349,7 @@ def add_embedding_command(commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
+    parser = CommandLineParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
