@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from server.workers.processes import queued_connections, stop_taking_connections
-from bench.live_server import engines_on_port, sigterm_under_load, wait_until
+from bench.live_server import alive, engine_pids, engines_on_port, sigterm_under_load, wait_until
 from tests.helpers import populate_store, start_tmod_serve
 
 CLIENTS = 12
@@ -78,8 +78,10 @@ def test_sigterm_answers_keep_alive_and_reconnecting_clients_and_loses_none(stor
     each drains its own. Every request of either kind is answered, and the process exits 0 (one process
     used to end by the signal, uvicorn raising it again once drained, where `--workers` exited 0)."""
     url, process = serve(store, tiny_backbone_dir, *layout)
+    engines = []
     if "--engines" in layout:  # ready once engine 0 is; the load waits until engine 1 has joined the port too
         wait_until(lambda: engines_on_port(process.pid, 2, 2), "both engines on the port")
+        engines = engine_pids(process.pid)
     clients = {REQUEST: CLIENTS, RECONNECTING: reconnecting_clients}
     # on average every keep-alive client has been answered more than once, so each holds a connection
     run = sigterm_under_load(url, process, clients, answers_before=2 * sum(clients.values()))
@@ -93,6 +95,7 @@ def test_sigterm_answers_keep_alive_and_reconnecting_clients_and_loses_none(stor
     assert reconnecting["closing"] == reconnecting[200], reconnecting  # every answer said Connection: close, as asked
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/healthz", timeout=5)
+    assert not [pid for pid in engines if alive(pid)]  # every engine stopped with tmod-serve
 
 
 @pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"]], ids=["1", "2"])

@@ -323,14 +323,17 @@ def test_a_worker_whose_engine_closes_during_start_up_gives_up(tmp_path):
         asyncio.run(scenario())
 
 
-def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_dir):
+def test_several_engines_share_the_port_and_one_that_dies_stops_them_all(store, tiny_backbone_dir):
     """`--engines 2`: two engine processes, each with its own two workers, on one port (SO_REUSEPORT);
-    both answer; admin module changes are refused (409); SIGTERM stops all of them and the parent exits 0."""
+    both answer; admin module changes are refused (409). Then one engine killed (-9, as the OOM killer
+    would) takes the server down, with a line saying so, for the supervisor to start afresh: the other
+    engine and every worker stop, none left behind. (SIGTERM with --engines: test_drain.py's 2x2.)"""
     url, process = serve(store, tiny_backbone_dir, "--engines", "2")
     try:
         wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
         engines = engine_pids(process.pid)
         workers_of = {engine: set(worker_pids(engine)) for engine in engines}
+        everyone = [*engines, *(w for workers in workers_of.values() for w in workers)]
         for i in range(40):  # a new connection each: the kernel spreads them over both engines' listeners
             with httpx.Client() as client:
                 answer = client.post(url + "/v1/infer", json={"inputs": [TEXTS[i % 4]]}, timeout=60)
@@ -353,10 +356,13 @@ def test_several_engines_share_the_port_and_stop_together(store, tiny_backbone_d
         assert listing.status_code == 409 and listing.json()["error"]["type"] == "several_engines", listing.text
         for _ in range(8):  # a new connection each: both engines asked
             assert httpx.get(url + "/v1/tasks/sentiment", timeout=60).json()["version"] == served
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=120) == 0
-        assert not [pid for pid in engines if alive(pid)]
-        serving = {r["pid"] for r in log_records(process) if r["logger"] == "tmod.access" and r["path"] == "/v1/infer"}
+        os.kill(engines[1], signal.SIGKILL)
+        assert process.wait(timeout=120) != 0
+        output = process.stdout.read()
+        assert "tmod-serve: an engine process exited with code -9 (SIGKILL)" in output
+        wait_until(lambda: not [pid for pid in everyone if alive(pid)], "every engine and worker gone", timeout=60)
+        records = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+        serving = {r["pid"] for r in records if r["logger"] == "tmod.access" and r["path"] == "/v1/infer"}
         assert all(serving & workers for workers in workers_of.values()), (serving, workers_of)  # both engines answered
     finally:
         if process.poll() is None:
@@ -466,23 +472,6 @@ def test_an_engine_takes_connections_only_while_every_listening_engine_is_loaded
         assert process.wait(timeout=120) == 0
     finally:
         release.touch()
-        if process.poll() is None:
-            process.kill()
-
-
-def test_an_engine_that_dies_stops_the_others_and_the_server_exits_non_zero(store, tiny_backbone_dir):
-    """`--engines 2`: one engine killed (-9, as the OOM killer would) takes the server down, with a line
-    saying so, for the supervisor to start afresh: the other engine and every worker stop, none left behind."""
-    url, process = serve(store, tiny_backbone_dir, "--engines", "2")
-    try:
-        wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
-        engines = engine_pids(process.pid)
-        everyone = [*engines, *(w for e in engines for w in worker_pids(e))]
-        os.kill(engines[1], signal.SIGKILL)
-        assert process.wait(timeout=120) != 0
-        assert "tmod-serve: an engine process exited with code -9 (SIGKILL)" in process.stdout.read()
-        wait_until(lambda: not [pid for pid in everyone if alive(pid)], "every engine and worker gone", timeout=60)
-    finally:
         if process.poll() is None:
             process.kill()
 

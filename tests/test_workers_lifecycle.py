@@ -45,25 +45,6 @@ def test_workers_whose_forkserver_dies_stop_and_are_replaced(store, tiny_backbon
         process.wait(timeout=30)
 
 
-def test_engines_whose_tmod_serve_is_killed_stop_and_free_the_port(store, tiny_backbone_dir):
-    """`--engines 2` with the parent tmod-serve SIGKILLed (as a supervisor does once its stop timeout
-    passes): both engines and their workers served on, on the port, so the supervisor's next tmod-serve
-    (SO_REUSEPORT) served beside them. They now drain and exit; the port is free."""
-    url, process = serve(store, tiny_backbone_dir, "--engines", "2")
-    try:
-        wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
-        left = [pid for engine in engine_pids(process.pid) for pid in (engine, *worker_pids(engine))]
-        process.kill()
-        process.wait(timeout=30)
-        wait_until(lambda: not [pid for pid in left if alive(pid)], "the engines and their workers to stop",
-                   timeout=60)
-        with pytest.raises(httpx.TransportError):
-            httpx.get(url + "/healthz", timeout=5)
-    finally:
-        if process.poll() is None:
-            process.kill()
-
-
 def port_in_time_wait() -> int:
     """A free loopback port with a connection of it in TIME_WAIT, as a server's port is for a minute after
     it closed its connections (answers with `Connection: close`, a drain) and stopped."""
@@ -78,18 +59,28 @@ def port_in_time_wait() -> int:
     return port
 
 
-def test_engines_start_on_a_port_a_stopped_server_left_in_time_wait(store, tiny_backbone_dir):
+def test_engines_start_on_a_port_left_in_time_wait_and_stop_when_tmod_serve_is_killed(store, tiny_backbone_dir):
     """`--engines 2` restarted at once on its port exited with a traceback (`Address already in use`): the
     stopped server's connections wait there in TIME_WAIT, which the port check, one process and
-    `--workers` bind past (SO_REUSEADDR), and the socket that holds the port for the engines did not."""
+    `--workers` bind past (SO_REUSEADDR), and the socket that holds the port for the engines did not.
+    Then the parent tmod-serve SIGKILLed (as a supervisor does once its stop timeout passes): both engines
+    and their workers served on, on the port, so the supervisor's next tmod-serve (SO_REUSEPORT) served
+    beside them. They now drain and exit; the port is free."""
     port = port_in_time_wait()
     url, process = serve(store, tiny_backbone_dir, "--engines", "2", port=port)
     try:
         wait_until(lambda: engines_on_port(process.pid, 2, 2), "two engines with two workers each")
         assert httpx.post(url + "/v1/infer", json={"inputs": [TEXTS[0]]}, timeout=60).status_code == 200
-    finally:
+        left = [pid for engine in engine_pids(process.pid) for pid in (engine, *worker_pids(engine))]
         process.kill()
         process.wait(timeout=30)
+        wait_until(lambda: not [pid for pid in left if alive(pid)], "the engines and their workers to stop",
+                   timeout=60)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/healthz", timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
 
 
 # The fork server's import of the app held (test below): in the process whose command line names
