@@ -25,7 +25,7 @@ import torch
 from modules_store import ArtifactError, ModuleStore
 from server import __version__
 from server.backbone import Backbone, EncodedInput
-from server.config import SettingError, Settings, cpu_quota
+from server.config import SettingError, Settings, quota_threads
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine
 from server.errors import ApiError, clip, no_such_task, nothing_served
@@ -96,13 +96,11 @@ def set_host_threads(settings: Settings) -> None:
 
 def host_threads(settings: Settings) -> int | None:
     """Intra-op threads for torch and ONNX Runtime: `threads` when set; unset, on a CPU in a container whose
-    CPU quota is less than the cores it sees, the quota; else None (the library's choice, one per core). A
-    thread per core of the machine under a smaller quota is throttled: MiniLM's passes (batch 8) under a
-    1-CPU quota on 2 cores ran 6.5 a second with torch's 2 threads, 10.2 with 1 (p50 160 against 97 ms)."""
+    CPU quota is less than the cores it sees, the quota (`quota_threads`); else None (the library's choice,
+    one per core)."""
     if settings.threads or torch.device(settings.device).type != "cpu":
         return settings.threads
-    quota = cpu_quota()
-    return quota if quota is not None and quota < len(os.sched_getaffinity(0)) else None
+    return quota_threads()
 
 
 def one_host_thread() -> None:

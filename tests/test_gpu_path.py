@@ -552,10 +552,12 @@ def test_host_threads_on_a_cpu_follow_a_container_quota_smaller_than_its_cores(m
     """Unset, torch (and ONNX Runtime) took a thread per core the process sees, which a container's smaller
     CPU quota then throttles (1-CPU quota, 2 cores: 6.5 MiniLM passes a second against 10.2 with one
     thread). The quota, read from the container's cgroup (v2 cpu.max, else v1's quota and period), now
-    sets them; --threads still wins, and a quota as large as the cores changes nothing."""
-    import server.runtime
+    sets them, in tmod-serve and in every tmod-train command (set_threads); --threads still wins, and a
+    quota as large as the cores changes nothing."""
+    import server.config
     from server.config import cpu_quota
     from server.runtime import host_threads, set_host_threads
+    from training.settings import set_threads
 
     v2, v1 = tmp_path / "v2", tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
@@ -573,12 +575,17 @@ def test_host_threads_on_a_cpu_follow_a_container_quota_smaller_than_its_cores(m
     cpu = Settings.model_construct(device="cpu", threads=None)
     before = torch.get_num_threads()
     try:
-        monkeypatch.setattr(server.runtime, "cpu_quota", lambda: 1)
+        monkeypatch.setattr(server.config, "cpu_quota", lambda: 1)
         assert host_threads(cpu) == (1 if cores > 1 else None)
         set_host_threads(cpu)
         assert torch.get_num_threads() == 1
         assert host_threads(Settings.model_construct(device="cpu", threads=2)) == 2  # what the operator sets wins
-        monkeypatch.setattr(server.runtime, "cpu_quota", lambda: cores)
+        torch.set_num_threads(cores + 1)
+        set_threads(0)  # tmod-train's unset --threads
+        assert torch.get_num_threads() == (1 if cores > 1 else cores + 1)
+        set_threads(cores + 2)
+        assert torch.get_num_threads() == cores + 2
+        monkeypatch.setattr(server.config, "cpu_quota", lambda: cores)
         assert host_threads(cpu) is None  # the library's choice
     finally:
         torch.set_num_threads(before)

@@ -167,7 +167,8 @@ def add_train_command(commands, kind: str, help_text: str) -> None:
                    help="keep the backbone states on disk ($TMOD_CACHE_DIR/states), and the linear baseline's result "
                         "($TMOD_CACHE_DIR/baselines), for later runs on the same data")
     g.add_argument("--threads", type=int, default=S,
-                   help="CPU threads; 0 = one per core. Use 1 when other jobs share the cores")
+                   help="CPU threads; 0 = one per core, or a container's smaller CPU quota. Use 1 when other jobs "
+                        "share the cores")
     g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=S, help="bf16 autocast (default: on CUDA)")
 
     g = p.add_argument_group("output")
@@ -270,7 +271,7 @@ def add_align_command(commands) -> None:
                    "$XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="backbone batch size")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda")
-    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: one per core, or a container's smaller CPU quota)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: only when stderr is a terminal)")
 
@@ -345,7 +346,8 @@ def add_embedding_command(commands) -> None:
     p.add_argument("--check", type=at_least(0), default=872, help="SST-2 validation sentences compared with "
                    "sentence-transformers (0: no check; default: all 872)")
     p.add_argument("--data-dir", default=None, help="folder of the datasets (default: $TMOD_DATA_DIR)")
-    p.add_argument("--threads", type=at_least(0), default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=at_least(0), default=None, help="CPU threads (default: one per core, or a container's smaller CPU "
+                   "quota)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from modules_store import DEFAULT_STORE, ModuleStore, TaskType
 from server.backbone import Backbone
@@ -29,6 +28,7 @@ from server.modules import LoadedModule, load_module, save_module
 from server.probe import probe_module
 from training import serving
 from training.runs import check_outputs, save_as_free_version, stored_name
+from training.settings import set_threads
 
 
 def embed(engine: Engine, module: LoadedModule, texts: list[str], batch_size: int = 64,
@@ -72,8 +72,7 @@ def reference_vectors(folder: Path, texts: list[str], normalize: bool, batch_siz
 
 
 def cmd_embedding(args: argparse.Namespace, command: str) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     store = ModuleStore(args.store or DEFAULT_STORE)
     task = stored_name(args.task, "embedding", "--task", "task", served=True)
     numbered = args.version is None

@@ -7,6 +7,8 @@ saved into the artifact's manifest, so a module says exactly how it was trained.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from modules_store import ArtifactError, TaskType
 from modules_store.manifest import check_name
-from server.config import device_problem
+from server.config import device_problem, quota_threads
 from training.data.files import ENCODING, UsageError
 
 # Knobs whose sensible value depends on the task type (DESIGN.md section 1: sequence heads use
@@ -233,7 +235,7 @@ class TrainSettings(BaseModel):
     state_cache: bool = Field(False, description="also keep the split's backbone states on disk "
                               "($TMOD_CACHE_DIR/states), so a later run on the same data (a baseline) reuses them; and "
                               "the linear baseline's result ($TMOD_CACHE_DIR/baselines)")
-    threads: int = Field(0, ge=0, description="CPU threads for torch; 0 keeps torch's default (one per core). "
+    threads: int = Field(0, ge=0, description="CPU threads for torch; 0: one per core, or a container's smaller CPU quota. "
                          "1 is much faster when other processes compete for the cores")
     amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")
     # ---- output
@@ -325,6 +327,19 @@ def pick_device(name: str):
     if problem:
         raise UsageError(f"--device {name}: {problem}")
     return torch.device(name)
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads: `threads` (--threads) when given; else, in a container whose CPU quota is below
+    the cores this process sees, the quota, said in a line (as tmod-serve: a thread per core under a smaller
+    quota is throttled); else torch's own, one per core."""
+    import torch
+
+    if not threads and (threads := quota_threads()):
+        print(f"threads: {threads}, as the container's CPU quota allows (this process sees "
+              f"{len(os.sched_getaffinity(0))} cores; --threads sets them)", file=sys.stderr)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def read_config_file(path: str | Path) -> dict:

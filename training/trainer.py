@@ -45,7 +45,7 @@ from training.evaluate import predictions, score, score_module
 from training.metrics import answered_scores, choose_none_threshold, choose_thresholds, rows_seen, validation_role
 from training.report import write_report
 from training.runs import RunOutputs, save_as_free_version, stored_name
-from training.settings import TrainSettings, check_layers, pick_device
+from training.settings import TrainSettings, check_layers, pick_device, set_threads
 from training.states import CachedStates, RecomputedStates, Split, free_memory
 
 @dataclass
@@ -597,8 +597,7 @@ def train(s: TrainSettings, *, backbone: Backbone | None = None, command: str = 
     server = serving.check_server(s.load_into, s.store) if s.load_into else None
 
     say_what_the_data_holds(s, train_data, labels, provenance)
-    if s.threads:
-        torch.set_num_threads(s.threads)
+    set_threads(s.threads)
     device = pick_device(s.device)
     amp = s.amp if s.amp is not None else device.type == "cuda"
     backbone = backbone or Backbone.load(s.backbone, device=str(device))

@@ -294,10 +294,9 @@ def cmd_align(args, command: str) -> int:
     from server.bridges import bridge_store, save_bridge
     from training.runs import (RunOutputs, check_cache_dir, save_as_free_version, say_if_bridge_outranked,
                                stored_name)
-    from training.settings import pick_device
+    from training.settings import pick_device, set_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = str(pick_device(args.device))
     t0 = time.perf_counter()
     if args.texts:  # the user's own (the domain served): a seeded tenth held out

@@ -492,7 +492,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     from server.backbone import Backbone
     from server.bridges import bridge_store, load_bridge, save_bridge
     from training.bridges.pairing import PairedStates
-    from training.settings import pick_device
+    from training.settings import pick_device, set_threads
     from training.runs import (RunOutputs, check_cache_dir, save_as_free_version, say_if_bridge_outranked,
                                stored_name)
 
@@ -503,8 +503,7 @@ def train_bridge(s: BridgeSettings, *, source=None, target=None, command: str = 
     started = time.perf_counter()
     s = s.model_copy(update={"progress": s.progress if s.progress is not None else sys.stderr.isatty()})
     seed_everything(s.seed)
-    if s.threads:
-        torch.set_num_threads(s.threads)
+    set_threads(s.threads)
     device = pick_device(s.device)
     source = source or Backbone.load(s.source, device=str(device))
     target = target or Backbone.load(s.target, device=str(device))
