@@ -530,11 +530,11 @@ def test_cuda_soak_over_many_task_subsets_with_reloads_fails_no_request(tiny_bac
 
 
 def test_host_threads_on_cuda_default_to_one_and_no_tokenizer_pool(monkeypatch):
-    import server.runtime
+    import server.config
     from server.runtime import set_host_threads
 
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    monkeypatch.setattr(server.runtime, "cpu_quota", lambda: None)  # outside a container with a CPU quota
+    monkeypatch.setattr(server.config, "cpu_quota", lambda: None)  # outside a container with a CPU quota
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
