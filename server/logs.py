@@ -17,6 +17,9 @@ _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{
 # a record's attributes that are not extra fields: the standard ones, and uvicorn's `color_message`
 # (its message with terminal colour codes, for a console, not a JSON line)
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message"}
+# uvicorn writes its server's lines (started, shutting down, ...) as logger "uvicorn.error" whatever their
+# level: "info uvicorn.error: Started server process" reads as an error and matches a search for errors
+LOGGER_NAMES = {"uvicorn.error": "uvicorn"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -28,7 +31,7 @@ class JsonFormatter(logging.Formatter):
         entry = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
-            "logger": record.name,
+            "logger": LOGGER_NAMES.get(record.name, record.name),
             "message": record.getMessage(),
             "pid": record.process,  # with --workers, which process (engine or which worker) wrote it
         }

@@ -246,6 +246,7 @@ def test_json_log_lines_keep_extra_fields_but_not_uvicorns_colour_codes():
     record.color_message, record.task = "Finished server process [\x1b[36m%d\x1b[0m]", "ner"  # as uvicorn logs it
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "Finished server process [7]" and line["task"] == "ner" and "color_message" not in line
+    assert line["logger"] == "uvicorn"  # its server's lines, of every level, come as "uvicorn.error"
 
 
 def test_log_lines_are_text_on_a_terminal_and_json_elsewhere(monkeypatch):
