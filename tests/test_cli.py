@@ -30,6 +30,14 @@ def test_every_setting_has_a_flag_named_after_it():
     assert settings.task_list() == ["ner", "sentiment"]
 
 
+def test_every_setting_is_in_the_configuration_list_of_the_serving_docs():
+    """The flags are generated from Settings, the list in docs/serving.md is written: TMOD_ENGINES was
+    missing from it."""
+    text = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    section = text[text.index("## Configuration"):text.index("## Module store")]
+    assert [name for name in Settings.model_fields if f"TMOD_{name.upper()}" not in section] == []
+
+
 def test_env_vars_feed_settings_and_flags_win(monkeypatch):
     monkeypatch.setenv("TMOD_MAX_INPUTS", "7")
     monkeypatch.setenv("TMOD_BATCHING", "false")
