@@ -145,11 +145,12 @@ class DrainRun(NamedTuple):
 
 
 def sigterm_under_load(url: str, process, clients: dict[bytes, int], answers_before: int,
-                       timeout: float = 120.0, sig: int = signal.SIGTERM) -> DrainRun:
+                       timeout: float = 120.0, sig: int = signal.SIGTERM, group: bool = False) -> DrainRun:
     """For each request kind in `clients`, that many threads of `keep_alive_client` sending it to a
-    running `tmod-serve`; SIGTERM (or `sig`) once `answers_before` requests (of any kind) were answered;
-    returns when every client ended (on a refused connection, or lost) and the process exited. The
-    process is killed if it is still running then."""
+    running `tmod-serve`; SIGTERM (or `sig`) once `answers_before` requests (of any kind) were answered,
+    to the process (as Docker and Kubernetes stop a container) or, `group`, to every process of its
+    process group (a terminal's Ctrl-C and SIGHUP, systemd's stop); returns when every client ended (on a
+    refused connection, or lost) and the process exited. The process is killed if it is still running then."""
     address = urlsplit(url)
     outcomes = {request: collections.Counter() for request in clients}
     threads = [threading.Thread(target=keep_alive_client, args=(address.hostname, address.port, request, outcomes[request]))
@@ -163,7 +164,10 @@ def sigterm_under_load(url: str, process, clients: dict[bytes, int], answers_bef
             thread.start()
         wait_until(lambda: answered() >= answers_before, f"{answers_before} answers", timeout)
         answered_before = answered()
-        process.send_signal(sig)
+        if group:
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
         for thread in threads:
             thread.join(timeout)
         return DrainRun(outcomes, answered_before, process.wait(timeout=timeout))

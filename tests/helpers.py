@@ -158,11 +158,12 @@ def served_answer(app, texts: list[str]) -> dict:
 
 
 def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, output=None, port: int | None = None,
-                     host: str = "127.0.0.1"):
+                     host: str = "127.0.0.1", new_session: bool = False):
     """The real `tmod-serve` process on a free port (or `port`) of `host` (default the IPv4 loopback), waited
     for until /readyz answers 200. Returns (url, process); the caller stops it. Fails the test with its
     output if it never gets ready. `output`: a file for its log (default a pipe, which a server that logs
-    much while nobody reads it fills, and then waits on)."""
+    much while nobody reads it fills, and then waits on). `new_session`: in a process group of its own,
+    for a test that signals the whole group (as a terminal or systemd does)."""
     import subprocess
     import sys
 
@@ -170,7 +171,8 @@ def start_tmod_serve(args: list[str], env: dict, ready_timeout: float = 180.0, o
 
     port = port or free_port()
     process = subprocess.Popen([sys.executable, "-m", "server.cli", "--host", host, "--port", str(port), *args],
-                               env=env, stdout=output or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               env=env, stdout=output or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=new_session)
     url = http_url(host, port)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline and process.poll() is None:

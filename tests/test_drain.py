@@ -101,22 +101,29 @@ def test_sigterm_answers_keep_alive_and_reconnecting_clients_and_loses_none(stor
 @pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"]], ids=["1", "2"])
 def test_sighup_drains_as_sigterm_does(store, tiny_backbone_dir, layout):
     """SIGHUP (a closed terminal or SSH session) ended the process at once, its requests in flight
-    unanswered and no line logged: now it stops the server as SIGTERM does, loses nothing, exits 0."""
-    url, process = serve(store, tiny_backbone_dir, *layout)
-    run = sigterm_under_load(url, process, {REQUEST: CLIENTS}, answers_before=2 * CLIENTS, sig=signal.SIGHUP)
+    unanswered and no line logged: now it stops the server as SIGTERM does, loses nothing, exits 0. Sent
+    to the whole process group, as a terminal sends it (and systemd its SIGTERM): it killed the fork
+    server of `--workers 2`, and the engine, taking the draining workers for gone, closed their
+    connections: requests in flight were answered 503 and each worker logged an error."""
+    url, process = serve(store, tiny_backbone_dir, *layout, new_session=True)
+    run = sigterm_under_load(url, process, {REQUEST: CLIENTS}, answers_before=2 * CLIENTS, sig=signal.SIGHUP,
+                             group=True)
     assert run.exit_code == 0
     outcomes = run.outcomes[REQUEST]
     assert outcomes["lost"] == 0 and outcomes["refused"] == CLIENTS, outcomes
     assert set(outcomes) <= {200, "closing", "refused"}, outcomes  # every request answered 200
     assert outcomes["closing"] >= 1, outcomes  # answers given while draining said so
+    assert '"level": "error"' not in process.stdout.read()
 
 
 @pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2"]], ids=["1", "2"])
 def test_ctrl_c_drains_and_exits_0_without_a_traceback(store, tiny_backbone_dir, layout):
-    """Ctrl-C (SIGINT) drains as SIGTERM does; one process then printed a KeyboardInterrupt traceback and
-    exited 1 (uvicorn raised the signal again once drained; `uvicorn.run` catches it, tmod-serve did not)."""
-    url, process = serve(store, tiny_backbone_dir, *layout)
-    run = sigterm_under_load(url, process, {REQUEST: CLIENTS}, answers_before=2 * CLIENTS, sig=signal.SIGINT)
+    """Ctrl-C (SIGINT, to the whole process group as a terminal sends it) drains as SIGTERM does; one process
+    then printed a KeyboardInterrupt traceback and exited 1 (uvicorn raised the signal again once drained;
+    `uvicorn.run` catches it, tmod-serve did not)."""
+    url, process = serve(store, tiny_backbone_dir, *layout, new_session=True)
+    run = sigterm_under_load(url, process, {REQUEST: CLIENTS}, answers_before=2 * CLIENTS, sig=signal.SIGINT,
+                             group=True)
     outcomes = run.outcomes[REQUEST]
     assert outcomes["lost"] == 0 and outcomes["refused"] == CLIENTS, outcomes
     assert set(outcomes) <= {200, "closing", "refused"}, outcomes
@@ -152,6 +159,7 @@ def test_ctrl_c_twice_ends_the_process_at_once_in_one_line(store, tiny_backbone_
     assert re.search(r"forced to stop \(Ctrl-C twice\): \d+ connection\(s\) closed unanswered", output), output
 
 
-def serve(store, backbone_dir, *extra: str):
+def serve(store, backbone_dir, *extra: str, new_session: bool = False):
     return start_tmod_serve(["--backbone", str(backbone_dir), "--store", str(store.root), "--threads", "1",
-                             "--log-level", "warning", *extra], {**os.environ, "HF_HUB_OFFLINE": "1"})
+                             "--log-level", "warning", *extra], {**os.environ, "HF_HUB_OFFLINE": "1"},
+                            new_session=new_session)
