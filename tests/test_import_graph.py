@@ -15,8 +15,8 @@ PACKAGES = ("modules_store", "server", "training")
 
 LAYERS = [  # lowest first; patterns over dotted module names
     ("store", ["modules_store", "modules_store.*"]),
-    ("shared", ["server", "server.command_line", "server.config", "server.errors", "server.logs", "server.metrics", "server.host_memory",
-                "server.timings", "server.temp_folders", "server.ports"]),
+    ("shared", ["server", "server.command_line", "server.config", "server.errors", "server.logs", "server.metrics",
+                "server.host_memory", "server.timings", "server.temp_folders", "server.ports"]),
     ("backbone", ["server.backbone", "server.backbone.*"]),
     ("heads", ["server.heads", "server.heads.*"]),
     ("bridges", ["server.bridges", "server.bridges.*"]),

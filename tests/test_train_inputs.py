@@ -685,7 +685,8 @@ def test_a_count_out_of_range_is_argparses_line(argv, said, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [f"tmod-train {argv[0]}: error: {said}; see tmod-train {argv[0]} --help"]
+    assert capsys.readouterr().err.splitlines() == [f"tmod-train {argv[0]}: error: {said}; "
+                                                    f"see tmod-train {argv[0]} --help"]
 
 
 NOT_A_NAME = ("'../x' is not a valid task or version name: use 1-64 of a-z, 0-9, '_' and '-', starting with a letter "
@@ -700,8 +701,8 @@ def test_a_version_no_store_takes_is_argparses_line_in_every_command(command, ca
     with pytest.raises(SystemExit) as stopped:
         main([*command, "--version", "../x"])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.splitlines() == [f"tmod-train {command[0]}: error: argument --version: {NOT_A_NAME}; "
-                                                    f"see tmod-train {command[0]} --help"]
+    said = f"tmod-train {command[0]}: error: argument --version: {NOT_A_NAME}; see tmod-train {command[0]} --help"
+    assert capsys.readouterr().err.splitlines() == [said]
 
 
 @pytest.mark.parametrize("command", ["layermix", "bridge"])

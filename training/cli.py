@@ -271,7 +271,8 @@ def add_align_command(commands) -> None:
                    "$XDG_CACHE_HOME/tmod, else ~/.cache/tmod)")
     p.add_argument("--batch-size", type=at_least(1), default=64, help="backbone batch size")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda")
-    p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: one per core, or a container's smaller CPU quota)")
+    p.add_argument("--threads", type=at_least(0), default=0,
+                   help="CPU threads (0: one per core, or a container's smaller CPU quota)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: only when stderr is a terminal)")
 
@@ -346,8 +347,8 @@ def add_embedding_command(commands) -> None:
     p.add_argument("--check", type=at_least(0), default=872, help="SST-2 validation sentences compared with "
                    "sentence-transformers (0: no check; default: all 872)")
     p.add_argument("--data-dir", default=None, help="folder of the datasets (default: $TMOD_DATA_DIR)")
-    p.add_argument("--threads", type=at_least(0), default=None, help="CPU threads (default: one per core, or a container's smaller CPU "
-                   "quota)")
+    p.add_argument("--threads", type=at_least(0), default=None,
+                   help="CPU threads (default: one per core, or a container's smaller CPU quota)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -235,8 +235,8 @@ class TrainSettings(BaseModel):
     state_cache: bool = Field(False, description="also keep the split's backbone states on disk "
                               "($TMOD_CACHE_DIR/states), so a later run on the same data (a baseline) reuses them; and "
                               "the linear baseline's result ($TMOD_CACHE_DIR/baselines)")
-    threads: int = Field(0, ge=0, description="CPU threads for torch; 0: one per core, or a container's smaller CPU quota. "
-                         "1 is much faster when other processes compete for the cores")
+    threads: int = Field(0, ge=0, description="CPU threads for torch; 0: one per core, or a container's smaller CPU "
+                         "quota. 1 is much faster when other processes compete for the cores")
     amp: bool | None = Field(None, description="bf16 autocast; default on for CUDA")
     # ---- output
     task: str | None = None

@@ -385,8 +385,10 @@ def run_worker(settings: Settings, engine_path: str, listener: socket.socket, in
     from server.api.app import create_app
     from server.api.http_limits import DrainingServer, uvicorn_config
 
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # ignored by the fork server (fork_server.py); SIGINT
-        signal.signal(stop_signal, signal.SIG_DFL)       # stays so until uvicorn takes it
+    # the fork server ignores the stop signals (fork_server.py): SIGTERM, the engine's stop, and SIGHUP end a
+    # worker still starting; SIGINT stays ignored until uvicorn takes all three
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, signal.SIG_DFL)
     configure_logging(settings.log_level, settings.log_format)
     if not stop_with_parent():
         log.warning("worker %d (pid %d): the process that started it is gone; not starting", index, os.getpid())
