@@ -374,6 +374,12 @@ def quota_threads() -> int | None:
     return quota if quota is not None and quota < len(os.sched_getaffinity(0)) else None
 
 
+def quota_threads_line(threads: int) -> str:
+    """What tmod-serve logs and tmod-train says where `quota_threads` chose the threads."""
+    return (f"threads: {threads}, as the container's CPU quota allows (this process sees "
+            f"{len(os.sched_getaffinity(0))} cores; --threads sets them)")
+
+
 def auto_precision(backend: str, device: str) -> str:
     """What precision "auto" means: the 16-bit type where it was measured to pay for a negligible
     accuracy cost. Backend torch on cuda: fp16 (within the accuracy rule on every shipped module, an

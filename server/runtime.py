@@ -25,7 +25,7 @@ import torch
 from modules_store import ArtifactError, ModuleStore
 from server import __version__
 from server.backbone import Backbone, EncodedInput
-from server.config import SettingError, Settings, quota_threads
+from server.config import SettingError, Settings, quota_threads, quota_threads_line
 from server.batcher import Batcher, BatchSettings, ClientGone, DeadlineExceeded, Job, QueueFull
 from server.engine import Engine
 from server.errors import ApiError, clip, no_such_task, nothing_served
@@ -88,8 +88,7 @@ def set_host_threads(settings: Settings) -> None:
     if threads:
         torch.set_num_threads(threads)
         if not settings.threads:
-            log.info("threads: %d, as the container's CPU quota allows (this process sees %d cores; --threads sets "
-                     "them)", threads, len(os.sched_getaffinity(0)))
+            log.info(quota_threads_line(threads))
     elif torch.device(settings.device).type == "cuda":
         one_host_thread()
 

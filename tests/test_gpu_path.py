@@ -548,7 +548,7 @@ def test_host_threads_on_cuda_default_to_one_and_no_tokenizer_pool(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_host_threads_on_a_cpu_follow_a_container_quota_smaller_than_its_cores(monkeypatch, tmp_path):
+def test_host_threads_on_a_cpu_follow_a_container_quota_smaller_than_its_cores(monkeypatch, tmp_path, capsys):
     """Unset, torch (and ONNX Runtime) took a thread per core the process sees, which a container's smaller
     CPU quota then throttles (1-CPU quota, 2 cores: 6.5 MiniLM passes a second against 10.2 with one
     thread). The quota, read from the container's cgroup (v2 cpu.max, else v1's quota and period), now
@@ -583,6 +583,9 @@ def test_host_threads_on_a_cpu_follow_a_container_quota_smaller_than_its_cores(m
         torch.set_num_threads(cores + 1)
         set_threads(0)  # tmod-train's unset --threads
         assert torch.get_num_threads() == (1 if cores > 1 else cores + 1)
+        said = capsys.readouterr().err
+        assert said == (f"threads: 1, as the container's CPU quota allows (this process sees {cores} cores; --threads "
+                        f"sets them)\n" if cores > 1 else "")
         set_threads(cores + 2)
         assert torch.get_num_threads() == cores + 2
         monkeypatch.setattr(server.config, "cpu_quota", lambda: cores)

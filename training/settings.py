@@ -7,7 +7,6 @@ saved into the artifact's manifest, so a module says exactly how it was trained.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Literal
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from modules_store import ArtifactError, TaskType
 from modules_store.manifest import check_name
-from server.config import device_problem, quota_threads
+from server.config import device_problem, quota_threads, quota_threads_line
 from training.data.files import ENCODING, UsageError
 
 # Knobs whose sensible value depends on the task type (DESIGN.md section 1: sequence heads use
@@ -336,8 +335,7 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     if not threads and (threads := quota_threads()):
-        print(f"threads: {threads}, as the container's CPU quota allows (this process sees "
-              f"{len(os.sched_getaffinity(0))} cores; --threads sets them)", file=sys.stderr)
+        print(quota_threads_line(threads), file=sys.stderr)
     if threads:
         torch.set_num_threads(threads)
 
