@@ -14,8 +14,9 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-# one entry: `name==version \` then `--hash=sha256:...` lines
-ENTRY = re.compile(r"^([A-Za-z0-9._-]+)==(\S+)((?:\s*\\\n\s+--hash=sha256:[0-9a-f]{64})*)", re.M)
+# one entry: `name==version \` (or `name[extra,...]==version \`) then `--hash=sha256:...` lines
+ENTRY = re.compile(r"^([A-Za-z0-9._-]+)(?:\[[A-Za-z0-9._,-]+\])?==(\S+)((?:\s*\\\n\s+--hash=sha256:[0-9a-f]{64})*)",
+                   re.M)
 
 
 def lock(name: str) -> dict[str, tuple[str, int]]:
