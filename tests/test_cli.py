@@ -197,11 +197,13 @@ def test_a_wrong_setting_is_one_line_before_anything_loads(tmp_path, argv, env, 
                                                        "f.csv (did you mean '--train' for '--trian'?); see tmod-train "
                                                        "layermix --help"),
     ("training.cli", ["evl"], "tmod-train: error: argument command: invalid choice: 'evl' (choose from 'layermix', "),
+    ("training.cli", [], "tmod-train: error: say which command: layermix, mtb, lora-mtb, eval, align, bridge, "
+                         "embedding (start with layermix: docs/training.md); see tmod-train --help"),
 ])
 def test_a_mistyped_flag_is_one_line_with_the_likely_one(module, argv, expected):
     """argparse put its whole usage (34 lines for tmod-serve, 47 for tmod-train layermix) above the
     line that says what was wrong, and named no flag for a typo; a subcommand's typo reached tmod-train
-    as a stray argument of its own."""
+    as a stray argument of its own; `tmod-train` alone said "the following arguments are required: command"."""
     done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith(expected), done.stderr

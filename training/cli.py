@@ -354,7 +354,8 @@ def add_embedding_command(commands) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandLineParser(prog="tmod-train", description="Train and evaluate tmod task heads.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    # not required=True: argparse then says "the following arguments are required: command"
+    commands = parser.add_subparsers(dest="command")
 
     add_train_command(commands, "layermix", "train a layer-mix head: a learned mix of the backbone's layers read by a "
                       "small classifier or tagger (start here; docs/training.md)")
@@ -393,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_align_command(commands)
     add_bridge_command(commands)
     add_embedding_command(commands)
+    parser.command_names = list(commands.choices)  # for main's line when none is given
     return parser
 
 
@@ -464,7 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     from training.data.files import UsageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(f"say which command: {', '.join(parser.command_names)} (start with layermix: docs/training.md)")
     if getattr(args, "progress", S) is None:  # bars only where someone watches them
         args.progress = sys.stderr.isatty()
     try:
