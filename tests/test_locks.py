@@ -63,3 +63,26 @@ def test_the_locks_agree_on_every_version():
     assert {n: v for n, v in gpu.items() if n in serve and n not in cpu_only} == \
            {n: v for n, v in serve.items() if n not in cpu_only}
     assert serve["torch"].endswith("+cpu") and serve["torch"].split("+")[0] == gpu["torch"]
+
+
+def test_every_locked_package_runs_on_the_oldest_python_pyproject_admits():
+    """pyproject said Python >= 3.10 while the locked numpy, scipy, transformers, FastAPI (and more) ask for
+    3.11: on Python 3.10 (Ubuntu 22.04's) the README's install stopped in pip at the first of them. Each
+    locked package installed here at its locked version says in its metadata which Pythons it runs on."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    floors = [spec.version for spec in SpecifierSet(PYPROJECT["requires-python"]) if spec.operator == ">="]
+    assert len(floors) == 1, PYPROJECT["requires-python"]
+    installed = {canonicalize_name(d.metadata["Name"]): d for d in metadata.distributions()}
+    checked, refused = 0, {}
+    for package, version in versions("test").items():
+        dist = installed.get(package)
+        if dist is None or dist.version != version:  # (a package of another platform, or installed otherwise)
+            continue
+        checked += 1
+        needs = dist.metadata.get("Requires-Python")
+        if needs and not SpecifierSet(needs).contains(floors[0]):
+            refused[package] = needs
+    assert checked > 50 and refused == {}, (PYPROJECT["requires-python"], refused)
