@@ -109,8 +109,9 @@ def block_context(config, hidden: torch.Tensor, attention_mask: torch.Tensor,
     if not is_decoder(config):
         return BlockContext(create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask))
     position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=position_ids)
+    # no cache, given by position: its keyword is past_key_values to transformers 5.23, cache from 5.24
+    # (which warns of the old name, removed in 5.40)
+    mask = create_causal_mask(config, hidden, attention_mask, None, position_ids=position_ids)
     return BlockContext(mask, positions(hidden, position_ids=position_ids), position_ids)
 
 
